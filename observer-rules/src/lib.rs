@@ -1,0 +1,29 @@
+//! Ruleset model, simulator and rule attribution (see issue "Rules").
+//!
+//! The crate answers "which rule did this?" without root: it parses `iptables-save` /
+//! `ip6tables-save` output, `nft -j list ruleset`, `ipset save` and `ip -j route`, then walks a
+//! packet through the netfilter hooks in kernel order, naming every rule whose counters the
+//! kernel would increment. Matches it does not model make the answer "undecidable" rather than
+//! a guess. `explain` is the entry point the CLI wires up.
+
+pub mod compile;
+pub mod error;
+pub mod explain;
+pub mod ipset;
+pub mod iptables;
+pub mod net;
+pub mod nft;
+pub mod packet;
+pub mod route;
+pub mod sim;
+
+pub use error::ParseError;
+pub use explain::{
+    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, load_live,
+};
+pub use ipset::{Ipsets, parse_ipsets};
+pub use iptables::{SaveFile, parse_save};
+pub use nft::{NftRuleset, parse_nft_json};
+pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
+pub use route::{RouteDecision, Routes};
+pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, Verdict};

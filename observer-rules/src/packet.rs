@@ -1,0 +1,315 @@
+//! The packet a user asks about, written the way people say it:
+//! `tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 [out IFACE] [mark 0x0] [state new]`.
+
+use std::net::IpAddr;
+
+use thiserror::Error;
+
+use crate::net::parse_u32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CtState {
+    New,
+    Established,
+    Related,
+    Invalid,
+    /// Set by `CT --notrack` / `NOTRACK` in raw; never given by the user.
+    Untracked,
+}
+
+impl CtState {
+    pub fn name(self) -> &'static str {
+        match self {
+            CtState::New => "new",
+            CtState::Established => "established",
+            CtState::Related => "related",
+            CtState::Invalid => "invalid",
+            CtState::Untracked => "untracked",
+        }
+    }
+}
+
+/// A packet to explain. `in_iface` absent means the packet is sent by this host (OUTPUT).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PacketSpec {
+    pub proto: u8,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub sport: Option<u16>,
+    pub dport: Option<u16>,
+    pub in_iface: Option<String>,
+    pub out_iface: Option<String>,
+    pub mark: u32,
+    pub ct_state: CtState,
+    pub ct_mark: Option<u32>,
+    /// TCP flags (FIN=1, SYN=2, RST=4, PSH=8, ACK=16, URG=32); defaults follow the state.
+    pub tcp_flags: Option<u8>,
+    /// ICMP type and code; defaults to echo request.
+    pub icmp: Option<(u8, u8)>,
+    /// Forces local delivery (INPUT) when no routes are given.
+    pub local: bool,
+}
+
+impl PacketSpec {
+    pub fn is_v6(&self) -> bool {
+        self.src.is_ipv6()
+    }
+
+    pub fn has_ports(&self) -> bool {
+        matches!(self.proto, 6 | 17 | 132 | 136)
+    }
+
+    pub fn tcp_flags(&self) -> u8 {
+        self.tcp_flags.unwrap_or(match self.ct_state {
+            CtState::New => TCP_SYN,
+            _ => TCP_ACK,
+        })
+    }
+}
+
+pub const TCP_FIN: u8 = 1;
+pub const TCP_SYN: u8 = 2;
+pub const TCP_RST: u8 = 4;
+pub const TCP_PSH: u8 = 8;
+pub const TCP_ACK: u8 = 16;
+pub const TCP_URG: u8 = 32;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "packet spec, word {word}: {message} (expected e.g. `tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 [out IFACE] [mark 0x0] [state new]`)"
+)]
+pub struct PacketSpecError {
+    /// 1-based word index where reading stopped.
+    pub word: usize,
+    pub message: String,
+}
+
+/// Protocol names as iptables accepts them, to IANA numbers.
+pub fn proto_number(name: &str) -> Option<u8> {
+    Some(match name.to_ascii_lowercase().as_str() {
+        "tcp" => 6,
+        "udp" => 17,
+        "icmp" => 1,
+        "icmpv6" | "ipv6-icmp" | "icmp6" => 58,
+        "sctp" => 132,
+        "udplite" => 136,
+        "gre" => 47,
+        "esp" => 50,
+        "ah" => 51,
+        n => return n.parse().ok(),
+    })
+}
+
+pub fn proto_name(p: u8) -> String {
+    match p {
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        1 => "icmp".into(),
+        58 => "icmpv6".into(),
+        132 => "sctp".into(),
+        136 => "udplite".into(),
+        n => n.to_string(),
+    }
+}
+
+fn parse_endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
+    if let Some(rest) = s.strip_prefix('[') {
+        let (a, tail) = rest.split_once(']')?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => Some(p.parse().ok()?),
+            None if tail.is_empty() => None,
+            None => return None,
+        };
+        return Some((a.parse().ok()?, port));
+    }
+    if let Ok(a) = s.parse::<IpAddr>() {
+        return Some((a, None));
+    }
+    let (a, p) = s.rsplit_once(':')?;
+    Some((
+        a.parse::<std::net::Ipv4Addr>().ok()?.into(),
+        Some(p.parse().ok()?),
+    ))
+}
+
+fn parse_flags(s: &str) -> Option<u8> {
+    let mut f = 0;
+    for name in s.split(',') {
+        f |= match name.to_ascii_lowercase().as_str() {
+            "fin" => TCP_FIN,
+            "syn" => TCP_SYN,
+            "rst" => TCP_RST,
+            "psh" => TCP_PSH,
+            "ack" => TCP_ACK,
+            "urg" => TCP_URG,
+            "none" => 0,
+            _ => return None,
+        };
+    }
+    Some(f)
+}
+
+/// Parses a packet description; see [`PacketSpec`].
+pub fn parse_packet_spec(s: &str) -> Result<PacketSpec, PacketSpecError> {
+    let words: Vec<&str> = s.split_whitespace().collect();
+    let err = |word: usize, m: &str| PacketSpecError {
+        word: word + 1,
+        message: m.to_string(),
+    };
+    let proto = words.first().and_then(|w| proto_number(w)).ok_or_else(|| {
+        err(
+            0,
+            "expected a protocol (tcp, udp, icmp, icmpv6 or a number)",
+        )
+    })?;
+    let (src, sport) = words
+        .get(1)
+        .and_then(|w| parse_endpoint(w))
+        .ok_or_else(|| {
+            err(
+                1,
+                "expected a source address (a.b.c.d[:port] or [v6][:port])",
+            )
+        })?;
+    if words.get(2) != Some(&"->") {
+        return Err(err(2, "expected `->`"));
+    }
+    let (dst, dport) = words
+        .get(3)
+        .and_then(|w| parse_endpoint(w))
+        .ok_or_else(|| err(3, "expected a destination address"))?;
+    if src.is_ipv4() != dst.is_ipv4() {
+        return Err(err(3, "source and destination are of different families"));
+    }
+    let mut p = PacketSpec {
+        proto,
+        src,
+        dst,
+        sport,
+        dport,
+        in_iface: None,
+        out_iface: None,
+        mark: 0,
+        ct_state: CtState::New,
+        ct_mark: None,
+        tcp_flags: None,
+        icmp: None,
+        local: false,
+    };
+    if p.has_ports() && (sport.is_none() || dport.is_none()) {
+        return Err(err(
+            if sport.is_none() { 1 } else { 3 },
+            "tcp/udp/sctp need ports (addr:port)",
+        ));
+    }
+    if !p.has_ports() && (sport.is_some() || dport.is_some()) {
+        return Err(err(1, "this protocol has no ports"));
+    }
+    let mut i = 4;
+    while i < words.len() {
+        let key = words[i];
+        if key == "local" {
+            p.local = true;
+            i += 1;
+            continue;
+        }
+        let val = *words
+            .get(i + 1)
+            .ok_or_else(|| err(i, &format!("`{key}` needs a value")))?;
+        match key {
+            "in" | "iif" => p.in_iface = Some(val.to_string()),
+            "out" | "oif" => p.out_iface = Some(val.to_string()),
+            "mark" => {
+                p.mark = parse_u32(val).ok_or_else(|| err(i + 1, "bad mark (0x... or decimal)"))?
+            }
+            "ctmark" => p.ct_mark = Some(parse_u32(val).ok_or_else(|| err(i + 1, "bad ctmark"))?),
+            "state" => {
+                p.ct_state = match val.to_ascii_lowercase().as_str() {
+                    "new" => CtState::New,
+                    "established" | "est" => CtState::Established,
+                    "related" => CtState::Related,
+                    "invalid" => CtState::Invalid,
+                    _ => return Err(err(i + 1, "state is new, established, related or invalid")),
+                }
+            }
+            "flags" => {
+                p.tcp_flags =
+                    Some(parse_flags(val).ok_or_else(|| err(i + 1, "flags like syn,ack"))?)
+            }
+            "type" => {
+                let (t, c) = val.split_once('/').unwrap_or((val, "0"));
+                p.icmp = Some((
+                    t.parse().map_err(|_| err(i + 1, "icmp type is a number"))?,
+                    c.parse().map_err(|_| err(i + 1, "icmp code is a number"))?,
+                ));
+            }
+            _ => return Err(err(i, &format!("unknown word `{key}`"))),
+        }
+        i += 2;
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_spec() {
+        let p = parse_packet_spec("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 out cali1 mark 0x4000 state established").unwrap();
+        assert_eq!(p.proto, 6);
+        assert_eq!(p.sport, Some(40000));
+        assert_eq!(p.dport, Some(22));
+        assert_eq!(p.in_iface.as_deref(), Some("eth0"));
+        assert_eq!(p.out_iface.as_deref(), Some("cali1"));
+        assert_eq!(p.mark, 0x4000);
+        assert_eq!(p.ct_state, CtState::Established);
+        assert_eq!(p.tcp_flags(), TCP_ACK);
+    }
+
+    #[test]
+    fn ipv6_and_icmp() {
+        let p = parse_packet_spec("udp [2001:db8::1]:53 -> [2001:db8::2]:80").unwrap();
+        assert!(p.is_v6());
+        assert_eq!(p.dport, Some(80));
+        let p = parse_packet_spec("icmp 10.0.0.1 -> 10.0.0.2 in eth0 type 0").unwrap();
+        assert_eq!(p.icmp, Some((0, 0)));
+        assert_eq!(p.sport, None);
+    }
+
+    #[test]
+    fn errors_name_the_word() {
+        assert_eq!(
+            parse_packet_spec("tcp 1.2.3.4:1 => 1.2.3.5:2")
+                .unwrap_err()
+                .word,
+            3
+        );
+        assert_eq!(
+            parse_packet_spec("tcp 1.2.3.4 -> 1.2.3.5:2")
+                .unwrap_err()
+                .word,
+            2
+        );
+        assert_eq!(
+            parse_packet_spec("icmp 1.2.3.4:5 -> 1.2.3.5")
+                .unwrap_err()
+                .word,
+            2
+        );
+        assert_eq!(
+            parse_packet_spec("udp 1.2.3.4:1 -> 1.2.3.5:2 in")
+                .unwrap_err()
+                .word,
+            5
+        );
+        assert_eq!(
+            parse_packet_spec("udp 1.2.3.4:1 -> [::1]:2")
+                .unwrap_err()
+                .word,
+            4
+        );
+        assert_eq!(parse_packet_spec("bogus").unwrap_err().word, 1);
+        assert_eq!(parse_packet_spec("").unwrap_err().word, 1);
+    }
+}

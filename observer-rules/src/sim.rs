@@ -1,0 +1,893 @@
+//! The simulator: walks a packet through the hooks and tables in the kernel's order and records
+//! exactly the rules whose counters the kernel would increment, every mark and NAT change, and
+//! the verdict. Statistic matches fork the walk; each fork is a [`Branch`] with its probability.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use crate::compile::{
+    Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
+    compile,
+};
+use crate::ipset::{Ipsets, Lookup};
+use crate::iptables::{Rule, SaveFile};
+use crate::net::fmt_endpoint;
+use crate::packet::{CtState, PacketSpec};
+use crate::route::{RouteDecision, Routes};
+
+/// Stop forking after this many branches; the explanation says when it was cut.
+const MAX_BRANCHES: usize = 256;
+/// The kernel limits jump depth too; a loop in a hand-written ruleset must not hang us.
+const MAX_DEPTH: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+}
+
+impl Hook {
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "PREROUTING",
+            Hook::Input => "INPUT",
+            Hook::Forward => "FORWARD",
+            Hook::Output => "OUTPUT",
+            Hook::Postrouting => "POSTROUTING",
+        }
+    }
+
+    /// Tables on this hook, in the kernel's priority order, with their priorities.
+    pub fn tables(self) -> &'static [(&'static str, i32)] {
+        match self {
+            Hook::Prerouting => &[("raw", -300), ("mangle", -150), ("nat", -100)],
+            Hook::Input => &[
+                ("mangle", -150),
+                ("filter", 0),
+                ("security", 50),
+                ("nat", 100),
+            ],
+            Hook::Forward => &[("mangle", -150), ("filter", 0), ("security", 50)],
+            Hook::Output => &[
+                ("raw", -300),
+                ("mangle", -150),
+                ("nat", -100),
+                ("filter", 0),
+                ("security", 50),
+            ],
+            Hook::Postrouting => &[("mangle", -150), ("nat", 100)],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Reject,
+    Undecidable,
+}
+
+impl Verdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Accept => "accept",
+            Verdict::Drop => "drop",
+            Verdict::Reject => "reject",
+            Verdict::Undecidable => "undecidable",
+        }
+    }
+}
+
+/// The packet fields shown before and after a stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub src: String,
+    pub dst: String,
+    pub mark: u32,
+}
+
+/// A rule whose counters the kernel increments for this packet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MatchedRule {
+    pub table: String,
+    pub chain: String,
+    /// 1-based, as `iptables -L --line-numbers` counts.
+    pub index: usize,
+    pub text: String,
+    /// What the rule did: `jump KUBE-SVC-...`, `accept`, `mark 0x0 -> 0x4000`, `DNAT 172.17.0.5:22`...
+    pub action: String,
+    /// Set when the rule could not be decided; the walk stops there.
+    pub undecidable: Option<String>,
+    pub comments: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub hook: Hook,
+    pub table: String,
+    pub priority: i32,
+    pub before: Snapshot,
+    pub after: Snapshot,
+    pub verdict: Verdict,
+    pub rules: Vec<MatchedRule>,
+    /// Built-in chain whose policy decided (its policy counter increments).
+    pub policy: Option<String>,
+    pub nat: Option<String>,
+    pub note: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Branch {
+    pub probability: f64,
+    pub route: String,
+    pub egress: Option<String>,
+    pub stages: Vec<Stage>,
+    pub verdict: Verdict,
+    pub notes: Vec<String>,
+}
+
+struct PTable {
+    index: HashMap<String, usize>,
+    compiled: Vec<Vec<Compiled>>,
+}
+
+/// A ruleset prepared for repeated simulation (rules compiled once).
+pub struct Simulator<'a> {
+    files: [&'a SaveFile; 2],
+    tables: [Vec<PTable>; 2],
+    ipsets: &'a Ipsets,
+    routes: &'a Routes,
+    /// Addresses per interface, for MASQUERADE/REDIRECT when routes do not say.
+    pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+}
+
+fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
+    file.tables
+        .iter()
+        .map(|t| {
+            let index: HashMap<String, usize> = t
+                .chains
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name.clone(), i))
+                .collect();
+            let is_chain = |n: &str| index.contains_key(n);
+            let compiled = t
+                .chains
+                .iter()
+                .map(|c| c.rules.iter().map(|r| compile(r, v6, &is_chain)).collect())
+                .collect();
+            PTable { index, compiled }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Pkt {
+    v6: bool,
+    proto: u8,
+    src: IpAddr,
+    dst: IpAddr,
+    sport: Option<u16>,
+    dport: Option<u16>,
+    src_label: Option<String>,
+    dst_label: Option<String>,
+    in_iface: Option<String>,
+    out_iface: Option<String>,
+    mark: u32,
+    ct_mark: Option<u32>,
+    state: CtState,
+    dnat_done: bool,
+    tcp_flags: u8,
+    icmp: (u8, u8),
+}
+
+impl Pkt {
+    fn snapshot(&self) -> Snapshot {
+        let s = self
+            .src_label
+            .clone()
+            .unwrap_or_else(|| self.src.to_string());
+        let d = self
+            .dst_label
+            .clone()
+            .unwrap_or_else(|| self.dst.to_string());
+        Snapshot {
+            src: fmt_endpoint(&s, self.v6 && self.src_label.is_none(), self.sport),
+            dst: fmt_endpoint(&d, self.v6 && self.dst_label.is_none(), self.dport),
+            mark: self.mark,
+        }
+    }
+}
+
+enum Tri {
+    Yes,
+    No,
+    Unknown(String),
+}
+
+fn tri(b: bool, neg: bool) -> Tri {
+    if b != neg { Tri::Yes } else { Tri::No }
+}
+
+fn iface_match(pattern: &str, name: Option<&str>) -> bool {
+    let name = name.unwrap_or("");
+    match pattern.strip_suffix('+') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == pattern,
+    }
+}
+
+/// Records statistic decisions so every combination can be replayed.
+struct Chooser {
+    prefix: Vec<bool>,
+    log: Vec<(f64, bool)>,
+}
+
+impl Chooser {
+    fn choose(&mut self, p_true: f64) -> bool {
+        let c = match self.prefix.get(self.log.len()) {
+            Some(&c) => c,
+            None => p_true > 0.0,
+        };
+        self.log.push((p_true, c));
+        c
+    }
+}
+
+enum TableResult {
+    Verdict(Verdict),
+    Undecidable(String),
+}
+
+impl<'a> Simulator<'a> {
+    pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
+        Self {
+            files: [v4, v6],
+            tables: [prepare(v4, false), prepare(v6, true)],
+            ipsets,
+            routes,
+            iface_addrs: HashMap::new(),
+        }
+    }
+
+    /// Every outcome for `spec`, most likely first; a single branch when nothing is random.
+    pub fn simulate(&self, spec: &PacketSpec) -> Vec<Branch> {
+        let mut out = Vec::new();
+        let mut todo: Vec<Vec<bool>> = vec![Vec::new()];
+        while let Some(prefix) = todo.pop() {
+            if out.len() >= MAX_BRANCHES {
+                if let Some(b) = out.first_mut() {
+                    let b: &mut Branch = b;
+                    b.notes.push(format!(
+                        "more than {MAX_BRANCHES} random outcomes; the rest are not listed"
+                    ));
+                }
+                break;
+            }
+            let plen = prefix.len();
+            let mut ch = Chooser {
+                prefix,
+                log: Vec::new(),
+            };
+            let mut branch = self.walk(spec, &mut ch);
+            branch.probability = ch
+                .log
+                .iter()
+                .map(|&(p, c)| if c { p } else { 1.0 - p })
+                .product();
+            for i in (plen..ch.log.len()).rev() {
+                let (p, c) = ch.log[i];
+                let alt = if c { 1.0 - p } else { p };
+                if alt > 0.0 {
+                    let mut np: Vec<bool> = ch.log[..i].iter().map(|&(_, c)| c).collect();
+                    np.push(!c);
+                    todo.push(np);
+                }
+            }
+            out.push(branch);
+        }
+        out
+    }
+
+    fn walk(&self, spec: &PacketSpec, ch: &mut Chooser) -> Branch {
+        let fam = usize::from(spec.is_v6());
+        let mut pkt = Pkt {
+            v6: spec.is_v6(),
+            proto: spec.proto,
+            src: spec.src,
+            dst: spec.dst,
+            sport: spec.sport,
+            dport: spec.dport,
+            src_label: None,
+            dst_label: None,
+            in_iface: spec.in_iface.clone(),
+            out_iface: spec.out_iface.clone(),
+            mark: spec.mark,
+            ct_mark: spec
+                .ct_mark
+                .or((spec.ct_state == CtState::New).then_some(0)),
+            state: spec.ct_state,
+            dnat_done: false,
+            tcp_flags: spec.tcp_flags(),
+            icmp: spec
+                .icmp
+                .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
+        };
+        let mut b = Branch {
+            probability: 1.0,
+            route: String::new(),
+            egress: None,
+            stages: Vec::new(),
+            verdict: Verdict::Accept,
+            notes: Vec::new(),
+        };
+        let hooks: Vec<Hook> = if spec.in_iface.is_some() {
+            vec![Hook::Prerouting]
+        } else {
+            // Locally generated: the route is chosen before OUTPUT.
+            match self.route(spec, &mut pkt, &mut b) {
+                Some(false) => vec![Hook::Output],
+                Some(true) => {
+                    b.notes
+                        .push("destination is local: the packet loops back through lo".into());
+                    vec![Hook::Output]
+                }
+                None => return b,
+            }
+        };
+        for hook in hooks {
+            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch) {
+                return b;
+            }
+        }
+        let next = if spec.in_iface.is_some() {
+            match self.route(spec, &mut pkt, &mut b) {
+                Some(true) => vec![Hook::Input],
+                Some(false) => vec![Hook::Forward, Hook::Postrouting],
+                None => return b,
+            }
+        } else {
+            if pkt.dnat_done && spec.out_iface.is_none() {
+                // nat OUTPUT changed the destination: the kernel routes again.
+                if self.route(spec, &mut pkt, &mut b).is_none() {
+                    return b;
+                }
+            }
+            vec![Hook::Postrouting]
+        };
+        for hook in next {
+            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch) {
+                return b;
+            }
+        }
+        b
+    }
+
+    /// Routing decision: Some(true) for local delivery, Some(false) for out, None when the walk
+    /// ends here (unroutable or undecidable).
+    fn route(&self, spec: &PacketSpec, pkt: &mut Pkt, b: &mut Branch) -> Option<bool> {
+        let local = if spec.local {
+            true
+        } else if let Some(out) = &spec.out_iface {
+            pkt.out_iface = Some(out.clone());
+            false
+        } else if self.routes.is_empty() {
+            b.route = "unknown".into();
+            b.verdict = Verdict::Undecidable;
+            b.notes
+                .push("no routes given and no `out IFACE`: cannot tell INPUT from FORWARD".into());
+            return None;
+        } else {
+            match self.routes.lookup(pkt.dst) {
+                RouteDecision::Local { .. } => true,
+                RouteDecision::Out { dev, .. } => {
+                    pkt.out_iface = Some(dev);
+                    false
+                }
+                RouteDecision::Unroutable(why) => {
+                    b.route = "unroutable".into();
+                    b.verdict = Verdict::Drop;
+                    b.notes.push(format!("routing drops the packet: {why}"));
+                    return None;
+                }
+            }
+        };
+        if local && spec.in_iface.is_some() {
+            pkt.out_iface = None;
+            b.route = "input".into();
+        } else if spec.in_iface.is_some() {
+            b.route = "forward".into();
+        } else {
+            b.route = "output".into();
+        }
+        b.egress = pkt.out_iface.clone();
+        Some(local)
+    }
+
+    /// Runs every table of `hook`; false when the packet stopped (drop, reject, undecidable).
+    fn run_hook(
+        &self,
+        fam: usize,
+        hook: Hook,
+        pkt: &mut Pkt,
+        b: &mut Branch,
+        ch: &mut Chooser,
+    ) -> bool {
+        for &(tname, priority) in hook.tables() {
+            let Some(ti) = self.files[fam].tables.iter().position(|t| t.name == tname) else {
+                continue;
+            };
+            // A table without this built-in chain is not registered on the hook.
+            let Some(&base) = self.tables[fam][ti].index.get(hook.name()) else {
+                continue;
+            };
+            let before = pkt.snapshot();
+            let mut stage = Stage {
+                hook,
+                table: tname.to_string(),
+                priority,
+                before: before.clone(),
+                after: before,
+                verdict: Verdict::Accept,
+                rules: Vec::new(),
+                policy: None,
+                nat: None,
+                note: None,
+            };
+            if tname == "nat" && pkt.state != CtState::New {
+                stage.note = Some(match pkt.state {
+                    CtState::Untracked => "untracked packet: nat is not applied".into(),
+                    s => format!(
+                        "{} packet: nat chains are not walked; conntrack applies the translation stored for the connection",
+                        s.name()
+                    ),
+                });
+                b.stages.push(stage);
+                continue;
+            }
+            let res = self.run_table(fam, ti, base, hook, pkt, &mut stage, ch);
+            stage.after = pkt.snapshot();
+            let verdict = match res {
+                TableResult::Verdict(v) => v,
+                TableResult::Undecidable(why) => {
+                    stage.note = Some(why);
+                    Verdict::Undecidable
+                }
+            };
+            stage.verdict = verdict;
+            b.stages.push(stage);
+            if verdict != Verdict::Accept {
+                b.verdict = verdict;
+                return false;
+            }
+        }
+        true
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_table(
+        &self,
+        fam: usize,
+        ti: usize,
+        base: usize,
+        hook: Hook,
+        pkt: &mut Pkt,
+        stage: &mut Stage,
+        ch: &mut Chooser,
+    ) -> TableResult {
+        let table = &self.files[fam].tables[ti];
+        let pt = &self.tables[fam][ti];
+        let base_chain = &table.chains[base];
+        let policy = || match base_chain.policy.as_deref() {
+            Some("DROP") => Verdict::Drop,
+            _ => Verdict::Accept,
+        };
+        // (chain, next rule) frames; the bottom frame's end means the base policy.
+        let mut stack: Vec<(usize, usize)> = vec![(base, 0)];
+        loop {
+            let Some(&mut (ci, ref mut pos)) = stack.last_mut() else {
+                stage.policy = Some(base_chain.policy.clone().unwrap_or_else(|| "ACCEPT".into()));
+                return TableResult::Verdict(policy());
+            };
+            let chain = &table.chains[ci];
+            if *pos >= chain.rules.len() {
+                stack.pop();
+                continue;
+            }
+            let ri = *pos;
+            *pos += 1;
+            let rule = &chain.rules[ri];
+            let comp = &pt.compiled[ci][ri];
+            match self.eval(&comp.conds, hook, pkt, ch) {
+                Tri::No => continue,
+                Tri::Unknown(why) => {
+                    let mut m = matched(table.name.as_str(), rule, ri, "undecidable".into());
+                    m.undecidable = Some(why.clone());
+                    stage.rules.push(m);
+                    return TableResult::Undecidable(format!(
+                        "{} rule {}: {why}",
+                        chain.name,
+                        ri + 1
+                    ));
+                }
+                Tri::Yes => {}
+            }
+            let (desc, next) = self.apply(&comp.action, hook, pkt, stage);
+            stage
+                .rules
+                .push(matched(table.name.as_str(), rule, ri, desc));
+            match next {
+                Flow::Continue => {}
+                Flow::Stop(v) => return TableResult::Verdict(v),
+                Flow::Return => {
+                    stack.pop();
+                }
+                Flow::Jump(name, goto) => {
+                    let Some(&target) = pt.index.get(name) else {
+                        return TableResult::Undecidable(format!("jump to missing chain {name}"));
+                    };
+                    if goto {
+                        stack.pop();
+                        if stack.is_empty() {
+                            // goto from the base chain: the goto'd chain's end is the policy.
+                            stack.push((target, 0));
+                            continue;
+                        }
+                    }
+                    if stack.len() >= MAX_DEPTH {
+                        return TableResult::Undecidable(format!(
+                            "jump depth over {MAX_DEPTH} (loop?)"
+                        ));
+                    }
+                    stack.push((target, 0));
+                }
+                Flow::Unknown(why) => {
+                    if let Some(m) = stage.rules.last_mut() {
+                        m.undecidable = Some(why.clone());
+                    }
+                    return TableResult::Undecidable(why);
+                }
+            }
+        }
+    }
+
+    fn apply<'c>(
+        &self,
+        action: &'c Action,
+        hook: Hook,
+        pkt: &mut Pkt,
+        stage: &mut Stage,
+    ) -> (String, Flow<'c>) {
+        match action {
+            Action::None => ("count only".into(), Flow::Continue),
+            Action::Accept => ("accept".into(), Flow::Stop(Verdict::Accept)),
+            Action::Drop => ("drop".into(), Flow::Stop(Verdict::Drop)),
+            Action::Reject => ("reject".into(), Flow::Stop(Verdict::Reject)),
+            Action::Return => ("return".into(), Flow::Return),
+            Action::Jump(c) => (format!("jump {c}"), Flow::Jump(c, false)),
+            Action::Goto(c) => (format!("goto {c}"), Flow::Jump(c, true)),
+            Action::Mark { value, mask } => {
+                let old = pkt.mark;
+                pkt.mark = (pkt.mark & !mask) ^ value;
+                (format!("mark {old:#x} -> {:#x}", pkt.mark), Flow::Continue)
+            }
+            Action::ConnMarkSet { value, mask } => match pkt.ct_mark {
+                Some(old) => {
+                    let new = (old & !mask) ^ value;
+                    pkt.ct_mark = Some(new);
+                    (format!("ctmark {old:#x} -> {new:#x}"), Flow::Continue)
+                }
+                None => (
+                    "ctmark unknown".into(),
+                    Flow::Unknown(
+                        "CONNMARK on a connection whose mark was not given (add `ctmark`)".into(),
+                    ),
+                ),
+            },
+            Action::ConnMarkSave { nfmask, ctmask } => match pkt.ct_mark {
+                Some(old) => {
+                    let new = (old & !ctmask) ^ (pkt.mark & nfmask);
+                    pkt.ct_mark = Some(new);
+                    (format!("ctmark {old:#x} -> {new:#x}"), Flow::Continue)
+                }
+                None => (
+                    "ctmark unknown".into(),
+                    Flow::Unknown("CONNMARK --save-mark with unknown ctmark (add `ctmark`)".into()),
+                ),
+            },
+            Action::ConnMarkRestore { nfmask, ctmask } => match pkt.ct_mark {
+                Some(ct) => {
+                    let old = pkt.mark;
+                    pkt.mark = (pkt.mark & !nfmask) ^ (ct & ctmask);
+                    (
+                        format!("mark {old:#x} -> {:#x} (restored)", pkt.mark),
+                        Flow::Continue,
+                    )
+                }
+                None => (
+                    "mark unknown".into(),
+                    Flow::Unknown(
+                        "CONNMARK --restore-mark with unknown ctmark (add `ctmark`)".into(),
+                    ),
+                ),
+            },
+            Action::NoTrack => {
+                pkt.state = CtState::Untracked;
+                pkt.ct_mark = None;
+                ("notrack".into(), Flow::Continue)
+            }
+            Action::Dnat { addr, port, text } => {
+                if let Some(a) = addr {
+                    pkt.dst = *a;
+                    pkt.dst_label = None;
+                }
+                if port.is_some() && pkt.dport.is_some() {
+                    pkt.dport = *port;
+                }
+                pkt.dnat_done = true;
+                stage.nat = Some(format!("DNAT to {text}"));
+                (format!("DNAT {text}"), Flow::Stop(Verdict::Accept))
+            }
+            Action::Snat { addr, port, text } => {
+                if let Some(a) = addr {
+                    pkt.src = *a;
+                    pkt.src_label = None;
+                }
+                if port.is_some() && pkt.sport.is_some() {
+                    pkt.sport = *port;
+                }
+                stage.nat = Some(format!("SNAT to {text}"));
+                (format!("SNAT {text}"), Flow::Stop(Verdict::Accept))
+            }
+            Action::Masquerade { port } => {
+                let dev = pkt.out_iface.clone().unwrap_or_default();
+                match self.iface_addr(&dev, pkt.v6, true, pkt.dst) {
+                    Some(a) => {
+                        pkt.src = a;
+                        pkt.src_label = None;
+                    }
+                    None => pkt.src_label = Some(format!("<address of {dev}>")),
+                }
+                if port.is_some() && pkt.sport.is_some() {
+                    pkt.sport = *port;
+                }
+                let to = pkt.snapshot().src;
+                stage.nat = Some(format!("MASQUERADE to {to}"));
+                (format!("MASQUERADE {to}"), Flow::Stop(Verdict::Accept))
+            }
+            Action::Redirect { port } => {
+                let a = if hook == Hook::Output {
+                    Some(if pkt.v6 {
+                        "::1".parse().expect("valid")
+                    } else {
+                        "127.0.0.1".parse().expect("valid")
+                    })
+                } else {
+                    let dev = pkt.in_iface.clone().unwrap_or_default();
+                    self.iface_addr(&dev, pkt.v6, false, pkt.dst)
+                };
+                match a {
+                    Some(a) => {
+                        pkt.dst = a;
+                        pkt.dst_label = None;
+                    }
+                    None => {
+                        pkt.dst_label = Some(format!(
+                            "<address of {}>",
+                            pkt.in_iface.as_deref().unwrap_or("?")
+                        ))
+                    }
+                }
+                if port.is_some() && pkt.dport.is_some() {
+                    pkt.dport = *port;
+                }
+                pkt.dnat_done = true;
+                let to = pkt.snapshot().dst;
+                stage.nat = Some(format!("REDIRECT to {to}"));
+                (format!("REDIRECT {to}"), Flow::Stop(Verdict::Accept))
+            }
+            Action::Continue(what) => (what.to_ascii_lowercase(), Flow::Continue),
+            Action::Unknown(t) => (
+                t.clone(),
+                Flow::Unknown(format!("target not modelled: {t}")),
+            ),
+        }
+    }
+
+    fn iface_addr(&self, dev: &str, v6: bool, masq: bool, dst: IpAddr) -> Option<IpAddr> {
+        if let Some(a) = self
+            .iface_addrs
+            .get(dev)
+            .and_then(|v| v.iter().find(|a| a.is_ipv6() == v6))
+        {
+            return Some(*a);
+        }
+        if masq
+            && let RouteDecision::Out {
+                dev: d,
+                prefsrc: Some(p),
+                ..
+            } = self.routes.lookup(dst)
+            && d == dev
+        {
+            return Some(p);
+        }
+        self.routes
+            .routes
+            .iter()
+            .find(|r| {
+                r.table == "local"
+                    && r.kind == "local"
+                    && r.dev.as_deref() == Some(dev)
+                    && r.dst.addr.is_ipv6() == v6
+            })
+            .map(|r| r.dst.addr)
+    }
+
+    fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
+        let in_if = match hook {
+            Hook::Prerouting | Hook::Input | Hook::Forward => pkt.in_iface.as_deref(),
+            _ => None,
+        };
+        let out_if = match hook {
+            Hook::Forward | Hook::Output | Hook::Postrouting => pkt.out_iface.as_deref(),
+            _ => None,
+        };
+        let mut unknown: Option<String> = None;
+        // Statistic draws come last: the kernel evaluates matches in order and stops at the
+        // first failure, so a random draw only happens when everything before it matched.
+        for c in conds {
+            let r = match c {
+                Cond::Src(n, neg) => tri(n.contains(pkt.src) && pkt.src_label.is_none(), *neg),
+                Cond::Dst(n, neg) => tri(n.contains(pkt.dst) && pkt.dst_label.is_none(), *neg),
+                Cond::Proto(p, neg) => tri(p.is_none_or(|p| p == pkt.proto), *neg),
+                Cond::InIface(p, neg) => tri(iface_match(p, in_if), *neg),
+                Cond::OutIface(p, neg) => tri(iface_match(p, out_if), *neg),
+                Cond::Fragment(neg) => tri(false, *neg),
+                Cond::Mark { value, mask, neg } => tri(pkt.mark & mask == *value, *neg),
+                Cond::ConnMark { value, mask, neg } => match pkt.ct_mark {
+                    Some(m) => tri(m & mask == *value, *neg),
+                    None => Tri::Unknown(
+                        "connmark match, but the connection's mark is unknown (add `ctmark`)"
+                            .into(),
+                    ),
+                },
+                Cond::CtState { states, neg } => {
+                    let mut s = match pkt.state {
+                        CtState::New => CT_NEW,
+                        CtState::Established => CT_ESTABLISHED,
+                        CtState::Related => CT_RELATED,
+                        CtState::Invalid => CT_INVALID,
+                        CtState::Untracked => CT_UNTRACKED,
+                    };
+                    if pkt.dnat_done {
+                        s |= CT_DNAT;
+                    }
+                    tri(s & states != 0, *neg)
+                }
+                Cond::Set { name, dirs, neg } => {
+                    let l = Lookup {
+                        src: pkt.src,
+                        dst: pkt.dst,
+                        proto: pkt.proto,
+                        sport: pkt.sport,
+                        dport: pkt.dport,
+                        in_iface: in_if,
+                        out_iface: out_if,
+                    };
+                    match self.ipsets.contains(name, dirs, &l) {
+                        Some(b) => tri(b, *neg),
+                        None => Tri::Unknown(format!("contents of ipset {name} not known")),
+                    }
+                }
+                Cond::AddrType {
+                    src,
+                    types,
+                    neg,
+                    limit_in,
+                    limit_out,
+                } => {
+                    let dev = if *limit_in {
+                        in_if
+                    } else if *limit_out {
+                        out_if
+                    } else {
+                        None
+                    };
+                    let addr = if *src { pkt.src } else { pkt.dst };
+                    match self.routes.addr_type(addr, dev) {
+                        Some(t) => tri(types.iter().any(|x| x == t), *neg),
+                        None => Tri::Unknown(
+                            "addrtype needs routes (`ip -j route show table all`)".into(),
+                        ),
+                    }
+                }
+                Cond::Ports { which, ranges, neg } => {
+                    let inr = |p: Option<u16>| {
+                        p.is_some_and(|p| ranges.iter().any(|&(a, b)| a <= p && p <= b))
+                    };
+                    let hit = match which {
+                        0 => inr(pkt.sport),
+                        1 => inr(pkt.dport),
+                        _ => inr(pkt.sport) || inr(pkt.dport),
+                    };
+                    tri(hit, *neg)
+                }
+                Cond::TcpFlags { mask, comp, neg } => {
+                    tri(pkt.proto == 6 && pkt.tcp_flags & mask == *comp, *neg)
+                }
+                Cond::IcmpType { ty, codes, neg, .. } => {
+                    let (t, code) = pkt.icmp;
+                    tri(
+                        ty.is_none_or(|x| x == t) && codes.0 <= code && code <= codes.1,
+                        *neg,
+                    )
+                }
+                Cond::Range { src, from, to, neg } => {
+                    let a = if *src { pkt.src } else { pkt.dst };
+                    let inside = match (a, from, to) {
+                        (IpAddr::V4(a), IpAddr::V4(f), IpAddr::V4(t)) => *f <= a && a <= *t,
+                        (IpAddr::V6(a), IpAddr::V6(f), IpAddr::V6(t)) => *f <= a && a <= *t,
+                        _ => false,
+                    };
+                    tri(inside, *neg)
+                }
+                Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
+                Cond::Always(_) => Tri::Yes,
+                Cond::Unknown(t) => Tri::Unknown(format!("match not modelled: {t}")),
+            };
+            match r {
+                Tri::No => return Tri::No,
+                Tri::Unknown(w) => {
+                    unknown.get_or_insert(w);
+                }
+                Tri::Yes => {}
+            }
+        }
+        if let Some(w) = unknown {
+            return Tri::Unknown(w);
+        }
+        for c in conds {
+            let hit = match c {
+                Cond::StatRandom { p, neg } => {
+                    let c = ch.choose(if *neg { 1.0 - p } else { *p });
+                    c
+                }
+                Cond::StatNth { every, neg } => {
+                    let p = 1.0 / f64::from(*every);
+                    ch.choose(if *neg { 1.0 - p } else { p })
+                }
+                _ => continue,
+            };
+            if !hit {
+                return Tri::No;
+            }
+        }
+        Tri::Yes
+    }
+}
+
+enum Flow<'c> {
+    Continue,
+    Stop(Verdict),
+    Return,
+    Jump(&'c str, bool),
+    Unknown(String),
+}
+
+fn matched(table: &str, rule: &Rule, ri: usize, action: String) -> MatchedRule {
+    MatchedRule {
+        table: table.to_string(),
+        chain: rule.chain.clone(),
+        index: ri + 1,
+        text: rule.text(),
+        action,
+        undecidable: None,
+        comments: rule.comments().into_iter().map(str::to_string).collect(),
+    }
+}
