@@ -1,0 +1,182 @@
+//! Wire records shared by the probes (`observer-ebpf`) and the collector (`observer`).
+//!
+//! Everything here is `#[repr(C)]`, free of `bool` and of implicit padding, and has its size
+//! asserted at compile time, so both sides agree byte for byte. The `user` feature adds
+//! `aya::Pod` so userspace can put these types into maps.
+#![no_std]
+
+/// Pseudo hook numbers for TC records; netfilter hooks use the kernel's `NF_INET_*` (0..=4).
+pub mod hook {
+    pub const PRE_ROUTING: u8 = 0;
+    pub const LOCAL_IN: u8 = 1;
+    pub const FORWARD: u8 = 2;
+    pub const LOCAL_OUT: u8 = 3;
+    pub const POST_ROUTING: u8 = 4;
+    pub const TC_INGRESS: u8 = 16;
+    pub const TC_EGRESS: u8 = 17;
+}
+
+/// `NFPROTO_*` values, which are also what `nf_hook_state.pf` holds.
+pub mod family {
+    pub const IPV4: u8 = 2;
+    pub const IPV6: u8 = 10;
+}
+
+/// What kind of record follows the header.
+pub mod kind {
+    /// A packet seen at a netfilter probe or a TC hook: [`super::PacketEvent`].
+    pub const PACKET: u8 = 1;
+}
+
+/// Bits of [`EventHeader::flags`].
+pub mod flags {
+    /// The packet headers could not be read (not IP, or truncated); addresses are zero.
+    pub const NO_L3: u8 = 1;
+    /// A conntrack entry was attached to the skb; `ct` is valid.
+    pub const CT: u8 = 2;
+    /// L4 ports could not be read (fragment or unknown protocol).
+    pub const NO_L4: u8 = 4;
+}
+
+/// Indices into the `COUNTERS` per-CPU array. Userspace sums the CPUs and reports every one.
+pub mod counter {
+    /// Records written to the ring buffer.
+    pub const EMITTED: u32 = 0;
+    /// Ring-buffer reservations that failed (buffer full): records lost in the kernel.
+    pub const RINGBUF_FULL: u32 = 1;
+    /// A kernel read (`bpf_probe_read_kernel`) failed; the record was not written.
+    pub const READ_FAILED: u32 = 2;
+    /// The probes had no configuration yet (offsets map empty); nothing was written.
+    pub const NOT_CONFIGURED: u32 = 3;
+    pub const COUNT: u32 = 4;
+}
+
+/// Indices into the `CONFIG` array: kernel struct offsets resolved by userspace from BTF.
+/// A value of [`config::UNSET`] means "not present on this kernel".
+pub mod config {
+    pub const UNSET: u64 = u64::MAX;
+    /// Non-zero once userspace has filled the map.
+    pub const READY: u32 = 0;
+    pub const SKB_MARK: u32 = 1;
+    pub const SKB_LEN: u32 = 2;
+    pub const SKB_HEAD: u32 = 3;
+    pub const SKB_NETWORK_HEADER: u32 = 4;
+    pub const SKB_NFCT: u32 = 5;
+    pub const STATE_HOOK: u32 = 6;
+    pub const STATE_PF: u32 = 7;
+    pub const STATE_IN: u32 = 8;
+    pub const STATE_OUT: u32 = 9;
+    pub const NETDEV_IFINDEX: u32 = 10;
+    pub const CT_MARK: u32 = 11;
+    pub const CT_STATUS: u32 = 12;
+    pub const CT_TUPLE_ORIG: u32 = 13;
+    pub const CT_TUPLE_REPLY: u32 = 14;
+    pub const COUNT: u32 = 16;
+}
+
+/// Number of netfilter probe programs compiled into the netfilter object. Each one may be
+/// attached at several (family, hook, priority) points; its index tells userspace which.
+pub const NF_SLOTS: usize = 24;
+
+/// Raw bytes copied from `struct nf_conntrack_tuple`; userspace decodes them with offsets
+/// from BTF, so the probe never needs to know the layout.
+pub const CT_TUPLE_BYTES: usize = 48;
+
+/// Common envelope of every record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventHeader {
+    /// One of [`kind`].
+    pub kind: u8,
+    /// One of [`family`], from the netfilter state or the IP version; 0 when unknown.
+    pub family: u8,
+    /// One of [`hook`].
+    pub hook: u8,
+    /// Bits of [`flags`].
+    pub flags: u8,
+    /// Netfilter probe slot (index of the program), 0 for TC.
+    pub slot: u32,
+    /// `bpf_ktime_get_ns()`.
+    pub ts_ns: u64,
+    /// Kernel address of the `sk_buff`: the packet's identity across all stages in one netns.
+    pub skb: u64,
+    /// Input device ifindex (netfilter `state->in`, TC ingress device), 0 if none.
+    pub ifindex_in: u32,
+    /// Output device ifindex (netfilter `state->out`, TC egress device), 0 if none.
+    pub ifindex_out: u32,
+}
+
+/// Addresses, ports and metadata of a packet as read at one probe.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PacketInfo {
+    /// IPv4 addresses use the first 4 bytes.
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Host byte order. For ICMP: `sport` is the echo id, `dport` is `type << 8 | code`.
+    pub sport: u16,
+    pub dport: u16,
+    /// IP protocol number (6 tcp, 17 udp, 1 icmp, 58 icmpv6).
+    pub l4proto: u8,
+    /// 4 or 6; 0 when no IP header was read.
+    pub ip_version: u8,
+    /// TCP flags byte (FIN=1, SYN=2, RST=4, PSH=8, ACK=16); 0 for other protocols.
+    pub tcp_flags: u8,
+    pub _pad: u8,
+    /// `skb->len`.
+    pub len: u32,
+    /// `skb->mark`.
+    pub mark: u32,
+}
+
+/// Conntrack entry attached to the skb (`skb->_nfct`), valid when `flags::CT` is set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtInfo {
+    /// `enum ip_conntrack_info` (the low 3 bits of `_nfct`).
+    pub ctinfo: u32,
+    /// `nf_conn.mark`.
+    pub mark: u32,
+    /// `nf_conn.status` (`IPS_*` bits).
+    pub status: u64,
+    /// Original-direction tuple, raw.
+    pub orig: [u8; CT_TUPLE_BYTES],
+    /// Reply-direction tuple, raw.
+    pub reply: [u8; CT_TUPLE_BYTES],
+}
+
+impl Default for CtInfo {
+    fn default() -> Self {
+        Self {
+            ctinfo: 0,
+            mark: 0,
+            status: 0,
+            orig: [0; CT_TUPLE_BYTES],
+            reply: [0; CT_TUPLE_BYTES],
+        }
+    }
+}
+
+/// Record of kind [`kind::PACKET`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PacketEvent {
+    pub header: EventHeader,
+    pub packet: PacketInfo,
+    pub ct: CtInfo,
+}
+
+const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
+const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
+const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
+const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112);
+const _: () = assert!(core::mem::align_of::<PacketEvent>() == 8);
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: plain-old-data, repr(C), no padding (sizes asserted above).
+    unsafe impl aya::Pod for super::EventHeader {}
+    unsafe impl aya::Pod for super::PacketInfo {}
+    unsafe impl aya::Pod for super::CtInfo {}
+    unsafe impl aya::Pod for super::PacketEvent {}
+}

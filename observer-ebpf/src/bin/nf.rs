@@ -1,0 +1,104 @@
+//! Netfilter probes (BPF_PROG_TYPE_NETFILTER). Each slot program is attached by userspace at
+//! one or more (family, hook, priority) points between the netfilter tables; what it records
+//! there is the packet as the previous table left it. They always return NF_ACCEPT.
+//!
+//! Aya cannot load this object (it rejects `netfilter` sections), so observer's own loader
+//! relocates the map references onto the TC object's maps. Keep every helper
+//! `#[inline(always)]`: the loader supports no BPF-to-BPF calls.
+#![no_std]
+#![no_main]
+
+use observer_common::{config, counter, flags, kind};
+use observer_ebpf::{cfg, count, emit, now, parse_l3, parse_l4, read, read_ct, scratch};
+
+/// `struct bpf_nf_ctx`: the program's context.
+#[repr(C)]
+pub struct BpfNfCtx {
+    pub state: u64,
+    pub skb: u64,
+}
+
+const NF_ACCEPT: i32 = 1;
+
+macro_rules! slots {
+    ($($name:ident = $slot:expr),* $(,)?) => {$(
+        #[unsafe(no_mangle)]
+        #[unsafe(link_section = concat!("netfilter/", stringify!($name)))]
+        pub extern "C" fn $name(ctx: *const BpfNfCtx) -> i32 {
+            observe(ctx, $slot);
+            NF_ACCEPT
+        }
+    )*};
+}
+
+slots!(
+    nf_slot_0 = 0, nf_slot_1 = 1, nf_slot_2 = 2, nf_slot_3 = 3, nf_slot_4 = 4, nf_slot_5 = 5,
+    nf_slot_6 = 6, nf_slot_7 = 7, nf_slot_8 = 8, nf_slot_9 = 9, nf_slot_10 = 10,
+    nf_slot_11 = 11, nf_slot_12 = 12, nf_slot_13 = 13, nf_slot_14 = 14, nf_slot_15 = 15,
+    nf_slot_16 = 16, nf_slot_17 = 17, nf_slot_18 = 18, nf_slot_19 = 19, nf_slot_20 = 20,
+    nf_slot_21 = 21, nf_slot_22 = 22, nf_slot_23 = 23,
+);
+const _: () = assert!(observer_common::NF_SLOTS == 24);
+
+#[inline(always)]
+fn observe(ctx: *const BpfNfCtx, slot: u32) {
+    if cfg(config::READY).is_none() {
+        count(counter::NOT_CONFIGURED);
+        return;
+    }
+    // SAFETY: the verifier allows direct reads of both context fields.
+    let (state, skb) = unsafe { ((*ctx).state, (*ctx).skb) };
+    let _ = try_observe(state, skb, slot);
+}
+
+#[inline(always)]
+fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
+    let Some(ev) = scratch() else {
+        return Err(());
+    };
+    ev.header.kind = kind::PACKET;
+    ev.header.slot = slot;
+    ev.header.ts_ns = now();
+    ev.header.skb = skb;
+    let off = |i| cfg(i).ok_or(());
+    ev.header.hook = read::<u8>(state, off(config::STATE_HOOK)?)?;
+    ev.header.family = read::<u8>(state, off(config::STATE_PF)?)?;
+    let ifindex_off = off(config::NETDEV_IFINDEX)?;
+    let dev_in: u64 = read(state, off(config::STATE_IN)?)?;
+    if dev_in != 0 {
+        ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
+    }
+    let dev_out: u64 = read(state, off(config::STATE_OUT)?)?;
+    if dev_out != 0 {
+        ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
+    }
+    ev.packet.mark = read(skb, off(config::SKB_MARK)?)?;
+    ev.packet.len = read(skb, off(config::SKB_LEN)?)?;
+    let head: u64 = read(skb, off(config::SKB_HEAD)?)?;
+    let nh: u16 = read(skb, off(config::SKB_NETWORK_HEADER)?)?;
+    let l3 = head + nh as u64;
+    let hdr: [u8; 40] = read(l3, 0)?;
+    if let Some(ihl) = parse_l3(&hdr, ev) {
+        if ev.header.flags & flags::NO_L4 == 0 {
+            match read::<[u8; 16]>(l3, ihl as u64) {
+                Ok(l4) => parse_l4(&l4, ev),
+                Err(()) => ev.header.flags |= flags::NO_L4,
+            }
+        }
+    }
+    if read_ct(skb, &mut ev.ct)? {
+        ev.header.flags |= flags::CT;
+    }
+    emit(ev);
+    Ok(())
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,187 @@
+//! Maps and helpers shared by the two probe objects.
+//!
+//! Both objects (`observer-tc`, loaded by Aya, and `observer-nf`, loaded by observer's own
+//! netfilter loader) declare the same maps by name. Only the TC object's maps are created; the
+//! netfilter object's map references are pointed at those same maps when it is loaded, so every
+//! probe writes into one ring buffer and one set of counters.
+#![no_std]
+
+use aya_ebpf::{
+    helpers::{bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_buf},
+    macros::map,
+    maps::{Array, PerCpuArray, RingBuf},
+};
+use observer_common::{CtInfo, PacketEvent, config, counter, flags};
+
+/// All records, in one ring buffer so userspace sees one ordered stream per CPU.
+#[map]
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(8 * 1024 * 1024, 0);
+
+/// Kernel struct offsets, resolved from BTF by userspace ([`observer_common::config`]).
+#[map]
+pub static CONFIG: Array<u64> = Array::with_max_entries(config::COUNT, 0);
+
+/// Per-CPU counters ([`observer_common::counter`]).
+#[map]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// Per-CPU scratch record: a `PacketEvent` does not fit the 512-byte BPF stack next to the
+/// buffers used to fill it.
+#[map]
+pub static SCRATCH: PerCpuArray<PacketEvent> = PerCpuArray::with_max_entries(1, 0);
+
+/// The zeroed scratch record of this CPU.
+#[inline(always)]
+pub fn scratch() -> Option<&'static mut PacketEvent> {
+    let ev = SCRATCH.get_ptr_mut(0)?;
+    // Zero word by word with volatile stores: a plain assignment becomes a `memset` call,
+    // and the netfilter loader supports no BPF-to-BPF calls.
+    let words = ev as *mut u64;
+    let mut i = 0;
+    while i < core::mem::size_of::<PacketEvent>() / 8 {
+        // SAFETY: PacketEvent is 8-byte aligned and a multiple of 8 bytes long.
+        unsafe { core::ptr::write_volatile(words.add(i), 0) };
+        i += 1;
+    }
+    // SAFETY: per-CPU slot, used by one program run at a time on this CPU.
+    Some(unsafe { &mut *ev })
+}
+
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(c) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
+        unsafe { *c += 1 };
+    }
+}
+
+/// Reads one config slot; `None` when unset.
+#[inline(always)]
+pub fn cfg(index: u32) -> Option<u64> {
+    match CONFIG.get(index) {
+        Some(&v) if v != config::UNSET => Some(v),
+        _ => None,
+    }
+}
+
+/// Reads a `T` at `base + off` from kernel memory.
+#[inline(always)]
+pub fn read<T>(base: u64, off: u64) -> Result<T, ()> {
+    // SAFETY: bpf_probe_read_kernel validates the address; failure is returned, not faulted.
+    unsafe { bpf_probe_read_kernel((base + off) as *const T) }.map_err(|_| {
+        count(counter::READ_FAILED);
+    })
+}
+
+/// Copies `dst.len()` bytes at `base + off` from kernel memory into `dst`.
+#[inline(always)]
+pub fn read_into(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
+    // SAFETY: as for `read`.
+    unsafe { bpf_probe_read_kernel_buf((base + off) as *const u8, dst) }.map_err(|_| {
+        count(counter::READ_FAILED);
+    })
+}
+
+/// Parses an IPv4 or IPv6 header (and the first 4 bytes of L4) from `hdr` into `ev`.
+/// `hdr` holds at least 40 bytes of the network header; `l4` the first 8 bytes of L4.
+#[inline(always)]
+pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
+    let p = &mut ev.packet;
+    match hdr[0] >> 4 {
+        4 => {
+            p.ip_version = 4;
+            p.l4proto = hdr[9];
+            p.saddr[..4].copy_from_slice(&hdr[12..16]);
+            p.daddr[..4].copy_from_slice(&hdr[16..20]);
+            // Non-first fragments carry no L4 header.
+            let frag = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
+            if frag != 0 {
+                ev.header.flags |= flags::NO_L4;
+            }
+            Some(((hdr[0] & 0x0f) as usize) * 4)
+        }
+        6 => {
+            p.ip_version = 6;
+            p.l4proto = hdr[6];
+            p.saddr.copy_from_slice(&hdr[8..24]);
+            // daddr spans bytes 24..40.
+            let mut i = 0;
+            while i < 16 {
+                p.daddr[i] = hdr[24 + i];
+                i += 1;
+            }
+            Some(40)
+        }
+        _ => {
+            ev.header.flags |= flags::NO_L3;
+            None
+        }
+    }
+}
+
+/// Fills ports (or ICMP id/type/code) and TCP flags from the first 16 bytes of L4.
+#[inline(always)]
+pub fn parse_l4(l4: &[u8; 16], ev: &mut PacketEvent) {
+    let p = &mut ev.packet;
+    match p.l4proto {
+        6 => {
+            p.sport = u16::from_be_bytes([l4[0], l4[1]]);
+            p.dport = u16::from_be_bytes([l4[2], l4[3]]);
+            p.tcp_flags = l4[13];
+        }
+        17 | 132 | 136 => {
+            p.sport = u16::from_be_bytes([l4[0], l4[1]]);
+            p.dport = u16::from_be_bytes([l4[2], l4[3]]);
+        }
+        1 | 58 => {
+            p.dport = u16::from_be_bytes([l4[0], l4[1]]);
+            p.sport = u16::from_be_bytes([l4[4], l4[5]]);
+        }
+        _ => ev.header.flags |= flags::NO_L4,
+    }
+}
+
+/// Copies the conntrack entry attached to the skb (`_nfct`) into `ct`. Returns false when
+/// the skb carries none (or the untracked marker).
+#[inline(always)]
+pub fn read_ct(skb: u64, ct: &mut CtInfo) -> Result<bool, ()> {
+    let Some(off_nfct) = cfg(config::SKB_NFCT) else {
+        return Ok(false);
+    };
+    let nfct: u64 = read(skb, off_nfct)?;
+    let info = nfct & 7;
+    let conn = nfct & !7;
+    // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
+    if conn == 0 || info == 7 {
+        return Ok(false);
+    }
+    ct.ctinfo = info as u32;
+    if let Some(off) = cfg(config::CT_MARK) {
+        ct.mark = read(conn, off)?;
+    }
+    if let Some(off) = cfg(config::CT_STATUS) {
+        ct.status = read(conn, off)?;
+    }
+    if let Some(off) = cfg(config::CT_TUPLE_ORIG) {
+        read_into(conn, off, &mut ct.orig)?;
+    }
+    if let Some(off) = cfg(config::CT_TUPLE_REPLY) {
+        read_into(conn, off, &mut ct.reply)?;
+    }
+    Ok(true)
+}
+
+/// Writes `ev` to the ring buffer, counting a full buffer instead of losing it silently.
+#[inline(always)]
+pub fn emit(ev: &PacketEvent) {
+    match EVENTS.output::<PacketEvent>(ev, 0) {
+        Ok(()) => count(counter::EMITTED),
+        Err(_) => count(counter::RINGBUF_FULL),
+    }
+}
+
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: no preconditions.
+    unsafe { bpf_ktime_get_ns() }
+}

@@ -1,0 +1,347 @@
+//! Seed-driven tests: every rule of the Calico / kube-proxy walkthroughs round-trips, and the
+//! lab flows (ClusterIP DNAT + masquerade mark, Calico workload mark, established traffic,
+//! kube-proxy's random endpoint choice) produce exactly the expected rules.
+
+use observer_rules::iptables::{parse_rule, parse_save};
+use observer_rules::{ExplainRequest, Verdict, explain};
+
+const SEED_RULES: &str = include_str!("../../lab/rules/seed-rules.txt");
+const LAB: &str = include_str!("../../lab/rules/lab.rules");
+const ROUTES: &str = include_str!("../../lab/rules/lab-routes.json");
+
+/// The blog turned `--` into an en dash and quotes into curly quotes; undo that.
+fn ascii(s: &str) -> String {
+    let mut out = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            // An en dash before a word was `--`; alone (a chain policy) it was `-`.
+            '–' | '—' => out.push_str(if chars.peek().is_some_and(|n| n.is_alphanumeric()) { "--" } else { "-" }),
+            '“' | '”' => out.push('"'),
+            '‘' | '’' => out.push('\''),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[test]
+fn every_seed_rule_round_trips() {
+    let text = ascii(SEED_RULES);
+    let file = parse_save(&text).unwrap();
+    let mut n = 0;
+    for t in &file.tables {
+        for c in &t.chains {
+            for r in &c.rules {
+                let printed = r.text();
+                let mut again = parse_rule(&printed).unwrap();
+                again.counters = r.counters;
+                assert_eq!(&again, r, "{printed}");
+                n += 1;
+            }
+        }
+    }
+    // Every `-A` line of the fixture is a rule.
+    assert_eq!(n, text.lines().filter(|l| l.starts_with("-A")).count());
+    assert!(n >= 50, "{n}");
+    // Whole-file round trip, counters included.
+    let printed = file.to_text(true);
+    assert_eq!(parse_save(&printed).unwrap(), file);
+    // The printed comments are ASCII again, e.g. the Calico rule ids.
+    assert!(printed.contains("-A cali-PREROUTING -i cali+ -m comment --comment cali:EWMPb0zVROM-woQp -j MARK --set-xmark 0x40000/0x40000"));
+    let raw = file.table("raw").unwrap();
+    assert_eq!(raw.chain("OUTPUT_direct").unwrap().policy, None);
+    assert_eq!(raw.chain("PREROUTING").unwrap().counters.unwrap().packets, 18225340);
+}
+
+#[test]
+fn unnormalised_seed_text_errors_instead_of_panicking() {
+    // Curly quotes are not quotes to iptables; the dash options are unknown options.
+    let e = parse_save(SEED_RULES).unwrap_err();
+    assert!(e.line > 1 && e.column > 1, "{e}");
+}
+
+fn req(packet: &str) -> ExplainRequest {
+    ExplainRequest {
+        iptables_save: Some(LAB.to_string()),
+        routes_json: vec![ROUTES.to_string()],
+        packet: packet.to_string(),
+        ..Default::default()
+    }
+}
+
+fn rules_of(e: &observer_rules::Explanation, branch: usize) -> Vec<String> {
+    e.branches[branch]
+        .stages
+        .iter()
+        .flat_map(|s| s.rules.iter().map(|r| format!("{}:{}#{}", r.table, r.chain, r.index)))
+        .collect()
+}
+
+#[test]
+fn clusterip_is_dnatted_marked_and_masqueraded() {
+    let e = explain(&req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0")).unwrap();
+    assert_eq!(e.branches.len(), 1);
+    let b = &e.branches[0];
+    assert_eq!(b.route, "forward");
+    assert_eq!(b.egress.as_deref(), Some("cali1a2b"));
+    assert_eq!(b.verdict, Verdict::Accept);
+    assert_eq!(
+        rules_of(&e, 0),
+        [
+            "raw:PREROUTING#1",
+            "raw:cali-PREROUTING#1",
+            "raw:cali-PREROUTING#3", // from eth0, not cali+: host endpoint check
+            "mangle:PREROUTING#1",
+            "nat:PREROUTING#1",
+            "nat:KUBE-SERVICES#1",
+            "nat:KUBE-SVC-ZMVASYV5VVSOQD2Z#1",
+            "nat:KUBE-MARK-MASQ#1",
+            "nat:KUBE-SVC-ZMVASYV5VVSOQD2Z#2",
+            "nat:KUBE-SEP-JJDDRQDQBMLIVXO7#2",
+            "filter:FORWARD#1",
+            "filter:cali-FORWARD#1",
+            "filter:cali-FORWARD#2",
+            "filter:FORWARD#2",
+            "filter:KUBE-FORWARD#2",
+            "nat:POSTROUTING#1",
+            "nat:KUBE-POSTROUTING#2",
+            "nat:KUBE-POSTROUTING#3",
+        ]
+    );
+    let nat_pre = b.stages.iter().find(|s| s.table == "nat" && s.hook.name() == "PREROUTING").unwrap();
+    assert_eq!(nat_pre.priority, -100);
+    assert_eq!(nat_pre.before.dst, "10.10.10.2:22");
+    assert_eq!(nat_pre.after.dst, "172.17.0.5:22");
+    assert_eq!(nat_pre.after.mark, 0x4000);
+    let post = b.stages.last().unwrap();
+    assert_eq!((post.hook.name(), post.table.as_str(), post.priority), ("POSTROUTING", "nat", 100));
+    // cali1a2b has no address in the routes: the masquerade source is shown symbolically.
+    assert_eq!(post.after.src, "<address of cali1a2b>:40000");
+    assert_eq!(post.after.mark, 0x0);
+
+    let j = e.to_json();
+    assert_eq!(j["schema"], 1);
+    assert_eq!(j["source"], "explain");
+    assert_eq!(j["family"], "ipv4");
+    assert_eq!(j["route"], "forward");
+    assert_eq!(j["egress"]["iface"], "cali1a2b");
+    assert_eq!(j["ingress"]["iface"], "eth0");
+    assert_eq!(j["verdict"], "accept");
+    assert!(j.get("branches").is_none());
+    let stages = j["stages"].as_array().unwrap();
+    let hooks: Vec<String> = stages.iter().map(|s| format!("{}/{}/{}", s["hook"].as_str().unwrap(), s["table"].as_str().unwrap(), s["priority"])).collect();
+    assert_eq!(
+        hooks,
+        [
+            "PREROUTING/raw/-300",
+            "PREROUTING/mangle/-150",
+            "PREROUTING/nat/-100",
+            "FORWARD/mangle/-150",
+            "FORWARD/filter/0",
+            "POSTROUTING/mangle/-150",
+            "POSTROUTING/nat/100"
+        ]
+    );
+    let dnat = stages[2]["rules"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(dnat["chain"], "KUBE-SEP-JJDDRQDQBMLIVXO7");
+    assert_eq!(dnat["index"], 2);
+    assert_eq!(
+        dnat["text"],
+        "-A KUBE-SEP-JJDDRQDQBMLIVXO7 -p tcp -m comment --comment default/registry:ssh -m tcp -j DNAT --to-destination 172.17.0.5:22"
+    );
+    assert_eq!(dnat["k8s"]["service"], "default/registry:ssh");
+    assert_eq!(dnat["k8s"]["endpoint"], "172.17.0.5:22");
+    assert_eq!(stages[2]["after"]["mark"], "0x4000");
+    assert_eq!(stages[0]["rules"][0]["calico"]["rule_id"], "6gwbT8clXdHdC1b1");
+
+    let tree = e.render_tree();
+    assert!(tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"), "{tree}");
+    assert!(tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2"), "{tree}");
+    assert!(tree.contains("[k8s default/registry:ssh]"), "{tree}");
+}
+
+#[test]
+fn masquerade_uses_the_interface_address_when_known() {
+    let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
+    r.iface_addrs.insert("cali1a2b".into(), vec!["169.254.1.1".parse().unwrap()]);
+    let e = explain(&r).unwrap();
+    assert_eq!(e.branches[0].stages.last().unwrap().after.src, "169.254.1.1:40000");
+}
+
+#[test]
+fn pod_traffic_from_cali_interface_gets_the_workload_mark_in_raw() {
+    let e = explain(&req("udp 172.17.0.6:5000 -> 192.0.2.50:53 in cali3c4d")).unwrap();
+    let raw = &e.branches[0].stages[0];
+    assert_eq!(raw.table, "raw");
+    assert_eq!(raw.before.mark, 0);
+    assert_eq!(raw.after.mark, 0x40000);
+    let idx: Vec<usize> = raw.rules.iter().map(|r| r.index).collect();
+    assert_eq!(idx, [1, 1, 2]); // PREROUTING#1, cali-PREROUTING#1, cali-PREROUTING#2
+    // Forwarded out eth0, accepted by Calico's workload dispatch (mark 0x10000).
+    assert_eq!(e.branches[0].egress.as_deref(), Some("eth0"));
+    assert_eq!(e.verdict(), Verdict::Accept);
+    assert!(rules_of(&e, 0).contains(&"filter:cali-from-wl-dispatch#1".to_string()));
+    assert!(rules_of(&e, 0).contains(&"filter:cali-FORWARD#4".to_string()));
+}
+
+#[test]
+fn established_packet_skips_nat() {
+    let e = explain(&req("tcp 198.51.100.10:40000 -> 172.17.0.5:22 in eth0 state established")).unwrap();
+    let b = &e.branches[0];
+    let nat: Vec<_> = b.stages.iter().filter(|s| s.table == "nat").collect();
+    assert_eq!(nat.len(), 2);
+    for s in nat {
+        assert!(s.rules.is_empty());
+        assert!(s.note.as_deref().unwrap().contains("conntrack applies"), "{:?}", s.note);
+    }
+    assert!(rules_of(&e, 0).contains(&"filter:KUBE-FORWARD#3".to_string()));
+    assert_eq!(b.verdict, Verdict::Accept);
+    assert_eq!(b.stages.last().unwrap().after.src, "198.51.100.10:40000");
+}
+
+#[test]
+fn input_route_for_local_destination() {
+    let e = explain(&req("tcp 198.51.100.10:40000 -> 192.0.2.2:22 in eth0")).unwrap();
+    let b = &e.branches[0];
+    assert_eq!(b.route, "input");
+    let hooks: Vec<_> = b.stages.iter().map(|s| format!("{}/{}", s.hook.name(), s.table)).collect();
+    assert_eq!(hooks, ["PREROUTING/raw", "PREROUTING/mangle", "PREROUTING/nat", "INPUT/mangle", "INPUT/filter", "INPUT/nat"]);
+    assert_eq!(b.stages[5].priority, 100);
+}
+
+const THREE: &str = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-X - [0:0]\n:KUBE-SEP-A - [0:0]\n:KUBE-SEP-B - [0:0]\n:KUBE-SEP-C - [0:0]\n\
+-A PREROUTING -d 10.96.0.10/32 -p udp -m comment --comment \"kube-system/kube-dns:dns cluster IP\" -m udp --dport 53 -j KUBE-SVC-X\n\
+-A KUBE-SVC-X -m comment --comment \"kube-system/kube-dns:dns -> 10.244.0.2:53\" -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-A\n\
+-A KUBE-SVC-X -m comment --comment \"kube-system/kube-dns:dns -> 10.244.0.3:53\" -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-B\n\
+-A KUBE-SVC-X -m comment --comment \"kube-system/kube-dns:dns -> 10.244.0.4:53\" -j KUBE-SEP-C\n\
+-A KUBE-SEP-A -p udp -m comment --comment \"kube-system/kube-dns:dns\" -m udp -j DNAT --to-destination 10.244.0.2:53\n\
+-A KUBE-SEP-B -p udp -m comment --comment \"kube-system/kube-dns:dns\" -m udp -j DNAT --to-destination 10.244.0.3:53\n\
+-A KUBE-SEP-C -p udp -m comment --comment \"kube-system/kube-dns:dns\" -m udp -j DNAT --to-destination 10.244.0.4:53\nCOMMIT\n";
+
+#[test]
+fn statistic_endpoints_give_three_equal_branches() {
+    let r = ExplainRequest {
+        iptables_save: Some(THREE.into()),
+        packet: "udp 10.244.0.9:4000 -> 10.96.0.10:53 in eth0 out eth0".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    assert_eq!(e.branches.len(), 3);
+    let mut dsts: Vec<String> = e.branches.iter().map(|b| b.stages[0].after.dst.clone()).collect();
+    dsts.sort();
+    assert_eq!(dsts, ["10.244.0.2:53", "10.244.0.3:53", "10.244.0.4:53"]);
+    for b in &e.branches {
+        assert!((b.probability - 1.0 / 3.0).abs() < 1e-6, "{}", b.probability);
+    }
+    let total: f64 = e.branches.iter().map(|b| b.probability).sum();
+    assert!((total - 1.0).abs() < 1e-9);
+    // The branch that reaches endpoint C walked (and counted) all three SVC rules' matches:
+    // only the third rule's counter increments; the random rules that did not fire do not.
+    let c = e.branches.iter().find(|b| b.stages[0].after.dst == "10.244.0.4:53").unwrap();
+    let idx: Vec<_> = c.stages[0].rules.iter().map(|r| format!("{}#{}", r.chain, r.index)).collect();
+    assert_eq!(idx, ["PREROUTING#1", "KUBE-SVC-X#3", "KUBE-SEP-C#1"]);
+    let j = e.to_json();
+    assert_eq!(j["branches"].as_array().unwrap().len(), 3);
+    assert_eq!(j["verdict"], "accept");
+}
+
+#[test]
+fn unknown_sets_and_matches_are_undecidable_not_guessed() {
+    let rules = "*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -m set --match-set pods src -j DROP\n-A FORWARD -m physdev --physdev-is-bridged -j DROP\nCOMMIT\n";
+    let mut r = ExplainRequest {
+        iptables_save: Some(rules.into()),
+        packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    assert_eq!(e.verdict(), Verdict::Undecidable);
+    let s = &e.branches[0].stages[0];
+    assert!(s.rules[0].undecidable.as_deref().unwrap().contains("ipset pods"));
+    assert!(e.notes.iter().any(|n| n.contains("ipset")));
+    // With the set's contents the first rule is decided; the physdev rule is not.
+    r.ipset_save = Some("create pods hash:net family inet\nadd pods 10.1.0.0/16\n".into());
+    let e = explain(&r).unwrap();
+    let s = &e.branches[0].stages[0];
+    assert_eq!(s.rules.len(), 1);
+    assert_eq!(s.rules[0].index, 2);
+    assert!(s.rules[0].undecidable.as_deref().unwrap().contains("physdev"));
+    // ... and a packet from the set is dropped before the physdev rule is reached.
+    r.packet = "udp 10.1.2.3:1 -> 10.0.0.2:2 in a out b".into();
+    assert_eq!(explain(&r).unwrap().verdict(), Verdict::Drop);
+}
+
+#[test]
+fn goto_return_and_policy_semantics() {
+    let rules = "*filter\n:FORWARD DROP [0:0]\n:a - [0:0]\n:b - [0:0]\n\
+-A FORWARD -j a\n-A FORWARD -m mark --mark 0x1 -j ACCEPT\n\
+-A a -g b\n-A a -j MARK --set-mark 0x9\n\
+-A b -j MARK --set-mark 0x1\n-A b -j RETURN\n-A b -j MARK --set-mark 0x7\nCOMMIT\n";
+    let r = ExplainRequest {
+        iptables_save: Some(rules.into()),
+        packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    // goto b: RETURN from b returns to FORWARD (a's caller), skipping a#2.
+    assert_eq!(rules_of(&e, 0), ["filter:FORWARD#1", "filter:a#1", "filter:b#1", "filter:b#2", "filter:FORWARD#2"]);
+    assert_eq!(e.verdict(), Verdict::Accept);
+    // Without the mark the policy (DROP) decides, and it is reported.
+    let rules2 = rules.replace("--set-mark 0x1\n", "--set-mark 0x2\n");
+    let e = explain(&ExplainRequest { iptables_save: Some(rules2), ..r.clone() }).unwrap();
+    assert_eq!(e.verdict(), Verdict::Drop);
+    assert_eq!(e.branches[0].stages[0].policy.as_deref(), Some("DROP"));
+    // RETURN in a built-in chain applies the policy at once.
+    let rules3 = "*filter\n:FORWARD DROP [0:0]\n-A FORWARD -j RETURN\n-A FORWARD -j ACCEPT\nCOMMIT\n";
+    let e = explain(&ExplainRequest { iptables_save: Some(rules3.into()), ..r }).unwrap();
+    assert_eq!(e.verdict(), Verdict::Drop);
+    assert_eq!(rules_of(&e, 0), ["filter:FORWARD#1"]);
+}
+
+#[test]
+fn nth_statistic_and_negated_random_branch() {
+    let rules = "*mangle\n:PREROUTING ACCEPT [0:0]\n\
+-A PREROUTING -m statistic --mode nth --every 4 --packet 0 -j MARK --set-mark 0x1\n\
+-A PREROUTING -m statistic ! --mode random --probability 0.25 -j DROP\nCOMMIT\n";
+    let r = ExplainRequest {
+        iptables_save: Some(rules.into()),
+        packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    assert_eq!(e.branches.len(), 4);
+    let dropped: f64 = e.branches.iter().filter(|b| b.verdict == Verdict::Drop).map(|b| b.probability).sum();
+    assert!((dropped - 0.75).abs() < 1e-9, "{dropped}");
+    let marked: f64 = e.branches.iter().filter(|b| b.stages[0].after.mark == 1).map(|b| b.probability).sum();
+    assert!((marked - 0.25).abs() < 1e-9, "{marked}");
+    assert_eq!(e.verdict(), Verdict::Undecidable);
+}
+
+#[test]
+fn output_path_and_ipv6() {
+    let rules = "*filter\n:OUTPUT ACCEPT [0:0]\n-A OUTPUT -d 2001:db8::/32 -p tcp -m tcp --dport 80 -j REJECT --reject-with tcp-reset\nCOMMIT\n";
+    let r = ExplainRequest {
+        ip6tables_save: Some(rules.into()),
+        packet: "tcp [2001:db8::1]:5000 -> [2001:db8::2]:80 out eth0".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    assert_eq!(e.branches[0].route, "output");
+    assert_eq!(e.verdict(), Verdict::Reject);
+    let j = e.to_json();
+    assert_eq!(j["family"], "ipv6");
+    assert_eq!(j["stages"][0]["before"]["dst"], "[2001:db8::2]:80");
+    // No IPv6 rules at all is a user error with advice, not an empty answer.
+    let r = ExplainRequest { iptables_save: Some(rules.into()), ip6tables_save: None, ..r };
+    assert!(explain(&r).unwrap_err().to_string().contains("ip6tables-save"));
+}
+
+#[test]
+fn nft_native_chains_are_reported() {
+    let nft = r#"{"nftables":[{"table":{"family":"inet","name":"fw","handle":1}},
+      {"chain":{"family":"inet","table":"fw","name":"fwd","handle":1,"type":"filter","hook":"forward","prio":0,"policy":"drop"}}]}"#;
+    let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
+    r.nft_json = Some(nft.into());
+    let e = explain(&r).unwrap();
+    assert!(e.notes.iter().any(|n| n.contains("inet fw fwd") && n.contains("FORWARD")), "{:?}", e.notes);
+}

@@ -1,0 +1,201 @@
+//! Kernel struct layout, resolved at start from the running kernel's BTF
+//! (`/sys/kernel/btf/vmlinux`). The probes never carry hard-coded offsets: they read the
+//! offsets this module computes from the `CONFIG` map, and the collector decodes conntrack
+//! tuples with the layout found here.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
+use observer_common::{CT_TUPLE_BYTES, config};
+
+pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BtfError {
+    #[error(
+        "cannot read {path}: {source}; observer needs a kernel built with CONFIG_DEBUG_INFO_BTF=y"
+    )]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot parse kernel BTF: {0:?}")]
+    Parse(btfparse::Error),
+    #[error("kernel BTF has no `{0}`; this kernel lacks what observer needs")]
+    Missing(String),
+    #[error("`{0}` is a bitfield; observer cannot read it")]
+    Bitfield(String),
+    #[error("struct nf_conntrack_tuple is {0} bytes, larger than the {CT_TUPLE_BYTES} the probes copy")]
+    TupleTooLarge(usize),
+}
+
+/// Layout of `struct nf_conntrack_tuple` (byte offsets within it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TupleLayout {
+    pub src_addr: usize,
+    pub src_port: usize,
+    pub dst_addr: usize,
+    pub dst_port: usize,
+    pub protonum: usize,
+    pub size: usize,
+}
+
+/// Offsets the probes need (indexed like [`observer_common::config`]) and decoding layouts.
+#[derive(Clone, Debug)]
+pub struct KernelLayout {
+    /// Values for the `CONFIG` map, by index.
+    pub config: Vec<u64>,
+    pub tuple: TupleLayout,
+    /// `enum skb_drop_reason` value -> name without the `SKB_DROP_REASON_` prefix.
+    pub drop_reasons: HashMap<u32, String>,
+}
+
+struct Bytes(Vec<u8>);
+
+impl Readable for Bytes {
+    fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
+        let start = usize::try_from(offset).unwrap_or(usize::MAX);
+        match self.0.get(start..start.saturating_add(buffer.len())) {
+            Some(src) => {
+                buffer.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(btfparse::Error::new(
+                btfparse::ErrorKind::IOError,
+                "read past the end of the BTF data",
+            )),
+        }
+    }
+}
+
+impl KernelLayout {
+    /// Reads the running kernel's BTF.
+    pub fn from_kernel() -> Result<Self, BtfError> {
+        Self::from_file(Path::new(VMLINUX))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, BtfError> {
+        let data = std::fs::read(path).map_err(|source| BtfError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let info = TypeInformation::new(&Bytes(data)).map_err(BtfError::Parse)?;
+        Self::from_types(&info)
+    }
+
+    fn from_types(info: &TypeInformation) -> Result<Self, BtfError> {
+        let off = |ty: &str, path: &str| -> Result<u64, BtfError> {
+            let id = info
+                .id_of(ty)
+                .ok_or_else(|| BtfError::Missing(format!("struct {ty}")))?;
+            match info.offset_of(id, path) {
+                Ok((_, Offset::ByteOffset(o))) => Ok(u64::from(o)),
+                Ok((_, Offset::BitOffsetAndSize(..))) => {
+                    Err(BtfError::Bitfield(format!("{ty}.{path}")))
+                }
+                Err(_) => Err(BtfError::Missing(format!("{ty}.{path}"))),
+            }
+        };
+        let size = |ty: &str| -> Result<usize, BtfError> {
+            let id = info
+                .id_of(ty)
+                .ok_or_else(|| BtfError::Missing(format!("struct {ty}")))?;
+            info.size_of(id)
+                .map_err(|_| BtfError::Missing(format!("size of {ty}")))
+        };
+
+        let mut config = vec![config::UNSET; config::COUNT as usize];
+        let mut set = |i: u32, v: u64| config[i as usize] = v;
+        set(config::READY, 1);
+        set(config::SKB_MARK, off("sk_buff", "mark")?);
+        set(config::SKB_LEN, off("sk_buff", "len")?);
+        set(config::SKB_HEAD, off("sk_buff", "head")?);
+        set(config::SKB_NETWORK_HEADER, off("sk_buff", "network_header")?);
+        set(config::SKB_NFCT, off("sk_buff", "_nfct")?);
+        set(config::STATE_HOOK, off("nf_hook_state", "hook")?);
+        set(config::STATE_PF, off("nf_hook_state", "pf")?);
+        set(config::STATE_IN, off("nf_hook_state", "in")?);
+        set(config::STATE_OUT, off("nf_hook_state", "out")?);
+        set(config::NETDEV_IFINDEX, off("net_device", "ifindex")?);
+        set(config::CT_MARK, off("nf_conn", "mark")?);
+        set(config::CT_STATUS, off("nf_conn", "status")?);
+        let tuplehash = off("nf_conn", "tuplehash")?;
+        let in_hash = off("nf_conntrack_tuple_hash", "tuple")?;
+        let hash_size = size("nf_conntrack_tuple_hash")? as u64;
+        set(config::CT_TUPLE_ORIG, tuplehash + in_hash);
+        set(config::CT_TUPLE_REPLY, tuplehash + hash_size + in_hash);
+
+        let t = |p: &str| off("nf_conntrack_tuple", p).map(|v| v as usize);
+        let tuple = TupleLayout {
+            src_addr: t("src.u3")?,
+            src_port: t("src.u.all")?,
+            dst_addr: t("dst.u3")?,
+            dst_port: t("dst.u.all")?,
+            protonum: t("dst.protonum")?,
+            size: size("nf_conntrack_tuple")?,
+        };
+        if tuple.size > CT_TUPLE_BYTES {
+            return Err(BtfError::TupleTooLarge(tuple.size));
+        }
+
+        Ok(Self {
+            config,
+            tuple,
+            drop_reasons: drop_reasons(info),
+        })
+    }
+}
+
+/// Names of `enum skb_drop_reason`, whose numbering changes between kernels.
+fn drop_reasons(info: &TypeInformation) -> HashMap<u32, String> {
+    let Some(id) = info.id_of("skb_drop_reason") else {
+        return HashMap::new();
+    };
+    let Some(TypeVariant::Enum(e)) = info.from_id(id) else {
+        return HashMap::new();
+    };
+    e.named_value_list()
+        .iter()
+        .map(|v| {
+            let value = match v.value {
+                btfparse::Integer32Value::Signed(n) => n as u32,
+                btfparse::Integer32Value::Unsigned(n) => n,
+            };
+            let name = v.name.strip_prefix("SKB_DROP_REASON_").unwrap_or(&v.name);
+            (value, name.to_string())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs on any machine with kernel BTF; the offsets must be plausible and distinct.
+    #[test]
+    fn resolves_offsets_from_running_kernel() {
+        if !Path::new(VMLINUX).exists() {
+            eprintln!("!!! SKIPPED: no {VMLINUX} on this machine");
+            return;
+        }
+        let l = KernelLayout::from_kernel().expect("kernel BTF parses");
+        let c = &l.config;
+        for i in 1..=config::CT_TUPLE_REPLY {
+            assert_ne!(c[i as usize], config::UNSET, "config slot {i} resolved");
+        }
+        assert!(c[config::SKB_MARK as usize] < 256, "mark inside sk_buff head");
+        assert_eq!(
+            c[config::CT_TUPLE_REPLY as usize] - c[config::CT_TUPLE_ORIG as usize],
+            56,
+            "two tuple hashes of 16-byte node + 40-byte tuple on x86_64"
+        );
+        assert_eq!(l.tuple.size, 40);
+        assert_eq!(l.tuple.src_addr, 0);
+        assert_eq!(l.tuple.dst_addr, 20);
+        assert!(
+            l.drop_reasons.values().any(|n| n == "NETFILTER_DROP"),
+            "drop reasons resolved"
+        );
+    }
+}

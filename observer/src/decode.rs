@@ -1,0 +1,286 @@
+//! Decoding: ring-buffer bytes -> typed observations. Pure; tested from hand-built bytes.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
+
+use crate::btf::TupleLayout;
+use crate::nf_link::{NfFamily, NfHook};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record of {0} bytes is shorter than its header")]
+    Short(usize),
+    #[error("record of unknown kind {0}")]
+    UnknownKind(u8),
+    #[error("packet record of {got} bytes, expected {want}")]
+    Size { got: usize, want: usize },
+    #[error("record with unknown hook {0}")]
+    UnknownHook(u8),
+}
+
+/// Where a record was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Point {
+    TcIngress,
+    TcEgress,
+    /// A netfilter probe: hook and slot (index into that hook's plan).
+    Netfilter(NfHook, usize),
+}
+
+/// Address + port (port 0 and `has_port == false` for protocols without ports).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub addr: IpAddr,
+    pub port: u16,
+}
+
+/// A conntrack tuple (one direction).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tuple {
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    pub proto: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conntrack {
+    /// `enum ip_conntrack_info`.
+    pub info: u32,
+    pub mark: u32,
+    pub status: u64,
+    pub original: Tuple,
+    pub reply: Tuple,
+}
+
+impl Conntrack {
+    /// Human name of the ctinfo, as iptables' `--ctstate` spells it.
+    pub fn state(&self) -> &'static str {
+        match self.info {
+            0 | 3 => "established",
+            1 | 4 => "related",
+            2 => "new",
+            _ => "untracked",
+        }
+    }
+
+    pub fn is_reply(&self) -> bool {
+        self.info >= 3 && self.info <= 4
+    }
+}
+
+/// One packet seen at one point.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Observation {
+    pub point: Point,
+    pub family: Option<NfFamily>,
+    pub ts_ns: u64,
+    pub skb: u64,
+    pub ifindex_in: u32,
+    pub ifindex_out: u32,
+    /// None when the headers could not be read.
+    pub src: Option<Endpoint>,
+    pub dst: Option<Endpoint>,
+    pub proto: u8,
+    pub has_ports: bool,
+    pub tcp_flags: u8,
+    pub len: u32,
+    pub mark: u32,
+    pub ct: Option<Conntrack>,
+}
+
+fn addr(bytes: &[u8], v4: bool) -> IpAddr {
+    if v4 {
+        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
+    } else {
+        let mut a = [0u8; 16];
+        a.copy_from_slice(&bytes[..16]);
+        IpAddr::V6(Ipv6Addr::from(a))
+    }
+}
+
+fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
+    let port = |at: usize| u16::from_be_bytes([raw[at], raw[at + 1]]);
+    Tuple {
+        src: Endpoint {
+            addr: addr(&raw[l.src_addr..l.src_addr + 16], v4),
+            port: port(l.src_port),
+        },
+        dst: Endpoint {
+            addr: addr(&raw[l.dst_addr..l.dst_addr + 16], v4),
+            port: port(l.dst_port),
+        },
+        proto: raw[l.protonum],
+    }
+}
+
+/// Decodes one ring-buffer record.
+pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeError> {
+    if bytes.len() < size_of::<EventHeader>() {
+        return Err(DecodeError::Short(bytes.len()));
+    }
+    if bytes[0] != kind::PACKET {
+        return Err(DecodeError::UnknownKind(bytes[0]));
+    }
+    if bytes.len() != size_of::<PacketEvent>() {
+        return Err(DecodeError::Size {
+            got: bytes.len(),
+            want: size_of::<PacketEvent>(),
+        });
+    }
+    // SAFETY: PacketEvent is repr(C) plain data of exactly this size; read_unaligned copes
+    // with any alignment of the ring-buffer slice.
+    let ev: PacketEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let h = ev.header;
+    let point = match h.hook {
+        hook::TC_INGRESS => Point::TcIngress,
+        hook::TC_EGRESS => Point::TcEgress,
+        n => Point::Netfilter(
+            NfHook::from_raw(n).ok_or(DecodeError::UnknownHook(n))?,
+            h.slot as usize,
+        ),
+    };
+    let fam = match h.family {
+        family::IPV4 => Some(NfFamily::Ipv4),
+        family::IPV6 => Some(NfFamily::Ipv6),
+        _ => None,
+    };
+    let p = ev.packet;
+    let v4 = p.ip_version == 4;
+    let has_l3 = h.flags & flags::NO_L3 == 0 && (p.ip_version == 4 || p.ip_version == 6);
+    let has_ports = has_l3 && h.flags & flags::NO_L4 == 0 && matches!(p.l4proto, 6 | 17 | 132 | 136);
+    let endpoint = |a: &[u8; 16], port: u16| Endpoint {
+        addr: addr(a, v4),
+        port: if has_ports { port } else { 0 },
+    };
+    let ct = (h.flags & flags::CT != 0).then(|| Conntrack {
+        info: ev.ct.ctinfo,
+        mark: ev.ct.mark,
+        status: ev.ct.status,
+        original: tuple(&ev.ct.orig, layout, fam != Some(NfFamily::Ipv6) && v4),
+        reply: tuple(&ev.ct.reply, layout, fam != Some(NfFamily::Ipv6) && v4),
+    });
+    Ok(Observation {
+        point,
+        family: fam.or(match p.ip_version {
+            4 => Some(NfFamily::Ipv4),
+            6 => Some(NfFamily::Ipv6),
+            _ => None,
+        }),
+        ts_ns: h.ts_ns,
+        skb: h.skb,
+        ifindex_in: h.ifindex_in,
+        ifindex_out: h.ifindex_out,
+        src: has_l3.then(|| endpoint(&p.saddr, p.sport)),
+        dst: has_l3.then(|| endpoint(&p.daddr, p.dport)),
+        proto: p.l4proto,
+        has_ports,
+        tcp_flags: p.tcp_flags,
+        len: p.len,
+        mark: p.mark,
+        ct,
+    })
+}
+
+/// Encodes an event to the bytes the ring buffer would carry (for tests and benchmarks).
+pub fn encode(ev: &PacketEvent) -> Vec<u8> {
+    // SAFETY: PacketEvent is repr(C) plain data without padding (asserted in observer-common).
+    unsafe {
+        std::slice::from_raw_parts((ev as *const PacketEvent).cast::<u8>(), size_of::<PacketEvent>())
+    }
+    .to_vec()
+}
+
+#[cfg(test)]
+pub mod tests {
+    use super::*;
+
+    pub const LAYOUT: TupleLayout = TupleLayout {
+        src_addr: 0,
+        src_port: 16,
+        dst_addr: 20,
+        dst_port: 36,
+        protonum: 38,
+        size: 40,
+    };
+
+    /// A TCP packet event at `hook`/`slot` with the given addresses and mark.
+    pub fn tcp_event(
+        hook_no: u8,
+        slot: u32,
+        skb: u64,
+        src: ([u8; 4], u16),
+        dst: ([u8; 4], u16),
+        mark: u32,
+    ) -> PacketEvent {
+        let mut ev = PacketEvent::default();
+        ev.header.kind = kind::PACKET;
+        ev.header.family = family::IPV4;
+        ev.header.hook = hook_no;
+        ev.header.slot = slot;
+        ev.header.skb = skb;
+        ev.packet.ip_version = 4;
+        ev.packet.l4proto = 6;
+        ev.packet.saddr[..4].copy_from_slice(&src.0);
+        ev.packet.daddr[..4].copy_from_slice(&dst.0);
+        ev.packet.sport = src.1;
+        ev.packet.dport = dst.1;
+        ev.packet.mark = mark;
+        ev
+    }
+
+    pub fn with_ct(mut ev: PacketEvent, info: u32, orig: (([u8; 4], u16), ([u8; 4], u16)), reply: (([u8; 4], u16), ([u8; 4], u16))) -> PacketEvent {
+        ev.header.flags |= flags::CT;
+        ev.ct.ctinfo = info;
+        for (raw, (s, d)) in [(&mut ev.ct.orig, orig), (&mut ev.ct.reply, reply)] {
+            raw[0..4].copy_from_slice(&s.0);
+            raw[16..18].copy_from_slice(&s.1.to_be_bytes());
+            raw[20..24].copy_from_slice(&d.0);
+            raw[36..38].copy_from_slice(&d.1.to_be_bytes());
+            raw[38] = 6;
+        }
+        ev
+    }
+
+    #[test]
+    fn decodes_packet_with_conntrack() {
+        let ev = tcp_event(0, 3, 0xffff_8880_1234_0000, ([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22), 0x4000);
+        let ev = with_ct(ev, 2, (([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22)), (([172, 17, 0, 5], 22), ([198, 51, 100, 10], 40000)));
+        let o = decode(&encode(&ev), &LAYOUT).unwrap();
+        assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, 3));
+        assert_eq!(o.family, Some(NfFamily::Ipv4));
+        assert_eq!(o.skb, 0xffff_8880_1234_0000);
+        assert_eq!(o.src.unwrap().addr.to_string(), "198.51.100.10");
+        assert_eq!(o.dst.unwrap().port, 22);
+        assert_eq!(o.mark, 0x4000);
+        let ct = o.ct.unwrap();
+        assert_eq!(ct.state(), "new");
+        assert_eq!(ct.reply.src.addr.to_string(), "172.17.0.5");
+        assert_eq!(ct.reply.src.port, 22);
+        assert_eq!(ct.original.proto, 6);
+    }
+
+    #[test]
+    fn icmp_has_no_ports_and_tc_points_decode() {
+        let mut ev = tcp_event(hook::TC_EGRESS, 0, 1, ([1, 2, 3, 4], 7), ([5, 6, 7, 8], 0x0800), 0);
+        ev.packet.l4proto = 1;
+        let o = decode(&encode(&ev), &LAYOUT).unwrap();
+        assert_eq!(o.point, Point::TcEgress);
+        assert!(!o.has_ports);
+        assert_eq!(o.src.unwrap().port, 0);
+        assert!(o.ct.is_none());
+    }
+
+    #[test]
+    fn rejects_bad_records() {
+        let ev = tcp_event(9, 0, 1, ([0; 4], 0), ([0; 4], 0), 0);
+        assert_eq!(decode(&encode(&ev), &LAYOUT), Err(DecodeError::UnknownHook(9)));
+        assert_eq!(decode(&[1, 2, 3], &LAYOUT), Err(DecodeError::Short(3)));
+        let mut bytes = encode(&ev);
+        bytes[0] = 77;
+        assert_eq!(decode(&bytes, &LAYOUT), Err(DecodeError::UnknownKind(77)));
+        bytes[0] = kind::PACKET;
+        bytes.truncate(100);
+        assert!(matches!(decode(&bytes, &LAYOUT), Err(DecodeError::Size { .. })));
+    }
+}

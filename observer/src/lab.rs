@@ -1,0 +1,194 @@
+//! The built-in lab: a Kubernetes-like node in network namespaces, nothing attached to the
+//! root namespace. See `docs/lab.md` for the drawing.
+//!
+//! ```text
+//!  client 198.51.100.10 --eth0--eth0-- node --cali1a2b--eth0-- pod  172.17.0.5 (:22 "registry")
+//!                                       |  --cali2c3d--eth0-- pod2 192.170.1.5 (Calico pool)
+//!                                       +--eth1--eth0-- ext 203.0.113.10
+//! ```
+//! The node carries `lab/node.rules` (kube-proxy ClusterIP 10.10.10.2:22 and Calico 3.7
+//! chains) and `lab/node.ipsets`.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+pub const RULES: &str = include_str!("../../lab/node.rules");
+pub const IPSETS: &str = include_str!("../../lab/node.ipsets");
+
+pub const CLUSTER_IP: &str = "10.10.10.2";
+pub const CLIENT_IP: &str = "198.51.100.10";
+pub const NODE_IP: &str = "198.51.100.1";
+pub const NODE_EXT_IP: &str = "203.0.113.1";
+pub const POD_IP: &str = "172.17.0.5";
+pub const POD2_IP: &str = "192.170.1.5";
+pub const EXT_IP: &str = "203.0.113.10";
+pub const POD_GW: &str = "169.254.1.1";
+pub const CLIENT_IP6: &str = "2001:db8:1::10";
+pub const NODE_IP6: &str = "2001:db8:1::1";
+pub const POD_IP6: &str = "2001:db8:2::5";
+
+/// Namespace names of one lab instance; `prefix` lets tests run labs side by side.
+#[derive(Clone, Debug)]
+pub struct Lab {
+    pub prefix: String,
+}
+
+impl Lab {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_string(),
+        }
+    }
+
+    pub fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.prefix)
+    }
+
+    pub fn node(&self) -> String {
+        self.ns("node")
+    }
+
+    pub const ROLES: [&'static str; 5] = ["client", "node", "pod", "pod2", "ext"];
+
+    /// Builds the lab (removing a previous one of the same prefix first).
+    pub fn up(&self) -> Result<()> {
+        self.down();
+        for role in Self::ROLES {
+            run(&["ip", "netns", "add", &self.ns(role)])?;
+            self.exec(role, &["ip", "link", "set", "lo", "up"])?;
+        }
+        let (client, node, pod, pod2, ext) = (
+            self.ns("client"),
+            self.ns("node"),
+            self.ns("pod"),
+            self.ns("pod2"),
+            self.ns("ext"),
+        );
+        veth(&node, "eth0", &client, "eth0")?;
+        veth(&node, "eth1", &ext, "eth0")?;
+        veth(&node, "cali1a2b", &pod, "eth0")?;
+        veth(&node, "cali2c3d", &pod2, "eth0")?;
+
+        self.sh("client", &format!(
+            "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
+             ip -6 addr add {CLIENT_IP6}/64 dev eth0 nodad; ip -6 route add default via {NODE_IP6}"
+        ))?;
+        self.sh("ext", &format!("ip addr add {EXT_IP}/24 dev eth0"))?;
+        for (role, ip) in [("pod", POD_IP), ("pod2", POD2_IP)] {
+            self.sh(role, &format!(
+                "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
+                 ip route add default via {POD_GW}"
+            ))?;
+        }
+        self.sh("pod", &format!(
+            "ip -6 addr add {POD_IP6}/64 dev eth0 nodad; ip -6 route add default via 2001:db8:2::1"
+        ))?;
+        self.sh("node", &format!(
+            "sysctl -qw net.ipv4.ip_forward=1; sysctl -qw net.ipv6.conf.all.forwarding=1; \
+             ip addr add {NODE_IP}/24 dev eth0; ip addr add {NODE_EXT_IP}/24 dev eth1; \
+             ip -6 addr add {NODE_IP6}/64 dev eth0 nodad; \
+             ip addr add {POD_GW}/32 dev cali1a2b; ip addr add {POD_GW}/32 dev cali2c3d; \
+             ip -6 addr add 2001:db8:2::1/64 dev cali1a2b nodad; \
+             ip route add {POD_IP}/32 dev cali1a2b; ip route add {POD2_IP}/32 dev cali2c3d; \
+             ip route add default via {EXT_IP}"
+        ))?;
+        self.load_rules()
+            .context("loading the lab's iptables rules (is the `iptables` package installed?)")?;
+        Ok(())
+    }
+
+    fn load_rules(&self) -> Result<()> {
+        let node = self.node();
+        pipe(&["ip", "netns", "exec", &node, "ipset", "restore", "-exist"], IPSETS)?;
+        pipe(&["ip", "netns", "exec", &node, "iptables-restore"], RULES)?;
+        Ok(())
+    }
+
+    /// Removes every namespace of this lab; missing ones are fine.
+    pub fn down(&self) {
+        for role in Self::ROLES {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(role)])
+                .output();
+        }
+    }
+
+    /// Which of the lab's namespaces exist.
+    pub fn status(&self) -> Vec<(String, bool)> {
+        let existing = Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        Self::ROLES
+            .iter()
+            .map(|r| {
+                let n = self.ns(r);
+                let up = existing
+                    .lines()
+                    .any(|l| l.split_whitespace().next() == Some(n.as_str()));
+                (n, up)
+            })
+            .collect()
+    }
+
+    pub fn exec(&self, role: &str, args: &[&str]) -> Result<String> {
+        let ns = self.ns(role);
+        let mut full = vec!["ip", "netns", "exec", ns.as_str()];
+        full.extend_from_slice(args);
+        run(&full)
+    }
+
+    pub fn sh(&self, role: &str, script: &str) -> Result<String> {
+        self.exec(role, &["sh", "-ec", script])
+    }
+}
+
+fn veth(a: &str, a_if: &str, b: &str, b_if: &str) -> Result<()> {
+    run(&[
+        "ip", "link", "add", a_if, "netns", a, "type", "veth", "peer", "name", b_if, "netns", b,
+    ])?;
+    run(&["ip", "-n", a, "link", "set", a_if, "up"])?;
+    run(&["ip", "-n", b, "link", "set", b_if, "up"])?;
+    Ok(())
+}
+
+fn run(args: &[&str]) -> Result<String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .with_context(|| format!("cannot run `{}`: is it installed? (`cargo xtask setup`)", args[0]))?;
+    if !out.status.success() {
+        bail!(
+            "`{}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn pipe(args: &[&str], input: &str) -> Result<()> {
+    use std::io::Write;
+    let mut child = Command::new(args[0])
+        .args(&args[1..])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run `{}`", args[0]))?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "`{}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,380 @@
+//! Netfilter BPF programs and links, the one thing Aya 0.14 cannot load.
+//!
+//! Aya rejects any object with a `netfilter` section, so this module parses such an object
+//! itself, points its map references at maps that Aya already created (by symbol name), loads
+//! each program with `BPF_PROG_LOAD` (type `BPF_PROG_TYPE_NETFILTER`) and attaches it with
+//! `BPF_LINK_CREATE`. The interface mirrors Aya's (`load`, `attach`, link detached on drop)
+//! so that it can be replaced by Aya's own once Aya supports netfilter programs.
+//!
+//! Scope: programs must be self-contained (no BPF-to-BPF calls, no global data); the only
+//! relocations allowed are `ld_imm64` map references. Anything else is refused with an error
+//! that says so, instead of loading a program that would misbehave.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use aya_obj::generated::{
+    BPF_PSEUDO_MAP_FD, bpf_attach_type, bpf_attr, bpf_cmd, bpf_prog_type,
+};
+use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget};
+
+/// Size of one BPF instruction.
+const INSN: usize = 8;
+/// `BPF_LD | BPF_IMM | BPF_DW`: the first half of a 64-bit immediate load.
+const LD_IMM64: u8 = 0x18;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NfError {
+    #[error("netfilter object is not a valid ELF: {0}")]
+    Elf(#[from] object::Error),
+    #[error("netfilter object has no program named `{0}`")]
+    NoProgram(String),
+    #[error(
+        "program `{prog}` references `{symbol}`, which is not a map observer created; only map \
+         references are supported (mark helpers #[inline(always)], avoid global data)"
+    )]
+    UnsupportedRelocation { prog: String, symbol: String },
+    #[error("program `{prog}` has a relocation at byte {offset} that is not an ld_imm64")]
+    BadRelocation { prog: String, offset: u64 },
+    #[error(
+        "the kernel refused to load netfilter program `{prog}`: {source}\n\
+         verifier log:\n{log}\n(BPF netfilter programs need Linux 6.4+ with \
+         CONFIG_NETFILTER_BPF_LINK=y and root or CAP_BPF+CAP_NET_ADMIN)"
+    )]
+    Load {
+        prog: String,
+        source: std::io::Error,
+        log: String,
+    },
+    #[error("program `{0}` must be loaded before it is attached")]
+    NotLoaded(String),
+    #[error(
+        "cannot attach `{prog}` to {family}/{hook} at priority {priority}: {source}{hint}"
+    )]
+    Attach {
+        prog: String,
+        family: &'static str,
+        hook: &'static str,
+        priority: i32,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+}
+
+/// Protocol family of a netfilter hook (`NFPROTO_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NfFamily {
+    Ipv4,
+    Ipv6,
+}
+
+impl NfFamily {
+    pub const ALL: [NfFamily; 2] = [NfFamily::Ipv4, NfFamily::Ipv6];
+
+    pub fn pf(self) -> u32 {
+        match self {
+            NfFamily::Ipv4 => u32::from(observer_common::family::IPV4),
+            NfFamily::Ipv6 => u32::from(observer_common::family::IPV6),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NfFamily::Ipv4 => "ipv4",
+            NfFamily::Ipv6 => "ipv6",
+        }
+    }
+}
+
+/// The five inet hooks, numbered as the kernel's `NF_INET_*`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NfHook {
+    PreRouting = 0,
+    LocalIn = 1,
+    Forward = 2,
+    LocalOut = 3,
+    PostRouting = 4,
+}
+
+impl NfHook {
+    pub const ALL: [NfHook; 5] = [
+        NfHook::PreRouting,
+        NfHook::LocalIn,
+        NfHook::Forward,
+        NfHook::LocalOut,
+        NfHook::PostRouting,
+    ];
+
+    pub fn from_raw(v: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(v)).copied()
+    }
+
+    /// The chain name iptables uses for this hook.
+    pub fn name(self) -> &'static str {
+        match self {
+            NfHook::PreRouting => "PREROUTING",
+            NfHook::LocalIn => "INPUT",
+            NfHook::Forward => "FORWARD",
+            NfHook::LocalOut => "OUTPUT",
+            NfHook::PostRouting => "POSTROUTING",
+        }
+    }
+}
+
+/// One program of a netfilter object, with its map references already resolved.
+pub struct NfProgram {
+    name: String,
+    insns: Vec<u8>,
+    license: CString,
+    fd: Option<OwnedFd>,
+}
+
+/// The netfilter programs found in an ELF object (sections named `netfilter/<name>`).
+pub struct NfObject {
+    programs: HashMap<String, NfProgram>,
+}
+
+impl NfObject {
+    /// Parses `elf` and points every map reference at the fd `maps` gives for that symbol.
+    pub fn parse(elf: &[u8], maps: &HashMap<String, RawFd>) -> Result<Self, NfError> {
+        let file = object::File::parse(elf)?;
+        let license = file
+            .section_by_name("license")
+            .and_then(|s| s.data().ok())
+            .map(|d| d.split(|&b| b == 0).next().unwrap_or(b"GPL").to_vec())
+            .unwrap_or_else(|| b"GPL".to_vec());
+        let license = CString::new(license).unwrap_or_else(|_| c"GPL".into());
+        let mut programs = HashMap::new();
+        for section in file.sections() {
+            let Ok(section_name) = section.name() else { continue };
+            let Some(prog) = section_name.strip_prefix("netfilter/") else { continue };
+            let mut insns = section.data()?.to_vec();
+            for (offset, reloc) in section.relocations() {
+                let symbol = match reloc.target() {
+                    RelocationTarget::Symbol(idx) => file.symbol_by_index(idx)?,
+                    _ => {
+                        return Err(NfError::BadRelocation {
+                            prog: prog.to_string(),
+                            offset,
+                        });
+                    }
+                };
+                let name = symbol.name().unwrap_or("?").to_string();
+                let Some(&fd) = maps.get(&name) else {
+                    return Err(NfError::UnsupportedRelocation {
+                        prog: prog.to_string(),
+                        symbol: name,
+                    });
+                };
+                patch_map_fd(&mut insns, offset as usize, fd).ok_or_else(|| {
+                    NfError::BadRelocation {
+                        prog: prog.to_string(),
+                        offset,
+                    }
+                })?;
+            }
+            programs.insert(
+                prog.to_string(),
+                NfProgram {
+                    name: prog.to_string(),
+                    insns,
+                    license: license.clone(),
+                    fd: None,
+                },
+            );
+        }
+        Ok(Self { programs })
+    }
+
+    pub fn program_mut(&mut self, name: &str) -> Result<&mut NfProgram, NfError> {
+        self.programs
+            .get_mut(name)
+            .ok_or_else(|| NfError::NoProgram(name.to_string()))
+    }
+
+    pub fn program_names(&self) -> impl Iterator<Item = &str> {
+        self.programs.keys().map(String::as_str)
+    }
+}
+
+/// Rewrites the `ld_imm64` at byte `offset` to load map `fd`. None if it is not an ld_imm64.
+fn patch_map_fd(insns: &mut [u8], offset: usize, fd: RawFd) -> Option<()> {
+    let insn = insns.get_mut(offset..offset + 2 * INSN)?;
+    if insn[0] != LD_IMM64 {
+        return None;
+    }
+    // Byte 1 holds dst_reg (low nibble) and src_reg (high nibble), little-endian BPF.
+    insn[1] = (insn[1] & 0x0f) | ((BPF_PSEUDO_MAP_FD as u8) << 4);
+    insn[4..8].copy_from_slice(&fd.to_le_bytes());
+    // The second half's immediate is the offset into the map value: none for map refs.
+    insn[12..16].copy_from_slice(&0i32.to_le_bytes());
+    Some(())
+}
+
+fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
+    // SAFETY: attr is a fully initialised bpf_attr of the size we pass.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd as libc::c_long,
+            attr as *mut bpf_attr,
+            std::mem::size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: on success these commands return a new file descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(rc as RawFd) })
+}
+
+impl NfProgram {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Loads the program into the kernel (idempotent).
+    pub fn load(&mut self) -> Result<(), NfError> {
+        if self.fd.is_some() {
+            return Ok(());
+        }
+        let mut log = vec![0u8; 1 << 20];
+        let mut result = self.load_with_log(&mut [], 0);
+        if result.is_err() {
+            // Retry with the verifier log so the error says why.
+            result = self.load_with_log(&mut log, 1);
+        }
+        match result {
+            Ok(fd) => {
+                self.fd = Some(fd);
+                Ok(())
+            }
+            Err(source) => {
+                let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+                let text = String::from_utf8_lossy(&log[..end]);
+                // The tail of the verifier log holds the reason.
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(30)..].join("\n");
+                Err(NfError::Load {
+                    prog: self.name.clone(),
+                    source,
+                    log: tail,
+                })
+            }
+        }
+    }
+
+    fn load_with_log(&self, log: &mut [u8], level: u32) -> std::io::Result<OwnedFd> {
+        // SAFETY: bpf_attr is a plain C union; all-zero is its documented initial state.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing the prog-load member of a zeroed union.
+        let load = unsafe { &mut attr.__bindgen_anon_3 };
+        load.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
+        load.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+        load.insns = self.insns.as_ptr() as u64;
+        load.insn_cnt = (self.insns.len() / INSN) as u32;
+        load.license = self.license.as_ptr() as u64;
+        for (dst, src) in load.prog_name.iter_mut().zip(self.name.bytes().take(15)) {
+            *dst = src as libc::c_char;
+        }
+        if level > 0 {
+            load.log_level = level;
+            load.log_buf = log.as_mut_ptr() as u64;
+            load.log_size = log.len() as u32;
+        }
+        bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
+    }
+
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Attaches the program at (family, hook, priority) in the calling thread's network
+    /// namespace. The returned link detaches when dropped (or when the process dies).
+    pub fn attach(&self, family: NfFamily, hook: NfHook, priority: i32) -> Result<NfLink, NfError> {
+        let fd = self
+            .fd
+            .as_ref()
+            .ok_or_else(|| NfError::NotLoaded(self.name.clone()))?;
+        // SAFETY: as in load_with_log.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing the link-create member of a zeroed union.
+        let link = unsafe { &mut attr.link_create };
+        link.__bindgen_anon_1.prog_fd = fd.as_raw_fd() as u32;
+        link.attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+        link.__bindgen_anon_3.netfilter.pf = family.pf();
+        link.__bindgen_anon_3.netfilter.hooknum = hook as u32;
+        link.__bindgen_anon_3.netfilter.priority = priority;
+        link.__bindgen_anon_3.netfilter.flags = 0;
+        match bpf(bpf_cmd::BPF_LINK_CREATE, &mut attr) {
+            Ok(fd) => Ok(NfLink {
+                _fd: fd,
+                family,
+                hook,
+                priority,
+            }),
+            Err(source) => {
+                let hint = match source.raw_os_error() {
+                    Some(libc::EBUSY) => " (another BPF netfilter program holds this priority)",
+                    Some(libc::ERANGE) => " (priority out of range: INT_MIN and INT_MAX are reserved)",
+                    Some(libc::EINVAL) => " (kernel 6.4+ with CONFIG_NETFILTER_BPF_LINK=y needed)",
+                    Some(libc::EPERM) => " (run as root)",
+                    _ => "",
+                };
+                Err(NfError::Attach {
+                    prog: self.name.clone(),
+                    family: family.name(),
+                    hook: hook.name(),
+                    priority,
+                    source,
+                    hint,
+                })
+            }
+        }
+    }
+}
+
+/// An attached netfilter program; closing the fd detaches it.
+pub struct NfLink {
+    _fd: OwnedFd,
+    pub family: NfFamily,
+    pub hook: NfHook,
+    pub priority: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patches_ld_imm64_with_map_fd() {
+        // r1 = 0 ll (ld_imm64, dst r1), then exit.
+        let mut insns = vec![
+            0x18, 0x01, 0, 0, 0, 0, 0, 0, /* second half */ 0, 0, 0, 0, 0, 0, 0, 0, 0x95, 0,
+            0, 0, 0, 0, 0, 0,
+        ];
+        patch_map_fd(&mut insns, 0, 42).expect("ld_imm64 patched");
+        assert_eq!(insns[1], 0x11, "src_reg = BPF_PSEUDO_MAP_FD, dst_reg kept");
+        assert_eq!(&insns[4..8], &42i32.to_le_bytes());
+        assert!(patch_map_fd(&mut insns, 16, 42).is_none(), "exit is not patched");
+        assert!(patch_map_fd(&mut insns, 20, 42).is_none(), "out of range is refused");
+    }
+
+    #[test]
+    fn refuses_garbage_objects() {
+        assert!(matches!(
+            NfObject::parse(b"not an elf", &HashMap::new()),
+            Err(NfError::Elf(_))
+        ));
+    }
+
+    #[test]
+    fn hook_numbers_match_kernel() {
+        assert_eq!(NfHook::from_raw(0), Some(NfHook::PreRouting));
+        assert_eq!(NfHook::from_raw(4), Some(NfHook::PostRouting));
+        assert_eq!(NfHook::from_raw(5), None);
+        assert_eq!(NfFamily::Ipv6.pf(), 10);
+    }
+}

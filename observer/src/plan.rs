@@ -1,0 +1,239 @@
+//! Where the netfilter probes go: for each (family, hook), the tables the kernel runs there,
+//! in priority order, and the probe points that bracket every one of them.
+//!
+//! A probe at priority `p` sees the packet as every hook function with a lower priority left
+//! it, so the record just before and just after a table's priority shows what that table did.
+
+use crate::nf_link::{NfFamily, NfHook};
+use observer_common::NF_SLOTS;
+
+/// Earliest and latest priorities a BPF netfilter link accepts (INT_MIN/INT_MAX are refused).
+pub const FIRST: i32 = i32::MIN + 1;
+pub const LAST: i32 = i32::MAX - 1;
+
+/// A netfilter table (or other hook user) at a priority.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// `raw`, `conntrack`, `mangle`, `nat`, `filter`, `security`, or `prio:<n>`.
+    pub name: String,
+    pub priority: i32,
+}
+
+/// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike).
+pub fn standard_tables(hook: NfHook) -> Vec<Table> {
+    let t = |name: &str, priority| Table {
+        name: name.to_string(),
+        priority,
+    };
+    match hook {
+        NfHook::PreRouting => vec![t("raw", -300), t("conntrack", -200), t("mangle", -150), t("nat", -100)],
+        NfHook::LocalIn => vec![t("mangle", -150), t("filter", 0), t("security", 50), t("nat", 100)],
+        NfHook::Forward => vec![t("mangle", -150), t("filter", 0), t("security", 50)],
+        NfHook::LocalOut => vec![
+            t("raw", -300),
+            t("conntrack", -200),
+            t("mangle", -150),
+            t("nat", -100),
+            t("filter", 0),
+            t("security", 50),
+        ],
+        NfHook::PostRouting => vec![t("mangle", -150), t("nat", 100)],
+    }
+}
+
+/// Probe layout of one (family, hook).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookPlan {
+    pub family: NfFamily,
+    pub hook: NfHook,
+    /// Tables in priority order.
+    pub tables: Vec<Table>,
+    /// Probe priorities, ascending; the index is the probe's slot.
+    pub points: Vec<i32>,
+}
+
+impl HookPlan {
+    /// Standard tables plus `custom` priorities (e.g. nftables base chains), bracketed.
+    pub fn new(family: NfFamily, hook: NfHook, custom: &[i32]) -> Self {
+        let mut tables = standard_tables(hook);
+        for &p in custom {
+            if !tables.iter().any(|t| t.priority == p) && p > FIRST && p < LAST {
+                tables.push(Table {
+                    name: format!("prio:{p}"),
+                    priority: p,
+                });
+            }
+        }
+        tables.sort_by_key(|t| t.priority);
+        let mut points = vec![FIRST];
+        for t in &tables {
+            points.push(t.priority.saturating_add(1));
+        }
+        points.push(LAST);
+        points.sort_unstable();
+        points.dedup();
+        // A table at p+1 of another would share its probe: drop points that sit on a table.
+        points.retain(|p| !tables.iter().any(|t| t.priority == *p));
+        points.truncate(NF_SLOTS);
+        Self {
+            family,
+            hook,
+            tables,
+            points,
+        }
+    }
+
+    /// Slots of the probes just before and just after `table`.
+    pub fn bracket(&self, table: &Table) -> (Option<usize>, Option<usize>) {
+        let before = self.points.iter().rposition(|&p| p < table.priority);
+        let after = self.points.iter().position(|&p| p > table.priority);
+        (before, after)
+    }
+
+    /// Priorities a probe at `slot` may move to if its own is taken (EBUSY): the free gap
+    /// between the neighbouring tables, nearest first.
+    pub fn fallbacks(&self, slot: usize) -> Vec<i32> {
+        let p = self.points[slot];
+        let lo = self
+            .tables
+            .iter()
+            .rev()
+            .find(|t| t.priority < p)
+            .map_or(FIRST, |t| t.priority.saturating_add(1));
+        let hi = self
+            .tables
+            .iter()
+            .find(|t| t.priority > p)
+            .map_or(LAST, |t| t.priority.saturating_sub(1));
+        let mut out = Vec::new();
+        for d in 1..=8 {
+            if p.saturating_add(d) <= hi {
+                out.push(p + d);
+            }
+            if p.saturating_sub(d) >= lo {
+                out.push(p - d);
+            }
+        }
+        out
+    }
+}
+
+/// The whole plan: every family and hook.
+pub fn full_plan(custom: &[(NfFamily, NfHook, i32)]) -> Vec<HookPlan> {
+    let mut out = Vec::new();
+    for family in NfFamily::ALL {
+        for hook in NfHook::ALL {
+            let prios: Vec<i32> = custom
+                .iter()
+                .filter(|(f, h, _)| *f == family && *h == hook)
+                .map(|(_, _, p)| *p)
+                .collect();
+            out.push(HookPlan::new(family, hook, &prios));
+        }
+    }
+    out
+}
+
+/// Custom base-chain priorities from `nft -j list ruleset` output: every base chain whose
+/// priority is not a standard table's. Families `inet` count for both.
+pub fn custom_priorities(nft_json: &str) -> Vec<(NfFamily, NfHook, i32)> {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(nft_json) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in v["nftables"].as_array().into_iter().flatten() {
+        let chain = &item["chain"];
+        let (Some(fam), Some(hook), Some(prio)) = (
+            chain["family"].as_str(),
+            chain["hook"].as_str(),
+            chain["prio"].as_i64(),
+        ) else {
+            continue;
+        };
+        let hook = match hook {
+            "prerouting" => NfHook::PreRouting,
+            "input" => NfHook::LocalIn,
+            "forward" => NfHook::Forward,
+            "output" => NfHook::LocalOut,
+            "postrouting" => NfHook::PostRouting,
+            _ => continue,
+        };
+        let families: &[NfFamily] = match fam {
+            "ip" => &[NfFamily::Ipv4],
+            "ip6" => &[NfFamily::Ipv6],
+            "inet" => &NfFamily::ALL,
+            _ => continue,
+        };
+        let prio = prio as i32;
+        if standard_tables(hook).iter().any(|t| t.priority == prio) {
+            continue;
+        }
+        for &f in families {
+            out.push((f, hook, prio));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prerouting_brackets_every_table() {
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        assert_eq!(p.points, vec![FIRST, -299, -199, -149, -99, LAST]);
+        for t in &p.tables {
+            let (b, a) = p.bracket(t);
+            let (b, a) = (b.unwrap(), a.unwrap());
+            assert!(p.points[b] < t.priority && p.points[a] > t.priority, "{t:?}");
+            assert_eq!(a, b + 1, "nothing between the two probes of {}", t.name);
+        }
+    }
+
+    #[test]
+    fn custom_priority_is_bracketed() {
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-5]);
+        assert!(p.tables.iter().any(|t| t.name == "prio:-5"));
+        let t = p.tables.iter().find(|t| t.priority == -5).unwrap();
+        let (b, a) = p.bracket(t);
+        assert_eq!(p.points[b.unwrap()], -149);
+        assert_eq!(p.points[a.unwrap()], -4);
+    }
+
+    #[test]
+    fn fallbacks_stay_between_neighbouring_tables() {
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        let slot = p.points.iter().position(|&x| x == -149).unwrap();
+        let f = p.fallbacks(slot);
+        assert!(!f.is_empty());
+        assert!(f.iter().all(|&x| x > -150 && x < -100), "{f:?}");
+    }
+
+    #[test]
+    fn reads_custom_priorities_from_nft_json() {
+        let json = r#"{"nftables":[{"metainfo":{}},
+          {"chain":{"family":"inet","table":"t","name":"c","handle":1,"type":"filter","hook":"forward","prio":-5,"policy":"accept"}},
+          {"chain":{"family":"ip","table":"nat","name":"PREROUTING","handle":2,"type":"nat","hook":"prerouting","prio":-100,"policy":"accept"}},
+          {"chain":{"family":"ip","table":"t","name":"plain","handle":3}}]}"#;
+        let c = custom_priorities(json);
+        assert_eq!(
+            c,
+            vec![
+                (NfFamily::Ipv4, NfHook::Forward, -5),
+                (NfFamily::Ipv6, NfHook::Forward, -5)
+            ]
+        );
+    }
+
+    #[test]
+    fn plan_fits_slots() {
+        for p in full_plan(&[]) {
+            assert!(p.points.len() <= NF_SLOTS);
+            assert_eq!(p.points.first(), Some(&FIRST));
+            assert_eq!(p.points.last(), Some(&LAST));
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! Annotation and rendering: a traversal -> the per-table report (JSON schema 1 and the
+//! human tree). Pure: interface names come through a lookup the caller provides.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::correlate::{Closed, Traversal};
+use crate::decode::{Endpoint, Observation, Point};
+use crate::nf_link::{NfFamily, NfHook};
+use crate::plan::HookPlan;
+
+pub const SCHEMA: u32 = 1;
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Report {
+    pub schema: u32,
+    pub netns: String,
+    pub family: Option<&'static str>,
+    pub proto: String,
+    pub ingress: Option<Iface>,
+    pub egress: Option<Iface>,
+    pub stages: Vec<Stage>,
+    /// Records the kernel could not write (ring buffer full) since the previous report.
+    pub lost: u64,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Iface {
+    pub iface: String,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub hook: &'static str,
+    pub table: String,
+    pub priority: i32,
+    pub before: Option<Snapshot>,
+    pub after: Option<Snapshot>,
+    pub ct: Option<CtView>,
+    pub verdict: &'static str,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub src: String,
+    pub dst: String,
+    pub mark: String,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct CtView {
+    pub state: String,
+    pub mark: String,
+}
+
+pub fn proto_name(p: u8) -> String {
+    match p {
+        1 => "icmp".into(),
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        58 => "icmpv6".into(),
+        132 => "sctp".into(),
+        n => n.to_string(),
+    }
+}
+
+/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
+pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
+    match (e.addr, has_port) {
+        (std::net::IpAddr::V6(a), true) => format!("[{a}]:{}", e.port),
+        (a, true) => format!("{a}:{}", e.port),
+        (a, false) => a.to_string(),
+    }
+}
+
+fn snapshot(o: &Observation) -> Option<Snapshot> {
+    Some(Snapshot {
+        src: endpoint(&o.src?, o.has_ports),
+        dst: endpoint(&o.dst?, o.has_ports),
+        mark: format!("{:#x}", o.mark),
+    })
+}
+
+/// Plans by (family, hook), for building stages.
+pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
+
+pub fn index_plans(plans: &[HookPlan]) -> Plans {
+    plans.iter().map(|p| ((p.family, p.hook), p.clone())).collect()
+}
+
+/// Builds the report of one traversal.
+pub fn build(
+    t: &Traversal,
+    plans: &Plans,
+    netns: &str,
+    ifname: &dyn Fn(u32) -> String,
+    lost: u64,
+) -> Report {
+    let first_l3 = t.records.iter().find(|r| r.src.is_some());
+    let family = t.records.iter().find_map(|r| r.family);
+    let ingress = t
+        .records
+        .iter()
+        .find(|r| r.point == Point::TcIngress)
+        .map(|r| Iface { iface: ifname(r.ifindex_in) });
+    let egress = t
+        .records
+        .iter()
+        .rev()
+        .find(|r| r.point == Point::TcEgress)
+        .map(|r| Iface { iface: ifname(r.ifindex_out) });
+
+    // Netfilter records grouped by hook, hooks in the order the packet met them.
+    let mut hooks: Vec<(NfHook, HashMap<usize, &Observation>)> = Vec::new();
+    for r in &t.records {
+        if let Point::Netfilter(h, slot) = r.point {
+            if hooks.last().map(|(lh, _)| *lh) != Some(h) {
+                hooks.push((h, HashMap::new()));
+            }
+            hooks.last_mut().expect("pushed").1.entry(slot).or_insert(r);
+        }
+    }
+    let left = matches!(t.closed, Closed::Egress | Closed::Delivered);
+    let mut stages = Vec::new();
+    'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
+        let Some(plan) = family.and_then(|f| plans.get(&(f, *hook))) else {
+            continue;
+        };
+        let later_hooks = i + 1 < hooks.len() || left;
+        for table in &plan.tables {
+            let (b, a) = plan.bracket(table);
+            let Some(before) = b.and_then(|s| seen.get(&s)) else {
+                continue;
+            };
+            let after = a.and_then(|s| seen.get(&s));
+            let seen_later = later_hooks
+                || a.is_some_and(|a| seen.keys().any(|&s| s > a));
+            let verdict = if after.is_some() || seen_later {
+                "accept"
+            } else {
+                "drop"
+            };
+            let ct_src = after.unwrap_or(before);
+            stages.push(Stage {
+                hook: hook.name(),
+                table: table.name.clone(),
+                priority: table.priority,
+                before: snapshot(before),
+                after: after.and_then(|o| snapshot(o)),
+                ct: ct_src.ct.map(|c| CtView {
+                    state: c.state().to_string(),
+                    mark: format!("{:#x}", c.mark),
+                }),
+                verdict,
+            });
+            if verdict == "drop" {
+                break 'hooks;
+            }
+        }
+    }
+    Report {
+        schema: SCHEMA,
+        netns: netns.to_string(),
+        family: family.map(NfFamily::name),
+        proto: first_l3.map_or_else(|| "unknown".into(), |r| proto_name(r.proto)),
+        ingress,
+        egress,
+        stages,
+        lost,
+    }
+}
+
+impl Report {
+    pub fn to_json_line(&self) -> String {
+        serde_json::to_string(self).expect("report serialises")
+    }
+
+    /// The readable tree: a header line, then one line per table with what it changed.
+    pub fn render_tree(&self) -> String {
+        let mut out = String::new();
+        let first = self.stages.first().and_then(|s| s.before.as_ref());
+        let flow = first.map_or_else(
+            || "?".to_string(),
+            |s| format!("{} -> {}", s.src, s.dst),
+        );
+        let _ = write!(
+            out,
+            "{} {} {}",
+            self.family.unwrap_or("?"),
+            self.proto,
+            flow
+        );
+        if let Some(i) = &self.ingress {
+            let _ = write!(out, "  in {}", i.iface);
+        }
+        if let Some(e) = &self.egress {
+            let _ = write!(out, "  out {}", e.iface);
+        }
+        if self.lost > 0 {
+            let _ = write!(out, "  [{} records lost in kernel]", self.lost);
+        }
+        out.push('\n');
+        let mut last_ct: Option<&CtView> = None;
+        for s in &self.stages {
+            let mut what = Vec::new();
+            if let (Some(b), Some(a)) = (&s.before, &s.after) {
+                if b.src != a.src {
+                    what.push(format!("src {} -> {}", b.src, a.src));
+                }
+                if b.dst != a.dst {
+                    what.push(format!("dst {} -> {}", b.dst, a.dst));
+                }
+                if b.mark != a.mark {
+                    what.push(format!("mark {} -> {}", b.mark, a.mark));
+                }
+            }
+            if s.ct.as_ref() != last_ct {
+                if let Some(ct) = &s.ct {
+                    what.push(format!("ct {} (ctmark {})", ct.state, ct.mark));
+                }
+                last_ct = s.ct.as_ref();
+            }
+            if s.verdict == "drop" {
+                what.push("DROPPED here (not seen after this table)".into());
+            }
+            if what.is_empty() {
+                what.push("-".into());
+            }
+            let _ = writeln!(
+                out,
+                "  {:<12} {:<10} {:>6}  {}",
+                s.hook,
+                s.table,
+                s.priority,
+                what.join(", ")
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::correlate::Correlator;
+    use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
+    use crate::decode::{decode, encode};
+    use crate::plan::full_plan;
+    use observer_common::hook;
+
+    const CLIENT: ([u8; 4], u16) = ([198, 51, 100, 10], 40000);
+    const VIP: ([u8; 4], u16) = ([10, 10, 10, 2], 22);
+    const POD: ([u8; 4], u16) = ([172, 17, 0, 5], 22);
+    const NODE: ([u8; 4], u16) = ([172, 17, 0, 1], 40000);
+
+    /// A forwarded, DNATed and masqueraded TCP SYN as the probes would report it.
+    fn forwarded() -> (Traversal, Plans) {
+        let plans = index_plans(&full_plan(&[]));
+        let skb = 0xffff_0000_0000_1000;
+        let orig = (CLIENT, VIP);
+        let reply = (POD, CLIENT);
+        let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, CLIENT, VIP, 0)];
+        evs[0].header.ifindex_in = 2;
+        // PREROUTING points: FIRST, -299, -199, -149, -99, LAST.
+        for slot in 0..6u32 {
+            let (dst, mark) = if slot >= 4 { (POD, 0x4000) } else { (VIP, 0) };
+            let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
+            if slot >= 2 {
+                e = with_ct(e, 2, orig, reply);
+            }
+            evs.push(e);
+        }
+        // FORWARD: FIRST, -149, 1, 51, LAST.
+        for slot in 0..5u32 {
+            evs.push(with_ct(tcp_event(2, slot, skb, CLIENT, POD, 0x4000), 2, orig, reply));
+        }
+        // POSTROUTING: FIRST, -149, 101, LAST; MASQUERADE at nat (100).
+        for slot in 0..4u32 {
+            let src = if slot >= 2 { NODE } else { CLIENT };
+            evs.push(with_ct(tcp_event(4, slot, skb, src, POD, 0x4000), 2, orig, reply));
+        }
+        let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
+        eg.header.ifindex_out = 5;
+        evs.push(eg);
+        let mut last = HashMap::new();
+        last.insert((NfFamily::Ipv4, NfHook::LocalIn), 5);
+        let mut c = Correlator::new(16, 1_000_000_000, last);
+        let mut done = Vec::new();
+        for (i, mut e) in evs.into_iter().enumerate() {
+            e.header.ts_ns = i as u64;
+            c.push(decode(&encode(&e), &LAYOUT).unwrap(), &mut done);
+        }
+        assert_eq!(done.len(), 1);
+        (done.remove(0), plans)
+    }
+
+    fn names(i: u32) -> String {
+        match i {
+            2 => "eth0".into(),
+            5 => "cali1a2b".into(),
+            n => format!("if{n}"),
+        }
+    }
+
+    #[test]
+    fn forwarded_dnat_masquerade_report() {
+        let (t, plans) = forwarded();
+        let r = build(&t, &plans, "node", &names, 0);
+        assert_eq!(r.family, Some("ipv4"));
+        assert_eq!(r.proto, "tcp");
+        assert_eq!(r.ingress, Some(Iface { iface: "eth0".into() }));
+        assert_eq!(r.egress, Some(Iface { iface: "cali1a2b".into() }));
+        let hooks: Vec<_> = r.stages.iter().map(|s| (s.hook, s.table.as_str())).collect();
+        assert_eq!(
+            hooks,
+            vec![
+                ("PREROUTING", "raw"),
+                ("PREROUTING", "conntrack"),
+                ("PREROUTING", "mangle"),
+                ("PREROUTING", "nat"),
+                ("FORWARD", "mangle"),
+                ("FORWARD", "filter"),
+                ("FORWARD", "security"),
+                ("POSTROUTING", "mangle"),
+                ("POSTROUTING", "nat"),
+            ]
+        );
+        let nat = &r.stages[3];
+        assert_eq!(nat.priority, -100);
+        assert_eq!(nat.before.as_ref().unwrap().dst, "10.10.10.2:22");
+        assert_eq!(nat.after.as_ref().unwrap().dst, "172.17.0.5:22");
+        assert_eq!(nat.after.as_ref().unwrap().mark, "0x4000");
+        assert_eq!(nat.ct.as_ref().unwrap().state, "new");
+        let snat = &r.stages[8];
+        assert_eq!(snat.after.as_ref().unwrap().src, "172.17.0.1:40000");
+        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        // No conntrack entry before the conntrack table runs.
+        assert!(r.stages[0].ct.is_none());
+    }
+
+    #[test]
+    fn json_matches_schema_shape() {
+        let (t, plans) = forwarded();
+        let v: serde_json::Value =
+            serde_json::from_str(&build(&t, &plans, "node", &names, 3).to_json_line()).unwrap();
+        assert_eq!(v["schema"], 1);
+        assert_eq!(v["netns"], "node");
+        assert_eq!(v["lost"], 3);
+        assert_eq!(v["egress"]["iface"], "cali1a2b");
+        let s = &v["stages"][3];
+        for key in ["hook", "table", "priority", "before", "after", "ct", "verdict"] {
+            assert!(s.get(key).is_some(), "stage has {key}");
+        }
+        assert_eq!(s["ct"]["mark"], "0x0");
+    }
+
+    #[test]
+    fn vanished_packet_is_dropped_at_its_last_table() {
+        let (mut t, plans) = forwarded();
+        // Cut everything after FORWARD's probe before filter (-149 = slot 1).
+        let cut = t
+            .records
+            .iter()
+            .position(|r| r.point == Point::Netfilter(NfHook::Forward, 2))
+            .unwrap();
+        t.records.truncate(cut);
+        t.closed = Closed::Idle;
+        let r = build(&t, &plans, "node", &names, 0);
+        let last = r.stages.last().unwrap();
+        assert_eq!((last.hook, last.table.as_str(), last.verdict), ("FORWARD", "filter", "drop"));
+        assert!(last.after.is_none());
+        assert_eq!(r.egress, None);
+        assert!(r.render_tree().contains("DROPPED"));
+    }
+
+    #[test]
+    fn tree_names_changes() {
+        let (t, plans) = forwarded();
+        let tree = build(&t, &plans, "node", &names, 0).render_tree();
+        assert!(tree.starts_with("ipv4 tcp 198.51.100.10:40000 -> 10.10.10.2:22  in eth0  out cali1a2b"), "{tree}");
+        assert!(tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"), "{tree}");
+        assert!(tree.contains("mark 0x0 -> 0x4000"), "{tree}");
+        assert!(tree.contains("src 198.51.100.10:40000 -> 172.17.0.1:40000"), "{tree}");
+    }
+
+    #[test]
+    fn endpoints_format_by_family_and_protocol() {
+        let v6 = Endpoint { addr: "2001:db8::1".parse().unwrap(), port: 80 };
+        assert_eq!(endpoint(&v6, true), "[2001:db8::1]:80");
+        assert_eq!(endpoint(&v6, false), "2001:db8::1");
+    }
+}

@@ -1,0 +1,202 @@
+//! `observer tail`: attach, then stream one report per packet traversal until told to stop.
+//! Data flows one way: ring buffer -> decode -> correlate -> report -> stdout.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use log::{info, warn};
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::btf::KernelLayout;
+use crate::correlate::{Closed, Correlator, Traversal};
+use crate::decode::decode;
+use crate::nf_link::NfHook;
+use crate::plan::{custom_priorities, full_plan};
+use crate::probes::{KernelCounters, Probes, ifname};
+use crate::report::{self, Plans};
+
+#[derive(Clone, Debug)]
+pub struct TailOptions {
+    pub netns: Option<String>,
+    pub json: bool,
+    pub count: Option<u64>,
+    pub ready_file: Option<PathBuf>,
+    pub timeout: Option<Duration>,
+    pub max_inflight: usize,
+    pub idle: Duration,
+}
+
+/// What a tail run saw; printed as the summary line on exit.
+#[derive(Debug, Default)]
+pub struct Summary {
+    pub printed: u64,
+    pub kernel: KernelCounters,
+    pub evicted: u64,
+    pub incomplete_at_exit: u64,
+    pub decode_errors: u64,
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "observer: {} traversals printed; kernel: {} records written, {} lost (ring buffer \
+             full), {} failed reads; collector: {} evicted (too many in flight), {} incomplete \
+             at exit, {} undecodable",
+            self.printed,
+            self.kernel.emitted,
+            self.kernel.ringbuf_full,
+            self.kernel.read_failed,
+            self.evicted,
+            self.incomplete_at_exit,
+            self.decode_errors
+        )
+    }
+}
+
+/// Runs the tail. Must be called before any other thread exists: it moves the process's
+/// (single) thread into the target namespace, where every probe then attaches.
+pub fn run(opts: TailOptions) -> Result<Summary> {
+    if let Some(ns) = &opts.netns {
+        crate::netns::enter(ns)?;
+    }
+    let layout = KernelLayout::from_kernel()?;
+    let mut probes = Probes::load(&layout)?;
+    let custom = std::process::Command::new("nft")
+        .args(["-j", "list", "ruleset"])
+        .output()
+        .map(|o| custom_priorities(&String::from_utf8_lossy(&o.stdout)))
+        .unwrap_or_default();
+    if !custom.is_empty() {
+        info!("bracketing custom nftables base-chain priorities: {custom:?}");
+    }
+    probes.attach_netfilter(full_plan(&custom))?;
+    let ifaces = probes.attach_tc_new_interfaces()?;
+    info!(
+        "attached {} netfilter probes and tcx on {}",
+        probes.netfilter_links(),
+        ifaces.join(", ")
+    );
+    let ring = probes.take_ring()?;
+    if let Some(path) = &opts.ready_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("writing ready file {}", path.display()))?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(event_loop(opts, probes, ring, layout))
+}
+
+async fn event_loop(
+    opts: TailOptions,
+    mut probes: Probes,
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    layout: KernelLayout,
+) -> Result<Summary> {
+    let plans: Plans = report::index_plans(&probes.plans);
+    let last_slot = probes
+        .plans
+        .iter()
+        .map(|p| ((p.family, p.hook), p.points.len() - 1))
+        .filter(|((_, h), _)| *h == NfHook::LocalIn)
+        .collect::<HashMap<_, _>>();
+    let mut correlator = Correlator::new(opts.max_inflight, opts.idle.as_nanos() as u64, last_slot);
+    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
+    let mut ring = unsafe { AsyncFd::register(ring) }
+        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let mut summary = Summary::default();
+    let mut reported_lost = 0u64;
+    let mut last_iface_scan = Instant::now();
+    let mut done: Vec<Traversal> = Vec::new();
+    let stdout = std::io::stdout();
+
+    let mut emit = |done: &mut Vec<Traversal>, summary: &mut Summary, lost_now: u64| -> Result<bool> {
+        let mut out = stdout.lock();
+        for t in done.drain(..) {
+            if t.closed == Closed::Shutdown {
+                summary.incomplete_at_exit += 1;
+                continue;
+            }
+            if opts.count.is_some_and(|n| summary.printed >= n) {
+                continue;
+            }
+            let lost = lost_now - reported_lost;
+            reported_lost = lost_now;
+            let r = report::build(&t, &plans, &netns, &ifname, lost);
+            if opts.json {
+                writeln!(out, "{}", r.to_json_line())?;
+            } else {
+                writeln!(out, "{}", r.render_tree())?;
+            }
+            summary.printed += 1;
+        }
+        out.flush()?;
+        Ok(opts.count.is_some_and(|n| summary.printed >= n))
+    };
+
+    loop {
+        tokio::select! {
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                let rb = guard.get_inner_mut();
+                while let Some(item) = rb.next() {
+                    match decode(&item, &layout.tuple) {
+                        Ok(o) => correlator.push(o, &mut done),
+                        Err(e) => {
+                            summary.decode_errors += 1;
+                            warn!("undecodable record: {e}");
+                        }
+                    }
+                }
+                guard.clear_ready();
+            }
+            _ = tick.tick() => {
+                correlator.expire(now_ns(), &mut done);
+                if last_iface_scan.elapsed() >= Duration::from_secs(1) {
+                    last_iface_scan = Instant::now();
+                    match probes.attach_tc_new_interfaces() {
+                        Ok(new) if !new.is_empty() => info!("tcx attached on new interfaces {}", new.join(", ")),
+                        Ok(_) => {}
+                        Err(e) => warn!("{e:#}"),
+                    }
+                }
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    break;
+                }
+            }
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+        let lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(0);
+        if !done.is_empty() && emit(&mut done, &mut summary, lost_now)? {
+            break;
+        }
+    }
+    correlator.drain(&mut done);
+    summary.kernel = probes.counters()?;
+    let lost_now = summary.kernel.ringbuf_full;
+    emit(&mut done, &mut summary, lost_now)?;
+    summary.evicted = correlator.stats.evicted;
+    Ok(summary)
+}
+
+/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` reads.
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,97 @@
+//! Lab traffic: small, bounded flows between the lab's namespaces, generated with sockets on
+//! threads that joined those namespaces (no external tools, nothing in the root namespace).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::lab::{self, Lab};
+use crate::netns::spawn_in;
+
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Serves `count` TCP connections on `addr` inside `ns`, echoing what each sends. Returns
+/// once listening; the server thread stops after `count` connections or `TIMEOUT`.
+pub fn tcp_echo_server(ns: &str, addr: SocketAddr, count: usize) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = spawn_in(ns, move || {
+        let l = TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?;
+        l.set_nonblocking(true)?;
+        let _ = tx.send(());
+        let deadline = Instant::now() + TIMEOUT;
+        let mut served = 0;
+        while served < count && Instant::now() < deadline {
+            match l.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false)?;
+                    s.set_read_timeout(Some(TIMEOUT))?;
+                    let mut buf = [0u8; 1024];
+                    let n = s.read(&mut buf).unwrap_or(0);
+                    let _ = s.write_all(&buf[..n]);
+                    served += 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    });
+    rx.recv_timeout(TIMEOUT).context("echo server did not start")?;
+    Ok(h)
+}
+
+/// Connects from `ns` to `to`, sends `msg` and expects it echoed back.
+pub fn tcp_roundtrip(ns: &str, to: SocketAddr, msg: &'static [u8]) -> Result<()> {
+    spawn_in(ns, move || {
+        let mut s = TcpStream::connect_timeout(&to, TIMEOUT).with_context(|| format!("connect {to}"))?;
+        s.set_read_timeout(Some(TIMEOUT))?;
+        s.write_all(msg)?;
+        s.shutdown(Shutdown::Write)?;
+        let mut back = Vec::new();
+        s.read_to_end(&mut back)?;
+        if back != msg {
+            bail!("echo from {to} returned {back:?}");
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("client thread panicked"))?
+}
+
+/// Sends one UDP datagram from `ns` to `to`.
+pub fn udp_send(ns: &str, to: SocketAddr, msg: &'static [u8]) -> Result<()> {
+    spawn_in(ns, move || {
+        let bind: SocketAddr = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse()?;
+        let s = UdpSocket::bind(bind)?;
+        s.send_to(msg, to)?;
+        Ok(())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("client thread panicked"))?
+}
+
+/// The demo's flows. Returns a line per flow saying what was sent.
+pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
+    let mut done = Vec::new();
+    let svc: SocketAddr = format!("{}:22", lab::CLUSTER_IP).parse()?;
+    let pod: SocketAddr = format!("{}:22", lab::POD_IP).parse()?;
+    let server = tcp_echo_server(&lab.ns("pod"), pod, 1)?;
+    tcp_roundtrip(&lab.ns("client"), svc, b"hello registry")?;
+    server.join().map_err(|_| anyhow::anyhow!("server panicked"))??;
+    done.push(format!("client -> ClusterIP {svc} (kube-proxy DNAT to {pod}, masquerade)"));
+
+    let ext: SocketAddr = format!("{}:8080", lab::EXT_IP).parse()?;
+    let server = tcp_echo_server(&lab.ns("ext"), ext, 1)?;
+    tcp_roundtrip(&lab.ns("pod2"), ext, b"hello outside")?;
+    server.join().map_err(|_| anyhow::anyhow!("server panicked"))??;
+    done.push(format!("pod2 {} -> external {ext} (Calico nat-outgoing)", lab::POD2_IP));
+
+    let node: SocketAddr = format!("{}:9", lab::NODE_IP).parse()?;
+    udp_send(&lab.ns("client"), node, b"to the node")?;
+    done.push(format!("client -> node {node} udp (local delivery)"));
+    Ok(done)
+}
