@@ -465,6 +465,7 @@ fn compile_target(t: &Target, is_chain: &dyn Fn(&str) -> bool) -> Action {
             Action::Jump(t.name.clone())
         };
     }
+    // getopt lets users abbreviate (`--to` for `--to-destination`), so try both spellings.
     let arg = |n: &str| t.opt(n).map(first_arg);
     let unknown = || {
         Action::Unknown(format!(
@@ -535,7 +536,10 @@ fn compile_target(t: &Target, is_chain: &dyn Fn(&str) -> bool) -> Action {
         "NOTRACK" => Action::NoTrack,
         "CT" if t.opt("notrack").is_some() => Action::NoTrack,
         "CT" => Action::Continue("CT".into()),
-        "DNAT" => match arg("to-destination") {
+        "DNAT" => match arg("to-destination")
+            .or_else(|| arg("to"))
+            .or_else(|| arg("to"))
+        {
             Some(v) => {
                 let (addr, port) = nat_addr(v);
                 Action::Dnat {
@@ -546,7 +550,7 @@ fn compile_target(t: &Target, is_chain: &dyn Fn(&str) -> bool) -> Action {
             }
             None => unknown(),
         },
-        "SNAT" => match arg("to-source") {
+        "SNAT" => match arg("to-source").or_else(|| arg("to")).or_else(|| arg("to")) {
             Some(v) => {
                 let (addr, port) = nat_addr(v);
                 Action::Snat {
@@ -558,10 +562,16 @@ fn compile_target(t: &Target, is_chain: &dyn Fn(&str) -> bool) -> Action {
             None => unknown(),
         },
         "MASQUERADE" => Action::Masquerade {
-            port: arg("to-ports").and_then(|p| p.split('-').next()?.parse().ok()),
+            port: arg("to-ports")
+                .or_else(|| arg("to"))
+                .or_else(|| arg("to"))
+                .and_then(|p| p.split('-').next()?.parse().ok()),
         },
         "REDIRECT" => Action::Redirect {
-            port: arg("to-ports").and_then(|p| p.split('-').next()?.parse().ok()),
+            port: arg("to-ports")
+                .or_else(|| arg("to"))
+                .or_else(|| arg("to"))
+                .and_then(|p| p.split('-').next()?.parse().ok()),
         },
         // These only log, count, trace or change fields the simulator does not follow.
         "LOG"

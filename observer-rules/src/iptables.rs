@@ -598,13 +598,14 @@ impl SaveFile {
                 out.push_str(&c.name);
                 out.push(' ');
                 out.push_str(c.policy.as_deref().unwrap_or("-"));
-                let k = c.counters.unwrap_or_default();
-                out.push_str(&format!(" [{}:{}]\n", k.packets, k.bytes));
+                if let Some(k) = c.counters {
+                    out.push_str(&format!(" [{}:{}]", k.packets, k.bytes));
+                }
+                out.push('\n');
             }
             for c in &t.chains {
                 for r in &c.rules {
-                    if with_counters {
-                        let k = r.counters.unwrap_or_default();
+                    if with_counters && let Some(k) = r.counters {
                         out.push_str(&format!("[{}:{}] ", k.packets, k.bytes));
                     }
                     out.push_str(&r.text());
