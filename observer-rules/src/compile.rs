@@ -550,7 +550,7 @@ fn compile_target(t: &Target, is_chain: &dyn Fn(&str) -> bool) -> Action {
             }
             None => unknown(),
         },
-        "SNAT" => match arg("to-source").or_else(|| arg("to")).or_else(|| arg("to")) {
+        "SNAT" => match arg("to-source").or_else(|| arg("to")) {
             Some(v) => {
                 let (addr, port) = nat_addr(v);
                 Action::Snat {
