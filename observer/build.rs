@@ -15,7 +15,10 @@ fn main() -> anyhow::Result<()> {
     for p in ["src", "Cargo.toml", "Cargo.lock"] {
         println!("cargo:rerun-if-changed={}", ebpf.join(p).display());
     }
-    println!("cargo:rerun-if-changed={}", root.join("observer-common/src").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        root.join("observer-common/src").display()
+    );
     println!("cargo:rerun-if-env-changed=OBSERVER_SKIP_EBPF");
     println!("cargo:rerun-if-env-changed=OBSERVER_EBPF_TOOLCHAIN");
 
@@ -29,18 +32,37 @@ fn main() -> anyhow::Result<()> {
     let toolchain = env::var("OBSERVER_EBPF_TOOLCHAIN").unwrap_or_else(|_| "nightly".into());
     let target_dir = out.join("ebpf-target");
     let mut cmd = Command::new("rustup");
-    cmd.args(["run", &toolchain, "cargo", "build", "--release", "--locked", "--bins"])
-        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
-        .arg("--manifest-path")
-        .arg(ebpf.join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&target_dir)
-        .env(
-            "CARGO_ENCODED_RUSTFLAGS",
-            ["--cfg=bpf_target_arch=\"x86_64\"", "-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
-        );
+    cmd.args([
+        "run",
+        &toolchain,
+        "cargo",
+        "build",
+        "--release",
+        "--locked",
+        "--bins",
+    ])
+    .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+    .arg("--manifest-path")
+    .arg(ebpf.join("Cargo.toml"))
+    .arg("--target-dir")
+    .arg(&target_dir)
+    .env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        [
+            "--cfg=bpf_target_arch=\"x86_64\"",
+            "-Cdebuginfo=2",
+            "-Clink-arg=--btf",
+        ]
+        .join("\x1f"),
+    );
     // The outer cargo's settings are for the host build; they must not leak into this one.
-    for key in ["RUSTC", "RUSTC_WRAPPER", "RUSTC_WORKSPACE_WRAPPER", "RUSTFLAGS", "CARGO_TARGET_DIR"] {
+    for key in [
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+    ] {
         cmd.env_remove(key);
     }
     let status = cmd.status().with_context(|| {

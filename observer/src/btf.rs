@@ -26,7 +26,9 @@ pub enum BtfError {
     Missing(String),
     #[error("`{0}` is a bitfield; observer cannot read it")]
     Bitfield(String),
-    #[error("struct nf_conntrack_tuple is {0} bytes, larger than the {CT_TUPLE_BYTES} the probes copy")]
+    #[error(
+        "struct nf_conntrack_tuple is {0} bytes, larger than the {CT_TUPLE_BYTES} the probes copy"
+    )]
     TupleTooLarge(usize),
 }
 
@@ -111,7 +113,10 @@ impl KernelLayout {
         set(config::SKB_MARK, off("sk_buff", "mark")?);
         set(config::SKB_LEN, off("sk_buff", "len")?);
         set(config::SKB_HEAD, off("sk_buff", "head")?);
-        set(config::SKB_NETWORK_HEADER, off("sk_buff", "network_header")?);
+        set(
+            config::SKB_NETWORK_HEADER,
+            off("sk_buff", "network_header")?,
+        );
         set(config::SKB_NFCT, off("sk_buff", "_nfct")?);
         set(config::STATE_HOOK, off("nf_hook_state", "hook")?);
         set(config::STATE_PF, off("nf_hook_state", "pf")?);
@@ -184,7 +189,10 @@ mod tests {
         for i in 1..=config::CT_TUPLE_REPLY {
             assert_ne!(c[i as usize], config::UNSET, "config slot {i} resolved");
         }
-        assert!(c[config::SKB_MARK as usize] < 256, "mark inside sk_buff head");
+        assert!(
+            c[config::SKB_MARK as usize] < 256,
+            "mark inside sk_buff head"
+        );
         assert_eq!(
             c[config::CT_TUPLE_REPLY as usize] - c[config::CT_TUPLE_ORIG as usize],
             56,

@@ -78,7 +78,11 @@ pub struct Correlator {
 }
 
 impl Correlator {
-    pub fn new(max_inflight: usize, idle_ns: u64, last_slot: HashMap<(NfFamily, NfHook), usize>) -> Self {
+    pub fn new(
+        max_inflight: usize,
+        idle_ns: u64,
+        last_slot: HashMap<(NfFamily, NfHook), usize>,
+    ) -> Self {
         Self {
             inflight: HashMap::new(),
             order: VecDeque::new(),
@@ -132,7 +136,9 @@ impl Correlator {
             done.push(t);
         }
         while self.inflight.len() > self.max_inflight {
-            let Some(k) = self.order.pop_front() else { break };
+            let Some(k) = self.order.pop_front() else {
+                break;
+            };
             if let Some(mut t) = self.inflight.remove(&k) {
                 t.closed = Closed::Evicted;
                 self.stats.evicted += 1;
@@ -185,7 +191,14 @@ mod tests {
     use observer_common::hook;
 
     fn obs(hook_no: u8, slot: u32, skb: u64, ts: u64) -> Observation {
-        let mut ev = tcp_event(hook_no, slot, skb, ([10, 0, 0, 1], 1000), ([10, 0, 0, 2], 22), 0);
+        let mut ev = tcp_event(
+            hook_no,
+            slot,
+            skb,
+            ([10, 0, 0, 1], 1000),
+            ([10, 0, 0, 2], 22),
+            0,
+        );
         ev.header.ts_ns = ts;
         decode(&encode(&ev), &LAYOUT).unwrap()
     }

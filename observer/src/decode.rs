@@ -148,7 +148,8 @@ pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeE
     let p = ev.packet;
     let v4 = p.ip_version == 4;
     let has_l3 = h.flags & flags::NO_L3 == 0 && (p.ip_version == 4 || p.ip_version == 6);
-    let has_ports = has_l3 && h.flags & flags::NO_L4 == 0 && matches!(p.l4proto, 6 | 17 | 132 | 136);
+    let has_ports =
+        has_l3 && h.flags & flags::NO_L4 == 0 && matches!(p.l4proto, 6 | 17 | 132 | 136);
     let endpoint = |a: &[u8; 16], port: u16| Endpoint {
         addr: addr(a, v4),
         port: if has_ports { port } else { 0 },
@@ -186,7 +187,10 @@ pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeE
 pub fn encode(ev: &PacketEvent) -> Vec<u8> {
     // SAFETY: PacketEvent is repr(C) plain data without padding (asserted in observer-common).
     unsafe {
-        std::slice::from_raw_parts((ev as *const PacketEvent).cast::<u8>(), size_of::<PacketEvent>())
+        std::slice::from_raw_parts(
+            (ev as *const PacketEvent).cast::<u8>(),
+            size_of::<PacketEvent>(),
+        )
     }
     .to_vec()
 }
@@ -229,7 +233,12 @@ pub mod tests {
         ev
     }
 
-    pub fn with_ct(mut ev: PacketEvent, info: u32, orig: (([u8; 4], u16), ([u8; 4], u16)), reply: (([u8; 4], u16), ([u8; 4], u16))) -> PacketEvent {
+    pub fn with_ct(
+        mut ev: PacketEvent,
+        info: u32,
+        orig: (([u8; 4], u16), ([u8; 4], u16)),
+        reply: (([u8; 4], u16), ([u8; 4], u16)),
+    ) -> PacketEvent {
         ev.header.flags |= flags::CT;
         ev.ct.ctinfo = info;
         for (raw, (s, d)) in [(&mut ev.ct.orig, orig), (&mut ev.ct.reply, reply)] {
@@ -244,8 +253,20 @@ pub mod tests {
 
     #[test]
     fn decodes_packet_with_conntrack() {
-        let ev = tcp_event(0, 3, 0xffff_8880_1234_0000, ([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22), 0x4000);
-        let ev = with_ct(ev, 2, (([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22)), (([172, 17, 0, 5], 22), ([198, 51, 100, 10], 40000)));
+        let ev = tcp_event(
+            0,
+            3,
+            0xffff_8880_1234_0000,
+            ([198, 51, 100, 10], 40000),
+            ([10, 10, 10, 2], 22),
+            0x4000,
+        );
+        let ev = with_ct(
+            ev,
+            2,
+            (([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22)),
+            (([172, 17, 0, 5], 22), ([198, 51, 100, 10], 40000)),
+        );
         let o = decode(&encode(&ev), &LAYOUT).unwrap();
         assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, 3));
         assert_eq!(o.family, Some(NfFamily::Ipv4));
@@ -262,7 +283,14 @@ pub mod tests {
 
     #[test]
     fn icmp_has_no_ports_and_tc_points_decode() {
-        let mut ev = tcp_event(hook::TC_EGRESS, 0, 1, ([1, 2, 3, 4], 7), ([5, 6, 7, 8], 0x0800), 0);
+        let mut ev = tcp_event(
+            hook::TC_EGRESS,
+            0,
+            1,
+            ([1, 2, 3, 4], 7),
+            ([5, 6, 7, 8], 0x0800),
+            0,
+        );
         ev.packet.l4proto = 1;
         let o = decode(&encode(&ev), &LAYOUT).unwrap();
         assert_eq!(o.point, Point::TcEgress);
@@ -274,13 +302,19 @@ pub mod tests {
     #[test]
     fn rejects_bad_records() {
         let ev = tcp_event(9, 0, 1, ([0; 4], 0), ([0; 4], 0), 0);
-        assert_eq!(decode(&encode(&ev), &LAYOUT), Err(DecodeError::UnknownHook(9)));
+        assert_eq!(
+            decode(&encode(&ev), &LAYOUT),
+            Err(DecodeError::UnknownHook(9))
+        );
         assert_eq!(decode(&[1, 2, 3], &LAYOUT), Err(DecodeError::Short(3)));
         let mut bytes = encode(&ev);
         bytes[0] = 77;
         assert_eq!(decode(&bytes, &LAYOUT), Err(DecodeError::UnknownKind(77)));
         bytes[0] = kind::PACKET;
         bytes.truncate(100);
-        assert!(matches!(decode(&bytes, &LAYOUT), Err(DecodeError::Size { .. })));
+        assert!(matches!(
+            decode(&bytes, &LAYOUT),
+            Err(DecodeError::Size { .. })
+        ));
     }
 }

@@ -70,29 +70,38 @@ impl Lab {
         veth(&node, "cali1a2b", &pod, "eth0")?;
         veth(&node, "cali2c3d", &pod2, "eth0")?;
 
-        self.sh("client", &format!(
-            "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
+        self.sh(
+            "client",
+            &format!(
+                "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
              ip -6 addr add {CLIENT_IP6}/64 dev eth0 nodad; ip -6 route add default via {NODE_IP6}"
-        ))?;
+            ),
+        )?;
         self.sh("ext", &format!("ip addr add {EXT_IP}/24 dev eth0"))?;
         for (role, ip) in [("pod", POD_IP), ("pod2", POD2_IP)] {
-            self.sh(role, &format!(
-                "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
+            self.sh(
+                role,
+                &format!(
+                    "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
                  ip route add default via {POD_GW}"
-            ))?;
+                ),
+            )?;
         }
         self.sh("pod", &format!(
             "ip -6 addr add {POD_IP6}/64 dev eth0 nodad; ip -6 route add default via 2001:db8:2::1"
         ))?;
-        self.sh("node", &format!(
-            "sysctl -qw net.ipv4.ip_forward=1; sysctl -qw net.ipv6.conf.all.forwarding=1; \
+        self.sh(
+            "node",
+            &format!(
+                "sysctl -qw net.ipv4.ip_forward=1; sysctl -qw net.ipv6.conf.all.forwarding=1; \
              ip addr add {NODE_IP}/24 dev eth0; ip addr add {NODE_EXT_IP}/24 dev eth1; \
              ip -6 addr add {NODE_IP6}/64 dev eth0 nodad; \
              ip addr add {POD_GW}/32 dev cali1a2b; ip addr add {POD_GW}/32 dev cali2c3d; \
              ip -6 addr add 2001:db8:2::1/64 dev cali1a2b nodad; \
              ip route add {POD_IP}/32 dev cali1a2b; ip route add {POD2_IP}/32 dev cali2c3d; \
              ip route add default via {EXT_IP}"
-        ))?;
+            ),
+        )?;
         self.load_rules()
             .context("loading the lab's iptables rules (is the `iptables` package installed?)")?;
         Ok(())
@@ -100,7 +109,10 @@ impl Lab {
 
     fn load_rules(&self) -> Result<()> {
         let node = self.node();
-        pipe(&["ip", "netns", "exec", &node, "ipset", "restore", "-exist"], IPSETS)?;
+        pipe(
+            &["ip", "netns", "exec", &node, "ipset", "restore", "-exist"],
+            IPSETS,
+        )?;
         pipe(&["ip", "netns", "exec", &node, "iptables-restore"], RULES)?;
         Ok(())
     }
@@ -158,7 +170,12 @@ fn run(args: &[&str]) -> Result<String> {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
-        .with_context(|| format!("cannot run `{}`: is it installed? (`cargo xtask setup`)", args[0]))?;
+        .with_context(|| {
+            format!(
+                "cannot run `{}`: is it installed? (`cargo xtask setup`)",
+                args[0]
+            )
+        })?;
     if !out.status.success() {
         bail!(
             "`{}` failed: {}",

@@ -16,7 +16,10 @@ pub fn path(name: &str) -> PathBuf {
 pub fn enter(name: &str) -> Result<()> {
     let p = path(name);
     let f = File::open(&p).with_context(|| {
-        format!("no network namespace `{name}` ({} missing; see `ip netns list`)", p.display())
+        format!(
+            "no network namespace `{name}` ({} missing; see `ip netns list`)",
+            p.display()
+        )
     })?;
     // SAFETY: setns on a namespace fd we own; it changes only this thread's namespace.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {

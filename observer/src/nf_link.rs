@@ -14,9 +14,7 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-use aya_obj::generated::{
-    BPF_PSEUDO_MAP_FD, bpf_attach_type, bpf_attr, bpf_cmd, bpf_prog_type,
-};
+use aya_obj::generated::{BPF_PSEUDO_MAP_FD, bpf_attach_type, bpf_attr, bpf_cmd, bpf_prog_type};
 use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget};
 
 /// Size of one BPF instruction.
@@ -49,9 +47,7 @@ pub enum NfError {
     },
     #[error("program `{0}` must be loaded before it is attached")]
     NotLoaded(String),
-    #[error(
-        "cannot attach `{prog}` to {family}/{hook} at priority {priority}: {source}{hint}"
-    )]
+    #[error("cannot attach `{prog}` to {family}/{hook} at priority {priority}: {source}{hint}")]
     Attach {
         prog: String,
         family: &'static str,
@@ -147,8 +143,12 @@ impl NfObject {
         let license = CString::new(license).unwrap_or_else(|_| c"GPL".into());
         let mut programs = HashMap::new();
         for section in file.sections() {
-            let Ok(section_name) = section.name() else { continue };
-            let Some(prog) = section_name.strip_prefix("netfilter/") else { continue };
+            let Ok(section_name) = section.name() else {
+                continue;
+            };
+            let Some(prog) = section_name.strip_prefix("netfilter/") else {
+                continue;
+            };
             let mut insns = section.data()?.to_vec();
             for (offset, reloc) in section.relocations() {
                 let symbol = match reloc.target() {
@@ -318,7 +318,9 @@ impl NfProgram {
             Err(source) => {
                 let hint = match source.raw_os_error() {
                     Some(libc::EBUSY) => " (another BPF netfilter program holds this priority)",
-                    Some(libc::ERANGE) => " (priority out of range: INT_MIN and INT_MAX are reserved)",
+                    Some(libc::ERANGE) => {
+                        " (priority out of range: INT_MIN and INT_MAX are reserved)"
+                    }
                     Some(libc::EINVAL) => " (kernel 6.4+ with CONFIG_NETFILTER_BPF_LINK=y needed)",
                     Some(libc::EPERM) => " (run as root)",
                     _ => "",
@@ -358,8 +360,14 @@ mod tests {
         patch_map_fd(&mut insns, 0, 42).expect("ld_imm64 patched");
         assert_eq!(insns[1], 0x11, "src_reg = BPF_PSEUDO_MAP_FD, dst_reg kept");
         assert_eq!(&insns[4..8], &42i32.to_le_bytes());
-        assert!(patch_map_fd(&mut insns, 16, 42).is_none(), "exit is not patched");
-        assert!(patch_map_fd(&mut insns, 20, 42).is_none(), "out of range is refused");
+        assert!(
+            patch_map_fd(&mut insns, 16, 42).is_none(),
+            "exit is not patched"
+        );
+        assert!(
+            patch_map_fd(&mut insns, 20, 42).is_none(),
+            "out of range is refused"
+        );
     }
 
     #[test]

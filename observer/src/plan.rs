@@ -26,8 +26,18 @@ pub fn standard_tables(hook: NfHook) -> Vec<Table> {
         priority,
     };
     match hook {
-        NfHook::PreRouting => vec![t("raw", -300), t("conntrack", -200), t("mangle", -150), t("nat", -100)],
-        NfHook::LocalIn => vec![t("mangle", -150), t("filter", 0), t("security", 50), t("nat", 100)],
+        NfHook::PreRouting => vec![
+            t("raw", -300),
+            t("conntrack", -200),
+            t("mangle", -150),
+            t("nat", -100),
+        ],
+        NfHook::LocalIn => vec![
+            t("mangle", -150),
+            t("filter", 0),
+            t("security", 50),
+            t("nat", 100),
+        ],
         NfHook::Forward => vec![t("mangle", -150), t("filter", 0), t("security", 50)],
         NfHook::LocalOut => vec![
             t("raw", -300),
@@ -188,7 +198,10 @@ mod tests {
         for t in &p.tables {
             let (b, a) = p.bracket(t);
             let (b, a) = (b.unwrap(), a.unwrap());
-            assert!(p.points[b] < t.priority && p.points[a] > t.priority, "{t:?}");
+            assert!(
+                p.points[b] < t.priority && p.points[a] > t.priority,
+                "{t:?}"
+            );
             assert_eq!(a, b + 1, "nothing between the two probes of {}", t.name);
         }
     }

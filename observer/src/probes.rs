@@ -62,12 +62,13 @@ impl Probes {
                  rebuild with `cargo xtask build`"
             );
         }
-        let mut ebpf = EbpfLoader::new()
-            .load(TC_OBJECT)
-            .context("loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)")?;
+        let mut ebpf = EbpfLoader::new().load(TC_OBJECT).context(
+            "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
+        )?;
         {
             let mut config: Array<_, u64> = Array::try_from(
-                ebpf.map_mut("CONFIG").context("probe object has no CONFIG map")?,
+                ebpf.map_mut("CONFIG")
+                    .context("probe object has no CONFIG map")?,
             )?;
             for (i, v) in layout.config.iter().enumerate() {
                 config.set(i as u32, v, 0)?;
@@ -78,7 +79,8 @@ impl Probes {
                 .program_mut(name)
                 .with_context(|| format!("probe object has no program {name}"))?
                 .try_into()?;
-            prog.load().with_context(|| format!("loading TC program {name}"))?;
+            prog.load()
+                .with_context(|| format!("loading TC program {name}"))?;
         }
         let fds: HashMap<String, RawFd> = MAPS
             .iter()
@@ -153,8 +155,9 @@ impl Probes {
                 if let Err(e) = p.attach(&name, at) {
                     // An interface that vanished between listing and attaching is not an error.
                     if interfaces().iter().any(|(i, _)| *i == index) {
-                        return Err(anyhow::Error::new(e)
-                            .context(format!("attaching tcx {at:?} on {name} (kernel 6.6+ needed)")));
+                        return Err(anyhow::Error::new(e).context(format!(
+                            "attaching tcx {at:?} on {name} (kernel 6.6+ needed)"
+                        )));
                     }
                 }
             }
@@ -165,7 +168,10 @@ impl Probes {
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self.ebpf.take_map("EVENTS").context("probe object has no EVENTS map")?;
+        let map = self
+            .ebpf
+            .take_map("EVENTS")
+            .context("probe object has no EVENTS map")?;
         Ok(RingBuf::try_from(map)?)
     }
 
@@ -201,7 +207,9 @@ pub fn interfaces() -> Vec<(u32, String)> {
         }
         let mut p = list;
         while (*p).if_index != 0 {
-            let name = std::ffi::CStr::from_ptr((*p).if_name).to_string_lossy().into_owned();
+            let name = std::ffi::CStr::from_ptr((*p).if_name)
+                .to_string_lossy()
+                .into_owned();
             out.push(((*p).if_index, name));
             p = p.add(1);
         }

@@ -87,7 +87,10 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
 pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
 
 pub fn index_plans(plans: &[HookPlan]) -> Plans {
-    plans.iter().map(|p| ((p.family, p.hook), p.clone())).collect()
+    plans
+        .iter()
+        .map(|p| ((p.family, p.hook), p.clone()))
+        .collect()
 }
 
 /// Builds the report of one traversal.
@@ -104,13 +107,17 @@ pub fn build(
         .records
         .iter()
         .find(|r| r.point == Point::TcIngress)
-        .map(|r| Iface { iface: ifname(r.ifindex_in) });
+        .map(|r| Iface {
+            iface: ifname(r.ifindex_in),
+        });
     let egress = t
         .records
         .iter()
         .rev()
         .find(|r| r.point == Point::TcEgress)
-        .map(|r| Iface { iface: ifname(r.ifindex_out) });
+        .map(|r| Iface {
+            iface: ifname(r.ifindex_out),
+        });
 
     // Netfilter records grouped by hook, hooks in the order the packet met them.
     let mut hooks: Vec<(NfHook, HashMap<usize, &Observation>)> = Vec::new();
@@ -135,8 +142,7 @@ pub fn build(
                 continue;
             };
             let after = a.and_then(|s| seen.get(&s));
-            let seen_later = later_hooks
-                || a.is_some_and(|a| seen.keys().any(|&s| s > a));
+            let seen_later = later_hooks || a.is_some_and(|a| seen.keys().any(|&s| s > a));
             let verdict = if after.is_some() || seen_later {
                 "accept"
             } else {
@@ -181,10 +187,7 @@ impl Report {
     pub fn render_tree(&self) -> String {
         let mut out = String::new();
         let first = self.stages.first().and_then(|s| s.before.as_ref());
-        let flow = first.map_or_else(
-            || "?".to_string(),
-            |s| format!("{} -> {}", s.src, s.dst),
-        );
+        let flow = first.map_or_else(|| "?".to_string(), |s| format!("{} -> {}", s.src, s.dst));
         let _ = write!(
             out,
             "{} {} {}",
@@ -274,12 +277,22 @@ mod tests {
         }
         // FORWARD: FIRST, -149, 1, 51, LAST.
         for slot in 0..5u32 {
-            evs.push(with_ct(tcp_event(2, slot, skb, CLIENT, POD, 0x4000), 2, orig, reply));
+            evs.push(with_ct(
+                tcp_event(2, slot, skb, CLIENT, POD, 0x4000),
+                2,
+                orig,
+                reply,
+            ));
         }
         // POSTROUTING: FIRST, -149, 101, LAST; MASQUERADE at nat (100).
         for slot in 0..4u32 {
             let src = if slot >= 2 { NODE } else { CLIENT };
-            evs.push(with_ct(tcp_event(4, slot, skb, src, POD, 0x4000), 2, orig, reply));
+            evs.push(with_ct(
+                tcp_event(4, slot, skb, src, POD, 0x4000),
+                2,
+                orig,
+                reply,
+            ));
         }
         let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
         eg.header.ifindex_out = 5;
@@ -310,9 +323,23 @@ mod tests {
         let r = build(&t, &plans, "node", &names, 0);
         assert_eq!(r.family, Some("ipv4"));
         assert_eq!(r.proto, "tcp");
-        assert_eq!(r.ingress, Some(Iface { iface: "eth0".into() }));
-        assert_eq!(r.egress, Some(Iface { iface: "cali1a2b".into() }));
-        let hooks: Vec<_> = r.stages.iter().map(|s| (s.hook, s.table.as_str())).collect();
+        assert_eq!(
+            r.ingress,
+            Some(Iface {
+                iface: "eth0".into()
+            })
+        );
+        assert_eq!(
+            r.egress,
+            Some(Iface {
+                iface: "cali1a2b".into()
+            })
+        );
+        let hooks: Vec<_> = r
+            .stages
+            .iter()
+            .map(|s| (s.hook, s.table.as_str()))
+            .collect();
         assert_eq!(
             hooks,
             vec![
@@ -350,7 +377,9 @@ mod tests {
         assert_eq!(v["lost"], 3);
         assert_eq!(v["egress"]["iface"], "cali1a2b");
         let s = &v["stages"][3];
-        for key in ["hook", "table", "priority", "before", "after", "ct", "verdict"] {
+        for key in [
+            "hook", "table", "priority", "before", "after", "ct", "verdict",
+        ] {
             assert!(s.get(key).is_some(), "stage has {key}");
         }
         assert_eq!(s["ct"]["mark"], "0x0");
@@ -369,7 +398,10 @@ mod tests {
         t.closed = Closed::Idle;
         let r = build(&t, &plans, "node", &names, 0);
         let last = r.stages.last().unwrap();
-        assert_eq!((last.hook, last.table.as_str(), last.verdict), ("FORWARD", "filter", "drop"));
+        assert_eq!(
+            (last.hook, last.table.as_str(), last.verdict),
+            ("FORWARD", "filter", "drop")
+        );
         assert!(last.after.is_none());
         assert_eq!(r.egress, None);
         assert!(r.render_tree().contains("DROPPED"));
@@ -379,15 +411,74 @@ mod tests {
     fn tree_names_changes() {
         let (t, plans) = forwarded();
         let tree = build(&t, &plans, "node", &names, 0).render_tree();
-        assert!(tree.starts_with("ipv4 tcp 198.51.100.10:40000 -> 10.10.10.2:22  in eth0  out cali1a2b"), "{tree}");
-        assert!(tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"), "{tree}");
+        assert!(
+            tree.starts_with(
+                "ipv4 tcp 198.51.100.10:40000 -> 10.10.10.2:22  in eth0  out cali1a2b"
+            ),
+            "{tree}"
+        );
+        assert!(
+            tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"),
+            "{tree}"
+        );
         assert!(tree.contains("mark 0x0 -> 0x4000"), "{tree}");
-        assert!(tree.contains("src 198.51.100.10:40000 -> 172.17.0.1:40000"), "{tree}");
+        assert!(
+            tree.contains("src 198.51.100.10:40000 -> 172.17.0.1:40000"),
+            "{tree}"
+        );
+    }
+
+    /// Keys of every object in `v`, by path (arrays contribute all their elements).
+    fn key_paths(v: &serde_json::Value, path: &str, out: &mut std::collections::BTreeSet<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    let p = format!("{path}.{k}");
+                    out.insert(p.clone());
+                    key_paths(v, &p, out);
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for e in a {
+                    key_paths(e, &format!("{path}[]"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn documented_schema_matches() {
+        let doc = include_str!("../../docs/json-schema.md");
+        let start = doc.find("```json").expect("json example in docs") + "```json".len();
+        let end = start + doc[start..].find("```").expect("closed block");
+        let documented: serde_json::Value = serde_json::from_str(&doc[start..end]).unwrap();
+        let (t, plans) = forwarded();
+        let real: serde_json::Value =
+            serde_json::from_str(&build(&t, &plans, "obs-node", &names, 0).to_json_line()).unwrap();
+        let (mut want, mut got) = (Default::default(), Default::default());
+        key_paths(&documented, "", &mut want);
+        key_paths(&real, "", &mut got);
+        assert_eq!(
+            want, got,
+            "docs/json-schema.md and the printed JSON disagree"
+        );
+        // Every key of the real output is explained in the doc's table too.
+        for k in got {
+            let leaf = k.rsplit('.').next().unwrap();
+            assert!(
+                doc.contains(&format!("`{leaf}`")),
+                "docs/json-schema.md does not explain `{leaf}`"
+            );
+        }
     }
 
     #[test]
     fn endpoints_format_by_family_and_protocol() {
-        let v6 = Endpoint { addr: "2001:db8::1".parse().unwrap(), port: 80 };
+        let v6 = Endpoint {
+            addr: "2001:db8::1".parse().unwrap(),
+            port: 80,
+        };
         assert_eq!(endpoint(&v6, true), "[2001:db8::1]:80");
         assert_eq!(endpoint(&v6, false), "2001:db8::1");
     }

@@ -120,29 +120,30 @@ async fn event_loop(
     let mut done: Vec<Traversal> = Vec::new();
     let stdout = std::io::stdout();
 
-    let mut emit = |done: &mut Vec<Traversal>, summary: &mut Summary, lost_now: u64| -> Result<bool> {
-        let mut out = stdout.lock();
-        for t in done.drain(..) {
-            if t.closed == Closed::Shutdown {
-                summary.incomplete_at_exit += 1;
-                continue;
+    let mut emit =
+        |done: &mut Vec<Traversal>, summary: &mut Summary, lost_now: u64| -> Result<bool> {
+            let mut out = stdout.lock();
+            for t in done.drain(..) {
+                if t.closed == Closed::Shutdown {
+                    summary.incomplete_at_exit += 1;
+                    continue;
+                }
+                if opts.count.is_some_and(|n| summary.printed >= n) {
+                    continue;
+                }
+                let lost = lost_now - reported_lost;
+                reported_lost = lost_now;
+                let r = report::build(&t, &plans, &netns, &ifname, lost);
+                if opts.json {
+                    writeln!(out, "{}", r.to_json_line())?;
+                } else {
+                    writeln!(out, "{}", r.render_tree())?;
+                }
+                summary.printed += 1;
             }
-            if opts.count.is_some_and(|n| summary.printed >= n) {
-                continue;
-            }
-            let lost = lost_now - reported_lost;
-            reported_lost = lost_now;
-            let r = report::build(&t, &plans, &netns, &ifname, lost);
-            if opts.json {
-                writeln!(out, "{}", r.to_json_line())?;
-            } else {
-                writeln!(out, "{}", r.render_tree())?;
-            }
-            summary.printed += 1;
-        }
-        out.flush()?;
-        Ok(opts.count.is_some_and(|n| summary.printed >= n))
-    };
+            out.flush()?;
+            Ok(opts.count.is_some_and(|n| summary.printed >= n))
+        };
 
     loop {
         tokio::select! {

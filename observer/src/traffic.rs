@@ -14,7 +14,11 @@ const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Serves `count` TCP connections on `addr` inside `ns`, echoing what each sends. Returns
 /// once listening; the server thread stops after `count` connections or `TIMEOUT`.
-pub fn tcp_echo_server(ns: &str, addr: SocketAddr, count: usize) -> Result<std::thread::JoinHandle<Result<()>>> {
+pub fn tcp_echo_server(
+    ns: &str,
+    addr: SocketAddr,
+    count: usize,
+) -> Result<std::thread::JoinHandle<Result<()>>> {
     let (tx, rx) = std::sync::mpsc::channel();
     let h = spawn_in(ns, move || {
         let l = TcpListener::bind(addr).with_context(|| format!("bind {addr}"))?;
@@ -40,14 +44,16 @@ pub fn tcp_echo_server(ns: &str, addr: SocketAddr, count: usize) -> Result<std::
         }
         Ok(())
     });
-    rx.recv_timeout(TIMEOUT).context("echo server did not start")?;
+    rx.recv_timeout(TIMEOUT)
+        .context("echo server did not start")?;
     Ok(h)
 }
 
 /// Connects from `ns` to `to`, sends `msg` and expects it echoed back.
 pub fn tcp_roundtrip(ns: &str, to: SocketAddr, msg: &'static [u8]) -> Result<()> {
     spawn_in(ns, move || {
-        let mut s = TcpStream::connect_timeout(&to, TIMEOUT).with_context(|| format!("connect {to}"))?;
+        let mut s =
+            TcpStream::connect_timeout(&to, TIMEOUT).with_context(|| format!("connect {to}"))?;
         s.set_read_timeout(Some(TIMEOUT))?;
         s.write_all(msg)?;
         s.shutdown(Shutdown::Write)?;
@@ -81,14 +87,23 @@ pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
     let pod: SocketAddr = format!("{}:22", lab::POD_IP).parse()?;
     let server = tcp_echo_server(&lab.ns("pod"), pod, 1)?;
     tcp_roundtrip(&lab.ns("client"), svc, b"hello registry")?;
-    server.join().map_err(|_| anyhow::anyhow!("server panicked"))??;
-    done.push(format!("client -> ClusterIP {svc} (kube-proxy DNAT to {pod}, masquerade)"));
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server panicked"))??;
+    done.push(format!(
+        "client -> ClusterIP {svc} (kube-proxy DNAT to {pod}, masquerade)"
+    ));
 
     let ext: SocketAddr = format!("{}:8080", lab::EXT_IP).parse()?;
     let server = tcp_echo_server(&lab.ns("ext"), ext, 1)?;
     tcp_roundtrip(&lab.ns("pod2"), ext, b"hello outside")?;
-    server.join().map_err(|_| anyhow::anyhow!("server panicked"))??;
-    done.push(format!("pod2 {} -> external {ext} (Calico nat-outgoing)", lab::POD2_IP));
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server panicked"))??;
+    done.push(format!(
+        "pod2 {} -> external {ext} (Calico nat-outgoing)",
+        lab::POD2_IP
+    ));
 
     let node: SocketAddr = format!("{}:9", lab::NODE_IP).parse()?;
     udp_send(&lab.ns("client"), node, b"to the node")?;

@@ -127,14 +127,20 @@ pub fn enter_netns(path: &std::path::Path) {
     let f = File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     // SAFETY: setns on a valid namespace fd only affects the calling thread.
     let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(rc, 0, "setns {}: {}", path.display(), std::io::Error::last_os_error());
+    assert_eq!(
+        rc,
+        0,
+        "setns {}: {}",
+        path.display(),
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Joins two namespaces with a veth pair `a_if` (in `a`) <-> `b_if` (in `b`), both up.
 pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) {
     run(&[
-        "ip", "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if,
-        "netns", &b.name,
+        "ip", "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
+        &b.name,
     ]);
     a.exec(&["ip", "link", "set", a_if, "up"]);
     b.exec(&["ip", "link", "set", b_if, "up"]);

@@ -1,1 +1,430 @@
-fn main() {}
+//! Developer tasks. Every task that needs the toolchain runs `setup` first, which is
+//! idempotent and quick when everything is already installed.
+//!
+//! - `setup`: Debian packages, the nightly toolchain with rust-src, bpf-linker built against
+//!   that toolchain's own LLVM.
+//! - `build`: release binary at target/release/observer with the probes embedded.
+//! - `demo`: the main job on the built-in lab: build, lab up, trace a few flows, lab down.
+//! - `test`: fmt, clippy, and every test (unit and privileged integration tests).
+//! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// Nightly installed when the machine has none: its LLVM major must match bpf-linker's.
+const PINNED_NIGHTLY: &str = "nightly-2026-05-19";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const PACKAGES: &[&str] = &[
+    "iptables",
+    "nftables",
+    "ipset",
+    "conntrack",
+    "iproute2",
+    "iperf3",
+    "procps",
+    "kmod",
+];
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "observer's developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what the build and the tests need (idempotent; run as root).
+    Setup,
+    /// Build the release binary (target/release/observer) with its probes.
+    Build,
+    /// Build, bring up the netns lab, trace demo flows through it, tear it down.
+    Demo,
+    /// Formatting, clippy, unit tests and privileged integration tests.
+    Test {
+        /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
+    Bench {
+        /// Seconds per iperf3 run.
+        #[arg(long, default_value_t = 5)]
+        seconds: u32,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    match cli.task {
+        Task::Setup => setup().map(|_| ()),
+        Task::Build => {
+            let tc = setup()?;
+            build(&tc, true)
+        }
+        Task::Demo => demo(),
+        Task::Test { args } => test(&args),
+        Task::Bench { seconds } => bench(seconds),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).is_ok_and(|s| s.trim() == "0")
+}
+
+/// Installs everything; returns the toolchain that builds the probes.
+fn setup() -> Result<String> {
+    let t0 = Instant::now();
+    install_packages()?;
+    let tc = nightly_toolchain()?;
+    install_bpf_linker(&tc)?;
+    eprintln!(
+        "xtask: setup complete in {:.1}s (probe toolchain {tc})",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(tc)
+}
+
+fn install_packages() -> Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| {
+            !output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p]))
+                .is_ok_and(|s| s.contains("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !is_root() {
+        bail!("Debian packages {missing:?} are missing; run `cargo xtask setup` as root");
+    }
+    eprintln!("xtask: installing {missing:?}");
+    run(Command::new("apt-get").arg("update").arg("-qq"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn rustc_llvm_major(tc: &str) -> Option<String> {
+    let v = output(Command::new("rustup").args(["run", tc, "rustc", "-vV"])).ok()?;
+    let line = v.lines().find(|l| l.starts_with("LLVM version:"))?;
+    Some(
+        line.split(':')
+            .nth(1)?
+            .trim()
+            .split('.')
+            .next()?
+            .to_string(),
+    )
+}
+
+/// A nightly with rust-src: `OBSERVER_EBPF_TOOLCHAIN`, else the installed `nightly`, else the
+/// pinned dated nightly (installed). The floating channel is never updated implicitly.
+fn nightly_toolchain() -> Result<String> {
+    let tc = if let Ok(tc) = std::env::var("OBSERVER_EBPF_TOOLCHAIN") {
+        tc
+    } else if rustc_llvm_major("nightly").is_some() {
+        "nightly".to_string()
+    } else if rustc_llvm_major(PINNED_NIGHTLY).is_some() {
+        PINNED_NIGHTLY.to_string()
+    } else {
+        eprintln!("xtask: installing {PINNED_NIGHTLY}");
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            PINNED_NIGHTLY,
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
+        ]))?;
+        PINNED_NIGHTLY.to_string()
+    };
+    let comps = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        &tc,
+    ]))?;
+    if !comps.lines().any(|l| l.starts_with("rust-src")) {
+        eprintln!("xtask: adding rust-src to {tc}");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", &tc]))?;
+    }
+    Ok(tc)
+}
+
+fn home() -> PathBuf {
+    PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+}
+
+/// bpf-linker links libLLVM dynamically; it must use the same LLVM major as the nightly.
+/// No system LLVM of that version exists, so it is built against the toolchain's own
+/// libLLVM, through a stable prefix directory (the binary keeps an rpath into it).
+fn install_bpf_linker(tc: &str) -> Result<()> {
+    let major = rustc_llvm_major(tc).context("cannot read the nightly's LLVM version")?;
+    let sysroot = output(Command::new("rustup").args(["run", tc, "rustc", "--print", "sysroot"]))?;
+    let sysroot = PathBuf::from(sysroot.trim());
+    let prefix = home().join(".cache/observer").join(format!("llvm-{major}"));
+    let stamp = prefix.join("stamp");
+    let want = format!(
+        "bpf-linker {BPF_LINKER_VERSION} llvm-{major} {}\n",
+        sysroot.display()
+    );
+    let linker = home().join(".cargo/bin/bpf-linker");
+    if linker.exists() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Ok(());
+    }
+    let lib = prefix.join("lib");
+    std::fs::create_dir_all(&lib)?;
+    let so = std::fs::read_dir(sysroot.join("lib"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
+        .context("the nightly toolchain ships no libLLVM")?;
+    for name in ["libLLVM.so".to_string(), so.clone()] {
+        let link = lib.join(&name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(sysroot.join("lib").join(&so), &link)?;
+    }
+    eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against {so} (about a minute)");
+    run(Command::new("cargo")
+        .args([
+            "install",
+            "bpf-linker",
+            "--locked",
+            "--force",
+            "--version",
+            BPF_LINKER_VERSION,
+        ])
+        .args([
+            "--no-default-features",
+            "--features",
+            &format!("llvm-{major}"),
+        ])
+        .env("LLVM_PREFIX", &prefix))?;
+    std::fs::write(&stamp, want)?;
+    Ok(())
+}
+
+fn build(tc: &str, release: bool) -> Result<()> {
+    let mut cmd = Command::new("cargo");
+    cmd.args(["build", "--locked", "-p", "observer"])
+        .env("OBSERVER_EBPF_TOOLCHAIN", tc);
+    if release {
+        cmd.arg("--release");
+    }
+    run(&mut cmd)
+}
+
+fn observer_bin(release: bool) -> PathBuf {
+    workspace_root()
+        .join("target")
+        .join(if release { "release" } else { "debug" })
+        .join("observer")
+}
+
+fn need_root(what: &str) -> Result<()> {
+    if !is_root() {
+        bail!(
+            "`cargo xtask {what}` needs root (network namespaces, BPF); run it with sudo or as root"
+        );
+    }
+    Ok(())
+}
+
+/// Starts `observer tail` and waits for its ready file.
+fn start_tail(bin: &Path, args: &[&str], stdout: Stdio) -> Result<Child> {
+    let ready = std::env::temp_dir().join(format!("observer-ready-{}", std::process::id()));
+    let _ = std::fs::remove_file(&ready);
+    let mut child = Command::new(bin)
+        .arg("tail")
+        .args(args)
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(stdout)
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        if let Some(status) = child.try_wait()? {
+            bail!("observer tail exited before it was ready: {status}");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("observer tail was not ready after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_file(&ready);
+    Ok(child)
+}
+
+fn stop(child: &mut Child) -> Result<()> {
+    // SIGINT: the observer detaches and prints its summary.
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    child.wait()?;
+    Ok(())
+}
+
+fn demo() -> Result<()> {
+    let tc = setup()?;
+    build(&tc, true)?;
+    need_root("demo")?;
+    let bin = observer_bin(true);
+    let prefix = "obs";
+    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
+    let result = (|| -> Result<()> {
+        let node = format!("{prefix}-node");
+        let mut tail = start_tail(&bin, &["--netns", &node], Stdio::inherit())?;
+        let sent = run(Command::new(&bin).args(["lab", "traffic", "--prefix", prefix]));
+        std::thread::sleep(Duration::from_millis(1500));
+        stop(&mut tail)?;
+        sent
+    })();
+    run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
+    result
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    let tc = setup()?;
+    let t0 = Instant::now();
+    run(Command::new("cargo").args(["fmt", "--all", "--check"]))
+        .context("formatting differs: run `cargo fmt --all`")?;
+    run(Command::new("cargo")
+        .args([
+            "clippy",
+            "--locked",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])
+        .env("OBSERVER_EBPF_TOOLCHAIN", &tc))?;
+    build(&tc, false)?;
+    run(Command::new("cargo")
+        .args(["test", "--locked", "--workspace", "--no-fail-fast"])
+        .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
+        .env("OBSERVER_BIN", observer_bin(false))
+        .arg("--")
+        .args(extra))?;
+    eprintln!(
+        "xtask: all tests passed in {:.0}s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn iperf(prefix: &str, seconds: u32) -> Result<f64> {
+    let pod = format!("{prefix}-pod");
+    let client = format!("{prefix}-client");
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &pod, "iperf3", "-s", "-1", "-p", "22"])
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let out = output(Command::new("ip").args([
+        "netns",
+        "exec",
+        &client,
+        "iperf3",
+        "-c",
+        "10.10.10.2",
+        "-p",
+        "22",
+        "-J",
+        "-t",
+        &seconds.to_string(),
+    ]));
+    let _ = server.wait();
+    let v: serde_json::Value = serde_json::from_str(&out?)?;
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .context("iperf3 reported no throughput")
+}
+
+fn bench(seconds: u32) -> Result<()> {
+    let tc = setup()?;
+    build(&tc, true)?;
+    need_root("bench")?;
+    let bin = observer_bin(true);
+    let prefix = "obsbench";
+    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
+    let result = (|| -> Result<(f64, f64)> {
+        let without = iperf(prefix, seconds)?;
+        let node = format!("{prefix}-node");
+        let mut tail = start_tail(&bin, &["--netns", &node, "--json"], Stdio::null())?;
+        let with = iperf(prefix, seconds);
+        stop(&mut tail)?;
+        Ok((without, with?))
+    })();
+    run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
+    let (without, with) = result?;
+    println!("iperf3 TCP client -> ClusterIP -> pod through the lab node, {seconds} s each:");
+    println!(
+        "  {:<34} {:>10.2} Gbit/s",
+        "without observer",
+        without / 1e9
+    );
+    println!(
+        "  {:<34} {:>10.2} Gbit/s",
+        "with observer (tracing everything)",
+        with / 1e9
+    );
+    println!("  {:<34} {:>10.3}", "ratio with/without", with / without);
+    if workspace_root()
+        .join("observer-rules/examples/bench_rules.rs")
+        .exists()
+    {
+        println!();
+        run(Command::new("cargo").args([
+            "run",
+            "--locked",
+            "--release",
+            "-q",
+            "-p",
+            "observer-rules",
+            "--example",
+            "bench_rules",
+        ]))?;
+    }
+    Ok(())
+}

@@ -46,8 +46,12 @@ fn observe(ctx: *const BpfNfCtx, slot: u32) {
         count(counter::NOT_CONFIGURED);
         return;
     }
-    // SAFETY: the verifier allows direct reads of both context fields.
-    let (state, skb) = unsafe { ((*ctx).state, (*ctx).skb) };
+    // Read the context through bpf_probe_read_kernel: a direct load would give the verifier
+    // a trusted BTF pointer, on which it forbids the variable offsets that BTF gives us.
+    let base = ctx as u64;
+    let (Ok(state), Ok(skb)) = (read::<u64>(base, 0), read::<u64>(base, 8)) else {
+        return;
+    };
     let _ = try_observe(state, skb, slot);
 }
 

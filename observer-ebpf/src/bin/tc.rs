@@ -52,23 +52,23 @@ fn observe(ctx: &TcContext, at: u8) {
         _ => 0,
     };
     if ev.header.family != 0 {
-        let mut hdr = [0u8; 40];
         // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0.
+        // Fixed-size loads only: the verifier refuses a length that might be zero.
         let mut l3 = 14usize;
-        if ctx.load_bytes(l3, &mut hdr).is_err() || (hdr[0] >> 4 != 4 && hdr[0] >> 4 != 6) {
+        let mut hdr: [u8; 40] = ctx.load(l3).unwrap_or([0; 40]);
+        if hdr[0] >> 4 != 4 && hdr[0] >> 4 != 6 {
             l3 = 0;
-            let _ = ctx.load_bytes(l3, &mut hdr);
+            hdr = ctx.load(l3).unwrap_or([0; 40]);
         }
         if let Some(ihl) = parse_l3(&hdr, ev) {
-            let mut l4 = [0u8; 16];
-            if ctx.load_bytes(l3 + ihl, &mut l4).is_ok() {
-                parse_l4(&l4, ev);
-            } else {
-                ev.header.flags |= observer_common::flags::NO_L4;
+            match ctx.load::<[u8; 16]>(l3 + ihl) {
+                Ok(l4) => parse_l4(&l4, ev),
+                Err(_) => ev.header.flags |= observer_common::flags::NO_L4,
             }
         }
     } else {
-        ev.header.flags |= observer_common::flags::NO_L3;
+        // Not IP (ARP, LLDP, ...): nothing netfilter will see; do not spend a record on it.
+        return;
     }
     emit(ev);
 }

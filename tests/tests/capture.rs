@@ -1,0 +1,440 @@
+//! Privileged end-to-end tests of `observer tail` on the built-in lab: each test builds its
+//! own lab (unique namespace prefix), attaches the observer to the lab's node, sends traffic
+//! between the lab's namespaces only, and removes everything, even when an assertion fails.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use observer_tests::{enter_netns, privileged, run, unique_prefix};
+use serde_json::Value;
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn observer_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("OBSERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/observer");
+    assert!(
+        p.exists(),
+        "no observer binary at {}: run the tests with `cargo xtask test`",
+        p.display()
+    );
+    p
+}
+
+/// A lab instance, removed on drop.
+struct Lab {
+    prefix: String,
+}
+
+impl Lab {
+    fn up(tag: &str) -> Self {
+        let prefix = unique_prefix(tag);
+        let lab = Self { prefix };
+        run(&[
+            observer_bin().to_str().unwrap(),
+            "lab",
+            "up",
+            "--prefix",
+            &lab.prefix,
+        ]);
+        lab
+    }
+
+    fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.prefix)
+    }
+
+    fn ns_path(&self, role: &str) -> PathBuf {
+        PathBuf::from("/run/netns").join(self.ns(role))
+    }
+
+    /// Runs `f` on a thread inside the lab namespace `role`.
+    fn run_in<F, R>(&self, role: &str, f: F) -> R
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let path = self.ns_path(role);
+        std::thread::spawn(move || {
+            enter_netns(&path);
+            f()
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+
+    /// Starts a server thread inside `role`; returns once it is bound.
+    fn serve<F>(&self, role: &str, f: F) -> std::thread::JoinHandle<()>
+    where
+        F: FnOnce(std::sync::mpsc::Sender<()>) + Send + 'static,
+    {
+        let path = self.ns_path(role);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            enter_netns(&path);
+            f(tx)
+        });
+        rx.recv_timeout(TIMEOUT).expect("server bound");
+        h
+    }
+
+    /// Rule and policy counter lines of `table` on the node (all tables when None).
+    fn iptables_counters(&self, table: Option<&str>) -> Vec<String> {
+        let node = self.ns("node");
+        let mut args = vec!["ip", "netns", "exec", node.as_str(), "iptables-save", "-c"];
+        if let Some(t) = table {
+            args.extend(["-t", t]);
+        }
+        let out = run(&args);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with('[') || l.starts_with(':'))
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn reset_counters(&self) {
+        for t in ["raw", "mangle", "nat", "filter"] {
+            run(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.ns("node"),
+                "iptables",
+                "-t",
+                t,
+                "-Z",
+            ]);
+        }
+        run(&["ip", "netns", "exec", &self.ns("node"), "conntrack", "-F"]);
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = Command::new(observer_bin())
+            .args(["lab", "down", "--prefix", &self.prefix])
+            .output();
+    }
+}
+
+/// `observer tail --json` on the lab's node; killed on drop if still running.
+struct Tail {
+    child: Option<Child>,
+}
+
+impl Tail {
+    fn start(lab: &Lab) -> Self {
+        let ready = std::env::temp_dir().join(format!("{}-ready", lab.prefix));
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new(observer_bin())
+            .args([
+                "tail",
+                "--json",
+                "--timeout",
+                "60",
+                "--netns",
+                &lab.ns("node"),
+            ])
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn observer tail");
+        let mut tail = Self { child: Some(child) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ready.exists() {
+            if let Some(status) = tail.child.as_mut().unwrap().try_wait().unwrap() {
+                let mut err = String::new();
+                let _ = tail
+                    .child
+                    .take()
+                    .unwrap()
+                    .stderr
+                    .unwrap()
+                    .read_to_string(&mut err);
+                panic!("observer tail exited before ready ({status}): {err}");
+            }
+            assert!(Instant::now() < deadline, "observer tail not ready in 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        tail
+    }
+
+    /// Stops the observer (SIGINT, as a user would) and returns its JSON reports.
+    fn stop(mut self) -> (Vec<Value>, String) {
+        // Let idle traversals close (idle time 1 s) before stopping.
+        std::thread::sleep(Duration::from_millis(1500));
+        let child = self.child.take().unwrap();
+        run(&["kill", "-INT", &child.id().to_string()]);
+        let out = child.wait_with_output().expect("observer exits");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "observer failed: {stderr}");
+        let reports = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
+            .collect();
+        (reports, stderr)
+    }
+}
+
+impl Drop for Tail {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn tcp_echo(
+    lab: &Lab,
+    role: &str,
+    addr: &'static str,
+    conns: usize,
+) -> std::thread::JoinHandle<()> {
+    lab.serve(role, move |ready| {
+        let l = TcpListener::bind(addr).expect("bind");
+        ready.send(()).unwrap();
+        for _ in 0..conns {
+            let (mut s, _) = l.accept().expect("accept");
+            s.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).unwrap_or(0);
+            s.write_all(&buf[..n]).unwrap();
+        }
+    })
+}
+
+fn tcp_client(lab: &Lab, role: &str, to: &'static str) -> Result<Vec<u8>, String> {
+    lab.run_in(role, move || {
+        let to: SocketAddr = to.parse().unwrap();
+        let mut s = TcpStream::connect_timeout(&to, TIMEOUT).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s.write_all(b"ping").map_err(|e| e.to_string())?;
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut back = Vec::new();
+        s.read_to_end(&mut back).map_err(|e| e.to_string())?;
+        Ok(back)
+    })
+}
+
+fn stage<'a>(r: &'a Value, hook: &str, table: &str) -> Option<&'a Value> {
+    r["stages"]
+        .as_array()?
+        .iter()
+        .find(|s| s["hook"] == hook && s["table"] == table)
+}
+
+fn mark(v: &Value) -> u32 {
+    let s = v["mark"].as_str().expect("mark string");
+    u32::from_str_radix(s.trim_start_matches("0x"), 16).expect("hex mark")
+}
+
+fn first_dst(r: &Value) -> &str {
+    r["stages"][0]["before"]["dst"].as_str().unwrap_or("")
+}
+
+#[test]
+fn clusterip_is_dnatted_marked_forwarded_and_masqueraded() {
+    if !privileged("clusterip_is_dnatted_marked_forwarded_and_masqueraded") {
+        return;
+    }
+    let lab = Lab::up("cip");
+    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let tail = Tail::start(&lab);
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    server.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let syn = reports
+        .iter()
+        .find(|r| {
+            first_dst(r) == "10.10.10.2:22"
+                && stage(r, "PREROUTING", "nat").is_some_and(|s| s["ct"]["state"] == "new")
+        })
+        .unwrap_or_else(|| panic!("no first packet to the ClusterIP in {reports:#?}\n{stderr}"));
+    assert_eq!(syn["schema"], 1);
+    assert_eq!(syn["family"], "ipv4");
+    assert_eq!(syn["proto"], "tcp");
+    assert_eq!(syn["ingress"]["iface"], "eth0");
+    assert_eq!(
+        syn["egress"]["iface"], "cali1a2b",
+        "leaves through the pod's interface"
+    );
+    let nat = stage(syn, "PREROUTING", "nat").unwrap();
+    assert_eq!(nat["before"]["dst"], "10.10.10.2:22");
+    assert_eq!(
+        nat["after"]["dst"], "172.17.0.5:22",
+        "DNAT to the pod at PREROUTING/nat"
+    );
+    assert_eq!(mark(&nat["before"]) & 0x4000, 0);
+    assert_eq!(
+        mark(&nat["after"]) & 0x4000,
+        0x4000,
+        "KUBE-MARK-MASQ at PREROUTING/nat"
+    );
+    assert!(
+        stage(syn, "FORWARD", "filter").is_some(),
+        "forwarded, not delivered"
+    );
+    assert!(stage(syn, "INPUT", "filter").is_none());
+    let snat = stage(syn, "POSTROUTING", "nat").unwrap();
+    assert_eq!(snat["before"]["src"], syn["stages"][0]["before"]["src"]);
+    assert_ne!(
+        snat["after"]["src"], snat["before"]["src"],
+        "MASQUERADE rewrote the source"
+    );
+    assert!(
+        snat["after"]["src"]
+            .as_str()
+            .unwrap()
+            .starts_with("169.254.1.1:")
+    );
+    assert!(
+        syn["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["verdict"] == "accept")
+    );
+    assert_eq!(syn["lost"], 0);
+    assert!(
+        stderr.contains("0 lost"),
+        "summary reports no loss: {stderr}"
+    );
+}
+
+#[test]
+fn packets_from_cali_interfaces_get_the_raw_mark() {
+    if !privileged("packets_from_cali_interfaces_get_the_raw_mark") {
+        return;
+    }
+    let lab = Lab::up("raw");
+    let tail = Tail::start(&lab);
+    lab.run_in("pod2", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"hello", "203.0.113.10:9999").unwrap();
+    });
+    let (reports, stderr) = tail.stop();
+    let r = reports
+        .iter()
+        .find(|r| {
+            r["stages"][0]["before"]["src"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("192.170.1.5:"))
+        })
+        .unwrap_or_else(|| panic!("no packet from pod2 in {reports:#?}\n{stderr}"));
+    assert_eq!(r["ingress"]["iface"], "cali2c3d");
+    let raw = stage(r, "PREROUTING", "raw").expect("raw stage");
+    assert_eq!(mark(&raw["before"]) & 0x40000, 0);
+    assert_eq!(
+        mark(&raw["after"]) & 0x40000,
+        0x40000,
+        "cali-PREROUTING marks cali+ traffic"
+    );
+    let snat = stage(r, "POSTROUTING", "nat").expect("nat stage");
+    assert!(
+        snat["after"]["src"]
+            .as_str()
+            .unwrap()
+            .starts_with("203.0.113.1:"),
+        "cali-nat-outgoing masquerades to the node's address: {snat}"
+    );
+    assert_eq!(r["egress"]["iface"], "eth1");
+}
+
+struct Outcome {
+    answers: Vec<Vec<u8>>,
+    /// Every table's counters after the UDP phase (its packet count is deterministic).
+    counters_after_udp: Vec<String>,
+    conns: Vec<Result<Vec<u8>, String>>,
+    /// nat counters after the TCP phase (nat counts connections, which is deterministic;
+    /// TCP's packet count is not, so other tables are not compared after it).
+    nat_after_tcp: Vec<String>,
+}
+
+/// UDP request/response through the kube-dns ClusterIP (2 packets each, a new conntrack
+/// entry each), then TCP connections through the registry ClusterIP.
+fn workload(lab: &Lab) -> Outcome {
+    let dns = lab.serve("pod", |ready| {
+        let s = UdpSocket::bind("172.17.0.5:53").unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        for _ in 0..20 {
+            let (n, from) = s.recv_from(&mut buf).unwrap();
+            s.send_to(&buf[..n], from).unwrap();
+        }
+    });
+    let answers = lab.run_in("client", || {
+        (0..20)
+            .map(|i| {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.set_read_timeout(Some(TIMEOUT)).unwrap();
+                s.send_to(format!("query {i}").as_bytes(), "10.10.10.10:53")
+                    .unwrap();
+                let mut buf = [0u8; 64];
+                let n = s.recv(&mut buf).unwrap();
+                buf[..n].to_vec()
+            })
+            .collect::<Vec<_>>()
+    });
+    dns.join().unwrap();
+    let counters_after_udp = lab.iptables_counters(None);
+    let tcp = tcp_echo(lab, "pod", "172.17.0.5:22", 3);
+    let conns = (0..3)
+        .map(|_| tcp_client(lab, "client", "10.10.10.2:22"))
+        .collect();
+    tcp.join().unwrap();
+    Outcome {
+        answers,
+        counters_after_udp,
+        conns,
+        nat_after_tcp: lab.iptables_counters(Some("nat")),
+    }
+}
+
+#[test]
+fn observing_changes_no_counter_and_no_result() {
+    if !privileged("observing_changes_no_counter_and_no_result") {
+        return;
+    }
+    let lab = Lab::up("same");
+    lab.reset_counters();
+    let without = workload(&lab);
+    lab.reset_counters();
+    let tail = Tail::start(&lab);
+    let with = workload(&lab);
+    let (reports, _) = tail.stop();
+
+    assert_eq!(with.answers, without.answers);
+    assert_eq!(with.answers.len(), 20);
+    assert_eq!(with.conns, without.conns);
+    assert!(with.conns.iter().all(|c| c.as_deref() == Ok(&b"ping"[..])));
+    assert_eq!(
+        with.counters_after_udp, without.counters_after_udp,
+        "rule counters differ with the observer attached"
+    );
+    assert_eq!(with.nat_after_tcp, without.nat_after_tcp);
+    assert!(
+        with.counters_after_udp
+            .iter()
+            .any(|l| l.starts_with("[20:") && l.contains("KUBE-SEP-IT2ZTR26TO4XFPTO -p udp")),
+        "the DNAT rule counted each of the 20 queries: {:#?}",
+        with.counters_after_udp
+    );
+    assert!(
+        reports.len() >= 40,
+        "the observer saw the workload ({} reports)",
+        reports.len()
+    );
+}
