@@ -182,11 +182,18 @@ struct Pkt {
     ct_mark: Option<u32>,
     state: CtState,
     dnat_done: bool,
+    /// False in raw: conntrack runs after it (priority -200), so no entry is attached yet.
+    ct_attached: bool,
     tcp_flags: u8,
     icmp: (u8, u8),
 }
 
 impl Pkt {
+    /// Whether a conntrack entry is attached (CONNMARK and connmark need one).
+    fn has_ct(&self) -> bool {
+        self.ct_attached && !matches!(self.state, CtState::Untracked | CtState::Invalid)
+    }
+
     fn snapshot(&self) -> Snapshot {
         let s = self
             .src_label
@@ -313,6 +320,7 @@ impl<'a> Simulator<'a> {
                 .or((spec.ct_state == CtState::New).then_some(0)),
             state: spec.ct_state,
             dnat_done: false,
+            ct_attached: false,
             tcp_flags: spec.tcp_flags(),
             icmp: spec
                 .icmp
@@ -450,6 +458,7 @@ impl<'a> Simulator<'a> {
                 b.stages.push(stage);
                 continue;
             }
+            pkt.ct_attached = tname != "raw";
             let res = self.run_table(fam, ti, base, hook, pkt, &mut stage, ch);
             stage.after = pkt.snapshot();
             let verdict = match res {
@@ -575,6 +584,13 @@ impl<'a> Simulator<'a> {
                 let old = pkt.mark;
                 pkt.mark = (pkt.mark & !mask) ^ value;
                 (format!("mark {old:#x} -> {:#x}", pkt.mark), Flow::Continue)
+            }
+            Action::ConnMarkSet { .. }
+            | Action::ConnMarkSave { .. }
+            | Action::ConnMarkRestore { .. }
+                if !pkt.has_ct() =>
+            {
+                ("no conntrack entry: no effect".into(), Flow::Continue)
             }
             Action::ConnMarkSet { value, mask } => match pkt.ct_mark {
                 Some(old) => {
@@ -730,9 +746,11 @@ impl<'a> Simulator<'a> {
     }
 
     fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
+        // ip_output() hands the hook skb->dev as the input device, so a forwarded packet still
+        // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
-            Hook::Prerouting | Hook::Input | Hook::Forward => pkt.in_iface.as_deref(),
-            _ => None,
+            Hook::Output => None,
+            _ => pkt.in_iface.as_deref(),
         };
         let out_if = match hook {
             Hook::Forward | Hook::Output | Hook::Postrouting => pkt.out_iface.as_deref(),
@@ -750,6 +768,8 @@ impl<'a> Simulator<'a> {
                 Cond::OutIface(p, neg) => tri(iface_match(p, out_if), *neg),
                 Cond::Fragment(neg) => tri(false, *neg),
                 Cond::Mark { value, mask, neg } => tri(pkt.mark & mask == *value, *neg),
+                // Without a conntrack entry xt_connmark answers false, even when negated.
+                Cond::ConnMark { .. } if !pkt.has_ct() => Tri::No,
                 Cond::ConnMark { value, mask, neg } => match pkt.ct_mark {
                     Some(m) => tri(m & mask == *value, *neg),
                     None => Tri::Unknown(
@@ -759,11 +779,13 @@ impl<'a> Simulator<'a> {
                 },
                 Cond::CtState { states, neg } => {
                     let mut s = match pkt.state {
+                        // Before conntrack (raw) the kernel reports every packet as INVALID.
+                        CtState::Untracked => CT_UNTRACKED,
+                        _ if !pkt.ct_attached => CT_INVALID,
                         CtState::New => CT_NEW,
                         CtState::Established => CT_ESTABLISHED,
                         CtState::Related => CT_RELATED,
                         CtState::Invalid => CT_INVALID,
-                        CtState::Untracked => CT_UNTRACKED,
                     };
                     if pkt.dnat_done {
                         s |= CT_DNAT;
