@@ -149,16 +149,7 @@ async fn event_loop(
         tokio::select! {
             guard = ring.readable_mut() => {
                 let mut guard = guard?;
-                let rb = guard.get_inner_mut();
-                while let Some(item) = rb.next() {
-                    match decode(&item, &layout.tuple) {
-                        Ok(o) => correlator.push(o, &mut done),
-                        Err(e) => {
-                            summary.decode_errors += 1;
-                            warn!("undecodable record: {e}");
-                        }
-                    }
-                }
+                drain_ring(guard.get_inner_mut(), &layout, &mut correlator, &mut done, &mut summary);
                 guard.clear_ready();
             }
             _ = tick.tick() => {
@@ -183,12 +174,38 @@ async fn event_loop(
             break;
         }
     }
+    // What the probes wrote before we stopped is still owed to the user.
+    drain_ring(
+        ring.get_mut(),
+        &layout,
+        &mut correlator,
+        &mut done,
+        &mut summary,
+    );
     correlator.drain(&mut done);
     summary.kernel = probes.counters()?;
     let lost_now = summary.kernel.ringbuf_full;
     emit(&mut done, &mut summary, lost_now)?;
     summary.evicted = correlator.stats.evicted;
     Ok(summary)
+}
+
+fn drain_ring(
+    rb: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    layout: &KernelLayout,
+    correlator: &mut Correlator,
+    done: &mut Vec<Traversal>,
+    summary: &mut Summary,
+) {
+    while let Some(item) = rb.next() {
+        match decode(&item, &layout.tuple) {
+            Ok(o) => correlator.push(o, done),
+            Err(e) => {
+                summary.decode_errors += 1;
+                warn!("undecodable record: {e}");
+            }
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` reads.

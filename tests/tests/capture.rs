@@ -414,7 +414,7 @@ fn observing_changes_no_counter_and_no_result() {
     lab.reset_counters();
     let tail = Tail::start(&lab);
     let with = workload(&lab);
-    let (reports, _) = tail.stop();
+    let (reports, stderr) = tail.stop();
 
     assert_eq!(with.answers, without.answers);
     assert_eq!(with.answers.len(), 20);
