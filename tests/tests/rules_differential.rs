@@ -249,6 +249,9 @@ fn delta(before: &Counts, after: &Counts) -> Counts {
 struct Outcome {
     compared: usize,
     skipped: usize,
+    /// Rule counter increments checked, and packets per final verdict, to show coverage.
+    hits: u64,
+    verdicts: BTreeMap<&'static str, usize>,
 }
 
 /// Expected counter deltas from the simulator; None when it cannot decide (not compared).
@@ -284,8 +287,8 @@ fn check_one(
     ipsets: &Ipsets,
     routes: &Routes,
     probe: &Probe,
-) -> Option<Option<(Counts, Counts)>> {
-    let (want, _) = simulate(rules, ipsets, routes, probe)?;
+) -> Option<(Option<(Counts, Counts)>, u64, Verdict)> {
+    let (want, verdict) = simulate(rules, ipsets, routes, probe)?;
     let before = counters(&lab.router);
     let p = *probe;
     if p.local_out {
@@ -299,7 +302,8 @@ fn check_one(
         std::thread::sleep(Duration::from_millis(100));
         got = delta(&before, &counters(&lab.router));
     }
-    Some((got != want).then_some((got, want)))
+    let hits = want.values().sum();
+    Some(((got != want).then_some((got, want)), hits, verdict))
 }
 
 fn restore(router: &Netns, rules: &str) {
@@ -347,7 +351,7 @@ fn minimise(
         let mut p = *probe;
         p.sport = *next_port;
         *next_port += 1;
-        if let Some(Some(_)) = check_one(lab, &text, ipsets, routes, &p) {
+        if let Some((Some(_), _, _)) = check_one(lab, &text, ipsets, routes, &p) {
             lines = trial;
         }
     }
@@ -370,8 +374,12 @@ fn run_ruleset(
         *next_port += 1;
         match check_one(lab, rules, ipsets, routes, &p) {
             None => out.skipped += 1,
-            Some(None) => out.compared += 1,
-            Some(Some((got, want))) => {
+            Some((None, hits, verdict)) => {
+                out.compared += 1;
+                out.hits += hits;
+                *out.verdicts.entry(verdict.name()).or_default() += 1;
+            }
+            Some((Some((got, want)), _, _)) => {
                 let small = minimise(lab, rules, ipsets, routes, &p, next_port);
                 panic!(
                     "kernel and simulator disagree\npacket: {}\nkernel counters: {got:?}\nsimulator: {want:?}\n\
@@ -574,7 +582,7 @@ fn gen_ruleset(r: &mut Rng) -> String {
     for (t, builtins) in tables {
         out += &format!("*{t}\n");
         for b in *builtins {
-            let drop = *t != "nat" && r.chance(15);
+            let drop = *t != "nat" && r.chance(10);
             out += &format!(":{b} {} [0:0]\n", if drop { "DROP" } else { "ACCEPT" });
         }
         let users: Vec<String> = (0..r.below(4)).map(|i| format!("u{i}")).collect();
@@ -650,6 +658,8 @@ fn kernel_counters_agree_with_simulator() {
     let mut out = Outcome {
         compared: 0,
         skipped: 0,
+        hits: 0,
+        verdicts: BTreeMap::new(),
     };
 
     // 1. The lab ruleset: ClusterIP DNAT, masquerade mark, Calico marks, forward filter.
@@ -717,7 +727,7 @@ fn kernel_counters_agree_with_simulator() {
 
     // 2. Random rulesets.
     let mut rulesets = 0;
-    while rulesets < 24 && started.elapsed() < Duration::from_secs(45) {
+    while rulesets < 48 && started.elapsed() < Duration::from_secs(45) {
         let rules = gen_ruleset(&mut rng);
         let probes: Vec<Probe> = (0..16).map(|_| gen_probe(&mut rng)).collect();
         run_ruleset(
@@ -732,8 +742,11 @@ fn kernel_counters_agree_with_simulator() {
         rulesets += 1;
     }
     eprintln!(
-        "rules_differential: {} packets agreed ({lab_compared} on the lab ruleset, the rest on {rulesets} random rulesets), {} undecidable skipped, {:.1}s",
+        "rules_differential: {} packets agreed ({lab_compared} on the lab ruleset, the rest on {rulesets} random rulesets), \
+         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {:.1}s",
         out.compared,
+        out.hits,
+        out.verdicts,
         out.skipped,
         started.elapsed().as_secs_f64()
     );
@@ -745,6 +758,16 @@ fn kernel_counters_agree_with_simulator() {
         out.compared >= 150,
         "only {} packets compared",
         out.compared
+    );
+    assert!(
+        out.hits >= 5 * out.compared as u64,
+        "too few rules matched: {}",
+        out.hits
+    );
+    assert!(
+        out.verdicts.len() >= 2,
+        "every packet had the same verdict: {:?}",
+        out.verdicts
     );
     // Everything generated is modelled; skipping more than a few means the simulator regressed.
     assert!(
