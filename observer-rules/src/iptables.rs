@@ -3,6 +3,8 @@
 //! and a printer whose output parses back to the same model. Meaning is assigned later
 //! (`compile`), so options we do not understand survive verbatim.
 
+use std::collections::HashMap;
+
 use crate::error::ParseError;
 
 /// Packet and byte counters as printed by `iptables-save -c` (`[pkts:bytes]`).
@@ -202,6 +204,8 @@ fn is_option_word(t: &Tok) -> bool {
 pub fn parse_save(text: &str) -> Result<SaveFile, ParseError> {
     let mut file = SaveFile::default();
     let mut current: Option<Table> = None;
+    // Chain name -> position in the current table; kube-proxy dumps have tens of thousands.
+    let mut index: HashMap<String, usize> = HashMap::new();
     let mut last_line = 0;
     for (idx, raw_line) in text.lines().enumerate() {
         let lineno = idx + 1;
@@ -224,6 +228,7 @@ pub fn parse_save(text: &str) -> Result<SaveFile, ParseError> {
                 name: name.to_string(),
                 chains: Vec::new(),
             });
+            index.clear();
             continue;
         }
         if trimmed == "COMMIT" {
@@ -273,18 +278,22 @@ pub fn parse_save(text: &str) -> Result<SaveFile, ParseError> {
                     "unexpected text after chain counters",
                 ));
             }
-            match table.chains.iter_mut().find(|c| c.name == name.text) {
+            match index.get(&name.text) {
                 // A rule may have created it before its declaration in hand-written fragments.
-                Some(c) => {
+                Some(&i) => {
+                    let c = &mut table.chains[i];
                     c.policy = policy;
                     c.counters = counters;
                 }
-                None => table.chains.push(Chain {
-                    name: name.text.clone(),
-                    policy,
-                    counters,
-                    rules: Vec::new(),
-                }),
+                None => {
+                    index.insert(name.text.clone(), table.chains.len());
+                    table.chains.push(Chain {
+                        name: name.text.clone(),
+                        policy,
+                        counters,
+                        rules: Vec::new(),
+                    });
+                }
             }
             continue;
         }
@@ -297,9 +306,10 @@ pub fn parse_save(text: &str) -> Result<SaveFile, ParseError> {
             })?);
         }
         let rule = parse_rule_tokens(&toks, counters, lineno)?;
-        let chain = match table.chains.iter_mut().position(|c| c.name == rule.chain) {
-            Some(i) => &mut table.chains[i],
+        let chain = match index.get(&rule.chain) {
+            Some(&i) => &mut table.chains[i],
             None => {
+                index.insert(rule.chain.clone(), table.chains.len());
                 let policy = is_builtin_chain(&rule.chain).then(|| "ACCEPT".to_string());
                 table.chains.push(Chain {
                     name: rule.chain.clone(),

@@ -876,10 +876,7 @@ impl<'a> Simulator<'a> {
         }
         for c in conds {
             let hit = match c {
-                Cond::StatRandom { p, neg } => {
-                    let c = ch.choose(if *neg { 1.0 - p } else { *p });
-                    c
-                }
+                Cond::StatRandom { p, neg } => ch.choose(if *neg { 1.0 - p } else { *p }),
                 Cond::StatNth { every, neg } => {
                     let p = 1.0 / f64::from(*every);
                     ch.choose(if *neg { 1.0 - p } else { p })

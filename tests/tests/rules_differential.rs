@@ -280,6 +280,9 @@ fn simulate(
     Some((c, b.verdict))
 }
 
+/// (kernel, simulator) deltas when they differ; the number of rule hits; the verdict.
+type Checked = (Option<(Counts, Counts)>, u64, Verdict);
+
 /// Loads `rules`, sends `probe`, and returns (kernel deltas, simulated deltas) when they differ.
 fn check_one(
     lab: &Lab,
@@ -287,7 +290,7 @@ fn check_one(
     ipsets: &Ipsets,
     routes: &Routes,
     probe: &Probe,
-) -> Option<(Option<(Counts, Counts)>, u64, Verdict)> {
+) -> Option<Checked> {
     let (want, verdict) = simulate(rules, ipsets, routes, probe)?;
     let before = counters(&lab.router);
     let p = *probe;

@@ -1,0 +1,240 @@
+//! Benchmark (not a test): a kube-proxy ruleset with 5,000 services (about 40,000 rules) is
+//! parsed and simulated, and, when run as root with iptables available, the same file is
+//! checked by `iptables-restore --test` inside a throwaway namespace for comparison.
+//!
+//! `cargo run --release -p observer-rules --example bench_rules -- [--services N]
+//! [--packets N] [--no-kernel] [--json]`
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, parse_packet_spec, parse_save};
+
+/// Service `i`'s ClusterIP and its two endpoints, deterministic so runs compare.
+fn cluster_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 96, (i / 250) as u8, (i % 250 + 1) as u8)
+}
+
+fn endpoint(i: usize, e: usize) -> Ipv4Addr {
+    let n = i * 2 + e;
+    Ipv4Addr::new(10, 244, (n / 250) as u8, (n % 250 + 1) as u8)
+}
+
+fn hash(prefix: &str, i: usize) -> String {
+    // kube-proxy uses a base32 hash of the service; a readable stand-in keeps names unique.
+    format!(
+        "{prefix}-{:016X}",
+        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    )
+}
+
+/// The nat table kube-proxy (iptables mode) writes for `services` two-endpoint services.
+fn kube_proxy_ruleset(services: usize) -> String {
+    let mut s = String::with_capacity(services * 1200);
+    s.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n");
+    s.push_str(":KUBE-SERVICES - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODEPORTS - [0:0]\n");
+    for i in 0..services {
+        let _ = writeln!(s, ":{} - [0:0]", hash("KUBE-SVC", i));
+        for e in 0..2 {
+            let _ = writeln!(s, ":{} - [0:0]", hash("KUBE-SEP", i * 2 + e));
+        }
+    }
+    s.push_str(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
+    );
+    s.push_str("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
+    s.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
+    s.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
+    s.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
+    s.push_str("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n");
+    s.push_str("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n");
+    for i in 0..services {
+        let svc = hash("KUBE-SVC", i);
+        let name = format!("ns{}/svc{}:http", i % 50, i);
+        let _ = writeln!(
+            s,
+            "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j {svc}",
+            cluster_ip(i)
+        );
+        let _ = writeln!(
+            s,
+            "-A {svc} ! -s 10.244.0.0/16 -d {}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ",
+            cluster_ip(i)
+        );
+        for e in 0..2 {
+            let sep = hash("KUBE-SEP", i * 2 + e);
+            let ep = endpoint(i, e);
+            let stat = if e == 0 {
+                " -m statistic --mode random --probability 0.50000000000"
+            } else {
+                ""
+            };
+            let _ = writeln!(
+                s,
+                "-A {svc} -m comment --comment \"{name} -> {ep}:8080\"{stat} -j {sep}"
+            );
+            let _ = writeln!(
+                s,
+                "-A {sep} -s {ep}/32 -m comment --comment \"{name}\" -j KUBE-MARK-MASQ"
+            );
+            let _ = writeln!(
+                s,
+                "-A {sep} -p tcp -m comment --comment \"{name}\" -m tcp -j DNAT --to-destination {ep}:8080"
+            );
+        }
+    }
+    s.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
+    s.push_str("COMMIT\n");
+    s
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Times `iptables-restore --test` on `path` in a namespace created and removed here.
+fn kernel_restore_test(path: &std::path::Path) -> Result<Duration, String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc_geteuid() } != 0 {
+        return Err("not root".into());
+    }
+    let ns = format!("obsbench{}", std::process::id());
+    let ok = |c: &mut Command| {
+        c.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ok(Command::new("ip").args(["netns", "add", &ns])) {
+        return Err("`ip netns add` failed".into());
+    }
+    let started = Instant::now();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns, "iptables-restore", "--test"])
+        .stdin(std::fs::File::open(path).map_err(|e| e.to_string())?)
+        .output();
+    let took = started.elapsed();
+    let _ = ok(Command::new("ip").args(["netns", "del", &ns]));
+    match out {
+        Ok(o) if o.status.success() => Ok(took),
+        Ok(o) => Err(format!(
+            "iptables-restore --test failed: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("cannot run iptables-restore: {e}")),
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let num = |flag: &str, default: usize| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let services = num("--services", 5000);
+    let packets = num("--packets", 1000).max(1);
+    let kernel = !args.iter().any(|a| a == "--no-kernel");
+    let json = args.iter().any(|a| a == "--json");
+
+    let text = kube_proxy_ruleset(services);
+    let t = Instant::now();
+    let file = parse_save(&text).expect("generated ruleset parses");
+    let parse = t.elapsed();
+    let rules = file.rule_count();
+
+    let empty = Default::default();
+    let ipsets = Ipsets::default();
+    let routes = Routes::parse_json(&[
+        r#"[{"dst":"default","gateway":"192.0.2.1","dev":"eth0","flags":[]},
+        {"dst":"10.244.0.0/16","dev":"cni0","prefsrc":"10.244.0.1","flags":[]},
+        {"type":"local","dst":"192.0.2.2","dev":"eth0","table":"local","flags":[]}]"#,
+    ])
+    .expect("routes parse");
+    let t = Instant::now();
+    let sim = Simulator::new(&file, &empty, &ipsets, &routes);
+    let prepare = t.elapsed();
+
+    // Spread packets over all services so the linear KUBE-SERVICES scan is exercised fully.
+    let specs: Vec<PacketSpec> = (0..packets)
+        .map(|k| {
+            let i = (k * 7919) % services;
+            parse_packet_spec(&format!(
+                "tcp 198.51.100.{}:{} -> {}:80 in eth0",
+                k % 200 + 1,
+                30000 + k % 30000,
+                cluster_ip(i)
+            ))
+            .expect("valid spec")
+        })
+        .collect();
+    let t = Instant::now();
+    let mut branches = 0;
+    for spec in &specs {
+        let b = sim.simulate(spec);
+        debug_assert!(b.iter().all(|b| b.stages.iter().any(|s| s.nat.is_some())));
+        branches += b.len();
+    }
+    let sim_total = t.elapsed();
+    let per_packet = sim_total / packets as u32;
+
+    let kernel_result = if kernel {
+        let path =
+            std::env::temp_dir().join(format!("observer-bench-{}.rules", std::process::id()));
+        std::fs::write(&path, &text).expect("write temp ruleset");
+        let r = kernel_restore_test(&path);
+        let _ = std::fs::remove_file(&path);
+        Some(r)
+    } else {
+        None
+    };
+
+    let verdict = |v: f64, target: f64| if v < target { "ok" } else { "SLOW" };
+    println!(
+        "kube-proxy ruleset: {services} services, {rules} rules, {:.1} MB",
+        text.len() as f64 / 1e6
+    );
+    println!(
+        "  parse (observer-rules)            {:>10.1} ms   target < 1000 ms  {}",
+        ms(parse),
+        verdict(ms(parse), 1000.0)
+    );
+    println!(
+        "  prepare simulator (compile)       {:>10.1} ms",
+        ms(prepare)
+    );
+    println!(
+        "  simulate, per packet (avg of {packets}) {:>8.3} ms   target < 1 ms     {}  ({branches} branches)",
+        ms(per_packet),
+        verdict(ms(per_packet), 1.0)
+    );
+    match &kernel_result {
+        Some(Ok(d)) => println!(
+            "  iptables-restore --test (netns)   {:>10.1} ms   (same file, for comparison)",
+            ms(*d)
+        ),
+        Some(Err(e)) => println!("  iptables-restore --test           skipped: {e}"),
+        None => println!("  iptables-restore --test           skipped (--no-kernel)"),
+    }
+    if json {
+        let k = match &kernel_result {
+            Some(Ok(d)) => format!("{:.3}", ms(*d)),
+            _ => "null".into(),
+        };
+        println!(
+            "{{\"services\":{services},\"rules\":{rules},\"parse_ms\":{:.3},\"prepare_ms\":{:.3},\"simulate_ms_per_packet\":{:.4},\"iptables_restore_test_ms\":{k}}}",
+            ms(parse),
+            ms(prepare),
+            ms(per_packet)
+        );
+    }
+}
