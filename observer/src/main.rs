@@ -1,17 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-mod btf;
-mod correlate;
-mod decode;
-mod lab;
-mod netns;
-mod nf_link;
-mod plan;
-mod probes;
-mod report;
-mod tail;
-mod traffic;
-
+use observer::{lab, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use aya_obj::generated::{BPF_PSEUDO_MAP_FD, bpf_attach_type, bpf_attr, bpf_cmd, bpf_prog_type};
 use object::{Object, ObjectSection, ObjectSymbol, RelocationTarget};
@@ -192,10 +192,6 @@ impl NfObject {
             .get_mut(name)
             .ok_or_else(|| NfError::NoProgram(name.to_string()))
     }
-
-    pub fn program_names(&self) -> impl Iterator<Item = &str> {
-        self.programs.keys().map(String::as_str)
-    }
 }
 
 /// Rewrites the `ld_imm64` at byte `offset` to load map `fd`. None if it is not an ld_imm64.
@@ -230,10 +226,6 @@ fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
 }
 
 impl NfProgram {
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Loads the program into the kernel (idempotent).
     pub fn load(&mut self) -> Result<(), NfError> {
         if self.fd.is_some() {
@@ -284,11 +276,6 @@ impl NfProgram {
             load.log_size = log.len() as u32;
         }
         bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
-    }
-
-    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
-        use std::os::fd::AsFd;
-        self.fd.as_ref().map(|f| f.as_fd())
     }
 
     /// Attaches the program at (family, hook, priority) in the calling thread's network

@@ -1,0 +1,14 @@
+//! observer's library: everything the binary does, one module per stage of the data flow
+//! (probes -> ring buffer -> decode -> correlate -> report) plus the lab and its traffic.
+
+pub mod btf;
+pub mod correlate;
+pub mod decode;
+pub mod lab;
+pub mod netns;
+pub mod nf_link;
+pub mod plan;
+pub mod probes;
+pub mod report;
+pub mod tail;
+pub mod traffic;
