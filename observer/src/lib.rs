@@ -4,6 +4,7 @@
 pub mod btf;
 pub mod correlate;
 pub mod decode;
+pub mod explain;
 pub mod lab;
 pub mod netns;
 pub mod nf_link;

@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::{lab, tail, traffic};
+use observer::{explain, lab, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -31,6 +31,9 @@ struct Cli {
 enum Command {
     /// Stream one report per packet traversal (human tree, or JSON lines with --json).
     Tail(TailArgs),
+    /// Predict a packet's path from the rules alone: every rule that matches, mark and NAT
+    /// changes, the verdict (no root, no eBPF; or --live on a node).
+    Explain(explain::ExplainArgs),
     /// Build, inspect or remove the built-in netns lab (a Kubernetes-like node).
     Lab {
         #[command(subcommand)]
@@ -101,6 +104,10 @@ fn run(cli: Cli) -> Result<()> {
                 idle: Duration::from_millis(a.idle_ms),
             })?;
             eprintln!("{summary}");
+            Ok(())
+        }
+        Command::Explain(a) => {
+            println!("{}", explain::run(a)?);
             Ok(())
         }
         Command::Lab { action, prefix } => {

@@ -234,3 +234,36 @@ pub fn ifname(index: u32) -> String {
         .to_string_lossy()
         .into_owned()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use observer_common::NF_SLOTS;
+
+    /// The embedded netfilter object must hold every slot program, each relocatable with map
+    /// references only (no BPF-to-BPF calls, no global data), which is all nf_link supports.
+    #[test]
+    fn embedded_netfilter_object_is_loadable_by_nf_link() {
+        if NF_OBJECT.is_empty() {
+            eprintln!("!!! SKIPPED: built with OBSERVER_SKIP_EBPF=1");
+            assert!(!observer_tests_in_ci(), "CI builds the probes");
+            return;
+        }
+        let fds: HashMap<String, RawFd> = MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
+        let mut obj = NfObject::parse(NF_OBJECT, &fds).expect("netfilter object parses");
+        for slot in 0..NF_SLOTS {
+            obj.program_mut(&format!("nf_slot_{slot}"))
+                .expect("slot program present");
+        }
+        assert!(obj.program_mut(&format!("nf_slot_{NF_SLOTS}")).is_err());
+        // Without the shared maps the object cannot be relocated.
+        assert!(matches!(
+            NfObject::parse(NF_OBJECT, &HashMap::new()),
+            Err(NfError::UnsupportedRelocation { .. })
+        ));
+    }
+
+    fn observer_tests_in_ci() -> bool {
+        std::env::var("CI").is_ok_and(|v| v == "true")
+    }
+}

@@ -438,3 +438,57 @@ fn observing_changes_no_counter_and_no_result() {
         reports.len()
     );
 }
+
+#[test]
+fn interfaces_that_appear_later_are_observed_at_tc() {
+    if !privileged("interfaces_that_appear_later_are_observed_at_tc") {
+        return;
+    }
+    let lab = Lab::up("late");
+    let tail = Tail::start(&lab);
+    let late = observer_tests::Netns::new(&lab.ns("late"));
+    run(&[
+        "ip",
+        "link",
+        "add",
+        "late0",
+        "netns",
+        &lab.ns("node"),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &late.name,
+    ]);
+    run(&[
+        "ip",
+        "-n",
+        &lab.ns("node"),
+        "addr",
+        "add",
+        "192.0.2.1/24",
+        "dev",
+        "late0",
+    ]);
+    run(&["ip", "-n", &lab.ns("node"), "link", "set", "late0", "up"]);
+    late.sh("ip addr add 192.0.2.2/24 dev eth0; ip link set eth0 up");
+    // The observer looks for new interfaces every second.
+    std::thread::sleep(Duration::from_millis(2500));
+    late.run(|| {
+        let s = UdpSocket::bind("192.0.2.2:0").unwrap();
+        s.send_to(b"late", "192.0.2.1:9").unwrap();
+    });
+    let (reports, stderr) = tail.stop();
+    let r = reports
+        .iter()
+        .find(|r| r["stages"][0]["before"]["dst"] == "192.0.2.1:9")
+        .unwrap_or_else(|| panic!("no packet from the late interface: {reports:#?}\n{stderr}"));
+    assert_eq!(
+        r["ingress"]["iface"], "late0",
+        "tcx attached to the new interface"
+    );
+    assert!(stage(r, "INPUT", "filter").is_some(), "delivered locally");
+    assert!(stage(r, "FORWARD", "filter").is_none());
+}

@@ -1,0 +1,79 @@
+//! `observer explain`: the predicted traversal of a packet from the rules alone (no root, no
+//! eBPF), through `observer-rules`. Reads files or, with `--live`, the running node.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+#[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Examples:\n  observer explain --ruleset node.rules --ipsets node.ipsets \\\n      --packet \"tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0\" --routes routes.json\n  observer explain --live --netns obs-node --packet \"udp 198.51.100.10:5000 -> 10.10.10.10:53 in eth0\" --json"
+)]
+pub struct ExplainArgs {
+    /// The packet: "PROTO SRC[:PORT] -> DST[:PORT] in IFACE [out IFACE] [mark 0xN] [state new|established|related|invalid]".
+    #[arg(long)]
+    pub packet: String,
+    /// `iptables-save` output (with or without -c).
+    #[arg(long, value_name = "FILE")]
+    pub ruleset: Option<PathBuf>,
+    /// `ip6tables-save` output, for IPv6 packets.
+    #[arg(long, value_name = "FILE")]
+    pub ruleset6: Option<PathBuf>,
+    /// `nft -j list ruleset` output (native nftables chains are reported, not simulated).
+    #[arg(long, value_name = "FILE")]
+    pub nft: Option<PathBuf>,
+    /// `ipset save` output; sets not given make set matches undecidable.
+    #[arg(long, value_name = "FILE")]
+    pub ipsets: Option<PathBuf>,
+    /// `ip -j route show table all` output (repeat for -6), used when `out` is not given.
+    #[arg(long, value_name = "FILE")]
+    pub routes: Vec<PathBuf>,
+    /// Read rules, sets and routes from the running node instead of files (needs root).
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes"])]
+    pub live: bool,
+    /// With --live: the `ip netns` name whose rules to read.
+    #[arg(long, requires = "live")]
+    pub netns: Option<String>,
+    /// One JSON object (schema 1 plus `rules` per stage).
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn read(p: &Option<PathBuf>) -> Result<Option<String>> {
+    p.as_ref()
+        .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display())))
+        .transpose()
+}
+
+pub fn run(a: ExplainArgs) -> Result<String> {
+    let explanation = if a.live {
+        if let Some(ns) = &a.netns {
+            crate::netns::enter(ns)?;
+        }
+        let (rs, sets, routes) = observer_rules::load_live()?;
+        let packet = observer_rules::parse_packet_spec(&a.packet)?;
+        observer_rules::explain_with(&rs, &sets, &routes, &packet, &Default::default())
+    } else {
+        let req = observer_rules::ExplainRequest {
+            iptables_save: read(&a.ruleset)?,
+            ip6tables_save: read(&a.ruleset6)?,
+            nft_json: read(&a.nft)?,
+            ipset_save: read(&a.ipsets)?,
+            routes_json: a
+                .routes
+                .iter()
+                .map(|p| {
+                    std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+                })
+                .collect::<Result<_>>()?,
+            packet: a.packet.clone(),
+            iface_addrs: Default::default(),
+        };
+        observer_rules::explain(&req)?
+    };
+    Ok(if a.json {
+        explanation.to_json().to_string()
+    } else {
+        explanation.render_tree()
+    })
+}
