@@ -268,6 +268,10 @@ fn stage_json(s: &Stage) -> Value {
     let mut v = json!({
         "hook": s.hook.name(), "table": s.table, "priority": s.priority,
         "before": snap_json(&s.before), "after": snap_json(&s.after),
+        "ct": s.ct.map(|(state, mark)| json!({
+            "state": state.name(),
+            "mark": mark.map(|m| format!("{m:#x}")),
+        })),
         "verdict": s.verdict.name(),
         "rules": s.rules.iter().map(rule_json).collect::<Vec<_>>(),
     });

@@ -504,8 +504,10 @@ fn parse_rule_tokens(
     })
 }
 
+/// Quotes a word when the parser would otherwise split it or read it as an option or `!`.
 fn quote(s: &str) -> String {
     if !s.is_empty()
+        && !s.starts_with('-')
         && !s
             .chars()
             .any(|c| c.is_whitespace() || c == '"' || c == '\\')
@@ -541,7 +543,7 @@ fn push_opts(out: &mut String, opts: &[Opt]) {
 impl Rule {
     /// The rule as `iptables-save` prints it, without counters: `-A CHAIN ...`.
     pub fn text(&self) -> String {
-        let mut out = format!("-A {}", self.chain);
+        let mut out = format!("-A {}", quote(&self.chain));
         for item in &self.items {
             match item {
                 Item::Basic { neg, kind, value } => {
@@ -561,7 +563,7 @@ impl Rule {
                 } => {
                     if !implicit {
                         out.push_str(" -m ");
-                        out.push_str(name);
+                        out.push_str(&quote(name));
                     }
                     push_opts(&mut out, opts);
                 }
@@ -569,7 +571,7 @@ impl Rule {
         }
         if let Some(t) = &self.target {
             out.push_str(if t.goto { " -g " } else { " -j " });
-            out.push_str(&t.name);
+            out.push_str(&quote(&t.name));
             push_opts(&mut out, &t.opts);
         }
         out
@@ -605,9 +607,9 @@ impl SaveFile {
             out.push('\n');
             for c in &t.chains {
                 out.push(':');
-                out.push_str(&c.name);
+                out.push_str(&quote(&c.name));
                 out.push(' ');
-                out.push_str(c.policy.as_deref().unwrap_or("-"));
+                out.push_str(&c.policy.as_deref().map_or_else(|| "-".to_string(), quote));
                 if let Some(k) = c.counters {
                     out.push_str(&format!(" [{}:{}]", k.packets, k.bytes));
                 }

@@ -118,6 +118,9 @@ pub struct Stage {
     pub policy: Option<String>,
     pub nat: Option<String>,
     pub note: Option<String>,
+    /// The conntrack entry after the table: state and ct mark (None when unknown);
+    /// None before conntrack ran (raw) or when the packet is invalid.
+    pub ct: Option<(CtState, Option<u32>)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -189,6 +192,15 @@ struct Pkt {
 }
 
 impl Pkt {
+    fn ct_view(&self) -> Option<(CtState, Option<u32>)> {
+        match self.state {
+            CtState::Untracked => Some((CtState::Untracked, None)),
+            CtState::Invalid => None,
+            s if self.ct_attached => Some((s, self.ct_mark)),
+            _ => None,
+        }
+    }
+
     /// Whether a conntrack entry is attached (CONNMARK and connmark need one).
     fn has_ct(&self) -> bool {
         self.ct_attached && !matches!(self.state, CtState::Untracked | CtState::Invalid)
@@ -446,7 +458,9 @@ impl<'a> Simulator<'a> {
                 policy: None,
                 nat: None,
                 note: None,
+                ct: None,
             };
+            pkt.ct_attached = tname != "raw";
             if tname == "nat" && pkt.state != CtState::New {
                 stage.note = Some(match pkt.state {
                     CtState::Untracked => "untracked packet: nat is not applied".into(),
@@ -455,10 +469,10 @@ impl<'a> Simulator<'a> {
                         s.name()
                     ),
                 });
+                stage.ct = pkt.ct_view();
                 b.stages.push(stage);
                 continue;
             }
-            pkt.ct_attached = tname != "raw";
             let res = self.run_table(fam, ti, base, hook, pkt, &mut stage, ch);
             stage.after = pkt.snapshot();
             let verdict = match res {
@@ -469,6 +483,7 @@ impl<'a> Simulator<'a> {
                 }
             };
             stage.verdict = verdict;
+            stage.ct = pkt.ct_view();
             b.stages.push(stage);
             if verdict != Verdict::Accept {
                 b.verdict = verdict;
@@ -478,7 +493,10 @@ impl<'a> Simulator<'a> {
         true
     }
 
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the walk state is threaded explicitly, not hidden in a struct"
+    )]
     fn run_table(
         &self,
         fam: usize,

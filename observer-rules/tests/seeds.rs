@@ -186,6 +186,9 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     assert_eq!(dnat["k8s"]["service"], "default/registry:ssh");
     assert_eq!(dnat["k8s"]["endpoint"], "172.17.0.5:22");
     assert_eq!(stages[2]["after"]["mark"], "0x4000");
+    assert!(stages[0]["ct"].is_null(), "no conntrack entry in raw");
+    assert_eq!(stages[2]["ct"]["state"], "new");
+    assert_eq!(stages[2]["ct"]["mark"], "0x0");
     assert_eq!(
         stages[0]["rules"][0]["calico"]["rule_id"],
         "6gwbT8clXdHdC1b1"

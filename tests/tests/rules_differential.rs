@@ -46,7 +46,8 @@ impl Rng {
 
 #[derive(Clone, Copy, Debug)]
 struct Probe {
-    udp: bool,
+    /// 17 (UDP datagram), 6 (TCP SYN) or 1 (ICMP echo request, `sport` is its id).
+    proto: u8,
     src: Ipv4Addr,
     dst: Ipv4Addr,
     sport: u16,
@@ -58,11 +59,11 @@ struct Probe {
 impl Probe {
     fn spec(&self) -> PacketSpec {
         PacketSpec {
-            proto: if self.udp { 17 } else { 6 },
+            proto: self.proto,
             src: self.src.into(),
             dst: self.dst.into(),
-            sport: Some(self.sport),
-            dport: Some(self.dport),
+            sport: (self.proto != 1).then_some(self.sport),
+            dport: (self.proto != 1).then_some(self.dport),
             in_iface: (!self.local_out).then(|| "calir0".to_string()),
             out_iface: None,
             mark: 0,
@@ -76,7 +77,11 @@ impl Probe {
     fn describe(&self) -> String {
         format!(
             "{} {}:{} -> {}:{}{}",
-            if self.udp { "udp" } else { "tcp" },
+            match self.proto {
+                17 => "udp",
+                6 => "tcp",
+                _ => "icmp echo-request, id",
+            },
             self.src,
             self.sport,
             self.dst,
@@ -105,9 +110,19 @@ fn csum(data: &[u8], mut sum: u32) -> u16 {
     !(sum as u16)
 }
 
-/// An IPv4 packet with a UDP datagram or a TCP SYN, checksums filled so conntrack accepts it.
+/// An IPv4 packet with a UDP datagram, a TCP SYN or an ICMP echo request, checksums filled
+/// so conntrack accepts it.
 fn build(p: &Probe) -> Vec<u8> {
-    let l4: Vec<u8> = if p.udp {
+    let udp = p.proto == 17;
+    let l4: Vec<u8> = if p.proto == 1 {
+        let mut e = vec![8u8, 0, 0, 0];
+        e.extend_from_slice(&p.sport.to_be_bytes());
+        e.extend_from_slice(&1u16.to_be_bytes());
+        e.extend_from_slice(b"obsv");
+        let c = csum(&e, 0);
+        e[2..4].copy_from_slice(&c.to_be_bytes());
+        e
+    } else if udp {
         let mut u = vec![0u8; 8 + 4];
         u[0..2].copy_from_slice(&p.sport.to_be_bytes());
         u[2..4].copy_from_slice(&p.dport.to_be_bytes());
@@ -124,17 +139,19 @@ fn build(p: &Probe) -> Vec<u8> {
         t[14..16].copy_from_slice(&64240u16.to_be_bytes());
         t
     };
-    let proto = if p.udp { 17u8 } else { 6 };
-    let mut pseudo = Vec::new();
-    pseudo.extend_from_slice(&p.src.octets());
-    pseudo.extend_from_slice(&p.dst.octets());
-    pseudo.extend_from_slice(&[0, proto]);
-    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
-    pseudo.extend_from_slice(&l4);
-    let c = csum(&pseudo, 0);
+    let proto = p.proto;
     let mut l4 = l4;
-    let at = if p.udp { 6 } else { 16 };
-    l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    if proto != 1 {
+        let mut pseudo = Vec::new();
+        pseudo.extend_from_slice(&p.src.octets());
+        pseudo.extend_from_slice(&p.dst.octets());
+        pseudo.extend_from_slice(&[0, proto]);
+        pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        pseudo.extend_from_slice(&l4);
+        let c = csum(&pseudo, 0);
+        let at = if udp { 6 } else { 16 };
+        l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    }
     let mut ip = vec![0u8; 20];
     ip[0] = 0x45;
     ip[2..4].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
@@ -217,6 +234,9 @@ fn lab() -> Lab {
         _server: server,
     }
 }
+
+/// How often the counters were read again because the packet was still in flight.
+static LATE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 type Counts = BTreeMap<(String, String, usize), u64>;
 
@@ -302,6 +322,7 @@ fn check_one(
     let mut got = delta(&before, &counters(&lab.router));
     if got != want {
         // Softirq processing may lag the send on a busy machine; look once more.
+        LATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(100));
         got = delta(&before, &counters(&lab.router));
     }
@@ -449,6 +470,11 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                 used[1] = true;
                 s += &format!(" {}-d {}", neg(r), r.pick(NETS));
             }
+            2 if proto.is_none() && r.chance(20) => {
+                proto = Some("icmp");
+                let ty = *r.pick(&["8", "echo-request", "0", "8/0", "3/3", "any"]);
+                s += &format!(" -p icmp -m icmp {}--icmp-type {ty}", neg(r));
+            }
             2 if proto.is_none() => {
                 let p = *r.pick(&["tcp", "udp"]);
                 proto = Some(p);
@@ -466,11 +492,13 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                         if r.chance(75) { "dport" } else { "sport" }
                     );
                 }
-                if p == "tcp" && r.chance(30) {
+                if p == "tcp" && r.chance(15) {
+                    s += &format!(" {}--syn", neg(r));
+                } else if p == "tcp" && r.chance(30) {
                     s += &format!(" {}--tcp-flags SYN,ACK SYN", neg(r));
                 }
             }
-            3 if proto.is_some() => {
+            3 if proto.is_some_and(|p| p != "icmp") => {
                 let ports: Vec<String> = (0..1 + r.below(3))
                     .map(|_| r.pick(PORTS).to_string())
                     .collect();
@@ -494,6 +522,8 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                     "NEW,ESTABLISHED",
                     "RELATED,ESTABLISHED",
                     "INVALID",
+                    "UNTRACKED",
+                    "NEW,UNTRACKED",
                 ]);
                 if r.chance(50) {
                     s += &format!(" -m conntrack {}--ctstate {st}", neg(r));
@@ -519,11 +549,13 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                 )
             }
             _ => {
-                if r.chance(50) {
+                if r.chance(25) {
                     s += &format!(
                         " -m iprange {}--src-range 198.51.100.5-198.51.100.50",
                         neg(r)
                     );
+                } else if r.chance(33) {
+                    s += &format!(" -m iprange {}--dst-range 10.10.1.1-10.10.2.9", neg(r));
                 } else {
                     s += &format!(" -m comment --comment \"rule {}\"", r.below(1000));
                 }
@@ -542,7 +574,8 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
     match t {
         0 => {}
         1 => s += " -j ACCEPT",
-        2 if table != "nat" => s += " -j DROP",
+        // Drops end the walk early; keep them rarer so later tables see traffic too.
+        2 if table != "nat" && r.chance(40) => s += " -j DROP",
         3 => s += " -j RETURN",
         4..=6 if !later.is_empty() => {
             let to = *r.pick(&later);
@@ -557,6 +590,7 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                 _ => format!(" -j MARK --set-mark {v:#x}"),
             };
         }
+        9 if table == "raw" && r.chance(50) => s += " -j CT --notrack",
         9 => s += &format!(" -j CONNMARK --set-xmark {}", mark_mask(r)),
         10 => s += &format!(" -j CONNMARK --{}", r.pick(&["save-mark", "restore-mark"])),
         _ => s += " -j NFLOG --nflog-group 7",
@@ -585,7 +619,7 @@ fn gen_ruleset(r: &mut Rng) -> String {
     for (t, builtins) in tables {
         out += &format!("*{t}\n");
         for b in *builtins {
-            let drop = *t != "nat" && r.chance(10);
+            let drop = *t != "nat" && r.chance(5);
             out += &format!(":{b} {} [0:0]\n", if drop { "DROP" } else { "ACCEPT" });
         }
         let users: Vec<String> = (0..r.below(4)).map(|i| format!("u{i}")).collect();
@@ -615,9 +649,15 @@ fn gen_ruleset(r: &mut Rng) -> String {
 
 fn gen_probe(r: &mut Rng) -> Probe {
     let local_out = r.chance(20);
-    let udp = local_out || r.chance(70);
+    let proto = if local_out || r.chance(60) {
+        17
+    } else if r.chance(70) {
+        6
+    } else {
+        1
+    };
     let mut dsts: Vec<&str> = vec!["10.202.0.2", "10.10.1.5", "10.10.2.9", "172.17.0.5"];
-    if udp && !local_out {
+    if proto == 17 && !local_out {
         // Local delivery only for UDP: the router's sockets swallow it without replies.
         dsts.extend(["10.201.0.1", "10.202.0.1"]);
     }
@@ -627,7 +667,7 @@ fn gen_probe(r: &mut Rng) -> Probe {
         *r.pick(&["10.201.0.2", "10.201.0.7", "198.51.100.10", "198.51.100.77"])
     };
     Probe {
-        udp,
+        proto,
         src: src.parse().unwrap(),
         dst: r.pick(&dsts).parse().unwrap(),
         sport: 0,
@@ -668,7 +708,7 @@ fn kernel_counters_agree_with_simulator() {
     // 1. The lab ruleset: ClusterIP DNAT, masquerade mark, Calico marks, forward filter.
     let mut lab_probes = vec![
         Probe {
-            udp: false,
+            proto: 6,
             src: "10.201.0.2".parse().unwrap(),
             dst: "10.10.10.2".parse().unwrap(),
             sport: 0,
@@ -676,7 +716,7 @@ fn kernel_counters_agree_with_simulator() {
             local_out: false,
         },
         Probe {
-            udp: false,
+            proto: 6,
             src: "198.51.100.10".parse().unwrap(),
             dst: "10.10.10.2".parse().unwrap(),
             sport: 0,
@@ -684,7 +724,7 @@ fn kernel_counters_agree_with_simulator() {
             local_out: false,
         },
         Probe {
-            udp: true,
+            proto: 17,
             src: "10.201.0.2".parse().unwrap(),
             dst: "10.10.10.2".parse().unwrap(),
             sport: 0,
@@ -692,7 +732,7 @@ fn kernel_counters_agree_with_simulator() {
             local_out: false,
         },
         Probe {
-            udp: true,
+            proto: 17,
             src: "10.201.0.2".parse().unwrap(),
             dst: "10.201.0.1".parse().unwrap(),
             sport: 0,
@@ -700,7 +740,7 @@ fn kernel_counters_agree_with_simulator() {
             local_out: false,
         },
         Probe {
-            udp: false,
+            proto: 6,
             src: "10.202.0.1".parse().unwrap(),
             dst: "10.10.10.2".parse().unwrap(),
             sport: 0,
@@ -746,11 +786,12 @@ fn kernel_counters_agree_with_simulator() {
     }
     eprintln!(
         "rules_differential: {} packets agreed ({lab_compared} on the lab ruleset, the rest on {rulesets} random rulesets), \
-         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {:.1}s",
+         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {} late reads, {:.1}s",
         out.compared,
         out.hits,
         out.verdicts,
         out.skipped,
+        LATE.load(std::sync::atomic::Ordering::Relaxed),
         started.elapsed().as_secs_f64()
     );
     assert!(
@@ -763,7 +804,7 @@ fn kernel_counters_agree_with_simulator() {
         out.compared
     );
     assert!(
-        out.hits >= 5 * out.compared as u64,
+        out.hits >= 3 * out.compared as u64,
         "too few rules matched: {}",
         out.hits
     );
