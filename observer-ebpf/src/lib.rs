@@ -171,10 +171,23 @@ pub fn read_ct(skb: u64, ct: &mut CtInfo) -> Result<bool, ()> {
     Ok(true)
 }
 
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+/// A quarter of the ring buffer: wake the reader well before it overflows.
+const WAKEUP_BYTES: u64 = 2 * 1024 * 1024;
+
 /// Writes `ev` to the ring buffer, counting a full buffer instead of losing it silently.
 #[inline(always)]
 pub fn emit(ev: &PacketEvent) {
-    match EVENTS.output::<PacketEvent>(ev, 0) {
+    // Waking the reader for every record costs more than the record itself at high packet
+    // rates: userspace drains on a short timer, and is woken only when the buffer fills up.
+    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    match EVENTS.output::<PacketEvent>(ev, flags) {
         Ok(()) => count(counter::EMITTED),
         Err(_) => count(counter::RINGBUF_FULL),
     }

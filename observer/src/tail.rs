@@ -113,6 +113,9 @@ async fn event_loop(
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    // The probes wake us only when the ring buffer fills; otherwise we drain it on this timer.
+    let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
+    let mut lost_now = 0u64;
     let deadline = opts.timeout.map(|t| Instant::now() + t);
     let mut summary = Summary::default();
     let mut reported_lost = 0u64;
@@ -152,7 +155,11 @@ async fn event_loop(
                 drain_ring(guard.get_inner_mut(), &layout, &mut correlator, &mut done, &mut summary);
                 guard.clear_ready();
             }
+            _ = drain_tick.tick() => {
+                drain_ring(ring.get_mut(), &layout, &mut correlator, &mut done, &mut summary);
+            }
             _ = tick.tick() => {
+                lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(lost_now);
                 correlator.expire(now_ns(), &mut done);
                 if last_iface_scan.elapsed() >= Duration::from_secs(1) {
                     last_iface_scan = Instant::now();
@@ -169,7 +176,6 @@ async fn event_loop(
             _ = sigint.recv() => break,
             _ = sigterm.recv() => break,
         }
-        let lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(0);
         if !done.is_empty() && emit(&mut done, &mut summary, lost_now)? {
             break;
         }
