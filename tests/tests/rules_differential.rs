@@ -27,6 +27,10 @@ const PORTS: &[u16] = &[22, 53, 80, 443, 8080, 30080];
 struct Rng(u64);
 
 impl Rng {
+    /// Every seed gives its own stream (xorshift must not start at 0).
+    fn new(seed: u64) -> Self {
+        Rng((seed ^ 0xd1b5_4a32_d192_ed03).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -748,7 +752,7 @@ fn kernel_counters_agree_with_simulator() {
             local_out: true,
         },
     ];
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     for _ in 0..15 {
         lab_probes.push(gen_probe(&mut rng));
     }
