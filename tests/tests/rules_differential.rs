@@ -242,6 +242,9 @@ fn lab() -> Lab {
 /// How often the counters were read again because the packet was still in flight.
 static LATE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// Packets the simulator translated (DNAT, SNAT, MASQUERADE, REDIRECT), for coverage.
+static NATTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 type Counts = BTreeMap<(String, String, usize), u64>;
 
 fn counters(router: &Netns) -> Counts {
@@ -293,6 +296,9 @@ fn simulate(
     let b = &branches[0];
     if b.verdict == Verdict::Undecidable {
         return None;
+    }
+    if b.stages.iter().any(|s| s.nat.is_some()) {
+        NATTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let mut c = Counts::new();
     for s in &b.stages {
@@ -528,8 +534,9 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                     "INVALID",
                     "UNTRACKED",
                     "NEW,UNTRACKED",
+                    "DNAT",
                 ]);
-                if r.chance(50) {
+                if st == "DNAT" || r.chance(50) {
                     s += &format!(" -m conntrack {}--ctstate {st}", neg(r));
                 } else {
                     s += &format!(" -m state {}--state {st}", neg(r));
@@ -574,6 +581,33 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
         .filter(|(i, _)| here.is_none_or(|h| *i > h))
         .map(|(_, u)| u)
         .collect();
+    // NAT targets only in the built-in chains where iptables accepts them. DNAT goes to
+    // forwarded addresses only and REDIRECT to UDP only: a local TCP SYN would be answered.
+    if table == "nat" && r.chance(30) {
+        let port = *r.pick(PORTS);
+        match chain {
+            "PREROUTING" | "OUTPUT"
+                if proto == Some("udp") && chain == "PREROUTING" && r.chance(30) =>
+            {
+                return s + &format!(" -j REDIRECT --to-ports {port}");
+            }
+            "PREROUTING" | "OUTPUT" => {
+                let to = *r.pick(&["172.17.0.5", "10.10.1.5", "10.202.0.2"]);
+                let to = if proto.is_some_and(|p| p != "icmp") {
+                    format!("{to}:{port}")
+                } else {
+                    to.to_string()
+                };
+                return s + &format!(" -j DNAT --to-destination {to}");
+            }
+            "POSTROUTING" if r.chance(50) => return s + " -j MASQUERADE",
+            "POSTROUTING" | "INPUT" => {
+                let from = *r.pick(&["10.202.0.1", "10.201.0.1", "192.0.2.9"]);
+                return s + &format!(" -j SNAT --to-source {from}");
+            }
+            _ => {}
+        }
+    }
     let t = r.below(12);
     match t {
         0 => {}
@@ -790,11 +824,12 @@ fn kernel_counters_agree_with_simulator() {
     }
     eprintln!(
         "rules_differential: {} packets agreed ({lab_compared} on the lab ruleset, the rest on {rulesets} random rulesets), \
-         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {} late reads, {:.1}s",
+         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {} translated by nat, {} late reads, {:.1}s",
         out.compared,
         out.hits,
         out.verdicts,
         out.skipped,
+        NATTED.load(std::sync::atomic::Ordering::Relaxed),
         LATE.load(std::sync::atomic::Ordering::Relaxed),
         started.elapsed().as_secs_f64()
     );
@@ -811,6 +846,10 @@ fn kernel_counters_agree_with_simulator() {
         out.hits >= 3 * out.compared as u64,
         "too few rules matched: {}",
         out.hits
+    );
+    assert!(
+        NATTED.load(std::sync::atomic::Ordering::Relaxed) >= 20,
+        "too few packets were translated by nat"
     );
     assert!(
         out.verdicts.len() >= 2,
