@@ -202,9 +202,21 @@ struct Lab {
     client: Netns,
     router: Netns,
     _server: Netns,
+    /// iptables-legacy (x_tables) in the router instead of the default nft back end.
+    legacy: bool,
 }
 
-fn lab() -> Lab {
+impl Lab {
+    /// `iptables-save` -> `iptables-legacy-save` when the lab uses the legacy back end.
+    fn tool(&self, name: &str) -> String {
+        match name.strip_prefix("iptables-") {
+            Some(rest) if self.legacy => format!("iptables-legacy-{rest}"),
+            _ => name.to_string(),
+        }
+    }
+}
+
+fn lab(legacy: bool) -> Lab {
     let p = unique_prefix("rd");
     let client = Netns::new(&format!("{p}c"));
     let router = Netns::new(&format!("{p}r"));
@@ -236,6 +248,7 @@ fn lab() -> Lab {
         client,
         router,
         _server: server,
+        legacy,
     }
 }
 
@@ -247,13 +260,21 @@ static NATTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::
 
 type Counts = BTreeMap<(String, String, usize), u64>;
 
-fn counters(router: &Netns) -> Counts {
-    let text = router.sh("iptables-save -c");
+/// Per-rule packet counters, keyed (table, chain, index); with the legacy back end also the
+/// built-in chains' policy counters, keyed with index 0 (nft keeps none for policies).
+fn counters(lab: &Lab) -> Counts {
+    let text = lab.router.sh(&format!("{} -c", lab.tool("iptables-save")));
     let file = parse_save(&text)
         .unwrap_or_else(|e| panic!("our parser rejects iptables-save -c output: {e}\n{text}"));
     let mut out = Counts::new();
     for t in &file.tables {
         for c in &t.chains {
+            if lab.legacy
+                && c.policy.is_some()
+                && let Some(k) = c.counters
+            {
+                out.insert((t.name.clone(), c.name.clone(), 0), k.packets);
+            }
             for (i, r) in c.rules.iter().enumerate() {
                 let k = r.counters.expect("-c prints counters");
                 out.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
@@ -283,6 +304,7 @@ struct Outcome {
 
 /// Expected counter deltas from the simulator; None when it cannot decide (not compared).
 fn simulate(
+    legacy: bool,
     rules: &str,
     ipsets: &Ipsets,
     routes: &Routes,
@@ -302,6 +324,10 @@ fn simulate(
     }
     let mut c = Counts::new();
     for s in &b.stages {
+        if legacy && s.policy.is_some() {
+            *c.entry((s.table.clone(), s.hook.name().to_string(), 0))
+                .or_default() += 1;
+        }
         for r in &s.rules {
             *c.entry((r.table.clone(), r.chain.clone(), r.index))
                 .or_default() += 1;
@@ -321,30 +347,37 @@ fn check_one(
     routes: &Routes,
     probe: &Probe,
 ) -> Option<Checked> {
-    let (want, verdict) = simulate(rules, ipsets, routes, probe)?;
-    let before = counters(&lab.router);
+    let (want, verdict) = simulate(lab.legacy, rules, ipsets, routes, probe)?;
+    let before = counters(lab);
     let p = *probe;
     if p.local_out {
         lab.router.run(move || send_raw(&p));
     } else {
         lab.client.run(move || send_raw(&p));
     }
-    let mut got = delta(&before, &counters(&lab.router));
+    let mut got = delta(&before, &counters(lab));
     if got != want {
         // Softirq processing may lag the send on a busy machine; look once more.
         LATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(100));
-        got = delta(&before, &counters(&lab.router));
+        got = delta(&before, &counters(lab));
     }
     let hits = want.values().sum();
     Some(((got != want).then_some((got, want)), hits, verdict))
 }
 
-fn restore(router: &Netns, rules: &str) {
+fn restore(lab: &Lab, rules: &str) {
+    let router = &lab.router;
     let path = std::env::temp_dir().join(format!("{}.rules", router.name));
     std::fs::write(&path, rules).unwrap();
     let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &router.name, "iptables-restore", "-w"])
+        .args([
+            "netns",
+            "exec",
+            &router.name,
+            &lab.tool("iptables-restore"),
+            "-w",
+        ])
         .stdin(std::fs::File::open(&path).unwrap())
         .output()
         .unwrap();
@@ -381,7 +414,7 @@ fn minimise(
         let mut trial = lines.clone();
         trial.remove(i);
         let text = trial.join("\n") + "\n";
-        restore(&lab.router, &text);
+        restore(lab, &text);
         let mut p = *probe;
         p.sport = *next_port;
         *next_port += 1;
@@ -401,7 +434,7 @@ fn run_ruleset(
     next_port: &mut u16,
     out: &mut Outcome,
 ) {
-    restore(&lab.router, rules);
+    restore(lab, rules);
     for probe in probes {
         let mut p = *probe;
         p.sport = *next_port;
@@ -714,21 +747,11 @@ fn gen_probe(r: &mut Rng) -> Probe {
     }
 }
 
-#[test]
-fn kernel_counters_agree_with_simulator() {
-    if !privileged("rules_differential") {
-        return;
-    }
-    let seed = std::env::var("OBSERVER_DIFF_SEED")
-        .ok()
-        .and_then(|s| {
-            s.strip_prefix("0x")
-                .map_or_else(|| s.parse().ok(), |h| u64::from_str_radix(h, 16).ok())
-        })
-        .unwrap_or(DEFAULT_SEED);
-    eprintln!("rules_differential: seed {seed:#x} (set OBSERVER_DIFF_SEED to replay)");
+/// Runs the lab ruleset and `rulesets` random ones on a fresh lab with one back end.
+fn run_backend(legacy: bool, rng: &mut Rng, rulesets: usize, budget: Duration) -> Outcome {
+    let name = if legacy { "legacy" } else { "nft" };
     let started = Instant::now();
-    let lab = lab();
+    let lab = lab(legacy);
     lab.router.sh(&format!("ipset restore <<'EOF'\n{SETS}EOF"));
     // The simulator reads the same tools' output the CLI would read on a node.
     let ipsets = parse_ipsets(&lab.router.sh("ipset save")).expect("ipset save parses");
@@ -744,51 +767,23 @@ fn kernel_counters_agree_with_simulator() {
     };
 
     // 1. The lab ruleset: ClusterIP DNAT, masquerade mark, Calico marks, forward filter.
+    let probe = |proto, src: &str, dst: &str, dport, local_out| Probe {
+        proto,
+        src: src.parse().unwrap(),
+        dst: dst.parse().unwrap(),
+        sport: 0,
+        dport,
+        local_out,
+    };
     let mut lab_probes = vec![
-        Probe {
-            proto: 6,
-            src: "10.201.0.2".parse().unwrap(),
-            dst: "10.10.10.2".parse().unwrap(),
-            sport: 0,
-            dport: 22,
-            local_out: false,
-        },
-        Probe {
-            proto: 6,
-            src: "198.51.100.10".parse().unwrap(),
-            dst: "10.10.10.2".parse().unwrap(),
-            sport: 0,
-            dport: 22,
-            local_out: false,
-        },
-        Probe {
-            proto: 17,
-            src: "10.201.0.2".parse().unwrap(),
-            dst: "10.10.10.2".parse().unwrap(),
-            sport: 0,
-            dport: 22,
-            local_out: false,
-        },
-        Probe {
-            proto: 17,
-            src: "10.201.0.2".parse().unwrap(),
-            dst: "10.201.0.1".parse().unwrap(),
-            sport: 0,
-            dport: 53,
-            local_out: false,
-        },
-        Probe {
-            proto: 6,
-            src: "10.202.0.1".parse().unwrap(),
-            dst: "10.10.10.2".parse().unwrap(),
-            sport: 0,
-            dport: 22,
-            local_out: true,
-        },
+        probe(6, "10.201.0.2", "10.10.10.2", 22, false),
+        probe(6, "198.51.100.10", "10.10.10.2", 22, false),
+        probe(17, "10.201.0.2", "10.10.10.2", 22, false),
+        probe(17, "10.201.0.2", "10.201.0.1", 53, false),
+        probe(6, "10.202.0.1", "10.10.10.2", 22, true),
     ];
-    let mut rng = Rng::new(seed);
     for _ in 0..15 {
-        lab_probes.push(gen_probe(&mut rng));
+        lab_probes.push(gen_probe(rng));
     }
     run_ruleset(
         &lab,
@@ -799,18 +794,29 @@ fn kernel_counters_agree_with_simulator() {
         &mut next_port,
         &mut out,
     );
-    let lab_compared = out.compared;
     assert_eq!(
-        lab_compared,
+        out.compared,
         lab_probes.len(),
         "every lab packet is decidable"
     );
+    if !legacy {
+        // `--live` reads the same node state through the real commands.
+        let (rs, sets, live_routes) = lab
+            .router
+            .run(|| observer_rules::load_live().expect("load_live"));
+        assert_eq!(rs.ipv4.rule_count(), parse_save(LAB).unwrap().rule_count());
+        assert_eq!(sets.sets.len(), 3);
+        assert!(matches!(
+            live_routes.lookup("172.17.0.5".parse().unwrap()),
+            observer_rules::RouteDecision::Out { ref dev, .. } if dev == "ethr1"
+        ));
+    }
 
     // 2. Random rulesets.
-    let mut rulesets = 0;
-    while rulesets < 48 && started.elapsed() < Duration::from_secs(45) {
-        let rules = gen_ruleset(&mut rng);
-        let probes: Vec<Probe> = (0..16).map(|_| gen_probe(&mut rng)).collect();
+    let mut done = 0;
+    while done < rulesets && started.elapsed() < budget {
+        let rules = gen_ruleset(rng);
+        let probes: Vec<Probe> = (0..16).map(|_| gen_probe(rng)).collect();
         run_ruleset(
             &lab,
             &rules,
@@ -820,47 +826,81 @@ fn kernel_counters_agree_with_simulator() {
             &mut next_port,
             &mut out,
         );
-        rulesets += 1;
+        done += 1;
     }
     eprintln!(
-        "rules_differential: {} packets agreed ({lab_compared} on the lab ruleset, the rest on {rulesets} random rulesets), \
-         {} rule counter increments matched, verdicts {:?}, {} undecidable skipped, {} translated by nat, {} late reads, {:.1}s",
+        "rules_differential [{name}]: {} packets agreed ({} on the lab ruleset, the rest on {done} random rulesets), \
+         {} counter increments matched, verdicts {:?}, {} undecidable skipped, {:.1}s",
         out.compared,
+        lab_probes.len(),
         out.hits,
         out.verdicts,
         out.skipped,
-        NATTED.load(std::sync::atomic::Ordering::Relaxed),
-        LATE.load(std::sync::atomic::Ordering::Relaxed),
         started.elapsed().as_secs_f64()
     );
     assert!(
-        rulesets >= 8,
-        "too slow: only {rulesets} random rulesets in time"
+        done >= 6,
+        "[{name}] too slow: only {done} random rulesets in time"
+    );
+    out
+}
+
+#[test]
+fn kernel_counters_agree_with_simulator() {
+    if !privileged("rules_differential") {
+        return;
+    }
+    let seed = std::env::var("OBSERVER_DIFF_SEED")
+        .ok()
+        .and_then(|s| {
+            s.strip_prefix("0x")
+                .map_or_else(|| s.parse().ok(), |h| u64::from_str_radix(h, 16).ok())
+        })
+        .unwrap_or(DEFAULT_SEED);
+    eprintln!("rules_differential: seed {seed:#x} (set OBSERVER_DIFF_SEED to replay)");
+    let mut rng = Rng::new(seed);
+    // Both back ends a node may use: nft (Debian's default) and legacy x_tables, whose policy
+    // counters also let us check every policy decision.
+    let mut total = run_backend(false, &mut rng, 32, Duration::from_secs(25));
+    let legacy = run_backend(true, &mut rng, 32, Duration::from_secs(25));
+    total.compared += legacy.compared;
+    total.skipped += legacy.skipped;
+    total.hits += legacy.hits;
+    for (k, v) in legacy.verdicts {
+        *total.verdicts.entry(k).or_default() += v;
+    }
+    let natted = NATTED.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "rules_differential: {} packets agreed in total, {} counter increments, {natted} translated by nat, \
+         {} late reads",
+        total.compared,
+        total.hits,
+        LATE.load(std::sync::atomic::Ordering::Relaxed),
     );
     assert!(
-        out.compared >= 150,
+        total.compared >= 300,
         "only {} packets compared",
-        out.compared
+        total.compared
     );
     assert!(
-        out.hits >= 3 * out.compared as u64,
+        total.hits >= 3 * total.compared as u64,
         "too few rules matched: {}",
-        out.hits
+        total.hits
     );
     assert!(
-        NATTED.load(std::sync::atomic::Ordering::Relaxed) >= 20,
-        "too few packets were translated by nat"
+        natted >= 20,
+        "too few packets were translated by nat: {natted}"
     );
     assert!(
-        out.verdicts.len() >= 2,
+        total.verdicts.len() >= 2,
         "every packet had the same verdict: {:?}",
-        out.verdicts
+        total.verdicts
     );
     // Everything generated is modelled; skipping more than a few means the simulator regressed.
     assert!(
-        out.skipped * 10 <= out.compared,
+        total.skipped * 10 <= total.compared,
         "{} undecidable of {}",
-        out.skipped,
-        out.compared
+        total.skipped,
+        total.compared
     );
 }
