@@ -26,6 +26,8 @@ pub mod family {
 pub mod kind {
     /// A packet seen at a netfilter probe or a TC hook: [`super::PacketEvent`].
     pub const PACKET: u8 = 1;
+    /// A packet freed as dropped (`kfree_skb` tracepoint): [`super::DropEvent`].
+    pub const DROP: u8 = 2;
 }
 
 /// Bits of [`EventHeader::flags`].
@@ -71,7 +73,17 @@ pub mod config {
     pub const CT_STATUS: u32 = 12;
     pub const CT_TUPLE_ORIG: u32 = 13;
     pub const CT_TUPLE_REPLY: u32 = 14;
-    pub const COUNT: u32 = 16;
+    /// `sk_buff.dev`, `net_device.nd_net.net`, `net.ns.inum`: to keep only the drops of
+    /// the observed namespace.
+    pub const SKB_DEV: u32 = 15;
+    pub const NETDEV_NET: u32 = 16;
+    pub const NET_INUM: u32 = 17;
+    /// Inode number of the observed network namespace.
+    pub const OBSERVED_NETNS: u32 = 18;
+    /// `sk_buff.sk` and `sock.__sk_common.skc_net.net`, for drops of skbs without a device.
+    pub const SKB_SK: u32 = 19;
+    pub const SOCK_NET: u32 = 20;
+    pub const COUNT: u32 = 24;
 }
 
 /// Number of netfilter probe programs compiled into the netfilter object. Each one may be
@@ -166,7 +178,20 @@ pub struct PacketEvent {
     pub ct: CtInfo,
 }
 
+/// Record of kind [`kind::DROP`]: the kernel freed `header.skb` as dropped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropEvent {
+    pub header: EventHeader,
+    /// `enum skb_drop_reason`; names come from BTF, its numbering changes between kernels.
+    pub reason: u32,
+    pub _pad: u32,
+    /// Kernel address of the function that dropped it.
+    pub location: u64,
+}
+
 const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
+const _: () = assert!(core::mem::size_of::<DropEvent>() == 48);
 const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
 const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
 const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112);
@@ -179,4 +204,6 @@ mod pod {
     unsafe impl aya::Pod for super::PacketInfo {}
     unsafe impl aya::Pod for super::CtInfo {}
     unsafe impl aya::Pod for super::PacketEvent {}
+    unsafe impl aya::Pod for super::DropEvent {}
 }
+pub mod filter;

@@ -131,6 +131,21 @@ impl KernelLayout {
         set(config::CT_TUPLE_ORIG, tuplehash + in_hash);
         set(config::CT_TUPLE_REPLY, tuplehash + hash_size + in_hash);
 
+        // Optional: without them every drop is reported and matched in userspace.
+        if let (Ok(dev), Ok(net), Ok(inum)) = (
+            off("sk_buff", "dev"),
+            off("net_device", "nd_net.net"),
+            off("net", "ns.inum"),
+        ) {
+            set(config::SKB_DEV, dev);
+            set(config::NETDEV_NET, net);
+            set(config::NET_INUM, inum);
+        }
+        if let (Ok(sk), Ok(net)) = (off("sk_buff", "sk"), off("sock", "__sk_common.skc_net.net")) {
+            set(config::SKB_SK, sk);
+            set(config::SOCK_NET, net);
+        }
+
         let t = |p: &str| off("nf_conntrack_tuple", p).map(|v| v as usize);
         let tuple = TupleLayout {
             src_addr: t("src.u3")?,
@@ -205,5 +220,18 @@ mod tests {
             l.drop_reasons.values().any(|n| n == "NETFILTER_DROP"),
             "drop reasons resolved"
         );
+        for i in [
+            config::SKB_DEV,
+            config::NETDEV_NET,
+            config::NET_INUM,
+            config::SKB_SK,
+            config::SOCK_NET,
+        ] {
+            assert_ne!(
+                c[i as usize],
+                config::UNSET,
+                "netns filter offset {i} resolved"
+            );
+        }
     }
 }

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::decode::{Observation, Point};
+use crate::decode::{Drop, Observation, Point};
 use crate::nf_link::{NfFamily, NfHook};
 
 /// Why a traversal was closed.
@@ -21,6 +21,8 @@ pub enum Closed {
     Delivered,
     /// Not seen for the idle time.
     Idle,
+    /// The kernel freed it as dropped (`kfree_skb`); the reason is in `Traversal::drop`.
+    Dropped,
     /// The same skb started a new traversal before this one ended.
     Restarted,
     /// Pushed out because too many traversals were in flight.
@@ -34,6 +36,7 @@ pub struct Traversal {
     pub skb: u64,
     pub records: Vec<Observation>,
     pub closed: Closed,
+    pub drop: Option<Drop>,
 }
 
 impl Traversal {
@@ -64,6 +67,8 @@ pub struct CorrelateStats {
     pub evicted: u64,
     pub restarted: u64,
     pub idle: u64,
+    /// Drops of packets not being followed (not IP, or seen by no probe).
+    pub untracked_drops: u64,
 }
 
 pub struct Correlator {
@@ -126,6 +131,7 @@ impl Correlator {
                     skb: key,
                     records: Vec::with_capacity(16),
                     closed: Closed::Shutdown,
+                    drop: None,
                 })
             }
         };
@@ -149,6 +155,18 @@ impl Correlator {
         if self.order.len() > 4 * self.max_inflight + 1024 {
             let live = &self.inflight;
             self.order.retain(|k| live.contains_key(k));
+        }
+    }
+
+    /// The kernel dropped `d.skb`: closes its traversal with the reason.
+    pub fn push_drop(&mut self, d: Drop, done: &mut Vec<Traversal>) {
+        match self.inflight.remove(&d.skb) {
+            Some(mut t) => {
+                t.closed = Closed::Dropped;
+                t.drop = Some(d);
+                done.push(t);
+            }
+            None => self.stats.untracked_drops += 1,
         }
     }
 
@@ -187,7 +205,7 @@ impl Correlator {
 mod tests {
     use super::*;
     use crate::decode::tests::{LAYOUT, tcp_event};
-    use crate::decode::{decode, encode};
+    use crate::decode::{decode_packet, encode};
     use observer_common::hook;
 
     fn obs(hook_no: u8, slot: u32, skb: u64, ts: u64) -> Observation {
@@ -200,7 +218,7 @@ mod tests {
             0,
         );
         ev.header.ts_ns = ts;
-        decode(&encode(&ev), &LAYOUT).unwrap()
+        decode_packet(&encode(&ev), &LAYOUT).unwrap()
     }
 
     fn correlator(max: usize) -> Correlator {
@@ -255,6 +273,27 @@ mod tests {
         assert_eq!(done.len(), 2);
         assert_eq!(done[1].closed, Closed::Idle);
         assert_eq!(c.stats.idle, 1);
+    }
+
+    #[test]
+    fn drop_closes_its_traversal_with_the_reason() {
+        let mut c = correlator(16);
+        let mut done = Vec::new();
+        c.push(obs(0, 0, 5, 1), &mut done);
+        c.push(obs(2, 1, 5, 2), &mut done);
+        let d = Drop {
+            skb: 5,
+            ts_ns: 3,
+            reason: 12,
+            location: 0,
+        };
+        c.push_drop(d, &mut done);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].closed, Closed::Dropped);
+        assert_eq!(done[0].drop, Some(d));
+        c.push_drop(Drop { skb: 99, ..d }, &mut done);
+        assert_eq!(c.stats.untracked_drops, 1);
+        assert_eq!(done.len(), 1);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
+use observer_common::{
+    CT_TUPLE_BYTES, DropEvent, EventHeader, PacketEvent, family, flags, hook, kind,
+};
 
 use crate::btf::TupleLayout;
 use crate::nf_link::{NfFamily, NfHook};
@@ -13,7 +15,7 @@ pub enum DecodeError {
     Short(usize),
     #[error("record of unknown kind {0}")]
     UnknownKind(u8),
-    #[error("packet record of {got} bytes, expected {want}")]
+    #[error("record of {got} bytes, expected {want}")]
     Size { got: usize, want: usize },
     #[error("record with unknown hook {0}")]
     UnknownHook(u8),
@@ -114,20 +116,58 @@ fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
     }
 }
 
+/// The kernel freed a packet as dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Drop {
+    pub skb: u64,
+    pub ts_ns: u64,
+    /// `enum skb_drop_reason` value; see [`crate::btf::KernelLayout::drop_reasons`].
+    pub reason: u32,
+    pub location: u64,
+}
+
+/// One decoded ring-buffer record.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Packet(Observation),
+    Drop(Drop),
+}
+
+fn check_size<T>(bytes: &[u8]) -> Result<(), DecodeError> {
+    if bytes.len() != size_of::<T>() {
+        return Err(DecodeError::Size {
+            got: bytes.len(),
+            want: size_of::<T>(),
+        });
+    }
+    Ok(())
+}
+
 /// Decodes one ring-buffer record.
-pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeError> {
+pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Record, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::Short(bytes.len()));
     }
-    if bytes[0] != kind::PACKET {
-        return Err(DecodeError::UnknownKind(bytes[0]));
+    match bytes[0] {
+        kind::PACKET => decode_packet(bytes, layout).map(Record::Packet),
+        kind::DROP => {
+            check_size::<DropEvent>(bytes)?;
+            // SAFETY: DropEvent is repr(C) plain data of exactly this size.
+            let ev: DropEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+            Ok(Record::Drop(Drop {
+                skb: ev.header.skb,
+                ts_ns: ev.header.ts_ns,
+                reason: ev.reason,
+                location: ev.location,
+            }))
+        }
+        k => Err(DecodeError::UnknownKind(k)),
     }
-    if bytes.len() != size_of::<PacketEvent>() {
-        return Err(DecodeError::Size {
-            got: bytes.len(),
-            want: size_of::<PacketEvent>(),
-        });
-    }
+}
+
+/// Decodes a record of kind PACKET.
+pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeError> {
+    check_size::<PacketEvent>(bytes)?;
     // SAFETY: PacketEvent is repr(C) plain data of exactly this size; read_unaligned copes
     // with any alignment of the ring-buffer slice.
     let ev: PacketEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
@@ -267,7 +307,7 @@ pub mod tests {
             (([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22)),
             (([172, 17, 0, 5], 22), ([198, 51, 100, 10], 40000)),
         );
-        let o = decode(&encode(&ev), &LAYOUT).unwrap();
+        let o = decode_packet(&encode(&ev), &LAYOUT).unwrap();
         assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, 3));
         assert_eq!(o.family, Some(NfFamily::Ipv4));
         assert_eq!(o.skb, 0xffff_8880_1234_0000);
@@ -292,7 +332,7 @@ pub mod tests {
             0,
         );
         ev.packet.l4proto = 1;
-        let o = decode(&encode(&ev), &LAYOUT).unwrap();
+        let o = decode_packet(&encode(&ev), &LAYOUT).unwrap();
         assert_eq!(o.point, Point::TcEgress);
         assert!(!o.has_ports);
         assert_eq!(o.src.unwrap().port, 0);

@@ -1,11 +1,14 @@
 //! observer's library: everything the binary does, one module per stage of the data flow
 //! (probes -> ring buffer -> decode -> correlate -> report) plus the lab and its traffic.
 
+pub mod annotate;
 pub mod btf;
 pub mod correlate;
 pub mod decode;
 pub mod explain;
+pub mod filter;
 pub mod lab;
+pub mod marks;
 pub mod netns;
 pub mod nf_link;
 pub mod plan;

@@ -49,9 +49,16 @@ struct TailArgs {
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
     netns: Option<String>,
-    /// One JSON object per line (schema 1, see docs/json-schema.md).
-    #[arg(long)]
+    /// How to print each traversal.
+    #[arg(long, value_enum, default_value = "tree")]
+    output: tail::Output,
+    /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
+    #[arg(long, conflicts_with = "output")]
     json: bool,
+    /// TOML file naming mark bits, applied over the defaults and the live ruleset:
+    /// `[marks]` then lines like `"0x4000" = "kube-proxy:masquerade"`.
+    #[arg(long, value_name = "FILE")]
+    marks: Option<PathBuf>,
     /// Exit after printing N traversals.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
@@ -96,7 +103,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Tail(a) => {
             let summary = tail::run(tail::TailOptions {
                 netns: a.netns,
-                json: a.json,
+                output: if a.json { tail::Output::Json } else { a.output },
+                marks_file: a.marks,
                 count: a.count,
                 ready_file: a.ready_file,
                 timeout: a.timeout.map(Duration::from_secs_f64),

@@ -8,10 +8,10 @@ use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 use anyhow::{Context, Result, bail};
 use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
-use aya::programs::{SchedClassifier, TcAttachType};
-use aya::{Ebpf, EbpfLoader};
+use aya::programs::{BtfTracePoint, SchedClassifier, TcAttachType};
+use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, warn};
-use observer_common::counter;
+use observer_common::{config, counter};
 
 use crate::btf::KernelLayout;
 use crate::nf_link::{NfError, NfLink, NfObject};
@@ -73,6 +73,7 @@ impl Probes {
             for (i, v) in layout.config.iter().enumerate() {
                 config.set(i as u32, v, 0)?;
             }
+            config.set(config::OBSERVED_NETNS, current_netns_inode()?, 0)?;
         }
         for (name, _) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = ebpf
@@ -82,6 +83,17 @@ impl Probes {
             prog.load()
                 .with_context(|| format!("loading TC program {name}"))?;
         }
+        let btf = Btf::from_sys_fs().context("reading kernel BTF for the kfree_skb tracepoint")?;
+        let drops: &mut BtfTracePoint = ebpf
+            .program_mut("observer_kfree_skb")
+            .context("probe object has no kfree_skb program")?
+            .try_into()?;
+        drops
+            .load("kfree_skb", &btf)
+            .context("loading the kfree_skb tracepoint program")?;
+        drops
+            .attach()
+            .context("attaching to the kfree_skb tracepoint (drop reasons)")?;
         let fds: HashMap<String, RawFd> = MAPS
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
@@ -190,6 +202,14 @@ impl Probes {
     pub fn netfilter_links(&self) -> usize {
         self.links.len()
     }
+}
+
+/// Inode of the calling thread's network namespace: what `net.ns.inum` holds in the kernel.
+pub fn current_netns_inode() -> Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(std::fs::metadata("/proc/thread-self/ns/net")
+        .context("reading /proc/thread-self/ns/net")?
+        .ino())
 }
 
 fn is_busy(e: &NfError) -> bool {

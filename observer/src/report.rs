@@ -6,8 +6,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::annotate::{self, ConntrackView, Fate, MarkChange, Marks, Nat, ObservedStage};
 use crate::correlate::{Closed, Traversal};
 use crate::decode::{Endpoint, Observation, Point};
+use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
 use crate::plan::HookPlan;
 
@@ -21,9 +23,26 @@ pub struct Report {
     pub proto: String,
     pub ingress: Option<Iface>,
     pub egress: Option<Iface>,
+    /// The routing decision: `input`, `forward` or `output`.
+    pub route: Option<&'static str>,
     pub stages: Vec<Stage>,
+    pub fate: Fate,
+    pub marks: Marks,
+    pub nat: Vec<Nat>,
+    pub conntrack: Option<ConntrackView>,
     /// Records the kernel could not write (ring buffer full) since the previous report.
     pub lost: u64,
+    /// The traversal was not seen to its end (evicted, cut by exit, skb reused).
+    pub incomplete: bool,
+}
+
+/// What building a report needs besides the traversal.
+pub struct Context<'a> {
+    pub plans: &'a Plans,
+    pub netns: &'a str,
+    pub marks: &'a MarkDictionary,
+    pub drop_reasons: &'a HashMap<u32, String>,
+    pub ifname: &'a dyn Fn(u32) -> String,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -94,15 +113,10 @@ pub fn index_plans(plans: &[HookPlan]) -> Plans {
 }
 
 /// Builds the report of one traversal.
-pub fn build(
-    t: &Traversal,
-    plans: &Plans,
-    netns: &str,
-    ifname: &dyn Fn(u32) -> String,
-    lost: u64,
-) -> Report {
+pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     let first_l3 = t.records.iter().find(|r| r.src.is_some());
     let family = t.records.iter().find_map(|r| r.family);
+    let ifname = ctx.ifname;
     let ingress = t
         .records
         .iter()
@@ -130,9 +144,10 @@ pub fn build(
         }
     }
     let left = matches!(t.closed, Closed::Egress | Closed::Delivered);
+    let mut observed: Vec<ObservedStage> = Vec::new();
     let mut stages = Vec::new();
     'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
-        let Some(plan) = family.and_then(|f| plans.get(&(f, *hook))) else {
+        let Some(plan) = family.and_then(|f| ctx.plans.get(&(f, *hook))) else {
             continue;
         };
         let later_hooks = i + 1 < hooks.len() || left;
@@ -141,38 +156,49 @@ pub fn build(
             let Some(before) = b.and_then(|s| seen.get(&s)) else {
                 continue;
             };
-            let after = a.and_then(|s| seen.get(&s));
+            let after = a.and_then(|s| seen.get(&s)).copied();
             let seen_later = later_hooks || a.is_some_and(|a| seen.keys().any(|&s| s > a));
-            let verdict = if after.is_some() || seen_later {
-                "accept"
-            } else {
-                "drop"
-            };
+            let dropped = after.is_none() && !seen_later;
             let ct_src = after.unwrap_or(before);
             stages.push(Stage {
                 hook: hook.name(),
                 table: table.name.clone(),
                 priority: table.priority,
                 before: snapshot(before),
-                after: after.and_then(|o| snapshot(o)),
+                after: after.and_then(snapshot),
                 ct: ct_src.ct.map(|c| CtView {
                     state: c.state().to_string(),
                     mark: format!("{:#x}", c.mark),
                 }),
-                verdict,
+                verdict: if dropped { "drop" } else { "accept" },
             });
-            if verdict == "drop" {
+            observed.push(ObservedStage {
+                hook: *hook,
+                table: table.name.clone(),
+                before,
+                after,
+                dropped,
+            });
+            if dropped {
                 break 'hooks;
             }
         }
     }
+    let route = annotate::route(t);
+    let fate = annotate::fate(t, &observed, route, ctx.drop_reasons);
     Report {
         schema: SCHEMA,
-        netns: netns.to_string(),
+        netns: ctx.netns.to_string(),
         family: family.map(NfFamily::name),
         proto: first_l3.map_or_else(|| "unknown".into(), |r| proto_name(r.proto)),
         ingress,
         egress,
+        route,
+        incomplete: fate.kind == "incomplete",
+        fate,
+        marks: annotate::marks(&observed, ctx.marks),
+        nat: annotate::nat(&observed),
+        conntrack: annotate::conntrack(t),
         stages,
         lost,
     }
@@ -183,17 +209,31 @@ impl Report {
         serde_json::to_string(self).expect("report serialises")
     }
 
-    /// The readable tree: a header line, then one line per table with what it changed.
+    fn flow(&self) -> String {
+        self.stages
+            .first()
+            .and_then(|s| s.before.as_ref())
+            .map_or_else(|| "?".to_string(), |s| format!("{} -> {}", s.src, s.dst))
+    }
+
+    fn mark_word(c: &MarkChange, sign: char) -> String {
+        format!(
+            "{sign}{} {}",
+            c.bit,
+            c.name.as_deref().unwrap_or("(unnamed)")
+        )
+    }
+
+    /// The readable tree: a header line, one line per table with what it changed (NAT, mark
+    /// bits by name, conntrack state), then the packet's fate and its connection.
     pub fn render_tree(&self) -> String {
         let mut out = String::new();
-        let first = self.stages.first().and_then(|s| s.before.as_ref());
-        let flow = first.map_or_else(|| "?".to_string(), |s| format!("{} -> {}", s.src, s.dst));
         let _ = write!(
             out,
             "{} {} {}",
             self.family.unwrap_or("?"),
             self.proto,
-            flow
+            self.flow()
         );
         if let Some(i) = &self.ingress {
             let _ = write!(out, "  in {}", i.iface);
@@ -201,23 +241,42 @@ impl Report {
         if let Some(e) = &self.egress {
             let _ = write!(out, "  out {}", e.iface);
         }
+        if let Some(r) = self.route {
+            let _ = write!(out, "  route {r}");
+        }
         if self.lost > 0 {
             let _ = write!(out, "  [{} records lost in kernel]", self.lost);
         }
         out.push('\n');
         let mut last_ct: Option<&CtView> = None;
         for s in &self.stages {
+            let here = |hook: &str, table: &str| hook == s.hook && table == s.table;
             let mut what = Vec::new();
-            if let (Some(b), Some(a)) = (&s.before, &s.after) {
-                if b.src != a.src {
-                    what.push(format!("src {} -> {}", b.src, a.src));
+            let mut note = None;
+            for n in self.nat.iter().filter(|n| here(n.hook, &n.table)) {
+                what.push(format!(
+                    "{} {} -> {} ({})",
+                    n.kind.to_uppercase(),
+                    n.from,
+                    n.to,
+                    if n.source == "rules" {
+                        "nat rules"
+                    } else {
+                        "conntrack"
+                    }
+                ));
+                if n.source == "conntrack" {
+                    note = Some(
+                        "the nat table is not consulted for this packet because its connection \
+                         is already established: conntrack applied the stored translation",
+                    );
                 }
-                if b.dst != a.dst {
-                    what.push(format!("dst {} -> {}", b.dst, a.dst));
-                }
-                if b.mark != a.mark {
-                    what.push(format!("mark {} -> {}", b.mark, a.mark));
-                }
+            }
+            for c in self.marks.set.iter().filter(|c| here(c.hook, &c.table)) {
+                what.push(Self::mark_word(c, '+'));
+            }
+            for c in self.marks.cleared.iter().filter(|c| here(c.hook, &c.table)) {
+                what.push(Self::mark_word(c, '-'));
             }
             if s.ct.as_ref() != last_ct {
                 if let Some(ct) = &s.ct {
@@ -226,7 +285,7 @@ impl Report {
                 last_ct = s.ct.as_ref();
             }
             if s.verdict == "drop" {
-                what.push("DROPPED here (not seen after this table)".into());
+                what.push("not seen after this table".into());
             }
             if what.is_empty() {
                 what.push("-".into());
@@ -239,8 +298,86 @@ impl Report {
                 s.priority,
                 what.join(", ")
             );
+            if let Some(n) = note {
+                let _ = writeln!(out, "  {:<31}  note: {n}", "");
+            }
+        }
+        let _ = writeln!(out, "  => {}", self.fate_text());
+        if let Some(ct) = &self.conntrack {
+            let _ = writeln!(
+                out,
+                "  conntrack: {} (ctmark {}), original {} -> {}, reply {} -> {}",
+                ct.state, ct.mark, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
+            );
         }
         out
+    }
+
+    fn fate_text(&self) -> String {
+        let f = &self.fate;
+        let at = match (f.hook, &f.table) {
+            (Some(h), Some(t)) => format!(" in {h}/{t}"),
+            (Some(h), None) => format!(" after {h}"),
+            _ => String::new(),
+        };
+        match f.kind {
+            "dropped" => format!(
+                "DROPPED{at}: {}",
+                f.reason
+                    .as_deref()
+                    .unwrap_or("vanished (no drop reported by the kernel)")
+            ),
+            "forwarded" | "sent" => match &self.egress {
+                Some(e) => format!("{} out {}", f.kind, e.iface),
+                None => f.kind.to_string(),
+            },
+            "delivered" => "delivered to a local socket".into(),
+            k => format!("{k}: {}", f.reason.as_deref().unwrap_or("")),
+        }
+    }
+
+    /// One line per packet: flow, interfaces, route, NAT, mark changes, fate.
+    pub fn render_line(&self) -> String {
+        let mut parts = vec![format!(
+            "{} {} {} [{} -> {}] {}",
+            self.family.unwrap_or("?"),
+            self.proto,
+            self.flow(),
+            self.ingress.as_ref().map_or("-", |i| i.iface.as_str()),
+            self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
+            self.route.unwrap_or("-"),
+        )];
+        let nat: Vec<String> = self
+            .nat
+            .iter()
+            .map(|n| {
+                format!(
+                    "{} {}->{}@{}/{}({})",
+                    n.kind.to_uppercase(),
+                    n.from,
+                    n.to,
+                    n.hook,
+                    n.table,
+                    n.source
+                )
+            })
+            .collect();
+        if !nat.is_empty() {
+            parts.push(nat.join(" "));
+        }
+        let marks: Vec<String> = self
+            .marks
+            .set
+            .iter()
+            .map(|c| (c, '+'))
+            .chain(self.marks.cleared.iter().map(|c| (c, '-')))
+            .map(|(c, sign)| format!("{}@{}/{}", Self::mark_word(c, sign), c.hook, c.table))
+            .collect();
+        if !marks.is_empty() {
+            parts.push(marks.join(" "));
+        }
+        parts.push(self.fate_text());
+        parts.join(" | ")
     }
 }
 
@@ -249,7 +386,7 @@ mod tests {
     use super::*;
     use crate::correlate::Correlator;
     use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::decode::{decode, encode};
+    use crate::decode::{decode_packet, encode};
     use crate::plan::full_plan;
     use observer_common::hook;
 
@@ -268,7 +405,13 @@ mod tests {
         evs[0].header.ifindex_in = 2;
         // PREROUTING points: FIRST, -299, -199, -149, -99, LAST.
         for slot in 0..6u32 {
-            let (dst, mark) = if slot >= 4 { (POD, 0x4000) } else { (VIP, 0) };
+            // Raw clears a stale scratch bit (as Calico's --set-xmark 0x0/0xf0000 does),
+            // nat sets kube-proxy's masquerade bit while it DNATs.
+            let (dst, mark) = match slot {
+                0 => (VIP, 0x40000),
+                1..=3 => (VIP, 0),
+                _ => (POD, 0x4000),
+            };
             let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
             if slot >= 2 {
                 e = with_ct(e, 2, orig, reply);
@@ -303,10 +446,23 @@ mod tests {
         let mut done = Vec::new();
         for (i, mut e) in evs.into_iter().enumerate() {
             e.header.ts_ns = i as u64;
-            c.push(decode(&encode(&e), &LAYOUT).unwrap(), &mut done);
+            c.push(decode_packet(&encode(&e), &LAYOUT).unwrap(), &mut done);
         }
         assert_eq!(done.len(), 1);
         (done.remove(0), plans)
+    }
+
+    fn report(t: &Traversal, plans: &Plans, lost: u64) -> Report {
+        let marks = MarkDictionary::default();
+        let reasons: HashMap<u32, String> = [(12, "NETFILTER_DROP".to_string())].into();
+        let ctx = Context {
+            plans,
+            netns: "node",
+            marks: &marks,
+            drop_reasons: &reasons,
+            ifname: &names,
+        };
+        build(t, &ctx, lost)
     }
 
     fn names(i: u32) -> String {
@@ -320,7 +476,7 @@ mod tests {
     #[test]
     fn forwarded_dnat_masquerade_report() {
         let (t, plans) = forwarded();
-        let r = build(&t, &plans, "node", &names, 0);
+        let r = report(&t, &plans, 0);
         assert_eq!(r.family, Some("ipv4"));
         assert_eq!(r.proto, "tcp");
         assert_eq!(
@@ -371,7 +527,7 @@ mod tests {
     fn json_matches_schema_shape() {
         let (t, plans) = forwarded();
         let v: serde_json::Value =
-            serde_json::from_str(&build(&t, &plans, "node", &names, 3).to_json_line()).unwrap();
+            serde_json::from_str(&report(&t, &plans, 3).to_json_line()).unwrap();
         assert_eq!(v["schema"], 1);
         assert_eq!(v["netns"], "node");
         assert_eq!(v["lost"], 3);
@@ -396,7 +552,7 @@ mod tests {
             .unwrap();
         t.records.truncate(cut);
         t.closed = Closed::Idle;
-        let r = build(&t, &plans, "node", &names, 0);
+        let r = report(&t, &plans, 0);
         let last = r.stages.last().unwrap();
         assert_eq!(
             (last.hook, last.table.as_str(), last.verdict),
@@ -410,22 +566,31 @@ mod tests {
     #[test]
     fn tree_names_changes() {
         let (t, plans) = forwarded();
-        let tree = build(&t, &plans, "node", &names, 0).render_tree();
+        let tree = report(&t, &plans, 0).render_tree();
         assert!(
             tree.starts_with(
-                "ipv4 tcp 198.51.100.10:40000 -> 10.10.10.2:22  in eth0  out cali1a2b"
+                "ipv4 tcp 198.51.100.10:40000 -> 10.10.10.2:22  in eth0  out cali1a2b  route forward"
             ),
             "{tree}"
         );
+        for want in [
+            "DNAT 10.10.10.2:22 -> 172.17.0.5:22 (nat rules)",
+            "+0x4000 kube-proxy:masquerade",
+            "-0x40000 calico:scratch0",
+            "SNAT 198.51.100.10:40000 -> 172.17.0.1:40000 (nat rules)",
+            "=> forwarded out cali1a2b",
+            "conntrack: new (ctmark 0x0), original 198.51.100.10:40000 -> 10.10.10.2:22",
+        ] {
+            assert!(tree.contains(want), "missing {want:?} in\n{tree}");
+        }
+        let line = report(&t, &plans, 0).render_line();
+        assert!(line.contains("[eth0 -> cali1a2b] forward"), "{line}");
         assert!(
-            tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"),
-            "{tree}"
+            line.contains("DNAT 10.10.10.2:22->172.17.0.5:22@PREROUTING/nat(rules)"),
+            "{line}"
         );
-        assert!(tree.contains("mark 0x0 -> 0x4000"), "{tree}");
-        assert!(
-            tree.contains("src 198.51.100.10:40000 -> 172.17.0.1:40000"),
-            "{tree}"
-        );
+        assert!(line.ends_with("forwarded out cali1a2b"), "{line}");
+        assert!(!line.contains('\n'));
     }
 
     /// Keys of every object in `v`, by path (arrays contribute all their elements).
@@ -455,7 +620,7 @@ mod tests {
         let documented: serde_json::Value = serde_json::from_str(&doc[start..end]).unwrap();
         let (t, plans) = forwarded();
         let real: serde_json::Value =
-            serde_json::from_str(&build(&t, &plans, "obs-node", &names, 0).to_json_line()).unwrap();
+            serde_json::from_str(&report(&t, &plans, 0).to_json_line()).unwrap();
         let (mut want, mut got) = (Default::default(), Default::default());
         key_paths(&documented, "", &mut want);
         key_paths(&real, "", &mut got);

@@ -13,7 +13,8 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::btf::KernelLayout;
 use crate::correlate::{Closed, Correlator, Traversal};
-use crate::decode::decode;
+use crate::decode::{Record, decode};
+use crate::marks::MarkDictionary;
 use crate::nf_link::NfHook;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
@@ -22,12 +23,46 @@ use crate::report::{self, Plans};
 #[derive(Clone, Debug)]
 pub struct TailOptions {
     pub netns: Option<String>,
-    pub json: bool,
+    pub output: Output,
+    /// TOML mark dictionary applied over the defaults and what the live ruleset shows.
+    pub marks_file: Option<PathBuf>,
     pub count: Option<u64>,
     pub ready_file: Option<PathBuf>,
     pub timeout: Option<Duration>,
     pub max_inflight: usize,
     pub idle: Duration,
+}
+
+/// How each traversal is printed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// A header line and one line per table, with what it changed and why.
+    Tree,
+    /// One JSON object per line (schema 1, docs/json-schema.md).
+    Json,
+    /// One line per packet, for busy nodes.
+    Line,
+}
+
+/// The mark dictionary for this run: defaults, then the bits the live ruleset shows
+/// (KUBE-MARK-MASQ / KUBE-MARK-DROP), then the user's file.
+fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
+    let mut d = MarkDictionary::default();
+    if let Ok(out) = std::process::Command::new("iptables-save")
+        .args(["-t", "nat"])
+        .output()
+    {
+        for (bit, name) in d.learn_from_iptables_save(&String::from_utf8_lossy(&out.stdout)) {
+            info!("live ruleset: {name} is {bit:#x}");
+        }
+    }
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("reading marks file {}", f.display()))?;
+        d.apply_toml(&text)
+            .with_context(|| format!("in marks file {}", f.display()))?;
+    }
+    Ok(d)
 }
 
 /// What a tail run saw; printed as the summary line on exit.
@@ -65,6 +100,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         crate::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
+    let marks = mark_dictionary(opts.marks_file.as_ref())?;
     let mut probes = Probes::load(&layout)?;
     let custom = std::process::Command::new("nft")
         .args(["-j", "list", "ruleset"])
@@ -89,7 +125,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(event_loop(opts, probes, ring, layout))
+    rt.block_on(event_loop(opts, probes, ring, layout, marks))
 }
 
 async fn event_loop(
@@ -97,6 +133,7 @@ async fn event_loop(
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     layout: KernelLayout,
+    marks: MarkDictionary,
 ) -> Result<Summary> {
     let plans: Plans = report::index_plans(&probes.plans);
     let last_slot = probes
@@ -107,6 +144,13 @@ async fn event_loop(
         .collect::<HashMap<_, _>>();
     let mut correlator = Correlator::new(opts.max_inflight, opts.idle.as_nanos() as u64, last_slot);
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    let ctx = report::Context {
+        plans: &plans,
+        netns: &netns,
+        marks: &marks,
+        drop_reasons: &layout.drop_reasons,
+        ifname: &ifname,
+    };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
@@ -136,11 +180,11 @@ async fn event_loop(
                 }
                 let lost = lost_now - reported_lost;
                 reported_lost = lost_now;
-                let r = report::build(&t, &plans, &netns, &ifname, lost);
-                if opts.json {
-                    writeln!(out, "{}", r.to_json_line())?;
-                } else {
-                    writeln!(out, "{}", r.render_tree())?;
+                let r = report::build(&t, &ctx, lost);
+                match opts.output {
+                    Output::Json => writeln!(out, "{}", r.to_json_line())?,
+                    Output::Tree => writeln!(out, "{}", r.render_tree())?,
+                    Output::Line => writeln!(out, "{}", r.render_line())?,
                 }
                 summary.printed += 1;
             }
@@ -205,7 +249,8 @@ fn drain_ring(
 ) {
     while let Some(item) = rb.next() {
         match decode(&item, &layout.tuple) {
-            Ok(o) => correlator.push(o, done),
+            Ok(Record::Packet(o)) => correlator.push(o, done),
+            Ok(Record::Drop(d)) => correlator.push_drop(d, done),
             Err(e) => {
                 summary.decode_errors += 1;
                 warn!("undecodable record: {e}");

@@ -3,9 +3,13 @@
 #![no_std]
 #![no_main]
 
-use aya_ebpf::{macros::classifier, programs::TcContext};
-use observer_common::{family, hook, kind};
-use observer_ebpf::{emit, now, parse_l3, parse_l4, scratch};
+use aya_ebpf::{
+    EbpfContext,
+    macros::{btf_tracepoint, classifier},
+    programs::{BtfTracePointContext, TcContext},
+};
+use observer_common::{DropEvent, config, family, hook, kind};
+use observer_ebpf::{EVENTS, cfg, count, emit, now, parse_l3, parse_l4, read, scratch};
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
 const TC_NEXT: i32 = -1;
@@ -71,6 +75,69 @@ fn observe(ctx: &TcContext, at: u8) {
         return;
     }
     emit(ev);
+}
+
+/// Every packet the kernel frees as dropped, with its reason. Only drops of the observed
+/// namespace are written (when the skb still names its device); the collector matches them
+/// to traversals by skb address and ignores the rest.
+#[btf_tracepoint(function = "kfree_skb")]
+pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
+    // kfree_skb(struct sk_buff *skb, void *location, enum skb_drop_reason reason, ...).
+    // Read the arguments through bpf_probe_read_kernel: a direct load gives the verifier a
+    // trusted BTF pointer, which may not take the variable offsets that BTF gives us.
+    let args = ctx.as_ptr() as u64;
+    let (Ok(skb), Ok(location), Ok(reason)) =
+        (read::<u64>(args, 0), read::<u64>(args, 8), read::<u64>(args, 16))
+    else {
+        return 0;
+    };
+    let reason = reason as u32;
+    if !in_observed_netns(skb) {
+        return 0;
+    }
+    let mut ev = DropEvent::default();
+    ev.header.kind = kind::DROP;
+    ev.header.ts_ns = now();
+    ev.header.skb = skb;
+    ev.reason = reason;
+    ev.location = location;
+    match EVENTS.output::<DropEvent>(&ev, 0) {
+        Ok(()) => count(observer_common::counter::EMITTED),
+        Err(_) => count(observer_common::counter::RINGBUF_FULL),
+    }
+    0
+}
+
+/// True unless the skb's device is known to live in another namespace.
+#[inline(always)]
+fn in_observed_netns(skb: u64) -> bool {
+    let (Some(want), Some(dev_off), Some(net_off), Some(inum_off)) = (
+        cfg(config::OBSERVED_NETNS),
+        cfg(config::SKB_DEV),
+        cfg(config::NETDEV_NET),
+        cfg(config::NET_INUM),
+    ) else {
+        return true;
+    };
+    let Ok(dev) = read::<u64>(skb, dev_off) else {
+        return true;
+    };
+    // Without a device (some locally generated packets), the socket names the namespace.
+    let net = if dev != 0 {
+        read::<u64>(dev, net_off)
+    } else {
+        match (cfg(config::SKB_SK), cfg(config::SOCK_NET)) {
+            (Some(sk_off), Some(sknet_off)) => match read::<u64>(skb, sk_off) {
+                Ok(sk) if sk != 0 => read::<u64>(sk, sknet_off),
+                _ => return false,
+            },
+            _ => return true,
+        }
+    };
+    match net.and_then(|net| read::<u32>(net, inum_off)) {
+        Ok(inum) => u64::from(inum) == want,
+        Err(()) => true,
+    }
 }
 
 #[cfg(not(test))]

@@ -1,0 +1,256 @@
+//! Annotation: what the stages of one traversal mean. The routing decision taken, the
+//! packet's fate (and the kernel's drop reason), every mark bit set or cleared and by which
+//! table (named from the mark dictionary), every address translation and whether the nat
+//! rules or conntrack's stored translation did it, and the connection it belongs to.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::correlate::{Closed, Traversal};
+use crate::decode::{Conntrack, Observation, Point, Tuple};
+use crate::marks::MarkDictionary;
+use crate::nf_link::NfHook;
+use crate::report::endpoint;
+
+/// `IPS_CONFIRMED`: the entry is in the conntrack table; nat rules are no longer consulted.
+const IPS_CONFIRMED: u64 = 1 << 3;
+
+/// One stage as observed: the records just before and after a table.
+pub struct ObservedStage<'a> {
+    pub hook: NfHook,
+    pub table: String,
+    pub before: &'a Observation,
+    pub after: Option<&'a Observation>,
+    pub dropped: bool,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Fate {
+    /// `delivered`, `forwarded`, `sent`, `dropped`, or `incomplete` (evicted, cut by exit,
+    /// or the skb reused before the traversal was seen to end).
+    pub kind: &'static str,
+    pub hook: Option<&'static str>,
+    pub table: Option<String>,
+    pub reason: Option<String>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct MarkChange {
+    pub bit: String,
+    pub name: Option<String>,
+    pub hook: &'static str,
+    pub table: String,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marks {
+    pub set: Vec<MarkChange>,
+    pub cleared: Vec<MarkChange>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Nat {
+    /// `dnat` or `snat`.
+    pub kind: &'static str,
+    pub hook: &'static str,
+    pub table: String,
+    pub from: String,
+    pub to: String,
+    /// `rules` when the nat chains were evaluated (first packet of a connection),
+    /// `conntrack` when the stored translation was applied.
+    pub source: &'static str,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct TupleView {
+    pub src: String,
+    pub dst: String,
+    pub proto: String,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ConntrackView {
+    pub state: String,
+    pub mark: String,
+    pub original: TupleView,
+    pub reply: TupleView,
+}
+
+/// The routing decision: `input`, `forward` or `output` (None if no hook after it was seen).
+pub fn route(t: &Traversal) -> Option<&'static str> {
+    let hooks = || {
+        t.records.iter().filter_map(|r| match r.point {
+            Point::Netfilter(h, _) => Some(h),
+            _ => None,
+        })
+    };
+    if hooks().any(|h| h == NfHook::LocalIn) {
+        Some("input")
+    } else if hooks().any(|h| h == NfHook::Forward) {
+        Some("forward")
+    } else if hooks().next() == Some(NfHook::LocalOut) {
+        Some("output")
+    } else {
+        None
+    }
+}
+
+pub fn fate(
+    t: &Traversal,
+    stages: &[ObservedStage],
+    route: Option<&'static str>,
+    drop_reasons: &HashMap<u32, String>,
+) -> Fate {
+    let gone = |kind, reason: Option<String>| {
+        // Where it vanished: the table it was not seen after, else after the last table seen.
+        let at = stages.iter().find(|s| s.dropped).or(stages.last());
+        Fate {
+            kind,
+            hook: at.map(|s| s.hook.name()),
+            table: at.map(|s| s.table.clone()),
+            reason,
+        }
+    };
+    let left = |hook: NfHook| Fate {
+        kind: if route == Some("output") {
+            "sent"
+        } else {
+            "forwarded"
+        },
+        hook: Some(hook.name()),
+        table: None,
+        reason: None,
+    };
+    match t.closed {
+        Closed::Delivered => Fate {
+            kind: "delivered",
+            hook: Some(NfHook::LocalIn.name()),
+            table: None,
+            reason: None,
+        },
+        Closed::Egress => left(NfHook::PostRouting),
+        Closed::Dropped => {
+            let reason = t.drop.map(|d| {
+                drop_reasons
+                    .get(&d.reason)
+                    .cloned()
+                    .unwrap_or_else(|| format!("reason {}", d.reason))
+            });
+            gone("dropped", reason)
+        }
+        Closed::Idle => {
+            // Left through POSTROUTING but no TC egress seen: it was sent, not lost.
+            let last_post = t.records.last().is_some_and(|r| {
+                matches!(r.point, Point::Netfilter(NfHook::PostRouting, _))
+                    && stages
+                        .last()
+                        .is_some_and(|s| s.hook == NfHook::PostRouting && !s.dropped)
+            });
+            if last_post {
+                left(NfHook::PostRouting)
+            } else {
+                gone("dropped", None)
+            }
+        }
+        Closed::Restarted | Closed::Evicted | Closed::Shutdown => Fate {
+            kind: "incomplete",
+            hook: None,
+            table: None,
+            reason: Some(
+                match t.closed {
+                    Closed::Restarted => "skb reused before the traversal ended",
+                    Closed::Evicted => "evicted: too many traversals in flight",
+                    _ => "observer stopped",
+                }
+                .into(),
+            ),
+        },
+    }
+}
+
+pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
+    let mut out = Marks::default();
+    for s in stages {
+        let Some(after) = s.after else { continue };
+        let (b, a) = (s.before.mark, after.mark);
+        for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
+            let change = MarkChange {
+                bit: format!("{bit:#x}"),
+                name: dict.name(bit).map(str::to_string),
+                hook: s.hook.name(),
+                table: s.table.clone(),
+            };
+            if a & bit != 0 {
+                out.set.push(change);
+            } else {
+                out.cleared.push(change);
+            }
+        }
+    }
+    out
+}
+
+pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
+    let mut out = Vec::new();
+    for s in stages {
+        let Some(after) = s.after else { continue };
+        let (Some(bs), Some(bd), Some(a_s), Some(ad)) =
+            (s.before.src, s.before.dst, after.src, after.dst)
+        else {
+            continue;
+        };
+        // First packet of a connection: the entry is not confirmed yet, so the nat chains ran.
+        let source = match s.before.ct {
+            Some(ct) if ct.status & IPS_CONFIRMED == 0 => "rules",
+            Some(_) => "conntrack",
+            None => "rules",
+        };
+        let ports = after.has_ports;
+        if bd != ad {
+            out.push(Nat {
+                kind: "dnat",
+                hook: s.hook.name(),
+                table: s.table.clone(),
+                from: endpoint(&bd, ports),
+                to: endpoint(&ad, ports),
+                source,
+            });
+        }
+        if bs != a_s {
+            out.push(Nat {
+                kind: "snat",
+                hook: s.hook.name(),
+                table: s.table.clone(),
+                from: endpoint(&bs, ports),
+                to: endpoint(&a_s, ports),
+                source,
+            });
+        }
+    }
+    out
+}
+
+fn tuple_view(t: &Tuple) -> TupleView {
+    let ports = matches!(t.proto, 6 | 17 | 132 | 136);
+    TupleView {
+        src: endpoint(&t.src, ports),
+        dst: endpoint(&t.dst, ports),
+        proto: crate::report::proto_name(t.proto),
+    }
+}
+
+/// The connection as last seen.
+pub fn conntrack(t: &Traversal) -> Option<ConntrackView> {
+    let ct: &Conntrack = t.records.iter().rev().find_map(|r| r.ct.as_ref())?;
+    Some(ConntrackView {
+        state: if ct.is_reply() {
+            format!("{} reply", ct.state())
+        } else {
+            ct.state().to_string()
+        },
+        mark: format!("{:#x}", ct.mark),
+        original: tuple_view(&ct.original),
+        reply: tuple_view(&ct.reply),
+    })
+}

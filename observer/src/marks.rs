@@ -1,0 +1,166 @@
+//! Names for skb mark bits: a dictionary with the well-known defaults (kube-proxy, CNI
+//! portmap, Calico's allocation order), overridable from a TOML file, and corrected from the
+//! live ruleset where it shows the real bit (`KUBE-MARK-MASQ`, `KUBE-MARK-DROP`). Bits the
+//! dictionary does not know stay unnamed: no meaning is claimed that the configuration does
+//! not support.
+
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MarkError {
+    #[error("marks file is not valid TOML: {0}")]
+    Toml(#[from] toml::de::Error),
+    #[error("marks file: `{0}` is not a mark value (write it as hex, e.g. \"0x4000\")")]
+    BadValue(String),
+    #[error("marks file: expected a [marks] table of \"0xBITS\" = \"name\" entries")]
+    Shape,
+}
+
+/// Mark bit -> name. A multi-bit field (e.g. Calico's endpoint block) names each of its bits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MarkDictionary {
+    names: BTreeMap<u32, String>,
+}
+
+fn parse_value(s: &str) -> Option<u32> {
+    let s = s.trim();
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+impl Default for MarkDictionary {
+    fn default() -> Self {
+        let mut d = Self {
+            names: BTreeMap::new(),
+        };
+        for (mask, name) in [
+            (0x4000, "kube-proxy:masquerade"),
+            (0x8000, "kube-proxy:drop"),
+            (0x2000, "cni-portmap:masquerade"),
+            // Felix allocates from iptablesMarkMask 0xffff0000 in this order.
+            (0x10000, "calico:accept"),
+            (0x20000, "calico:pass"),
+            (0x40000, "calico:scratch0"),
+            (0x80000, "calico:scratch1"),
+            (0xfff0_0000, "calico:endpoint"),
+        ] {
+            d.set(mask, name);
+        }
+        d
+    }
+}
+
+impl MarkDictionary {
+    /// Names every bit of `mask` `name`.
+    pub fn set(&mut self, mask: u32, name: &str) {
+        for bit in (0..32).map(|i| 1u32 << i).filter(|b| mask & b != 0) {
+            self.names.insert(bit, name.to_string());
+        }
+    }
+
+    /// The name of one bit, if known.
+    pub fn name(&self, bit: u32) -> Option<&str> {
+        self.names.get(&bit).map(String::as_str)
+    }
+
+    /// Applies a TOML file of `[marks]` entries over the current names:
+    /// `"0x4000" = "kube-proxy:masquerade"`; an empty name forgets a bit.
+    pub fn apply_toml(&mut self, text: &str) -> Result<(), MarkError> {
+        let v: toml::Table = toml::from_str(text)?;
+        let marks = v
+            .get("marks")
+            .and_then(|m| m.as_table())
+            .ok_or(MarkError::Shape)?;
+        for (k, name) in marks {
+            let mask = parse_value(k).ok_or_else(|| MarkError::BadValue(k.clone()))?;
+            let name = name.as_str().ok_or(MarkError::Shape)?;
+            if name.is_empty() {
+                for bit in (0..32).map(|i| 1u32 << i).filter(|b| mask & b != 0) {
+                    self.names.remove(&bit);
+                }
+            } else {
+                self.set(mask, name);
+            }
+        }
+        Ok(())
+    }
+
+    /// Learns kube-proxy's real bits from `iptables-save` output: the MARK rule of
+    /// `KUBE-MARK-MASQ` (and `KUBE-MARK-DROP`) names the bit actually used on this node.
+    /// Returns what it learned.
+    pub fn learn_from_iptables_save(&mut self, text: &str) -> Vec<(u32, &'static str)> {
+        let mut learned = Vec::new();
+        for line in text.lines() {
+            for (chain, name) in [
+                ("-A KUBE-MARK-MASQ ", "kube-proxy:masquerade"),
+                ("-A KUBE-MARK-DROP ", "kube-proxy:drop"),
+            ] {
+                let Some(rest) = line.strip_prefix(chain) else {
+                    continue;
+                };
+                let mut words = rest.split_whitespace();
+                while let Some(w) = words.next() {
+                    if w == "--set-xmark" || w == "--or-mark" || w == "--set-mark" {
+                        let v = words.next().unwrap_or("");
+                        let bits = v.split('/').next().and_then(parse_value).unwrap_or(0);
+                        if bits != 0 {
+                            // Forget the default bit for this meaning before naming the real one.
+                            self.names.retain(|_, n| n != name);
+                            self.set(bits, name);
+                            learned.push((bits, name));
+                        }
+                    }
+                }
+            }
+        }
+        learned
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_name_known_bits_only() {
+        let d = MarkDictionary::default();
+        assert_eq!(d.name(0x4000), Some("kube-proxy:masquerade"));
+        assert_eq!(d.name(0x40000), Some("calico:scratch0"));
+        assert_eq!(d.name(0x100000), Some("calico:endpoint"));
+        assert_eq!(d.name(0x1), None, "unknown bits get no meaning");
+    }
+
+    #[test]
+    fn toml_overrides_and_forgets() {
+        let mut d = MarkDictionary::default();
+        d.apply_toml("[marks]\n\"0x1\" = \"mine\"\n\"0x4000\" = \"\"\n\"0x300\" = \"pair\"\n")
+            .unwrap();
+        assert_eq!(d.name(0x1), Some("mine"));
+        assert_eq!(d.name(0x4000), None);
+        assert_eq!(d.name(0x100), Some("pair"));
+        assert_eq!(d.name(0x200), Some("pair"));
+        assert!(matches!(
+            d.apply_toml("[marks]\n\"zz\" = \"x\""),
+            Err(MarkError::BadValue(_))
+        ));
+        assert!(matches!(d.apply_toml("marks = 3"), Err(MarkError::Shape)));
+        assert!(matches!(d.apply_toml("[marks"), Err(MarkError::Toml(_))));
+    }
+
+    #[test]
+    fn live_ruleset_moves_the_masquerade_bit() {
+        let mut d = MarkDictionary::default();
+        let learned = d.learn_from_iptables_save(
+            "*nat\n-A KUBE-MARK-MASQ -j MARK --set-xmark 0x1000/0x1000\nCOMMIT\n",
+        );
+        assert_eq!(learned, vec![(0x1000, "kube-proxy:masquerade")]);
+        assert_eq!(d.name(0x1000), Some("kube-proxy:masquerade"));
+        assert_eq!(
+            d.name(0x4000),
+            None,
+            "the default bit is not claimed any more"
+        );
+    }
+}
