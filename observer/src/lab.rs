@@ -7,7 +7,7 @@
 //!                                       +--eth1--eth0-- ext 203.0.113.10
 //! ```
 //! The node carries `lab/node.rules` (kube-proxy ClusterIP 10.10.10.2:22 and Calico 3.7
-//! chains) and `lab/node.ipsets`.
+//! chains), `lab/node6.rules` (the same service on [fd00:10::2]:22) and `lab/node.ipsets`.
 
 use std::process::Command;
 
@@ -15,6 +15,7 @@ use anyhow::{Context, Result, bail};
 
 pub const RULES: &str = include_str!("../../lab/node.rules");
 pub const IPSETS: &str = include_str!("../../lab/node.ipsets");
+pub const RULES6: &str = include_str!("../../lab/node6.rules");
 
 pub const CLUSTER_IP: &str = "10.10.10.2";
 pub const CLIENT_IP: &str = "198.51.100.10";
@@ -27,6 +28,7 @@ pub const POD_GW: &str = "169.254.1.1";
 pub const CLIENT_IP6: &str = "2001:db8:1::10";
 pub const NODE_IP6: &str = "2001:db8:1::1";
 pub const POD_IP6: &str = "2001:db8:2::5";
+pub const CLUSTER_IP6: &str = "fd00:10::2";
 
 /// Namespace names of one lab instance; `prefix` lets tests run labs side by side.
 #[derive(Clone, Debug)]
@@ -114,6 +116,7 @@ impl Lab {
             IPSETS,
         )?;
         pipe(&["ip", "netns", "exec", &node, "iptables-restore"], RULES)?;
+        pipe(&["ip", "netns", "exec", &node, "ip6tables-restore"], RULES6)?;
         Ok(())
     }
 

@@ -1,6 +1,8 @@
 //! Shared harness for the privileged integration tests: namespaces that remove themselves,
 //! running code inside a namespace, and the skip policy (loud skip locally, failure under CI).
 
+pub mod lab;
+
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;

@@ -1,0 +1,243 @@
+//! The built-in lab for end-to-end tests: a lab instance per test (unique prefix), the
+//! observer attached to its node, sockets run inside its namespaces, and helpers to read
+//! the observer's JSON reports. Everything is removed on drop, even when a test fails.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::{enter_netns, run, unique_prefix};
+
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+pub fn observer_bin() -> PathBuf {
+    if let Ok(p) = std::env::var("OBSERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/observer");
+    assert!(
+        p.exists(),
+        "no observer binary at {}: run the tests with `cargo xtask test`",
+        p.display()
+    );
+    p
+}
+
+/// A lab instance, removed on drop.
+pub struct Lab {
+    pub prefix: String,
+}
+
+impl Lab {
+    pub fn up(tag: &str) -> Self {
+        let prefix = unique_prefix(tag);
+        let lab = Self { prefix };
+        run(&[
+            observer_bin().to_str().unwrap(),
+            "lab",
+            "up",
+            "--prefix",
+            &lab.prefix,
+        ]);
+        lab
+    }
+
+    pub fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.prefix)
+    }
+
+    pub fn ns_path(&self, role: &str) -> PathBuf {
+        PathBuf::from("/run/netns").join(self.ns(role))
+    }
+
+    /// Runs `f` on a thread inside the lab namespace `role`.
+    pub fn run_in<F, R>(&self, role: &str, f: F) -> R
+    where
+        F: FnOnce() -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let path = self.ns_path(role);
+        std::thread::spawn(move || {
+            enter_netns(&path);
+            f()
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+
+    /// Starts a server thread inside `role`; returns once it is bound.
+    pub fn serve<F>(&self, role: &str, f: F) -> std::thread::JoinHandle<()>
+    where
+        F: FnOnce(std::sync::mpsc::Sender<()>) + Send + 'static,
+    {
+        let path = self.ns_path(role);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = std::thread::spawn(move || {
+            enter_netns(&path);
+            f(tx)
+        });
+        rx.recv_timeout(TIMEOUT).expect("server bound");
+        h
+    }
+
+    /// Rule and policy counter lines of `table` on the node (all tables when None).
+    pub fn iptables_counters(&self, table: Option<&str>) -> Vec<String> {
+        let node = self.ns("node");
+        let mut args = vec!["ip", "netns", "exec", node.as_str(), "iptables-save", "-c"];
+        if let Some(t) = table {
+            args.extend(["-t", t]);
+        }
+        let out = run(&args);
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with('[') || l.starts_with(':'))
+            .map(str::to_string)
+            .collect()
+    }
+
+    pub fn reset_counters(&self) {
+        for t in ["raw", "mangle", "nat", "filter"] {
+            run(&[
+                "ip",
+                "netns",
+                "exec",
+                &self.ns("node"),
+                "iptables",
+                "-t",
+                t,
+                "-Z",
+            ]);
+        }
+        run(&["ip", "netns", "exec", &self.ns("node"), "conntrack", "-F"]);
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = Command::new(observer_bin())
+            .args(["lab", "down", "--prefix", &self.prefix])
+            .output();
+    }
+}
+
+/// `observer tail --json` on the lab's node; killed on drop if still running.
+pub struct Tail {
+    child: Option<Child>,
+}
+
+impl Tail {
+    pub fn start(lab: &Lab) -> Self {
+        let ready = std::env::temp_dir().join(format!("{}-ready", lab.prefix));
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new(observer_bin())
+            .args([
+                "tail",
+                "--json",
+                "--timeout",
+                "60",
+                "--netns",
+                &lab.ns("node"),
+            ])
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn observer tail");
+        let mut tail = Self { child: Some(child) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ready.exists() {
+            if let Some(status) = tail.child.as_mut().unwrap().try_wait().unwrap() {
+                let mut err = String::new();
+                let _ = tail
+                    .child
+                    .take()
+                    .unwrap()
+                    .stderr
+                    .unwrap()
+                    .read_to_string(&mut err);
+                panic!("observer tail exited before ready ({status}): {err}");
+            }
+            assert!(Instant::now() < deadline, "observer tail not ready in 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        tail
+    }
+
+    /// Stops the observer (SIGINT, as a user would) and returns its JSON reports.
+    pub fn stop(mut self) -> (Vec<Value>, String) {
+        // Let idle traversals close (idle time 1 s) before stopping.
+        std::thread::sleep(Duration::from_millis(1500));
+        let child = self.child.take().unwrap();
+        run(&["kill", "-INT", &child.id().to_string()]);
+        let out = child.wait_with_output().expect("observer exits");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "observer failed: {stderr}");
+        let reports = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
+            .collect();
+        (reports, stderr)
+    }
+}
+
+impl Drop for Tail {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn tcp_echo(
+    lab: &Lab,
+    role: &str,
+    addr: &'static str,
+    conns: usize,
+) -> std::thread::JoinHandle<()> {
+    lab.serve(role, move |ready| {
+        let l = TcpListener::bind(addr).expect("bind");
+        ready.send(()).unwrap();
+        for _ in 0..conns {
+            let (mut s, _) = l.accept().expect("accept");
+            s.set_read_timeout(Some(TIMEOUT)).unwrap();
+            let mut buf = [0u8; 64];
+            let n = s.read(&mut buf).unwrap_or(0);
+            s.write_all(&buf[..n]).unwrap();
+        }
+    })
+}
+
+pub fn tcp_client(lab: &Lab, role: &str, to: &'static str) -> Result<Vec<u8>, String> {
+    lab.run_in(role, move || {
+        let to: SocketAddr = to.parse().unwrap();
+        let mut s = TcpStream::connect_timeout(&to, TIMEOUT).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s.write_all(b"ping").map_err(|e| e.to_string())?;
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut back = Vec::new();
+        s.read_to_end(&mut back).map_err(|e| e.to_string())?;
+        Ok(back)
+    })
+}
+
+pub fn stage<'a>(r: &'a Value, hook: &str, table: &str) -> Option<&'a Value> {
+    r["stages"]
+        .as_array()?
+        .iter()
+        .find(|s| s["hook"] == hook && s["table"] == table)
+}
+
+pub fn mark(v: &Value) -> u32 {
+    let s = v["mark"].as_str().expect("mark string");
+    u32::from_str_radix(s.trim_start_matches("0x"), 16).expect("hex mark")
+}
+
+pub fn first_dst(r: &Value) -> &str {
+    r["stages"][0]["before"]["dst"].as_str().unwrap_or("")
+}

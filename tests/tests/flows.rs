@@ -1,0 +1,295 @@
+//! Privileged tests of what a report explains, one per kind of flow on a Kubernetes node:
+//! route, fate (with the kernel's drop reason), named mark changes, NAT and whether the nat
+//! rules or conntrack did it. Each test builds its own lab and removes it.
+
+use std::net::UdpSocket;
+
+use observer_tests::lab::{Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo};
+use observer_tests::{privileged, run};
+use serde_json::Value;
+
+fn find<'a>(reports: &'a [Value], what: &str, f: impl Fn(&Value) -> bool) -> &'a Value {
+    reports
+        .iter()
+        .find(|r| f(r))
+        .unwrap_or_else(|| panic!("no report of {what} among {reports:#?}"))
+}
+
+fn first_src(r: &Value) -> &str {
+    r["stages"][0]["before"]["src"].as_str().unwrap_or("")
+}
+
+fn has_mark(r: &Value, list: &str, bit: &str, name: &str, hook: &str, table: &str) -> bool {
+    r["marks"][list].as_array().is_some_and(|v| {
+        v.iter().any(|c| {
+            c["bit"] == bit && c["name"] == name && c["hook"] == hook && c["table"] == table
+        })
+    })
+}
+
+fn nat<'a>(r: &'a Value, kind: &str, hook: &str) -> Option<&'a Value> {
+    r["nat"]
+        .as_array()?
+        .iter()
+        .find(|n| n["kind"] == kind && n["hook"] == hook)
+}
+
+#[test]
+fn client_to_clusterip_is_explained() {
+    if !privileged("client_to_clusterip_is_explained") {
+        return;
+    }
+    let lab = Lab::up("f1");
+    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let tail = Tail::start(&lab);
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    server.join().unwrap();
+    let (reports, _) = tail.stop();
+    let syn = find(&reports, "the first packet to the ClusterIP", |r| {
+        first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "new"
+    });
+    assert_eq!(syn["route"], "forward");
+    let dnat = nat(syn, "dnat", "PREROUTING").expect("DNAT at PREROUTING");
+    assert_eq!(dnat["table"], "nat");
+    assert_eq!(dnat["from"], "10.10.10.2:22");
+    assert_eq!(dnat["to"], "172.17.0.5:22");
+    assert_eq!(
+        dnat["source"], "rules",
+        "the first packet walks the nat chains"
+    );
+    assert!(
+        has_mark(
+            syn,
+            "set",
+            "0x4000",
+            "kube-proxy:masquerade",
+            "PREROUTING",
+            "nat"
+        ),
+        "0x4000 set by nat PREROUTING: {}",
+        syn["marks"]
+    );
+    let snat = nat(syn, "snat", "POSTROUTING").expect("masqueraded");
+    assert_eq!(snat["source"], "rules");
+    assert!(snat["to"].as_str().unwrap().starts_with("169.254.1.1:"));
+    assert_eq!(syn["fate"]["kind"], "forwarded");
+    assert_eq!(syn["egress"]["iface"], "cali1a2b");
+    assert_eq!(syn["conntrack"]["original"]["dst"], "10.10.10.2:22");
+    assert_eq!(syn["conntrack"]["reply"]["src"], "172.17.0.5:22");
+    assert_eq!(syn["incomplete"], false);
+}
+
+#[test]
+fn pod_in_the_pool_to_external_host_is_masqueraded_by_calico() {
+    if !privileged("pod_in_the_pool_to_external_host_is_masqueraded_by_calico") {
+        return;
+    }
+    let lab = Lab::up("f2");
+    let tail = Tail::start(&lab);
+    lab.run_in("pod2", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"out", "203.0.113.10:4000").unwrap();
+    });
+    let (reports, _) = tail.stop();
+    let r = find(&reports, "pod2 -> external", |r| {
+        first_src(r).starts_with("192.170.1.5:")
+    });
+    assert!(
+        has_mark(r, "set", "0x40000", "calico:scratch0", "PREROUTING", "raw"),
+        "0x40000 set at raw for cali+ traffic: {}",
+        r["marks"]
+    );
+    let snat = nat(r, "snat", "POSTROUTING").expect("cali-nat-outgoing MASQUERADE");
+    assert!(
+        snat["to"].as_str().unwrap().starts_with("203.0.113.1:"),
+        "{snat}"
+    );
+    assert_eq!(snat["source"], "rules");
+    assert_eq!(r["fate"]["kind"], "forwarded");
+    assert_eq!(r["egress"]["iface"], "eth1");
+}
+
+#[test]
+fn packet_dropped_by_a_filter_forward_rule_names_table_and_reason() {
+    if !privileged("packet_dropped_by_a_filter_forward_rule_names_table_and_reason") {
+        return;
+    }
+    let lab = Lab::up("f3");
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "iptables",
+        "-I",
+        "FORWARD",
+        "-p",
+        "udp",
+        "--dport",
+        "7777",
+        "-j",
+        "DROP",
+    ]);
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"drop me", "172.17.0.5:7777").unwrap();
+    });
+    let (reports, _) = tail.stop();
+    let r = find(&reports, "the dropped packet", |r| {
+        first_dst(r) == "172.17.0.5:7777"
+    });
+    assert_eq!(r["fate"]["kind"], "dropped");
+    assert_eq!(r["fate"]["hook"], "FORWARD");
+    assert_eq!(r["fate"]["table"], "filter");
+    assert_eq!(r["fate"]["reason"], "NETFILTER_DROP");
+    let last = r["stages"].as_array().unwrap().last().unwrap();
+    assert_eq!(
+        (last["hook"].as_str(), last["table"].as_str()),
+        (Some("FORWARD"), Some("filter"))
+    );
+    assert_eq!(last["verdict"], "drop");
+    assert!(last["after"].is_null());
+    assert!(r["egress"].is_null());
+}
+
+#[test]
+fn node_local_process_to_clusterip_is_dnatted_at_output() {
+    if !privileged("node_local_process_to_clusterip_is_dnatted_at_output") {
+        return;
+    }
+    let lab = Lab::up("f4");
+    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let tail = Tail::start(&lab);
+    assert_eq!(tcp_client(&lab, "node", "10.10.10.2:22").unwrap(), b"ping");
+    server.join().unwrap();
+    let (reports, _) = tail.stop();
+    let r = find(&reports, "node -> ClusterIP", |r| {
+        first_dst(r) == "10.10.10.2:22" && r["route"] == "output"
+    });
+    assert_eq!(r["stages"][0]["hook"], "OUTPUT");
+    let dnat = nat(r, "dnat", "OUTPUT").expect("DNAT at OUTPUT/nat");
+    assert_eq!(dnat["table"], "nat");
+    assert_eq!(dnat["to"], "172.17.0.5:22");
+    assert!(r["ingress"].is_null(), "locally generated");
+    assert_eq!(r["fate"]["kind"], "sent");
+    assert_eq!(r["egress"]["iface"], "cali1a2b");
+}
+
+#[test]
+fn later_packets_and_replies_use_conntrack_not_the_nat_rules() {
+    if !privileged("later_packets_and_replies_use_conntrack_not_the_nat_rules") {
+        return;
+    }
+    let lab = Lab::up("f5");
+    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let tail = Tail::start(&lab);
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    server.join().unwrap();
+    let (reports, _) = tail.stop();
+    let later = find(&reports, "a later packet of the connection", |r| {
+        first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "established"
+    });
+    let dnat = nat(later, "dnat", "PREROUTING").expect("stored DNAT applied");
+    assert_eq!(dnat["source"], "conntrack");
+    assert_eq!(dnat["to"], "172.17.0.5:22");
+    assert_eq!(
+        nat(later, "snat", "POSTROUTING").unwrap()["source"],
+        "conntrack"
+    );
+    let reply = find(&reports, "a reply from the pod", |r| {
+        first_src(r) == "172.17.0.5:22"
+    });
+    assert_eq!(reply["conntrack"]["state"], "established reply");
+    let back = nat(reply, "dnat", "PREROUTING").expect("reply destination translated back");
+    assert!(
+        back["to"].as_str().unwrap().starts_with("198.51.100.10:"),
+        "{back}"
+    );
+    assert_eq!(back["source"], "conntrack");
+    let unsnat = nat(reply, "snat", "POSTROUTING").expect("reply source translated back");
+    assert_eq!(unsnat["to"], "10.10.10.2:22");
+    assert_eq!(reply["egress"]["iface"], "eth0");
+}
+
+#[test]
+fn traffic_to_the_node_itself_is_delivered() {
+    if !privileged("traffic_to_the_node_itself_is_delivered") {
+        return;
+    }
+    let lab = Lab::up("f6");
+    let listener = lab.serve("node", |ready| {
+        let s = UdpSocket::bind("198.51.100.1:5353").unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 16];
+        let _ = s.recv(&mut buf);
+    });
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"hi node", "198.51.100.1:5353").unwrap();
+    });
+    listener.join().unwrap();
+    let (reports, _) = tail.stop();
+    let r = find(&reports, "client -> node", |r| {
+        first_dst(r) == "198.51.100.1:5353"
+    });
+    assert_eq!(r["route"], "input");
+    assert_eq!(r["fate"]["kind"], "delivered");
+    assert_eq!(r["ingress"]["iface"], "eth0");
+    assert!(
+        r["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["hook"] == "INPUT" && s["table"] == "filter")
+    );
+}
+
+#[test]
+fn ipv6_flow_through_ip6tables_rules() {
+    if !privileged("ipv6_flow_through_ip6tables_rules") {
+        return;
+    }
+    let lab = Lab::up("f7");
+    let server = tcp_echo(&lab, "pod", "[2001:db8:2::5]:22", 1);
+    let tail = Tail::start(&lab);
+    assert_eq!(
+        tcp_client(&lab, "client", "[fd00:10::2]:22").unwrap(),
+        b"ping"
+    );
+    server.join().unwrap();
+    let (reports, _) = tail.stop();
+    let syn = find(&reports, "the first IPv6 packet to the ClusterIP", |r| {
+        first_dst(r) == "[fd00:10::2]:22" && r["conntrack"]["state"] == "new"
+    });
+    assert_eq!(syn["family"], "ipv6");
+    let dnat = nat(syn, "dnat", "PREROUTING").expect("ip6tables DNAT");
+    assert_eq!(dnat["to"], "[2001:db8:2::5]:22");
+    assert_eq!(dnat["source"], "rules");
+    assert!(has_mark(
+        syn,
+        "set",
+        "0x4000",
+        "kube-proxy:masquerade",
+        "PREROUTING",
+        "nat"
+    ));
+    assert_eq!(
+        nat(syn, "snat", "POSTROUTING").expect("MASQUERADE")["to"]
+            .as_str()
+            .unwrap()
+            .split("]:")
+            .next(),
+        Some("[2001:db8:2::1")
+    );
+    assert_eq!(syn["fate"]["kind"], "forwarded");
+    assert_eq!(syn["egress"]["iface"], "cali1a2b");
+}
