@@ -656,6 +656,7 @@ impl<'a> Simulator<'a> {
                 ("notrack".into(), Flow::Continue)
             }
             Action::Dnat { addr, port, text } => {
+                let old = (pkt.dst, pkt.dport);
                 if let Some(a) = addr {
                     pkt.dst = *a;
                     pkt.dst_label = None;
@@ -663,7 +664,8 @@ impl<'a> Simulator<'a> {
                 if port.is_some() && pkt.dport.is_some() {
                     pkt.dport = *port;
                 }
-                pkt.dnat_done = true;
+                // The kernel marks the connection DNAT (and reroutes) only when the tuple changed.
+                pkt.dnat_done |= old != (pkt.dst, pkt.dport);
                 stage.nat = Some(format!("DNAT to {text}"));
                 (format!("DNAT {text}"), Flow::Stop(Verdict::Accept))
             }
@@ -695,6 +697,7 @@ impl<'a> Simulator<'a> {
                 (format!("MASQUERADE {to}"), Flow::Stop(Verdict::Accept))
             }
             Action::Redirect { port } => {
+                let old = (pkt.dst, pkt.dport);
                 let a = if hook == Hook::Output {
                     Some(if pkt.v6 {
                         "::1".parse().expect("valid")
@@ -720,7 +723,7 @@ impl<'a> Simulator<'a> {
                 if port.is_some() && pkt.dport.is_some() {
                     pkt.dport = *port;
                 }
-                pkt.dnat_done = true;
+                pkt.dnat_done |= old != (pkt.dst, pkt.dport) || pkt.dst_label.is_some();
                 let to = pkt.snapshot().dst;
                 stage.nat = Some(format!("REDIRECT to {to}"));
                 (format!("REDIRECT {to}"), Flow::Stop(Verdict::Accept))
