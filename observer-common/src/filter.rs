@@ -258,6 +258,36 @@ pub fn eval(prog: &FilterProgram, input: &FilterInput) -> bool {
     false
 }
 
+/// Inputs [`eval_any`] takes: the packet's own addresses and its conntrack entry's original
+/// and reply tuples.
+pub const MAX_INPUTS: usize = 3;
+
+/// Whether any of the first `n` inputs passes `prog` (`eval(inputs[0]) || eval(inputs[1])
+/// || ...`). One pass over the terms with the inputs innermost costs the verifier far less
+/// than separate [`eval`] calls: their exit paths multiply, these converge at every term.
+#[inline(always)]
+pub fn eval_any(prog: &FilterProgram, inputs: &[FilterInput; MAX_INPUTS], n: u32) -> bool {
+    if prog.enabled == 0 {
+        return true;
+    }
+    let n_terms = prog.n_terms as usize;
+    let n = n as usize;
+    for i in 0..MAX_TERMS {
+        if i >= n_terms {
+            break;
+        }
+        for (k, input) in inputs.iter().enumerate() {
+            if k >= n {
+                break;
+            }
+            if term_matches(&prog.terms[i], input) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Whether the flow with hash `flow_hash` is among the one in `prog.sample` that are kept.
 /// The hash is mixed first, so a weak hash (ports, addresses) still spreads evenly.
 #[inline(always)]
@@ -471,6 +501,28 @@ mod tests {
         let mut p = prog(&[&[tcp, udp]]);
         p.terms[0].n_atoms = 1;
         assert!(eval(&p, &x));
+    }
+
+    #[test]
+    fn eval_any_is_eval_of_any_of_the_first_n_inputs() {
+        let pkt = tcp4([10, 96, 0, 10], 40000, [10, 96, 0, 1], 443);
+        let orig = pkt;
+        let mut reply = tcp4([172, 17, 0, 5], 8443, [10, 96, 0, 10], 40000);
+        reply.mark = 1;
+        let inputs = [pkt, orig, reply];
+        let pod = prog(&[&[net4(dir::EITHER, [172, 17, 0, 5], [255; 4])]]);
+        assert!(!eval(&pod, &pkt) && eval(&pod, &reply));
+        assert!(eval_any(&pod, &inputs, 3));
+        // Inputs past `n` are ignored.
+        assert!(!eval_any(&pod, &inputs, 2));
+        assert!(!eval_any(&pod, &inputs, 0));
+        assert!(eval_any(&FilterProgram::KEEP_ALL, &inputs, 0));
+        // Each input is matched as a whole: atoms do not mix fields of different inputs.
+        let mixed = prog(&[&[
+            net4(dir::SRC, [172, 17, 0, 5], [255; 4]),
+            at(atom::PORT, dir::DST, 443, 443),
+        ]]);
+        assert!(!eval_any(&mixed, &inputs, 3));
     }
 
     #[test]

@@ -485,8 +485,7 @@ impl<'a> Parser<'a> {
     /// `tcp or udp and port 53` is `(tcp or udp) and port 53`; `not` binds tightest.
     fn expr(&mut self) -> Result<Expr, FilterError> {
         let mut lhs = self.unary()?;
-        loop {
-            let Some(t) = self.peek() else { break };
+        while let Some(t) = self.peek() {
             let make: fn(Box<Expr>, Box<Expr>) -> Expr = match t.kind {
                 Kind::And => Expr::And,
                 Kind::Or => Expr::Or,
@@ -1292,7 +1291,7 @@ mod tests {
     #[test]
     fn random_expressions_round_trip_and_compile_to_equivalent_programs() {
         let pkts = packets(0x5eed, 1500);
-        let mut rng = Rng(0x0b5e_4e4);
+        let mut rng = Rng(0x00b5_e4e4);
         let (mut compiled, mut too_complex, mut matched_some, mut missed_some) = (0, 0, 0, 0);
         for _ in 0..600 {
             let ast = random_expr(&mut rng, 4);
@@ -1558,7 +1557,7 @@ mod tests {
         let p = compile_ok("(port 80 and tcp) or (tcp and port 80 and tcp)");
         assert_eq!((p.n_terms, p.terms[0].n_atoms), (1, 2));
         // Nine repeated alternatives are one after simplification, so within the limits.
-        let nine = vec!["port 53"; 9].join(" or ");
+        let nine = ["port 53"; 9].join(" or ");
         assert_eq!(compile_ok(&nine).n_terms, 1);
     }
 
