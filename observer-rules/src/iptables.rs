@@ -504,17 +504,7 @@ fn parse_rule_tokens(
     })
 }
 
-/// Quotes a word when the parser would otherwise split it or read it as an option or `!`.
-fn quote(s: &str) -> String {
-    if !s.is_empty()
-        && !s.starts_with('-')
-        && !s
-            .chars()
-            .any(|c| c.is_whitespace() || c == '"' || c == '\\')
-        && s != "!"
-    {
-        return s.to_string();
-    }
+fn force_quote(s: &str) -> String {
     let mut q = String::from("\"");
     for c in s.chars() {
         if c == '"' || c == '\\' {
@@ -526,6 +516,20 @@ fn quote(s: &str) -> String {
     q
 }
 
+/// Quotes a word when the parser would otherwise split it or read it as an option or `!`.
+fn quote(s: &str) -> String {
+    if !s.is_empty()
+        && !s.starts_with('-')
+        && !s
+            .chars()
+            .any(|c| c.is_whitespace() || c == '"' || c == '\\')
+        && s != "!"
+    {
+        return s.to_string();
+    }
+    force_quote(s)
+}
+
 fn push_opts(out: &mut String, opts: &[Opt]) {
     for o in opts {
         if o.neg {
@@ -533,9 +537,12 @@ fn push_opts(out: &mut String, opts: &[Opt]) {
         }
         out.push_str(" --");
         out.push_str(&o.name);
+        // iptables-save prints free-text options through xtables_save_string, which always
+        // quotes; doing the same keeps `text()` identical to the dump's line.
+        let always = matches!(o.name.as_str(), "comment" | "log-prefix" | "nflog-prefix");
         for a in &o.args {
             out.push(' ');
-            out.push_str(&quote(a));
+            out.push_str(&if always { force_quote(a) } else { quote(a) });
         }
     }
 }

@@ -422,6 +422,10 @@ impl<'a> Simulator<'a> {
             b.route = "input".into();
         } else if spec.in_iface.is_some() {
             b.route = "forward".into();
+        } else if local {
+            // The node talking to itself leaves through loopback.
+            pkt.out_iface = Some("lo".into());
+            b.route = "output".into();
         } else {
             b.route = "output".into();
         }

@@ -266,6 +266,16 @@ fn counters(lab: &Lab) -> Counts {
     let text = lab.router.sh(&format!("{} -c", lab.tool("iptables-save")));
     let file = parse_save(&text)
         .unwrap_or_else(|e| panic!("our parser rejects iptables-save -c output: {e}\n{text}"));
+    // The rule text we report must be the dump's own line, whatever iptables normalised.
+    for line in text.lines().filter(|l| l.starts_with('[')) {
+        let at = line.find("-A ").expect("rule line");
+        let printed = observer_rules::iptables::parse_rule(&line[at..]).map(|r| r.text());
+        assert_eq!(
+            printed.as_deref(),
+            Ok(&line[at..]),
+            "printer differs from iptables-save"
+        );
+    }
     let mut out = Counts::new();
     for t in &file.tables {
         for c in &t.chains {
