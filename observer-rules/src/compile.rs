@@ -79,6 +79,12 @@ pub enum Cond {
         p: f64,
         neg: bool,
     },
+    /// `-m rpfilter`: the reverse path of the source goes out the input interface.
+    RpFilter {
+        loose: bool,
+        accept_local: bool,
+        invert: bool,
+    },
     StatNth {
         every: u32,
         neg: bool,
@@ -288,6 +294,25 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
                 "limit-iface-in" | "limit-iface-out" => {}
                 _ => out.push(unknown(name, o)),
             }
+        }
+        return;
+    }
+    if name == "rpfilter" {
+        let has = |n: &str| opts.iter().any(|o| o.name == n);
+        // --validmark only matters with mark-based policy routing, which we do not model.
+        if let Some(o) = opts.iter().find(|o| {
+            !matches!(
+                o.name.as_str(),
+                "loose" | "validmark" | "accept-local" | "invert"
+            )
+        }) {
+            out.push(unknown(name, o));
+        } else {
+            out.push(Cond::RpFilter {
+                loose: has("loose"),
+                accept_local: has("accept-local"),
+                invert: has("invert"),
+            });
         }
         return;
     }

@@ -884,6 +884,24 @@ impl<'a> Simulator<'a> {
                     };
                     tri(inside, *neg)
                 }
+                Cond::RpFilter {
+                    loose,
+                    accept_local,
+                    invert,
+                } => {
+                    if self.routes.is_empty() {
+                        Tri::Unknown("rpfilter needs routes (`ip -j route show table all`)".into())
+                    } else {
+                        // xt_rpfilter routes the source back: valid when that route leaves
+                        // through the input interface (any interface with --loose).
+                        let valid = match self.routes.lookup(pkt.src) {
+                            RouteDecision::Out { dev, .. } => *loose || Some(dev.as_str()) == in_if,
+                            RouteDecision::Local { .. } => *accept_local,
+                            RouteDecision::Unroutable(_) => false,
+                        };
+                        tri(valid, *invert)
+                    }
+                }
                 Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
                 Cond::Always(_) => Tri::Yes,
                 Cond::Unknown(t) => Tri::Unknown(format!("match not modelled: {t}")),

@@ -571,3 +571,29 @@ fn ipv6_dump_from_ip6tables_save_simulates() {
     let e = explain(&req("icmpv6 [fd00::1] -> [fd00::2] in eth0 local type 135")).unwrap();
     assert_eq!(rules_of(&e, 0), ["raw:PREROUTING#2"]);
 }
+
+#[test]
+fn calico_rpfilter_uses_the_routes() {
+    let rules = "*raw\n:PREROUTING ACCEPT [0:0]\n\
+        -A PREROUTING -i cali+ -m rpfilter --validmark --invert -m comment --comment \"cali:rpf\" -j DROP\nCOMMIT\n";
+    let req = |packet: &str, routes: bool| ExplainRequest {
+        iptables_save: Some(rules.into()),
+        routes_json: if routes { vec![ROUTES.into()] } else { vec![] },
+        packet: packet.into(),
+        ..Default::default()
+    };
+    // 172.17.0.6 is routed via cali3c4d: the reverse path is valid, the rule does not match.
+    let e = explain(&req("udp 172.17.0.6:1 -> 192.0.2.50:53 in cali3c4d", true)).unwrap();
+    assert_eq!(e.verdict(), Verdict::Accept);
+    assert!(rules_of(&e, 0).is_empty());
+    // A pod spoofing its neighbour's address fails the check and is dropped.
+    let e = explain(&req("udp 172.17.0.5:1 -> 192.0.2.50:53 in cali3c4d", true)).unwrap();
+    assert_eq!(e.verdict(), Verdict::Drop);
+    // Without routes the answer is undecidable, not a guess.
+    let e = explain(&req(
+        "udp 172.17.0.5:1 -> 192.0.2.50:53 in cali3c4d out eth0",
+        false,
+    ))
+    .unwrap();
+    assert_eq!(e.verdict(), Verdict::Undecidable);
+}

@@ -616,6 +616,16 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
             }
         }
     }
+    // rpfilter is only valid in raw and mangle PREROUTING.
+    if chain == "PREROUTING" && table != "nat" && r.chance(12) {
+        s += " -m rpfilter";
+        if r.chance(30) {
+            s += " --loose";
+        }
+        if r.chance(40) {
+            s += " --invert";
+        }
+    }
     // Targets. Jumps only go to later user chains, so there are no loops.
     let here = users.iter().position(|u| u == chain);
     let later: Vec<&String> = users
@@ -745,7 +755,14 @@ fn gen_probe(r: &mut Rng) -> Probe {
     let src = if local_out {
         "10.202.0.1"
     } else {
-        *r.pick(&["10.201.0.2", "10.201.0.7", "198.51.100.10", "198.51.100.77"])
+        // 10.202.0.99 arrives on the wrong side: its reverse path is ethr1 (rpfilter invalid).
+        *r.pick(&[
+            "10.201.0.2",
+            "10.201.0.7",
+            "198.51.100.10",
+            "198.51.100.77",
+            "10.202.0.99",
+        ])
     };
     Probe {
         proto,
