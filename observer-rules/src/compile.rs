@@ -474,6 +474,10 @@ fn nat_addr(s: &str) -> (Option<IpAddr>, Option<u16>) {
             .and_then(|p| p.split('-').next()?.parse().ok());
         return (a.parse().ok(), port);
     }
+    if s.matches(':').count() > 1 {
+        // A bare IPv6 address or range: no port without brackets.
+        return (s.split('-').next().and_then(|x| x.parse().ok()), None);
+    }
     let (a, p) = match s.split_once(':') {
         Some((a, p)) => (a, Some(p)),
         None => (s, None),
@@ -712,6 +716,24 @@ mod tests {
         ));
         let d = c("-A X -j DNAT --to-destination 172.17.0.5:22").action;
         assert!(matches!(d, Action::Dnat { port: Some(22), .. }));
+        let d = c("-A X -j DNAT --to-destination 2001:db8::5").action;
+        assert!(matches!(
+            d,
+            Action::Dnat {
+                addr: Some(IpAddr::V6(_)),
+                port: None,
+                ..
+            }
+        ));
+        let d = c("-A X -j SNAT --to-source 10.0.0.1-10.0.0.9:1000-2000").action;
+        assert!(matches!(
+            d,
+            Action::Snat {
+                addr: Some(IpAddr::V4(_)),
+                port: Some(1000),
+                ..
+            }
+        ));
         let d = c("-A X -j DNAT --to-destination [2001:db8::5]:8080").action;
         assert!(matches!(
             d,
