@@ -166,6 +166,67 @@ impl Routes {
     }
 }
 
+impl Routes {
+    /// `addrtype` for IPv6, which is not a single type as for IPv4: xt_addrtype requires
+    /// *every* listed MULTICAST/UNICAST/UNSPEC property and *any* of LOCAL/ANYCAST/UNREACHABLE
+    /// (a local address is UNICAST too). `None` without IPv6 routes.
+    pub fn addr_type6_matches(
+        &self,
+        addr: IpAddr,
+        dev: Option<&str>,
+        types: &[String],
+    ) -> Option<Result<bool, String>> {
+        if !self.routes.iter().any(|r| r.dst.addr.is_ipv6()) {
+            return None;
+        }
+        let has = |t: &str| types.iter().any(|x| x == t);
+        if let Some(t) = types.iter().find(|t| {
+            !matches!(
+                t.as_str(),
+                "UNSPEC" | "UNICAST" | "LOCAL" | "ANYCAST" | "MULTICAST" | "UNREACHABLE"
+            )
+        }) {
+            return Some(Err(format!("addrtype {t} does not exist for IPv6")));
+        }
+        let unspec = addr.is_unspecified();
+        let multicast = addr.is_multicast();
+        if (has("MULTICAST") && !multicast)
+            || (has("UNICAST") && (multicast || unspec))
+            || (has("UNSPEC") && !unspec)
+        {
+            return Some(Ok(false));
+        }
+        if !(has("LOCAL") || has("ANYCAST") || has("UNREACHABLE")) {
+            return Some(Ok(true));
+        }
+        let local_on = |d: Option<&str>| {
+            self.routes.iter().any(|r| {
+                r.table == "local"
+                    && r.kind == "local"
+                    && r.dst.contains(addr)
+                    && (d.is_none() || r.dev.as_deref() == d)
+            })
+        };
+        let mut found = Vec::new();
+        if dev.is_some() && has("LOCAL") && local_on(dev) {
+            found.push("LOCAL");
+        }
+        match self.lookup(addr) {
+            RouteDecision::Unroutable(_) => return Some(Ok(has("UNREACHABLE"))),
+            RouteDecision::Local { .. } if dev.is_none() && local_on(None) => found.push("LOCAL"),
+            _ => {}
+        }
+        let anycast = self
+            .routes
+            .iter()
+            .any(|r| r.table == "local" && r.kind == "anycast" && r.dst.contains(addr));
+        if anycast {
+            found.push("ANYCAST");
+        }
+        Some(Ok(found.iter().any(|t| has(t))))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,5 +285,32 @@ mod tests {
         assert_eq!(r.addr_type(ip("192.0.2.255"), None), Some("BROADCAST"));
         assert_eq!(r.addr_type(ip("8.8.8.8"), None), Some("UNICAST"));
         assert!(Routes::parse_json(&["{"]).is_err());
+        let t = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // A local IPv6 address is UNICAST as well as LOCAL; an unknown one is neither LOCAL nor
+        // UNREACHABLE while a route exists.
+        assert_eq!(
+            r.addr_type6_matches(ip("fd00::2"), None, &t(&["UNICAST"])),
+            Some(Ok(true))
+        );
+        assert_eq!(
+            r.addr_type6_matches(ip("fd00::2"), None, &t(&["LOCAL"])),
+            Some(Ok(true))
+        );
+        assert_eq!(
+            r.addr_type6_matches(ip("fd00::9"), None, &t(&["LOCAL"])),
+            Some(Ok(false))
+        );
+        assert_eq!(
+            r.addr_type6_matches(ip("2001:db8::1"), None, &t(&["UNREACHABLE"])),
+            Some(Ok(true))
+        );
+        assert_eq!(
+            r.addr_type6_matches(ip("ff02::1"), None, &t(&["UNICAST"])),
+            Some(Ok(false))
+        );
+        assert!(matches!(
+            r.addr_type6_matches(ip("fd00::2"), None, &t(&["BROADCAST"])),
+            Some(Err(_))
+        ));
     }
 }

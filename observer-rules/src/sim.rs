@@ -847,8 +847,16 @@ impl<'a> Simulator<'a> {
                         None
                     };
                     let addr = if *src { pkt.src } else { pkt.dst };
-                    match self.routes.addr_type(addr, dev) {
-                        Some(t) => tri(types.iter().any(|x| x == t), *neg),
+                    let answer = if addr.is_ipv6() {
+                        self.routes.addr_type6_matches(addr, dev, types)
+                    } else {
+                        self.routes
+                            .addr_type(addr, dev)
+                            .map(|t| Ok(types.iter().any(|x| x == t)))
+                    };
+                    match answer {
+                        Some(Ok(hit)) => tri(hit, *neg),
+                        Some(Err(why)) => Tri::Unknown(why),
                         None => Tri::Unknown(
                             "addrtype needs routes (`ip -j route show table all`)".into(),
                         ),

@@ -8,10 +8,13 @@
 //! crosses the router's chains and pollutes the counters. Each packet has a fresh source port
 //! so conntrack sees a new connection every time (nat chains are walked for every packet).
 //!
+//! The same runs for IPv6 (ip6tables) use fd00:201::/64 and fd00:202::/64 with static
+//! neighbours and no DAD or router solicitation, so no NDP crosses the chains either.
+//!
 //! Seed: `OBSERVER_DIFF_SEED` overrides the fixed default so a failure can be replayed.
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use observer_rules::iptables::parse_save;
@@ -50,10 +53,10 @@ impl Rng {
 
 #[derive(Clone, Copy, Debug)]
 struct Probe {
-    /// 17 (UDP datagram), 6 (TCP SYN) or 1 (ICMP echo request, `sport` is its id).
+    /// 17 (UDP datagram), 6 (TCP SYN), 1 or 58 (ICMP echo request, `sport` is its id).
     proto: u8,
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
+    src: IpAddr,
+    dst: IpAddr,
     sport: u16,
     dport: u16,
     /// Sent by the router itself (OUTPUT) rather than by the client (PREROUTING).
@@ -61,13 +64,16 @@ struct Probe {
 }
 
 impl Probe {
+    fn icmp(&self) -> bool {
+        matches!(self.proto, 1 | 58)
+    }
     fn spec(&self) -> PacketSpec {
         PacketSpec {
             proto: self.proto,
             src: self.src.into(),
             dst: self.dst.into(),
-            sport: (self.proto != 1).then_some(self.sport),
-            dport: (self.proto != 1).then_some(self.dport),
+            sport: (!self.icmp()).then_some(self.sport),
+            dport: (!self.icmp()).then_some(self.dport),
             in_iface: (!self.local_out).then(|| "calir0".to_string()),
             out_iface: None,
             mark: 0,
@@ -114,58 +120,87 @@ fn csum(data: &[u8], mut sum: u32) -> u16 {
     !(sum as u16)
 }
 
-/// An IPv4 packet with a UDP datagram, a TCP SYN or an ICMP echo request, checksums filled
-/// so conntrack accepts it.
+/// An IPv4 or IPv6 packet with a UDP datagram, a TCP SYN or an ICMP echo request, checksums
+/// filled so conntrack accepts it.
 fn build(p: &Probe) -> Vec<u8> {
-    let udp = p.proto == 17;
-    let l4: Vec<u8> = if p.proto == 1 {
-        let mut e = vec![8u8, 0, 0, 0];
-        e.extend_from_slice(&p.sport.to_be_bytes());
-        e.extend_from_slice(&1u16.to_be_bytes());
-        e.extend_from_slice(b"obsv");
-        let c = csum(&e, 0);
-        e[2..4].copy_from_slice(&c.to_be_bytes());
-        e
-    } else if udp {
-        let mut u = vec![0u8; 8 + 4];
-        u[0..2].copy_from_slice(&p.sport.to_be_bytes());
-        u[2..4].copy_from_slice(&p.dport.to_be_bytes());
-        u[4..6].copy_from_slice(&12u16.to_be_bytes());
-        u[8..12].copy_from_slice(b"obsv");
-        u
-    } else {
-        let mut t = vec![0u8; 20];
-        t[0..2].copy_from_slice(&p.sport.to_be_bytes());
-        t[2..4].copy_from_slice(&p.dport.to_be_bytes());
-        t[4..8].copy_from_slice(&1u32.to_be_bytes());
-        t[12] = 5 << 4;
-        t[13] = 0x02; // SYN
-        t[14..16].copy_from_slice(&64240u16.to_be_bytes());
-        t
+    let (src, dst): (Vec<u8>, Vec<u8>) = match (p.src, p.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => (s.octets().into(), d.octets().into()),
+        (IpAddr::V6(s), IpAddr::V6(d)) => (s.octets().into(), d.octets().into()),
+        _ => panic!("mixed families"),
     };
-    let proto = p.proto;
-    let mut l4 = l4;
-    if proto != 1 {
+    let v6 = p.src.is_ipv6();
+    let mut l4: Vec<u8> = match p.proto {
+        1 | 58 => {
+            let mut e = vec![if v6 { 128u8 } else { 8 }, 0, 0, 0];
+            e.extend_from_slice(&p.sport.to_be_bytes());
+            e.extend_from_slice(&1u16.to_be_bytes());
+            e.extend_from_slice(b"obsv");
+            e
+        }
+        17 => {
+            let mut u = vec![0u8; 8 + 4];
+            u[0..2].copy_from_slice(&p.sport.to_be_bytes());
+            u[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            u[4..6].copy_from_slice(&12u16.to_be_bytes());
+            u[8..12].copy_from_slice(b"obsv");
+            u
+        }
+        _ => {
+            let mut t = vec![0u8; 20];
+            t[0..2].copy_from_slice(&p.sport.to_be_bytes());
+            t[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            t[4..8].copy_from_slice(&1u32.to_be_bytes());
+            t[12] = 5 << 4;
+            t[13] = 0x02; // SYN
+            t[14..16].copy_from_slice(&64240u16.to_be_bytes());
+            t
+        }
+    };
+    // ICMPv4 has no pseudo header; UDP, TCP and ICMPv6 do.
+    let at = match p.proto {
+        1 | 58 => 2,
+        17 => 6,
+        _ => 16,
+    };
+    let c = if p.proto == 1 {
+        csum(&l4, 0)
+    } else {
         let mut pseudo = Vec::new();
-        pseudo.extend_from_slice(&p.src.octets());
-        pseudo.extend_from_slice(&p.dst.octets());
-        pseudo.extend_from_slice(&[0, proto]);
-        pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        pseudo.extend_from_slice(&src);
+        pseudo.extend_from_slice(&dst);
+        if v6 {
+            pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, p.proto]);
+        } else {
+            pseudo.extend_from_slice(&[0, p.proto]);
+            pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+        }
         pseudo.extend_from_slice(&l4);
-        let c = csum(&pseudo, 0);
-        let at = if udp { 6 } else { 16 };
-        l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
-    }
-    let mut ip = vec![0u8; 20];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
-    ip[6] = 0x40; // DF
-    ip[8] = 64;
-    ip[9] = proto;
-    ip[12..16].copy_from_slice(&p.src.octets());
-    ip[16..20].copy_from_slice(&p.dst.octets());
-    let hc = csum(&ip, 0);
-    ip[10..12].copy_from_slice(&hc.to_be_bytes());
+        csum(&pseudo, 0)
+    };
+    l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    let mut ip = if v6 {
+        let mut h = vec![0u8; 40];
+        h[0] = 0x60;
+        h[4..6].copy_from_slice(&(l4.len() as u16).to_be_bytes());
+        h[6] = p.proto;
+        h[7] = 64;
+        h[8..24].copy_from_slice(&src);
+        h[24..40].copy_from_slice(&dst);
+        h
+    } else {
+        let mut h = vec![0u8; 20];
+        h[0] = 0x45;
+        h[2..4].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+        h[6] = 0x40; // DF
+        h[8] = 64;
+        h[9] = p.proto;
+        h[12..16].copy_from_slice(&src);
+        h[16..20].copy_from_slice(&dst);
+        let hc = csum(&h, 0);
+        h[10..12].copy_from_slice(&hc.to_be_bytes());
+        h
+    };
     ip.extend_from_slice(&l4);
     ip
 }
@@ -173,23 +208,47 @@ fn build(p: &Probe) -> Vec<u8> {
 /// Sends one crafted packet from the calling thread's namespace with a raw socket.
 fn send_raw(p: &Probe) {
     let pkt = build(p);
-    // SAFETY: plain socket syscalls on a fd we own; the sockaddr is fully initialised.
+    // SAFETY: plain socket syscalls on a fd we own; the sockaddrs are fully initialised.
+    // IPPROTO_RAW sockets send the header we built (IP_HDRINCL / IPV6_HDRINCL implied).
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW);
-        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
-        let mut sa: libc::sockaddr_in = std::mem::zeroed();
-        sa.sin_family = libc::AF_INET as libc::sa_family_t;
-        sa.sin_addr.s_addr = u32::from(p.dst).to_be();
-        let n = libc::sendto(
-            fd,
-            pkt.as_ptr().cast(),
-            pkt.len(),
-            0,
-            (&raw const sa).cast(),
-            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-        );
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
+        let (n, err) = match p.dst {
+            IpAddr::V4(d) => {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW);
+                assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+                let mut sa: libc::sockaddr_in = std::mem::zeroed();
+                sa.sin_family = libc::AF_INET as libc::sa_family_t;
+                sa.sin_addr.s_addr = u32::from(d).to_be();
+                let n = libc::sendto(
+                    fd,
+                    pkt.as_ptr().cast(),
+                    pkt.len(),
+                    0,
+                    (&raw const sa).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                );
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                (n, err)
+            }
+            IpAddr::V6(d) => {
+                let fd = libc::socket(libc::AF_INET6, libc::SOCK_RAW, libc::IPPROTO_RAW);
+                assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+                let mut sa: libc::sockaddr_in6 = std::mem::zeroed();
+                sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                sa.sin6_addr.s6_addr = d.octets();
+                let n = libc::sendto(
+                    fd,
+                    pkt.as_ptr().cast(),
+                    pkt.len(),
+                    0,
+                    (&raw const sa).cast(),
+                    std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                );
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                (n, err)
+            }
+        };
         // EPERM is a local OUTPUT drop by the ruleset under test, which is a valid outcome.
         assert!(
             n == pkt.len() as isize || err.raw_os_error() == Some(libc::EPERM),
@@ -204,43 +263,96 @@ struct Lab {
     _server: Netns,
     /// iptables-legacy (x_tables) in the router instead of the default nft back end.
     legacy: bool,
+    fam: &'static Fam,
 }
 
 impl Lab {
-    /// `iptables-save` -> `iptables-legacy-save` when the lab uses the legacy back end.
+    /// `iptables-save` -> `ip6tables-save`, `iptables-legacy-save`... for this lab.
     fn tool(&self, name: &str) -> String {
-        match name.strip_prefix("iptables-") {
-            Some(rest) if self.legacy => format!("iptables-legacy-{rest}"),
-            _ => name.to_string(),
+        let rest = name.strip_prefix("iptables").expect("an iptables tool");
+        let base = if self.fam.v6 { "ip6tables" } else { "iptables" };
+        if self.legacy {
+            format!("{base}-legacy{rest}")
+        } else {
+            format!("{base}{rest}")
         }
     }
 }
 
-fn lab(legacy: bool) -> Lab {
+/// Creates a veth pair between two namespaces, set up *before* the links come up so IPv6
+/// neither runs DAD nor sends router solicitations (nothing but our probes may cross).
+fn quiet_veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) {
+    observer_tests::run(&[
+        "ip", "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
+        &b.name,
+    ]);
+    for (ns, ifname) in [(a, a_if), (b, b_if)] {
+        ns.sh(&format!(
+            "for k in accept_dad=0 router_solicitations=0 addr_gen_mode=1; do sysctl -qw net.ipv6.conf.{ifname}.$k; done
+             ip link set {ifname} up"
+        ));
+    }
+}
+
+fn lab(legacy: bool, fam: &'static Fam) -> Lab {
     let p = unique_prefix("rd");
     let client = Netns::new(&format!("{p}c"));
     let router = Netns::new(&format!("{p}r"));
     let server = Netns::new(&format!("{p}s"));
-    veth(&client, "eth0", &router, "calir0");
-    veth(&router, "ethr1", &server, "eth0");
-    client.sh("ip addr add 10.201.0.2/24 dev eth0; ip route add default via 10.201.0.1");
-    router.sh(
-        "ip addr add 10.201.0.1/24 dev calir0; ip addr add 10.202.0.1/24 dev ethr1
-         ip route add 172.17.0.0/16 via 10.202.0.2; ip route add 10.10.0.0/16 via 10.202.0.2
-         ip route add 198.51.100.0/24 via 10.201.0.2
-         sysctl -qw net.ipv4.ip_forward=1
-         for i in all default calir0 ethr1; do sysctl -qw net.ipv4.conf.$i.rp_filter=0; done
-         sysctl -qw net.ipv4.conf.all.send_redirects=0",
-    );
-    server.sh(
-        "ip addr add 10.202.0.2/24 dev eth0; ip addr add 172.17.0.5/32 dev eth0
-         ip route add default via 10.202.0.1
-         iptables -t raw -A PREROUTING -j DROP",
-    );
+    if fam.v6 {
+        quiet_veth(&client, "eth0", &router, "calir0");
+        quiet_veth(&router, "ethr1", &server, "eth0");
+        let mac = |ns: &Netns, i: &str| {
+            ns.sh(&format!("cat /sys/class/net/{i}/address"))
+                .trim()
+                .to_string()
+        };
+        let (c_mac, r0_mac) = (mac(&client, "eth0"), mac(&router, "calir0"));
+        let (r1_mac, s_mac) = (mac(&router, "ethr1"), mac(&server, "eth0"));
+        client.sh(&format!(
+            "ip -6 addr add fd00:201::2/64 dev eth0 nodad
+             ip -6 neigh add fd00:201::1 lladdr {r0_mac} dev eth0 nud permanent
+             ip -6 route add default via fd00:201::1"
+        ));
+        router.sh(&format!(
+            "ip -6 addr add fd00:201::1/64 dev calir0 nodad; ip -6 addr add fd00:202::1/64 dev ethr1 nodad
+             ip -6 neigh add fd00:201::2 lladdr {c_mac} dev calir0 nud permanent
+             ip -6 neigh add fd00:202::2 lladdr {s_mac} dev ethr1 nud permanent
+             ip -6 route add fd00:17::/64 via fd00:202::2; ip -6 route add fd00:10::/64 via fd00:202::2
+             ip -6 route add 2001:db8:5100::/64 via fd00:201::2
+             sysctl -qw net.ipv6.conf.all.forwarding=1"
+        ));
+        server.sh(&format!(
+            "ip -6 addr add fd00:202::2/64 dev eth0 nodad; ip -6 addr add fd00:17::5/128 dev eth0 nodad
+             ip -6 neigh add fd00:202::1 lladdr {r1_mac} dev eth0 nud permanent
+             ip -6 route add default via fd00:202::1
+             ip6tables -t raw -A PREROUTING -j DROP"
+        ));
+        // Multicast listener reports for the new addresses are sent for a second or two.
+        std::thread::sleep(Duration::from_millis(2500));
+    } else {
+        veth(&client, "eth0", &router, "calir0");
+        veth(&router, "ethr1", &server, "eth0");
+        client.sh("ip addr add 10.201.0.2/24 dev eth0; ip route add default via 10.201.0.1");
+        router.sh(
+            "ip addr add 10.201.0.1/24 dev calir0; ip addr add 10.202.0.1/24 dev ethr1
+             ip route add 172.17.0.0/16 via 10.202.0.2; ip route add 10.10.0.0/16 via 10.202.0.2
+             ip route add 198.51.100.0/24 via 10.201.0.2
+             sysctl -qw net.ipv4.ip_forward=1
+             for i in all default calir0 ethr1; do sysctl -qw net.ipv4.conf.$i.rp_filter=0; done
+             sysctl -qw net.ipv4.conf.all.send_redirects=0",
+        );
+        server.sh(
+            "ip addr add 10.202.0.2/24 dev eth0; ip addr add 172.17.0.5/32 dev eth0
+             ip route add default via 10.202.0.1
+             iptables -t raw -A PREROUTING -j DROP",
+        );
+    }
     // Open every port we send to on the router, so local delivery never answers with ICMP.
     router.run(|| {
         for &port in PORTS {
-            let s = std::net::UdpSocket::bind(("0.0.0.0", port)).expect("bind udp");
+            // `[::]` also takes IPv4 (dual stack), so one socket per port covers both labs.
+            let s = std::net::UdpSocket::bind(("::", port)).expect("bind udp");
             std::mem::forget(s);
         }
     });
@@ -249,6 +361,7 @@ fn lab(legacy: bool) -> Lab {
         router,
         _server: server,
         legacy,
+        fam,
     }
 }
 
@@ -322,7 +435,11 @@ fn simulate(
 ) -> Option<(Counts, Verdict)> {
     let file = parse_save(rules).expect("generated ruleset parses");
     let empty = Default::default();
-    let sim = Simulator::new(&file, &empty, ipsets, routes);
+    let sim = if probe.src.is_ipv6() {
+        Simulator::new(&empty, &file, ipsets, routes)
+    } else {
+        Simulator::new(&file, &empty, ipsets, routes)
+    };
     let branches = sim.simulate(&probe.spec());
     assert_eq!(branches.len(), 1, "no statistic matches are generated");
     let b = &branches[0];
@@ -468,21 +585,117 @@ fn run_ruleset(
     }
 }
 
-const NETS: &[&str] = &[
-    "10.201.0.0/24",
-    "10.201.0.2/32",
-    "198.51.100.0/24",
-    "10.202.0.2/32",
-    "10.202.0.0/24",
-    "10.10.0.0/16",
-    "10.10.1.0/24",
-    "172.17.0.5/32",
-];
-const MARKS: &[u32] = &[0x1, 0x2, 0x4, 0x10, 0x4000, 0x40000];
-const SETS: &str = "create dnet hash:net family inet\nadd dnet 10.10.1.0/24\nadd dnet 172.17.0.0/16\n\
-create sip hash:ip family inet\nadd sip 198.51.100.10\nadd sip 10.201.0.2\n\
-create svc hash:ip,port family inet\nadd svc 10.10.1.5,udp:53\nadd svc 172.17.0.5,tcp:22\nadd svc 10.202.0.2,udp:80\n";
+/// Everything the generator needs that differs between IPv4 and IPv6.
+struct Fam {
+    v6: bool,
+    nets: &'static [&'static str],
+    src_range: &'static str,
+    dst_range: &'static str,
+    sets: &'static str,
+    /// `-p` and `-m` names, the type option and type values of ICMP.
+    icmp: (
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static [&'static str],
+    ),
+    icmp_proto: u8,
+    dnat_to: &'static [&'static str],
+    snat_from: &'static [&'static str],
+    fwd_dsts: &'static [&'static str],
+    local_dsts: &'static [&'static str],
+    srcs: &'static [&'static str],
+    router_src: &'static str,
+}
 
+impl Fam {
+    fn with_port(&self, addr: &str, port: u16) -> String {
+        if self.v6 {
+            format!("[{addr}]:{port}")
+        } else {
+            format!("{addr}:{port}")
+        }
+    }
+}
+
+static V4: Fam = Fam {
+    v6: false,
+    nets: &[
+        "10.201.0.0/24",
+        "10.201.0.2/32",
+        "198.51.100.0/24",
+        "10.202.0.2/32",
+        "10.202.0.0/24",
+        "10.10.0.0/16",
+        "10.10.1.0/24",
+        "172.17.0.5/32",
+    ],
+    src_range: "198.51.100.5-198.51.100.50",
+    dst_range: "10.10.1.1-10.10.2.9",
+    sets: "create dnet hash:net family inet\nadd dnet 10.10.1.0/24\nadd dnet 172.17.0.0/16\n\
+create sip hash:ip family inet\nadd sip 198.51.100.10\nadd sip 10.201.0.2\n\
+create svc hash:ip,port family inet\nadd svc 10.10.1.5,udp:53\nadd svc 172.17.0.5,tcp:22\nadd svc 10.202.0.2,udp:80\n",
+    icmp: (
+        "icmp",
+        "icmp",
+        "icmp-type",
+        &["8", "echo-request", "0", "8/0", "3/3", "any"],
+    ),
+    icmp_proto: 1,
+    dnat_to: &["172.17.0.5", "10.10.1.5", "10.202.0.2"],
+    snat_from: &["10.202.0.1", "10.201.0.1", "192.0.2.9"],
+    fwd_dsts: &["10.202.0.2", "10.10.1.5", "10.10.2.9", "172.17.0.5"],
+    local_dsts: &["10.201.0.1", "10.202.0.1"],
+    // 10.202.0.99 arrives on the wrong side: its reverse path is ethr1 (rpfilter invalid).
+    srcs: &[
+        "10.201.0.2",
+        "10.201.0.7",
+        "198.51.100.10",
+        "198.51.100.77",
+        "10.202.0.99",
+    ],
+    router_src: "10.202.0.1",
+};
+
+static V6: Fam = Fam {
+    v6: true,
+    nets: &[
+        "fd00:201::/64",
+        "fd00:201::2/128",
+        "2001:db8:5100::/64",
+        "fd00:202::2/128",
+        "fd00:202::/64",
+        "fd00:10::/64",
+        "fd00:10::/125",
+        "fd00:17::5/128",
+    ],
+    src_range: "2001:db8:5100::5-2001:db8:5100::50",
+    dst_range: "fd00:10::1-fd00:10::6",
+    sets: "create dnet hash:net family inet6\nadd dnet fd00:10::/125\nadd dnet fd00:17::/64\n\
+create sip hash:ip family inet6\nadd sip 2001:db8:5100::10\nadd sip fd00:201::2\n\
+create svc hash:ip,port family inet6\nadd svc fd00:10::5,udp:53\nadd svc fd00:17::5,tcp:22\nadd svc fd00:202::2,udp:80\n",
+    icmp: (
+        "ipv6-icmp",
+        "icmp6",
+        "icmpv6-type",
+        &["128", "echo-request", "129", "1/3"],
+    ),
+    icmp_proto: 58,
+    dnat_to: &["fd00:17::5", "fd00:10::5", "fd00:202::2"],
+    snat_from: &["fd00:202::1", "fd00:201::1", "2001:db8:9::9"],
+    fwd_dsts: &["fd00:202::2", "fd00:10::5", "fd00:10::9", "fd00:17::5"],
+    local_dsts: &["fd00:201::1", "fd00:202::1"],
+    srcs: &[
+        "fd00:201::2",
+        "fd00:201::7",
+        "2001:db8:5100::10",
+        "2001:db8:5100::77",
+        "fd00:202::99",
+    ],
+    router_src: "fd00:202::1",
+};
+
+const MARKS: &[u32] = &[0x1, 0x2, 0x4, 0x10, 0x4000, 0x40000];
 fn mark_mask(r: &mut Rng) -> String {
     let v = *r.pick(MARKS);
     let m = if r.chance(50) { v } else { v | *r.pick(MARKS) };
@@ -495,7 +708,7 @@ fn neg(r: &mut Rng) -> &'static str {
 }
 
 /// One random rule for `chain` (built-in or user chain `uN`) of `table`.
-fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
+fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) -> String {
     let mut s = format!("-A {chain}");
     let hook_in = matches!(chain, "PREROUTING" | "INPUT" | "FORWARD");
     let hook_out = matches!(chain, "OUTPUT" | "FORWARD" | "POSTROUTING");
@@ -517,16 +730,17 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
         match kind {
             0 if !used[0] => {
                 used[0] = true;
-                s += &format!(" {}-s {}", neg(r), r.pick(NETS));
+                s += &format!(" {}-s {}", neg(r), r.pick(f.nets));
             }
             1 if !used[1] => {
                 used[1] = true;
-                s += &format!(" {}-d {}", neg(r), r.pick(NETS));
+                s += &format!(" {}-d {}", neg(r), r.pick(f.nets));
             }
             2 if proto.is_none() && r.chance(20) => {
                 proto = Some("icmp");
-                let ty = *r.pick(&["8", "echo-request", "0", "8/0", "3/3", "any"]);
-                s += &format!(" -p icmp -m icmp {}--icmp-type {ty}", neg(r));
+                let (p, m, opt, types) = f.icmp;
+                let ty = *r.pick(types);
+                s += &format!(" -p {p} -m {m} {}--{opt} {ty}", neg(r));
             }
             2 if proto.is_none() => {
                 let p = *r.pick(&["tcp", "udp"]);
@@ -604,12 +818,9 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
             }
             _ => {
                 if r.chance(25) {
-                    s += &format!(
-                        " -m iprange {}--src-range 198.51.100.5-198.51.100.50",
-                        neg(r)
-                    );
+                    s += &format!(" -m iprange {}--src-range {}", neg(r), f.src_range);
                 } else if r.chance(33) {
-                    s += &format!(" -m iprange {}--dst-range 10.10.1.1-10.10.2.9", neg(r));
+                    s += &format!(" -m iprange {}--dst-range {}", neg(r), f.dst_range);
                 } else {
                     s += &format!(" -m comment --comment \"rule {}\"", r.below(1000));
                 }
@@ -645,9 +856,9 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
                 return s + &format!(" -j REDIRECT --to-ports {port}");
             }
             "PREROUTING" | "OUTPUT" => {
-                let to = *r.pick(&["172.17.0.5", "10.10.1.5", "10.202.0.2"]);
+                let to = *r.pick(f.dnat_to);
                 let to = if proto.is_some_and(|p| p != "icmp") {
-                    format!("{to}:{port}")
+                    f.with_port(to, port)
                 } else {
                     to.to_string()
                 };
@@ -655,7 +866,7 @@ fn gen_rule(r: &mut Rng, table: &str, chain: &str, users: &[String]) -> String {
             }
             "POSTROUTING" if r.chance(50) => return s + " -j MASQUERADE",
             "POSTROUTING" | "INPUT" => {
-                let from = *r.pick(&["10.202.0.1", "10.201.0.1", "192.0.2.9"]);
+                let from = *r.pick(f.snat_from);
                 return s + &format!(" -j SNAT --to-source {from}");
             }
             _ => {}
@@ -696,7 +907,7 @@ fn is_builtin(c: &str) -> bool {
     )
 }
 
-fn gen_ruleset(r: &mut Rng) -> String {
+fn gen_ruleset(r: &mut Rng, f: &Fam) -> String {
     let tables: &[(&str, &[&str])] = &[
         ("raw", &["PREROUTING", "OUTPUT"]),
         (
@@ -729,7 +940,7 @@ fn gen_ruleset(r: &mut Rng) -> String {
                 r.below(5)
             };
             for _ in 0..n {
-                out += &gen_rule(r, t, &c, &users);
+                out += &gen_rule(r, f, t, &c, &users);
                 out.push('\n');
             }
         }
@@ -738,31 +949,24 @@ fn gen_ruleset(r: &mut Rng) -> String {
     out
 }
 
-fn gen_probe(r: &mut Rng) -> Probe {
+fn gen_probe(r: &mut Rng, f: &Fam) -> Probe {
     let local_out = r.chance(20);
     let proto = if local_out || r.chance(60) {
         17
     } else if r.chance(70) {
         6
     } else {
-        1
+        f.icmp_proto
     };
-    let mut dsts: Vec<&str> = vec!["10.202.0.2", "10.10.1.5", "10.10.2.9", "172.17.0.5"];
+    let mut dsts: Vec<&str> = f.fwd_dsts.to_vec();
     if proto == 17 && !local_out {
         // Local delivery only for UDP: the router's sockets swallow it without replies.
-        dsts.extend(["10.201.0.1", "10.202.0.1"]);
+        dsts.extend(f.local_dsts);
     }
     let src = if local_out {
-        "10.202.0.1"
+        f.router_src
     } else {
-        // 10.202.0.99 arrives on the wrong side: its reverse path is ethr1 (rpfilter invalid).
-        *r.pick(&[
-            "10.201.0.2",
-            "10.201.0.7",
-            "198.51.100.10",
-            "198.51.100.77",
-            "10.202.0.99",
-        ])
+        *r.pick(f.srcs)
     };
     Probe {
         proto,
@@ -774,17 +978,31 @@ fn gen_probe(r: &mut Rng) -> Probe {
     }
 }
 
-/// Runs the lab ruleset and `rulesets` random ones on a fresh lab with one back end.
-fn run_backend(legacy: bool, rng: &mut Rng, rulesets: usize, budget: Duration) -> Outcome {
-    let name = if legacy { "legacy" } else { "nft" };
+/// Runs the lab ruleset (IPv4) and `rulesets` random ones on a fresh lab with one back end.
+fn run_backend(
+    legacy: bool,
+    fam: &'static Fam,
+    rng: &mut Rng,
+    rulesets: usize,
+    budget: Duration,
+) -> Outcome {
+    let name = format!(
+        "{}, {}",
+        if fam.v6 { "ipv6" } else { "ipv4" },
+        if legacy { "legacy" } else { "nft" }
+    );
     let started = Instant::now();
-    let lab = lab(legacy);
-    lab.router.sh(&format!("ipset restore <<'EOF'\n{SETS}EOF"));
+    let lab = lab(legacy, fam);
+    lab.router
+        .sh(&format!("ipset restore <<'EOF'\n{}EOF", fam.sets));
     // The simulator reads the same tools' output the CLI would read on a node.
     let ipsets = parse_ipsets(&lab.router.sh("ipset save")).expect("ipset save parses");
     assert_eq!(ipsets.sets.len(), 3);
-    let routes =
-        Routes::parse_json(&[&lab.router.sh("ip -j route show table all")]).expect("routes parse");
+    let family = if fam.v6 { "-6" } else { "-4" };
+    let routes = Routes::parse_json(&[&lab
+        .router
+        .sh(&format!("ip -j {family} route show table all"))])
+    .expect("routes parse");
     let mut next_port: u16 = 20000;
     let mut out = Outcome {
         compared: 0,
@@ -794,56 +1012,60 @@ fn run_backend(legacy: bool, rng: &mut Rng, rulesets: usize, budget: Duration) -
     };
 
     // 1. The lab ruleset: ClusterIP DNAT, masquerade mark, Calico marks, forward filter.
-    let probe = |proto, src: &str, dst: &str, dport, local_out| Probe {
-        proto,
-        src: src.parse().unwrap(),
-        dst: dst.parse().unwrap(),
-        sport: 0,
-        dport,
-        local_out,
-    };
-    let mut lab_probes = vec![
-        probe(6, "10.201.0.2", "10.10.10.2", 22, false),
-        probe(6, "198.51.100.10", "10.10.10.2", 22, false),
-        probe(17, "10.201.0.2", "10.10.10.2", 22, false),
-        probe(17, "10.201.0.2", "10.201.0.1", 53, false),
-        probe(6, "10.202.0.1", "10.10.10.2", 22, true),
-    ];
-    for _ in 0..15 {
-        lab_probes.push(gen_probe(rng));
-    }
-    run_ruleset(
-        &lab,
-        LAB,
-        &ipsets,
-        &routes,
-        &lab_probes,
-        &mut next_port,
-        &mut out,
-    );
-    assert_eq!(
-        out.compared,
-        lab_probes.len(),
-        "every lab packet is decidable"
-    );
-    if !legacy {
-        // `--live` reads the same node state through the real commands.
-        let (rs, sets, live_routes) = lab
-            .router
-            .run(|| observer_rules::load_live().expect("load_live"));
-        assert_eq!(rs.ipv4.rule_count(), parse_save(LAB).unwrap().rule_count());
-        assert_eq!(sets.sets.len(), 3);
-        assert!(matches!(
-            live_routes.lookup("172.17.0.5".parse().unwrap()),
-            observer_rules::RouteDecision::Out { ref dev, .. } if dev == "ethr1"
-        ));
+    let mut lab_packets = 0;
+    if !fam.v6 {
+        let probe = |proto, src: &str, dst: &str, dport, local_out| Probe {
+            proto,
+            src: src.parse().unwrap(),
+            dst: dst.parse().unwrap(),
+            sport: 0,
+            dport,
+            local_out,
+        };
+        let mut lab_probes = vec![
+            probe(6, "10.201.0.2", "10.10.10.2", 22, false),
+            probe(6, "198.51.100.10", "10.10.10.2", 22, false),
+            probe(17, "10.201.0.2", "10.10.10.2", 22, false),
+            probe(17, "10.201.0.2", "10.201.0.1", 53, false),
+            probe(6, "10.202.0.1", "10.10.10.2", 22, true),
+        ];
+        for _ in 0..15 {
+            lab_probes.push(gen_probe(rng, fam));
+        }
+        run_ruleset(
+            &lab,
+            LAB,
+            &ipsets,
+            &routes,
+            &lab_probes,
+            &mut next_port,
+            &mut out,
+        );
+        assert_eq!(
+            out.compared,
+            lab_probes.len(),
+            "every lab packet is decidable"
+        );
+        lab_packets = lab_probes.len();
+        if !legacy {
+            // `--live` reads the same node state through the real commands.
+            let (rs, sets, live_routes) = lab
+                .router
+                .run(|| observer_rules::load_live().expect("load_live"));
+            assert_eq!(rs.ipv4.rule_count(), parse_save(LAB).unwrap().rule_count());
+            assert_eq!(sets.sets.len(), 3);
+            assert!(matches!(
+                live_routes.lookup("172.17.0.5".parse().unwrap()),
+                observer_rules::RouteDecision::Out { ref dev, .. } if dev == "ethr1"
+            ));
+        }
     }
 
     // 2. Random rulesets.
     let mut done = 0;
     while done < rulesets && started.elapsed() < budget {
-        let rules = gen_ruleset(rng);
-        let probes: Vec<Probe> = (0..16).map(|_| gen_probe(rng)).collect();
+        let rules = gen_ruleset(rng, fam);
+        let probes: Vec<Probe> = (0..16).map(|_| gen_probe(rng, fam)).collect();
         run_ruleset(
             &lab,
             &rules,
@@ -856,10 +1078,9 @@ fn run_backend(legacy: bool, rng: &mut Rng, rulesets: usize, budget: Duration) -
         done += 1;
     }
     eprintln!(
-        "rules_differential [{name}]: {} packets agreed ({} on the lab ruleset, the rest on {done} random rulesets), \
+        "rules_differential [{name}]: {} packets agreed ({lab_packets} on the lab ruleset, the rest on {done} random rulesets), \
          {} counter increments matched, verdicts {:?}, {} undecidable skipped, {:.1}s",
         out.compared,
-        lab_probes.len(),
         out.hits,
         out.verdicts,
         out.skipped,
@@ -887,14 +1108,26 @@ fn kernel_counters_agree_with_simulator() {
     eprintln!("rules_differential: seed {seed:#x} (set OBSERVER_DIFF_SEED to replay)");
     let mut rng = Rng::new(seed);
     // Both back ends a node may use: nft (Debian's default) and legacy x_tables, whose policy
-    // counters also let us check every policy decision.
-    let mut total = run_backend(false, &mut rng, 32, Duration::from_secs(25));
-    let legacy = run_backend(true, &mut rng, 32, Duration::from_secs(25));
-    total.compared += legacy.compared;
-    total.skipped += legacy.skipped;
-    total.hits += legacy.hits;
-    for (k, v) in legacy.verdicts {
-        *total.verdicts.entry(k).or_default() += v;
+    // counters also let us check every policy decision; and both families.
+    let mut total = Outcome {
+        compared: 0,
+        skipped: 0,
+        hits: 0,
+        verdicts: BTreeMap::new(),
+    };
+    for (legacy, fam, rulesets) in [
+        (false, &V4, 24),
+        (true, &V4, 20),
+        (false, &V6, 16),
+        (true, &V6, 12),
+    ] {
+        let o = run_backend(legacy, fam, &mut rng, rulesets, Duration::from_secs(14));
+        total.compared += o.compared;
+        total.skipped += o.skipped;
+        total.hits += o.hits;
+        for (k, v) in o.verdicts {
+            *total.verdicts.entry(k).or_default() += v;
+        }
     }
     let natted = NATTED.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
