@@ -70,8 +70,8 @@ impl Probe {
     fn spec(&self) -> PacketSpec {
         PacketSpec {
             proto: self.proto,
-            src: self.src.into(),
-            dst: self.dst.into(),
+            src: self.src,
+            dst: self.dst,
             sport: (!self.icmp()).then_some(self.sport),
             dport: (!self.icmp()).then_some(self.dport),
             in_iface: (!self.local_out).then(|| "calir0".to_string()),
