@@ -149,6 +149,21 @@ pub fn explain_with(
             }
         }
     }
+    if let Some(nft) = &rs.nft {
+        let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
+        let fam = if packet.is_v6() { "ip6" } else { "ip" };
+        if file.tables.is_empty()
+            && nft
+                .tables
+                .iter()
+                .any(|t| t.is_iptables() && t.family == fam)
+        {
+            notes.push(format!(
+                "the nft ruleset holds iptables-nft tables ({fam}); pass {} output to simulate them",
+                if packet.is_v6() { "ip6tables-save" } else { "iptables-save" }
+            ));
+        }
+    }
     if ipsets.sets.is_empty() && mentions_sets(rs) {
         notes.push(
             "rules use ipsets but no `ipset save` was given: set matches are undecidable".into(),
@@ -211,15 +226,11 @@ pub fn load_live() -> Result<(Ruleset, Ipsets, Routes), ExplainError> {
     let r6 =
         run("ip", &["-j", "-6", "route", "show", "table", "all"]).unwrap_or_else(|_| "[]".into());
     let routes = Routes::parse_json(&[&r4, &r6]).map_err(ExplainError::Routes)?;
-    Ok((
-        Ruleset {
-            ipv4,
-            ipv6,
-            nft: None,
-        },
-        ipsets,
-        routes,
-    ))
+    // Native nft chains are only reported, so a node without nft (or older JSON) still works.
+    let nft = run("nft", &["-j", "list", "ruleset"])
+        .ok()
+        .and_then(|t| parse_nft_json(&t).ok());
+    Ok((Ruleset { ipv4, ipv6, nft }, ipsets, routes))
 }
 
 /// Kubernetes meaning of a kube-proxy rule: the service from its comment, the endpoint of a DNAT.

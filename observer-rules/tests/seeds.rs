@@ -597,3 +597,31 @@ fn calico_rpfilter_uses_the_routes() {
     .unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
 }
+
+#[test]
+fn nft_only_input_says_what_is_missing() {
+    let nft = r#"{"nftables":[{"table":{"family":"ip","name":"filter","handle":1}},
+      {"chain":{"family":"ip","table":"filter","name":"FORWARD","handle":1,"type":"filter","hook":"forward","prio":0,"policy":"drop"}}]}"#;
+    let r = ExplainRequest {
+        nft_json: Some(nft.into()),
+        packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
+        ..Default::default()
+    };
+    let e = explain(&r).unwrap();
+    assert!(
+        e.notes.iter().any(|n| n.contains("pass iptables-save")),
+        "{:?}",
+        e.notes
+    );
+    // Malformed inputs name the input and the position.
+    let bad = ExplainRequest {
+        iptables_save: Some("*filter\n-A X -m\n".into()),
+        packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
+        ..Default::default()
+    };
+    let msg = explain(&bad).unwrap_err().to_string();
+    assert!(
+        msg.starts_with("iptables-save input, line 2, column 6"),
+        "{msg}"
+    );
+}
