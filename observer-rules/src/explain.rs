@@ -272,6 +272,9 @@ fn rule_json(m: &MatchedRule) -> Value {
     if let Some(u) = &m.undecidable {
         v["undecidable"] = json!(u);
     }
+    if let Some((before, after)) = m.mark {
+        v["mark"] = json!({ "before": format!("{before:#x}"), "after": format!("{after:#x}") });
+    }
     v
 }
 

@@ -103,6 +103,8 @@ pub struct MatchedRule {
     /// Set when the rule could not be decided; the walk stops there.
     pub undecidable: Option<String>,
     pub comments: Vec<String>,
+    /// Packet mark before and after, for rules that set it (MARK, CONNMARK --restore-mark).
+    pub mark: Option<(u32, u32)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -548,10 +550,16 @@ impl<'a> Simulator<'a> {
                 }
                 Tri::Yes => {}
             }
+            let mark_before = pkt.mark;
             let (desc, next) = self.apply(&comp.action, hook, pkt, stage);
-            stage
-                .rules
-                .push(matched(table.name.as_str(), rule, ri, desc));
+            let mut m = matched(table.name.as_str(), rule, ri, desc);
+            if matches!(
+                comp.action,
+                Action::Mark { .. } | Action::ConnMarkRestore { .. }
+            ) {
+                m.mark = Some((mark_before, pkt.mark));
+            }
+            stage.rules.push(m);
             match next {
                 Flow::Continue => {}
                 Flow::Stop(v) => return TableResult::Verdict(v),
@@ -959,5 +967,6 @@ fn matched(table: &str, rule: &Rule, ri: usize, action: String) -> MatchedRule {
         action,
         undecidable: None,
         comments: rule.comments().into_iter().map(str::to_string).collect(),
+        mark: None,
     }
 }

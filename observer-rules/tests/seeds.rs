@@ -220,6 +220,10 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     assert_eq!(dnat["k8s"]["endpoint"], "172.17.0.5:22");
     assert_eq!(stages[2]["after"]["mark"], "0x4000");
     assert!(stages[0]["ct"].is_null(), "no conntrack entry in raw");
+    let masq = &stages[2]["rules"][3];
+    assert_eq!(masq["chain"], "KUBE-MARK-MASQ");
+    assert_eq!(masq["mark"]["before"], "0x0");
+    assert_eq!(masq["mark"]["after"], "0x4000");
     assert_eq!(stages[2]["ct"]["state"], "new");
     assert_eq!(stages[2]["ct"]["mark"], "0x0");
     assert_eq!(
