@@ -81,6 +81,20 @@ fn proto_number(p: &str) -> Option<u8> {
 }
 
 impl Ipset {
+    /// hash:* and bitmap:ip sets hold one family (`family inet` unless told otherwise);
+    /// bitmap:port and list:set take any.
+    fn family_matches(&self, v6: bool) -> bool {
+        if !(self.kind.starts_with("hash:") || self.kind.starts_with("bitmap:ip")) {
+            return true;
+        }
+        let fam = self
+            .create_opts
+            .windows(2)
+            .find(|w| w[0] == "family")
+            .map_or("inet", |w| w[1].as_str());
+        (fam == "inet6") == v6
+    }
+
     /// `Some(true/false)` when the packet's tuple (chosen by `dirs`, true = src) is a member;
     /// `None` when we cannot tell (type not modelled, or an iface/mac dimension).
     pub fn contains(
@@ -109,7 +123,10 @@ impl Ipset {
             }
             return if unknown { None } else { Some(false) };
         }
-        // The kernel uses the first flags for the first dimensions; missing flags mean src.
+        // ip_set_test: fewer flags than the set has dimensions, or another family, never match.
+        if dirs.len() < dims.len() || !self.family_matches(l.src.is_ipv6()) {
+            return Some(false);
+        }
         let mut best: Option<(u32, bool)> = None;
         for m in &self.members {
             if m.dims.len() != dims.len() {
@@ -118,7 +135,7 @@ impl Ipset {
             let mut ok = true;
             let mut spec = 0u32;
             for (i, (d, v)) in dims.iter().zip(&m.dims).enumerate() {
-                let src = dirs.get(i).copied().unwrap_or(true);
+                let src = dirs[i];
                 let addr = if src { l.src } else { l.dst };
                 let hit = match d {
                     Dim::Ip | Dim::Net => {
@@ -272,6 +289,8 @@ fn parse_list(text: &str) -> Result<Ipsets, ParseError> {
             pending_name = false;
         } else if let Some(k) = l.strip_prefix("Type:") {
             set.kind = k.trim().to_string();
+        } else if let Some(h) = l.strip_prefix("Header:") {
+            set.create_opts = h.split_whitespace().map(str::to_string).collect();
         } else if l.starts_with("Members:") {
             in_members = true;
         } else if in_members {
@@ -341,6 +360,15 @@ mod tests {
             s.contains("missing", &[true], &lk("10.2.0.1", "1.1.1.1", 80)),
             None
         );
+        // One flag for a two-dimension set never matches (kernel ip_set_test).
+        assert_eq!(
+            s.contains("ipp", &[false], &lk("1.1.1.1", "10.1.1.1", 80)),
+            Some(false)
+        );
+        // An IPv4 set never matches an IPv6 packet.
+        let mut v6 = lk("10.2.0.1", "1.1.1.1", 80);
+        v6.src = "::1".parse().unwrap();
+        assert_eq!(s.contains("n", &[true], &v6), Some(false));
     }
 
     #[test]
