@@ -806,6 +806,9 @@ fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) ->
                     ("sip", "src"),
                     ("svc", "dst,dst"),
                     ("svc", "dst,src"),
+                    // Too few flags never match; extra flags are ignored.
+                    ("svc", "dst"),
+                    ("dnet", "dst,src"),
                 ]);
                 s += &format!(" -m set {}--match-set {set} {flags}", neg(r));
             }
