@@ -50,7 +50,11 @@ pub mod counter {
     pub const READ_FAILED: u32 = 2;
     /// The probes had no configuration yet (offsets map empty); nothing was written.
     pub const NOT_CONFIGURED: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// Records not written because the packet did not match `--filter`.
+    pub const FILTERED: u32 = 4;
+    /// Records not written because `--sample` left the packet's flow out.
+    pub const SAMPLED_OUT: u32 = 5;
+    pub const COUNT: u32 = 8;
 }
 
 /// Indices into the `CONFIG` array: kernel struct offsets resolved by userspace from BTF.
@@ -83,7 +87,13 @@ pub mod config {
     /// `sk_buff.sk` and `sock.__sk_common.skc_net.net`, for drops of skbs without a device.
     pub const SKB_SK: u32 = 19;
     pub const SOCK_NET: u32 = 20;
-    pub const COUNT: u32 = 24;
+    /// Layout of the raw conntrack tuples, so the filter can match a connection's
+    /// original and reply addresses (a NATed packet still matches its ClusterIP).
+    pub const TUPLE_SRC_ADDR: u32 = 21;
+    pub const TUPLE_SRC_PORT: u32 = 22;
+    pub const TUPLE_DST_ADDR: u32 = 23;
+    pub const TUPLE_DST_PORT: u32 = 24;
+    pub const COUNT: u32 = 32;
 }
 
 /// Number of netfilter probe programs compiled into the netfilter object. Each one may be

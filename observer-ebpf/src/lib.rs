@@ -9,9 +9,10 @@
 use aya_ebpf::{
     helpers::{bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_buf},
     macros::map,
-    maps::{Array, PerCpuArray, RingBuf},
+    maps::{Array, LruHashMap, PerCpuArray, RingBuf},
 };
-use observer_common::{CtInfo, PacketEvent, config, counter, flags};
+use observer_common::filter::{self, FilterInput, FilterProgram};
+use observer_common::{CT_TUPLE_BYTES, CtInfo, PacketEvent, config, counter, flags};
 
 /// All records, in one ring buffer so userspace sees one ordered stream per CPU.
 #[map]
@@ -24,6 +25,151 @@ pub static CONFIG: Array<u64> = Array::with_max_entries(config::COUNT, 0);
 /// Per-CPU counters ([`observer_common::counter`]).
 #[map]
 pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+
+/// The compiled `--filter`/`--sample` program (one entry; all zero keeps everything).
+#[map]
+pub static FILTER: Array<FilterProgram> = Array::with_max_entries(1, 0);
+
+/// The filter's decision per packet (skb address -> KEEP, FILTERED_OUT, SAMPLED_OUT), taken where the
+/// packet enters and reused by every later probe: an unmatched packet costs them one lookup.
+#[map]
+pub static DECISION: LruHashMap<u64, u8> = LruHashMap::with_max_entries(65536, 0);
+
+/// What a probe does with the filter.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Decide {
+    /// The packet enters here (TC ingress, first probe of PREROUTING or OUTPUT): decide
+    /// afresh from its addresses, replacing whatever an earlier packet at the same address
+    /// left behind.
+    Entry,
+    /// Just after conntrack: a packet not kept yet is decided again with its connection's
+    /// original and reply tuples too, so replies and NATed packets of a matching flow are
+    /// kept.
+    WithConntrack,
+    /// Reuse the decision taken upstream.
+    Follow,
+}
+
+fn filter_input(ev: &PacketEvent) -> FilterInput {
+    let p = &ev.packet;
+    FilterInput {
+        saddr: p.saddr,
+        daddr: p.daddr,
+        ifindex_in: ev.header.ifindex_in,
+        ifindex_out: ev.header.ifindex_out,
+        mark: p.mark,
+        sport: p.sport,
+        dport: p.dport,
+        ip_version: p.ip_version,
+        l4proto: p.l4proto,
+        has_ports: u8::from(
+            ev.header.flags & (flags::NO_L3 | flags::NO_L4) == 0
+                && matches!(p.l4proto, 6 | 17 | 132),
+        ),
+        _pad: 0,
+    }
+}
+
+/// Whether `ev` is written, per `--filter` and `--sample`. Counts what it leaves out.
+#[inline(always)]
+pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
+    let Some(prog) = FILTER.get(0) else {
+        return true;
+    };
+    if prog.enabled == 0 && prog.sample <= 1 {
+        return true;
+    }
+    let skb = ev.header.skb;
+    // SAFETY: the value is a plain u8 read while the entry exists.
+    let decided = unsafe { DECISION.get(&skb) }.copied();
+    let verdict = match how {
+        Decide::Follow => decided.unwrap_or(FILTERED_OUT),
+        Decide::WithConntrack if decided == Some(KEEP) => KEEP,
+        Decide::Entry => {
+            let input = filter_input(ev);
+            let v = verdict_of(
+                filter::eval(prog, &input),
+                filter::sample_keep(prog, filter::flow_hash(&input)),
+            );
+            let _ = DECISION.insert(&skb, &v, 0);
+            v
+        }
+        Decide::WithConntrack => {
+            let current = filter_input(ev);
+            let mut inputs = [current, current, current];
+            let mut n = 1;
+            if ev.header.flags & flags::CT != 0 {
+                tuple_into(&ev.ct.orig, &mut inputs[1]);
+                tuple_into(&ev.ct.reply, &mut inputs[2]);
+                n = 3;
+            }
+            // Sample by the original tuple: a connection's packets, both ways and before
+            // and after NAT, are kept or left out together.
+            let hashed = if n == 3 { &inputs[1] } else { &inputs[0] };
+            let v = verdict_of(
+                filter::eval_any(prog, &inputs, n),
+                filter::sample_keep(prog, filter::flow_hash(hashed)),
+            );
+            let _ = DECISION.insert(&skb, &v, 0);
+            v
+        }
+    };
+    match verdict {
+        KEEP => true,
+        SAMPLED_OUT => {
+            count(counter::SAMPLED_OUT);
+            false
+        }
+        _ => {
+            count(counter::FILTERED);
+            false
+        }
+    }
+}
+
+/// Values of [`DECISION`].
+const FILTERED_OUT: u8 = 0;
+const KEEP: u8 = 1;
+const SAMPLED_OUT: u8 = 2;
+
+#[inline(always)]
+fn verdict_of(matched: bool, sampled: bool) -> u8 {
+    match (matched, sampled) {
+        (false, _) => FILTERED_OUT,
+        (true, true) => KEEP,
+        (true, false) => SAMPLED_OUT,
+    }
+}
+
+/// Overwrites addresses and ports of `input` with a raw conntrack tuple's.
+#[inline(always)]
+fn tuple_into(raw: &[u8; CT_TUPLE_BYTES], input: &mut FilterInput) -> bool {
+    let (Some(sa), Some(sp), Some(da), Some(dp)) = (
+        cfg(config::TUPLE_SRC_ADDR),
+        cfg(config::TUPLE_SRC_PORT),
+        cfg(config::TUPLE_DST_ADDR),
+        cfg(config::TUPLE_DST_PORT),
+    ) else {
+        return false;
+    };
+    // Clamped so that every access stays inside the tuple; `get` keeps panics out.
+    let (sa, sp, da, dp) = (
+        (sa as usize).min(32),
+        (sp as usize).min(46),
+        (da as usize).min(32),
+        (dp as usize).min(46),
+    );
+    let byte = |i: usize| raw.get(i).copied().unwrap_or(0);
+    let mut i = 0;
+    while i < 16 {
+        input.saddr[i] = byte(sa + i);
+        input.daddr[i] = byte(da + i);
+        i += 1;
+    }
+    input.sport = u16::from_be_bytes([byte(sp), byte(sp + 1)]);
+    input.dport = u16::from_be_bytes([byte(dp), byte(dp + 1)]);
+    true
+}
 
 /// Per-CPU scratch record: a `PacketEvent` does not fit the 512-byte BPF stack next to the
 /// buffers used to fill it.

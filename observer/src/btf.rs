@@ -158,6 +158,10 @@ impl KernelLayout {
         if tuple.size > CT_TUPLE_BYTES {
             return Err(BtfError::TupleTooLarge(tuple.size));
         }
+        config[config::TUPLE_SRC_ADDR as usize] = tuple.src_addr as u64;
+        config[config::TUPLE_SRC_PORT as usize] = tuple.src_port as u64;
+        config[config::TUPLE_DST_ADDR as usize] = tuple.dst_addr as u64;
+        config[config::TUPLE_DST_PORT as usize] = tuple.dst_port as u64;
 
         Ok(Self {
             config,

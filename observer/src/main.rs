@@ -55,6 +55,15 @@ struct TailArgs {
     /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
+    /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
+    /// (e.g. "tcp and port 22", "host 10.10.10.2", "iface cali1a2b", "mark 0x4000/0x4000").
+    /// A packet matches by its current addresses or its connection's original or reply
+    /// tuple, so a ClusterIP filter follows the packet after DNAT. See docs/filter.md.
+    #[arg(long, value_name = "EXPR")]
+    filter: Option<String>,
+    /// Keep one flow in N (a connection's packets are kept or left out together).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    sample: u32,
     /// TOML file naming mark bits, applied over the defaults and the live ruleset:
     /// `[marks]` then lines like `"0x4000" = "kube-proxy:masquerade"`.
     #[arg(long, value_name = "FILE")]
@@ -105,6 +114,8 @@ fn run(cli: Cli) -> Result<()> {
                 netns: a.netns,
                 output: if a.json { tail::Output::Json } else { a.output },
                 marks_file: a.marks,
+                filter: a.filter,
+                sample: a.sample,
                 count: a.count,
                 ready_file: a.ready_file,
                 timeout: a.timeout.map(Duration::from_secs_f64),

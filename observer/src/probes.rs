@@ -10,7 +10,8 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
 use aya::programs::{BtfTracePoint, SchedClassifier, TcAttachType};
 use aya::{Btf, Ebpf, EbpfLoader};
-use log::{debug, warn};
+use log::{debug, info};
+use observer_common::filter::FilterProgram;
 use observer_common::{config, counter};
 
 use crate::btf::KernelLayout;
@@ -20,7 +21,9 @@ use crate::plan::HookPlan;
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
-const MAPS: [&str; 4] = ["EVENTS", "CONFIG", "COUNTERS", "SCRATCH"];
+const MAPS: [&str; 6] = [
+    "EVENTS", "CONFIG", "COUNTERS", "SCRATCH", "FILTER", "DECISION",
+];
 const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_ingress", TcAttachType::Ingress),
     ("observer_tc_egress", TcAttachType::Egress),
@@ -33,6 +36,8 @@ pub struct KernelCounters {
     pub ringbuf_full: u64,
     pub read_failed: u64,
     pub not_configured: u64,
+    pub filtered: u64,
+    pub sampled_out: u64,
 }
 
 pub struct Probes {
@@ -46,7 +51,7 @@ pub struct Probes {
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
-        Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m)) => m,
+        Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::LruHashMap(m)) => m,
         Some(_) => bail!("map {name} has an unexpected type"),
         None => bail!("probe object has no map {name}"),
     };
@@ -54,8 +59,9 @@ fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
 }
 
 impl Probes {
-    /// Loads both objects and configures them with `layout`. Nothing is attached yet.
-    pub fn load(layout: &KernelLayout) -> Result<Self> {
+    /// Loads both objects and configures them with `layout` and the packet `filter`.
+    /// Only the kfree_skb tracepoint is attached yet.
+    pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
         if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
             bail!(
                 "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
@@ -74,6 +80,13 @@ impl Probes {
                 config.set(i as u32, v, 0)?;
             }
             config.set(config::OBSERVED_NETNS, current_netns_inode()?, 0)?;
+        }
+        {
+            let mut map: Array<_, FilterProgram> = Array::try_from(
+                ebpf.map_mut("FILTER")
+                    .context("probe object has no FILTER map")?,
+            )?;
+            map.set(0, filter, 0)?;
         }
         for (name, _) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = ebpf
@@ -113,6 +126,16 @@ impl Probes {
     pub fn attach_netfilter(&mut self, plans: Vec<HookPlan>) -> Result<()> {
         let mut attached = Vec::with_capacity(plans.len());
         for mut plan in plans {
+            debug!(
+                "{}/{}: tables {:?} probes at {:?}",
+                plan.family.name(),
+                plan.hook.name(),
+                plan.tables
+                    .iter()
+                    .map(|t| (&t.name, t.priority))
+                    .collect::<Vec<_>>(),
+                plan.points
+            );
             for slot in 0..plan.points.len() {
                 let prog = self.nf.program_mut(&format!("nf_slot_{slot}"))?;
                 prog.load()?;
@@ -123,7 +146,8 @@ impl Probes {
                     match prog.attach(plan.family, plan.hook, prio) {
                         Ok(link) => {
                             if prio != plan.points[slot] {
-                                warn!(
+                                // ipv6 conntrack confirms at INPUT INT_MAX-1, for one.
+                                info!(
                                     "{}/{} priority {} is taken; probing at {prio} instead",
                                     plan.family.name(),
                                     plan.hook.name(),
@@ -196,6 +220,8 @@ impl Probes {
             ringbuf_full: sum(counter::RINGBUF_FULL)?,
             read_failed: sum(counter::READ_FAILED)?,
             not_configured: sum(counter::NOT_CONFIGURED)?,
+            filtered: sum(counter::FILTERED)?,
+            sampled_out: sum(counter::SAMPLED_OUT)?,
         })
     }
 
@@ -236,6 +262,14 @@ pub fn interfaces() -> Vec<(u32, String)> {
         libc::if_freenameindex(list);
     }
     out
+}
+
+/// Index of interface `name` in the current namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: c is a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
 }
 
 /// Name of an interface in the current namespace, or `if<N>` if it is gone.

@@ -19,6 +19,7 @@ use crate::nf_link::NfHook;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
 use crate::report::{self, Plans};
+use observer_common::filter::FilterProgram;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -26,6 +27,10 @@ pub struct TailOptions {
     pub output: Output,
     /// TOML mark dictionary applied over the defaults and what the live ruleset shows.
     pub marks_file: Option<PathBuf>,
+    /// pcap-subset expression evaluated by the probes (docs/filter.md).
+    pub filter: Option<String>,
+    /// Keep one flow in N (0 or 1: all).
+    pub sample: u32,
     pub count: Option<u64>,
     pub ready_file: Option<PathBuf>,
     pub timeout: Option<Duration>,
@@ -80,12 +85,14 @@ impl std::fmt::Display for Summary {
         write!(
             f,
             "observer: {} traversals printed; kernel: {} records written, {} lost (ring buffer \
-             full), {} failed reads; collector: {} evicted (too many in flight), {} incomplete \
-             at exit, {} undecodable",
+             full), {} failed reads, {} filtered out, {} sampled out; collector: {} evicted \
+             (too many in flight), {} incomplete at exit, {} undecodable",
             self.printed,
             self.kernel.emitted,
             self.kernel.ringbuf_full,
             self.kernel.read_failed,
+            self.kernel.filtered,
+            self.kernel.sampled_out,
             self.evicted,
             self.incomplete_at_exit,
             self.decode_errors
@@ -101,7 +108,13 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     }
     let layout = KernelLayout::from_kernel()?;
     let marks = mark_dictionary(opts.marks_file.as_ref())?;
-    let mut probes = Probes::load(&layout)?;
+    // Interface names in the filter are those of the observed namespace, entered above.
+    let mut program = match &opts.filter {
+        Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
+        None => FilterProgram::KEEP_ALL,
+    };
+    program.sample = opts.sample;
+    let mut probes = Probes::load(&layout, &program)?;
     let custom = std::process::Command::new("nft")
         .args(["-j", "list", "ruleset"])
         .output()
@@ -249,7 +262,10 @@ fn drain_ring(
 ) {
     while let Some(item) = rb.next() {
         match decode(&item, &layout.tuple) {
-            Ok(Record::Packet(o)) => correlator.push(o, done),
+            Ok(Record::Packet(o)) => {
+                log::trace!("record {:?} skb {:#x} mark {:#x}", o.point, o.skb, o.mark);
+                correlator.push(o, done)
+            }
             Ok(Record::Drop(d)) => correlator.push_drop(d, done),
             Err(e) => {
                 summary.decode_errors += 1;

@@ -131,6 +131,11 @@ pub struct Tail {
 
 impl Tail {
     pub fn start(lab: &Lab) -> Self {
+        Self::start_with(lab, &[])
+    }
+
+    /// Starts the observer with extra `tail` arguments (e.g. a filter).
+    pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
         let ready = std::env::temp_dir().join(format!("{}-ready", lab.prefix));
         let _ = std::fs::remove_file(&ready);
         let child = Command::new(observer_bin())
@@ -142,6 +147,7 @@ impl Tail {
                 "--netns",
                 &lab.ns("node"),
             ])
+            .args(extra)
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::piped())

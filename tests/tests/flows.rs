@@ -293,3 +293,109 @@ fn ipv6_flow_through_ip6tables_rules() {
     assert_eq!(syn["fate"]["kind"], "forwarded");
     assert_eq!(syn["egress"]["iface"], "cali1a2b");
 }
+
+/// `observer: N traversals printed; kernel: W records written, ... F filtered out, ...`
+fn summary_number(stderr: &str, after_word: &str) -> u64 {
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("observer: "))
+        .unwrap_or_else(|| panic!("no summary line in {stderr}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let i = words
+        .windows(2)
+        .position(|w| w[1].trim_end_matches(',') == after_word)
+        .unwrap_or_else(|| panic!("no `{after_word}` in {line}"));
+    words[i]
+        .parse()
+        .unwrap_or_else(|_| panic!("no number before `{after_word}` in {line}"))
+}
+
+#[test]
+fn a_kernel_filter_leaves_other_flows_unrecorded() {
+    if !privileged("a_kernel_filter_leaves_other_flows_unrecorded") {
+        return;
+    }
+    let lab = Lab::up("f8");
+    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let listener = lab.serve("node", |ready| {
+        let s = UdpSocket::bind("198.51.100.1:5353").unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 16];
+        let _ = s.recv(&mut buf);
+    });
+    let tail = Tail::start_with(&lab, &["--filter", "udp and dst port 5353"]);
+    // Excluded: a whole TCP connection through the ClusterIP.
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    server.join().unwrap();
+    // Matching: one datagram to the node.
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"traced", "198.51.100.1:5353").unwrap();
+    });
+    listener.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    assert!(
+        reports.iter().all(|r| r["proto"] == "udp"),
+        "only the matching flow is reported: {reports:#?}"
+    );
+    let traced = find(&reports, "the matching datagram", |r| {
+        first_dst(r) == "198.51.100.1:5353"
+    });
+    assert_eq!(traced["fate"]["kind"], "delivered");
+    assert_eq!(
+        traced["ingress"]["iface"], "eth0",
+        "kept from its first probe on"
+    );
+    // The probes' own counters: the TCP connection's records were never written.
+    let filtered = summary_number(&stderr, "filtered");
+    let written = summary_number(&stderr, "records");
+    assert!(
+        filtered >= 8 * 10,
+        "the TCP flow was left out in the kernel: {stderr}"
+    );
+    assert!(
+        written < filtered,
+        "fewer records written than left out: {stderr}"
+    );
+}
+
+#[test]
+fn sampling_keeps_about_one_flow_in_n() {
+    if !privileged("sampling_keeps_about_one_flow_in_n") {
+        return;
+    }
+    let lab = Lab::up("f9");
+    let tail = Tail::start_with(
+        &lab,
+        &["--filter", "udp and dst port 5353", "--sample", "4"],
+    );
+    // 64 flows (distinct source ports), one datagram each, to a closed port on the node.
+    lab.run_in("client", || {
+        for _ in 0..64 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"sample me", "198.51.100.1:5353").unwrap();
+        }
+    });
+    let (reports, stderr) = tail.stop();
+    let kept = reports
+        .iter()
+        .filter(|r| first_dst(r) == "198.51.100.1:5353")
+        .count();
+    // Binomial(64, 1/4): mean 16; [4, 32] holds with probability > 0.9999.
+    assert!(
+        (4..=32).contains(&kept),
+        "kept {kept} of 64 flows with --sample 4"
+    );
+    assert!(summary_number(&stderr, "sampled") > 0, "{stderr}");
+    assert!(
+        reports
+            .iter()
+            .filter(|r| first_dst(r) == "198.51.100.1:5353")
+            .all(|r| r["ingress"]["iface"] == "eth0"),
+        "kept flows are complete"
+    );
+}

@@ -8,8 +8,10 @@
 #![no_std]
 #![no_main]
 
-use observer_common::{config, counter, flags, kind};
-use observer_ebpf::{cfg, count, emit, now, parse_l3, parse_l4, read, read_ct, scratch};
+use observer_common::{config, counter, flags, hook, kind};
+use observer_ebpf::{
+    Decide, cfg, count, emit, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
+};
 
 /// `struct bpf_nf_ctx`: the program's context.
 #[repr(C)]
@@ -93,7 +95,17 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     if read_ct(skb, &mut ev.ct)? {
         ev.header.flags |= flags::CT;
     }
-    emit(ev);
+    // Slot 0 is where a packet enters PREROUTING or OUTPUT, slot 2 is just after conntrack
+    // there (see observer's plan); elsewhere the decision taken upstream is reused.
+    let entry_hook = ev.header.hook == hook::PRE_ROUTING || ev.header.hook == hook::LOCAL_OUT;
+    let how = match slot {
+        0 if entry_hook => Decide::Entry,
+        2 if entry_hook => Decide::WithConntrack,
+        _ => Decide::Follow,
+    };
+    if keep(ev, how) {
+        emit(ev);
+    }
     Ok(())
 }
 

@@ -9,7 +9,9 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TcContext},
 };
 use observer_common::{DropEvent, config, family, hook, kind};
-use observer_ebpf::{EVENTS, cfg, count, emit, now, parse_l3, parse_l4, read, scratch};
+use observer_ebpf::{
+    Decide, EVENTS, cfg, count, emit, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
+};
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
 const TC_NEXT: i32 = -1;
@@ -56,17 +58,21 @@ fn observe(ctx: &TcContext, at: u8) {
         _ => 0,
     };
     if ev.header.family != 0 {
-        // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0.
-        // Fixed-size loads only: the verifier refuses a length that might be zero.
-        let mut l3 = 14usize;
-        let mut hdr: [u8; 40] = ctx.load(l3).unwrap_or([0; 40]);
-        if hdr[0] >> 4 != 4 && hdr[0] >> 4 != 6 {
-            l3 = 0;
-            hdr = ctx.load(l3).unwrap_or([0; 40]);
-        }
+        // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0. Loads
+        // are fixed-size (the verifier refuses a length that might be zero) and no longer
+        // than the smallest packet of their kind, or they fail on short packets.
+        let Some((l3, hdr)) = load_l3(ctx, 14).or_else(|| load_l3(ctx, 0)) else {
+            return;
+        };
         if let Some(ihl) = parse_l3(&hdr, ev) {
-            match ctx.load::<[u8; 16]>(l3 + ihl) {
-                Ok(l4) => parse_l4(&l4, ev),
+            let mut l4 = [0u8; 16];
+            let loaded = if ev.packet.l4proto == 6 {
+                ctx.load::<[u8; 16]>(l3 + ihl).map(|b| l4 = b)
+            } else {
+                ctx.load::<[u8; 8]>(l3 + ihl).map(|b| l4[..8].copy_from_slice(&b))
+            };
+            match loaded {
+                Ok(()) => parse_l4(&l4, ev),
                 Err(_) => ev.header.flags |= observer_common::flags::NO_L4,
             }
         }
@@ -74,7 +80,34 @@ fn observe(ctx: &TcContext, at: u8) {
         // Not IP (ARP, LLDP, ...): nothing netfilter will see; do not spend a record on it.
         return;
     }
-    emit(ev);
+    // The context pointer is the kernel's sk_buff: its conntrack entry (set at egress) lets
+    // the filter follow NATed packets and shows the connection as it leaves.
+    if read_ct(ev.header.skb, &mut ev.ct) == Ok(true) {
+        ev.header.flags |= observer_common::flags::CT;
+    }
+    let how = if at == hook::TC_INGRESS {
+        Decide::Entry
+    } else {
+        Decide::Follow
+    };
+    if keep(ev, how) {
+        emit(ev);
+    }
+}
+
+/// The IP header at `at`: 20 bytes for IPv4, 40 for IPv6 (zero-padded to 40).
+#[inline(always)]
+fn load_l3(ctx: &TcContext, at: usize) -> Option<(usize, [u8; 40])> {
+    let v4: [u8; 20] = ctx.load(at).ok()?;
+    let mut hdr = [0u8; 40];
+    match v4[0] >> 4 {
+        4 => {
+            hdr[..20].copy_from_slice(&v4);
+            Some((at, hdr))
+        }
+        6 => Some((at, ctx.load(at).ok()?)),
+        _ => None,
+    }
 }
 
 /// Every packet the kernel frees as dropped, with its reason. Only drops of the observed
