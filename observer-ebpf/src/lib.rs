@@ -127,6 +127,30 @@ pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
     }
 }
 
+/// For probes that reuse the upstream decision ([`Decide::Follow`]): whether packet `skb`
+/// is kept. Needs nothing but its address, so it runs before any other read.
+#[inline(always)]
+pub fn follows_keep(skb: u64) -> bool {
+    let Some(prog) = FILTER.get(0) else {
+        return true;
+    };
+    if prog.enabled == 0 && prog.sample <= 1 {
+        return true;
+    }
+    // SAFETY: the value is a plain u8 read while the entry exists.
+    match unsafe { DECISION.get(&skb) }.copied() {
+        Some(KEEP) => true,
+        Some(SAMPLED_OUT) => {
+            count(counter::SAMPLED_OUT);
+            false
+        }
+        _ => {
+            count(counter::FILTERED);
+            false
+        }
+    }
+}
+
 /// Values of [`DECISION`].
 const FILTERED_OUT: u8 = 0;
 const KEEP: u8 = 1;

@@ -388,43 +388,63 @@ fn bench(seconds: u32) -> Result<()> {
     let bin = observer_bin(true);
     let prefix = "obsbench";
     run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
-    let result = (|| -> Result<(f64, f64)> {
-        let without = iperf(prefix, seconds)?;
-        let node = format!("{prefix}-node");
-        let mut tail = start_tail(&bin, &["--netns", &node, "--json"], Stdio::null())?;
-        let with = iperf(prefix, seconds);
-        stop(&mut tail)?;
-        Ok((without, with?))
+    let node = format!("{prefix}-node");
+    // (label, extra tail arguments; None = no observer)
+    let cases: [(&str, Option<&[&str]>); 3] = [
+        ("no observer", None),
+        ("observer tracing everything", Some(&[])),
+        (
+            "observer, filter matching nothing",
+            Some(&["--filter", "host 192.0.2.99"]),
+        ),
+    ];
+    let result = (|| -> Result<Vec<f64>> {
+        let mut out = Vec::new();
+        for (_, args) in cases {
+            let Some(args) = args else {
+                out.push(iperf(prefix, seconds)?);
+                continue;
+            };
+            let mut all = vec!["--netns", node.as_str(), "--json"];
+            all.extend_from_slice(args);
+            let mut tail = start_tail(&bin, &all, Stdio::null())?;
+            let r = iperf(prefix, seconds);
+            stop(&mut tail)?;
+            out.push(r?);
+        }
+        Ok(out)
     })();
     run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
-    let (without, with) = result?;
+    let rates = result?;
     println!("iperf3 TCP client -> ClusterIP -> pod through the lab node, {seconds} s each:");
-    println!(
-        "  {:<34} {:>10.2} Gbit/s",
-        "without observer",
-        without / 1e9
-    );
-    println!(
-        "  {:<34} {:>10.2} Gbit/s",
-        "with observer (tracing everything)",
-        with / 1e9
-    );
-    println!("  {:<34} {:>10.3}", "ratio with/without", with / without);
-    if workspace_root()
-        .join("observer-rules/examples/bench_rules.rs")
-        .exists()
-    {
-        println!();
-        run(Command::new("cargo").args([
-            "run",
-            "--locked",
-            "--release",
-            "-q",
-            "-p",
-            "observer-rules",
-            "--example",
-            "bench_rules",
-        ]))?;
+    for ((label, _), r) in cases.iter().zip(&rates) {
+        println!(
+            "  {label:<36} {:>8.2} Gbit/s   ratio {:.3}",
+            r / 1e9,
+            r / rates[0]
+        );
     }
+    println!("\ncollector, synthetic records (observer/examples/collector_bench.rs):");
+    run(Command::new("cargo").args([
+        "run",
+        "--locked",
+        "--release",
+        "-q",
+        "-p",
+        "observer",
+        "--example",
+        "collector_bench",
+    ]))?;
+    println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
+    run(Command::new("cargo").args([
+        "run",
+        "--locked",
+        "--release",
+        "-q",
+        "-p",
+        "observer-rules",
+        "--example",
+        "bench_rules",
+    ]))?;
     Ok(())
 }

@@ -10,7 +10,7 @@
 
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::{
-    Decide, cfg, count, emit, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
+    Decide, cfg, count, emit, follows_keep, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -68,6 +68,18 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     ev.header.skb = skb;
     let off = |i| cfg(i).ok_or(());
     ev.header.hook = read::<u8>(state, off(config::STATE_HOOK)?)?;
+    // Slot 0 is where a packet enters PREROUTING or OUTPUT, slot 2 is just after conntrack
+    // there (see observer's plan); elsewhere the decision taken upstream is reused, and a
+    // packet left out costs this probe one lookup, before any other read.
+    let entry_hook = ev.header.hook == hook::PRE_ROUTING || ev.header.hook == hook::LOCAL_OUT;
+    let how = match slot {
+        0 if entry_hook => Decide::Entry,
+        2 if entry_hook => Decide::WithConntrack,
+        _ => Decide::Follow,
+    };
+    if how == Decide::Follow && !follows_keep(skb) {
+        return Ok(());
+    }
     ev.header.family = read::<u8>(state, off(config::STATE_PF)?)?;
     let ifindex_off = off(config::NETDEV_IFINDEX)?;
     let dev_in: u64 = read(state, off(config::STATE_IN)?)?;
@@ -95,15 +107,7 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     if read_ct(skb, &mut ev.ct)? {
         ev.header.flags |= flags::CT;
     }
-    // Slot 0 is where a packet enters PREROUTING or OUTPUT, slot 2 is just after conntrack
-    // there (see observer's plan); elsewhere the decision taken upstream is reused.
-    let entry_hook = ev.header.hook == hook::PRE_ROUTING || ev.header.hook == hook::LOCAL_OUT;
-    let how = match slot {
-        0 if entry_hook => Decide::Entry,
-        2 if entry_hook => Decide::WithConntrack,
-        _ => Decide::Follow,
-    };
-    if keep(ev, how) {
+    if how == Decide::Follow || keep(ev, how) {
         emit(ev);
     }
     Ok(())

@@ -10,7 +10,8 @@ use aya_ebpf::{
 };
 use observer_common::{DropEvent, config, family, hook, kind};
 use observer_ebpf::{
-    Decide, EVENTS, cfg, count, emit, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
+    Decide, EVENTS, cfg, count, emit, follows_keep, keep, now, parse_l3, parse_l4, read, read_ct,
+    scratch,
 };
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
@@ -31,6 +32,10 @@ pub fn observer_tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn observe(ctx: &TcContext, at: u8) {
     let skb = ctx.skb.skb;
+    // At egress the decision was taken upstream: a packet left out costs one lookup.
+    if at == hook::TC_EGRESS && !follows_keep(skb as u64) {
+        return;
+    }
     let Some(ev) = scratch() else {
         return;
     };
@@ -85,12 +90,7 @@ fn observe(ctx: &TcContext, at: u8) {
     if read_ct(ev.header.skb, &mut ev.ct) == Ok(true) {
         ev.header.flags |= observer_common::flags::CT;
     }
-    let how = if at == hook::TC_INGRESS {
-        Decide::Entry
-    } else {
-        Decide::Follow
-    };
-    if keep(ev, how) {
+    if at == hook::TC_EGRESS || keep(ev, Decide::Entry) {
         emit(ev);
     }
 }
