@@ -38,6 +38,10 @@ pub mod flags {
     pub const CT: u8 = 2;
     /// L4 ports could not be read (fragment or unknown protocol).
     pub const NO_L4: u8 = 4;
+    /// An IPv4 fragment (more-fragments set or a non-zero offset).
+    pub const FRAGMENT: u8 = 8;
+    /// An ICMP error: `PacketEvent::inner` holds the header it quotes.
+    pub const INNER: u8 = 16;
 }
 
 /// Indices into the `COUNTERS` per-CPU array. Userspace sums the CPUs and reports every one.
@@ -186,6 +190,20 @@ pub struct PacketEvent {
     pub header: EventHeader,
     pub packet: PacketInfo,
     pub ct: CtInfo,
+    /// The packet quoted by an ICMP error, valid when `flags::INNER` is set.
+    pub inner: InnerInfo,
+}
+
+/// Addresses and ports of the packet an ICMP error quotes (conntrack translates them too).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InnerInfo {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+    pub l4proto: u8,
+    pub _pad: [u8; 3],
 }
 
 /// Record of kind [`kind::DROP`]: the kernel freed `header.skb` as dropped.
@@ -204,7 +222,8 @@ const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
 const _: () = assert!(core::mem::size_of::<DropEvent>() == 48);
 const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
 const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
-const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112);
+const _: () = assert!(core::mem::size_of::<InnerInfo>() == 40);
+const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112 + 40);
 const _: () = assert!(core::mem::align_of::<PacketEvent>() == 8);
 
 #[cfg(feature = "user")]
@@ -214,6 +233,7 @@ mod pod {
     unsafe impl aya::Pod for super::PacketInfo {}
     unsafe impl aya::Pod for super::CtInfo {}
     unsafe impl aya::Pod for super::PacketEvent {}
+    unsafe impl aya::Pod for super::InnerInfo {}
     unsafe impl aya::Pod for super::DropEvent {}
 }
 pub mod filter;

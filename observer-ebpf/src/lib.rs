@@ -264,9 +264,12 @@ pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
             p.saddr[..4].copy_from_slice(&hdr[12..16]);
             p.daddr[..4].copy_from_slice(&hdr[16..20]);
             // Non-first fragments carry no L4 header.
-            let frag = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
-            if frag != 0 {
+            let frag = u16::from_be_bytes([hdr[6], hdr[7]]);
+            if frag & 0x1fff != 0 {
                 ev.header.flags |= flags::NO_L4;
+            }
+            if frag & 0x3fff != 0 {
+                ev.header.flags |= flags::FRAGMENT;
             }
             Some(((hdr[0] & 0x0f) as usize) * 4)
         }
@@ -286,6 +289,54 @@ pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
             ev.header.flags |= flags::NO_L3;
             None
         }
+    }
+}
+
+/// Whether the ICMP(v6) message `ev` carries quotes a packet (an error message).
+#[inline(always)]
+pub fn is_icmp_error(ev: &PacketEvent) -> bool {
+    let t = (ev.packet.dport >> 8) as u8;
+    match ev.packet.l4proto {
+        1 => matches!(t, 3 | 4 | 5 | 11 | 12),
+        58 => matches!(t, 1..=4),
+        _ => false,
+    }
+}
+
+/// Fills `ev.inner` from the quoted IP header (`hdr`, at least 20/40 bytes of it) and the
+/// first 4 bytes after it (`ports`, read by the caller at the returned offset).
+#[inline(always)]
+pub fn parse_inner(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
+    let i = &mut ev.inner;
+    let ihl = match hdr[0] >> 4 {
+        4 => {
+            i.l4proto = hdr[9];
+            i.saddr[..4].copy_from_slice(&hdr[12..16]);
+            i.daddr[..4].copy_from_slice(&hdr[16..20]);
+            ((hdr[0] & 0x0f) as usize) * 4
+        }
+        6 => {
+            i.l4proto = hdr[6];
+            i.saddr.copy_from_slice(&hdr[8..24]);
+            let mut k = 0;
+            while k < 16 {
+                i.daddr[k] = hdr[24 + k];
+                k += 1;
+            }
+            40
+        }
+        _ => return None,
+    };
+    ev.header.flags |= flags::INNER;
+    Some(ihl)
+}
+
+/// Fills the quoted packet's ports from the 4 bytes after its IP header.
+#[inline(always)]
+pub fn parse_inner_ports(ports: &[u8; 4], ev: &mut PacketEvent) {
+    if matches!(ev.inner.l4proto, 6 | 17 | 132) {
+        ev.inner.sport = u16::from_be_bytes([ports[0], ports[1]]);
+        ev.inner.dport = u16::from_be_bytes([ports[2], ports[3]]);
     }
 }
 

@@ -27,8 +27,9 @@ pub struct ObservedStage<'a> {
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct Fate {
-    /// `delivered`, `forwarded`, `sent`, `dropped`, or `incomplete` (evicted, cut by exit,
-    /// or the skb reused before the traversal was seen to end).
+    /// `delivered`, `forwarded`, `sent`, `dropped`, `reassembled` (a fragment merged by
+    /// defragmentation), or `incomplete` (evicted, cut by exit, or the skb reused before the
+    /// traversal was seen to end).
     pub kind: &'static str,
     pub hook: Option<&'static str>,
     pub table: Option<String>,
@@ -96,6 +97,25 @@ pub fn route(t: &Traversal) -> Option<&'static str> {
     }
 }
 
+/// A fragment that conntrack's defragmentation (priority -400, before raw) merged into the
+/// fragment that completed the packet: it is seen by the first PREROUTING probe only, and
+/// the kernel reports no drop (the reassembled packet goes on as that other skb).
+pub fn reassembled(t: &Traversal) -> bool {
+    // Idle: held in the queue and never freed as dropped; Restarted: the head fragment's
+    // memory is consumed at reassembly and soon reused by another packet.
+    matches!(t.closed, Closed::Idle | Closed::Restarted)
+        && t.records.iter().any(|r| r.fragment)
+        && t.records.iter().all(|r| {
+            matches!(
+                r.point,
+                Point::TcIngress | Point::Netfilter(NfHook::PreRouting, 0)
+            )
+        })
+        && t.records
+            .iter()
+            .any(|r| r.point == Point::Netfilter(NfHook::PreRouting, 0))
+}
+
 pub fn fate(
     t: &Traversal,
     stages: &[ObservedStage],
@@ -139,6 +159,12 @@ pub fn fate(
             });
             gone("dropped", reason)
         }
+        Closed::Idle | Closed::Restarted if reassembled(t) => Fate {
+            kind: "reassembled",
+            hook: Some(NfHook::PreRouting.name()),
+            table: Some("defrag".into()),
+            reason: None,
+        },
         Closed::Idle => {
             // Left through POSTROUTING but no TC egress seen: it was sent, not lost.
             let last_post = t.records.last().is_some_and(|r| {
@@ -195,6 +221,10 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
     let mut out = Vec::new();
     for s in stages {
         let Some(after) = s.after else { continue };
+        // A fragment completed by defragmentation gains its ports here: that is no NAT.
+        if s.before.fragment != after.fragment || s.before.has_ports != after.has_ports {
+            continue;
+        }
         let (Some(bs), Some(bd), Some(a_s), Some(ad)) =
             (s.before.src, s.before.dst, after.src, after.dst)
         else {

@@ -89,6 +89,10 @@ pub struct Observation {
     pub len: u32,
     pub mark: u32,
     pub ct: Option<Conntrack>,
+    /// For ICMP errors: the packet they quote (source, destination, protocol).
+    pub inner: Option<(Endpoint, Endpoint, u8)>,
+    /// An IPv4 fragment.
+    pub fragment: bool,
 }
 
 fn addr(bytes: &[u8], v4: bool) -> IpAddr {
@@ -220,6 +224,16 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
         len: p.len,
         mark: p.mark,
         ct,
+        inner: (h.flags & flags::INNER != 0).then(|| {
+            let i = ev.inner;
+            let ports = matches!(i.l4proto, 6 | 17 | 132);
+            let at = |a: &[u8; 16], port: u16| Endpoint {
+                addr: addr(a, v4),
+                port: if ports { port } else { 0 },
+            };
+            (at(&i.saddr, i.sport), at(&i.daddr, i.dport), i.l4proto)
+        }),
+        fragment: h.flags & flags::FRAGMENT != 0,
     })
 }
 

@@ -34,6 +34,9 @@ pub struct Report {
     pub lost: u64,
     /// The traversal was not seen to its end (evicted, cut by exit, skb reused).
     pub incomplete: bool,
+    /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
+    #[serde(skip)]
+    pub flow: String,
 }
 
 /// What building a report needs besides the traversal.
@@ -66,6 +69,16 @@ pub struct Snapshot {
     pub src: String,
     pub dst: String,
     pub mark: String,
+    /// ICMP errors only: the packet the error quotes, which conntrack translates too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inner: Option<Quoted>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Quoted {
+    pub src: String,
+    pub dst: String,
+    pub proto: String,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
@@ -99,6 +112,14 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
         src: endpoint(&o.src?, o.has_ports),
         dst: endpoint(&o.dst?, o.has_ports),
         mark: format!("{:#x}", o.mark),
+        inner: o.inner.map(|(s, d, p)| {
+            let ports = matches!(p, 6 | 17 | 132);
+            Quoted {
+                src: endpoint(&s, ports),
+                dst: endpoint(&d, ports),
+                proto: proto_name(p),
+            }
+        }),
     })
 }
 
@@ -142,6 +163,10 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             }
             hooks.last_mut().expect("pushed").1.entry(slot).or_insert(r);
         }
+    }
+    // A fragment merged by defragmentation never reached a table: no stages, no drop.
+    if annotate::reassembled(t) {
+        hooks.clear();
     }
     let left = matches!(t.closed, Closed::Egress | Closed::Delivered);
     let mut observed: Vec<ObservedStage> = Vec::new();
@@ -201,6 +226,9 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         conntrack: annotate::conntrack(t),
         stages,
         lost,
+        flow: first_l3
+            .and_then(|r| snapshot(r))
+            .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
     }
 }
 
@@ -210,10 +238,7 @@ impl Report {
     }
 
     fn flow(&self) -> String {
-        self.stages
-            .first()
-            .and_then(|s| s.before.as_ref())
-            .map_or_else(|| "?".to_string(), |s| format!("{} -> {}", s.src, s.dst))
+        self.flow.clone()
     }
 
     fn mark_word(c: &MarkChange, sign: char) -> String {
@@ -284,6 +309,17 @@ impl Report {
                 }
                 last_ct = s.ct.as_ref();
             }
+            if let (Some(b), Some(a)) = (
+                s.before.as_ref().and_then(|b| b.inner.as_ref()),
+                s.after.as_ref().and_then(|a| a.inner.as_ref()),
+            ) {
+                if b != a {
+                    what.push(format!(
+                        "quoted packet {} -> {} became {} -> {}",
+                        b.src, b.dst, a.src, a.dst
+                    ));
+                }
+            }
             if s.verdict == "drop" {
                 what.push("not seen after this table".into());
             }
@@ -332,6 +368,9 @@ impl Report {
                 None => f.kind.to_string(),
             },
             "delivered" => "delivered to a local socket".into(),
+            "reassembled" => {
+                "fragment merged by defragmentation (PREROUTING, priority -400)".into()
+            }
             k => format!("{k}: {}", f.reason.as_deref().unwrap_or("")),
         }
     }

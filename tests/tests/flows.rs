@@ -399,3 +399,109 @@ fn sampling_keeps_about_one_flow_in_n() {
         "kept flows are complete"
     );
 }
+
+#[test]
+fn icmp_errors_show_the_quoted_packet_translated_back() {
+    if !privileged("icmp_errors_show_the_quoted_packet_translated_back") {
+        return;
+    }
+    let lab = Lab::up("fa");
+    let tail = Tail::start(&lab);
+    // Nothing listens on the pod's port 53: the pod answers port unreachable, quoting the
+    // masqueraded and DNATed datagram; the node translates outer and quoted headers back.
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"anyone?", "10.10.10.10:53").unwrap();
+    });
+    let (reports, _) = tail.stop();
+    let err = find(&reports, "the ICMP error", |r| {
+        r["proto"] == "icmp" && first_src(r) == "172.17.0.5"
+    });
+    assert_eq!(err["conntrack"]["state"], "related reply");
+    let nat_stage = err["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["hook"] == "PREROUTING" && s["table"] == "nat")
+        .expect("nat stage");
+    assert!(
+        nat_stage["before"]["inner"]["src"]
+            .as_str()
+            .unwrap()
+            .starts_with("169.254.1.1:")
+    );
+    assert!(
+        nat_stage["after"]["inner"]["src"]
+            .as_str()
+            .unwrap()
+            .starts_with("198.51.100.10:")
+    );
+    let post = err["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["hook"] == "POSTROUTING" && s["table"] == "nat")
+        .expect("POSTROUTING nat stage");
+    assert_eq!(post["before"]["inner"]["dst"], "172.17.0.5:53");
+    assert_eq!(
+        post["after"]["inner"]["dst"], "10.10.10.10:53",
+        "quoted ClusterIP restored"
+    );
+    assert_eq!(
+        post["after"]["src"], "10.10.10.10",
+        "outer source restored too"
+    );
+    assert_eq!(err["fate"]["kind"], "forwarded");
+    assert_eq!(err["egress"]["iface"], "eth0");
+}
+
+#[test]
+fn fragments_are_followed_through_reassembly() {
+    if !privileged("fragments_are_followed_through_reassembly") {
+        return;
+    }
+    let lab = Lab::up("fb");
+    let listener = lab.serve("node", |ready| {
+        let s = UdpSocket::bind("198.51.100.1:7000").unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 4096];
+        assert_eq!(
+            s.recv(&mut buf).unwrap(),
+            3000,
+            "reassembled datagram delivered"
+        );
+    });
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        // 3000 bytes over a 1500-byte MTU: three fragments.
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(&[7u8; 3000], "198.51.100.1:7000").unwrap();
+    });
+    listener.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let merged: Vec<&Value> = reports
+        .iter()
+        .filter(|r| r["fate"]["kind"] == "reassembled")
+        .collect();
+    assert_eq!(
+        merged.len(),
+        2,
+        "two fragments merged into the third: {stderr}"
+    );
+    assert!(
+        merged
+            .iter()
+            .all(|r| r["fate"]["table"] == "defrag" && r["stages"].as_array().unwrap().is_empty())
+    );
+    let whole = find(&reports, "the reassembled datagram", |r| {
+        r["conntrack"]["original"]["dst"] == "198.51.100.1:7000"
+    });
+    assert_eq!(whole["fate"]["kind"], "delivered");
+    assert_eq!(whole["route"], "input");
+    assert!(
+        whole["nat"].as_array().unwrap().is_empty(),
+        "reassembly is not NAT: {}",
+        whole["nat"]
+    );
+}

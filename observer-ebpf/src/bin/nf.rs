@@ -10,7 +10,8 @@
 
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::{
-    Decide, cfg, count, emit, follows_keep, keep, now, parse_l3, parse_l4, read, read_ct, scratch,
+    Decide, cfg, count, emit, follows_keep, is_icmp_error, keep, now, parse_inner,
+    parse_inner_ports, parse_l3, parse_l4, read, read_ct, scratch,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -101,6 +102,17 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
             match read::<[u8; 16]>(l3, ihl as u64) {
                 Ok(l4) => parse_l4(&l4, ev),
                 Err(()) => ev.header.flags |= flags::NO_L4,
+            }
+            if is_icmp_error(ev) {
+                // The quoted packet starts after the 8-byte ICMP header.
+                let at = l3 + ihl as u64 + 8;
+                if let Ok(inner) = read::<[u8; 40]>(at, 0) {
+                    if let Some(inner_ihl) = parse_inner(&inner, ev) {
+                        if let Ok(ports) = read::<[u8; 4]>(at, inner_ihl as u64) {
+                            parse_inner_ports(&ports, ev);
+                        }
+                    }
+                }
             }
         }
     }

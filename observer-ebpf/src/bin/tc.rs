@@ -10,8 +10,8 @@ use aya_ebpf::{
 };
 use observer_common::{DropEvent, config, family, hook, kind};
 use observer_ebpf::{
-    Decide, EVENTS, cfg, count, emit, follows_keep, keep, now, parse_l3, parse_l4, read, read_ct,
-    scratch,
+    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, now, parse_inner,
+    parse_inner_ports, parse_l3, parse_l4, read, read_ct, scratch,
 };
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
@@ -79,6 +79,16 @@ fn observe(ctx: &TcContext, at: u8) {
             match loaded {
                 Ok(()) => parse_l4(&l4, ev),
                 Err(_) => ev.header.flags |= observer_common::flags::NO_L4,
+            }
+            if is_icmp_error(ev) {
+                let at = l3 + ihl + 8;
+                if let Some((_, inner)) = load_l3(ctx, at) {
+                    if let Some(inner_ihl) = parse_inner(&inner, ev) {
+                        if let Ok(ports) = ctx.load::<[u8; 4]>(at + inner_ihl) {
+                            parse_inner_ports(&ports, ev);
+                        }
+                    }
+                }
             }
         }
     } else {
