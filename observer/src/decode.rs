@@ -132,6 +132,10 @@ pub struct Drop {
 
 /// One decoded ring-buffer record.
 #[derive(Clone, Debug, PartialEq)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "moved straight into the correlator; boxing would allocate per record"
+)]
 pub enum Record {
     Packet(Observation),
     Drop(Drop),

@@ -227,7 +227,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         stages,
         lost,
         flow: first_l3
-            .and_then(|r| snapshot(r))
+            .and_then(snapshot)
             .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
     }
 }
