@@ -312,13 +312,12 @@ impl Report {
             if let (Some(b), Some(a)) = (
                 s.before.as_ref().and_then(|b| b.inner.as_ref()),
                 s.after.as_ref().and_then(|a| a.inner.as_ref()),
-            ) {
-                if b != a {
-                    what.push(format!(
-                        "quoted packet {} -> {} became {} -> {}",
-                        b.src, b.dst, a.src, a.dst
-                    ));
-                }
+            ) && b != a
+            {
+                what.push(format!(
+                    "quoted packet {} -> {} became {} -> {}",
+                    b.src, b.dst, a.src, a.dst
+                ));
             }
             if s.verdict == "drop" {
                 what.push("not seen after this table".into());
