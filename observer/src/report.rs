@@ -69,6 +69,9 @@ pub struct Snapshot {
     pub src: String,
     pub dst: String,
     pub mark: String,
+    /// `skb->len`: a GSO/GRO aggregate is one packet of many MTUs; a reassembled packet
+    /// grows at defragmentation.
+    pub len: u32,
     /// ICMP errors only: the packet the error quotes, which conntrack translates too.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inner: Option<Quoted>,
@@ -112,6 +115,7 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
         src: endpoint(&o.src?, o.has_ports),
         dst: endpoint(&o.dst?, o.has_ports),
         mark: format!("{:#x}", o.mark),
+        len: o.len,
         inner: o.inner.map(|(s, d, p)| {
             let ports = matches!(p, 6 | 17 | 132);
             Quoted {

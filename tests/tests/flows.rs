@@ -505,3 +505,67 @@ fn fragments_are_followed_through_reassembly() {
         whole["nat"]
     );
 }
+
+#[test]
+fn gso_aggregates_are_followed_as_one_packet() {
+    if !privileged("gso_aggregates_are_followed_as_one_packet") {
+        return;
+    }
+    use std::io::{Read, Write};
+    let lab = Lab::up("fc");
+    let sink = lab.serve("pod", |ready| {
+        let l = std::net::TcpListener::bind("172.17.0.5:22").unwrap();
+        ready.send(()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        let mut total = 0usize;
+        let mut buf = vec![0u8; 65536];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => total += n,
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+        s.write_all(&(total as u64).to_be_bytes()).unwrap();
+    });
+    let tail = Tail::start(&lab);
+    let got = lab.run_in("client", || {
+        let mut s =
+            std::net::TcpStream::connect_timeout(&"10.10.10.2:22".parse().unwrap(), TIMEOUT)
+                .unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        s.write_all(&vec![1u8; 1 << 20]).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut n = [0u8; 8];
+        s.read_exact(&mut n).unwrap();
+        u64::from_be_bytes(n)
+    });
+    sink.join().unwrap();
+    assert_eq!(got, 1 << 20);
+    let (reports, stderr) = tail.stop();
+    // veth passes TSO/GSO skbs through: several MTUs of payload travel as one packet.
+    let big = reports
+        .iter()
+        .filter(|r| first_dst(r) == "10.10.10.2:22")
+        .filter(|r| r["stages"][0]["before"]["len"].as_u64().unwrap_or(0) > 1500)
+        .collect::<Vec<_>>();
+    assert!(
+        !big.is_empty(),
+        "no aggregate larger than the MTU seen: {stderr}"
+    );
+    for r in big {
+        assert_eq!(
+            r["fate"]["kind"], "forwarded",
+            "an aggregate is followed to the end: {r}"
+        );
+        assert_eq!(r["egress"]["iface"], "cali1a2b");
+        let stages = r["stages"].as_array().unwrap();
+        assert!(stages.len() >= 9, "every table passed: {r}");
+        assert!(
+            stages
+                .iter()
+                .all(|s| s["before"]["len"] == stages[0]["before"]["len"])
+        );
+    }
+}
