@@ -65,7 +65,9 @@ struct TailArgs {
     #[arg(long, value_name = "N", default_value_t = 1)]
     sample: u32,
     /// TOML file naming mark bits, applied over the defaults and the live ruleset:
-    /// `[marks]` then lines like `"0x4000" = "kube-proxy:masquerade"`.
+    /// `calico_mark_mask = "0xffff0000"` (Felix's iptablesMarkMask: accept, pass, two
+    /// scratch bits, then the endpoint block), and a `[marks]` table of lines like
+    /// `"0x4000" = "kube-proxy:masquerade"` (an empty name forgets a bit).
     #[arg(long, value_name = "FILE")]
     marks: Option<PathBuf>,
     /// Exit after printing N traversals.

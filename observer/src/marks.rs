@@ -12,7 +12,9 @@ pub enum MarkError {
     Toml(#[from] toml::de::Error),
     #[error("marks file: `{0}` is not a mark value (write it as hex, e.g. \"0x4000\")")]
     BadValue(String),
-    #[error("marks file: expected a [marks] table of \"0xBITS\" = \"name\" entries")]
+    #[error(
+        "marks file: expected `calico_mark_mask = \"0x...\"` and a [marks] table of \"0xBITS\" = \"name\" entries"
+    )]
     Shape,
 }
 
@@ -30,6 +32,9 @@ fn parse_value(s: &str) -> Option<u32> {
     }
 }
 
+/// Calico's default `iptablesMarkMask`.
+pub const CALICO_DEFAULT_MASK: u32 = 0xffff_0000;
+
 impl Default for MarkDictionary {
     fn default() -> Self {
         let mut d = Self {
@@ -39,15 +44,10 @@ impl Default for MarkDictionary {
             (0x4000, "kube-proxy:masquerade"),
             (0x8000, "kube-proxy:drop"),
             (0x2000, "cni-portmap:masquerade"),
-            // Felix allocates from iptablesMarkMask 0xffff0000 in this order.
-            (0x10000, "calico:accept"),
-            (0x20000, "calico:pass"),
-            (0x40000, "calico:scratch0"),
-            (0x80000, "calico:scratch1"),
-            (0xfff0_0000, "calico:endpoint"),
         ] {
             d.set(mask, name);
         }
+        d.set_calico_mask(CALICO_DEFAULT_MASK);
         d
     }
 }
@@ -60,19 +60,47 @@ impl MarkDictionary {
         }
     }
 
+    /// Names the bits Felix allocates from its `iptablesMarkMask`, in Felix's order: the
+    /// lowest bit is accept, then pass, then two scratch bits, and the remaining bits of the
+    /// mask are the endpoint block. Replaces earlier Calico names.
+    pub fn set_calico_mask(&mut self, mask: u32) {
+        self.names.retain(|_, n| !n.starts_with("calico:"));
+        let mut bits = (0..32).map(|i| 1u32 << i).filter(|b| mask & b != 0);
+        for name in [
+            "calico:accept",
+            "calico:pass",
+            "calico:scratch0",
+            "calico:scratch1",
+        ] {
+            match bits.next() {
+                Some(b) => self.set(b, name),
+                None => return,
+            }
+        }
+        for b in bits {
+            self.set(b, "calico:endpoint");
+        }
+    }
+
     /// The name of one bit, if known.
     pub fn name(&self, bit: u32) -> Option<&str> {
         self.names.get(&bit).map(String::as_str)
     }
 
-    /// Applies a TOML file of `[marks]` entries over the current names:
+    /// Applies a TOML file over the current names: an optional top-level
+    /// `calico_mark_mask = "0xffff0000"` (Felix's `iptablesMarkMask`), then `[marks]` entries
     /// `"0x4000" = "kube-proxy:masquerade"`; an empty name forgets a bit.
     pub fn apply_toml(&mut self, text: &str) -> Result<(), MarkError> {
         let v: toml::Table = toml::from_str(text)?;
-        let marks = v
-            .get("marks")
-            .and_then(|m| m.as_table())
-            .ok_or(MarkError::Shape)?;
+        if let Some(mask) = v.get("calico_mark_mask") {
+            let text = mask.as_str().ok_or(MarkError::Shape)?;
+            let mask = parse_value(text).ok_or_else(|| MarkError::BadValue(text.to_string()))?;
+            self.set_calico_mask(mask);
+        }
+        let Some(marks) = v.get("marks") else {
+            return Ok(());
+        };
+        let marks = marks.as_table().ok_or(MarkError::Shape)?;
         for (k, name) in marks {
             let mask = parse_value(k).ok_or_else(|| MarkError::BadValue(k.clone()))?;
             let name = name.as_str().ok_or(MarkError::Shape)?;
@@ -146,7 +174,35 @@ mod tests {
             Err(MarkError::BadValue(_))
         ));
         assert!(matches!(d.apply_toml("marks = 3"), Err(MarkError::Shape)));
+        assert!(matches!(
+            d.apply_toml("calico_mark_mask = \"0xzz\""),
+            Err(MarkError::BadValue(_))
+        ));
         assert!(matches!(d.apply_toml("[marks"), Err(MarkError::Toml(_))));
+    }
+
+    #[test]
+    fn calico_bits_follow_felix_allocation_from_the_mask() {
+        let mut d = MarkDictionary::default();
+        assert_eq!(d.name(0x10000), Some("calico:accept"));
+        assert_eq!(d.name(0x80000), Some("calico:scratch1"));
+        d.apply_toml("calico_mark_mask = \"0x00ff0000\"").unwrap();
+        assert_eq!(d.name(0x10000), Some("calico:accept"));
+        assert_eq!(d.name(0x100000), Some("calico:endpoint"));
+        assert_eq!(
+            d.name(0x1000000),
+            None,
+            "outside the mask: no Calico meaning"
+        );
+        d.set_calico_mask(0xf000_0000);
+        assert_eq!(d.name(0x1000_0000), Some("calico:accept"));
+        assert_eq!(d.name(0x8000_0000), Some("calico:scratch1"));
+        assert_eq!(d.name(0x10000), None);
+        assert_eq!(
+            d.name(0x4000),
+            Some("kube-proxy:masquerade"),
+            "others untouched"
+        );
     }
 
     #[test]
