@@ -58,6 +58,8 @@ pub mod counter {
     pub const FILTERED: u32 = 4;
     /// Records not written because `--sample` left the packet's flow out.
     pub const SAMPLED_OUT: u32 = 5;
+    /// Internal: a per-CPU record sequence, to check the ring buffer's fill now and then.
+    pub const EMIT_SEQ: u32 = 6;
     pub const COUNT: u32 = 8;
 }
 
@@ -97,8 +99,18 @@ pub mod config {
     pub const TUPLE_SRC_PORT: u32 = 22;
     pub const TUPLE_DST_ADDR: u32 = 23;
     pub const TUPLE_DST_PORT: u32 = 24;
+    /// Start of the window of `sk_buff` (mark, len, head, network_header, _nfct) and of
+    /// `nf_conn` (tuples, status, mark) that a probe reads in one go.
+    pub const SKB_WINDOW: u32 = 25;
+    pub const CT_WINDOW: u32 = 26;
     pub const COUNT: u32 = 32;
 }
+
+/// Bytes of `nf_hook_state`, `sk_buff` and `nf_conn` a probe reads at once (from the
+/// window starts in `config`); userspace checks that every field it needs lies inside.
+pub const STATE_WINDOW_BYTES: usize = 32;
+pub const SKB_WINDOW_BYTES: usize = 128;
+pub const CT_WINDOW_BYTES: usize = 160;
 
 /// Number of netfilter probe programs compiled into the netfilter object. Each one may be
 /// attached at several (family, hook, priority) points; its index tells userspace which.

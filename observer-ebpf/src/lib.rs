@@ -12,11 +12,14 @@ use aya_ebpf::{
     maps::{Array, LruHashMap, PerCpuArray, RingBuf},
 };
 use observer_common::filter::{self, FilterInput, FilterProgram};
-use observer_common::{CT_TUPLE_BYTES, CtInfo, PacketEvent, config, counter, flags};
+use observer_common::{
+    CT_TUPLE_BYTES, CT_WINDOW_BYTES, CtInfo, PacketEvent, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES,
+    config, counter, flags,
+};
 
 /// All records, in one ring buffer so userspace sees one ordered stream per CPU.
 #[map]
-pub static EVENTS: RingBuf = RingBuf::with_byte_size(8 * 1024 * 1024, 0);
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
 
 /// Kernel struct offsets, resolved from BTF by userspace ([`observer_common::config`]).
 #[map]
@@ -217,6 +220,21 @@ pub fn scratch() -> Option<&'static mut PacketEvent> {
     Some(unsafe { &mut *ev })
 }
 
+/// Increments a per-CPU counter and returns its new value (0 if the map is unavailable).
+#[inline(always)]
+pub fn bump(index: u32) -> u64 {
+    match COUNTERS.get_ptr_mut(index) {
+        Some(c) => {
+            // SAFETY: per-CPU slot, no concurrent writer on this CPU while the program runs.
+            unsafe {
+                *c += 1;
+                *c
+            }
+        }
+        None => 0,
+    }
+}
+
 #[inline(always)]
 pub fn count(index: u32) {
     if let Some(c) = COUNTERS.get_ptr_mut(index) {
@@ -362,48 +380,112 @@ pub fn parse_l4(l4: &[u8; 16], ev: &mut PacketEvent) {
     }
 }
 
-/// Copies the conntrack entry attached to the skb (`_nfct`) into `ct`. Returns false when
-/// the skb carries none (or the untracked marker).
+/// Per-CPU buffers for the struct windows a probe reads in one `bpf_probe_read_kernel`
+/// each, instead of one call per field (the calls dominate a probe's cost).
+#[repr(C)]
+pub struct Windows {
+    pub state: [u8; STATE_WINDOW_BYTES],
+    pub skb: [u8; SKB_WINDOW_BYTES],
+    pub ct: [u8; CT_WINDOW_BYTES],
+    /// The IP header and what follows it.
+    pub pkt: [u8; PKT_WINDOW_BYTES],
+}
+
+/// An IP header (20 or 40 bytes) and the first 16 bytes after it.
+pub const PKT_WINDOW_BYTES: usize = 64;
+
+#[map]
+pub static WINDOWS: PerCpuArray<Windows> = PerCpuArray::with_max_entries(1, 0);
+
 #[inline(always)]
-pub fn read_ct(skb: u64, ct: &mut CtInfo) -> Result<bool, ()> {
-    let Some(off_nfct) = cfg(config::SKB_NFCT) else {
-        return Ok(false);
-    };
-    let nfct: u64 = read(skb, off_nfct)?;
+pub fn windows() -> Option<&'static mut Windows> {
+    // SAFETY: per-CPU slot, used by one program run at a time on this CPU.
+    WINDOWS.get_ptr_mut(0).map(|w| unsafe { &mut *w })
+}
+
+/// `N` bytes of field `off` (a struct offset) from a window read at struct offset `start`.
+#[inline(always)]
+pub fn field<const N: usize>(win: &[u8], off: u64, start: u64) -> Result<[u8; N], ()> {
+    let rel = off.wrapping_sub(start) as usize;
+    let bytes = win.get(rel..rel + N).ok_or(())?;
+    let mut out = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = bytes[i];
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// Like [`field`], copying straight into `dst` (no stack temporary).
+#[inline(always)]
+pub fn copy_field<const N: usize>(
+    win: &[u8],
+    off: u64,
+    start: u64,
+    dst: &mut [u8; N],
+) -> Result<(), ()> {
+    let rel = off.wrapping_sub(start) as usize;
+    let bytes = win.get(rel..rel + N).ok_or(())?;
+    let mut i = 0;
+    while i < N {
+        dst[i] = bytes[i];
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Reads the `sk_buff` window of `skb`: mark, len, head, network_header and _nfct.
+#[inline(always)]
+pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
+    let start = cfg(config::SKB_WINDOW).ok_or(())?;
+    read_into(skb, start, &mut w.skb)?;
+    Ok(start)
+}
+
+/// Copies the conntrack entry `nfct` (the skb's `_nfct`) into `ct`. Returns false when the
+/// skb carries none (or the untracked marker).
+#[inline(always)]
+pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows) -> Result<bool, ()> {
     let info = nfct & 7;
     let conn = nfct & !7;
     // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
     if conn == 0 || info == 7 {
         return Ok(false);
     }
+    let start = cfg(config::CT_WINDOW).ok_or(())?;
+    read_into(conn, start, &mut w.ct)?;
+    let off = |i| cfg(i).ok_or(());
     ct.ctinfo = info as u32;
-    if let Some(off) = cfg(config::CT_MARK) {
-        ct.mark = read(conn, off)?;
-    }
-    if let Some(off) = cfg(config::CT_STATUS) {
-        ct.status = read(conn, off)?;
-    }
-    if let Some(off) = cfg(config::CT_TUPLE_ORIG) {
-        read_into(conn, off, &mut ct.orig)?;
-    }
-    if let Some(off) = cfg(config::CT_TUPLE_REPLY) {
-        read_into(conn, off, &mut ct.reply)?;
-    }
+    ct.mark = u32::from_ne_bytes(field(&w.ct, off(config::CT_MARK)?, start)?);
+    ct.status = u64::from_ne_bytes(field(&w.ct, off(config::CT_STATUS)?, start)?);
+    copy_field(&w.ct, off(config::CT_TUPLE_ORIG)?, start, &mut ct.orig)?;
+    copy_field(&w.ct, off(config::CT_TUPLE_REPLY)?, start, &mut ct.reply)?;
     Ok(true)
+}
+
+/// The skb's `_nfct` from its window.
+#[inline(always)]
+pub fn nfct_of(w: &Windows, start: u64) -> Result<u64, ()> {
+    let off = cfg(config::SKB_NFCT).ok_or(())?;
+    Ok(u64::from_ne_bytes(field(&w.skb, off, start)?))
 }
 
 const BPF_RB_NO_WAKEUP: u64 = 1;
 const BPF_RB_FORCE_WAKEUP: u64 = 2;
 const BPF_RB_AVAIL_DATA: u64 = 0;
-/// A quarter of the ring buffer: wake the reader well before it overflows.
+/// An eighth of the ring buffer: wake the reader well before it overflows.
 const WAKEUP_BYTES: u64 = 2 * 1024 * 1024;
 
 /// Writes `ev` to the ring buffer, counting a full buffer instead of losing it silently.
 #[inline(always)]
 pub fn emit(ev: &PacketEvent) {
     // Waking the reader for every record costs more than the record itself at high packet
-    // rates: userspace drains on a short timer, and is woken only when the buffer fills up.
-    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES {
+    // rates, and so does reading the reader's position (a cache line it writes): userspace
+    // drains on a short timer, and every 64th record per CPU checks whether the buffer is
+    // filling up fast enough to wake it early.
+    let flags = if bump(counter::EMIT_SEQ) & 63 == 0 && EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES
+    {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP

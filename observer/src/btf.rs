@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
-use observer_common::{CT_TUPLE_BYTES, config};
+use observer_common::{
+    CT_TUPLE_BYTES, CT_WINDOW_BYTES, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES, config,
+};
 
 pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
@@ -30,6 +32,11 @@ pub enum BtfError {
         "struct nf_conntrack_tuple is {0} bytes, larger than the {CT_TUPLE_BYTES} the probes copy"
     )]
     TupleTooLarge(usize),
+    #[error(
+        "the fields observer reads from struct {0} span {1} bytes on this kernel, more than the \
+         {2} its probes read at once; this kernel's layout is not supported yet"
+    )]
+    Window(&'static str, u64, usize),
 }
 
 /// Layout of `struct nf_conntrack_tuple` (byte offsets within it).
@@ -158,6 +165,64 @@ impl KernelLayout {
         if tuple.size > CT_TUPLE_BYTES {
             return Err(BtfError::TupleTooLarge(tuple.size));
         }
+        // Each probe reads one window per struct; every field must lie inside it.
+        let window = |what: &'static str, fields: &[(u32, u64)], bytes: usize| {
+            let start = fields
+                .iter()
+                .map(|&(i, _)| config[i as usize])
+                .min()
+                .unwrap_or(0);
+            let end = fields
+                .iter()
+                .map(|&(i, size)| config[i as usize] + size)
+                .max()
+                .unwrap_or(0);
+            if end - start > bytes as u64 {
+                return Err(BtfError::Window(what, end - start, bytes));
+            }
+            Ok(start)
+        };
+        window(
+            "nf_hook_state",
+            &[
+                (config::STATE_HOOK, 1),
+                (config::STATE_PF, 1),
+                (config::STATE_IN, 8),
+                (config::STATE_OUT, 8),
+            ],
+            STATE_WINDOW_BYTES,
+        )
+        .and_then(|start| {
+            // The state window is read from the struct's start.
+            if start == 0 {
+                Ok(())
+            } else {
+                Err(BtfError::Window("nf_hook_state", start, STATE_WINDOW_BYTES))
+            }
+        })?;
+        let skb_window = window(
+            "sk_buff",
+            &[
+                (config::SKB_MARK, 4),
+                (config::SKB_LEN, 4),
+                (config::SKB_HEAD, 8),
+                (config::SKB_NETWORK_HEADER, 2),
+                (config::SKB_NFCT, 8),
+            ],
+            SKB_WINDOW_BYTES,
+        )?;
+        let ct_window = window(
+            "nf_conn",
+            &[
+                (config::CT_MARK, 4),
+                (config::CT_STATUS, 8),
+                (config::CT_TUPLE_ORIG, CT_TUPLE_BYTES as u64),
+                (config::CT_TUPLE_REPLY, CT_TUPLE_BYTES as u64),
+            ],
+            CT_WINDOW_BYTES,
+        )?;
+        config[config::SKB_WINDOW as usize] = skb_window;
+        config[config::CT_WINDOW as usize] = ct_window;
         config[config::TUPLE_SRC_ADDR as usize] = tuple.src_addr as u64;
         config[config::TUPLE_SRC_PORT as usize] = tuple.src_port as u64;
         config[config::TUPLE_DST_ADDR as usize] = tuple.dst_addr as u64;

@@ -21,8 +21,8 @@ use crate::plan::HookPlan;
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
-const MAPS: [&str; 6] = [
-    "EVENTS", "CONFIG", "COUNTERS", "SCRATCH", "FILTER", "DECISION",
+const MAPS: [&str; 7] = [
+    "EVENTS", "CONFIG", "COUNTERS", "SCRATCH", "FILTER", "DECISION", "WINDOWS",
 ];
 const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_ingress", TcAttachType::Ingress),

@@ -10,8 +10,9 @@
 
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::{
-    Decide, cfg, count, emit, follows_keep, is_icmp_error, keep, now, parse_inner,
-    parse_inner_ports, parse_l3, parse_l4, read, read_ct, scratch,
+    Decide, cfg, count, emit, field, follows_keep, is_icmp_error, keep, nfct_of, now,
+    parse_inner, parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window,
+    scratch, windows,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -68,7 +69,11 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     ev.header.ts_ns = now();
     ev.header.skb = skb;
     let off = |i| cfg(i).ok_or(());
-    ev.header.hook = read::<u8>(state, off(config::STATE_HOOK)?)?;
+    // One read per struct: the calls, not the bytes, are what a probe pays for.
+    let w = windows().ok_or(())?;
+    read_into(state, 0, &mut w.state)?;
+    let st = &w.state;
+    ev.header.hook = field::<1>(st, off(config::STATE_HOOK)?, 0)?[0];
     // Slot 0 is where a packet enters PREROUTING or OUTPUT, slot 2 is just after conntrack
     // there (see observer's plan); elsewhere the decision taken upstream is reused, and a
     // packet left out costs this probe one lookup, before any other read.
@@ -81,25 +86,33 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     if how == Decide::Follow && !follows_keep(skb) {
         return Ok(());
     }
-    ev.header.family = read::<u8>(state, off(config::STATE_PF)?)?;
+    ev.header.family = field::<1>(st, off(config::STATE_PF)?, 0)?[0];
     let ifindex_off = off(config::NETDEV_IFINDEX)?;
-    let dev_in: u64 = read(state, off(config::STATE_IN)?)?;
+    let dev_in = u64::from_ne_bytes(field(st, off(config::STATE_IN)?, 0)?);
     if dev_in != 0 {
         ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
     }
-    let dev_out: u64 = read(state, off(config::STATE_OUT)?)?;
+    let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
     if dev_out != 0 {
         ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
     }
-    ev.packet.mark = read(skb, off(config::SKB_MARK)?)?;
-    ev.packet.len = read(skb, off(config::SKB_LEN)?)?;
-    let head: u64 = read(skb, off(config::SKB_HEAD)?)?;
-    let nh: u16 = read(skb, off(config::SKB_NETWORK_HEADER)?)?;
+    let start = read_skb_window(skb, w)?;
+    ev.packet.mark = u32::from_ne_bytes(field(&w.skb, off(config::SKB_MARK)?, start)?);
+    ev.packet.len = u32::from_ne_bytes(field(&w.skb, off(config::SKB_LEN)?, start)?);
+    let head = u64::from_ne_bytes(field(&w.skb, off(config::SKB_HEAD)?, start)?);
+    let nh = u16::from_ne_bytes(field(&w.skb, off(config::SKB_NETWORK_HEADER)?, start)?);
     let l3 = head + nh as u64;
-    let hdr: [u8; 40] = read(l3, 0)?;
-    if let Some(ihl) = parse_l3(&hdr, ev) {
+    // The IP header and the first 16 bytes after a 20/40-byte header, in one read.
+    read_into(l3, 0, &mut w.pkt)?;
+    let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
+    if let Some(ihl) = parse_l3(hdr, ev) {
         if ev.header.flags & flags::NO_L4 == 0 {
-            match read::<[u8; 16]>(l3, ihl as u64) {
+            let l4 = match field::<16>(&w.pkt, ihl as u64, 0) {
+                Ok(l4) => Ok(l4),
+                // IPv4 options push L4 beyond the first read.
+                Err(()) => read::<[u8; 16]>(l3, ihl as u64),
+            };
+            match l4 {
                 Ok(l4) => parse_l4(&l4, ev),
                 Err(()) => ev.header.flags |= flags::NO_L4,
             }
@@ -116,7 +129,7 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
             }
         }
     }
-    if read_ct(skb, &mut ev.ct)? {
+    if read_ct(nfct_of(w, start)?, &mut ev.ct, w)? {
         ev.header.flags |= flags::CT;
     }
     if how == Decide::Follow || keep(ev, how) {

@@ -10,8 +10,9 @@ use aya_ebpf::{
 };
 use observer_common::{DropEvent, config, family, hook, kind};
 use observer_ebpf::{
-    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, now, parse_inner,
-    parse_inner_ports, parse_l3, parse_l4, read, read_ct, scratch,
+    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, nfct_of, now,
+    parse_inner, parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_skb_window, scratch,
+    windows,
 };
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
@@ -97,8 +98,13 @@ fn observe(ctx: &TcContext, at: u8) {
     }
     // The context pointer is the kernel's sk_buff: its conntrack entry (set at egress) lets
     // the filter follow NATed packets and shows the connection as it leaves.
-    if read_ct(ev.header.skb, &mut ev.ct) == Ok(true) {
-        ev.header.flags |= observer_common::flags::CT;
+    if let Some(w) = windows() {
+        let ct = read_skb_window(ev.header.skb, w)
+            .and_then(|start| nfct_of(w, start))
+            .and_then(|nfct| read_ct(nfct, &mut ev.ct, w));
+        if ct == Ok(true) {
+            ev.header.flags |= observer_common::flags::CT;
+        }
     }
     if at == hook::TC_EGRESS || keep(ev, Decide::Entry) {
         emit(ev);
