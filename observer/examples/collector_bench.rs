@@ -85,7 +85,8 @@ fn main() {
         ifname: &ifname,
     };
 
-    for render in [false, true] {
+    for mode in 0..3 {
+        let render = mode > 0;
         let mut c = Correlator::new(65536, u64::MAX, last.clone());
         let mut done = Vec::new();
         let mut bytes = 0usize;
@@ -94,9 +95,13 @@ fn main() {
             if let Ok(Record::Packet(o)) = decode(r, &LAYOUT) {
                 c.push(o, &mut done);
             }
-            if render {
+            if mode == 2 {
                 for t in done.drain(..) {
                     bytes += report::build(&t, &ctx, 0).to_json_line().len();
+                }
+            } else if mode == 1 {
+                for t in done.drain(..) {
+                    black_box(report::build(&t, &ctx, 0));
                 }
             } else {
                 black_box(&done);
@@ -104,10 +109,10 @@ fn main() {
             }
         }
         let secs = t0.elapsed().as_secs_f64();
-        let what = if render {
-            "decode + correlate + report + JSON"
-        } else {
-            "decode + correlate"
+        let what = match mode {
+            0 => "decode + correlate",
+            1 => "decode + correlate + report",
+            _ => "decode + correlate + report + JSON",
         };
         println!(
             "  {what:<36} {:>10.0} records/s  {:>9.0} packets/s  (one core, {} records{})",

@@ -12,6 +12,7 @@ use crate::decode::{Endpoint, Observation, Point};
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
 use crate::plan::HookPlan;
+use observer_common::NF_SLOTS;
 
 pub const SCHEMA: u32 = 1;
 
@@ -128,6 +129,32 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
     })
 }
 
+/// Snapshots already made for this traversal: most records of a packet look alike, and
+/// formatting addresses is the costly part of a report.
+#[derive(Default)]
+struct Snapshots<'a> {
+    made: Vec<(&'a Observation, Snapshot)>,
+}
+
+impl<'a> Snapshots<'a> {
+    fn of(&mut self, o: &'a Observation) -> Option<Snapshot> {
+        let same = |a: &Observation| {
+            a.src == o.src
+                && a.dst == o.dst
+                && a.has_ports == o.has_ports
+                && a.mark == o.mark
+                && a.len == o.len
+                && a.inner == o.inner
+        };
+        if let Some((_, s)) = self.made.iter().find(|(a, _)| same(a)) {
+            return Some(s.clone());
+        }
+        let s = snapshot(o)?;
+        self.made.push((o, s.clone()));
+        Some(s)
+    }
+}
+
 /// Plans by (family, hook), for building stages.
 pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
 
@@ -160,15 +187,19 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         });
 
     // Netfilter records grouped by hook, hooks in the order the packet met them.
-    let mut hooks: Vec<(NfHook, HashMap<usize, &Observation>)> = Vec::new();
+    let mut hooks: Vec<(NfHook, [Option<&Observation>; NF_SLOTS])> = Vec::new();
     for r in &t.records {
         if let Point::Netfilter(h, slot) = r.point {
             if hooks.last().map(|(lh, _)| *lh) != Some(h) {
-                hooks.push((h, HashMap::new()));
+                hooks.push((h, [None; NF_SLOTS]));
             }
-            hooks.last_mut().expect("pushed").1.entry(slot).or_insert(r);
+            let seen = &mut hooks.last_mut().expect("pushed").1;
+            if let Some(s @ None) = seen.get_mut(slot) {
+                *s = Some(r);
+            }
         }
     }
+    let mut snapshots = Snapshots::default();
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
     if annotate::reassembled(t) {
         hooks.clear();
@@ -183,19 +214,20 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         let later_hooks = i + 1 < hooks.len() || left;
         for table in &plan.tables {
             let (b, a) = plan.bracket(table);
-            let Some(before) = b.and_then(|s| seen.get(&s)) else {
+            let Some(before) = b.and_then(|s| seen.get(s).copied().flatten()) else {
                 continue;
             };
-            let after = a.and_then(|s| seen.get(&s)).copied();
-            let seen_later = later_hooks || a.is_some_and(|a| seen.keys().any(|&s| s > a));
+            let after = a.and_then(|s| seen.get(s).copied().flatten());
+            let seen_later =
+                later_hooks || a.is_some_and(|a| seen.iter().skip(a + 1).any(Option::is_some));
             let dropped = after.is_none() && !seen_later;
             let ct_src = after.unwrap_or(before);
             stages.push(Stage {
                 hook: hook.name(),
                 table: table.name.clone(),
                 priority: table.priority,
-                before: snapshot(before),
-                after: after.and_then(snapshot),
+                before: snapshots.of(before),
+                after: after.and_then(|o| snapshots.of(o)),
                 ct: ct_src.ct.map(|c| CtView {
                     state: c.state().to_string(),
                     mark: format!("{:#x}", c.mark),

@@ -157,12 +157,14 @@ async fn event_loop(
         .collect::<HashMap<_, _>>();
     let mut correlator = Correlator::new(opts.max_inflight, opts.idle.as_nanos() as u64, last_slot);
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    // Interface names by index: a syscall each, so asked once per index.
+    let names = std::cell::RefCell::new(HashMap::new());
     let ctx = report::Context {
         plans: &plans,
         netns: &netns,
         marks: &marks,
         drop_reasons: &layout.drop_reasons,
-        ifname: &ifname,
+        ifname: &|i| cached_ifname(&names, i),
     };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
@@ -251,6 +253,14 @@ async fn event_loop(
     emit(&mut done, &mut summary, lost_now)?;
     summary.evicted = correlator.stats.evicted;
     Ok(summary)
+}
+
+fn cached_ifname(names: &std::cell::RefCell<HashMap<u32, String>>, index: u32) -> String {
+    names
+        .borrow_mut()
+        .entry(index)
+        .or_insert_with(|| ifname(index))
+        .clone()
 }
 
 fn drain_ring(
