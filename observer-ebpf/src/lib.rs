@@ -406,14 +406,8 @@ pub fn windows() -> Option<&'static mut Windows> {
 /// `N` bytes of field `off` (a struct offset) from a window read at struct offset `start`.
 #[inline(always)]
 pub fn field<const N: usize>(win: &[u8], off: u64, start: u64) -> Result<[u8; N], ()> {
-    let rel = off.wrapping_sub(start) as usize;
-    let bytes = win.get(rel..rel + N).ok_or(())?;
     let mut out = [0u8; N];
-    let mut i = 0;
-    while i < N {
-        out[i] = bytes[i];
-        i += 1;
-    }
+    copy_field(win, off, start, &mut out)?;
     Ok(out)
 }
 

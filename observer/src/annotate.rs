@@ -237,25 +237,17 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
             None => "rules",
         };
         let ports = after.has_ports;
-        if bd != ad {
-            out.push(Nat {
-                kind: "dnat",
-                hook: s.hook.name(),
-                table: s.table.clone(),
-                from: endpoint(&bd, ports),
-                to: endpoint(&ad, ports),
-                source,
-            });
-        }
-        if bs != a_s {
-            out.push(Nat {
-                kind: "snat",
-                hook: s.hook.name(),
-                table: s.table.clone(),
-                from: endpoint(&bs, ports),
-                to: endpoint(&a_s, ports),
-                source,
-            });
+        for (kind, from, to) in [("dnat", bd, ad), ("snat", bs, a_s)] {
+            if from != to {
+                out.push(Nat {
+                    kind,
+                    hook: s.hook.name(),
+                    table: s.table.clone(),
+                    from: endpoint(&from, ports),
+                    to: endpoint(&to, ports),
+                    source,
+                });
+            }
         }
     }
     out

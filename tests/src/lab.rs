@@ -247,3 +247,20 @@ pub fn mark(v: &Value) -> u32 {
 pub fn first_dst(r: &Value) -> &str {
     r["stages"][0]["before"]["dst"].as_str().unwrap_or("")
 }
+
+/// The common shape of a traced request: an echo server at `server` in namespace
+/// `server_role`, the observer on the node, one round trip from `client_role` to `to`.
+/// Returns the observer's reports and its stderr (with the summary line).
+pub fn traced_roundtrip(
+    lab: &Lab,
+    server_role: &str,
+    server: &'static str,
+    client_role: &str,
+    to: &'static str,
+) -> (Vec<Value>, String) {
+    let echo = tcp_echo(lab, server_role, server, 1);
+    let tail = Tail::start(lab);
+    assert_eq!(tcp_client(lab, client_role, to).unwrap(), b"ping");
+    echo.join().unwrap();
+    tail.stop()
+}

@@ -5,7 +5,9 @@
 use std::net::UdpSocket;
 use std::time::Duration;
 
-use observer_tests::lab::{Lab, TIMEOUT, Tail, first_dst, mark, stage, tcp_client, tcp_echo};
+use observer_tests::lab::{
+    Lab, TIMEOUT, Tail, first_dst, mark, stage, tcp_client, tcp_echo, traced_roundtrip,
+};
 use observer_tests::{privileged, run};
 
 #[test]
@@ -14,14 +16,8 @@ fn clusterip_is_dnatted_marked_forwarded_and_masqueraded() {
         return;
     }
     let lab = Lab::up("cip");
-    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let tail = Tail::start(&lab);
-    assert_eq!(
-        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
-        b"ping"
-    );
-    server.join().unwrap();
-    let (reports, stderr) = tail.stop();
+    let (reports, stderr) =
+        traced_roundtrip(&lab, "pod", "172.17.0.5:22", "client", "10.10.10.2:22");
     let syn = reports
         .iter()
         .find(|r| {

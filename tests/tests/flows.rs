@@ -4,7 +4,7 @@
 
 use std::net::UdpSocket;
 
-use observer_tests::lab::{Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo};
+use observer_tests::lab::{Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo, traced_roundtrip};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
@@ -40,14 +40,7 @@ fn client_to_clusterip_is_explained() {
         return;
     }
     let lab = Lab::up("f1");
-    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let tail = Tail::start(&lab);
-    assert_eq!(
-        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
-        b"ping"
-    );
-    server.join().unwrap();
-    let (reports, _) = tail.stop();
+    let (reports, _) = traced_roundtrip(&lab, "pod", "172.17.0.5:22", "client", "10.10.10.2:22");
     let syn = find(&reports, "the first packet to the ClusterIP", |r| {
         first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "new"
     });
@@ -162,11 +155,7 @@ fn node_local_process_to_clusterip_is_dnatted_at_output() {
         return;
     }
     let lab = Lab::up("f4");
-    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let tail = Tail::start(&lab);
-    assert_eq!(tcp_client(&lab, "node", "10.10.10.2:22").unwrap(), b"ping");
-    server.join().unwrap();
-    let (reports, _) = tail.stop();
+    let (reports, _) = traced_roundtrip(&lab, "pod", "172.17.0.5:22", "node", "10.10.10.2:22");
     let r = find(&reports, "node -> ClusterIP", |r| {
         first_dst(r) == "10.10.10.2:22" && r["route"] == "output"
     });
@@ -185,14 +174,7 @@ fn later_packets_and_replies_use_conntrack_not_the_nat_rules() {
         return;
     }
     let lab = Lab::up("f5");
-    let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let tail = Tail::start(&lab);
-    assert_eq!(
-        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
-        b"ping"
-    );
-    server.join().unwrap();
-    let (reports, _) = tail.stop();
+    let (reports, _) = traced_roundtrip(&lab, "pod", "172.17.0.5:22", "client", "10.10.10.2:22");
     let later = find(&reports, "a later packet of the connection", |r| {
         first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "established"
     });
@@ -259,14 +241,13 @@ fn ipv6_flow_through_ip6tables_rules() {
         return;
     }
     let lab = Lab::up("f7");
-    let server = tcp_echo(&lab, "pod", "[2001:db8:2::5]:22", 1);
-    let tail = Tail::start(&lab);
-    assert_eq!(
-        tcp_client(&lab, "client", "[fd00:10::2]:22").unwrap(),
-        b"ping"
+    let (reports, _) = traced_roundtrip(
+        &lab,
+        "pod",
+        "[2001:db8:2::5]:22",
+        "client",
+        "[fd00:10::2]:22",
     );
-    server.join().unwrap();
-    let (reports, _) = tail.stop();
     let syn = find(&reports, "the first IPv6 packet to the ClusterIP", |r| {
         first_dst(r) == "[fd00:10::2]:22" && r["conntrack"]["state"] == "new"
     });
@@ -472,6 +453,12 @@ fn fragments_are_followed_through_reassembly() {
             "reassembled datagram delivered"
         );
     });
+    // Resolve the node's MAC first, so the fragments do not wait in the neighbour queue.
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"warm-up", "198.51.100.1:9").unwrap();
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let tail = Tail::start(&lab);
     lab.run_in("client", || {
         // 3000 bytes over a 1500-byte MTU: three fragments.
