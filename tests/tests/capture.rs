@@ -255,3 +255,66 @@ fn interfaces_that_appear_later_are_observed_at_tc() {
     assert!(stage(r, "INPUT", "filter").is_some(), "delivered locally");
     assert!(stage(r, "FORWARD", "filter").is_none());
 }
+
+#[test]
+fn count_and_timeout_end_the_tail_by_themselves() {
+    if !privileged("count_and_timeout_end_the_tail_by_themselves") {
+        return;
+    }
+    use std::process::{Command, Stdio};
+    use std::time::Instant;
+    let lab = Lab::up("cnt");
+    let bin = observer_tests::lab::observer_bin();
+    let ready = std::env::temp_dir().join(format!("{}-count-ready", lab.prefix));
+    let _ = std::fs::remove_file(&ready);
+    let child = Command::new(&bin)
+        .args([
+            "tail",
+            "--json",
+            "--count",
+            "2",
+            "--filter",
+            "udp and dst port 9999",
+        ])
+        .args(["--netns", &lab.ns("node"), "--ready-file"])
+        .arg(&ready)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !ready.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "not ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    lab.run_in("client", || {
+        for _ in 0..5 {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"count me", "198.51.100.1:9999").unwrap();
+        }
+    });
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert_eq!(lines, 2, "--count 2 prints two traversals and exits");
+
+    let t0 = Instant::now();
+    let out = Command::new(&bin)
+        .args(["tail", "--timeout", "1", "--netns", &lab.ns("node")])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "--timeout ends the run"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("traversals printed"),
+        "summary line on exit: {stderr}"
+    );
+}
