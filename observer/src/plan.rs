@@ -58,8 +58,13 @@ pub struct HookPlan {
     pub hook: NfHook,
     /// Tables in priority order.
     pub tables: Vec<Table>,
-    /// Probe priorities, ascending; the index is the probe's slot.
+    /// Probe priorities, ascending; the index is the point's position, which is what the
+    /// collector and reports use.
     pub points: Vec<i32>,
+    /// The probe program attached at each point. The probes decide the filter by program:
+    /// at PREROUTING and OUTPUT, program 0 is where a packet enters and program 2 is just
+    /// after conntrack, whatever custom chains sit between.
+    pub programs: Vec<usize>,
 }
 
 impl HookPlan {
@@ -85,12 +90,19 @@ impl HookPlan {
         // A table at p+1 of another would share its probe: drop points that sit on a table.
         points.retain(|p| !tables.iter().any(|t| t.priority == *p));
         points.truncate(NF_SLOTS);
+        let programs = programs_for(hook, &points);
         Self {
             family,
             hook,
             tables,
             points,
+            programs,
         }
+    }
+
+    /// Position of the point where program `program` is attached.
+    pub fn point_of(&self, program: usize) -> Option<usize> {
+        self.programs.iter().position(|&p| p == program)
     }
 
     /// Slots of the probes just before and just after `table`.
@@ -126,6 +138,21 @@ impl HookPlan {
         }
         out
     }
+}
+
+/// Program per point: identity, except that at PREROUTING and OUTPUT the first point after
+/// conntrack (-200) gets program 2, which the probes use to decide the filter with the
+/// connection's tuples (see observer-ebpf's `Decide`).
+fn programs_for(hook: NfHook, points: &[i32]) -> Vec<usize> {
+    let mut programs: Vec<usize> = (0..points.len()).collect();
+    if matches!(hook, NfHook::PreRouting | NfHook::LocalOut)
+        && let Some(after_ct) = points.iter().position(|&p| p > -200)
+        && after_ct != 2
+        && points.len() > 2
+    {
+        programs.swap(after_ct, 2);
+    }
+    programs
 }
 
 /// The whole plan: every family and hook.
@@ -214,6 +241,29 @@ mod tests {
         let (b, a) = p.bracket(t);
         assert_eq!(p.points[b.unwrap()], -149);
         assert_eq!(p.points[a.unwrap()], -4);
+    }
+
+    #[test]
+    fn the_after_conntrack_point_is_always_program_2() {
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        assert_eq!(p.programs, (0..p.points.len()).collect::<Vec<_>>());
+        // A custom chain between raw and conntrack moves the point, not the program.
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[-250, -280]);
+        let at = p.point_of(2).unwrap();
+        assert_eq!(
+            p.points[at], -199,
+            "program 2 sits just after conntrack: {p:?}"
+        );
+        assert_eq!(p.point_of(0), Some(0), "program 0 stays at the entry");
+        let mut sorted = p.programs.clone();
+        sorted.sort_unstable();
+        assert_eq!(
+            sorted,
+            (0..p.points.len()).collect::<Vec<_>>(),
+            "each program once"
+        );
+        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-250]);
+        assert_eq!(f.programs, (0..f.points.len()).collect::<Vec<_>>());
     }
 
     #[test]

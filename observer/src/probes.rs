@@ -137,7 +137,9 @@ impl Probes {
                 plan.points
             );
             for slot in 0..plan.points.len() {
-                let prog = self.nf.program_mut(&format!("nf_slot_{slot}"))?;
+                let prog = self
+                    .nf
+                    .program_mut(&format!("nf_slot_{}", plan.programs[slot]))?;
                 prog.load()?;
                 let mut candidates = vec![plan.points[slot]];
                 candidates.extend(plan.fallbacks(slot));

@@ -13,7 +13,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::btf::KernelLayout;
 use crate::correlate::{Closed, Correlator, Traversal};
-use crate::decode::{Record, decode};
+use crate::decode::{Point, Record, decode};
 use crate::marks::MarkDictionary;
 use crate::nf_link::NfHook;
 use crate::plan::{custom_priorities, full_plan};
@@ -211,11 +211,11 @@ async fn event_loop(
         tokio::select! {
             guard = ring.readable_mut() => {
                 let mut guard = guard?;
-                drain_ring(guard.get_inner_mut(), &layout, &mut correlator, &mut done, &mut summary);
+                drain_ring(guard.get_inner_mut(), &layout, &plans, &mut correlator, &mut done, &mut summary);
                 guard.clear_ready();
             }
             _ = drain_tick.tick() => {
-                drain_ring(ring.get_mut(), &layout, &mut correlator, &mut done, &mut summary);
+                drain_ring(ring.get_mut(), &layout, &plans, &mut correlator, &mut done, &mut summary);
             }
             _ = tick.tick() => {
                 lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(lost_now);
@@ -243,6 +243,7 @@ async fn event_loop(
     drain_ring(
         ring.get_mut(),
         &layout,
+        &plans,
         &mut correlator,
         &mut done,
         &mut summary,
@@ -266,13 +267,20 @@ fn cached_ifname(names: &std::cell::RefCell<HashMap<u32, String>>, index: u32) -
 fn drain_ring(
     rb: &mut aya::maps::RingBuf<aya::maps::MapData>,
     layout: &KernelLayout,
+    plans: &Plans,
     correlator: &mut Correlator,
     done: &mut Vec<Traversal>,
     summary: &mut Summary,
 ) {
     while let Some(item) = rb.next() {
         match decode(&item, &layout.tuple) {
-            Ok(Record::Packet(o)) => {
+            Ok(Record::Packet(mut o)) => {
+                // Records name the probe program; everything downstream uses the point.
+                if let (Point::Netfilter(hook, program), Some(family)) = (o.point, o.family)
+                    && let Some(at) = plans.get(&(family, hook)).and_then(|p| p.point_of(program))
+                {
+                    o.point = Point::Netfilter(hook, at);
+                }
                 log::trace!("record {:?} skb {:#x} mark {:#x}", o.point, o.skb, o.mark);
                 correlator.push(o, done)
             }

@@ -556,3 +556,49 @@ fn gso_aggregates_are_followed_as_one_packet() {
         );
     }
 }
+
+#[test]
+fn custom_nft_chains_are_bracketed_and_filters_still_follow_replies() {
+    if !privileged("custom_nft_chains_are_bracketed_and_filters_still_follow_replies") {
+        return;
+    }
+    let lab = Lab::up("fd");
+    // A native nftables base chain between raw (-300) and conntrack (-200), setting a mark.
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "nft",
+        "add table inet obstest; \
+         add chain inet obstest pre { type filter hook prerouting priority -250; }; \
+         add rule inet obstest pre tcp dport 22 meta mark set mark or 0x100",
+    ]);
+    let echo = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    let tail = Tail::start_with(&lab, &["--filter", "host 10.10.10.2"]);
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    echo.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let syn = find(&reports, "the first packet", |r| {
+        first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "new"
+    });
+    let custom = syn["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["table"] == "prio:-250")
+        .unwrap_or_else(|| panic!("custom chain bracketed: {syn}"));
+    assert_eq!(custom["priority"], -250);
+    assert_eq!(custom["before"]["mark"], "0x0");
+    assert_eq!(
+        custom["after"]["mark"], "0x100",
+        "the nft chain's mark is seen at its stage"
+    );
+    // Replies carry only the pod's address: kept through their conntrack entry, decided just
+    // after conntrack even though the custom chain shifted the probe points.
+    let reply = find(&reports, "a reply", |r| first_src(r) == "172.17.0.5:22");
+    assert_eq!(reply["conntrack"]["state"], "established reply", "{stderr}");
+}
