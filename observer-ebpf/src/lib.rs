@@ -73,50 +73,17 @@ fn filter_input(ev: &PacketEvent) -> FilterInput {
     }
 }
 
-/// Whether `ev` is written, per `--filter` and `--sample`. Counts what it leaves out.
+/// The filter program, when `--filter` or `--sample` is in force.
 #[inline(always)]
-pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
-    let Some(prog) = FILTER.get(0) else {
-        return true;
-    };
-    if prog.enabled == 0 && prog.sample <= 1 {
-        return true;
-    }
-    let skb = ev.header.skb;
-    // SAFETY: the value is a plain u8 read while the entry exists.
-    let decided = unsafe { DECISION.get(&skb) }.copied();
-    let verdict = match how {
-        Decide::Follow => decided.unwrap_or(FILTERED_OUT),
-        Decide::WithConntrack if decided == Some(KEEP) => KEEP,
-        Decide::Entry => {
-            let input = filter_input(ev);
-            let v = verdict_of(
-                filter::eval(prog, &input),
-                filter::sample_keep(prog, filter::flow_hash(&input)),
-            );
-            let _ = DECISION.insert(&skb, &v, 0);
-            v
-        }
-        Decide::WithConntrack => {
-            let current = filter_input(ev);
-            let mut inputs = [current, current, current];
-            let mut n = 1;
-            if ev.header.flags & flags::CT != 0 {
-                tuple_into(&ev.ct.orig, &mut inputs[1]);
-                tuple_into(&ev.ct.reply, &mut inputs[2]);
-                n = 3;
-            }
-            // Sample by the original tuple: a connection's packets, both ways and before
-            // and after NAT, are kept or left out together.
-            let hashed = if n == 3 { &inputs[1] } else { &inputs[0] };
-            let v = verdict_of(
-                filter::eval_any(prog, &inputs, n),
-                filter::sample_keep(prog, filter::flow_hash(hashed)),
-            );
-            let _ = DECISION.insert(&skb, &v, 0);
-            v
-        }
-    };
+fn active_filter() -> Option<&'static FilterProgram> {
+    FILTER
+        .get(0)
+        .filter(|prog| prog.enabled != 0 || prog.sample > 1)
+}
+
+/// Whether a packet with this decision is written; counts what is left out.
+#[inline(always)]
+fn counted(verdict: u8) -> bool {
     match verdict {
         KEEP => true,
         SAMPLED_OUT => {
@@ -130,28 +97,57 @@ pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
     }
 }
 
+/// Whether `ev` is written, per `--filter` and `--sample`, deciding as `how` says.
+#[inline(always)]
+pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
+    let Some(prog) = active_filter() else {
+        return true;
+    };
+    let skb = ev.header.skb;
+    let verdict = match how {
+        Decide::Follow => return follows_keep(skb),
+        Decide::Entry => {
+            let input = filter_input(ev);
+            verdict_of(
+                filter::eval(prog, &input),
+                filter::sample_keep(prog, filter::flow_hash(&input)),
+            )
+        }
+        Decide::WithConntrack => {
+            // SAFETY: the value is a plain u8 read while the entry exists.
+            if unsafe { DECISION.get(&skb) }.copied() == Some(KEEP) {
+                return true;
+            }
+            let current = filter_input(ev);
+            let mut inputs = [current, current, current];
+            let mut n = 1;
+            if ev.header.flags & flags::CT != 0 {
+                tuple_into(&ev.ct.orig, &mut inputs[1]);
+                tuple_into(&ev.ct.reply, &mut inputs[2]);
+                n = 3;
+            }
+            // Sample by the original tuple: a connection's packets, both ways and before
+            // and after NAT, are kept or left out together.
+            let hashed = if n == 3 { &inputs[1] } else { &inputs[0] };
+            verdict_of(
+                filter::eval_any(prog, &inputs, n),
+                filter::sample_keep(prog, filter::flow_hash(hashed)),
+            )
+        }
+    };
+    let _ = DECISION.insert(&skb, &verdict, 0);
+    counted(verdict)
+}
+
 /// For probes that reuse the upstream decision ([`Decide::Follow`]): whether packet `skb`
 /// is kept. Needs nothing but its address, so it runs before any other read.
 #[inline(always)]
 pub fn follows_keep(skb: u64) -> bool {
-    let Some(prog) = FILTER.get(0) else {
-        return true;
-    };
-    if prog.enabled == 0 && prog.sample <= 1 {
+    if active_filter().is_none() {
         return true;
     }
     // SAFETY: the value is a plain u8 read while the entry exists.
-    match unsafe { DECISION.get(&skb) }.copied() {
-        Some(KEEP) => true,
-        Some(SAMPLED_OUT) => {
-            count(counter::SAMPLED_OUT);
-            false
-        }
-        _ => {
-            count(counter::FILTERED);
-            false
-        }
-    }
+    counted(unsafe { DECISION.get(&skb) }.copied().unwrap_or(FILTERED_OUT))
 }
 
 /// Values of [`DECISION`].
