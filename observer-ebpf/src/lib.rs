@@ -147,7 +147,11 @@ pub fn follows_keep(skb: u64) -> bool {
         return true;
     }
     // SAFETY: the value is a plain u8 read while the entry exists.
-    counted(unsafe { DECISION.get(&skb) }.copied().unwrap_or(FILTERED_OUT))
+    counted(
+        unsafe { DECISION.get(&skb) }
+            .copied()
+            .unwrap_or(FILTERED_OUT),
+    )
 }
 
 /// Values of [`DECISION`].
@@ -304,6 +308,40 @@ pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
             None
         }
     }
+}
+
+/// Walks IPv6 extension headers (hop-by-hop, routing, destination options, fragment; at
+/// most four) from `off`, the end of the fixed header, so that `l4proto` and the returned
+/// L4 offset are the transport's. `read4(off)` returns 4 bytes of the packet at `off`.
+#[inline(always)]
+pub fn skip_ipv6_ext(
+    ev: &mut PacketEvent,
+    mut off: usize,
+    read4: impl Fn(usize) -> Option<[u8; 4]>,
+) -> Option<usize> {
+    let mut i = 0;
+    while i < 4 {
+        match ev.packet.l4proto {
+            0 | 43 | 60 => {
+                let h = read4(off)?;
+                ev.packet.l4proto = h[0];
+                off += (h[1] as usize + 1) * 8;
+            }
+            44 => {
+                let h = read4(off)?;
+                ev.packet.l4proto = h[0];
+                ev.header.flags |= flags::FRAGMENT;
+                // A non-zero fragment offset: no transport header in this fragment.
+                if u16::from_be_bytes([h[2], h[3]]) & 0xfff8 != 0 {
+                    ev.header.flags |= flags::NO_L4;
+                }
+                off += 8;
+            }
+            _ => return Some(off),
+        }
+        i += 1;
+    }
+    Some(off)
 }
 
 /// Whether the ICMP(v6) message `ev` carries quotes a packet (an error message).
@@ -474,12 +512,12 @@ pub fn emit(ev: &PacketEvent) {
     // rates, and so does reading the reader's position (a cache line it writes): userspace
     // drains on a short timer, and every 64th record per CPU checks whether the buffer is
     // filling up fast enough to wake it early.
-    let flags = if bump(counter::EMIT_SEQ) & 63 == 0 && EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES
-    {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    };
+    let flags =
+        if bump(counter::EMIT_SEQ) & 63 == 0 && EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES {
+            BPF_RB_FORCE_WAKEUP
+        } else {
+            BPF_RB_NO_WAKEUP
+        };
     match EVENTS.output::<PacketEvent>(ev, flags) {
         Ok(()) => count(counter::EMITTED),
         Err(_) => count(counter::RINGBUF_FULL),

@@ -602,3 +602,45 @@ fn custom_nft_chains_are_bracketed_and_filters_still_follow_replies() {
     let reply = find(&reports, "a reply", |r| first_src(r) == "172.17.0.5:22");
     assert_eq!(reply["conntrack"]["state"], "established reply", "{stderr}");
 }
+
+#[test]
+fn ipv6_extension_headers_are_walked_to_the_transport() {
+    if !privileged("ipv6_extension_headers_are_walked_to_the_transport") {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let lab = Lab::up("fe");
+    let listener = lab.serve("node", |ready| {
+        let s = UdpSocket::bind("[2001:db8:1::1]:5353").unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 16];
+        let _ = s.recv(&mut buf);
+    });
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        // A hop-by-hop options header holding one PadN option: the transport header then
+        // starts 8 bytes after the fixed IPv6 header.
+        let hbh: [u8; 8] = [0, 0, 1, 4, 0, 0, 0, 0];
+        // SAFETY: valid socket and option buffer of the given length.
+        let rc = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_IPV6,
+                libc::IPV6_HOPOPTS,
+                hbh.as_ptr().cast(),
+                hbh.len() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "IPV6_HOPOPTS: {}", std::io::Error::last_os_error());
+        s.send_to(b"with options", "[2001:db8:1::1]:5353").unwrap();
+    });
+    listener.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let r = find(&reports, "the datagram with a hop-by-hop header", |r| {
+        first_dst(r) == "[2001:db8:1::1]:5353"
+    });
+    assert_eq!(r["proto"], "udp", "{stderr}");
+    assert_eq!(r["fate"]["kind"], "delivered");
+}

@@ -328,6 +328,15 @@ fn test(extra: &[String]) -> Result<()> {
     let t0 = Instant::now();
     run(Command::new("cargo").args(["fmt", "--all", "--check"]))
         .context("formatting differs: run `cargo fmt --all`")?;
+    run(Command::new("cargo").args([
+        "fmt",
+        "--manifest-path",
+        "observer-ebpf/Cargo.toml",
+        "--check",
+    ]))
+    .context(
+        "probe formatting differs: run `cargo fmt --manifest-path observer-ebpf/Cargo.toml`",
+    )?;
     run(Command::new("cargo")
         .args([
             "clippy",

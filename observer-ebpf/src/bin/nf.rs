@@ -10,9 +10,9 @@
 
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::{
-    Decide, cfg, count, emit, field, follows_keep, is_icmp_error, keep, nfct_of, now,
-    parse_inner, parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window,
-    scratch, windows,
+    Decide, cfg, count, emit, field, follows_keep, is_icmp_error, keep, nfct_of, now, parse_inner,
+    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
+    skip_ipv6_ext, windows,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -36,11 +36,30 @@ macro_rules! slots {
 }
 
 slots!(
-    nf_slot_0 = 0, nf_slot_1 = 1, nf_slot_2 = 2, nf_slot_3 = 3, nf_slot_4 = 4, nf_slot_5 = 5,
-    nf_slot_6 = 6, nf_slot_7 = 7, nf_slot_8 = 8, nf_slot_9 = 9, nf_slot_10 = 10,
-    nf_slot_11 = 11, nf_slot_12 = 12, nf_slot_13 = 13, nf_slot_14 = 14, nf_slot_15 = 15,
-    nf_slot_16 = 16, nf_slot_17 = 17, nf_slot_18 = 18, nf_slot_19 = 19, nf_slot_20 = 20,
-    nf_slot_21 = 21, nf_slot_22 = 22, nf_slot_23 = 23,
+    nf_slot_0 = 0,
+    nf_slot_1 = 1,
+    nf_slot_2 = 2,
+    nf_slot_3 = 3,
+    nf_slot_4 = 4,
+    nf_slot_5 = 5,
+    nf_slot_6 = 6,
+    nf_slot_7 = 7,
+    nf_slot_8 = 8,
+    nf_slot_9 = 9,
+    nf_slot_10 = 10,
+    nf_slot_11 = 11,
+    nf_slot_12 = 12,
+    nf_slot_13 = 13,
+    nf_slot_14 = 14,
+    nf_slot_15 = 15,
+    nf_slot_16 = 16,
+    nf_slot_17 = 17,
+    nf_slot_18 = 18,
+    nf_slot_19 = 19,
+    nf_slot_20 = 20,
+    nf_slot_21 = 21,
+    nf_slot_22 = 22,
+    nf_slot_23 = 23,
 );
 const _: () = assert!(observer_common::NF_SLOTS == 24);
 
@@ -106,6 +125,11 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     read_into(l3, 0, &mut w.pkt)?;
     let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
     if let Some(ihl) = parse_l3(hdr, ev) {
+        let ihl = if ev.packet.ip_version == 6 {
+            skip_ipv6_ext(ev, ihl, |at| read::<[u8; 4]>(l3, at as u64).ok()).ok_or(())?
+        } else {
+            ihl
+        };
         if ev.header.flags & flags::NO_L4 == 0 {
             let l4 = match field::<16>(&w.pkt, ihl as u64, 0) {
                 Ok(l4) => Ok(l4),

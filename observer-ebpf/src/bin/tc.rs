@@ -10,8 +10,8 @@ use aya_ebpf::{
 };
 use observer_common::{DropEvent, config, family, hook, kind};
 use observer_ebpf::{
-    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, nfct_of, now,
-    parse_inner, parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_skb_window, scratch,
+    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, nfct_of, now, parse_inner,
+    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_skb_window, scratch, skip_ipv6_ext,
     windows,
 };
 
@@ -71,11 +71,20 @@ fn observe(ctx: &TcContext, at: u8) {
             return;
         };
         if let Some(ihl) = parse_l3(&hdr, ev) {
+            let ihl = if ev.packet.ip_version == 6 {
+                match skip_ipv6_ext(ev, ihl, |at| ctx.load::<[u8; 4]>(l3 + at).ok()) {
+                    Some(ihl) => ihl,
+                    None => return,
+                }
+            } else {
+                ihl
+            };
             let mut l4 = [0u8; 16];
             let loaded = if ev.packet.l4proto == 6 {
                 ctx.load::<[u8; 16]>(l3 + ihl).map(|b| l4 = b)
             } else {
-                ctx.load::<[u8; 8]>(l3 + ihl).map(|b| l4[..8].copy_from_slice(&b))
+                ctx.load::<[u8; 8]>(l3 + ihl)
+                    .map(|b| l4[..8].copy_from_slice(&b))
             };
             match loaded {
                 Ok(()) => parse_l4(&l4, ev),
@@ -135,9 +144,11 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
     // Read the arguments through bpf_probe_read_kernel: a direct load gives the verifier a
     // trusted BTF pointer, which may not take the variable offsets that BTF gives us.
     let args = ctx.as_ptr() as u64;
-    let (Ok(skb), Ok(location), Ok(reason)) =
-        (read::<u64>(args, 0), read::<u64>(args, 8), read::<u64>(args, 16))
-    else {
+    let (Ok(skb), Ok(location), Ok(reason)) = (
+        read::<u64>(args, 0),
+        read::<u64>(args, 8),
+        read::<u64>(args, 16),
+    ) else {
         return 0;
     };
     let reason = reason as u32;
