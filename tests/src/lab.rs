@@ -264,3 +264,15 @@ pub fn traced_roundtrip(
     echo.join().unwrap();
     tail.stop()
 }
+
+/// A UDP socket bound at `addr` inside `role` that waits (up to [`TIMEOUT`]) for one
+/// datagram: something to deliver to, so traffic to it is not answered by port unreachable.
+pub fn udp_sink(lab: &Lab, role: &str, addr: &'static str) -> std::thread::JoinHandle<()> {
+    lab.serve(role, move |ready| {
+        let s = std::net::UdpSocket::bind(addr).unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        let _ = s.recv(&mut buf);
+    })
+}

@@ -4,7 +4,9 @@
 
 use std::net::UdpSocket;
 
-use observer_tests::lab::{Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo, traced_roundtrip};
+use observer_tests::lab::{
+    Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo, traced_roundtrip, udp_sink,
+};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
@@ -206,13 +208,7 @@ fn traffic_to_the_node_itself_is_delivered() {
         return;
     }
     let lab = Lab::up("f6");
-    let listener = lab.serve("node", |ready| {
-        let s = UdpSocket::bind("198.51.100.1:5353").unwrap();
-        s.set_read_timeout(Some(TIMEOUT)).unwrap();
-        ready.send(()).unwrap();
-        let mut buf = [0u8; 16];
-        let _ = s.recv(&mut buf);
-    });
+    let listener = udp_sink(&lab, "node", "198.51.100.1:5353");
     let tail = Tail::start(&lab);
     lab.run_in("client", || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -298,13 +294,7 @@ fn a_kernel_filter_leaves_other_flows_unrecorded() {
     }
     let lab = Lab::up("f8");
     let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let listener = lab.serve("node", |ready| {
-        let s = UdpSocket::bind("198.51.100.1:5353").unwrap();
-        s.set_read_timeout(Some(TIMEOUT)).unwrap();
-        ready.send(()).unwrap();
-        let mut buf = [0u8; 16];
-        let _ = s.recv(&mut buf);
-    });
+    let listener = udp_sink(&lab, "node", "198.51.100.1:5353");
     let tail = Tail::start_with(&lab, &["--filter", "udp and dst port 5353"]);
     // Excluded: a whole TCP connection through the ClusterIP.
     assert_eq!(
@@ -610,13 +600,7 @@ fn ipv6_extension_headers_are_walked_to_the_transport() {
     }
     use std::os::fd::AsRawFd;
     let lab = Lab::up("fe");
-    let listener = lab.serve("node", |ready| {
-        let s = UdpSocket::bind("[2001:db8:1::1]:5353").unwrap();
-        s.set_read_timeout(Some(TIMEOUT)).unwrap();
-        ready.send(()).unwrap();
-        let mut buf = [0u8; 16];
-        let _ = s.recv(&mut buf);
-    });
+    let listener = udp_sink(&lab, "node", "[2001:db8:1::1]:5353");
     let tail = Tail::start(&lab);
     lab.run_in("client", || {
         let s = UdpSocket::bind("[::]:0").unwrap();

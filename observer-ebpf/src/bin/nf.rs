@@ -162,12 +162,6 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     Ok(())
 }
 
-#[cfg(not(test))]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
-    loop {}
-}
-
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 4] = *b"GPL\0";
