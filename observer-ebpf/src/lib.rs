@@ -278,44 +278,57 @@ pub fn read_into(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
     })
 }
 
-/// Parses an IPv4 or IPv6 header (and the first 4 bytes of L4) from `hdr` into `ev`.
-/// `hdr` holds at least 40 bytes of the network header; `l4` the first 8 bytes of L4.
+/// Reads an IPv4 or IPv6 header: fills `saddr`/`daddr` (IPv4 in the first 4 bytes) and
+/// returns (version, protocol, header length). Shared by the packet and the packet an ICMP
+/// error quotes.
 #[inline(always)]
-pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
-    let p = &mut ev.packet;
+fn ip_header(
+    hdr: &[u8; 40],
+    saddr: &mut [u8; 16],
+    daddr: &mut [u8; 16],
+) -> Option<(u8, u8, usize)> {
     match hdr[0] >> 4 {
         4 => {
-            p.ip_version = 4;
-            p.l4proto = hdr[9];
-            p.saddr[..4].copy_from_slice(&hdr[12..16]);
-            p.daddr[..4].copy_from_slice(&hdr[16..20]);
-            // Non-first fragments carry no L4 header.
-            let frag = u16::from_be_bytes([hdr[6], hdr[7]]);
-            if frag & 0x1fff != 0 {
-                ev.header.flags |= flags::NO_L4;
-            }
-            if frag & 0x3fff != 0 {
-                ev.header.flags |= flags::FRAGMENT;
-            }
-            Some(((hdr[0] & 0x0f) as usize) * 4)
+            saddr[..4].copy_from_slice(&hdr[12..16]);
+            daddr[..4].copy_from_slice(&hdr[16..20]);
+            Some((4, hdr[9], ((hdr[0] & 0x0f) as usize) * 4))
         }
         6 => {
-            p.ip_version = 6;
-            p.l4proto = hdr[6];
-            p.saddr.copy_from_slice(&hdr[8..24]);
+            saddr.copy_from_slice(&hdr[8..24]);
             // daddr spans bytes 24..40.
             let mut i = 0;
             while i < 16 {
-                p.daddr[i] = hdr[24 + i];
+                daddr[i] = hdr[24 + i];
                 i += 1;
             }
-            Some(40)
+            Some((6, hdr[6], 40))
         }
-        _ => {
-            ev.header.flags |= flags::NO_L3;
-            None
+        _ => None,
+    }
+}
+
+/// Parses an IPv4 or IPv6 header from `hdr` (at least 40 bytes of the network header) into
+/// `ev`; returns the header length.
+#[inline(always)]
+pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
+    let p = &mut ev.packet;
+    let Some((version, proto, ihl)) = ip_header(hdr, &mut p.saddr, &mut p.daddr) else {
+        ev.header.flags |= flags::NO_L3;
+        return None;
+    };
+    p.ip_version = version;
+    p.l4proto = proto;
+    if version == 4 {
+        let frag = u16::from_be_bytes([hdr[6], hdr[7]]);
+        // Non-first fragments carry no L4 header.
+        if frag & 0x1fff != 0 {
+            ev.header.flags |= flags::NO_L4;
+        }
+        if frag & 0x3fff != 0 {
+            ev.header.flags |= flags::FRAGMENT;
         }
     }
+    Some(ihl)
 }
 
 /// Walks IPv6 extension headers (hop-by-hop, routing, destination options, fragment; at
@@ -368,25 +381,8 @@ pub fn is_icmp_error(ev: &PacketEvent) -> bool {
 #[inline(always)]
 pub fn parse_inner(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
     let i = &mut ev.inner;
-    let ihl = match hdr[0] >> 4 {
-        4 => {
-            i.l4proto = hdr[9];
-            i.saddr[..4].copy_from_slice(&hdr[12..16]);
-            i.daddr[..4].copy_from_slice(&hdr[16..20]);
-            ((hdr[0] & 0x0f) as usize) * 4
-        }
-        6 => {
-            i.l4proto = hdr[6];
-            i.saddr.copy_from_slice(&hdr[8..24]);
-            let mut k = 0;
-            while k < 16 {
-                i.daddr[k] = hdr[24 + k];
-                k += 1;
-            }
-            40
-        }
-        _ => return None,
-    };
+    let (_, proto, ihl) = ip_header(hdr, &mut i.saddr, &mut i.daddr)?;
+    i.l4proto = proto;
     ev.header.flags |= flags::INNER;
     Some(ihl)
 }

@@ -304,23 +304,29 @@ fn stop(child: &mut Child) -> Result<()> {
     Ok(())
 }
 
-fn demo() -> Result<()> {
+/// Builds the release binary, brings up a lab with `prefix`, runs `job` with the binary's
+/// path, and always removes the lab again.
+fn in_lab<T>(task: &str, prefix: &str, job: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
     let tc = setup()?;
     build(&tc, true)?;
-    need_root("demo")?;
+    need_root(task)?;
     let bin = observer_bin(true);
-    let prefix = "obs";
     run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
-    let result = (|| -> Result<()> {
+    let result = job(&bin);
+    run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
+    result
+}
+
+fn demo() -> Result<()> {
+    let prefix = "obs";
+    in_lab("demo", prefix, |bin| {
         let node = format!("{prefix}-node");
-        let mut tail = start_tail(&bin, &["--netns", &node], Stdio::inherit())?;
-        let sent = run(Command::new(&bin).args(["lab", "traffic", "--prefix", prefix]));
+        let mut tail = start_tail(bin, &["--netns", &node], Stdio::inherit())?;
+        let sent = run(Command::new(bin).args(["lab", "traffic", "--prefix", prefix]));
         std::thread::sleep(Duration::from_millis(1500));
         stop(&mut tail)?;
         sent
-    })();
-    run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
-    result
+    })
 }
 
 fn test(extra: &[String]) -> Result<()> {
@@ -391,12 +397,7 @@ fn iperf(prefix: &str, seconds: u32) -> Result<f64> {
 }
 
 fn bench(seconds: u32) -> Result<()> {
-    let tc = setup()?;
-    build(&tc, true)?;
-    need_root("bench")?;
-    let bin = observer_bin(true);
     let prefix = "obsbench";
-    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
     let node = format!("{prefix}-node");
     // (label, extra tail arguments; None = no observer)
     let cases: [(&str, Option<&[&str]>); 3] = [
@@ -407,7 +408,7 @@ fn bench(seconds: u32) -> Result<()> {
             Some(&["--filter", "host 192.0.2.99"]),
         ),
     ];
-    let result = (|| -> Result<Vec<f64>> {
+    let result = in_lab("bench", prefix, |bin| {
         let mut out = Vec::new();
         for (_, args) in cases {
             let Some(args) = args else {
@@ -416,14 +417,13 @@ fn bench(seconds: u32) -> Result<()> {
             };
             let mut all = vec!["--netns", node.as_str(), "--json"];
             all.extend_from_slice(args);
-            let mut tail = start_tail(&bin, &all, Stdio::null())?;
+            let mut tail = start_tail(bin, &all, Stdio::null())?;
             let r = iperf(prefix, seconds);
             stop(&mut tail)?;
             out.push(r?);
         }
         Ok(out)
-    })();
-    run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
+    });
     let rates = result?;
     println!("iperf3 TCP client -> ClusterIP -> pod through the lab node, {seconds} s each:");
     for ((label, _), r) in cases.iter().zip(&rates) {
