@@ -28,6 +28,8 @@ pub mod kind {
     pub const PACKET: u8 = 1;
     /// A packet freed as dropped (`kfree_skb` tracepoint): [`super::DropEvent`].
     pub const DROP: u8 = 2;
+    /// A whole traversal, assembled in the kernel: [`super::traversal::TraversalRecord`].
+    pub const TRAVERSAL: u8 = 3;
 }
 
 /// Bits of [`EventHeader::flags`].
@@ -45,22 +47,32 @@ pub mod flags {
 }
 
 /// Indices into the `COUNTERS` per-CPU array. Userspace sums the CPUs and reports every one.
+/// Everything but `READ_FAILED` and `NOT_CONFIGURED` counts packets (traversals).
 pub mod counter {
-    /// Records written to the ring buffer.
+    /// Traversals written to the ring buffer.
     pub const EMITTED: u32 = 0;
-    /// Ring-buffer reservations that failed (buffer full): records lost in the kernel.
+    /// Traversals lost: the ring buffer was full when they ended.
     pub const RINGBUF_FULL: u32 = 1;
-    /// A kernel read (`bpf_probe_read_kernel`) failed; the record was not written.
+    /// Kernel reads (`bpf_probe_read_kernel`) that failed; the traversal is flagged.
     pub const READ_FAILED: u32 = 2;
-    /// The probes had no configuration yet (offsets map empty); nothing was written.
+    /// Probe runs before userspace configured the probes; nothing was recorded.
     pub const NOT_CONFIGURED: u32 = 3;
-    /// Records not written because the packet did not match `--filter`.
+    /// Traversals that ended without being written: the packet did not match `--filter`.
     pub const FILTERED: u32 = 4;
-    /// Records not written because `--sample` left the packet's flow out.
+    /// Traversals that ended without being written: `--sample` left the flow out.
     pub const SAMPLED_OUT: u32 = 5;
     /// Internal: a per-CPU record sequence, to check the ring buffer's fill now and then.
     pub const EMIT_SEQ: u32 = 6;
-    pub const COUNT: u32 = 8;
+    /// Traversals started: packets that entered the observed namespace's hooks.
+    pub const SEEN: u32 = 7;
+    /// Traversals moved from a per-CPU slot to the fallback map (waiting or changing CPU).
+    pub const TO_FALLBACK: u32 = 8;
+    /// Traversals written early, as partial, because neither a slot nor the fallback map
+    /// had room.
+    pub const RECLAIMED: u32 = 9;
+    /// Traversals first seen after their start (their entry point was not observed).
+    pub const NO_START: u32 = 10;
+    pub const COUNT: u32 = 16;
 }
 
 /// Indices into the `CONFIG` array: kernel struct offsets resolved by userspace from BTF.
@@ -103,6 +115,10 @@ pub mod config {
     /// `nf_conn` (tuples, status, mark) that a probe reads in one go.
     pub const SKB_WINDOW: u32 = 25;
     pub const CT_WINDOW: u32 = 26;
+    /// Generation of the probe plan; a record carries the one it entered with.
+    pub const PLAN_GEN: u32 = 27;
+    /// Non-zero: every probe returns at once (the benchmark's floor: the hooks' own cost).
+    pub const FLOOR: u32 = 28;
     pub const COUNT: u32 = 32;
 }
 
@@ -120,7 +136,7 @@ pub const NF_SLOTS: usize = 24;
 /// from BTF, so the probe never needs to know the layout.
 pub const CT_TUPLE_BYTES: usize = 48;
 
-/// Common envelope of every record.
+/// Common envelope of a probe's reading.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EventHeader {
@@ -195,7 +211,8 @@ impl Default for CtInfo {
     }
 }
 
-/// Record of kind [`kind::PACKET`].
+/// What one probe read of a packet ([`traversal::Reading`]): scratch in the probes, added
+/// to the packet's traversal record; also the record of kind [`kind::PACKET`] in tests.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PacketEvent {
@@ -247,5 +264,7 @@ mod pod {
     unsafe impl aya::Pod for super::PacketEvent {}
     unsafe impl aya::Pod for super::InnerInfo {}
     unsafe impl aya::Pod for super::DropEvent {}
+    unsafe impl aya::Pod for super::traversal::TraversalRecord {}
 }
 pub mod filter;
+pub mod traversal;

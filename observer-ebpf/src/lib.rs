@@ -9,13 +9,56 @@
 use aya_ebpf::{
     helpers::{bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_buf},
     macros::map,
-    maps::{Array, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, PerCpuArray, RingBuf},
 };
 use observer_common::filter::{self, FilterInput, FilterProgram};
+use observer_common::traversal::{copy_words, decision};
 use observer_common::{
     CT_TUPLE_BYTES, CT_WINDOW_BYTES, CtInfo, PacketEvent, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES,
     config, counter, flags,
 };
+
+pub mod inflight;
+
+/// A probe's control values, kept in per-CPU map memory instead of registers.
+///
+/// The verifier explores every path through a program and prunes one only when its state
+/// matches an explored one. A flag held in a register is a known constant on each path, so
+/// every flag doubles the paths through all code after it (the filter and the in-flight
+/// bookkeeping are long), and the verifier gives up. Written here and read back with
+/// volatile accesses, a flag is an unknown value at each use: the paths split there and
+/// merge again right after.
+pub mod ctl {
+    use aya_ebpf::{macros::map, maps::PerCpuArray};
+
+    pub const MODE: usize = 0;
+    pub const CONTINUES: usize = 1;
+    pub const REDECIDE: usize = 2;
+    pub const ENTRY: usize = 3;
+    pub const READ_OK: usize = 4;
+    pub const VERDICT: usize = 5;
+    const WORDS: usize = 8;
+
+    #[map]
+    static CTL: PerCpuArray<[u32; WORDS]> = PerCpuArray::with_max_entries(1, 0);
+
+    #[inline(always)]
+    pub fn set(i: usize, v: u32) {
+        if let Some(p) = CTL.get_ptr_mut(0) {
+            // SAFETY: per-CPU value, used by one program run at a time on this CPU.
+            unsafe { core::ptr::write_volatile((p as *mut u32).add(i & (WORDS - 1)), v) };
+        }
+    }
+
+    #[inline(always)]
+    pub fn get(i: usize) -> u32 {
+        match CTL.get_ptr_mut(0) {
+            // SAFETY: as above.
+            Some(p) => unsafe { core::ptr::read_volatile((p as *mut u32).add(i & (WORDS - 1))) },
+            None => 0,
+        }
+    }
+}
 
 /// Probes cannot unwind; nothing in them panics (every index is checked), and the verifier
 /// would reject the loop below if a path to it remained.
@@ -41,44 +84,40 @@ pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::C
 #[map]
 pub static FILTER: Array<FilterProgram> = Array::with_max_entries(1, 0);
 
-/// The filter's decision per packet (skb address -> KEEP, FILTERED_OUT, SAMPLED_OUT), taken where the
-/// packet enters and reused by every later probe: an unmatched packet costs them one lookup.
 #[map]
-pub static DECISION: LruHashMap<u64, u8> = LruHashMap::with_max_entries(65536, 0);
+static FILTER_INPUTS: PerCpuArray<[FilterInput; 3]> = PerCpuArray::with_max_entries(1, 0);
 
 /// What a probe does with the filter.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Decide {
     /// The packet enters here (TC ingress, first probe of PREROUTING or OUTPUT): decide
-    /// afresh from its addresses, replacing whatever an earlier packet at the same address
-    /// left behind.
+    /// from its addresses.
     Entry,
     /// Just after conntrack: a packet not kept yet is decided again with its connection's
     /// original and reply tuples too, so replies and NATed packets of a matching flow are
     /// kept.
     WithConntrack,
-    /// Reuse the decision taken upstream.
-    Follow,
 }
 
-fn filter_input(ev: &PacketEvent) -> FilterInput {
+/// Fills `dst` with what the filter looks at in `ev`, field by field (a struct assignment
+/// would become a `memcpy`/`memset` call, which the netfilter loader cannot take).
+#[inline(always)]
+fn fill_input(dst: &mut FilterInput, ev: &PacketEvent) {
     let p = &ev.packet;
-    FilterInput {
-        saddr: p.saddr,
-        daddr: p.daddr,
-        ifindex_in: ev.header.ifindex_in,
-        ifindex_out: ev.header.ifindex_out,
-        mark: p.mark,
-        sport: p.sport,
-        dport: p.dport,
-        ip_version: p.ip_version,
-        l4proto: p.l4proto,
-        has_ports: u8::from(
-            ev.header.flags & (flags::NO_L3 | flags::NO_L4) == 0
-                && matches!(p.l4proto, 6 | 17 | 132),
-        ),
-        _pad: 0,
-    }
+    copy_words(&mut dst.saddr, &p.saddr);
+    copy_words(&mut dst.daddr, &p.daddr);
+    dst.ifindex_in = ev.header.ifindex_in;
+    dst.ifindex_out = ev.header.ifindex_out;
+    dst.mark = p.mark;
+    dst.sport = p.sport;
+    dst.dport = p.dport;
+    dst.ip_version = p.ip_version;
+    dst.l4proto = p.l4proto;
+    dst.has_ports = u8::from(
+        ev.header.flags & (flags::NO_L3 | flags::NO_L4) == 0 && matches!(p.l4proto, 6 | 17 | 132),
+    );
+    // SAFETY: a plain field (volatile: see above).
+    unsafe { core::ptr::write_volatile(&mut dst._pad, 0) };
 }
 
 /// The filter program, when `--filter` or `--sample` is in force.
@@ -89,45 +128,38 @@ fn active_filter() -> Option<&'static FilterProgram> {
         .filter(|prog| prog.enabled != 0 || prog.sample > 1)
 }
 
-/// Whether a packet with this decision is written; counts what is left out.
+/// Whether `--filter` or `--sample` is in force.
 #[inline(always)]
-fn counted(verdict: u8) -> bool {
-    match verdict {
-        KEEP => true,
-        SAMPLED_OUT => {
-            count(counter::SAMPLED_OUT);
-            false
-        }
-        _ => {
-            count(counter::FILTERED);
-            false
-        }
-    }
+pub fn filtering() -> bool {
+    active_filter().is_some()
 }
 
-/// Whether `ev` is written, per `--filter` and `--sample`, deciding as `how` says.
+/// The filter's verdict on `ev` (one of [`decision`]), deciding as `how` says. Counted
+/// when the traversal ends, so the counters speak of packets.
 #[inline(always)]
-pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
+pub fn decide(ev: &PacketEvent, how: Decide) -> u8 {
     let Some(prog) = active_filter() else {
-        return true;
+        return decision::KEEP;
     };
-    let skb = ev.header.skb;
-    let verdict = match how {
-        Decide::Follow => return follows_keep(skb),
+    // The inputs do not fit the stack beside the caller's: per-CPU scratch.
+    let Some(inputs) = FILTER_INPUTS.get_ptr_mut(0) else {
+        return decision::FILTERED_OUT;
+    };
+    // SAFETY: per-CPU value, used by one program run at a time on this CPU.
+    let inputs = unsafe { &mut *inputs };
+    match how {
         Decide::Entry => {
-            let input = filter_input(ev);
+            fill_input(&mut inputs[0], ev);
+            let input = &inputs[0];
             verdict_of(
-                filter::eval(prog, &input),
-                filter::sample_keep(prog, filter::flow_hash(&input)),
+                filter::eval(prog, input),
+                filter::sample_keep(prog, filter::flow_hash(input)),
             )
         }
         Decide::WithConntrack => {
-            // SAFETY: the value is a plain u8 read while the entry exists.
-            if unsafe { DECISION.get(&skb) }.copied() == Some(KEEP) {
-                return true;
-            }
-            let current = filter_input(ev);
-            let mut inputs = [current, current, current];
+            fill_input(&mut inputs[0], ev);
+            fill_input(&mut inputs[1], ev);
+            fill_input(&mut inputs[2], ev);
             let mut n = 1;
             if ev.header.flags & flags::CT != 0 {
                 tuple_into(&ev.ct.orig, &mut inputs[1]);
@@ -138,41 +170,19 @@ pub fn keep(ev: &PacketEvent, how: Decide) -> bool {
             // and after NAT, are kept or left out together.
             let hashed = if n == 3 { &inputs[1] } else { &inputs[0] };
             verdict_of(
-                filter::eval_any(prog, &inputs, n),
+                filter::eval_any(prog, inputs, n),
                 filter::sample_keep(prog, filter::flow_hash(hashed)),
             )
         }
-    };
-    let _ = DECISION.insert(&skb, &verdict, 0);
-    counted(verdict)
-}
-
-/// For probes that reuse the upstream decision ([`Decide::Follow`]): whether packet `skb`
-/// is kept. Needs nothing but its address, so it runs before any other read.
-#[inline(always)]
-pub fn follows_keep(skb: u64) -> bool {
-    if active_filter().is_none() {
-        return true;
     }
-    // SAFETY: the value is a plain u8 read while the entry exists.
-    counted(
-        unsafe { DECISION.get(&skb) }
-            .copied()
-            .unwrap_or(FILTERED_OUT),
-    )
 }
-
-/// Values of [`DECISION`].
-const FILTERED_OUT: u8 = 0;
-const KEEP: u8 = 1;
-const SAMPLED_OUT: u8 = 2;
 
 #[inline(always)]
 fn verdict_of(matched: bool, sampled: bool) -> u8 {
     match (matched, sampled) {
-        (false, _) => FILTERED_OUT,
-        (true, true) => KEEP,
-        (true, false) => SAMPLED_OUT,
+        (false, _) => decision::FILTERED_OUT,
+        (true, true) => decision::KEEP,
+        (true, false) => decision::SAMPLED_OUT,
     }
 }
 
@@ -509,22 +519,16 @@ const BPF_RB_AVAIL_DATA: u64 = 0;
 /// An eighth of the ring buffer: wake the reader well before it overflows.
 const WAKEUP_BYTES: u64 = 2 * 1024 * 1024;
 
-/// Writes `ev` to the ring buffer, counting a full buffer instead of losing it silently.
+/// Wake-up flags for the next ring-buffer write. Waking the reader for every record costs
+/// more than the record itself at high packet rates, and so does reading the reader's
+/// position (a cache line it writes): userspace drains on a short timer, and every 64th
+/// record per CPU checks whether the buffer is filling up fast enough to wake it early.
 #[inline(always)]
-pub fn emit(ev: &PacketEvent) {
-    // Waking the reader for every record costs more than the record itself at high packet
-    // rates, and so does reading the reader's position (a cache line it writes): userspace
-    // drains on a short timer, and every 64th record per CPU checks whether the buffer is
-    // filling up fast enough to wake it early.
-    let flags =
-        if bump(counter::EMIT_SEQ) & 63 == 0 && EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES {
-            BPF_RB_FORCE_WAKEUP
-        } else {
-            BPF_RB_NO_WAKEUP
-        };
-    match EVENTS.output::<PacketEvent>(ev, flags) {
-        Ok(()) => count(counter::EMITTED),
-        Err(_) => count(counter::RINGBUF_FULL),
+pub fn wakeup_flags() -> u64 {
+    if bump(counter::EMIT_SEQ) & 63 == 0 && EVENTS.query(BPF_RB_AVAIL_DATA) > WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
     }
 }
 

@@ -22,18 +22,28 @@ pub struct ObservedStage<'a> {
     pub table: String,
     pub before: &'a Observation,
     pub after: Option<&'a Observation>,
-    pub dropped: bool,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct Fate {
-    /// `delivered`, `forwarded`, `sent`, `dropped`, `reassembled` (a fragment merged by
-    /// defragmentation), or `incomplete` (evicted, cut by exit, or the skb reused before the
-    /// traversal was seen to end).
+    /// `delivered` (a socket took it), `forwarded`, `sent`, `dropped` (the kernel freed it as
+    /// dropped), `consumed` (freed without a drop: answered or absorbed by the kernel),
+    /// `reassembled` (a fragment merged by defragmentation), or `incomplete` (its end was not
+    /// observed: see `reason`).
     pub kind: &'static str,
+    /// Where it ended: the hook, and the table only when it died between that table's two
+    /// probes.
     pub hook: Option<&'static str>,
     pub table: Option<String>,
+    /// The kernel's drop reason, or why the traversal is incomplete.
     pub reason: Option<String>,
+    /// The kernel function that freed it (`ip6_mc_input+0x15e`), for drops and consumed
+    /// packets.
+    pub location: Option<String>,
+    /// The last observation point it passed (`PREROUTING/-99`, `TC ingress`), and the next
+    /// one on its path when that is known: it ended between the two.
+    pub after: Option<String>,
+    pub before: Option<String>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
@@ -99,12 +109,12 @@ pub fn route(t: &Traversal) -> Option<&'static str> {
 
 /// A fragment that conntrack's defragmentation (priority -400, before raw) merged into the
 /// fragment that completed the packet: it is seen by the first PREROUTING probe only, and
-/// the kernel reports no drop (the reassembled packet goes on as that other skb).
+/// the kernel consumes it (or it waits until its record is reused or idle).
 pub fn reassembled(t: &Traversal) -> bool {
-    // Idle: held in the queue and never freed as dropped; Restarted: the head fragment's
-    // memory is consumed at reassembly and soon reused by another packet.
-    matches!(t.closed, Closed::Idle | Closed::Restarted)
-        && t.records.iter().any(|r| r.fragment)
+    matches!(
+        t.closed,
+        Closed::Consumed | Closed::Idle | Closed::Reused | Closed::InFlight
+    ) && t.records.iter().any(|r| r.fragment)
         && t.records.iter().all(|r| {
             matches!(
                 r.point,
@@ -116,21 +126,40 @@ pub fn reassembled(t: &Traversal) -> bool {
             .any(|r| r.point == Point::Netfilter(NfHook::PreRouting, 0))
 }
 
+/// Where a packet ended, as the report names it.
+pub struct EndPoint {
+    /// Hook of the last point seen (netfilter only).
+    pub hook: Option<NfHook>,
+    /// The table between whose probes it ended, if any.
+    pub table: Option<String>,
+    pub after: Option<String>,
+    pub before: Option<String>,
+}
+
+/// Names for the kernel's drop reasons and code addresses.
+pub struct Names<'a> {
+    pub drop_reasons: &'a HashMap<u32, String>,
+    pub symbol: &'a dyn Fn(u64) -> String,
+}
+
 pub fn fate(
     t: &Traversal,
-    stages: &[ObservedStage],
+    at: &EndPoint,
     route: Option<&'static str>,
-    drop_reasons: &HashMap<u32, String>,
+    names: &Names,
 ) -> Fate {
-    let gone = |kind, reason: Option<String>| {
-        // Where it vanished: the table it was not seen after, else after the last table seen.
-        let at = stages.iter().find(|s| s.dropped).or(stages.last());
-        Fate {
-            kind,
-            hook: at.map(|s| s.hook.name()),
-            table: at.map(|s| s.table.clone()),
-            reason,
-        }
+    let location = t
+        .drop
+        .filter(|d| d.location != 0)
+        .map(|d| (names.symbol)(d.location));
+    let here = |kind, reason: Option<String>| Fate {
+        kind,
+        hook: at.hook.map(NfHook::name),
+        table: at.table.clone(),
+        reason,
+        location: location.clone(),
+        after: at.after.clone(),
+        before: at.before.clone(),
     };
     let left = |hook: NfHook| Fate {
         kind: if route == Some("output") {
@@ -141,57 +170,55 @@ pub fn fate(
         hook: Some(hook.name()),
         table: None,
         reason: None,
+        location: None,
+        after: at.after.clone(),
+        before: None,
     };
+    if reassembled(t) {
+        return Fate {
+            kind: "reassembled",
+            hook: Some(NfHook::PreRouting.name()),
+            table: Some("defrag".into()),
+            reason: None,
+            location,
+            after: at.after.clone(),
+            before: None,
+        };
+    }
     match t.closed {
         Closed::Delivered => Fate {
             kind: "delivered",
             hook: Some(NfHook::LocalIn.name()),
             table: None,
             reason: None,
+            location: None,
+            after: at.after.clone(),
+            before: None,
         },
         Closed::Egress => left(NfHook::PostRouting),
         Closed::Dropped => {
             let reason = t.drop.map(|d| {
-                drop_reasons
+                names
+                    .drop_reasons
                     .get(&d.reason)
                     .cloned()
                     .unwrap_or_else(|| format!("reason {}", d.reason))
             });
-            gone("dropped", reason)
+            here("dropped", reason)
         }
-        Closed::Idle | Closed::Restarted if reassembled(t) => Fate {
-            kind: "reassembled",
-            hook: Some(NfHook::PreRouting.name()),
-            table: Some("defrag".into()),
-            reason: None,
-        },
-        Closed::Idle => {
-            // Left through POSTROUTING but no TC egress seen: it was sent, not lost.
-            let last_post = t.records.last().is_some_and(|r| {
-                matches!(r.point, Point::Netfilter(NfHook::PostRouting, _))
-                    && stages
-                        .last()
-                        .is_some_and(|s| s.hook == NfHook::PostRouting && !s.dropped)
-            });
-            if last_post {
-                left(NfHook::PostRouting)
-            } else {
-                gone("dropped", None)
-            }
-        }
-        Closed::Restarted | Closed::Evicted | Closed::Shutdown => Fate {
-            kind: "incomplete",
-            hook: None,
-            table: None,
-            reason: Some(
+        Closed::Consumed => here("consumed", None),
+        Closed::Reclaimed | Closed::Reused | Closed::Idle | Closed::InFlight => here(
+            "incomplete",
+            Some(
                 match t.closed {
-                    Closed::Restarted => "skb reused before the traversal ended",
-                    Closed::Evicted => "evicted: too many traversals in flight",
-                    _ => "observer stopped",
+                    Closed::Reused => "its skb started another packet before its end was seen",
+                    Closed::Reclaimed => "no room left to follow it (slots and fallback map full)",
+                    Closed::Idle => "no end seen within the idle time",
+                    _ => "still in flight when the observer stopped",
                 }
                 .into(),
             ),
-        },
+        ),
     }
 }
 

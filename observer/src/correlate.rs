@@ -1,34 +1,74 @@
-//! Correlation: observations -> per-packet traversals of one namespace.
+//! Correlation: one traversal record, assembled by the probes, -> the packet's observations
+//! point by point, in the order it passed them.
 //!
-//! A packet is identified by its `sk_buff` address, which stays the same across every hook
-//! of one traversal (NAT changes the tuple, never the skb). The kernel reuses addresses once a
-//! packet is freed, so a traversal ends when the packet leaves (TC egress), is delivered (the
-//! last INPUT probe), is seen at an earlier stage than its last one (a new packet in the same
-//! memory, or a looped-back one), or goes quiet for `idle` (dropped, or left unobserved).
-//! In-flight state is bounded; evictions are counted, never silent.
+//! The probes follow a packet by its `sk_buff` address and write one record when its
+//! traversal ends (docs/wire-format.md). A record lists the hooks it visited, the probe
+//! programs that saw it in each, and a step wherever its state changed; here each program
+//! becomes its point (through the probe plan the record was made under) and every point gets
+//! the state of the latest step at or before it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
-use crate::decode::{Drop, Observation, Point};
+use observer_common::traversal::{MAX_STEPS, MAX_VISITS, Step, TraversalRecord, end, missing, step};
+use observer_common::{flags, hook};
+
+use crate::btf::TupleLayout;
+use crate::decode::{Conntrack, Endpoint, Observation, Point, addr, tuple};
 use crate::nf_link::{NfFamily, NfHook};
+use crate::plan::HookPlan;
 
-/// Why a traversal was closed.
+/// Why a traversal ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Closed {
     /// Seen at TC egress: left the namespace's interface.
     Egress,
-    /// Passed the last INPUT probe: handed to a local socket.
+    /// A socket took it.
     Delivered,
-    /// Not seen for the idle time.
-    Idle,
+    /// The kernel freed it without calling it a drop.
+    Consumed,
     /// The kernel freed it as dropped (`kfree_skb`); the reason is in `Traversal::drop`.
     Dropped,
-    /// The same skb started a new traversal before this one ended.
-    Restarted,
-    /// Pushed out because too many traversals were in flight.
-    Evicted,
-    /// The collector stopped.
-    Shutdown,
+    /// Written early: no room was left to follow it.
+    Reclaimed,
+    /// Its skb address started another packet before its end was seen.
+    Reused,
+    /// Not heard of for the idle time.
+    Idle,
+    /// Still in flight when the observer stopped.
+    InFlight,
+}
+
+impl Closed {
+    fn from_raw(end: u8) -> Option<Self> {
+        Some(match end {
+            end::EGRESS => Self::Egress,
+            end::DELIVERED => Self::Delivered,
+            end::CONSUMED => Self::Consumed,
+            end::DROPPED => Self::Dropped,
+            end::RECLAIMED => Self::Reclaimed,
+            end::REUSED => Self::Reused,
+            end::IDLE => Self::Idle,
+            end::IN_FLIGHT => Self::InFlight,
+            _ => return None,
+        })
+    }
+
+    /// Whether the end of the traversal was observed (rather than inferred or cut short).
+    pub fn is_observed_end(self) -> bool {
+        matches!(
+            self,
+            Self::Egress | Self::Delivered | Self::Consumed | Self::Dropped
+        )
+    }
+}
+
+/// What freed the packet: the drop reason (for drops) and where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Drop {
+    /// `enum skb_drop_reason` value; see [`crate::btf::KernelLayout::drop_reasons`].
+    pub reason: u32,
+    /// Address inside the kernel function that freed it.
+    pub location: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -36,7 +76,10 @@ pub struct Traversal {
     pub skb: u64,
     pub records: Vec<Observation>,
     pub closed: Closed,
+    /// For `Dropped`: the reason and place; for `Consumed`: the place (reason 0).
     pub drop: Option<Drop>,
+    /// Bits of [`observer_common::traversal::missing`]: what the record could not hold.
+    pub missing: u8,
 }
 
 impl Traversal {
@@ -45,267 +88,305 @@ impl Traversal {
     }
 }
 
-/// Position of a point along a packet's path; a lower position than the last one seen
-/// means a new traversal.
-fn position(p: Point) -> u32 {
+/// Probe plans by (family, hook), for one plan generation.
+pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
+
+pub fn index_plans(plans: &[HookPlan]) -> Plans {
+    plans
+        .iter()
+        .map(|p| ((p.family, p.hook), p.clone()))
+        .collect()
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CorrelateError {
+    #[error("traversal record with unknown end {0}")]
+    UnknownEnd(u8),
+    #[error("traversal record with unknown hook {0}")]
+    UnknownHook(u8),
+}
+
+/// The point of program `program` in a visit of `hook`, as a sortable position.
+fn point_of(hook_no: u8, program: u8, family: Option<NfFamily>, plans: &Plans) -> Option<Point> {
+    match hook_no {
+        hook::TC_INGRESS => Some(Point::TcIngress),
+        hook::TC_EGRESS => Some(Point::TcEgress),
+        n => {
+            let h = NfHook::from_raw(n)?;
+            let at = family
+                .and_then(|f| plans.get(&(f, h)))
+                .and_then(|p| p.point_of(program as usize))
+                .unwrap_or(program as usize);
+            Some(Point::Netfilter(h, at))
+        }
+    }
+}
+
+fn position(p: Point) -> usize {
     match p {
-        Point::TcIngress => 0,
-        Point::Netfilter(NfHook::PreRouting, s) | Point::Netfilter(NfHook::LocalOut, s) => {
-            100 + s as u32
-        }
-        Point::Netfilter(NfHook::LocalIn, s) | Point::Netfilter(NfHook::Forward, s) => {
-            200 + s as u32
-        }
-        Point::Netfilter(NfHook::PostRouting, s) => 300 + s as u32,
-        Point::TcEgress => 400,
+        Point::TcIngress | Point::TcEgress => 0,
+        Point::Netfilter(_, at) => at,
     }
 }
 
-/// Counters of what the correlator could not complete.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CorrelateStats {
-    pub evicted: u64,
-    pub restarted: u64,
-    pub idle: u64,
-    /// Drops of packets not being followed (not IP, or seen by no probe).
-    pub untracked_drops: u64,
+/// The packet's state as a step recorded it.
+#[derive(Clone, Copy)]
+struct State {
+    outer: Step,
+    inner: Option<Step>,
 }
 
-pub struct Correlator {
-    inflight: HashMap<u64, Traversal>,
-    /// Insertion order for eviction; may hold stale keys (checked on pop).
-    order: VecDeque<u64>,
-    max_inflight: usize,
-    idle_ns: u64,
-    /// Last slot index per (family, hook): passing it at INPUT means delivered.
-    last_slot: HashMap<(NfFamily, NfHook), usize>,
-    pub stats: CorrelateStats,
-}
-
-impl Correlator {
-    pub fn new(
-        max_inflight: usize,
-        idle_ns: u64,
-        last_slot: HashMap<(NfFamily, NfHook), usize>,
-    ) -> Self {
-        Self {
-            inflight: HashMap::new(),
-            order: VecDeque::new(),
-            max_inflight: max_inflight.max(1),
-            idle_ns,
-            last_slot,
-            stats: CorrelateStats::default(),
-        }
-    }
-
-    pub fn inflight(&self) -> usize {
-        self.inflight.len()
-    }
-
-    /// Adds one observation; returns the traversals it completed.
-    pub fn push(&mut self, obs: Observation, done: &mut Vec<Traversal>) {
-        let key = obs.skb;
-        if let Some(t) = self.inflight.get(&key) {
-            let last = t.records.last().map(|r| position(r.point)).unwrap_or(0);
-            if position(obs.point) <= last {
-                let mut t = self.inflight.remove(&key).expect("present");
-                t.closed = Closed::Restarted;
-                self.stats.restarted += 1;
-                done.push(t);
-            }
-        }
-        let closes = match obs.point {
-            Point::TcEgress => Some(Closed::Egress),
-            Point::Netfilter(NfHook::LocalIn, s) => obs
-                .family
-                .and_then(|f| self.last_slot.get(&(f, NfHook::LocalIn)))
-                .filter(|&&last| s >= last)
-                .map(|_| Closed::Delivered),
-            _ => None,
-        };
-        let t = match self.inflight.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                self.order.push_back(key);
-                e.insert(Traversal {
-                    skb: key,
-                    records: Vec::with_capacity(16),
-                    closed: Closed::Shutdown,
-                    drop: None,
-                })
-            }
-        };
-        t.records.push(obs);
-        if let Some(c) = closes {
-            let mut t = self.inflight.remove(&key).expect("present");
-            t.closed = c;
-            done.push(t);
-        }
-        while self.inflight.len() > self.max_inflight {
-            let Some(k) = self.order.pop_front() else {
-                break;
+fn observation(
+    s: &State,
+    point: Point,
+    rec: &TraversalRecord,
+    family: Option<NfFamily>,
+    ifindex: (u32, u32),
+    layout: &TupleLayout,
+) -> Observation {
+    let o = &s.outer;
+    let v4 = o.ip_version == 4;
+    let has_l3 = o.flags & flags::NO_L3 == 0 && (o.ip_version == 4 || o.ip_version == 6);
+    let has_ports =
+        has_l3 && o.flags & flags::NO_L4 == 0 && matches!(o.l4proto, 6 | 17 | 132 | 136);
+    let endpoint = |a: &[u8; 16], port: u16| Endpoint {
+        addr: addr(a, v4),
+        port: if has_ports { port } else { 0 },
+    };
+    let ct_v4 = family != Some(NfFamily::Ipv6) && v4;
+    let ct = (o.flags & flags::CT != 0).then(|| Conntrack {
+        info: u32::from(o.ctinfo),
+        mark: o.ct_mark,
+        status: u64::from(o.ct_status),
+        original: tuple(&rec.ct_orig, layout, ct_v4),
+        reply: tuple(&rec.ct_reply, layout, ct_v4),
+    });
+    Observation {
+        point,
+        family,
+        ts_ns: rec.ts_first,
+        skb: rec.skb,
+        ifindex_in: ifindex.0,
+        ifindex_out: ifindex.1,
+        src: has_l3.then(|| endpoint(&o.saddr, o.sport)),
+        dst: has_l3.then(|| endpoint(&o.daddr, o.dport)),
+        proto: o.l4proto,
+        has_ports,
+        tcp_flags: o.tcp_flags,
+        len: o.len,
+        mark: o.mark,
+        ct,
+        inner: s.inner.filter(|_| o.flags & flags::INNER != 0).map(|i| {
+            let ports = matches!(i.l4proto, 6 | 17 | 132);
+            let e = |a: &[u8; 16], port: u16| Endpoint {
+                addr: addr(a, v4),
+                port: if ports { port } else { 0 },
             };
-            if let Some(mut t) = self.inflight.remove(&k) {
-                t.closed = Closed::Evicted;
-                self.stats.evicted += 1;
-                done.push(t);
+            (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto)
+        }),
+        fragment: o.flags & flags::FRAGMENT != 0,
+    }
+}
+
+/// Expands a traversal record into its observations, one per point passed.
+pub fn assemble(
+    rec: &TraversalRecord,
+    plans: &Plans,
+    layout: &TupleLayout,
+) -> Result<Traversal, CorrelateError> {
+    let closed = Closed::from_raw(rec.end).ok_or(CorrelateError::UnknownEnd(rec.end))?;
+    let family = match rec.family {
+        observer_common::family::IPV4 => Some(NfFamily::Ipv4),
+        observer_common::family::IPV6 => Some(NfFamily::Ipv6),
+        _ => None,
+    };
+    let nsteps = (rec.nsteps as usize).min(MAX_STEPS);
+    let steps = &rec.steps[..nsteps];
+    // Each step's point as (visit, position), to merge with the points in order.
+    let step_at = |s: &Step| -> Option<(usize, usize)> {
+        let v = rec.visits.get(s.visit as usize)?;
+        Some((s.visit as usize, position(point_of(v.hook, s.program, family, plans)?)))
+    };
+    let mut records = Vec::with_capacity(16);
+    let mut state: Option<State> = None;
+    let mut next = 0;
+    for (vi, v) in rec.visits[..(rec.nvisits as usize).min(MAX_VISITS)]
+        .iter()
+        .enumerate()
+    {
+        let mut points: Vec<Point> = (0..32u8)
+            .filter(|p| v.programs & (1 << p) != 0)
+            .map(|p| point_of(v.hook, p, family, plans).ok_or(CorrelateError::UnknownHook(v.hook)))
+            .collect::<Result<_, _>>()?;
+        points.sort_by_key(|p| position(*p));
+        for point in points {
+            let here = (vi, position(point));
+            while let Some(s) = steps.get(next) {
+                match step_at(s) {
+                    Some(at) if at > here => break,
+                    _ => {}
+                }
+                let st = state.get_or_insert(State {
+                    outer: *s,
+                    inner: None,
+                });
+                if s.flags & step::INNER_STATE != 0 {
+                    st.inner = Some(*s);
+                } else {
+                    st.outer = *s;
+                }
+                next += 1;
+            }
+            // A point before any step: nothing was recorded for it (the record is partial).
+            if let Some(st) = &state {
+                records.push(observation(
+                    st,
+                    point,
+                    rec,
+                    family,
+                    (v.ifindex_in, v.ifindex_out),
+                    layout,
+                ));
             }
         }
-        // Keep the order queue from growing without bound with stale keys.
-        if self.order.len() > 4 * self.max_inflight + 1024 {
-            let live = &self.inflight;
-            self.order.retain(|k| live.contains_key(k));
-        }
     }
+    let drop = match closed {
+        Closed::Dropped | Closed::Consumed => Some(Drop {
+            reason: rec.reason,
+            location: rec.location,
+        }),
+        _ => None,
+    };
+    Ok(Traversal {
+        skb: rec.skb,
+        records,
+        closed,
+        drop,
+        missing: rec.incomplete,
+    })
+}
 
-    /// The kernel dropped `d.skb`: closes its traversal with the reason.
-    pub fn push_drop(&mut self, d: Drop, done: &mut Vec<Traversal>) {
-        match self.inflight.remove(&d.skb) {
-            Some(mut t) => {
-                t.closed = Closed::Dropped;
-                t.drop = Some(d);
-                done.push(t);
-            }
-            None => self.stats.untracked_drops += 1,
-        }
-    }
-
-    /// Closes traversals not seen since `now_ns - idle`.
-    pub fn expire(&mut self, now_ns: u64, done: &mut Vec<Traversal>) {
-        let idle = self.idle_ns;
-        let stale: Vec<u64> = self
-            .inflight
-            .iter()
-            .filter(|(_, t)| now_ns.saturating_sub(t.last_seen()) >= idle)
-            .map(|(k, _)| *k)
-            .collect();
-        let mut out: Vec<Traversal> = stale
-            .into_iter()
-            .filter_map(|k| self.inflight.remove(&k))
-            .map(|mut t| {
-                t.closed = Closed::Idle;
-                t
-            })
-            .collect();
-        self.stats.idle += out.len() as u64;
-        out.sort_by_key(|t| t.records.first().map_or(0, |r| r.ts_ns));
-        done.extend(out);
-    }
-
-    /// Closes everything (on exit).
-    pub fn drain(&mut self, done: &mut Vec<Traversal>) {
-        let mut out: Vec<Traversal> = self.inflight.drain().map(|(_, t)| t).collect();
-        out.sort_by_key(|t| t.records.first().map_or(0, |r| r.ts_ns));
-        done.extend(out);
-        self.order.clear();
-    }
+/// Words for the bits of [`missing`], for the report.
+pub fn missing_text(bits: u8) -> Vec<&'static str> {
+    [
+        (missing::STEPS, "more state changes than a record holds"),
+        (missing::VISITS, "more hooks than a record holds"),
+        (missing::READ, "a probe could not read the packet"),
+        (missing::START, "first seen after its start"),
+        (missing::REPLANNED, "probes re-planned while in flight"),
+    ]
+    .into_iter()
+    .filter(|(b, _)| bits & b != 0)
+    .map(|(_, t)| t)
+    .collect()
 }
 
 #[cfg(test)]
-mod tests {
+pub mod tests {
     use super::*;
     use crate::decode::tests::{LAYOUT, tcp_event};
-    use crate::decode::{decode_packet, encode};
-    use observer_common::hook;
+    use crate::plan::full_plan;
+    use observer_common::PacketEvent;
+    use observer_common::traversal::{add_reading, start};
 
-    fn obs(hook_no: u8, slot: u32, skb: u64, ts: u64) -> Observation {
-        let mut ev = tcp_event(
-            hook_no,
-            slot,
-            skb,
-            ([10, 0, 0, 1], 1000),
-            ([10, 0, 0, 2], 22),
-            0,
-        );
-        ev.header.ts_ns = ts;
-        decode_packet(&encode(&ev), &LAYOUT).unwrap()
-    }
-
-    fn correlator(max: usize) -> Correlator {
-        let mut last = HashMap::new();
-        last.insert((NfFamily::Ipv4, NfHook::LocalIn), 5);
-        Correlator::new(max, 1_000, last)
-    }
-
-    #[test]
-    fn forwarded_packet_closes_at_egress() {
-        let mut c = correlator(16);
-        let mut done = Vec::new();
-        c.push(obs(hook::TC_INGRESS, 0, 7, 1), &mut done);
-        for s in 0..6 {
-            c.push(obs(0, s, 7, 2 + u64::from(s)), &mut done);
+    /// Runs the probes' own assembly over `events` (slot = program) and ends the record
+    /// with `how`: what the kernel would write for these readings.
+    pub fn record_of(events: &[PacketEvent], how: u8) -> TraversalRecord {
+        // SAFETY: all-zero is a valid record.
+        let mut rec: TraversalRecord = unsafe { std::mem::zeroed() };
+        start(&mut rec, events[0].header.skb, events[0].header.ts_ns, 0);
+        for e in events {
+            add_reading(&mut rec, e, e.header.slot as u8);
         }
-        c.push(obs(2, 0, 7, 10), &mut done);
-        c.push(obs(4, 0, 7, 11), &mut done);
-        assert!(done.is_empty());
-        c.push(obs(hook::TC_EGRESS, 0, 7, 12), &mut done);
-        assert_eq!(done.len(), 1);
-        assert_eq!(done[0].closed, Closed::Egress);
-        assert_eq!(done[0].records.len(), 10);
-        assert_eq!(c.inflight(), 0);
+        rec.end = how;
+        rec
+    }
+
+    fn plans() -> Plans {
+        index_plans(&full_plan(&[]))
     }
 
     #[test]
-    fn local_delivery_closes_at_last_input_probe() {
-        let mut c = correlator(16);
-        let mut done = Vec::new();
-        c.push(obs(0, 0, 9, 1), &mut done);
-        c.push(obs(1, 4, 9, 2), &mut done);
-        assert!(done.is_empty());
-        c.push(obs(1, 5, 9, 3), &mut done);
-        assert_eq!(done[0].closed, Closed::Delivered);
-    }
-
-    #[test]
-    fn reused_skb_restarts_and_idle_expires() {
-        let mut c = correlator(16);
-        let mut done = Vec::new();
-        c.push(obs(0, 0, 3, 1), &mut done);
-        c.push(obs(0, 1, 3, 2), &mut done);
-        // Same skb seen at PREROUTING slot 0 again: a new packet.
-        c.push(obs(0, 0, 3, 3), &mut done);
-        assert_eq!(done.len(), 1);
-        assert_eq!(done[0].closed, Closed::Restarted);
-        assert_eq!(c.stats.restarted, 1);
-        c.expire(500, &mut done);
-        assert_eq!(done.len(), 1, "not idle yet");
-        c.expire(2_000, &mut done);
-        assert_eq!(done.len(), 2);
-        assert_eq!(done[1].closed, Closed::Idle);
-        assert_eq!(c.stats.idle, 1);
-    }
-
-    #[test]
-    fn drop_closes_its_traversal_with_the_reason() {
-        let mut c = correlator(16);
-        let mut done = Vec::new();
-        c.push(obs(0, 0, 5, 1), &mut done);
-        c.push(obs(2, 1, 5, 2), &mut done);
-        let d = Drop {
-            skb: 5,
-            ts_ns: 3,
-            reason: 12,
-            location: 0,
-        };
-        c.push_drop(d, &mut done);
-        assert_eq!(done.len(), 1);
-        assert_eq!(done[0].closed, Closed::Dropped);
-        assert_eq!(done[0].drop, Some(d));
-        c.push_drop(Drop { skb: 99, ..d }, &mut done);
-        assert_eq!(c.stats.untracked_drops, 1);
-        assert_eq!(done.len(), 1);
-    }
-
-    #[test]
-    fn bounded_inflight_counts_evictions() {
-        let mut c = correlator(2);
-        let mut done = Vec::new();
-        for skb in 0..5 {
-            c.push(obs(0, 0, skb, skb), &mut done);
+    fn a_forwarded_record_expands_to_every_point_passed() {
+        let skb = 7;
+        let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0)];
+        for p in 0..6 {
+            let mark = if p >= 4 { 0x4000 } else { 0 };
+            evs.push(tcp_event(0, p, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), mark));
         }
-        assert_eq!(c.inflight(), 2);
-        assert_eq!(c.stats.evicted, 3);
-        assert!(done.iter().all(|t| t.closed == Closed::Evicted));
-        assert_eq!(done[0].skb, 0, "oldest evicted first");
+        for p in 0..5 {
+            evs.push(tcp_event(2, p, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0x4000));
+        }
+        evs.push(tcp_event(hook::TC_EGRESS, 0, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0x4000));
+        let rec = record_of(&evs, end::EGRESS);
+        assert_eq!(rec.nsteps, 2);
+        let t = assemble(&rec, &plans(), &LAYOUT).unwrap();
+        assert_eq!(t.closed, Closed::Egress);
+        assert_eq!(t.records.len(), evs.len());
+        let marks: Vec<u32> = t.records.iter().map(|o| o.mark).collect();
+        assert_eq!(marks, vec![0, 0, 0, 0, 0, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000]);
+        assert_eq!(t.records[5].point, Point::Netfilter(NfHook::PreRouting, 4));
+        assert_eq!(t.records.last().unwrap().point, Point::TcEgress);
+    }
+
+    #[test]
+    fn programs_map_to_points_through_the_plan() {
+        // A custom chain at -250 moves the after-conntrack point, not program 2.
+        let plans = index_plans(&full_plan(&[(NfFamily::Ipv4, NfHook::PreRouting, -250)]));
+        let plan = &plans[&(NfFamily::Ipv4, NfHook::PreRouting)];
+        let evs: Vec<PacketEvent> = plan
+            .programs
+            .iter()
+            .map(|&p| tcp_event(0, p as u32, 9, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), p as u32))
+            .collect();
+        let t = assemble(&record_of(&evs, end::DELIVERED), &plans, &LAYOUT).unwrap();
+        for (i, o) in t.records.iter().enumerate() {
+            assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, i));
+            assert_eq!(o.mark, plan.programs[i] as u32, "point {i} has its program's state");
+        }
+    }
+
+    #[test]
+    fn partial_and_interrupted_records_say_so() {
+        let evs: Vec<PacketEvent> = (0..3)
+            .map(|p| tcp_event(2, p, 3, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), 0))
+            .collect();
+        let mut rec = record_of(&evs, end::REUSED);
+        rec.incomplete |= missing::START;
+        let t = assemble(&rec, &plans(), &LAYOUT).unwrap();
+        assert_eq!(t.closed, Closed::Reused);
+        assert!(!t.closed.is_observed_end());
+        assert_eq!(missing_text(t.missing), vec!["first seen after its start"]);
+        assert_eq!(t.records.len(), 3);
+        rec.end = 99;
+        assert_eq!(assemble(&rec, &plans(), &LAYOUT).unwrap_err(), CorrelateError::UnknownEnd(99));
+    }
+
+    #[test]
+    fn interleaved_traversals_stay_apart() {
+        // Two packets read alternately (a REJECT's reply inside the first packet's hook):
+        // each record holds only its own readings.
+        let a: Vec<PacketEvent> = (0..4)
+            .map(|p| tcp_event(0, p, 0xa, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), 1))
+            .collect();
+        let b: Vec<PacketEvent> = (0..4)
+            .map(|p| tcp_event(3, p, 0xb, ([2, 2, 2, 2], 2), ([1, 1, 1, 1], 1), 2))
+            .collect();
+        // SAFETY: all-zero is a valid record.
+        let (mut ra, mut rb): (TraversalRecord, TraversalRecord) =
+            unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        start(&mut ra, 0xa, 0, 0);
+        start(&mut rb, 0xb, 0, 0);
+        for (x, y) in a.iter().zip(&b) {
+            add_reading(&mut ra, x, x.header.slot as u8);
+            add_reading(&mut rb, y, y.header.slot as u8);
+        }
+        ra.end = end::DROPPED;
+        rb.end = end::EGRESS;
+        let ta = assemble(&ra, &plans(), &LAYOUT).unwrap();
+        let tb = assemble(&rb, &plans(), &LAYOUT).unwrap();
+        assert!(ta.records.iter().all(|o| o.mark == 1 && o.skb == 0xa));
+        assert!(tb.records.iter().all(|o| o.mark == 2 && matches!(o.point, Point::Netfilter(NfHook::LocalOut, _))));
+        assert_eq!(ta.drop, Some(Drop { reason: 0, location: 0 }));
     }
 }

@@ -1,10 +1,10 @@
-//! Decoding: ring-buffer bytes -> typed observations. Pure; tested from hand-built bytes.
+//! Decoding: ring-buffer bytes -> traversal records, and the typed observations they expand
+//! to (see [`crate::correlate`]). Pure; tested from hand-built bytes.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use observer_common::{
-    CT_TUPLE_BYTES, DropEvent, EventHeader, PacketEvent, family, flags, hook, kind,
-};
+use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord};
+use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
 
 use crate::btf::TupleLayout;
 use crate::nf_link::{NfFamily, NfHook};
@@ -19,6 +19,8 @@ pub enum DecodeError {
     Size { got: usize, want: usize },
     #[error("record with unknown hook {0}")]
     UnknownHook(u8),
+    #[error("traversal record of {got} bytes holds {steps} steps")]
+    Steps { got: usize, steps: u8 },
 }
 
 /// Where a record was taken.
@@ -95,7 +97,7 @@ pub struct Observation {
     pub fragment: bool,
 }
 
-fn addr(bytes: &[u8], v4: bool) -> IpAddr {
+pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
     if v4 {
         IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
     } else {
@@ -105,7 +107,7 @@ fn addr(bytes: &[u8], v4: bool) -> IpAddr {
     }
 }
 
-fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
+pub(crate) fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
     let port = |at: usize| u16::from_be_bytes([raw[at], raw[at + 1]]);
     Tuple {
         src: Endpoint {
@@ -120,27 +122,6 @@ fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
     }
 }
 
-/// The kernel freed a packet as dropped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Drop {
-    pub skb: u64,
-    pub ts_ns: u64,
-    /// `enum skb_drop_reason` value; see [`crate::btf::KernelLayout::drop_reasons`].
-    pub reason: u32,
-    pub location: u64,
-}
-
-/// One decoded ring-buffer record.
-#[derive(Clone, Debug, PartialEq)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "moved straight into the correlator; boxing would allocate per record"
-)]
-pub enum Record {
-    Packet(Observation),
-    Drop(Drop),
-}
-
 fn check_size<T>(bytes: &[u8]) -> Result<(), DecodeError> {
     if bytes.len() != size_of::<T>() {
         return Err(DecodeError::Size {
@@ -151,29 +132,53 @@ fn check_size<T>(bytes: &[u8]) -> Result<(), DecodeError> {
     Ok(())
 }
 
-/// Decodes one ring-buffer record.
-pub fn decode(bytes: &[u8], layout: &TupleLayout) -> Result<Record, DecodeError> {
+/// Decodes one ring-buffer record: a traversal, written up to its last step.
+pub fn decode(bytes: &[u8]) -> Result<TraversalRecord, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
         return Err(DecodeError::Short(bytes.len()));
     }
-    match bytes[0] {
-        kind::PACKET => decode_packet(bytes, layout).map(Record::Packet),
-        kind::DROP => {
-            check_size::<DropEvent>(bytes)?;
-            // SAFETY: DropEvent is repr(C) plain data of exactly this size.
-            let ev: DropEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-            Ok(Record::Drop(Drop {
-                skb: ev.header.skb,
-                ts_ns: ev.header.ts_ns,
-                reason: ev.reason,
-                location: ev.location,
-            }))
-        }
-        k => Err(DecodeError::UnknownKind(k)),
+    if bytes[0] != kind::TRAVERSAL {
+        return Err(DecodeError::UnknownKind(bytes[0]));
     }
+    if bytes.len() < RECORD_HEAD_BYTES || bytes.len() > size_of::<TraversalRecord>() {
+        return Err(DecodeError::Size {
+            got: bytes.len(),
+            want: RECORD_HEAD_BYTES,
+        });
+    }
+    // SAFETY: all-zero is a valid record (plain integers); the written prefix is copied over.
+    let mut rec: TraversalRecord = unsafe { std::mem::zeroed() };
+    // SAFETY: `bytes.len()` is within the record's size (checked above).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            (&mut rec as *mut TraversalRecord).cast::<u8>(),
+            bytes.len(),
+        )
+    };
+    if RECORD_HEAD_BYTES + rec.nsteps as usize * STEP_BYTES != bytes.len() {
+        return Err(DecodeError::Steps {
+            got: bytes.len(),
+            steps: rec.nsteps,
+        });
+    }
+    Ok(rec)
 }
 
-/// Decodes a record of kind PACKET.
+/// The bytes the probes write for `rec`.
+pub fn encode_record(rec: &TraversalRecord) -> Vec<u8> {
+    // SAFETY: TraversalRecord is repr(C) plain data; its written length is within its size.
+    unsafe {
+        std::slice::from_raw_parts(
+            (rec as *const TraversalRecord).cast::<u8>(),
+            rec.written_len(),
+        )
+    }
+    .to_vec()
+}
+
+/// Decodes one probe reading (a [`PacketEvent`]); the probes no longer write these, but
+/// tests describe packets with them.
 pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeError> {
     check_size::<PacketEvent>(bytes)?;
     // SAFETY: PacketEvent is repr(C) plain data of exactly this size; read_unaligned copes

@@ -7,6 +7,7 @@ pub mod correlate;
 pub mod decode;
 pub mod explain;
 pub mod filter;
+pub mod kallsyms;
 pub mod lab;
 pub mod marks;
 pub mod netns;

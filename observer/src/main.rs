@@ -19,6 +19,9 @@ packet's addresses and mark before and after, its conntrack state, and whether i
 Only the first packet of a connection walks the nat table; later packets get conntrack's stored \
 translation at the same place, which the reports show as well.\n\n\
 Needs root, Linux 6.4+ with BTF (/sys/kernel/btf/vmlinux) and BPF netfilter links.\n\n\
+Memory is bounded: the probes' ring buffer (16 MiB) and maps (per-CPU slots and a 4,096-entry \
+fallback map) are fixed in size, the collector keeps no per-packet state and drains in batches; \
+a packet that finds no room is counted as lost, never dropped silently.\n\n\
 Try it:  observer lab up && observer tail --netns obs-node   (and `observer lab traffic` in \
 another terminal)"
 )]
@@ -70,21 +73,36 @@ struct TailArgs {
     /// `"0x4000" = "kube-proxy:masquerade"` (an empty name forgets a bit).
     #[arg(long, value_name = "FILE")]
     marks: Option<PathBuf>,
-    /// Exit after printing N traversals.
+    /// Exit after printing N traversals (0: attach, then exit at once).
     #[arg(long, value_name = "N")]
     count: Option<u64>,
     /// Write this file once every probe is attached (for scripts and tests).
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
-    /// Exit after SECS seconds.
-    #[arg(long, value_name = "SECS")]
-    timeout: Option<f64>,
-    /// Most packet traversals kept in flight; beyond it the oldest are closed and counted.
-    #[arg(long, default_value_t = 65536)]
-    max_inflight: usize,
-    /// A traversal not seen for this long is closed (and shown as dropped where it vanished).
-    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    /// Exit after SECS seconds (a decimal number, up to a year).
+    #[arg(long, value_name = "SECS", value_parser = parse_seconds)]
+    timeout: Option<Duration>,
+    /// A packet the probes have followed for this long without seeing its end (it waits in
+    /// a queue, or was freed unseen) is printed as incomplete.
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
     idle_ms: u64,
+    /// Write the summary (packets seen, printed, lost, incomplete, filtered, sampled, in
+    /// flight) to FILE as one JSON object at exit (docs/json-schema.md).
+    #[arg(long, value_name = "FILE")]
+    stats: Option<PathBuf>,
+}
+
+/// `--timeout`: a finite, non-negative number of seconds, at most a year.
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !secs.is_finite() || secs < 0.0 || secs > 365.0 * 86400.0 {
+        return Err(format!(
+            "`{s}` is out of range: give 0 to 31536000 seconds"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 #[derive(Subcommand)]
@@ -120,9 +138,9 @@ fn run(cli: Cli) -> Result<()> {
                 sample: a.sample,
                 count: a.count,
                 ready_file: a.ready_file,
-                timeout: a.timeout.map(Duration::from_secs_f64),
-                max_inflight: a.max_inflight,
+                timeout: a.timeout,
                 idle: Duration::from_millis(a.idle_ms),
+                stats_file: a.stats,
             })?;
             eprintln!("{summary}");
             Ok(())

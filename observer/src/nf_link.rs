@@ -231,11 +231,18 @@ impl NfProgram {
         if self.fd.is_some() {
             return Ok(());
         }
-        let mut log = vec![0u8; 1 << 20];
+        // OBSERVER_VERIFIER_LOG=FILE: on failure, write the whole instruction-level verifier
+        // log there (for developers changing the probes; it can be hundreds of MB).
+        let full = std::env::var_os("OBSERVER_VERIFIER_LOG");
+        let mut log = vec![0u8; if full.is_some() { 1 << 29 } else { 1 << 20 }];
         let mut result = self.load_with_log(&mut [], 0);
         if result.is_err() {
             // Retry with the verifier log so the error says why.
-            result = self.load_with_log(&mut log, 1);
+            result = self.load_with_log(&mut log, if full.is_some() { 2 } else { 1 });
+            if let (Err(_), Some(path)) = (&result, &full) {
+                let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+                let _ = std::fs::write(path, &log[..end]);
+            }
         }
         match result {
             Ok(fd) => {

@@ -7,11 +7,17 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 use anyhow::{Context, Result, bail};
-use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
-use aya::programs::{BtfTracePoint, SchedClassifier, TcAttachType};
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, RingBuf};
+use aya::programs::tc::SchedClassifierLinkId;
+use aya::programs::{
+    BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, SchedClassifier,
+    TcAttachType,
+};
 use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
+use std::path::PathBuf;
 use observer_common::filter::FilterProgram;
+use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end};
 use observer_common::{config, counter};
 
 use crate::btf::KernelLayout;
@@ -21,37 +27,91 @@ use crate::plan::HookPlan;
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
-const MAPS: [&str; 7] = [
-    "EVENTS", "CONFIG", "COUNTERS", "SCRATCH", "FILTER", "DECISION", "WINDOWS",
+/// Maps the netfilter object uses; they are the TC object's, shared.
+const MAPS: [&str; 12] = [
+    "EVENTS",
+    "CTL",
+    "INDEX",
+    "CONFIG",
+    "COUNTERS",
+    "SCRATCH",
+    "FILTER",
+    "FILTER_INPUTS",
+    "WINDOWS",
+    "SLOTS",
+    "PENDING",
+    "OUT",
+];
+/// Where traversals end besides TC egress (`observer-ebpf/src/bin/tc/ends.rs`):
+/// tracepoints, then socket-receive functions entered and returned from.
+const END_TRACEPOINTS: [(&str, &str); 2] = [
+    ("observer_kfree_skb", "kfree_skb"),
+    ("observer_consume_skb", "consume_skb"),
 ];
 const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_ingress", TcAttachType::Ingress),
     ("observer_tc_egress", TcAttachType::Egress),
 ];
 
-/// Kernel counters, summed over CPUs.
+/// Kernel counters, summed over CPUs. All but `read_failed` count packets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelCounters {
+    pub seen: u64,
     pub emitted: u64,
     pub ringbuf_full: u64,
     pub read_failed: u64,
     pub not_configured: u64,
     pub filtered: u64,
     pub sampled_out: u64,
+    pub to_fallback: u64,
+    pub reclaimed: u64,
+    pub no_start: u64,
+}
+
+/// Traversals still held by the probes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Kept by the filter: they would be printed once they end.
+    pub kept: u64,
+    /// Left out by the filter or sampling: counted as such once they end.
+    pub left_out: u64,
+}
+
+/// An interface with tcx probes.
+struct Attached {
+    name: String,
+    links: Vec<(&'static str, SchedClassifierLinkId)>,
+}
+
+/// What changed among the namespace's interfaces since the last scan.
+#[derive(Debug, Default)]
+pub struct InterfaceChanges {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// (old name, new name).
+    pub renamed: Vec<(String, String)>,
+    /// (interface, error): the probes could not attach there.
+    pub failed: Vec<(String, String)>,
 }
 
 pub struct Probes {
     ebpf: Ebpf,
     nf: NfObject,
     links: Vec<NfLink>,
-    tc_attached: HashSet<u32>,
+    tc: HashMap<u32, Attached>,
+    /// Interfaces where attaching failed, so the failure is reported once per interface.
+    tc_failed: HashSet<u32>,
+    /// Attach failures since start (tcx and netfilter), for the summary.
+    pub attach_failures: u64,
     /// The plan as attached (priorities may have moved off EBUSY ones).
     pub plans: Vec<HookPlan>,
 }
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
-        Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::LruHashMap(m)) => m,
+        Some(
+            Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m),
+        ) => m,
         Some(_) => bail!("map {name} has an unexpected type"),
         None => bail!("probe object has no map {name}"),
     };
@@ -96,17 +156,18 @@ impl Probes {
             prog.load()
                 .with_context(|| format!("loading TC program {name}"))?;
         }
-        let btf = Btf::from_sys_fs().context("reading kernel BTF for the kfree_skb tracepoint")?;
-        let drops: &mut BtfTracePoint = ebpf
-            .program_mut("observer_kfree_skb")
-            .context("probe object has no kfree_skb program")?
-            .try_into()?;
-        drops
-            .load("kfree_skb", &btf)
-            .context("loading the kfree_skb tracepoint program")?;
-        drops
-            .attach()
-            .context("attaching to the kfree_skb tracepoint (drop reasons)")?;
+        let btf = Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
+        for (prog, tp) in END_TRACEPOINTS {
+            let p: &mut BtfTracePoint = ebpf
+                .program_mut(prog)
+                .with_context(|| format!("probe object has no program {prog}"))?
+                .try_into()?;
+            p.load(tp, &btf)
+                .with_context(|| format!("loading the {tp} tracepoint program"))?;
+            p.attach()
+                .with_context(|| format!("attaching to the {tp} tracepoint"))?;
+        }
+        attach_socket_probe(&mut ebpf)?;
         let fds: HashMap<String, RawFd> = MAPS
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
@@ -116,7 +177,9 @@ impl Probes {
             ebpf,
             nf,
             links: Vec::new(),
-            tc_attached: HashSet::new(),
+            tc: HashMap::new(),
+            tc_failed: HashSet::new(),
+            attach_failures: 0,
             plans: Vec::new(),
         })
     }
@@ -176,33 +239,153 @@ impl Probes {
         Ok(())
     }
 
-    /// Attaches the TC probes (tcx ingress and egress) to every interface not yet covered.
-    /// Returns the names newly attached. Called again to pick up interfaces that appear later.
-    pub fn attach_tc_new_interfaces(&mut self) -> Result<Vec<String>> {
-        let mut added = Vec::new();
-        for (index, name) in interfaces() {
-            if self.tc_attached.contains(&index) {
+    /// Brings the tcx probes in line with the namespace's interfaces: attaches to new ones,
+    /// releases the links of those that are gone, and notes renames. An interface where
+    /// attaching fails is reported (once) and counted, never skipped silently.
+    pub fn sync_interfaces(&mut self) -> Result<InterfaceChanges> {
+        let now: HashMap<u32, String> = interfaces().into_iter().collect();
+        let mut changes = InterfaceChanges::default();
+        let gone: Vec<u32> = self
+            .tc
+            .keys()
+            .filter(|i| !now.contains_key(i))
+            .copied()
+            .collect();
+        for index in gone {
+            let a = self.tc.remove(&index).expect("listed");
+            for (prog, id) in a.links {
+                let p: &mut SchedClassifier = self
+                    .ebpf
+                    .program_mut(prog)
+                    .expect("loaded in Probes::load")
+                    .try_into()?;
+                // The kernel detached it with the device; this releases our link and fd.
+                let _ = p.detach(id);
+            }
+            changes.removed.push(a.name);
+        }
+        self.tc_failed.retain(|i| now.contains_key(i));
+        for (&index, name) in &now {
+            if let Some(a) = self.tc.get_mut(&index) {
+                if &a.name != name {
+                    changes
+                        .renamed
+                        .push((std::mem::replace(&mut a.name, name.clone()), name.clone()));
+                }
                 continue;
             }
+            if self.tc_failed.contains(&index) {
+                continue;
+            }
+            let mut links = Vec::new();
+            let mut failed = None;
             for (prog, at) in TC_PROGRAMS {
                 let p: &mut SchedClassifier = self
                     .ebpf
                     .program_mut(prog)
                     .expect("loaded in Probes::load")
                     .try_into()?;
-                if let Err(e) = p.attach(&name, at) {
-                    // An interface that vanished between listing and attaching is not an error.
-                    if interfaces().iter().any(|(i, _)| *i == index) {
-                        return Err(anyhow::Error::new(e).context(format!(
-                            "attaching tcx {at:?} on {name} (kernel 6.6+ needed)"
-                        )));
+                match p.attach(name, at) {
+                    Ok(id) => links.push((prog, id)),
+                    Err(e) => {
+                        failed = Some(format!("tcx {at:?}: {e} (kernel 6.6+ needed)"));
+                        break;
                     }
                 }
             }
-            self.tc_attached.insert(index);
-            added.push(name);
+            if let Some(e) = failed {
+                // Undo a half attachment: an interface is either fully probed or reported.
+                for (prog, id) in links {
+                    if let Ok(p) = <&mut SchedClassifier>::try_from(
+                        self.ebpf.program_mut(prog).expect("loaded"),
+                    ) {
+                        let _ = p.detach(id);
+                    }
+                }
+                // One that vanished between listing and attaching is no failure.
+                if interfaces().iter().any(|(i, _)| *i == index) {
+                    self.attach_failures += 1;
+                    self.tc_failed.insert(index);
+                    changes.failed.push((name.clone(), e));
+                }
+                continue;
+            }
+            self.tc.insert(
+                index,
+                Attached {
+                    name: name.clone(),
+                    links,
+                },
+            );
+            changes.added.push(name.clone());
         }
-        Ok(added)
+        changes.added.sort();
+        Ok(changes)
+    }
+
+    /// Name of a probed interface, as of the last scan.
+    pub fn interface_name(&self, index: u32) -> Option<&str> {
+        self.tc.get(&index).map(|a| a.name.as_str())
+    }
+
+    /// tcx links held (two per probed interface).
+    pub fn tc_links(&self) -> usize {
+        self.tc.values().map(|a| a.links.len()).sum()
+    }
+
+    /// Takes every fallback-map traversal not heard of since `before_ns`: the collector
+    /// reports them as incomplete. A traversal the probes end meanwhile is theirs: whoever
+    /// deletes it first writes it.
+    pub fn sweep_idle(&mut self, before_ns: u64) -> Result<Vec<TraversalRecord>> {
+        let mut map: BpfHashMap<_, u64, TraversalRecord> =
+            BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
+        let stale: Vec<(u64, TraversalRecord)> = map
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, r)| r.ts_last < before_ns)
+            .collect();
+        let mut out = Vec::new();
+        for (skb, mut rec) in stale {
+            if map.remove(&skb).is_ok() && rec.decision == decision::KEEP {
+                rec.end = end::IDLE;
+                out.push(rec);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Traversals the probes still hold (per-CPU slots and the fallback map).
+    pub fn in_flight(&self) -> Result<InFlight> {
+        let mut n = InFlight::default();
+        let mut add = |r: &TraversalRecord| {
+            if r.skb == 0 {
+                return;
+            }
+            if r.decision == decision::KEEP {
+                n.kept += 1;
+            } else {
+                n.left_out += 1;
+            }
+        };
+        let slots: PerCpuArray<_, [TraversalRecord; SLOTS_PER_CPU]> =
+            PerCpuArray::try_from(self.ebpf.map("SLOTS").context("no SLOTS map")?)?;
+        for cpu in slots.get(&0, 0)?.iter() {
+            cpu.iter().for_each(&mut add);
+        }
+        let pending: BpfHashMap<_, u64, TraversalRecord> =
+            BpfHashMap::try_from(self.ebpf.map("PENDING").context("no PENDING map")?)?;
+        for (_, r) in pending.iter().filter_map(Result::ok) {
+            add(&r);
+        }
+        Ok(n)
+    }
+
+    /// The benchmark's floor: every probe returns at once (`true`), or records again.
+    pub fn set_floor(&mut self, floor: bool) -> Result<()> {
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::FLOOR, u64::from(floor), 0)?;
+        Ok(())
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
@@ -218,18 +401,52 @@ impl Probes {
             PerCpuArray::try_from(self.ebpf.map("COUNTERS").context("no COUNTERS map")?)?;
         let sum = |i: u32| -> Result<u64> { Ok(arr.get(&i, 0)?.iter().sum()) };
         Ok(KernelCounters {
+            seen: sum(counter::SEEN)?,
             emitted: sum(counter::EMITTED)?,
             ringbuf_full: sum(counter::RINGBUF_FULL)?,
             read_failed: sum(counter::READ_FAILED)?,
             not_configured: sum(counter::NOT_CONFIGURED)?,
             filtered: sum(counter::FILTERED)?,
             sampled_out: sum(counter::SAMPLED_OUT)?,
+            to_fallback: sum(counter::TO_FALLBACK)?,
+            reclaimed: sum(counter::RECLAIMED)?,
+            no_start: sum(counter::NO_START)?,
         })
     }
 
     pub fn netfilter_links(&self) -> usize {
         self.links.len()
     }
+}
+
+/// cgroup/skb ingress at the root of the cgroup v2 hierarchy: where a socket takes a packet
+/// (`observer-ebpf/src/bin/tc/ends.rs`). Allows every packet.
+fn attach_socket_probe(ebpf: &mut Ebpf) -> Result<()> {
+    let root = cgroup2_root().context(
+        "no cgroup v2 hierarchy is mounted (mount -t cgroup2 none /sys/fs/cgroup)",
+    )?;
+    let cgroup = std::fs::File::open(&root)
+        .with_context(|| format!("opening cgroup {}", root.display()))?;
+    let p: &mut CgroupSkb = ebpf
+        .program_mut("observer_sock_ingress")
+        .context("probe object has no program observer_sock_ingress")?
+        .try_into()?;
+    p.load().context("loading the cgroup/skb socket probe")?;
+    // As a BPF link, which coexists with other programs there; `Single` only means that
+    // no attach flags are passed, which links refuse.
+    p.attach(cgroup, CgroupSkbAttachType::Ingress, CgroupAttachMode::Single)
+        .with_context(|| format!("attaching cgroup/skb ingress at {}", root.display()))?;
+    Ok(())
+}
+
+/// Where the cgroup v2 hierarchy is mounted (unified, or hybrid under `unified`).
+fn cgroup2_root() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|w| w.len() > 2 && w[2] == "cgroup2")
+        .map(|w| PathBuf::from(w[1]))
 }
 
 /// Inode of the calling thread's network namespace: what `net.ns.inum` holds in the kernel.

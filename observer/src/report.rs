@@ -1,18 +1,20 @@
 //! Annotation and rendering: a traversal -> the per-table report (JSON schema 1 and the
 //! human tree). Pure: interface names come through a lookup the caller provides.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::annotate::{self, ConntrackView, Fate, MarkChange, Marks, Nat, ObservedStage};
-use crate::correlate::{Closed, Traversal};
+use crate::annotate::{
+    self, ConntrackView, EndPoint, Fate, MarkChange, Marks, Names, Nat, ObservedStage,
+};
+use crate::correlate::{Closed, Plans, Traversal, missing_text};
 use crate::decode::{Endpoint, Observation, Point};
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
-use crate::plan::HookPlan;
 use observer_common::NF_SLOTS;
+
+pub use crate::correlate::index_plans;
 
 pub const SCHEMA: u32 = 1;
 
@@ -31,10 +33,13 @@ pub struct Report {
     pub marks: Marks,
     pub nat: Vec<Nat>,
     pub conntrack: Option<ConntrackView>,
-    /// Records the kernel could not write (ring buffer full) since the previous report.
+    /// Packets the kernel could not record (ring buffer full) since the previous report.
     pub lost: u64,
-    /// The traversal was not seen to its end (evicted, cut by exit, skb reused).
+    /// Part of the traversal is missing: its end was not seen, or the record could not hold
+    /// all of it. Never printed as complete.
     pub incomplete: bool,
+    /// Why, when `incomplete`.
+    pub incomplete_reason: Option<String>,
     /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
     #[serde(skip)]
     pub flow: String,
@@ -45,7 +50,7 @@ pub struct Context<'a> {
     pub plans: &'a Plans,
     pub netns: &'a str,
     pub marks: &'a MarkDictionary,
-    pub drop_reasons: &'a HashMap<u32, String>,
+    pub names: Names<'a>,
     pub ifname: &'a dyn Fn(u32) -> String,
 }
 
@@ -155,16 +160,6 @@ impl<'a> Snapshots<'a> {
     }
 }
 
-/// Plans by (family, hook), for building stages.
-pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
-
-pub fn index_plans(plans: &[HookPlan]) -> Plans {
-    plans
-        .iter()
-        .map(|p| ((p.family, p.hook), p.clone()))
-        .collect()
-}
-
 /// Builds the report of one traversal.
 pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     let first_l3 = t.records.iter().find(|r| r.src.is_some());
@@ -204,15 +199,19 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     if annotate::reassembled(t) {
         hooks.clear();
     }
-    let left = matches!(t.closed, Closed::Egress | Closed::Delivered);
+    // Conntrack is a stage only where it runs: some record of the packet has an entry.
+    let tracked = t.records.iter().any(|r| r.ct.is_some());
     let mut observed: Vec<ObservedStage> = Vec::new();
     let mut stages = Vec::new();
     'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
         let Some(plan) = family.and_then(|f| ctx.plans.get(&(f, *hook))) else {
             continue;
         };
-        let later_hooks = i + 1 < hooks.len() || left;
+        let later_hooks = i + 1 < hooks.len();
         for table in &plan.tables {
+            if table.name == "conntrack" && !tracked {
+                continue;
+            }
             let (b, a) = plan.bracket(table);
             let Some(before) = b.and_then(|s| seen.get(s).copied().flatten()) else {
                 continue;
@@ -220,7 +219,14 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             let after = a.and_then(|s| seen.get(s).copied().flatten());
             let seen_later =
                 later_hooks || a.is_some_and(|a| seen.iter().skip(a + 1).any(Option::is_some));
-            let dropped = after.is_none() && !seen_later;
+            // The packet's last table: what ended it there decides the verdict.
+            let ended_here = after.is_none() && !seen_later;
+            let verdict = match (ended_here, t.closed) {
+                (false, _) => "accept",
+                (true, Closed::Dropped) => "drop",
+                (true, Closed::Consumed) => "stolen",
+                (true, _) => "unknown",
+            };
             let ct_src = after.unwrap_or(before);
             stages.push(Stage {
                 hook: hook.name(),
@@ -232,22 +238,25 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                     state: c.state().to_string(),
                     mark: format!("{:#x}", c.mark),
                 }),
-                verdict: if dropped { "drop" } else { "accept" },
+                verdict,
             });
             observed.push(ObservedStage {
                 hook: *hook,
                 table: table.name.clone(),
                 before,
                 after,
-                dropped,
             });
-            if dropped {
+            if ended_here {
                 break 'hooks;
             }
         }
     }
     let route = annotate::route(t);
-    let fate = annotate::fate(t, &observed, route, ctx.drop_reasons);
+    let fate = annotate::fate(t, &end_point(t, family, ctx.plans), route, &ctx.names);
+    let mut reasons: Vec<&str> = missing_text(t.missing);
+    if fate.kind == "incomplete" {
+        reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));
+    }
     Report {
         schema: SCHEMA,
         netns: ctx.netns.to_string(),
@@ -256,7 +265,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         ingress,
         egress,
         route,
-        incomplete: fate.kind == "incomplete",
+        incomplete: !reasons.is_empty(),
+        incomplete_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
         fate,
         marks: annotate::marks(&observed, ctx.marks),
         nat: annotate::nat(&observed),
@@ -266,6 +276,48 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         flow: first_l3
             .and_then(snapshot)
             .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
+    }
+}
+
+/// `HOOK/priority` of point `at` in its plan.
+fn point_name(hook: NfHook, at: usize, plan: Option<&crate::plan::HookPlan>) -> String {
+    match plan.and_then(|p| p.points.get(at)) {
+        Some(prio) => format!("{}/{prio}", hook.name()),
+        None => format!("{}/point {at}", hook.name()),
+    }
+}
+
+/// The last point the packet passed, the next one on its path, and the table between them.
+fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint {
+    let none = EndPoint {
+        hook: None,
+        table: None,
+        after: None,
+        before: None,
+    };
+    match t.records.last().map(|r| r.point) {
+        Some(Point::TcIngress) => EndPoint {
+            after: Some("TC ingress".into()),
+            ..none
+        },
+        Some(Point::TcEgress) => EndPoint {
+            after: Some("TC egress".into()),
+            ..none
+        },
+        Some(Point::Netfilter(hook, at)) => {
+            let plan = family.and_then(|f| plans.get(&(f, hook)));
+            let next = plan.and_then(|p| {
+                let (lo, hi) = (*p.points.get(at)?, *p.points.get(at + 1)?);
+                Some((at + 1, p.tables.iter().find(|t| t.priority > lo && t.priority < hi)))
+            });
+            EndPoint {
+                hook: Some(hook),
+                table: next.and_then(|(_, t)| t.map(|t| t.name.clone())),
+                after: Some(point_name(hook, at, plan)),
+                before: next.map(|(n, _)| point_name(hook, n, plan)),
+            }
+        }
+        None => none,
     }
 }
 
@@ -307,7 +359,14 @@ impl Report {
             let _ = write!(out, "  route {r}");
         }
         if self.lost > 0 {
-            let _ = write!(out, "  [{} records lost in kernel]", self.lost);
+            let _ = write!(out, "  [{} packets lost in kernel]", self.lost);
+        }
+        if self.incomplete && self.fate.kind != "incomplete" {
+            let _ = write!(
+                out,
+                "  [incomplete: {}]",
+                self.incomplete_reason.as_deref().unwrap_or("?")
+            );
         }
         out.push('\n');
         let mut last_ct: Option<&CtView> = None;
@@ -356,8 +415,11 @@ impl Report {
                     b.src, b.dst, a.src, a.dst
                 ));
             }
-            if s.verdict == "drop" {
-                what.push("not seen after this table".into());
+            match s.verdict {
+                "drop" => what.push("dropped here".into()),
+                "stolen" => what.push("taken here (stolen)".into()),
+                "unknown" => what.push("not seen after this table".into()),
+                _ => {}
             }
             if what.is_empty() {
                 what.push("-".into());
@@ -387,18 +449,23 @@ impl Report {
 
     fn fate_text(&self) -> String {
         let f = &self.fate;
-        let at = match (f.hook, &f.table) {
+        let place = match (f.hook, &f.table) {
             (Some(h), Some(t)) => format!(" in {h}/{t}"),
             (Some(h), None) => format!(" after {h}"),
-            _ => String::new(),
+            (None, _) => f.after.as_deref().map_or(String::new(), |a| format!(" after {a}")),
+        };
+        let func = |sep: &str| {
+            f.location
+                .as_deref()
+                .map_or(String::new(), |l| format!("{sep}in {l}"))
         };
         match f.kind {
             "dropped" => format!(
-                "DROPPED{at}: {}",
-                f.reason
-                    .as_deref()
-                    .unwrap_or("vanished (no drop reported by the kernel)")
+                "DROPPED{place}{}: {}",
+                func(", "),
+                f.reason.as_deref().unwrap_or("no reason given")
             ),
+            "consumed" => format!("consumed by the kernel{place}{}", func(", ")),
             "forwarded" | "sent" => match &self.egress {
                 Some(e) => format!("{} out {}", f.kind, e.iface),
                 None => f.kind.to_string(),
@@ -407,7 +474,10 @@ impl Report {
             "reassembled" => {
                 "fragment merged by defragmentation (PREROUTING, priority -400)".into()
             }
-            k => format!("{k}: {}", f.reason.as_deref().unwrap_or("")),
+            _ => format!(
+                "INCOMPLETE{place}: {}",
+                self.incomplete_reason.as_deref().unwrap_or("end not seen")
+            ),
         }
     }
 

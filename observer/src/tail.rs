@@ -1,5 +1,10 @@
 //! `observer tail`: attach, then stream one report per packet traversal until told to stop.
 //! Data flows one way: ring buffer -> decode -> correlate -> report -> stdout.
+//!
+//! Bounded and responsive at any load: the ring buffer is drained in batches that give the
+//! event loop its turn (signals and `--timeout` act within a batch), no per-packet state is
+//! kept in userspace (the probes assemble traversals), and every packet the probes saw is
+//! accounted for in the summary: printed, lost, left out, or still in flight.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -8,18 +13,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use log::{info, warn};
+use serde::Serialize;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::annotate::Names;
 use crate::btf::KernelLayout;
-use crate::correlate::{Closed, Correlator, Traversal};
-use crate::decode::{Point, Record, decode};
+use crate::correlate::{Plans, Traversal, assemble, index_plans};
+use crate::decode::decode;
+use crate::kallsyms::Symbols;
 use crate::marks::MarkDictionary;
-use crate::nf_link::NfHook;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
-use crate::report::{self, Plans};
+use crate::report;
 use observer_common::filter::FilterProgram;
+use observer_common::traversal::TraversalRecord;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -34,8 +42,10 @@ pub struct TailOptions {
     pub count: Option<u64>,
     pub ready_file: Option<PathBuf>,
     pub timeout: Option<Duration>,
-    pub max_inflight: usize,
+    /// A traversal waiting in the probes' fallback map this long is reported as incomplete.
     pub idle: Duration,
+    /// Where to write the summary as JSON at exit.
+    pub stats_file: Option<PathBuf>,
 }
 
 /// How each traversal is printed.
@@ -49,17 +59,26 @@ pub enum Output {
     Line,
 }
 
+/// Records handled before the event loop looks at signals and timers again: at about
+/// 10 us per printed traversal, a batch is a few tens of milliseconds.
+const BATCH: usize = 2048;
+/// At exit, how long the remaining records are still printed; the rest are counted.
+const FINAL_DRAIN: Duration = Duration::from_millis(150);
+
 /// The mark dictionary for this run: defaults, then the bits the live ruleset shows
 /// (KUBE-MARK-MASQ / KUBE-MARK-DROP), then the user's file.
 fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
     let mut d = MarkDictionary::default();
-    if let Ok(out) = std::process::Command::new("iptables-save")
+    match std::process::Command::new("iptables-save")
         .args(["-t", "nat"])
         .output()
     {
-        for (bit, name) in d.learn_from_iptables_save(&String::from_utf8_lossy(&out.stdout)) {
-            info!("live ruleset: {name} is {bit:#x}");
+        Ok(out) => {
+            for (bit, name) in d.learn_from_iptables_save(&String::from_utf8_lossy(&out.stdout)) {
+                info!("live ruleset: {name} is {bit:#x}");
+            }
         }
+        Err(e) => warn!("cannot run iptables-save to learn kube-proxy's mark bits: {e}"),
     }
     if let Some(f) = file {
         let text = std::fs::read_to_string(f)
@@ -70,32 +89,53 @@ fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
     Ok(d)
 }
 
-/// What a tail run saw; printed as the summary line on exit.
-#[derive(Debug, Default)]
+/// What a tail run saw, in packets; printed on exit and written by `--stats`.
+#[derive(Debug, Default, Serialize)]
 pub struct Summary {
+    /// Packets that entered the observed namespace's hooks.
+    pub seen: u64,
+    /// Traversals printed (complete or flagged incomplete).
     pub printed: u64,
+    /// Packets the probes could not record (the ring buffer was full).
+    pub lost: u64,
+    /// Of `printed`, those flagged incomplete.
+    pub incomplete: u64,
+    /// Packets left out by `--filter`.
+    pub filtered: u64,
+    /// Packets left out by `--sample`.
+    pub sampled: u64,
+    /// Packets still followed by the probes at exit (kept by the filter).
+    pub in_flight: u64,
+    /// Packets still followed at exit that the filter or sampling had left out.
+    pub in_flight_left_out: u64,
+    /// Traversals recorded but not printed: beyond `--count`, past the exit drain, or
+    /// undecodable.
+    pub not_printed: u64,
+    /// Probe attachments that failed (interfaces left without tcx probes).
+    pub attach_failures: u64,
+    /// Why the tail stopped.
+    pub stopped_by: &'static str,
+    #[serde(skip)]
     pub kernel: KernelCounters,
-    pub evicted: u64,
-    pub incomplete_at_exit: u64,
-    pub decode_errors: u64,
 }
 
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "observer: {} traversals printed; kernel: {} records written, {} lost (ring buffer \
-             full), {} failed reads, {} filtered out, {} sampled out; collector: {} evicted \
-             (too many in flight), {} incomplete at exit, {} undecodable",
+            "observer: {} packets seen: {} traversals printed ({} incomplete), {} lost (ring \
+             buffer full), {} filtered out, {} sampled out, {} in flight at exit, {} not \
+             printed; {} attach failures; stopped by {}",
+            self.seen,
             self.printed,
-            self.kernel.emitted,
-            self.kernel.ringbuf_full,
-            self.kernel.read_failed,
-            self.kernel.filtered,
-            self.kernel.sampled_out,
-            self.evicted,
-            self.incomplete_at_exit,
-            self.decode_errors
+            self.incomplete,
+            self.lost,
+            self.filtered,
+            self.sampled,
+            self.in_flight + self.in_flight_left_out,
+            self.not_printed,
+            self.attach_failures,
+            self.stopped_by,
         )
     }
 }
@@ -115,20 +155,28 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = Probes::load(&layout, &program)?;
-    let custom = std::process::Command::new("nft")
+    let custom = match std::process::Command::new("nft")
         .args(["-j", "list", "ruleset"])
         .output()
-        .map(|o| custom_priorities(&String::from_utf8_lossy(&o.stdout)))
-        .unwrap_or_default();
+    {
+        Ok(o) => custom_priorities(&String::from_utf8_lossy(&o.stdout)),
+        Err(e) => {
+            warn!("cannot run nft to find custom base-chain priorities: {e}");
+            Vec::new()
+        }
+    };
     if !custom.is_empty() {
         info!("bracketing custom nftables base-chain priorities: {custom:?}");
     }
     probes.attach_netfilter(full_plan(&custom))?;
-    let ifaces = probes.attach_tc_new_interfaces()?;
+    let changes = probes.sync_interfaces()?;
+    for (name, e) in &changes.failed {
+        warn!("no probes on interface {name}: {e}");
+    }
     info!(
         "attached {} netfilter probes and tcx on {}",
         probes.netfilter_links(),
-        ifaces.join(", ")
+        changes.added.join(", ")
     );
     let ring = probes.take_ring()?;
     if let Some(path) = &opts.ready_file {
@@ -138,159 +186,284 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(event_loop(opts, probes, ring, layout, marks))
+    let summary = rt.block_on(event_loop(&opts, probes, ring, layout, marks))?;
+    if let Some(path) = &opts.stats_file {
+        std::fs::write(path, serde_json::to_string(&summary)? + "\n")
+            .with_context(|| format!("writing stats file {}", path.display()))?;
+    }
+    Ok(summary)
+}
+
+/// Everything that turns records into printed reports.
+struct Printer<'a> {
+    opts: &'a TailOptions,
+    plans: Plans,
+    layout: &'a KernelLayout,
+    marks: &'a MarkDictionary,
+    symbols: Symbols,
+    netns: String,
+    names: std::cell::RefCell<HashMap<u32, String>>,
+    out: std::io::BufWriter<std::io::Stdout>,
+    /// Packets lost as of the last report printed.
+    reported_lost: u64,
+    lost_now: u64,
+    /// stdout was closed (a pipe into `head`): stop, with the summary on stderr.
+    closed: bool,
+}
+
+impl Printer<'_> {
+    fn ifname(&self, index: u32) -> String {
+        self.names
+            .borrow_mut()
+            .entry(index)
+            .or_insert_with(|| ifname(index))
+            .clone()
+    }
+
+    /// Forgets cached interface names (after renames or removals).
+    fn forget_names(&self) {
+        self.names.borrow_mut().clear();
+    }
+
+    /// Prints one record; returns whether `--count` is reached.
+    fn print(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
+        if self.closed || self.opts.count.is_some_and(|n| summary.printed >= n) {
+            summary.not_printed += 1;
+            return true;
+        }
+        let t: Traversal = match assemble(rec, &self.plans, &self.layout.tuple) {
+            Ok(t) => t,
+            Err(e) => {
+                summary.not_printed += 1;
+                warn!("unusable traversal record: {e}");
+                return false;
+            }
+        };
+        let lost = self.lost_now - self.reported_lost;
+        self.reported_lost = self.lost_now;
+        let symbol = |a: u64| self.symbols.name(a);
+        let ifname = |i: u32| self.ifname(i);
+        let ctx = report::Context {
+            plans: &self.plans,
+            netns: &self.netns,
+            marks: self.marks,
+            names: Names {
+                drop_reasons: &self.layout.drop_reasons,
+                symbol: &symbol,
+            },
+            ifname: &ifname,
+        };
+        let r = report::build(&t, &ctx, lost);
+        let written = match self.opts.output {
+            Output::Json => writeln!(self.out, "{}", r.to_json_line()),
+            Output::Tree => writeln!(self.out, "{}", r.render_tree()),
+            Output::Line => writeln!(self.out, "{}", r.render_line()),
+        };
+        if written.is_err() {
+            self.closed = true;
+            summary.not_printed += 1;
+            return true;
+        }
+        summary.printed += 1;
+        summary.incomplete += u64::from(r.incomplete);
+        self.opts.count.is_some_and(|n| summary.printed >= n)
+    }
+
+    fn flush(&mut self) {
+        if self.out.flush().is_err() {
+            self.closed = true;
+        }
+    }
+}
+
+/// Drains up to `max` records; returns how many were read and whether `--count` is reached.
+fn drain(
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    printer: &mut Printer,
+    summary: &mut Summary,
+    max: usize,
+) -> (usize, bool) {
+    let mut n = 0;
+    let mut done = false;
+    while n < max {
+        let Some(item) = ring.next() else { break };
+        n += 1;
+        match decode(&item) {
+            Ok(rec) => done |= printer.print(&rec, summary),
+            Err(e) => {
+                summary.not_printed += 1;
+                warn!("undecodable record: {e}");
+            }
+        }
+    }
+    (n, done)
 }
 
 async fn event_loop(
-    opts: TailOptions,
+    opts: &TailOptions,
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     layout: KernelLayout,
     marks: MarkDictionary,
 ) -> Result<Summary> {
-    let plans: Plans = report::index_plans(&probes.plans);
-    let last_slot = probes
-        .plans
-        .iter()
-        .map(|p| ((p.family, p.hook), p.points.len() - 1))
-        .filter(|((_, h), _)| *h == NfHook::LocalIn)
-        .collect::<HashMap<_, _>>();
-    let mut correlator = Correlator::new(opts.max_inflight, opts.idle.as_nanos() as u64, last_slot);
-    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
-    // Interface names by index: a syscall each, so asked once per index.
-    let names = std::cell::RefCell::new(HashMap::new());
-    let ctx = report::Context {
-        plans: &plans,
-        netns: &netns,
+    let mut printer = Printer {
+        opts,
+        plans: index_plans(&probes.plans),
+        layout: &layout,
         marks: &marks,
-        drop_reasons: &layout.drop_reasons,
-        ifname: &|i| cached_ifname(&names, i),
+        symbols: Symbols::load(),
+        netns: opts.netns.clone().unwrap_or_else(|| "current".into()),
+        names: Default::default(),
+        out: std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout()),
+        reported_lost: 0,
+        lost_now: 0,
+        closed: false,
     };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
         .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     // The probes wake us only when the ring buffer fills; otherwise we drain it on this timer.
     let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
-    let mut lost_now = 0u64;
+    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = opts.timeout.map(|t| Instant::now() + t);
+    let netns_file = opts.netns.as_ref().map(|n| PathBuf::from("/run/netns").join(n));
+    let netns_inode = crate::probes::current_netns_inode()?;
     let mut summary = Summary::default();
-    let mut reported_lost = 0u64;
-    let mut last_iface_scan = Instant::now();
-    let mut done: Vec<Traversal> = Vec::new();
-    let stdout = std::io::stdout();
-
-    let mut emit =
-        |done: &mut Vec<Traversal>, summary: &mut Summary, lost_now: u64| -> Result<bool> {
-            let mut out = stdout.lock();
-            for t in done.drain(..) {
-                if t.closed == Closed::Shutdown {
-                    summary.incomplete_at_exit += 1;
-                    continue;
-                }
-                if opts.count.is_some_and(|n| summary.printed >= n) {
-                    continue;
-                }
-                let lost = lost_now - reported_lost;
-                reported_lost = lost_now;
-                let r = report::build(&t, &ctx, lost);
-                match opts.output {
-                    Output::Json => writeln!(out, "{}", r.to_json_line())?,
-                    Output::Tree => writeln!(out, "{}", r.render_tree())?,
-                    Output::Line => writeln!(out, "{}", r.render_line())?,
-                }
-                summary.printed += 1;
-            }
-            out.flush()?;
-            Ok(opts.count.is_some_and(|n| summary.printed >= n))
-        };
-
-    loop {
+    let mut last_scan = Instant::now();
+    let stopped_by: &'static str = loop {
+        if opts.count == Some(0) {
+            break "--count";
+        }
         tokio::select! {
-            guard = ring.readable_mut() => {
-                let mut guard = guard?;
-                drain_ring(guard.get_inner_mut(), &layout, &plans, &mut correlator, &mut done, &mut summary);
-                guard.clear_ready();
-            }
-            _ = drain_tick.tick() => {
-                drain_ring(ring.get_mut(), &layout, &plans, &mut correlator, &mut done, &mut summary);
-            }
+            biased;
+            _ = sigint.recv() => break "SIGINT",
+            _ = sigterm.recv() => break "SIGTERM",
+            _ = sighup.recv() => break "SIGHUP",
+            _ = tokio::time::sleep_until(deadline.map_or_else(
+                || tokio::time::Instant::now() + Duration::from_secs(3600),
+                tokio::time::Instant::from_std)), if deadline.is_some() => break "--timeout",
             _ = tick.tick() => {
-                lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(lost_now);
-                correlator.expire(now_ns(), &mut done);
-                if last_iface_scan.elapsed() >= Duration::from_secs(1) {
-                    last_iface_scan = Instant::now();
-                    match probes.attach_tc_new_interfaces() {
-                        Ok(new) if !new.is_empty() => info!("tcx attached on new interfaces {}", new.join(", ")),
-                        Ok(_) => {}
-                        Err(e) => warn!("{e:#}"),
+                printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
+                if last_scan.elapsed() >= Duration::from_secs(1) {
+                    last_scan = Instant::now();
+                    if let Some(why) = housekeeping(&mut probes, &mut printer, &mut summary, opts, netns_file.as_deref(), netns_inode) {
+                        break why;
                     }
                 }
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    break;
-                }
             }
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                let (n, done) = drain(guard.get_inner_mut(), &mut printer, &mut summary, BATCH);
+                if n < BATCH {
+                    guard.clear_ready();
+                }
+                printer.flush();
+                if done || printer.closed { break if printer.closed { "closed stdout" } else { "--count" }; }
+            }
+            _ = drain_tick.tick() => {
+                let (_, done) = drain(ring.get_mut(), &mut printer, &mut summary, BATCH);
+                printer.flush();
+                if done || printer.closed { break if printer.closed { "closed stdout" } else { "--count" }; }
+            }
         }
-        if !done.is_empty() && emit(&mut done, &mut summary, lost_now)? {
+    };
+    // What the probes wrote before we stopped is still owed to the user, within a bound:
+    // under a flood the ring buffer holds more than can be printed promptly.
+    let until = Instant::now() + FINAL_DRAIN;
+    loop {
+        let (n, _) = drain(ring.get_mut(), &mut printer, &mut summary, 256);
+        if n == 0 {
+            break;
+        }
+        if Instant::now() >= until {
+            // Counted, not printed.
+            while ring.get_mut().next().is_some() {
+                summary.not_printed += 1;
+            }
             break;
         }
     }
-    // What the probes wrote before we stopped is still owed to the user.
-    drain_ring(
-        ring.get_mut(),
-        &layout,
-        &plans,
-        &mut correlator,
-        &mut done,
-        &mut summary,
-    );
-    correlator.drain(&mut done);
-    summary.kernel = probes.counters()?;
-    let lost_now = summary.kernel.ringbuf_full;
-    emit(&mut done, &mut summary, lost_now)?;
-    summary.evicted = correlator.stats.evicted;
+    printer.flush();
+    let k = probes.counters()?;
+    let inflight = probes.in_flight().unwrap_or_default();
+    summary.seen = k.seen;
+    summary.lost = k.ringbuf_full;
+    summary.filtered = k.filtered;
+    summary.sampled = k.sampled_out;
+    summary.in_flight = inflight.kept;
+    summary.in_flight_left_out = inflight.left_out;
+    summary.attach_failures = probes.attach_failures;
+    summary.stopped_by = stopped_by;
+    summary.kernel = k;
+    // A record written between the drain and the counters is neither printed nor in flight.
+    let accounted = summary.printed
+        + summary.lost
+        + summary.filtered
+        + summary.sampled
+        + summary.in_flight
+        + summary.in_flight_left_out
+        + summary.not_printed;
+    if accounted < summary.seen {
+        summary.not_printed += summary.seen - accounted;
+    }
     Ok(summary)
 }
 
-fn cached_ifname(names: &std::cell::RefCell<HashMap<u32, String>>, index: u32) -> String {
-    names
-        .borrow_mut()
-        .entry(index)
-        .or_insert_with(|| ifname(index))
-        .clone()
-}
-
-fn drain_ring(
-    rb: &mut aya::maps::RingBuf<aya::maps::MapData>,
-    layout: &KernelLayout,
-    plans: &Plans,
-    correlator: &mut Correlator,
-    done: &mut Vec<Traversal>,
+/// Once a second: idle traversals, interfaces, the namespace. Returns why to stop, if so.
+fn housekeeping(
+    probes: &mut Probes,
+    printer: &mut Printer,
     summary: &mut Summary,
-) {
-    while let Some(item) = rb.next() {
-        match decode(&item, &layout.tuple) {
-            Ok(Record::Packet(mut o)) => {
-                // Records name the probe program; everything downstream uses the point.
-                if let (Point::Netfilter(hook, program), Some(family)) = (o.point, o.family)
-                    && let Some(at) = plans.get(&(family, hook)).and_then(|p| p.point_of(program))
-                {
-                    o.point = Point::Netfilter(hook, at);
-                }
-                log::trace!("record {:?} skb {:#x} mark {:#x}", o.point, o.skb, o.mark);
-                correlator.push(o, done)
+    opts: &TailOptions,
+    netns_file: Option<&std::path::Path>,
+    netns_inode: u64,
+) -> Option<&'static str> {
+    let before = now_ns().saturating_sub(opts.idle.as_nanos() as u64);
+    match probes.sweep_idle(before) {
+        Ok(recs) => {
+            for r in &recs {
+                printer.print(r, summary);
             }
-            Ok(Record::Drop(d)) => correlator.push_drop(d, done),
-            Err(e) => {
-                summary.decode_errors += 1;
-                warn!("undecodable record: {e}");
+            printer.flush();
+        }
+        Err(e) => warn!("reading the probes' fallback map: {e:#}"),
+    }
+    match probes.sync_interfaces() {
+        Ok(c) => {
+            if !c.added.is_empty() {
+                info!("tcx attached on new interfaces {}", c.added.join(", "));
+            }
+            for name in &c.removed {
+                info!("interface {name} is gone; its probes are released");
+            }
+            for (old, new) in &c.renamed {
+                info!("interface {old} is now called {new}");
+            }
+            for (name, e) in &c.failed {
+                warn!("no probes on interface {name}: {e}");
+            }
+            if !c.removed.is_empty() || !c.renamed.is_empty() {
+                printer.forget_names();
             }
         }
+        Err(e) => warn!("scanning interfaces: {e:#}"),
     }
+    if let Some(file) = netns_file {
+        use std::os::unix::fs::MetadataExt;
+        let same = std::fs::metadata(file).is_ok_and(|m| m.ino() == netns_inode);
+        if !same {
+            warn!(
+                "the observed namespace {} was deleted; stopping",
+                file.display()
+            );
+            return Some("namespace deleted");
+        }
+    }
+    None
 }
 
 /// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` reads.

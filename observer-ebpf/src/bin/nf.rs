@@ -1,6 +1,7 @@
 //! Netfilter probes (BPF_PROG_TYPE_NETFILTER). Each slot program is attached by userspace at
-//! one or more (family, hook, priority) points between the netfilter tables; what it records
-//! there is the packet as the previous table left it. They always return NF_ACCEPT.
+//! one or more (family, hook, priority) points between the netfilter tables; what it adds to
+//! the packet's traversal record there is the packet as the previous table left it. They
+//! always return NF_ACCEPT.
 //!
 //! Aya cannot load this object (it rejects `netfilter` sections), so observer's own loader
 //! relocates the map references onto the TC object's maps. Keep every helper
@@ -8,9 +9,12 @@
 #![no_std]
 #![no_main]
 
+use observer_common::traversal::{add_reading, decision, last_hook, missing};
 use observer_common::{config, counter, flags, hook, kind};
+use observer_ebpf::ctl;
+use observer_ebpf::inflight::{begin, close_stale, find};
 use observer_ebpf::{
-    Decide, cfg, count, emit, field, follows_keep, is_icmp_error, keep, nfct_of, now, parse_inner,
+    Decide, cfg, count, decide, field, filtering, is_icmp_error, nfct_of, now, parse_inner,
     parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
     skip_ipv6_ext, windows,
 };
@@ -29,7 +33,7 @@ macro_rules! slots {
         #[unsafe(no_mangle)]
         #[unsafe(link_section = concat!("netfilter/", stringify!($name)))]
         pub extern "C" fn $name(ctx: *const BpfNfCtx) -> i32 {
-            observe(ctx, $slot);
+            observe(ctx, $slot as u8);
             NF_ACCEPT
         }
     )*};
@@ -64,7 +68,10 @@ slots!(
 const _: () = assert!(observer_common::NF_SLOTS == 24);
 
 #[inline(always)]
-fn observe(ctx: *const BpfNfCtx, slot: u32) {
+fn observe(ctx: *const BpfNfCtx, program: u8) {
+    if cfg(config::FLOOR).is_some_and(|f| f != 0) {
+        return;
+    }
     if cfg(config::READY).is_none() {
         count(counter::NOT_CONFIGURED);
         return;
@@ -75,43 +82,115 @@ fn observe(ctx: *const BpfNfCtx, slot: u32) {
     let (Ok(state), Ok(skb)) = (read::<u64>(base, 0), read::<u64>(base, 8)) else {
         return;
     };
-    let _ = try_observe(state, skb, slot);
+    let _ = try_observe(state, skb, program);
 }
 
 #[inline(always)]
-fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
-    let Some(ev) = scratch() else {
-        return Err(());
-    };
+fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
+    let w = windows().ok_or(())?;
+    // One read per struct: the calls, not the bytes, are what a probe pays for.
+    read_into(state, 0, &mut w.state)?;
+    let off = |i| cfg(i).ok_or(());
+    let hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
+    // Program 0 is where a packet enters PREROUTING or OUTPUT, program 2 is just after
+    // conntrack there (see observer's plan).
+    let entry_hook = hook_no == hook::PRE_ROUTING || hook_no == hook::LOCAL_OUT;
+    let entry = entry_hook && program == 0;
+    let with_ct = entry_hook && program == 2;
+    {
+        let found = find(skb);
+        // The record found is this packet's: anywhere but an entry point, and there only
+        // after TC ingress.
+        let continues = match &found {
+            Some(f) => !entry || (f.rec.nvisits == 1 && last_hook(f.rec) == Some(hook::TC_INGRESS)),
+            None => false,
+        };
+        let kept = found.as_ref().is_some_and(|f| f.rec.decision == decision::KEEP);
+        if continues && !kept && !with_ct {
+            // Left out by the filter: this lookup is all it costs here.
+            return Ok(());
+        }
+        // A packet is decided where it enters, and again after conntrack while not kept. One
+        // first seen elsewhere (its start unobserved) is left out whenever a filter is active.
+        let mode = if entry && !continues {
+            MODE_ENTRY
+        } else if with_ct && !(continues && kept) {
+            MODE_CONNTRACK
+        } else if !continues {
+            MODE_ORPHAN
+        } else {
+            MODE_KEEP
+        };
+        // What the rest needs, kept in map memory rather than registers (see `ctl`).
+        ctl::set(ctl::MODE, mode);
+        ctl::set(ctl::CONTINUES, u32::from(continues));
+        ctl::set(ctl::REDECIDE, u32::from(with_ct && continues && !kept));
+        ctl::set(ctl::ENTRY, u32::from(entry));
+    }
+    let ev = scratch().ok_or(())?;
     ev.header.kind = kind::PACKET;
-    ev.header.slot = slot;
+    ev.header.hook = hook_no;
     ev.header.ts_ns = now();
     ev.header.skb = skb;
-    let off = |i| cfg(i).ok_or(());
-    // One read per struct: the calls, not the bytes, are what a probe pays for.
-    let w = windows().ok_or(())?;
-    read_into(state, 0, &mut w.state)?;
-    let st = &w.state;
-    ev.header.hook = field::<1>(st, off(config::STATE_HOOK)?, 0)?[0];
-    // Slot 0 is where a packet enters PREROUTING or OUTPUT, slot 2 is just after conntrack
-    // there (see observer's plan); elsewhere the decision taken upstream is reused, and a
-    // packet left out costs this probe one lookup, before any other read.
-    let entry_hook = ev.header.hook == hook::PRE_ROUTING || ev.header.hook == hook::LOCAL_OUT;
-    let how = match slot {
-        0 if entry_hook => Decide::Entry,
-        2 if entry_hook => Decide::WithConntrack,
-        _ => Decide::Follow,
+    let read_ok = read_packet(ev, skb, w).is_ok();
+    ctl::set(ctl::READ_OK, u32::from(read_ok));
+    // `program` is a constant: only programs 0 and 2 carry the filter's code.
+    let verdict = match ctl::get(ctl::MODE) {
+        MODE_ENTRY if program == 0 => decide(ev, Decide::Entry),
+        MODE_CONNTRACK if program == 2 => decide(ev, Decide::WithConntrack),
+        MODE_ORPHAN if filtering() => decision::FILTERED_OUT,
+        _ => decision::KEEP,
     };
-    if how == Decide::Follow && !follows_keep(skb) {
-        return Ok(());
+    ctl::set(ctl::VERDICT, u32::from(verdict));
+    let found = find(skb);
+    let rec = match found {
+        Some(f) if ctl::get(ctl::CONTINUES) != 0 && f.rec.skb == skb => {
+            if ctl::get(ctl::REDECIDE) != 0 {
+                f.rec.decision = ctl::get(ctl::VERDICT) as u8;
+            }
+            f.rec
+        }
+        stale => {
+            // The skb address starts another packet: the one recorded under it ended unseen.
+            if let Some(f) = stale {
+                close_stale(f);
+            }
+            let rec = begin(skb, ev.header.ts_ns).ok_or(())?;
+            if ctl::get(ctl::ENTRY) == 0 {
+                rec.incomplete |= missing::START;
+                count(counter::NO_START);
+            }
+            rec.decision = ctl::get(ctl::VERDICT) as u8;
+            rec
+        }
+    };
+    if ctl::get(ctl::READ_OK) == 0 {
+        rec.incomplete |= missing::READ;
     }
+    if rec.decision == decision::KEEP {
+        add_reading(rec, ev, program);
+    }
+    Ok(())
+}
+
+/// How the filter decides at this probe.
+const MODE_KEEP: u32 = 0;
+const MODE_ENTRY: u32 = 1;
+const MODE_CONNTRACK: u32 = 2;
+const MODE_ORPHAN: u32 = 3;
+
+/// Reads everything a step records: devices, mark, length, addresses, ports, conntrack.
+#[inline(always)]
+fn read_packet(ev: &mut observer_common::PacketEvent, skb: u64, w: &mut observer_ebpf::Windows) -> Result<(), ()> {
+    let off = |i| cfg(i).ok_or(());
+    let st = &w.state;
     ev.header.family = field::<1>(st, off(config::STATE_PF)?, 0)?[0];
     let ifindex_off = off(config::NETDEV_IFINDEX)?;
     let dev_in = u64::from_ne_bytes(field(st, off(config::STATE_IN)?, 0)?);
+    let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
     if dev_in != 0 {
         ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
     }
-    let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
     if dev_out != 0 {
         ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
     }
@@ -155,9 +234,6 @@ fn try_observe(state: u64, skb: u64, slot: u32) -> Result<(), ()> {
     }
     if read_ct(nfct_of(w, start)?, &mut ev.ct, w)? {
         ev.header.flags |= flags::CT;
-    }
-    if how == Decide::Follow || keep(ev, how) {
-        emit(ev);
     }
     Ok(())
 }

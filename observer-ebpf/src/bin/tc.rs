@@ -1,19 +1,21 @@
-//! TC (tcx) probes: the packet as on the wire, at ingress before netfilter and at egress after.
-//! Loaded by Aya; this object owns the maps that the netfilter object shares.
+//! TC (tcx) probes: the packet as on the wire, at ingress before netfilter (where most
+//! traversals start) and at egress after (where forwarded and sent ones end). Loaded by Aya;
+//! this object owns the maps that the netfilter object shares, and the end events (`ends`).
 #![no_std]
 #![no_main]
 
-use aya_ebpf::{
-    EbpfContext,
-    macros::{btf_tracepoint, classifier},
-    programs::{BtfTracePointContext, TcContext},
-};
-use observer_common::{DropEvent, config, family, hook, kind};
+use aya_ebpf::{macros::classifier, programs::TcContext};
+use observer_common::traversal::{add_reading, decision, end, missing};
+use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
+use observer_ebpf::inflight::{Found, Place, begin, close_stale, find, finish, opaque};
 use observer_ebpf::{
-    Decide, EVENTS, cfg, count, emit, follows_keep, is_icmp_error, keep, nfct_of, now, parse_inner,
-    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_skb_window, scratch, skip_ipv6_ext,
-    windows,
+    Decide, cfg, count, decide, is_icmp_error, nfct_of, now, parse_inner, parse_inner_ports,
+    parse_l3, parse_l4, read_ct, read_skb_window, scratch, skip_ipv6_ext, windows,
 };
+
+/// The end events: drops, frees and sockets.
+#[path = "tc/ends.rs"]
+mod ends;
 
 /// `TCX_NEXT` / `TC_ACT_UNSPEC`: hand the packet on unchanged, to the next tcx program if any.
 const TC_NEXT: i32 = -1;
@@ -32,14 +34,70 @@ pub fn observer_tc_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn observe(ctx: &TcContext, at: u8) {
-    let skb = ctx.skb.skb;
-    // At egress the decision was taken upstream: a packet left out costs one lookup.
-    if at == hook::TC_EGRESS && !follows_keep(skb as u64) {
+    if cfg(config::FLOOR).is_some_and(|f| f != 0) {
         return;
+    }
+    if cfg(config::READY).is_none() {
+        count(counter::NOT_CONFIGURED);
+        return;
+    }
+    let skb = ctx.skb.skb as u64;
+    if at == hook::TC_EGRESS {
+        if let Some(f) = find(skb) {
+            if f.rec.decision != decision::KEEP {
+                // Left out by the filter: counted, not read.
+                finish(f, end::EGRESS);
+                return;
+            }
+        }
     }
     let Some(ev) = scratch() else {
         return;
     };
+    if read_packet(ctx, ev, at).is_none() {
+        // Not IP (ARP, LLDP, ...): nothing netfilter sees.
+        return;
+    }
+    // Decided before the in-flight bookkeeping, and passed on as a value the verifier does
+    // not follow: otherwise every path through the filter multiplies every path after it.
+    let verdict = opaque(decide(ev, Decide::Entry) as usize) as u8;
+    let mut found = find(skb);
+    if at == hook::TC_INGRESS {
+        // Nothing arrives twice: a record under this address belongs to a packet that was
+        // freed unseen.
+        if let Some(f) = found.take() {
+            close_stale(f);
+        }
+    }
+    let f = match found {
+        Some(f) => f,
+        None => {
+            let Some(rec) = begin(skb, ev.header.ts_ns) else {
+                return;
+            };
+            if at == hook::TC_EGRESS {
+                rec.incomplete |= missing::START;
+                count(counter::NO_START);
+            }
+            rec.decision = verdict;
+            Found {
+                rec,
+                place: Place::Slot,
+            }
+        }
+    };
+    if f.rec.decision == decision::KEEP {
+        add_reading(f.rec, ev, 0);
+    }
+    if at == hook::TC_EGRESS {
+        finish(f, end::EGRESS);
+    }
+}
+
+/// Reads the packet as the TC hook has it. `None` for anything but IP.
+#[inline(always)]
+fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
+    let skb = ctx.skb.skb;
     ev.header.kind = kind::PACKET;
     ev.header.hook = at;
     ev.header.ts_ns = now();
@@ -57,53 +115,42 @@ fn observe(ctx: &TcContext, at: u8) {
     ev.packet.mark = mark;
     ev.packet.len = len;
     // skb->protocol is big-endian ethertype.
-    let ethertype = u16::from_be(proto as u16);
-    ev.header.family = match ethertype {
+    ev.header.family = match u16::from_be(proto as u16) {
         0x0800 => family::IPV4,
         0x86dd => family::IPV6,
-        _ => 0,
+        _ => return None,
     };
-    if ev.header.family != 0 {
-        // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0. Loads
-        // are fixed-size (the verifier refuses a length that might be zero) and no longer
-        // than the smallest packet of their kind, or they fail on short packets.
-        let Some((l3, hdr)) = load_l3(ctx, 14).or_else(|| load_l3(ctx, 0)) else {
-            return;
+    // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0. Loads
+    // are fixed-size (the verifier refuses a length that might be zero) and no longer
+    // than the smallest packet of their kind, or they fail on short packets.
+    let (l3, hdr) = load_l3(ctx, 14).or_else(|| load_l3(ctx, 0))?;
+    if let Some(ihl) = parse_l3(&hdr, ev) {
+        let ihl = if ev.packet.ip_version == 6 {
+            skip_ipv6_ext(ev, ihl, |at| ctx.load::<[u8; 4]>(l3 + at).ok())?
+        } else {
+            ihl
         };
-        if let Some(ihl) = parse_l3(&hdr, ev) {
-            let ihl = if ev.packet.ip_version == 6 {
-                match skip_ipv6_ext(ev, ihl, |at| ctx.load::<[u8; 4]>(l3 + at).ok()) {
-                    Some(ihl) => ihl,
-                    None => return,
-                }
-            } else {
-                ihl
-            };
-            let mut l4 = [0u8; 16];
-            let loaded = if ev.packet.l4proto == 6 {
-                ctx.load::<[u8; 16]>(l3 + ihl).map(|b| l4 = b)
-            } else {
-                ctx.load::<[u8; 8]>(l3 + ihl)
-                    .map(|b| l4[..8].copy_from_slice(&b))
-            };
-            match loaded {
-                Ok(()) => parse_l4(&l4, ev),
-                Err(_) => ev.header.flags |= observer_common::flags::NO_L4,
-            }
-            if is_icmp_error(ev) {
-                let at = l3 + ihl + 8;
-                if let Some((_, inner)) = load_l3(ctx, at) {
-                    if let Some(inner_ihl) = parse_inner(&inner, ev) {
-                        if let Ok(ports) = ctx.load::<[u8; 4]>(at + inner_ihl) {
-                            parse_inner_ports(&ports, ev);
-                        }
+        let mut l4 = [0u8; 16];
+        let loaded = if ev.packet.l4proto == 6 {
+            ctx.load::<[u8; 16]>(l3 + ihl).map(|b| l4 = b)
+        } else {
+            ctx.load::<[u8; 8]>(l3 + ihl)
+                .map(|b| l4[..8].copy_from_slice(&b))
+        };
+        match loaded {
+            Ok(()) => parse_l4(&l4, ev),
+            Err(_) => ev.header.flags |= flags::NO_L4,
+        }
+        if is_icmp_error(ev) {
+            let at = l3 + ihl + 8;
+            if let Some((_, inner)) = load_l3(ctx, at) {
+                if let Some(inner_ihl) = parse_inner(&inner, ev) {
+                    if let Ok(ports) = ctx.load::<[u8; 4]>(at + inner_ihl) {
+                        parse_inner_ports(&ports, ev);
                     }
                 }
             }
         }
-    } else {
-        // Not IP (ARP, LLDP, ...): nothing netfilter will see; do not spend a record on it.
-        return;
     }
     // The context pointer is the kernel's sk_buff: its conntrack entry (set at egress) lets
     // the filter follow NATed packets and shows the connection as it leaves.
@@ -112,12 +159,10 @@ fn observe(ctx: &TcContext, at: u8) {
             .and_then(|start| nfct_of(w, start))
             .and_then(|nfct| read_ct(nfct, &mut ev.ct, w));
         if ct == Ok(true) {
-            ev.header.flags |= observer_common::flags::CT;
+            ev.header.flags |= flags::CT;
         }
     }
-    if at == hook::TC_EGRESS || keep(ev, Decide::Entry) {
-        emit(ev);
-    }
+    Some(())
 }
 
 /// The IP header at `at`: 20 bytes for IPv4, 40 for IPv6 (zero-padded to 40).
@@ -132,71 +177,6 @@ fn load_l3(ctx: &TcContext, at: usize) -> Option<(usize, [u8; 40])> {
         }
         6 => Some((at, ctx.load(at).ok()?)),
         _ => None,
-    }
-}
-
-/// Every packet the kernel frees as dropped, with its reason. Only drops of the observed
-/// namespace are written (when the skb still names its device); the collector matches them
-/// to traversals by skb address and ignores the rest.
-#[btf_tracepoint(function = "kfree_skb")]
-pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
-    // kfree_skb(struct sk_buff *skb, void *location, enum skb_drop_reason reason, ...).
-    // Read the arguments through bpf_probe_read_kernel: a direct load gives the verifier a
-    // trusted BTF pointer, which may not take the variable offsets that BTF gives us.
-    let args = ctx.as_ptr() as u64;
-    let (Ok(skb), Ok(location), Ok(reason)) = (
-        read::<u64>(args, 0),
-        read::<u64>(args, 8),
-        read::<u64>(args, 16),
-    ) else {
-        return 0;
-    };
-    let reason = reason as u32;
-    if !in_observed_netns(skb) {
-        return 0;
-    }
-    let mut ev = DropEvent::default();
-    ev.header.kind = kind::DROP;
-    ev.header.ts_ns = now();
-    ev.header.skb = skb;
-    ev.reason = reason;
-    ev.location = location;
-    match EVENTS.output::<DropEvent>(&ev, 0) {
-        Ok(()) => count(observer_common::counter::EMITTED),
-        Err(_) => count(observer_common::counter::RINGBUF_FULL),
-    }
-    0
-}
-
-/// True unless the skb's device is known to live in another namespace.
-#[inline(always)]
-fn in_observed_netns(skb: u64) -> bool {
-    let (Some(want), Some(dev_off), Some(net_off), Some(inum_off)) = (
-        cfg(config::OBSERVED_NETNS),
-        cfg(config::SKB_DEV),
-        cfg(config::NETDEV_NET),
-        cfg(config::NET_INUM),
-    ) else {
-        return true;
-    };
-    let Ok(dev) = read::<u64>(skb, dev_off) else {
-        return true;
-    };
-    // Without a device (some locally generated packets), the socket names the namespace.
-    let net = if dev != 0 {
-        read::<u64>(dev, net_off)
-    } else {
-        match (cfg(config::SKB_SK), cfg(config::SOCK_NET)) {
-            (Some(sk_off), Some(sknet_off)) => match read::<u64>(skb, sk_off) {
-                Ok(sk) if sk != 0 => read::<u64>(sk, sknet_off),
-                _ => return false,
-            },
-            _ => return true,
-        }
-    };
-    match net.and_then(|net| read::<u32>(net, inum_off)) {
-        Ok(inum) => u64::from(inum) == want,
-        Err(()) => true,
     }
 }
 

@@ -1,0 +1,508 @@
+//! One record per packet traversal, assembled in the kernel (docs/wire-format.md).
+//!
+//! Each probe reads the packet into a [`Reading`] (scratch, never written out) and adds it
+//! to the packet's in-flight [`TraversalRecord`] with [`add_reading`]: the point is marked as
+//! passed in the current [`Visit`], and a [`Step`] is appended only where the packet's state
+//! (tuple, mark, length, conntrack) differs from the previous step. When the traversal ends
+//! (it leaves through TC egress, a socket takes it, the kernel frees it, or its slot is
+//! needed) the record is written to the ring buffer once, cut after its last step.
+//!
+//! The functions here run inside eBPF programs and in host unit tests alike: constant loop
+//! bounds, checked indices, no panics, no calls (`#[inline(always)]`), no struct copies that
+//! could become `memcpy` calls.
+
+use crate::{CT_TUPLE_BYTES, PacketEvent, flags};
+
+/// Hooks (and TC points) one record can list, in the order the packet met them.
+pub const MAX_VISITS: usize = 8;
+/// State changes one record can hold.
+pub const MAX_STEPS: usize = 12;
+/// In-flight traversals one CPU holds at once: more than one because traversals nest (a
+/// REJECT or an ICMP error sends a new packet from inside the hook handling the first).
+pub const SLOTS_PER_CPU: usize = 4;
+
+/// The probes' scratch reading of one packet at one point.
+pub type Reading = PacketEvent;
+
+/// How a traversal ended: [`TraversalRecord::end`].
+pub mod end {
+    /// Still in flight (never written with this value).
+    pub const NONE: u8 = 0;
+    /// Seen at TC egress: it left through an interface.
+    pub const EGRESS: u8 = 1;
+    /// A socket took it (UDP/raw queue, TCP receive path).
+    pub const DELIVERED: u8 = 2;
+    /// The kernel freed it without calling it a drop (`consume_skb`): e.g. an ICMP echo
+    /// answered by the kernel, or a packet merged by defragmentation.
+    pub const CONSUMED: u8 = 3;
+    /// The kernel freed it as dropped (`kfree_skb`), with `reason` and `location`.
+    pub const DROPPED: u8 = 4;
+    /// Its per-CPU slot was needed for another packet and the fallback map was full.
+    pub const RECLAIMED: u8 = 5;
+    /// Its skb address started a new traversal before this one was seen to end.
+    pub const REUSED: u8 = 6;
+    /// Not heard of for the idle time (swept by the collector from the fallback map).
+    pub const IDLE: u8 = 7;
+    /// Still in flight when the collector stopped (read from the maps at exit).
+    pub const IN_FLIGHT: u8 = 8;
+}
+
+/// Bits of [`TraversalRecord::incomplete`]: what is missing from a written record.
+pub mod missing {
+    /// More state changes than [`super::MAX_STEPS`]: later ones are not recorded.
+    pub const STEPS: u8 = 1;
+    /// More hooks than [`super::MAX_VISITS`]: later points are not recorded.
+    pub const VISITS: u8 = 2;
+    /// A probe could not read the packet or its connection at some point.
+    pub const READ: u8 = 4;
+    /// First seen after the point where it entered (its start was not recorded).
+    pub const START: u8 = 8;
+    /// The probes were re-planned (new brackets attached) while it was in flight.
+    pub const REPLANNED: u8 = 16;
+}
+
+/// Bits of [`TraversalRecord::status`].
+pub mod status {
+    /// A socket-receive function has the packet (set on entry, before it returns).
+    pub const SOCKET: u8 = 1;
+    /// Written from the fallback map (it waited, or changed CPU).
+    pub const FALLBACK: u8 = 2;
+}
+
+/// [`TraversalRecord::decision`]: the filter's verdict, taken where the packet entered.
+pub mod decision {
+    pub const FILTERED_OUT: u8 = 0;
+    pub const KEEP: u8 = 1;
+    pub const SAMPLED_OUT: u8 = 2;
+}
+
+/// Bits of [`Step::flags`] beyond the reading's [`crate::flags`] (which it keeps).
+pub mod step {
+    /// This step holds the quoted packet of an ICMP error (addresses, ports, protocol) as it
+    /// is from this point on; the outer state is unchanged.
+    pub const INNER_STATE: u8 = 128;
+}
+
+/// One hook (or TC point) the packet passed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Visit {
+    /// One of [`crate::hook`].
+    pub hook: u8,
+    pub _pad: [u8; 3],
+    /// Bit `p` set: netfilter probe program `p` saw the packet in this visit (bit 0 for TC).
+    pub programs: u32,
+    pub ifindex_in: u32,
+    pub ifindex_out: u32,
+}
+
+/// The packet as one probe read it, recorded where it differs from the previous step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Index into [`TraversalRecord::visits`].
+    pub visit: u8,
+    /// Probe program within that visit (0 for TC).
+    pub program: u8,
+    /// The reading's [`crate::flags`], plus [`step::INNER_STATE`].
+    pub flags: u8,
+    /// `enum ip_conntrack_info` when `flags::CT` is set.
+    pub ctinfo: u8,
+    pub l4proto: u8,
+    pub ip_version: u8,
+    pub tcp_flags: u8,
+    pub _pad: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub mark: u32,
+    pub len: u32,
+    pub ct_mark: u32,
+    /// Low 32 bits of `nf_conn.status`.
+    pub ct_status: u32,
+    pub _pad2: u32,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+}
+
+/// One traversal, as written to the ring buffer: everything up to `steps[nsteps]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraversalRecord {
+    /// [`crate::kind::TRAVERSAL`].
+    pub kind: u8,
+    /// One of [`crate::family`].
+    pub family: u8,
+    /// One of [`end`].
+    pub end: u8,
+    pub nvisits: u8,
+    pub nsteps: u8,
+    /// Bits of [`missing`]; non-zero means the record is partial.
+    pub incomplete: u8,
+    /// One of [`decision`].
+    pub decision: u8,
+    /// Bits of [`status`].
+    pub status: u8,
+    /// `enum skb_drop_reason` for [`end::DROPPED`].
+    pub reason: u32,
+    /// Probe plan generation when it entered (`config::PLAN_GEN`, modulo 256).
+    pub generation: u8,
+    /// Index of the current (last) visit, when `nvisits > 0`: kept rather than computed as
+    /// `nvisits - 1`, whose bound the verifier cannot follow through the compiler's rewrite.
+    pub cur_visit: u8,
+    /// Index of the last step of the packet's own state, and of the last step holding an
+    /// ICMP error's quoted packet: what the next reading is compared with.
+    pub last_outer: u8,
+    pub last_inner: u8,
+    /// Kernel address of the `sk_buff`.
+    pub skb: u64,
+    pub ts_first: u64,
+    pub ts_last: u64,
+    /// Address in the kernel function that freed it ([`end::DROPPED`], [`end::CONSUMED`]).
+    pub location: u64,
+    /// The connection's tuples, raw, as of the last step that had one.
+    pub ct_orig: [u8; CT_TUPLE_BYTES],
+    pub ct_reply: [u8; CT_TUPLE_BYTES],
+    pub visits: [Visit; MAX_VISITS],
+    pub steps: [Step; MAX_STEPS],
+}
+
+/// Bytes of a record before its steps: what every written record holds.
+pub const RECORD_HEAD_BYTES: usize = core::mem::size_of::<TraversalRecord>() - MAX_STEPS * STEP_BYTES;
+pub const STEP_BYTES: usize = core::mem::size_of::<Step>();
+
+const _: () = assert!(core::mem::size_of::<Visit>() == 16);
+const _: () = assert!(core::mem::size_of::<Step>() == 64);
+const _: () = assert!(RECORD_HEAD_BYTES == 48 + 2 * CT_TUPLE_BYTES + 16 * MAX_VISITS);
+const _: () = assert!(core::mem::offset_of!(Step, saddr) % 8 == 0);
+const _: () = assert!(core::mem::offset_of!(TraversalRecord, ct_orig) % 8 == 0);
+const _: () = assert!(core::mem::offset_of!(TraversalRecord, steps) % 8 == 0);
+const _: () = assert!(core::mem::size_of::<TraversalRecord>() == 272 + 64 * MAX_STEPS);
+const _: () = assert!(core::mem::align_of::<TraversalRecord>() == 8);
+
+impl TraversalRecord {
+    /// Bytes to write: the head and the steps in use.
+    #[inline(always)]
+    pub fn written_len(&self) -> usize {
+        let n = if (self.nsteps as usize) < MAX_STEPS {
+            self.nsteps as usize
+        } else {
+            MAX_STEPS
+        };
+        RECORD_HEAD_BYTES + n * STEP_BYTES
+    }
+}
+
+/// Clears `rec` word by word (a plain assignment could become a `memset` call) and starts
+/// a traversal of `skb`.
+#[inline(always)]
+pub fn start(rec: &mut TraversalRecord, skb: u64, ts: u64, generation: u8) {
+    let words = rec as *mut TraversalRecord as *mut u64;
+    let mut i = 0;
+    while i < RECORD_HEAD_BYTES / 8 {
+        // SAFETY: the record is 8-byte aligned and longer than its head.
+        unsafe { core::ptr::write_volatile(words.add(i), 0) };
+        i += 1;
+    }
+    rec.kind = crate::kind::TRAVERSAL;
+    rec.skb = skb;
+    rec.ts_first = ts;
+    rec.ts_last = ts;
+    rec.generation = generation;
+    rec.decision = decision::KEEP;
+}
+
+/// The visit `r` belongs to, opening a new one where the packet moved on to another hook
+/// (or met a program it had already passed: a loop). `None` when the visits are full.
+#[inline(always)]
+fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usize> {
+    let bit = 1u32 << (program as u32 & 31);
+    let n = rec.nvisits as usize;
+    let cur = rec.cur_visit as usize;
+    if n > 0 && cur < MAX_VISITS {
+        let last = &mut rec.visits[cur];
+        if last.hook == r.header.hook && last.programs & bit == 0 {
+            last.programs |= bit;
+            return Some(cur);
+        }
+    }
+    if n >= MAX_VISITS {
+        rec.incomplete |= missing::VISITS;
+        return None;
+    }
+    let v = &mut rec.visits[n];
+    v.hook = r.header.hook;
+    // SAFETY: plain bytes of a live visit (volatile: a 3-byte fill becomes `memset`).
+    unsafe {
+        core::ptr::write_volatile(&mut v._pad[0], 0);
+        core::ptr::write_volatile(&mut v._pad[1], 0);
+        core::ptr::write_volatile(&mut v._pad[2], 0);
+    }
+    v.programs = bit;
+    v.ifindex_in = r.header.ifindex_in;
+    v.ifindex_out = r.header.ifindex_out;
+    rec.nvisits = (n + 1) as u8;
+    rec.cur_visit = n as u8;
+    Some(n)
+}
+
+/// XOR of two 16-byte fields folded into one word: zero when they are equal. Branch-free,
+/// so that the verifier sees one path whatever the bytes.
+#[inline(always)]
+fn diff16(a: &[u8; 16], b: &[u8; 16]) -> u64 {
+    // SAFETY: both are 16 readable bytes; unaligned reads are allowed on every target.
+    unsafe {
+        let (a, b) = (a.as_ptr() as *const u64, b.as_ptr() as *const u64);
+        (core::ptr::read_unaligned(a) ^ core::ptr::read_unaligned(b))
+            | (core::ptr::read_unaligned(a.add(1)) ^ core::ptr::read_unaligned(b.add(1)))
+    }
+}
+
+/// Whether the outer state read in `r` differs from step `s` (conntrack fields count only
+/// when `r` has an entry).
+#[inline(always)]
+fn differs(s: &Step, r: &Reading) -> bool {
+    let p = &r.packet;
+    let ct_mask = 0u64.wrapping_sub(u64::from(r.header.flags & flags::CT != 0));
+    let ct = (u64::from(s.ctinfo) ^ u64::from(r.ct.ctinfo))
+        | (u64::from(s.ct_mark ^ r.ct.mark) << 8)
+        | (u64::from(s.ct_status ^ r.ct.status as u32) << 16);
+    let d = u64::from((s.flags & !step::INNER_STATE) ^ r.header.flags)
+        | u64::from(s.mark ^ p.mark)
+        | u64::from(s.len ^ p.len)
+        | u64::from(s.sport ^ p.sport)
+        | u64::from(s.dport ^ p.dport)
+        | u64::from(s.l4proto ^ p.l4proto)
+        | diff16(&s.saddr, &p.saddr)
+        | diff16(&s.daddr, &p.daddr)
+        | (ct & ct_mask);
+    d != 0
+}
+
+/// Whether the quoted packet in `r` differs from the quoted state of step `s`.
+#[inline(always)]
+fn inner_differs(s: &Step, r: &Reading) -> bool {
+    let i = &r.inner;
+    let d = diff16(&s.saddr, &i.saddr)
+        | diff16(&s.daddr, &i.daddr)
+        | u64::from(s.sport ^ i.sport)
+        | u64::from(s.dport ^ i.dport)
+        | u64::from(s.l4proto ^ i.l4proto);
+    d != 0
+}
+
+/// The next free step, or `None` (and the record flagged) when they are used up.
+#[inline(always)]
+fn next_step(rec: &mut TraversalRecord, visit: usize, program: u8) -> Option<&mut Step> {
+    let n = rec.nsteps as usize;
+    if n >= MAX_STEPS {
+        rec.incomplete |= missing::STEPS;
+        return None;
+    }
+    rec.nsteps = (n + 1) as u8;
+    let s = &mut rec.steps[n];
+    s.visit = visit as u8;
+    s.program = program;
+    // SAFETY: plain fields of a live step (volatile: see `copy_words`).
+    unsafe {
+        core::ptr::write_volatile(&mut s._pad, 0);
+        core::ptr::write_volatile(&mut s._pad2, 0);
+    }
+    Some(s)
+}
+
+/// Copies `N` 8-byte words with volatile stores, which the compiler cannot merge into a
+/// `memcpy`/`memset` call (the netfilter loader supports none). `dst` is 8-byte aligned.
+#[inline(always)]
+pub fn copy_words<const B: usize>(dst: &mut [u8; B], src: &[u8; B]) {
+    let (d, s) = (dst.as_mut_ptr() as *mut u64, src.as_ptr() as *const u64);
+    let mut i = 0;
+    while i < B / 8 {
+        // SAFETY: both hold B bytes; dst is aligned (asserted offsets), src is read unaligned.
+        unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_unaligned(s.add(i))) };
+        i += 1;
+    }
+}
+
+#[inline(always)]
+fn copy16(dst: &mut [u8; 16], src: &[u8; 16]) {
+    copy_words(dst, src);
+}
+
+#[inline(always)]
+fn copy_tuple(dst: &mut [u8; CT_TUPLE_BYTES], src: &[u8; CT_TUPLE_BYTES]) {
+    copy_words(dst, src);
+}
+
+/// Adds the reading `r`, taken by probe program `program` (0 for TC), to `rec`.
+#[inline(always)]
+pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
+    rec.ts_last = r.header.ts_ns;
+    if rec.family == 0 {
+        rec.family = r.header.family;
+    }
+    let Some(visit) = visit_for(rec, r, program) else {
+        return;
+    };
+    let outer_changed = rec.nsteps == 0
+        || match rec.steps.get(rec.last_outer as usize) {
+            Some(s) => differs(s, r),
+            None => true,
+        };
+    let ct = r.header.flags & flags::CT != 0;
+    if outer_changed {
+        let at = rec.nsteps;
+        let Some(s) = next_step(rec, visit, program) else {
+            return;
+        };
+        let p = &r.packet;
+        // Conntrack fields are zero without an entry: masked, not branched on.
+        let ct_mask = 0u32.wrapping_sub(u32::from(ct));
+        s.flags = r.header.flags;
+        s.l4proto = p.l4proto;
+        s.ip_version = p.ip_version;
+        s.tcp_flags = p.tcp_flags;
+        s.sport = p.sport;
+        s.dport = p.dport;
+        s.mark = p.mark;
+        s.len = p.len;
+        copy16(&mut s.saddr, &p.saddr);
+        copy16(&mut s.daddr, &p.daddr);
+        s.ctinfo = (r.ct.ctinfo & ct_mask) as u8;
+        s.ct_mark = r.ct.mark & ct_mask;
+        s.ct_status = r.ct.status as u32 & ct_mask;
+        rec.last_outer = at;
+        // Tuples change only with the state (NAT set up, entry confirmed): copied here,
+        // not at every probe.
+        if ct {
+            copy_tuple(&mut rec.ct_orig, &r.ct.orig);
+            copy_tuple(&mut rec.ct_reply, &r.ct.reply);
+        }
+    }
+    if r.header.flags & flags::INNER != 0 {
+        let changed = match rec.steps.get(rec.last_inner as usize) {
+            Some(s) if s.flags & step::INNER_STATE != 0 => inner_differs(s, r),
+            _ => true,
+        };
+        if changed {
+            let at = rec.nsteps;
+            let Some(s) = next_step(rec, visit, program) else {
+                return;
+            };
+            let i = &r.inner;
+            s.flags = step::INNER_STATE;
+            s.l4proto = i.l4proto;
+            s.sport = i.sport;
+            s.dport = i.dport;
+            // Volatile: a run of zero stores otherwise becomes a `memset` call.
+            // SAFETY: plain fields of a live step.
+            unsafe {
+                core::ptr::write_volatile(&mut s.ip_version, 0);
+                core::ptr::write_volatile(&mut s.tcp_flags, 0);
+                core::ptr::write_volatile(&mut s.ctinfo, 0);
+                core::ptr::write_volatile(&mut s.mark, 0);
+                core::ptr::write_volatile(&mut s.len, 0);
+                core::ptr::write_volatile(&mut s.ct_mark, 0);
+                core::ptr::write_volatile(&mut s.ct_status, 0);
+            }
+            copy16(&mut s.saddr, &i.saddr);
+            copy16(&mut s.daddr, &i.daddr);
+            rec.last_inner = at;
+        }
+    }
+}
+
+/// The last hook the record lists (one of [`crate::hook`]), if any.
+#[inline(always)]
+pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
+    if rec.nvisits == 0 {
+        return None;
+    }
+    rec.visits.get(rec.cur_visit as usize).map(|v| v.hook)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{family, hook};
+
+    fn reading(hook_no: u8, mark: u32, dport: u16) -> Reading {
+        let mut r = Reading::default();
+        r.header.hook = hook_no;
+        r.header.family = family::IPV4;
+        r.packet.ip_version = 4;
+        r.packet.l4proto = 6;
+        r.packet.saddr[..4].copy_from_slice(&[10, 0, 0, 1]);
+        r.packet.daddr[..4].copy_from_slice(&[10, 0, 0, 2]);
+        r.packet.dport = dport;
+        r.packet.mark = mark;
+        r
+    }
+
+    fn fresh() -> TraversalRecord {
+        // SAFETY: all-zero is a valid TraversalRecord (plain integers and arrays).
+        let mut rec: TraversalRecord = unsafe { core::mem::zeroed() };
+        start(&mut rec, 0xffff_1000, 5, 1);
+        rec
+    }
+
+    #[test]
+    fn only_changes_become_steps() {
+        let mut rec = fresh();
+        add_reading(&mut rec, &reading(hook::TC_INGRESS, 0, 80), 0);
+        for p in 0..6 {
+            let mark = if p >= 4 { 0x4000 } else { 0 };
+            add_reading(&mut rec, &reading(hook::PRE_ROUTING, mark, 80), p);
+        }
+        assert_eq!(rec.nvisits, 2);
+        assert_eq!(rec.visits[1].programs, 0b111111);
+        assert_eq!(rec.nsteps, 2, "the first reading and the mark change");
+        assert_eq!((rec.steps[1].visit, rec.steps[1].program), (1, 4));
+        assert_eq!(rec.steps[1].mark, 0x4000);
+        assert_eq!(rec.written_len(), RECORD_HEAD_BYTES + 2 * STEP_BYTES);
+        assert_eq!(rec.incomplete, 0);
+    }
+
+    #[test]
+    fn a_program_seen_twice_in_a_hook_opens_a_visit() {
+        let mut rec = fresh();
+        add_reading(&mut rec, &reading(hook::LOCAL_OUT, 0, 80), 0);
+        add_reading(&mut rec, &reading(hook::LOCAL_OUT, 0, 80), 1);
+        add_reading(&mut rec, &reading(hook::LOCAL_OUT, 0, 80), 0);
+        assert_eq!(rec.nvisits, 2);
+        assert_eq!(rec.visits[0].programs, 0b11);
+        assert_eq!(rec.visits[1].programs, 0b1);
+    }
+
+    #[test]
+    fn overflow_is_flagged_not_written_past_the_end() {
+        let mut rec = fresh();
+        for i in 0..(MAX_STEPS as u32 + 5) {
+            add_reading(&mut rec, &reading(hook::FORWARD, i, 80), (i % 20) as u8);
+        }
+        assert_eq!(rec.nsteps as usize, MAX_STEPS);
+        assert_ne!(rec.incomplete & missing::STEPS, 0);
+        let mut rec = fresh();
+        for i in 0..(MAX_VISITS as u8 + 2) {
+            let h = if i % 2 == 0 { hook::FORWARD } else { hook::POST_ROUTING };
+            add_reading(&mut rec, &reading(h, 0, 80), 0);
+        }
+        assert_eq!(rec.nvisits as usize, MAX_VISITS);
+        assert_ne!(rec.incomplete & missing::VISITS, 0);
+    }
+
+    #[test]
+    fn quoted_packet_changes_are_their_own_steps() {
+        let mut rec = fresh();
+        let mut r = reading(hook::PRE_ROUTING, 0, 0);
+        r.header.flags |= flags::INNER;
+        r.inner.l4proto = 17;
+        r.inner.dport = 53;
+        add_reading(&mut rec, &r, 0);
+        add_reading(&mut rec, &r, 1);
+        r.inner.dport = 5353;
+        add_reading(&mut rec, &r, 2);
+        assert_eq!(rec.nsteps, 3, "outer, quoted, quoted again");
+        assert_eq!(rec.steps[1].flags, step::INNER_STATE);
+        assert_eq!((rec.steps[2].program, rec.steps[2].dport), (2, 5353));
+    }
+}

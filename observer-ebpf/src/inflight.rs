@@ -1,0 +1,247 @@
+//! In-flight traversals: where a packet's record lives between the probe that saw it enter
+//! and the event that ends it (docs/wire-format.md).
+//!
+//! A forwarded or received packet runs every hook in one softirq on one CPU, so its record
+//! sits in a per-CPU slot found by comparing a few skb addresses: no hashing on the hot path,
+//! and a packet the filter left out costs later probes that comparison only. A packet that
+//! waits (a queue, a neighbour lookup) or whose slot is needed moves to the bounded
+//! [`PENDING`] map, which later probes and the end events also consult. Nothing is dropped
+//! silently: a record that finds no room is written as partial and counted.
+
+use aya_ebpf::{
+    helpers::bpf_probe_read_kernel_buf,
+    macros::map,
+    maps::{HashMap, PerCpuArray},
+};
+use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, start, status};
+use observer_common::{config, counter};
+
+use crate::{EVENTS, cfg, count, wakeup_flags};
+
+
+#[repr(C)]
+pub struct Slots {
+    pub recs: [TraversalRecord; SLOTS_PER_CPU],
+}
+
+#[map]
+pub static SLOTS: PerCpuArray<Slots> = PerCpuArray::with_max_entries(1, 0);
+
+/// Traversals that left their CPU's slot, by skb address.
+#[map]
+pub static PENDING: HashMap<u64, TraversalRecord> = HashMap::with_max_entries(4096, 0);
+
+/// Per-CPU copy of a record taken out of [`PENDING`], written from here once it is claimed.
+#[map]
+pub static OUT: PerCpuArray<TraversalRecord> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per-CPU scratch word through which slot indices pass, see [`opaque`].
+#[map]
+static INDEX: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
+/// `i`, as a value the verifier does not know: stored to and read back from map memory.
+/// A slot chosen by an unrolled loop is otherwise a different constant on every path, so
+/// each of them makes its own copy of everything that follows (and the verifier gives up).
+#[inline(always)]
+pub fn opaque(i: usize) -> usize {
+    match INDEX.get_ptr_mut(0) {
+        // SAFETY: per-CPU word, used by one program run at a time on this CPU.
+        Some(p) => unsafe {
+            core::ptr::write_volatile(p, i as u32);
+            core::ptr::read_volatile(p) as usize
+        },
+        None => i,
+    }
+}
+
+/// Where a record was found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Slot,
+    Pending,
+}
+
+pub struct Found {
+    pub rec: &'static mut TraversalRecord,
+    pub place: Place,
+}
+
+/// The in-flight record of `skb`, if any.
+#[inline(always)]
+pub fn find(skb: u64) -> Option<Found> {
+    if let Some(slots) = SLOTS.get_ptr_mut(0) {
+        // SAFETY: per-CPU value; one program runs at a time on a CPU (softirq and process
+        // context exclude each other for these hooks' callers).
+        let slots = unsafe { &mut *slots };
+        let mut i = 0;
+        while i < SLOTS_PER_CPU {
+            if slots.recs[i].skb == skb {
+                break;
+            }
+            i += 1;
+        }
+        let i = opaque(i);
+        if i < SLOTS_PER_CPU {
+            return Some(Found {
+                rec: &mut slots.recs[i],
+                place: Place::Slot,
+            });
+        }
+    }
+    let rec = PENDING.get_ptr_mut(&skb)?;
+    Some(Found {
+        // SAFETY: a map value; concurrent users are resolved by who deletes it (see finish).
+        rec: unsafe { &mut *rec },
+        place: Place::Pending,
+    })
+}
+
+/// Starts a record for `skb` in a free slot of this CPU; the oldest slot's traversal moves
+/// to [`PENDING`] (or is written as partial when that is full) to make room.
+#[inline(always)]
+pub fn begin(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
+    let slots = SLOTS.get_ptr_mut(0)?;
+    // SAFETY: as in `find`.
+    let slots = unsafe { &mut *slots };
+    let mut pick = 0;
+    let mut oldest = u64::MAX;
+    let mut i = 0;
+    while i < SLOTS_PER_CPU {
+        let r = &slots.recs[i];
+        if r.skb == 0 {
+            pick = i;
+            break;
+        }
+        if r.ts_last < oldest {
+            oldest = r.ts_last;
+            pick = i;
+        }
+        i += 1;
+    }
+    let rec = slots.recs.get_mut(opaque(pick))?;
+    if rec.skb != 0 {
+        evict(rec);
+    }
+    start(rec, skb, ts, cfg(config::PLAN_GEN).unwrap_or(0) as u8);
+    count(counter::SEEN);
+    Some(rec)
+}
+
+/// Moves a slot's traversal out of the way: to [`PENDING`], else written as partial.
+#[inline(always)]
+fn evict(rec: &mut TraversalRecord) {
+    if rec.status & status::SOCKET != 0 {
+        // A socket had it; the map had no room to wait for its end.
+        finish_slot(rec, end::DELIVERED);
+        return;
+    }
+    if rec.decision == decision::KEEP {
+        rec.status |= status::FALLBACK;
+        // BPF_NOEXIST: an older record of the same skb address in the map is stale; keep
+        // it and write this one.
+        if PENDING.insert(&rec.skb, &*rec, 1).is_ok() {
+            count(counter::TO_FALLBACK);
+            rec.skb = 0;
+            return;
+        }
+        count(counter::RECLAIMED);
+        finish_slot(rec, end::RECLAIMED);
+        return;
+    }
+    // A packet the filter left out needs no record; it is counted as such now.
+    finish_slot(rec, end::NONE);
+}
+
+/// Ends the traversal of `f` with `how` (one of [`end`]): writes it if the filter kept it,
+/// counts it either way, and frees its place.
+#[inline(always)]
+pub fn finish(f: Found, how: u8) {
+    match f.place {
+        Place::Slot => finish_slot(f.rec, how),
+        Place::Pending => finish_pending(f.rec, how),
+    }
+}
+
+#[inline(always)]
+fn finish_slot(rec: &mut TraversalRecord, how: u8) {
+    rec.end = how;
+    write(rec);
+    rec.skb = 0;
+}
+
+/// A [`PENDING`] record may be ended by two CPUs at once (a socket on one, a free on the
+/// other): each copies it, and only the one whose delete succeeds writes its copy.
+#[inline(always)]
+fn finish_pending(rec: &mut TraversalRecord, how: u8) {
+    let skb = rec.skb;
+    let Some(out) = OUT.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: per-CPU scratch value of the same type and size.
+    let out = unsafe { &mut *out };
+    // One helper call copies the record; field by field would be hundreds of instructions.
+    // SAFETY: both are valid map values of `size_of::<TraversalRecord>()` bytes.
+    let copied = unsafe {
+        let dst = core::slice::from_raw_parts_mut(
+            out as *mut TraversalRecord as *mut u8,
+            core::mem::size_of::<TraversalRecord>(),
+        );
+        bpf_probe_read_kernel_buf(rec as *const TraversalRecord as *const u8, dst)
+    };
+    if PENDING.remove(&skb).is_err() || copied.is_err() {
+        return;
+    }
+    out.end = how;
+    write(out);
+}
+
+/// Writes a finished record (or counts why it is not written).
+#[inline(always)]
+fn write(rec: &TraversalRecord) {
+    match rec.decision {
+        decision::KEEP => {}
+        decision::SAMPLED_OUT => return count(counter::SAMPLED_OUT),
+        _ => return count(counter::FILTERED),
+    }
+    if rec.end == end::NONE {
+        return;
+    }
+    let len = rec.written_len();
+    if len > core::mem::size_of::<TraversalRecord>() {
+        return;
+    }
+    // SAFETY: `len` bytes of the record, bounded by its size just above.
+    let bytes = unsafe { core::slice::from_raw_parts(rec as *const TraversalRecord as *const u8, len) };
+    match EVENTS.output::<[u8]>(bytes, wakeup_flags()) {
+        Ok(()) => count(counter::EMITTED),
+        Err(_) => count(counter::RINGBUF_FULL),
+    }
+}
+
+/// A socket is taking the packet of `f`: marks it, and moves it to [`PENDING`] where its
+/// end (a drop, a free, or the collector's claim) is awaited from any CPU.
+#[inline(always)]
+pub fn socket_took(f: Found) {
+    f.rec.status |= status::SOCKET;
+    if f.place == Place::Pending || f.rec.decision != decision::KEEP {
+        return;
+    }
+    f.rec.status |= status::FALLBACK;
+    // BPF_ANY: a record of the same address already there is older, hence stale.
+    if PENDING.insert(&f.rec.skb, &*f.rec, 0).is_ok() {
+        count(counter::TO_FALLBACK);
+        f.rec.skb = 0;
+    }
+}
+
+/// Ends a record whose skb address has started another traversal: the old packet was
+/// freed without an event we see. If a socket had it, it was delivered.
+#[inline(always)]
+pub fn close_stale(f: Found) {
+    let how = if f.rec.status & status::SOCKET != 0 {
+        end::DELIVERED
+    } else {
+        end::REUSED
+    };
+    finish(f, how);
+}
