@@ -4,6 +4,7 @@
 //! rules or conntrack's stored translation did it, and the connection it belongs to.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -19,7 +20,7 @@ const IPS_CONFIRMED: u64 = 1 << 3;
 /// One stage as observed: the records just before and after a table.
 pub struct ObservedStage<'a> {
     pub hook: NfHook,
-    pub table: String,
+    pub table: Arc<str>,
     pub before: &'a Observation,
     pub after: Option<&'a Observation>,
 }
@@ -34,7 +35,7 @@ pub struct Fate {
     /// Where it ended: the hook, and the table only when it died between that table's two
     /// probes.
     pub hook: Option<&'static str>,
-    pub table: Option<String>,
+    pub table: Option<Arc<str>>,
     /// The kernel's drop reason, or why the traversal is incomplete.
     pub reason: Option<String>,
     /// The kernel function that freed it (`ip6_mc_input+0x15e`), for drops and consumed
@@ -51,7 +52,7 @@ pub struct MarkChange {
     pub bit: String,
     pub name: Option<String>,
     pub hook: &'static str,
-    pub table: String,
+    pub table: Arc<str>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
@@ -65,7 +66,7 @@ pub struct Nat {
     /// `dnat` or `snat`.
     pub kind: &'static str,
     pub hook: &'static str,
-    pub table: String,
+    pub table: Arc<str>,
     pub from: String,
     pub to: String,
     /// `rules` when the nat chains were evaluated (first packet of a connection),
@@ -131,7 +132,7 @@ pub struct EndPoint {
     /// Hook of the last point seen (netfilter only).
     pub hook: Option<NfHook>,
     /// The table between whose probes it ended, if any.
-    pub table: Option<String>,
+    pub table: Option<Arc<str>>,
     pub after: Option<String>,
     pub before: Option<String>,
 }

@@ -7,8 +7,6 @@
 //! becomes its point (through the probe plan the record was made under) and every point gets
 //! the state of the latest step at or before it.
 
-use std::collections::HashMap;
-
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, Step, TraversalRecord, end, missing, step};
 use observer_common::{flags, hook};
 
@@ -88,14 +86,39 @@ impl Traversal {
     }
 }
 
-/// Probe plans by (family, hook), for one plan generation.
-pub type Plans = HashMap<(NfFamily, NfHook), HookPlan>;
+/// Probe plans by (family, hook), for one plan generation: an array, since every record's
+/// every point looks one up.
+#[derive(Clone, Debug, Default)]
+pub struct Plans {
+    by: [[Option<HookPlan>; 5]; 2],
+}
+
+impl Plans {
+    pub fn get(&self, key: &(NfFamily, NfHook)) -> Option<&HookPlan> {
+        self.by[family_index(key.0)][key.1 as usize].as_ref()
+    }
+}
+
+impl std::ops::Index<&(NfFamily, NfHook)> for Plans {
+    type Output = HookPlan;
+    fn index(&self, key: &(NfFamily, NfHook)) -> &HookPlan {
+        self.get(key).expect("a plan for every family and hook")
+    }
+}
+
+fn family_index(f: NfFamily) -> usize {
+    match f {
+        NfFamily::Ipv4 => 0,
+        NfFamily::Ipv6 => 1,
+    }
+}
 
 pub fn index_plans(plans: &[HookPlan]) -> Plans {
-    plans
-        .iter()
-        .map(|p| ((p.family, p.hook), p.clone()))
-        .collect()
+    let mut out = Plans::default();
+    for p in plans {
+        out.by[family_index(p.family)][p.hook as usize] = Some(p.clone());
+    }
+    out
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

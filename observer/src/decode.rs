@@ -364,20 +364,25 @@ pub mod tests {
 
     #[test]
     fn rejects_bad_records() {
-        let ev = tcp_event(9, 0, 1, ([0; 4], 0), ([0; 4], 0), 0);
+        use crate::correlate::tests::record_of;
+        use observer_common::traversal::end;
+        let ev = tcp_event(0, 0, 1, ([1; 4], 1), ([2; 4], 2), 0);
+        let good = encode_record(&record_of(&[ev], end::EGRESS));
+        assert_eq!(decode(&good).unwrap().nsteps, 1);
+        assert_eq!(decode(&[1, 2, 3]), Err(DecodeError::Short(3)));
+        assert_eq!(decode(&encode(&ev)), Err(DecodeError::UnknownKind(kind::PACKET)));
+        let mut bytes = good.clone();
+        bytes.truncate(RECORD_HEAD_BYTES - 8);
+        assert!(matches!(decode(&bytes), Err(DecodeError::Size { .. })));
+        // A step count that does not match the length written.
+        let mut bytes = good;
+        bytes.truncate(RECORD_HEAD_BYTES);
         assert_eq!(
-            decode(&encode(&ev), &LAYOUT),
-            Err(DecodeError::UnknownHook(9))
+            decode(&bytes),
+            Err(DecodeError::Steps {
+                got: RECORD_HEAD_BYTES,
+                steps: 1
+            })
         );
-        assert_eq!(decode(&[1, 2, 3], &LAYOUT), Err(DecodeError::Short(3)));
-        let mut bytes = encode(&ev);
-        bytes[0] = 77;
-        assert_eq!(decode(&bytes, &LAYOUT), Err(DecodeError::UnknownKind(77)));
-        bytes[0] = kind::PACKET;
-        bytes.truncate(100);
-        assert!(matches!(
-            decode(&bytes, &LAYOUT),
-            Err(DecodeError::Size { .. })
-        ));
     }
 }

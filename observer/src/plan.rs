@@ -15,14 +15,14 @@ pub const LAST: i32 = i32::MAX - 1;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Table {
     /// `raw`, `conntrack`, `mangle`, `nat`, `filter`, `security`, or `prio:<n>`.
-    pub name: String,
+    pub name: std::sync::Arc<str>,
     pub priority: i32,
 }
 
 /// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike).
 pub fn standard_tables(hook: NfHook) -> Vec<Table> {
     let t = |name: &str, priority| Table {
-        name: name.to_string(),
+        name: name.into(),
         priority,
     };
     match hook {
@@ -74,7 +74,7 @@ impl HookPlan {
         for &p in custom {
             if !tables.iter().any(|t| t.priority == p) && p > FIRST && p < LAST {
                 tables.push(Table {
-                    name: format!("prio:{p}"),
+                    name: format!("prio:{p}").into(),
                     priority: p,
                 });
             }
@@ -236,7 +236,7 @@ mod tests {
     #[test]
     fn custom_priority_is_bracketed() {
         let p = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-5]);
-        assert!(p.tables.iter().any(|t| t.name == "prio:-5"));
+        assert!(p.tables.iter().any(|t| &*t.name == "prio:-5"));
         let t = p.tables.iter().find(|t| t.priority == -5).unwrap();
         let (b, a) = p.bracket(t);
         assert_eq!(p.points[b.unwrap()], -149);

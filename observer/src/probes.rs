@@ -339,14 +339,15 @@ impl Probes {
     pub fn sweep_idle(&mut self, before_ns: u64) -> Result<Vec<TraversalRecord>> {
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
+        // Only kept traversals wait there (the probes move no other).
         let stale: Vec<(u64, TraversalRecord)> = map
             .iter()
             .filter_map(Result::ok)
-            .filter(|(_, r)| r.ts_last < before_ns)
+            .filter(|(_, r)| r.ts_last < before_ns && r.decision == decision::KEEP)
             .collect();
         let mut out = Vec::new();
         for (skb, mut rec) in stale {
-            if map.remove(&skb).is_ok() && rec.decision == decision::KEEP {
+            if map.remove(&skb).is_ok() {
                 rec.end = end::IDLE;
                 out.push(rec);
             }

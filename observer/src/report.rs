@@ -2,6 +2,7 @@
 //! human tree). Pure: interface names come through a lookup the caller provides.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -62,15 +63,18 @@ pub struct Iface {
 #[derive(Serialize, Debug, Clone, PartialEq)]
 pub struct Stage {
     pub hook: &'static str,
-    pub table: String,
+    pub table: Arc<str>,
     pub priority: i32,
-    pub before: Option<Snapshot>,
-    pub after: Option<Snapshot>,
-    pub ct: Option<CtView>,
+    pub before: Option<Arc<Snapshot>>,
+    pub after: Option<Arc<Snapshot>>,
+    pub ct: Option<Arc<CtView>>,
     pub verdict: &'static str,
 }
 
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+/// The packet just before or after a table. Serialized from a JSON rendering made once
+/// and shared by every stage showing the same snapshot: most stages of a packet show the
+/// same few, and escaping their strings again for each was most of the collector's work.
+#[derive(Debug, Clone)]
 pub struct Snapshot {
     pub src: String,
     pub dst: String,
@@ -79,8 +83,58 @@ pub struct Snapshot {
     /// grows at defragmentation.
     pub len: u32,
     /// ICMP errors only: the packet the error quotes, which conntrack translates too.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub inner: Option<Quoted>,
+    json: Box<serde_json::value::RawValue>,
+}
+
+#[derive(Serialize)]
+struct SnapshotJson<'a> {
+    src: &'a str,
+    dst: &'a str,
+    mark: &'a str,
+    len: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inner: Option<&'a Quoted>,
+}
+
+impl Snapshot {
+    pub fn new(src: String, dst: String, mark: String, len: u32, inner: Option<Quoted>) -> Self {
+        // Rendered without a parse back (`from_string` would validate what we just wrote).
+        let json = serde_json::value::to_raw_value(&SnapshotJson {
+            src: &src,
+            dst: &dst,
+            mark: &mark,
+            len,
+            inner: inner.as_ref(),
+        })
+        .expect("a snapshot serialises");
+        Self {
+            src,
+            dst,
+            mark,
+            len,
+            inner,
+            json,
+        }
+    }
+}
+
+impl PartialEq for Snapshot {
+    fn eq(&self, o: &Self) -> bool {
+        self.src == o.src
+            && self.dst == o.dst
+            && self.mark == o.mark
+            && self.len == o.len
+            && self.inner == o.inner
+    }
+}
+
+impl Eq for Snapshot {}
+
+impl Serialize for Snapshot {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
+    }
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
@@ -108,22 +162,57 @@ pub fn proto_name(p: u8) -> String {
     }
 }
 
-/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
+/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports. Written
+/// by hand for IPv4: `Ipv4Addr`'s `Display` (it supports padding) was the collector's
+/// largest cost.
 pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
-    match (e.addr, has_port) {
-        (std::net::IpAddr::V6(a), true) => format!("[{a}]:{}", e.port),
-        (a, true) => format!("{a}:{}", e.port),
-        (a, false) => a.to_string(),
+    let mut s = String::with_capacity(24);
+    match e.addr {
+        std::net::IpAddr::V4(a) => {
+            for (i, o) in a.octets().into_iter().enumerate() {
+                if i > 0 {
+                    s.push('.');
+                }
+                push_decimal(&mut s, o.into());
+            }
+        }
+        std::net::IpAddr::V6(a) if has_port => {
+            let _ = write!(s, "[{a}]");
+        }
+        std::net::IpAddr::V6(a) => {
+            let _ = write!(s, "{a}");
+        }
     }
+    if has_port {
+        s.push(':');
+        push_decimal(&mut s, e.port.into());
+    }
+    s
+}
+
+/// Appends `n` in decimal.
+fn push_decimal(s: &mut String, mut n: u32) {
+    let mut buf = [0u8; 10];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // The digits are ASCII.
+    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("?"));
 }
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
-    Some(Snapshot {
-        src: endpoint(&o.src?, o.has_ports),
-        dst: endpoint(&o.dst?, o.has_ports),
-        mark: format!("{:#x}", o.mark),
-        len: o.len,
-        inner: o.inner.map(|(s, d, p)| {
+    Some(Snapshot::new(
+        endpoint(&o.src?, o.has_ports),
+        endpoint(&o.dst?, o.has_ports),
+        format!("{:#x}", o.mark),
+        o.len,
+        o.inner.map(|(s, d, p)| {
             let ports = matches!(p, 6 | 17 | 132);
             Quoted {
                 src: endpoint(&s, ports),
@@ -131,18 +220,32 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
                 proto: proto_name(p),
             }
         }),
-    })
+    ))
 }
 
 /// Snapshots already made for this traversal: most records of a packet look alike, and
 /// formatting addresses is the costly part of a report.
 #[derive(Default)]
 struct Snapshots<'a> {
-    made: Vec<(&'a Observation, Snapshot)>,
+    made: Vec<(&'a Observation, Arc<Snapshot>)>,
+    cts: Vec<(u32, u32, Arc<CtView>)>,
 }
 
 impl<'a> Snapshots<'a> {
-    fn of(&mut self, o: &'a Observation) -> Option<Snapshot> {
+    /// The conntrack view of `c`, shared between the stages that show the same one.
+    fn ct(&mut self, c: &crate::decode::Conntrack) -> Arc<CtView> {
+        if let Some((_, _, v)) = self.cts.iter().find(|(i, m, _)| *i == c.info && *m == c.mark) {
+            return v.clone();
+        }
+        let v = Arc::new(CtView {
+            state: c.state().to_string(),
+            mark: format!("{:#x}", c.mark),
+        });
+        self.cts.push((c.info, c.mark, v.clone()));
+        v
+    }
+
+    fn of(&mut self, o: &'a Observation) -> Option<Arc<Snapshot>> {
         let same = |a: &Observation| {
             a.src == o.src
                 && a.dst == o.dst
@@ -154,7 +257,7 @@ impl<'a> Snapshots<'a> {
         if let Some((_, s)) = self.made.iter().find(|(a, _)| same(a)) {
             return Some(s.clone());
         }
-        let s = snapshot(o)?;
+        let s = Arc::new(snapshot(o)?);
         self.made.push((o, s.clone()));
         Some(s)
     }
@@ -209,7 +312,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         };
         let later_hooks = i + 1 < hooks.len();
         for table in &plan.tables {
-            if table.name == "conntrack" && !tracked {
+            if &*table.name == "conntrack" && !tracked {
                 continue;
             }
             let (b, a) = plan.bracket(table);
@@ -234,10 +337,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 priority: table.priority,
                 before: snapshots.of(before),
                 after: after.and_then(|o| snapshots.of(o)),
-                ct: ct_src.ct.map(|c| CtView {
-                    state: c.state().to_string(),
-                    mark: format!("{:#x}", c.mark),
-                }),
+                ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
             });
             observed.push(ObservedStage {
@@ -274,7 +374,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         stages,
         lost,
         flow: first_l3
-            .and_then(snapshot)
+            .and_then(|o| snapshots.of(o))
             .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
     }
 }
@@ -326,6 +426,11 @@ impl Report {
         serde_json::to_string(self).expect("report serialises")
     }
 
+    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
+    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
+        serde_json::to_writer(out, self).map_err(std::io::Error::from)
+    }
+
     fn flow(&self) -> String {
         self.flow.clone()
     }
@@ -371,7 +476,7 @@ impl Report {
         out.push('\n');
         let mut last_ct: Option<&CtView> = None;
         for s in &self.stages {
-            let here = |hook: &str, table: &str| hook == s.hook && table == s.table;
+            let here = |hook: &str, table: &str| hook == s.hook && table == &*s.table;
             let mut what = Vec::new();
             let mut note = None;
             for n in self.nat.iter().filter(|n| here(n.hook, &n.table)) {
@@ -399,11 +504,11 @@ impl Report {
             for c in self.marks.cleared.iter().filter(|c| here(c.hook, &c.table)) {
                 what.push(Self::mark_word(c, '-'));
             }
-            if s.ct.as_ref() != last_ct {
+            if s.ct.as_deref() != last_ct {
                 if let Some(ct) = &s.ct {
                     what.push(format!("ct {} (ctmark {})", ct.state, ct.mark));
                 }
-                last_ct = s.ct.as_ref();
+                last_ct = s.ct.as_deref();
             }
             if let (Some(b), Some(a)) = (
                 s.before.as_ref().and_then(|b| b.inner.as_ref()),
@@ -529,11 +634,14 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::correlate::Correlator;
+    use crate::correlate::assemble;
+    use crate::correlate::tests::record_of;
     use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::decode::{decode_packet, encode};
+    use crate::decode::{decode, encode_record};
     use crate::plan::full_plan;
     use observer_common::hook;
+    use observer_common::traversal::end;
+    use std::collections::HashMap;
 
     const CLIENT: ([u8; 4], u16) = ([198, 51, 100, 10], 40000);
     const VIP: ([u8; 4], u16) = ([10, 10, 10, 2], 22);
@@ -585,26 +693,26 @@ mod tests {
         let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
         eg.header.ifindex_out = 5;
         evs.push(eg);
-        let mut last = HashMap::new();
-        last.insert((NfFamily::Ipv4, NfHook::LocalIn), 5);
-        let mut c = Correlator::new(16, 1_000_000_000, last);
-        let mut done = Vec::new();
-        for (i, mut e) in evs.into_iter().enumerate() {
+        for (i, e) in evs.iter_mut().enumerate() {
             e.header.ts_ns = i as u64;
-            c.push(decode_packet(&encode(&e), &LAYOUT).unwrap(), &mut done);
         }
-        assert_eq!(done.len(), 1);
-        (done.remove(0), plans)
+        // Through the kernel's own assembly and the wire format, as the probes write it.
+        let rec = decode(&encode_record(&record_of(&evs, end::EGRESS))).unwrap();
+        (assemble(&rec, &plans, &LAYOUT).unwrap(), plans)
     }
 
     fn report(t: &Traversal, plans: &Plans, lost: u64) -> Report {
         let marks = MarkDictionary::default();
         let reasons: HashMap<u32, String> = [(12, "NETFILTER_DROP".to_string())].into();
+        let symbol = |a: u64| format!("fn+{a:#x}");
         let ctx = Context {
             plans,
             netns: "node",
             marks: &marks,
-            drop_reasons: &reasons,
+            names: Names {
+                drop_reasons: &reasons,
+                symbol: &symbol,
+            },
             ifname: &names,
         };
         build(t, &ctx, lost)
@@ -639,7 +747,7 @@ mod tests {
         let hooks: Vec<_> = r
             .stages
             .iter()
-            .map(|s| (s.hook, s.table.as_str()))
+            .map(|s| (s.hook, &*s.table))
             .collect();
         assert_eq!(
             hooks,
@@ -686,26 +794,77 @@ mod tests {
         assert_eq!(s["ct"]["mark"], "0x0");
     }
 
-    #[test]
-    fn vanished_packet_is_dropped_at_its_last_table() {
+    /// Cuts the forwarded traversal after FORWARD's probe before filter, ending it `how`.
+    fn cut_in_forward_filter(how: Closed) -> Report {
         let (mut t, plans) = forwarded();
-        // Cut everything after FORWARD's probe before filter (-149 = slot 1).
         let cut = t
             .records
             .iter()
             .position(|r| r.point == Point::Netfilter(NfHook::Forward, 2))
             .unwrap();
         t.records.truncate(cut);
-        t.closed = Closed::Idle;
-        let r = report(&t, &plans, 0);
+        t.closed = how;
+        t.drop = (how == Closed::Dropped).then_some(crate::correlate::Drop {
+            reason: 12,
+            location: 0x40,
+        });
+        report(&t, &plans, 0)
+    }
+
+    #[test]
+    fn a_drop_between_a_tables_probes_is_pinned_on_it() {
+        let r = cut_in_forward_filter(Closed::Dropped);
         let last = r.stages.last().unwrap();
         assert_eq!(
-            (last.hook, last.table.as_str(), last.verdict),
+            (last.hook, &*last.table, last.verdict),
             ("FORWARD", "filter", "drop")
         );
         assert!(last.after.is_none());
         assert_eq!(r.egress, None);
-        assert!(r.render_tree().contains("DROPPED"));
+        assert_eq!(
+            (r.fate.kind, r.fate.hook, r.fate.table.as_deref()),
+            ("dropped", Some("FORWARD"), Some("filter"))
+        );
+        assert_eq!(r.fate.location.as_deref(), Some("fn+0x40"));
+        assert_eq!(r.fate.after.as_deref(), Some("FORWARD/-149"));
+        assert_eq!(r.fate.before.as_deref(), Some("FORWARD/1"));
+        assert!(!r.incomplete);
+        assert!(
+            r.render_tree()
+                .contains("=> DROPPED in FORWARD/filter, in fn+0x40: NETFILTER_DROP"),
+            "{}",
+            r.render_tree()
+        );
+    }
+
+    #[test]
+    fn a_packet_whose_end_was_not_seen_is_incomplete_not_dropped() {
+        let r = cut_in_forward_filter(Closed::Idle);
+        assert_eq!(r.fate.kind, "incomplete");
+        assert!(r.incomplete);
+        assert_eq!(r.stages.last().unwrap().verdict, "unknown");
+        assert!(!r.render_tree().contains("DROPPED"));
+        assert!(r.render_tree().contains("INCOMPLETE"));
+    }
+
+    #[test]
+    fn a_drop_after_a_hooks_last_probe_is_not_pinned_on_a_table() {
+        let (mut t, plans) = forwarded();
+        // Keep TC ingress and every PREROUTING point: it died after PREROUTING (routing).
+        t.records
+            .retain(|r| matches!(r.point, Point::TcIngress | Point::Netfilter(NfHook::PreRouting, _)));
+        t.closed = Closed::Dropped;
+        t.drop = Some(crate::correlate::Drop {
+            reason: 12,
+            location: 0x15e,
+        });
+        let r = report(&t, &plans, 0);
+        assert_eq!((r.fate.hook, r.fate.table.as_deref()), (Some("PREROUTING"), None));
+        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        assert!(
+            r.render_tree()
+                .contains("=> DROPPED after PREROUTING, in fn+0x15e: NETFILTER_DROP")
+        );
     }
 
     #[test]

@@ -255,7 +255,9 @@ impl Printer<'_> {
         };
         let r = report::build(&t, &ctx, lost);
         let written = match self.opts.output {
-            Output::Json => writeln!(self.out, "{}", r.to_json_line()),
+            Output::Json => r
+                .write_json(&mut self.out)
+                .and_then(|()| self.out.write_all(b"\n")),
             Output::Tree => writeln!(self.out, "{}", r.render_tree()),
             Output::Line => writeln!(self.out, "{}", r.render_line()),
         };
