@@ -167,7 +167,8 @@ pub struct TraversalRecord {
 }
 
 /// Bytes of a record before its steps: what every written record holds.
-pub const RECORD_HEAD_BYTES: usize = core::mem::size_of::<TraversalRecord>() - MAX_STEPS * STEP_BYTES;
+pub const RECORD_HEAD_BYTES: usize =
+    core::mem::size_of::<TraversalRecord>() - MAX_STEPS * STEP_BYTES;
 pub const STEP_BYTES: usize = core::mem::size_of::<Step>();
 
 const _: () = assert!(core::mem::size_of::<Visit>() == 16);
@@ -483,7 +484,11 @@ mod tests {
         assert_ne!(rec.incomplete & missing::STEPS, 0);
         let mut rec = fresh();
         for i in 0..(MAX_VISITS as u8 + 2) {
-            let h = if i % 2 == 0 { hook::FORWARD } else { hook::POST_ROUTING };
+            let h = if i % 2 == 0 {
+                hook::FORWARD
+            } else {
+                hook::POST_ROUTING
+            };
             add_reading(&mut rec, &reading(h, 0, 80), 0);
         }
         assert_eq!(rec.nvisits as usize, MAX_VISITS);

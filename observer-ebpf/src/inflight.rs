@@ -18,7 +18,6 @@ use observer_common::{config, counter};
 
 use crate::{EVENTS, cfg, count, wakeup_flags};
 
-
 #[repr(C)]
 pub struct Slots {
     pub recs: [TraversalRecord; SLOTS_PER_CPU],
@@ -211,7 +210,8 @@ fn write(rec: &TraversalRecord) {
         return;
     }
     // SAFETY: `len` bytes of the record, bounded by its size just above.
-    let bytes = unsafe { core::slice::from_raw_parts(rec as *const TraversalRecord as *const u8, len) };
+    let bytes =
+        unsafe { core::slice::from_raw_parts(rec as *const TraversalRecord as *const u8, len) };
     match EVENTS.output::<[u8]>(bytes, wakeup_flags()) {
         Ok(()) => count(counter::EMITTED),
         Err(_) => count(counter::RINGBUF_FULL),

@@ -50,7 +50,10 @@ fn event(at: u8, src: Ep, dst: Ep, mark: u32, ctinfo: Option<u32>) -> PacketEven
     if let Some(info) = ctinfo {
         ev.header.flags = flags::CT;
         ev.ct.ctinfo = info;
-        for (raw, (s, d)) in [(&mut ev.ct.orig, (CLIENT, VIP)), (&mut ev.ct.reply, (POD, NODE))] {
+        for (raw, (s, d)) in [
+            (&mut ev.ct.orig, (CLIENT, VIP)),
+            (&mut ev.ct.reply, (POD, NODE)),
+        ] {
             raw[0..4].copy_from_slice(&s.0);
             raw[16..18].copy_from_slice(&s.1.to_be_bytes());
             raw[20..24].copy_from_slice(&d.0);
@@ -83,8 +86,15 @@ fn record(kind_of: usize, skb: u64) -> TraversalRecord {
     ing.header.ifindex_in = 2;
     add(0, ing);
     for p in 0..6u8 {
-        let (dst, mark) = if p >= 4 { (post_dst, 0x4000) } else { (pre_dst, 0) };
-        add(p, event(hook::PRE_ROUTING, src, dst, mark, (p >= 2).then_some(info)));
+        let (dst, mark) = if p >= 4 {
+            (post_dst, 0x4000)
+        } else {
+            (pre_dst, 0)
+        };
+        add(
+            p,
+            event(hook::PRE_ROUTING, src, dst, mark, (p >= 2).then_some(info)),
+        );
     }
     for p in 0..5u8 {
         let mark = if p >= 2 { 0x14000 } else { 0x4000 };

@@ -143,12 +143,7 @@ pub struct Names<'a> {
     pub symbol: &'a dyn Fn(u64) -> String,
 }
 
-pub fn fate(
-    t: &Traversal,
-    at: &EndPoint,
-    route: Option<&'static str>,
-    names: &Names,
-) -> Fate {
+pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &Names) -> Fate {
     let location = t
         .drop
         .filter(|d| d.location != 0)

@@ -7,7 +7,9 @@
 //! becomes its point (through the probe plan the record was made under) and every point gets
 //! the state of the latest step at or before it.
 
-use observer_common::traversal::{MAX_STEPS, MAX_VISITS, Step, TraversalRecord, end, missing, step};
+use observer_common::traversal::{
+    MAX_STEPS, MAX_VISITS, Step, TraversalRecord, end, missing, step,
+};
 use observer_common::{flags, hook};
 
 use crate::btf::TupleLayout;
@@ -228,7 +230,10 @@ pub fn assemble(
     // Each step's point as (visit, position), to merge with the points in order.
     let step_at = |s: &Step| -> Option<(usize, usize)> {
         let v = rec.visits.get(s.visit as usize)?;
-        Some((s.visit as usize, position(point_of(v.hook, s.program, family, plans)?)))
+        Some((
+            s.visit as usize,
+            position(point_of(v.hook, s.program, family, plans)?),
+        ))
     };
     let mut records = Vec::with_capacity(16);
     let mut state: Option<State> = None;
@@ -332,22 +337,55 @@ pub mod tests {
     #[test]
     fn a_forwarded_record_expands_to_every_point_passed() {
         let skb = 7;
-        let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0)];
+        let mut evs = vec![tcp_event(
+            hook::TC_INGRESS,
+            0,
+            skb,
+            ([10, 0, 0, 1], 1),
+            ([10, 0, 0, 2], 22),
+            0,
+        )];
         for p in 0..6 {
             let mark = if p >= 4 { 0x4000 } else { 0 };
-            evs.push(tcp_event(0, p, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), mark));
+            evs.push(tcp_event(
+                0,
+                p,
+                skb,
+                ([10, 0, 0, 1], 1),
+                ([10, 0, 0, 2], 22),
+                mark,
+            ));
         }
         for p in 0..5 {
-            evs.push(tcp_event(2, p, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0x4000));
+            evs.push(tcp_event(
+                2,
+                p,
+                skb,
+                ([10, 0, 0, 1], 1),
+                ([10, 0, 0, 2], 22),
+                0x4000,
+            ));
         }
-        evs.push(tcp_event(hook::TC_EGRESS, 0, skb, ([10, 0, 0, 1], 1), ([10, 0, 0, 2], 22), 0x4000));
+        evs.push(tcp_event(
+            hook::TC_EGRESS,
+            0,
+            skb,
+            ([10, 0, 0, 1], 1),
+            ([10, 0, 0, 2], 22),
+            0x4000,
+        ));
         let rec = record_of(&evs, end::EGRESS);
         assert_eq!(rec.nsteps, 2);
         let t = assemble(&rec, &plans(), &LAYOUT).unwrap();
         assert_eq!(t.closed, Closed::Egress);
         assert_eq!(t.records.len(), evs.len());
         let marks: Vec<u32> = t.records.iter().map(|o| o.mark).collect();
-        assert_eq!(marks, vec![0, 0, 0, 0, 0, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000]);
+        assert_eq!(
+            marks,
+            vec![
+                0, 0, 0, 0, 0, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000, 0x4000
+            ]
+        );
         assert_eq!(t.records[5].point, Point::Netfilter(NfHook::PreRouting, 4));
         assert_eq!(t.records.last().unwrap().point, Point::TcEgress);
     }
@@ -360,12 +398,24 @@ pub mod tests {
         let evs: Vec<PacketEvent> = plan
             .programs
             .iter()
-            .map(|&p| tcp_event(0, p as u32, 9, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), p as u32))
+            .map(|&p| {
+                tcp_event(
+                    0,
+                    p as u32,
+                    9,
+                    ([1, 1, 1, 1], 1),
+                    ([2, 2, 2, 2], 2),
+                    p as u32,
+                )
+            })
             .collect();
         let t = assemble(&record_of(&evs, end::DELIVERED), &plans, &LAYOUT).unwrap();
         for (i, o) in t.records.iter().enumerate() {
             assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, i));
-            assert_eq!(o.mark, plan.programs[i] as u32, "point {i} has its program's state");
+            assert_eq!(
+                o.mark, plan.programs[i] as u32,
+                "point {i} has its program's state"
+            );
         }
     }
 
@@ -382,7 +432,10 @@ pub mod tests {
         assert_eq!(missing_text(t.missing), vec!["first seen after its start"]);
         assert_eq!(t.records.len(), 3);
         rec.end = 99;
-        assert_eq!(assemble(&rec, &plans(), &LAYOUT).unwrap_err(), CorrelateError::UnknownEnd(99));
+        assert_eq!(
+            assemble(&rec, &plans(), &LAYOUT).unwrap_err(),
+            CorrelateError::UnknownEnd(99)
+        );
     }
 
     #[test]
@@ -409,7 +462,17 @@ pub mod tests {
         let ta = assemble(&ra, &plans(), &LAYOUT).unwrap();
         let tb = assemble(&rb, &plans(), &LAYOUT).unwrap();
         assert!(ta.records.iter().all(|o| o.mark == 1 && o.skb == 0xa));
-        assert!(tb.records.iter().all(|o| o.mark == 2 && matches!(o.point, Point::Netfilter(NfHook::LocalOut, _))));
-        assert_eq!(ta.drop, Some(Drop { reason: 0, location: 0 }));
+        assert!(
+            tb.records
+                .iter()
+                .all(|o| o.mark == 2 && matches!(o.point, Point::Netfilter(NfHook::LocalOut, _)))
+        );
+        assert_eq!(
+            ta.drop,
+            Some(Drop {
+                reason: 0,
+                location: 0
+            })
+        );
     }
 }

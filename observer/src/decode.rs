@@ -370,7 +370,10 @@ pub mod tests {
         let good = encode_record(&record_of(&[ev], end::EGRESS));
         assert_eq!(decode(&good).unwrap().nsteps, 1);
         assert_eq!(decode(&[1, 2, 3]), Err(DecodeError::Short(3)));
-        assert_eq!(decode(&encode(&ev)), Err(DecodeError::UnknownKind(kind::PACKET)));
+        assert_eq!(
+            decode(&encode(&ev)),
+            Err(DecodeError::UnknownKind(kind::PACKET))
+        );
         let mut bytes = good.clone();
         bytes.truncate(RECORD_HEAD_BYTES - 8);
         assert!(matches!(decode(&bytes), Err(DecodeError::Size { .. })));

@@ -10,15 +10,14 @@ use anyhow::{Context, Result, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, PerCpuArray, RingBuf};
 use aya::programs::tc::SchedClassifierLinkId;
 use aya::programs::{
-    BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, SchedClassifier,
-    TcAttachType,
+    BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, SchedClassifier, TcAttachType,
 };
 use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
-use std::path::PathBuf;
 use observer_common::filter::FilterProgram;
-use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end};
+use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
 use observer_common::{config, counter};
+use std::path::PathBuf;
 
 use crate::btf::KernelLayout;
 use crate::nf_link::{NfError, NfLink, NfObject};
@@ -109,9 +108,7 @@ pub struct Probes {
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
-        Some(
-            Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m),
-        ) => m,
+        Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m)) => m,
         Some(_) => bail!("map {name} has an unexpected type"),
         None => bail!("probe object has no map {name}"),
     };
@@ -156,7 +153,8 @@ impl Probes {
             prog.load()
                 .with_context(|| format!("loading TC program {name}"))?;
         }
-        let btf = Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
+        let btf =
+            Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
         for (prog, tp) in END_TRACEPOINTS {
             let p: &mut BtfTracePoint = ebpf
                 .program_mut(prog)
@@ -333,22 +331,40 @@ impl Probes {
         self.tc.values().map(|a| a.links.len()).sum()
     }
 
-    /// Takes every fallback-map traversal not heard of since `before_ns`: the collector
-    /// reports them as incomplete. A traversal the probes end meanwhile is theirs: whoever
-    /// deletes it first writes it.
-    pub fn sweep_idle(&mut self, before_ns: u64) -> Result<Vec<TraversalRecord>> {
+    /// Takes the fallback-map traversals whose end will not be seen: those a socket has
+    /// had since before `socket_before_ns` (queued to it, or freed by TCP without an event:
+    /// delivered), and any other not heard of since `idle_before_ns` (incomplete). A
+    /// traversal the probes end meanwhile is theirs: whoever deletes it first writes it.
+    pub fn sweep(
+        &mut self,
+        socket_before_ns: u64,
+        idle_before_ns: u64,
+    ) -> Result<Vec<TraversalRecord>> {
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
         // Only kept traversals wait there (the probes move no other).
         let stale: Vec<(u64, TraversalRecord)> = map
             .iter()
             .filter_map(Result::ok)
-            .filter(|(_, r)| r.ts_last < before_ns && r.decision == decision::KEEP)
+            .filter(|(_, r)| {
+                let socket = r.status & status::SOCKET != 0;
+                r.decision == decision::KEEP
+                    && r.ts_last
+                        < if socket {
+                            socket_before_ns
+                        } else {
+                            idle_before_ns
+                        }
+            })
             .collect();
         let mut out = Vec::new();
         for (skb, mut rec) in stale {
             if map.remove(&skb).is_ok() {
-                rec.end = end::IDLE;
+                rec.end = if rec.status & status::SOCKET != 0 {
+                    end::DELIVERED
+                } else {
+                    end::IDLE
+                };
                 out.push(rec);
             }
         }
@@ -423,11 +439,10 @@ impl Probes {
 /// cgroup/skb ingress at the root of the cgroup v2 hierarchy: where a socket takes a packet
 /// (`observer-ebpf/src/bin/tc/ends.rs`). Allows every packet.
 fn attach_socket_probe(ebpf: &mut Ebpf) -> Result<()> {
-    let root = cgroup2_root().context(
-        "no cgroup v2 hierarchy is mounted (mount -t cgroup2 none /sys/fs/cgroup)",
-    )?;
-    let cgroup = std::fs::File::open(&root)
-        .with_context(|| format!("opening cgroup {}", root.display()))?;
+    let root = cgroup2_root()
+        .context("no cgroup v2 hierarchy is mounted (mount -t cgroup2 none /sys/fs/cgroup)")?;
+    let cgroup =
+        std::fs::File::open(&root).with_context(|| format!("opening cgroup {}", root.display()))?;
     let p: &mut CgroupSkb = ebpf
         .program_mut("observer_sock_ingress")
         .context("probe object has no program observer_sock_ingress")?
@@ -435,8 +450,12 @@ fn attach_socket_probe(ebpf: &mut Ebpf) -> Result<()> {
     p.load().context("loading the cgroup/skb socket probe")?;
     // As a BPF link, which coexists with other programs there; `Single` only means that
     // no attach flags are passed, which links refuse.
-    p.attach(cgroup, CgroupSkbAttachType::Ingress, CgroupAttachMode::Single)
-        .with_context(|| format!("attaching cgroup/skb ingress at {}", root.display()))?;
+    p.attach(
+        cgroup,
+        CgroupSkbAttachType::Ingress,
+        CgroupAttachMode::Single,
+    )
+    .with_context(|| format!("attaching cgroup/skb ingress at {}", root.display()))?;
     Ok(())
 }
 

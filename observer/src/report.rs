@@ -234,7 +234,11 @@ struct Snapshots<'a> {
 impl<'a> Snapshots<'a> {
     /// The conntrack view of `c`, shared between the stages that show the same one.
     fn ct(&mut self, c: &crate::decode::Conntrack) -> Arc<CtView> {
-        if let Some((_, _, v)) = self.cts.iter().find(|(i, m, _)| *i == c.info && *m == c.mark) {
+        if let Some((_, _, v)) = self
+            .cts
+            .iter()
+            .find(|(i, m, _)| *i == c.info && *m == c.mark)
+        {
             return v.clone();
         }
         let v = Arc::new(CtView {
@@ -408,7 +412,10 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
             let plan = family.and_then(|f| plans.get(&(f, hook)));
             let next = plan.and_then(|p| {
                 let (lo, hi) = (*p.points.get(at)?, *p.points.get(at + 1)?);
-                Some((at + 1, p.tables.iter().find(|t| t.priority > lo && t.priority < hi)))
+                Some((
+                    at + 1,
+                    p.tables.iter().find(|t| t.priority > lo && t.priority < hi),
+                ))
             });
             EndPoint {
                 hook: Some(hook),
@@ -557,7 +564,10 @@ impl Report {
         let place = match (f.hook, &f.table) {
             (Some(h), Some(t)) => format!(" in {h}/{t}"),
             (Some(h), None) => format!(" after {h}"),
-            (None, _) => f.after.as_deref().map_or(String::new(), |a| format!(" after {a}")),
+            (None, _) => f
+                .after
+                .as_deref()
+                .map_or(String::new(), |a| format!(" after {a}")),
         };
         let func = |sep: &str| {
             f.location
@@ -744,11 +754,7 @@ mod tests {
                 iface: "cali1a2b".into()
             })
         );
-        let hooks: Vec<_> = r
-            .stages
-            .iter()
-            .map(|s| (s.hook, &*s.table))
-            .collect();
+        let hooks: Vec<_> = r.stages.iter().map(|s| (s.hook, &*s.table)).collect();
         assert_eq!(
             hooks,
             vec![
@@ -851,15 +857,22 @@ mod tests {
     fn a_drop_after_a_hooks_last_probe_is_not_pinned_on_a_table() {
         let (mut t, plans) = forwarded();
         // Keep TC ingress and every PREROUTING point: it died after PREROUTING (routing).
-        t.records
-            .retain(|r| matches!(r.point, Point::TcIngress | Point::Netfilter(NfHook::PreRouting, _)));
+        t.records.retain(|r| {
+            matches!(
+                r.point,
+                Point::TcIngress | Point::Netfilter(NfHook::PreRouting, _)
+            )
+        });
         t.closed = Closed::Dropped;
         t.drop = Some(crate::correlate::Drop {
             reason: 12,
             location: 0x15e,
         });
         let r = report(&t, &plans, 0);
-        assert_eq!((r.fate.hook, r.fate.table.as_deref()), (Some("PREROUTING"), None));
+        assert_eq!(
+            (r.fate.hook, r.fate.table.as_deref()),
+            (Some("PREROUTING"), None)
+        );
         assert!(r.stages.iter().all(|s| s.verdict == "accept"));
         assert!(
             r.render_tree()

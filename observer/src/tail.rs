@@ -332,7 +332,10 @@ async fn event_loop(
     let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
     drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let deadline = opts.timeout.map(|t| Instant::now() + t);
-    let netns_file = opts.netns.as_ref().map(|n| PathBuf::from("/run/netns").join(n));
+    let netns_file = opts
+        .netns
+        .as_ref()
+        .map(|n| PathBuf::from("/run/netns").join(n));
     let netns_inode = crate::probes::current_netns_inode()?;
     let mut summary = Summary::default();
     let mut last_scan = Instant::now();
@@ -350,9 +353,10 @@ async fn event_loop(
                 tokio::time::Instant::from_std)), if deadline.is_some() => break "--timeout",
             _ = tick.tick() => {
                 printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
+                sweep(&mut probes, &mut printer, &mut summary, opts);
                 if last_scan.elapsed() >= Duration::from_secs(1) {
                     last_scan = Instant::now();
-                    if let Some(why) = housekeeping(&mut probes, &mut printer, &mut summary, opts, netns_file.as_deref(), netns_inode) {
+                    if let Some(why) = housekeeping(&mut probes, &mut printer, netns_file.as_deref(), netns_inode) {
                         break why;
                     }
                 }
@@ -415,17 +419,16 @@ async fn event_loop(
     Ok(summary)
 }
 
-/// Once a second: idle traversals, interfaces, the namespace. Returns why to stop, if so.
-fn housekeeping(
-    probes: &mut Probes,
-    printer: &mut Printer,
-    summary: &mut Summary,
-    opts: &TailOptions,
-    netns_file: Option<&std::path::Path>,
-    netns_inode: u64,
-) -> Option<&'static str> {
-    let before = now_ns().saturating_sub(opts.idle.as_nanos() as u64);
-    match probes.sweep_idle(before) {
+/// A socket had the packet this long ago, and it was neither dropped nor freed since: it
+/// was delivered (queued, or freed by TCP without an event).
+const SOCKET_GRACE: Duration = Duration::from_millis(50);
+
+/// Prints the traversals the probes hand over: delivered to a socket, or idle.
+fn sweep(probes: &mut Probes, printer: &mut Printer, summary: &mut Summary, opts: &TailOptions) {
+    let now = now_ns();
+    let socket_before = now.saturating_sub(SOCKET_GRACE.as_nanos() as u64);
+    let idle_before = now.saturating_sub(opts.idle.as_nanos() as u64);
+    match probes.sweep(socket_before, idle_before) {
         Ok(recs) => {
             for r in &recs {
                 printer.print(r, summary);
@@ -434,6 +437,15 @@ fn housekeeping(
         }
         Err(e) => warn!("reading the probes' fallback map: {e:#}"),
     }
+}
+
+/// Once a second: interfaces and the namespace. Returns why to stop, if so.
+fn housekeeping(
+    probes: &mut Probes,
+    printer: &mut Printer,
+    netns_file: Option<&std::path::Path>,
+    netns_inode: u64,
+) -> Option<&'static str> {
     match probes.sync_interfaces() {
         Ok(c) => {
             if !c.added.is_empty() {

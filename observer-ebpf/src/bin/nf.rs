@@ -105,7 +105,9 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
             Some(f) => !entry || (f.rec.nvisits == 1 && last_hook(f.rec) == Some(hook::TC_INGRESS)),
             None => false,
         };
-        let kept = found.as_ref().is_some_and(|f| f.rec.decision == decision::KEEP);
+        let kept = found
+            .as_ref()
+            .is_some_and(|f| f.rec.decision == decision::KEEP);
         if continues && !kept && !with_ct {
             // Left out by the filter: this lookup is all it costs here.
             return Ok(());
@@ -181,7 +183,11 @@ const MODE_ORPHAN: u32 = 3;
 
 /// Reads everything a step records: devices, mark, length, addresses, ports, conntrack.
 #[inline(always)]
-fn read_packet(ev: &mut observer_common::PacketEvent, skb: u64, w: &mut observer_ebpf::Windows) -> Result<(), ()> {
+fn read_packet(
+    ev: &mut observer_common::PacketEvent,
+    skb: u64,
+    w: &mut observer_ebpf::Windows,
+) -> Result<(), ()> {
     let off = |i| cfg(i).ok_or(());
     let st = &w.state;
     ev.header.family = field::<1>(st, off(config::STATE_PF)?, 0)?[0];

@@ -20,7 +20,11 @@ use observer_ebpf::{cfg, read};
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
 #[btf_tracepoint(function = "kfree_skb")]
 pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
-    let (skb, location, reason) = (arg(ctx.as_ptr(), 0), arg(ctx.as_ptr(), 1), arg(ctx.as_ptr(), 2));
+    let (skb, location, reason) = (
+        arg(ctx.as_ptr(), 0),
+        arg(ctx.as_ptr(), 1),
+        arg(ctx.as_ptr(), 2),
+    );
     if let Some(f) = ours(skb) {
         f.rec.reason = reason as u32;
         f.rec.location = location;
