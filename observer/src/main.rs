@@ -90,6 +90,9 @@ struct TailArgs {
     /// flight) to FILE as one JSON object at exit (docs/json-schema.md).
     #[arg(long, value_name = "FILE")]
     stats: Option<PathBuf>,
+    /// Benchmarks only: attach every probe but let each return at once (the hooks' own cost).
+    #[arg(long, hide = true)]
+    floor: bool,
 }
 
 /// `--timeout`: a finite, non-negative number of seconds, at most a year.
@@ -139,6 +142,7 @@ fn run(cli: Cli) -> Result<()> {
                 timeout: a.timeout,
                 idle: Duration::from_millis(a.idle_ms),
                 stats_file: a.stats,
+                floor: a.floor,
             })?;
             eprintln!("{summary}");
             Ok(())

@@ -46,6 +46,8 @@ pub struct TailOptions {
     pub idle: Duration,
     /// Where to write the summary as JSON at exit.
     pub stats_file: Option<PathBuf>,
+    /// Benchmarks: probes attached but returning at once.
+    pub floor: bool,
 }
 
 /// How each traversal is printed.
@@ -179,6 +181,9 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         changes.added.join(", ")
     );
     let ring = probes.take_ring()?;
+    if opts.floor {
+        probes.set_floor(true)?;
+    }
     if let Some(path) = &opts.ready_file {
         std::fs::write(path, format!("{}\n", std::process::id()))
             .with_context(|| format!("writing ready file {}", path.display()))?;

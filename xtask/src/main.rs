@@ -368,71 +368,169 @@ fn test(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn iperf(prefix: &str, seconds: u32) -> Result<f64> {
+/// Runs an iperf3 server in the pod and a client in the client namespace (traffic stays in
+/// the lab's namespaces); returns the client's JSON report.
+fn iperf3(prefix: &str, client_args: &[&str]) -> Result<serde_json::Value> {
     let pod = format!("{prefix}-pod");
     let client = format!("{prefix}-client");
     let mut server = Command::new("ip")
-        .args(["netns", "exec", &pod, "iperf3", "-s", "-1", "-p", "22"])
+        .args(["netns", "exec", &pod, "iperf3", "-s", "-1", "-p", "5201"])
         .stdout(Stdio::null())
         .spawn()?;
     std::thread::sleep(Duration::from_millis(300));
-    let out = output(Command::new("ip").args([
-        "netns",
-        "exec",
-        &client,
-        "iperf3",
-        "-c",
-        "10.10.10.2",
-        "-p",
-        "22",
-        "-J",
-        "-t",
-        &seconds.to_string(),
-    ]));
+    let out = output(
+        Command::new("ip")
+            .args(["netns", "exec", &client, "iperf3", "-J", "-p", "5201"])
+            .args(client_args),
+    );
     let _ = server.wait();
-    let v: serde_json::Value = serde_json::from_str(&out?)?;
+    Ok(serde_json::from_str(&out?)?)
+}
+
+/// TCP throughput client -> ClusterIP (DNAT, masquerade) -> pod, in bit/s.
+fn tcp_rate(prefix: &str, seconds: u32) -> Result<f64> {
+    // The ClusterIP service maps port 22; the server listens on 5201 in the pod, so the
+    // client goes to the pod's address through the node (forwarded, Calico rules).
+    let v = iperf3(prefix, &["-c", "172.17.0.5", "-t", &seconds.to_string()])?;
     v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .context("iperf3 reported no throughput")
 }
 
+/// UDP 64-byte packets forwarded client -> pod, counted at the receiver, per second.
+fn udp_rate(prefix: &str, seconds: u32) -> Result<f64> {
+    let v = iperf3(
+        prefix,
+        &[
+            "-c",
+            "172.17.0.5",
+            "-u",
+            "-b",
+            "0",
+            "-l",
+            "64",
+            "-t",
+            &seconds.to_string(),
+        ],
+    )?;
+    let sum = &v["end"]["sum"];
+    let sent = sum["packets"]
+        .as_f64()
+        .context("iperf3 reported no packets")?;
+    let lost = sum["lost_packets"].as_f64().unwrap_or(0.0);
+    let secs = sum["seconds"].as_f64().unwrap_or(f64::from(seconds));
+    Ok((sent - lost) / secs)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One phase of the benchmark: which observer runs while the workloads do.
+struct Phase {
+    label: &'static str,
+    /// None: no observer.
+    args: Option<&'static [&'static str]>,
+}
+
+const PHASES: [Phase; 4] = [
+    Phase {
+        label: "baseline (no observer)",
+        args: None,
+    },
+    Phase {
+        label: "floor (probes return at once)",
+        args: Some(&["--floor"]),
+    },
+    Phase {
+        label: "observer, filter matching nothing",
+        args: Some(&["--filter", "host 192.0.2.99"]),
+    },
+    Phase {
+        label: "observer tracing everything",
+        args: Some(&[]),
+    },
+];
+
 fn bench(seconds: u32) -> Result<()> {
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
-    // (label, extra tail arguments; None = no observer)
-    let cases: [(&str, Option<&[&str]>); 3] = [
-        ("no observer", None),
-        ("observer tracing everything", Some(&[])),
-        (
-            "observer, filter matching nothing",
-            Some(&["--filter", "host 192.0.2.99"]),
-        ),
-    ];
-    let result = in_lab("bench", prefix, |bin| {
-        let mut out = Vec::new();
-        for (_, args) in cases {
-            let Some(args) = args else {
-                out.push(iperf(prefix, seconds)?);
-                continue;
-            };
-            let mut all = vec!["--netns", node.as_str(), "--json"];
-            all.extend_from_slice(args);
-            let mut tail = start_tail(bin, &all, Stdio::null())?;
-            let r = iperf(prefix, seconds);
-            stop(&mut tail)?;
-            out.push(r?);
+    let rounds = 3;
+    // Per phase: TCP bit/s, UDP packets/s, and the observer's (seen, printed, lost).
+    let mut tcp = vec![Vec::new(); PHASES.len()];
+    let mut udp = vec![Vec::new(); PHASES.len()];
+    let mut stats = vec![(0u64, 0u64, 0u64); PHASES.len()];
+    let stats_file =
+        std::env::temp_dir().join(format!("observer-bench-{}.json", std::process::id()));
+    in_lab("bench", prefix, |bin| {
+        for round in 0..rounds {
+            for (i, phase) in PHASES.iter().enumerate() {
+                eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
+                let mut tail = match phase.args {
+                    None => None,
+                    Some(args) => {
+                        let mut all = vec!["--netns", node.as_str(), "--json", "--stats"];
+                        let path = stats_file.to_string_lossy().into_owned();
+                        all.push(&path);
+                        all.extend_from_slice(args);
+                        Some(start_tail(bin, &all, Stdio::null())?)
+                    }
+                };
+                let r = tcp_rate(prefix, seconds).and_then(|t| Ok((t, udp_rate(prefix, seconds)?)));
+                if let Some(t) = tail.as_mut() {
+                    stop(t)?;
+                    if let Ok(text) = std::fs::read_to_string(&stats_file) {
+                        let v: serde_json::Value = serde_json::from_str(&text)?;
+                        let n = |k: &str| v[k].as_u64().unwrap_or(0);
+                        stats[i].0 += n("seen");
+                        stats[i].1 += n("printed");
+                        stats[i].2 += n("lost");
+                    }
+                }
+                let (t, u) = r?;
+                tcp[i].push(t);
+                udp[i].push(u);
+            }
         }
-        Ok(out)
-    });
-    let rates = result?;
-    println!("iperf3 TCP client -> ClusterIP -> pod through the lab node, {seconds} s each:");
-    for ((label, _), r) in cases.iter().zip(&rates) {
+        Ok(())
+    })?;
+    let _ = std::fs::remove_file(&stats_file);
+    let tcp: Vec<f64> = tcp.iter_mut().map(|v| median(v)).collect();
+    let udp: Vec<f64> = udp.iter_mut().map(|v| median(v)).collect();
+    println!(
+        "Through the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
+         workload, {rounds} alternating rounds, medians; ratios against the baseline:"
+    );
+    println!(
+        "  {:<36} {:>12} {:>7} {:>14} {:>7} {:>12} {:>12} {:>10}",
+        "phase", "TCP Gbit/s", "ratio", "UDP 64B pkt/s", "ratio", "seen", "printed", "lost"
+    );
+    for (i, phase) in PHASES.iter().enumerate() {
+        let (seen, printed, lost) = stats[i];
+        let cell = |v: u64| {
+            if phase.args.is_some() {
+                v.to_string()
+            } else {
+                "-".into()
+            }
+        };
         println!(
-            "  {label:<36} {:>8.2} Gbit/s   ratio {:.3}",
-            r / 1e9,
-            r / rates[0]
+            "  {:<36} {:>12.2} {:>7.3} {:>14.0} {:>7.3} {:>12} {:>12} {:>10}",
+            phase.label,
+            tcp[i] / 1e9,
+            tcp[i] / tcp[0],
+            udp[i],
+            udp[i] / udp[0],
+            cell(seen),
+            cell(printed),
+            cell(lost),
         );
     }
+    println!(
+        "  (seen/printed/lost: packets, summed over the rounds, from the observer's --stats; \
+         the floor and the filter print nothing by design)"
+    );
     println!("\ncollector, synthetic records (observer/examples/collector_bench.rs):");
     run(Command::new("cargo").args([
         "run",

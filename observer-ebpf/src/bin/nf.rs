@@ -78,8 +78,7 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
     }
     // Read the context through bpf_probe_read_kernel: a direct load would give the verifier
     // a trusted BTF pointer, on which it forbids the variable offsets that BTF gives us.
-    let base = ctx as u64;
-    let (Ok(state), Ok(skb)) = (read::<u64>(base, 0), read::<u64>(base, 8)) else {
+    let Ok([state, skb]) = read::<[u64; 2]>(ctx as u64, 0) else {
         return;
     };
     let _ = try_observe(state, skb, program);
@@ -88,13 +87,18 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
 #[inline(always)]
 fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     let w = windows().ok_or(())?;
-    // One read per struct: the calls, not the bytes, are what a probe pays for.
-    read_into(state, 0, &mut w.state)?;
     let off = |i| cfg(i).ok_or(());
-    let hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
     // Program 0 is where a packet enters PREROUTING or OUTPUT, program 2 is just after
-    // conntrack there (see observer's plan).
-    let entry_hook = hook_no == hook::PRE_ROUTING || hook_no == hook::LOCAL_OUT;
+    // conntrack there (see observer's plan): only they need the hook before the lookup
+    // below. Every other probe reads nothing more for a packet the filter left out.
+    let decides = program == 0 || program == 2;
+    let mut hook_no = 0;
+    if decides {
+        // One read per struct: the calls, not the bytes, are what a probe pays for.
+        read_into(state, 0, &mut w.state)?;
+        hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
+    }
+    let entry_hook = decides && (hook_no == hook::PRE_ROUTING || hook_no == hook::LOCAL_OUT);
     let entry = entry_hook && program == 0;
     let with_ct = entry_hook && program == 2;
     {
@@ -128,6 +132,10 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
         ctl::set(ctl::CONTINUES, u32::from(continues));
         ctl::set(ctl::REDECIDE, u32::from(with_ct && continues && !kept));
         ctl::set(ctl::ENTRY, u32::from(entry));
+    }
+    if !decides {
+        read_into(state, 0, &mut w.state)?;
+        hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
     }
     let ev = scratch().ok_or(())?;
     ev.header.kind = kind::PACKET;
