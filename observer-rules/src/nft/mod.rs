@@ -1,6 +1,10 @@
-//! `nft -j list ruleset`: tables, chains (hook, priority, policy) and rules kept as opaque
-//! expressions with their handles. Rules are not simulated; the explanation names native nft
-//! base chains on the packet's hooks so nobody mistakes "not simulated" for "not there".
+//! `nft -j list ruleset`: tables, chains (hook, priority, policy), rules (their `expr` kept
+//! verbatim with handles and comments) and named sets and maps. [`program`] compiles this model
+//! into typed statements the simulator walks; [`text`] prints rules the way `nft` does.
+
+pub mod program;
+pub mod text;
+pub mod value;
 
 use serde_json::Value;
 
@@ -17,6 +21,21 @@ pub struct NftTable {
     pub name: String,
     pub handle: u64,
     pub chains: Vec<NftChain>,
+    pub sets: Vec<NftSet>,
+}
+
+/// A named set or map; its elements stay JSON until compiled against its key type.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NftSet {
+    pub name: String,
+    pub handle: u64,
+    /// Key type, one entry per concatenated field (`ipv4_addr`, `inet_proto`, `inet_service`...).
+    pub key: Vec<String>,
+    /// `verdict` for verdict maps, a data type for maps, None for sets.
+    pub map: Option<String>,
+    pub flags: Vec<String>,
+    /// `elem` verbatim; None when the dump lists no elements (an empty set).
+    pub elems: Option<Value>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +64,10 @@ impl NftTable {
     pub fn is_iptables(&self) -> bool {
         matches!(self.family.as_str(), "ip" | "ip6")
             && IPTABLES_TABLES.contains(&self.name.as_str())
+    }
+
+    pub fn set(&self, name: &str) -> Option<&NftSet> {
+        self.sets.iter().find(|s| s.name == name)
     }
 }
 
@@ -86,7 +109,18 @@ fn prio(v: Option<&Value>) -> Option<i64> {
     }
 }
 
-/// Parses `nft -j list ruleset` output.
+fn strings(v: Option<&Value>) -> Vec<String> {
+    match v {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_str().map(str::to_string))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Parses `nft -j list ruleset` output. Errors name the item (`item 12, rule ip t c`).
 pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
     let v: Value = serde_json::from_str(text)
         .map_err(|e| ParseError::new(e.line(), e.column(), format!("nft JSON: {e}")))?;
@@ -100,62 +134,90 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
     let mut rs = NftRuleset::default();
     let s = |o: &Value, k: &str| o.get(k).and_then(Value::as_str).map(str::to_string);
     let h = |o: &Value| o.get("handle").and_then(Value::as_u64).unwrap_or(0);
-    for item in items {
+    let err =
+        |i: usize, what: String| ParseError::new(1, 1, format!("nft JSON, item {}: {what}", i + 1));
+    for (i, item) in items.iter().enumerate() {
         if let Some(t) = item.get("table") {
             rs.tables.push(NftTable {
                 family: s(t, "family").unwrap_or_default(),
                 name: s(t, "name").unwrap_or_default(),
                 handle: h(t),
                 chains: Vec::new(),
+                sets: Vec::new(),
             });
-        } else if let Some(c) = item.get("chain") {
-            let (fam, tab) = (
-                s(c, "family").unwrap_or_default(),
-                s(c, "table").unwrap_or_default(),
-            );
-            let Some(t) = rs
-                .tables
-                .iter_mut()
-                .find(|t| t.family == fam && t.name == tab)
-            else {
-                return Err(ParseError::new(
-                    1,
-                    1,
-                    format!("nft JSON: chain in unknown table {fam} {tab}"),
-                ));
-            };
-            t.chains.push(NftChain {
-                name: s(c, "name").unwrap_or_default(),
-                handle: h(c),
-                kind: s(c, "type"),
-                hook: s(c, "hook"),
-                priority: prio(c.get("prio")),
-                policy: s(c, "policy"),
+            continue;
+        }
+        let (kind, o) = if let Some(o) = item.get("chain") {
+            ("chain", o)
+        } else if let Some(o) = item.get("rule") {
+            ("rule", o)
+        } else if let Some(o) = item.get("set") {
+            ("set", o)
+        } else if let Some(o) = item.get("map") {
+            ("map", o)
+        } else {
+            continue;
+        };
+        if !o.is_object() {
+            return Err(err(i, format!("{kind} is not an object")));
+        }
+        let (fam, tab) = (
+            s(o, "family").unwrap_or_default(),
+            s(o, "table").unwrap_or_default(),
+        );
+        let Some(t) = rs
+            .tables
+            .iter_mut()
+            .find(|t| t.family == fam && t.name == tab)
+        else {
+            return Err(err(i, format!("{kind} in unknown table {fam} {tab}")));
+        };
+        match kind {
+            "chain" => t.chains.push(NftChain {
+                name: s(o, "name").unwrap_or_default(),
+                handle: h(o),
+                kind: s(o, "type"),
+                hook: s(o, "hook"),
+                priority: prio(o.get("prio")),
+                policy: s(o, "policy"),
                 rules: Vec::new(),
-            });
-        } else if let Some(r) = item.get("rule") {
-            let (fam, tab, ch) = (
-                s(r, "family").unwrap_or_default(),
-                s(r, "table").unwrap_or_default(),
-                s(r, "chain").unwrap_or_default(),
-            );
-            let Some(c) = rs
-                .tables
-                .iter_mut()
-                .find(|t| t.family == fam && t.name == tab)
-                .and_then(|t| t.chains.iter_mut().find(|c| c.name == ch))
-            else {
-                return Err(ParseError::new(
-                    1,
-                    1,
-                    format!("nft JSON: rule in unknown chain {fam} {tab} {ch}"),
-                ));
-            };
-            c.rules.push(NftRule {
-                handle: h(r),
-                comment: s(r, "comment"),
-                expr: r.get("expr").cloned().unwrap_or(Value::Null),
-            });
+            }),
+            "rule" => {
+                let ch = s(o, "chain").unwrap_or_default();
+                let Some(c) = t.chains.iter_mut().find(|c| c.name == ch) else {
+                    return Err(err(i, format!("rule in unknown chain {fam} {tab} {ch}")));
+                };
+                let expr = o.get("expr").cloned().unwrap_or(Value::Null);
+                if !expr.is_array() {
+                    return Err(err(
+                        i,
+                        format!(
+                            "rule {fam} {tab} {ch} handle {}: `expr` is not a list",
+                            h(o)
+                        ),
+                    ));
+                }
+                c.rules.push(NftRule {
+                    handle: h(o),
+                    comment: s(o, "comment"),
+                    expr,
+                });
+            }
+            _ => {
+                let name = s(o, "name").unwrap_or_default();
+                let key = strings(o.get("type"));
+                if key.is_empty() {
+                    return Err(err(i, format!("{kind} {fam} {tab} {name} has no `type`")));
+                }
+                t.sets.push(NftSet {
+                    name,
+                    handle: h(o),
+                    key,
+                    map: s(o, "map"),
+                    flags: strings(o.get("flags")),
+                    elems: o.get("elem").cloned(),
+                });
+            }
         }
     }
     Ok(rs)
