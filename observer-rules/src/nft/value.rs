@@ -178,7 +178,9 @@ pub fn atom(v: &Value, ty: Ty) -> Result<Atom, String> {
     match v {
         // `fib ... oif missing` / `oif 0`: no interface.
         Value::Number(n) if ty == Ty::Iface && n.as_u64() == Some(0) => Ok(Atom::S(String::new())),
-        Value::String(s) if ty == Ty::Iface && s == "missing" => Ok(Atom::S(String::new())),
+        Value::String(s) if ty == Ty::Iface && (s == "missing" || s == "0") => {
+            Ok(Atom::S(String::new()))
+        }
         Value::Number(n) => n
             .as_u64()
             .map(|n| Atom::N(u128::from(n)))
@@ -221,11 +223,16 @@ fn width(ty: Ty) -> u32 {
 /// Reads one component of an element: a literal, a prefix, a range or an interface wildcard.
 pub fn pat(v: &Value, ty: Ty) -> Result<Pat, String> {
     if let Some(p) = v.get("prefix") {
-        let a = p
-            .get("addr")
-            .and_then(Value::as_str)
-            .and_then(|s| addr(ty, s))
-            .ok_or("prefix without an address of this family")?;
+        // nft writes `meta mark & 0xffff0000 == 0` as the prefix 0/16 of the 32-bit mark.
+        let a = match p.get("addr") {
+            Some(Value::Number(n)) if !matches!(ty, Ty::Ipv4 | Ty::Ipv6) => {
+                u128::from(n.as_u64().ok_or("prefix with a bad number")?)
+            }
+            a => a
+                .and_then(Value::as_str)
+                .and_then(|s| addr(ty, s))
+                .ok_or("prefix without an address of this family")?,
+        };
         let len = p
             .get("len")
             .and_then(Value::as_u64)
@@ -383,6 +390,10 @@ mod tests {
             Ok(Pat::Wild("cali".into()))
         );
         assert!(pat(&json!({"prefix": {"addr": "10.0.0.0"}}), Ty::Ipv4).is_err());
+        assert_eq!(
+            pat(&json!({"prefix": {"addr": 0, "len": 16}}), Ty::Int),
+            Ok(Pat::Range(0, 0xffff))
+        );
         assert!(element(&json!({"concat": ["tcp"]}), &[Ty::Proto, Ty::Port]).is_err());
     }
 
