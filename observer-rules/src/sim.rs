@@ -513,8 +513,10 @@ impl<'a> Simulator<'a> {
             },
             Nft(Scheduled),
         }
-        // (runs at, own priority, iptables after native at equal priority, entry)
-        let mut entries: Vec<(i32, i32, u8, Entry)> = Vec::new();
+        // (runs at, own priority, reversed creation order, entry); x_tables tables that are not
+        // in the nft dump count as the oldest.
+        type Key = (i32, i32, std::cmp::Reverse<(u64, u64)>);
+        let mut entries: Vec<(Key, Entry)> = Vec::new();
         for &(tname, priority) in hook.tables() {
             let Some(ti) = self.files[fam].tables.iter().position(|t| t.name == tname) else {
                 continue;
@@ -528,10 +530,13 @@ impl<'a> Simulator<'a> {
             } else {
                 priority
             };
+            let created = self
+                .nft
+                .as_ref()
+                .and_then(|p| p.created(fam == 1, tname, hook.name()))
+                .unwrap_or((0, 0));
             entries.push((
-                at,
-                priority,
-                1,
+                (at, priority, std::cmp::Reverse(created)),
                 Entry::Ipt {
                     ti,
                     base,
@@ -541,14 +546,17 @@ impl<'a> Simulator<'a> {
         }
         if let Some(p) = &self.nft {
             for s in p.hook_chains(fam == 1, hook, self.nft_skip_iptables[fam]) {
-                entries.push((s.at, s.priority, 0, Entry::Nft(s)));
+                entries.push((
+                    (s.at, s.priority, std::cmp::Reverse(s.created)),
+                    Entry::Nft(s),
+                ));
             }
         }
-        // Registration order breaks ties in the kernel; we put native chains first.
-        entries.sort_by_key(|e| (e.0, e.1, e.2));
+        // At equal priority the chain registered last runs first (nf_hook_entries_grow).
+        entries.sort_by_key(|e| e.0);
         // The nat core stops calling nat chains once one of them translated (nf_nat_inet_fn).
         let mut nat_done = false;
-        for (at, priority, _, entry) in entries {
+        for ((at, priority, _), entry) in entries {
             let (table, nft_chain, is_nat) = match &entry {
                 Entry::Ipt { name, .. } => (name.to_string(), None, *name == "nat"),
                 Entry::Nft(s) => {

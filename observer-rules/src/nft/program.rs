@@ -195,6 +195,7 @@ pub struct PRule {
 #[derive(Debug, Clone)]
 pub struct PChain {
     pub name: String,
+    pub handle: u64,
     pub base: Option<Base>,
     pub rules: Vec<PRule>,
 }
@@ -213,6 +214,8 @@ pub struct Base {
 pub struct PTable {
     pub family: String,
     pub name: String,
+    /// Handles grow with creation, which orders hooks of equal priority (see `hook_chains`).
+    pub handle: u64,
     pub chains: Vec<PChain>,
     pub sets: Vec<PSet>,
     /// A table iptables-nft manages (`ip filter`, `ip6 nat`...).
@@ -244,14 +247,18 @@ pub struct Scheduled {
     pub chain: usize,
     pub at: i32,
     pub priority: i32,
+    /// (table handle, chain handle): at equal priority the later registration runs first.
+    pub created: (u64, u64),
 }
 
 impl Program {
     /// Native base chains of `family` (`ip`/`ip6`; `inet` serves both) on `hook`, in the order the
     /// kernel runs them. nat chains are not hooks of their own: the nat core runs at -100
     /// (PREROUTING, OUTPUT) or 100 (INPUT, POSTROUTING) and calls every nat chain, iptables'
-    /// nat table included, in their priority order (`nf_nat_inet_fn`). `skip_iptables` leaves
-    /// out iptables-nft tables simulated from iptables-save.
+    /// nat table included, in their priority order (`nf_nat_inet_fn`). At equal priority a new
+    /// hook is inserted before the existing ones (`nf_hook_entries_grow`), so the chain created
+    /// last runs first; creation order is read from the handles. `skip_iptables` leaves out
+    /// iptables-nft tables simulated from iptables-save.
     pub fn hook_chains(&self, v6: bool, hook: Hook, skip_iptables: bool) -> Vec<Scheduled> {
         let fam = if v6 { "ip6" } else { "ip" };
         let mut out = Vec::new();
@@ -273,11 +280,23 @@ impl Program {
                         b.priority
                     },
                     priority: b.priority,
+                    created: (t.handle, c.handle),
                 });
             }
         }
-        out.sort_by_key(|s| (s.at, s.priority));
+        out.sort_by_key(|s| (s.at, s.priority, std::cmp::Reverse(s.created)));
         out
+    }
+
+    /// (table handle, chain handle) of an iptables-nft base chain, if the dump has it.
+    pub fn created(&self, v6: bool, table: &str, chain: &str) -> Option<(u64, u64)> {
+        let fam = if v6 { "ip6" } else { "ip" };
+        let t = self
+            .tables
+            .iter()
+            .find(|t| t.family == fam && t.name == table)?;
+        let c = t.chains.iter().find(|c| c.name == chain)?;
+        Some((t.handle, c.handle))
     }
 }
 
@@ -329,6 +348,7 @@ fn compile_table(t: &NftTable) -> PTable {
         .iter()
         .map(|c| PChain {
             name: c.name.clone(),
+            handle: c.handle,
             base: c.hook.as_deref().and_then(hook_of).map(|hook| Base {
                 hook,
                 priority: c
@@ -357,6 +377,7 @@ fn compile_table(t: &NftTable) -> PTable {
     PTable {
         family: t.family.clone(),
         name: t.name.clone(),
+        handle: t.handle,
         chains: pchains,
         sets: psets,
         iptables: t.is_iptables(),
