@@ -886,13 +886,14 @@ fn calico_probes(rng: &mut Rng, count: usize) -> Vec<Probe> {
         .map(|_| {
             let local_out = rng.chance(20);
             let &(d, port, proto) = rng.pick(dsts);
+            let src: &str = if local_out {
+                "10.202.0.1"
+            } else {
+                rng.pick(&srcs)
+            };
             Probe {
                 proto,
-                src: ip(if local_out {
-                    "10.202.0.1"
-                } else {
-                    *rng.pick(&srcs)
-                }),
+                src: ip(src),
                 dst: ip(d),
                 dport: port,
                 local_out,
