@@ -889,7 +889,7 @@ fn calico_probes(rng: &mut Rng, count: usize) -> Vec<Probe> {
             let src: &str = if local_out {
                 "10.202.0.1"
             } else {
-                rng.pick(&srcs)
+                rng.pick::<&str>(&srcs)
             };
             Probe {
                 proto,
