@@ -6,6 +6,8 @@ pub mod program;
 pub mod text;
 pub mod value;
 
+use std::collections::HashMap;
+
 use serde_json::Value;
 
 use crate::error::ParseError;
@@ -122,22 +124,35 @@ fn strings(v: Option<&Value>) -> Vec<String> {
 
 /// Parses `nft -j list ruleset` output. Errors name the item (`item 12, rule ip t c`).
 pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
-    let v: Value = serde_json::from_str(text)
+    let mut v: Value = serde_json::from_str(text)
         .map_err(|e| ParseError::new(e.line(), e.column(), format!("nft JSON: {e}")))?;
-    let items = v.get("nftables").and_then(Value::as_array).ok_or_else(|| {
-        ParseError::new(
-            1,
-            1,
-            "nft JSON: expected {\"nftables\": [...]} (`nft -j list ruleset`)",
-        )
-    })?;
+    // Owned: rule expressions and set elements are moved out, not copied.
+    let items = v
+        .get_mut("nftables")
+        .and_then(Value::as_array_mut)
+        .ok_or_else(|| {
+            ParseError::new(
+                1,
+                1,
+                "nft JSON: expected {\"nftables\": [...]} (`nft -j list ruleset`)",
+            )
+        })?;
     let mut rs = NftRuleset::default();
+    // Indices by name: a 5,000-service dump has 15,000 chains, so no linear searches per rule.
+    let mut table_ix: HashMap<(String, String), usize> = HashMap::new();
+    let mut chain_ix: Vec<HashMap<String, usize>> = Vec::new();
     let s = |o: &Value, k: &str| o.get(k).and_then(Value::as_str).map(str::to_string);
     let h = |o: &Value| o.get("handle").and_then(Value::as_u64).unwrap_or(0);
     let err =
         |i: usize, what: String| ParseError::new(1, 1, format!("nft JSON, item {}: {what}", i + 1));
-    for (i, item) in items.iter().enumerate() {
+    for (i, item) in items.iter_mut().enumerate() {
         if let Some(t) = item.get("table") {
+            let (family, name) = (
+                s(t, "family").unwrap_or_default(),
+                s(t, "name").unwrap_or_default(),
+            );
+            table_ix.insert((family, name), rs.tables.len());
+            chain_ix.push(HashMap::new());
             rs.tables.push(NftTable {
                 family: s(t, "family").unwrap_or_default(),
                 name: s(t, "name").unwrap_or_default(),
@@ -147,17 +162,13 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
             });
             continue;
         }
-        let (kind, o) = if let Some(o) = item.get("chain") {
-            ("chain", o)
-        } else if let Some(o) = item.get("rule") {
-            ("rule", o)
-        } else if let Some(o) = item.get("set") {
-            ("set", o)
-        } else if let Some(o) = item.get("map") {
-            ("map", o)
-        } else {
+        let Some(kind) = ["chain", "rule", "set", "map"]
+            .into_iter()
+            .find(|k| item.get(k).is_some())
+        else {
             continue;
         };
+        let o = &mut item[kind];
         if !o.is_object() {
             return Err(err(i, format!("{kind} is not an object")));
         }
@@ -165,29 +176,30 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
             s(o, "family").unwrap_or_default(),
             s(o, "table").unwrap_or_default(),
         );
-        let Some(t) = rs
-            .tables
-            .iter_mut()
-            .find(|t| t.family == fam && t.name == tab)
-        else {
+        let Some(&ti) = table_ix.get(&(fam.clone(), tab.clone())) else {
             return Err(err(i, format!("{kind} in unknown table {fam} {tab}")));
         };
+        let t = &mut rs.tables[ti];
         match kind {
-            "chain" => t.chains.push(NftChain {
-                name: s(o, "name").unwrap_or_default(),
-                handle: h(o),
-                kind: s(o, "type"),
-                hook: s(o, "hook"),
-                priority: prio(o.get("prio")),
-                policy: s(o, "policy"),
-                rules: Vec::new(),
-            }),
+            "chain" => {
+                let name = s(o, "name").unwrap_or_default();
+                chain_ix[ti].entry(name.clone()).or_insert(t.chains.len());
+                t.chains.push(NftChain {
+                    name,
+                    handle: h(o),
+                    kind: s(o, "type"),
+                    hook: s(o, "hook"),
+                    priority: prio(o.get("prio")),
+                    policy: s(o, "policy"),
+                    rules: Vec::new(),
+                });
+            }
             "rule" => {
                 let ch = s(o, "chain").unwrap_or_default();
-                let Some(c) = t.chains.iter_mut().find(|c| c.name == ch) else {
+                let Some(c) = chain_ix[ti].get(&ch).map(|&ci| &mut t.chains[ci]) else {
                     return Err(err(i, format!("rule in unknown chain {fam} {tab} {ch}")));
                 };
-                let expr = o.get("expr").cloned().unwrap_or(Value::Null);
+                let expr = o.get_mut("expr").map(Value::take).unwrap_or(Value::Null);
                 if !expr.is_array() {
                     return Err(err(
                         i,
@@ -215,7 +227,7 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
                     key,
                     map: s(o, "map"),
                     flags: strings(o.get("flags")),
-                    elems: o.get("elem").cloned(),
+                    elems: o.get_mut("elem").map(Value::take),
                 });
             }
         }
