@@ -179,6 +179,11 @@ fn stmt_text(s: &Value) -> String {
             }
             let addr = b.get("addr").map(expr_text);
             let port = b.get("port").map(expr_text);
+            // An IPv6 address before a port is bracketed, as nft prints it.
+            let addr = match (addr, &port) {
+                (Some(a), Some(_)) if a.contains(':') => Some(format!("[{a}]")),
+                (a, _) => a,
+            };
             match (addr, port) {
                 (Some(a), Some(p)) => s.push_str(&format!(" to {a}:{p}")),
                 (Some(a), None) => s.push_str(&format!(" to {a}")),
