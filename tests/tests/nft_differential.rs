@@ -27,11 +27,46 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use observer_rules::packet::CtState;
-use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_nft_json};
+use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_nft_json, parse_save};
 use observer_tests::raw::{RawProbe, send_raw};
 use observer_tests::{Netns, in_ci, privileged, unique_prefix, veth};
 
 const DEFAULT_SEED: u64 = 0x0b5e_4e12_2026_0010;
+/// iptables-nft rules (native translations and `xt` matches and targets) for the last phase.
+const IPTABLES_BESIDE: &str = "*mangle
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+-A PREROUTING -i calir0 -m comment --comment \"cali:from-wl\" -j MARK --set-xmark 0x40000/0x40000
+-A PREROUTING -m conntrack --ctstate NEW -m mark --mark 0x40000/0x40000 -j CONNMARK --set-xmark 0x100000/0x100000
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:cali-nat - [0:0]
+-A PREROUTING -m comment --comment \"cali:nat\" -j cali-nat
+-A cali-nat -d 10.96.0.30/32 -p tcp -m tcp --dport 80 -j DNAT --to-destination 10.180.3.3:8080
+-A POSTROUTING -s 10.180.0.0/16 ! -d 10.180.0.0/16 -j MASQUERADE
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:cali-FORWARD - [0:0]
+:cali-dns - [0:0]
+-A FORWARD -m comment --comment \"cali:fwd\" -j cali-FORWARD
+-A cali-FORWARD -j MARK --set-xmark 0x0/0xe0000
+-A cali-FORWARD -p tcp -m multiport --dports 22,8080,443 -j MARK --set-xmark 0x10000/0x10000
+-A cali-FORWARD -m mark --mark 0x10000/0x10000 -j ACCEPT
+-A cali-FORWARD -s 203.0.113.0/24 -j DROP
+-A cali-FORWARD -p udp -m udp --dport 53 -g cali-dns
+-A cali-dns -m conntrack --ctstate NEW -j RETURN
+COMMIT
+";
 const TRACE_TABLE: &str = "obstrace";
 /// The whole test stays well under a minute: rulesets stop being generated after this.
 const BUDGET: Duration = Duration::from_secs(40);
@@ -97,10 +132,14 @@ impl std::fmt::Display for Event {
 /// The verdict `nft monitor trace` prints for a rule, from the simulator's action text.
 fn kernel_verdict(action: &str) -> String {
     let last = action.rsplit(", ").next().unwrap_or(action);
-    let word = last.split_whitespace().next().unwrap_or("");
-    match word {
+    let word = last
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    match word.as_str() {
         "goto" | "jump" => last.to_string(),
-        "accept" | "drop" | "return" | "continue" => word.to_string(),
+        "accept" | "drop" | "return" | "continue" => word,
         // reject sends its error and drops; NAT statements accept.
         "reject" => "drop".into(),
         "dnat" | "snat" | "masquerade" | "redirect" => "accept".into(),
@@ -108,12 +147,22 @@ fn kernel_verdict(action: &str) -> String {
     }
 }
 
-/// Every outcome the simulator allows, as event lists; None when it cannot decide.
-fn predicted(nft_json: &str, routes: &Routes, spec: &PacketSpec) -> Option<Vec<Vec<Event>>> {
+/// Every outcome the simulator allows, as event lists; None when it cannot decide. With
+/// `iptables_save`, the iptables-nft tables are simulated from it and their rules named by the
+/// nft handles the dump gives them.
+fn predicted(
+    nft_json: &str,
+    iptables_save: Option<&str>,
+    routes: &Routes,
+    spec: &PacketSpec,
+) -> Option<Vec<Vec<Event>>> {
     let nft = parse_nft_json(nft_json).expect("our parser reads the kernel's dump");
     let empty = Default::default();
+    let v4 = iptables_save
+        .map(|t| parse_save(t).expect("our parser reads iptables-save"))
+        .unwrap_or_default();
     let ipsets = Ipsets::default();
-    let sim = Simulator::new(&empty, &empty, &ipsets, routes).with_nft(&nft);
+    let sim = Simulator::new(&v4, &empty, &ipsets, routes).with_nft(&nft);
     let branches = sim.simulate(spec);
     if branches.iter().any(|b| b.verdict == Verdict::Undecidable) {
         return None;
@@ -124,7 +173,7 @@ fn predicted(nft_json: &str, routes: &Routes, spec: &PacketSpec) -> Option<Vec<V
             .map(|b| {
                 let mut ev = Vec::new();
                 for s in &b.stages {
-                    if s.nft_chain.is_none() || s.table == TRACE_TABLE {
+                    if s.table == TRACE_TABLE {
                         continue;
                     }
                     for r in &s.rules {
@@ -135,11 +184,16 @@ fn predicted(nft_json: &str, routes: &Routes, spec: &PacketSpec) -> Option<Vec<V
                             verdict: kernel_verdict(&r.action),
                         });
                     }
-                    if let (Some(p), Some((_, chain))) = (&s.policy, &s.nft_chain) {
+                    if let Some(p) = &s.policy {
+                        // An iptables table's base chain is named after its hook.
+                        let chain = s
+                            .nft_chain
+                            .as_ref()
+                            .map_or_else(|| s.hook.name().to_string(), |(_, c)| c.clone());
                         ev.push(Event::Policy {
                             table: s.table.clone(),
-                            chain: chain.clone(),
-                            verdict: p.clone(),
+                            chain,
+                            verdict: p.to_ascii_lowercase(),
                         });
                     }
                 }
@@ -364,14 +418,21 @@ struct Tally {
     branches: usize,
     disagreements: Vec<String>,
     verdicts: BTreeMap<String, usize>,
+    /// Agreed events from iptables-nft tables (named by handle through iptables-save).
+    iptables_events: usize,
 }
 
 /// Loads `text` as table `table`, sends every probe and compares each packet's trace.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the run's state is threaded explicitly, as in rules_differential"
+)]
 fn run_ruleset(
     lab: &Lab,
     monitor: &Monitor,
     table: &str,
     text: &str,
+    iptables_save: Option<&str>,
     probes: &[Probe],
     next_port: &mut u16,
     tally: &mut Tally,
@@ -384,7 +445,7 @@ fn run_ruleset(
         *next_port += 1;
         let dump = lab.router.sh("nft -j list ruleset");
         let spec = p.spec(sport);
-        let want = predicted(&dump, &lab.routes, &spec);
+        let want = predicted(&dump, iptables_save, &lab.routes, &spec);
         let raw = RawProbe {
             proto: p.proto,
             src: p.src,
@@ -432,6 +493,13 @@ fn run_ruleset(
         tally.branches += want.len();
         if want.contains(&kernel) {
             tally.events += kernel.len();
+            tally.iptables_events += kernel
+                .iter()
+                .filter(|e| {
+                    let (Event::Rule { table, .. } | Event::Policy { table, .. }) = e;
+                    ["raw", "mangle", "nat", "filter"].contains(&table.as_str())
+                })
+                .count();
             let v = kernel.last().map_or("no rule".to_string(), |e| match e {
                 Event::Rule { verdict, .. } | Event::Policy { verdict, .. } => {
                     verdict.split_whitespace().next().unwrap_or("").to_string()
@@ -990,6 +1058,7 @@ fn kernel_nft_trace_agrees_with_simulator() {
             &monitor,
             table,
             &text,
+            None,
             &probes,
             &mut next_port,
             &mut tally,
@@ -1011,6 +1080,52 @@ fn kernel_nft_trace_agrees_with_simulator() {
             &monitor,
             "kube-proxy",
             &kp,
+            None,
+            &probes,
+            &mut next_port,
+            &mut tally,
+        );
+        rulesets += 1;
+    }
+    // iptables-nft rules beside native kube-proxy: simulated once, from iptables-save, named by
+    // their nft handles, and run in the kernel's order with the native chains.
+    if tally.disagreements.is_empty() {
+        let _ = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lab.router.name,
+                "nft",
+                "delete",
+                "table",
+                "ip",
+                "calico",
+            ])
+            .output();
+        let path = std::env::temp_dir().join(format!("{}-ipt.rules", lab.router.name));
+        std::fs::write(&path, IPTABLES_BESIDE).unwrap();
+        lab.router
+            .sh(&format!("iptables-restore < {}", path.display()));
+        let _ = std::fs::remove_file(&path);
+        let save = lab.router.sh("iptables-save");
+        let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xbeef);
+        let mut probes = kube_proxy_probes(&mut rng, &services, 25);
+        probes.extend(calico_probes(&mut rng, 15));
+        for (dst, port) in [("10.96.0.30", 80), ("10.96.0.30", 81)] {
+            probes.push(Probe {
+                proto: 6,
+                src: ip("198.51.100.10"),
+                dst: ip(dst),
+                dport: port,
+                local_out: false,
+            });
+        }
+        run_ruleset(
+            &lab,
+            &monitor,
+            "kube-proxy",
+            &kp,
+            Some(&save),
             &probes,
             &mut next_port,
             &mut tally,
@@ -1018,9 +1133,10 @@ fn kernel_nft_trace_agrees_with_simulator() {
         rulesets += 1;
     }
     eprintln!(
-        "nft_differential: {rulesets} rulesets, {} packets compared against the kernel's trace ({} trace events, {} predicted outcomes), {} undecidable, {} disagreements, verdicts {:?}, {:.1} s",
+        "nft_differential: {rulesets} rulesets, {} packets compared against the kernel's trace ({} trace events, {} of them iptables-nft, {} predicted outcomes), {} undecidable, {} disagreements, verdicts {:?}, {:.1} s",
         tally.packets - tally.undecidable,
         tally.events,
+        tally.iptables_events,
         tally.branches,
         tally.undecidable,
         tally.disagreements.len(),
@@ -1033,6 +1149,10 @@ fn kernel_nft_trace_agrees_with_simulator() {
         tally.disagreements.join("\n")
     );
     assert_eq!(tally.undecidable, 0, "every probe must be decidable");
+    assert!(
+        tally.iptables_events > 0,
+        "the iptables-nft phase compared nothing"
+    );
     assert!(
         tally.packets >= 200,
         "too few packets compared: {}",
