@@ -432,3 +432,76 @@ fn bad_input_names_the_place() {
         }
     }
 }
+
+#[test]
+fn numgen_shares_value_maps_and_interface_wildcards() {
+    let doc = |expr: &str| {
+        format!(
+            r#"{{"nftables":[{{"table":{{"family":"ip","name":"t","handle":1}}}},
+            {{"chain":{{"family":"ip","table":"t","name":"c","handle":1,"type":"filter","hook":"prerouting","prio":-150,"policy":"accept"}}}},
+            {{"chain":{{"family":"ip","table":"t","name":"a","handle":2}}}},
+            {{"rule":{{"family":"ip","table":"t","chain":"a","handle":3,"expr":[{{"drop":null}}]}}}},
+            {{"rule":{{"family":"ip","table":"t","chain":"c","handle":4,"expr":{expr}}}}}]}}"#
+        )
+    };
+    let packet = "tcp 198.51.100.1:1000 -> 10.202.0.1:22 in calir0";
+    // mod 3 with two entries: value 2 misses the map and the rule does not match (share 1/3).
+    let e = nft(
+        &doc(
+            r#"[{"vmap":{"key":{"numgen":{"mode":"random","mod":3,"offset":0}},"data":{"set":[[0,{"goto":{"target":"a"}}],[1,{"accept":null}]]}}}]"#,
+        ),
+        packet,
+    );
+    let mut outcomes: Vec<(String, f64)> = e
+        .branches
+        .iter()
+        .map(|b| (b.verdict.name().to_string(), b.probability))
+        .collect();
+    outcomes.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(outcomes.len(), 3);
+    for (o, want) in outcomes.iter().zip(["accept", "accept", "drop"]) {
+        assert_eq!(o.0, want);
+        assert!((o.1 - 1.0 / 3.0).abs() < 1e-9);
+    }
+    // A value map sets the mark from the source address; shifts and masks on the way.
+    let e = nft(
+        &doc(
+            r#"[{"mangle":{"key":{"meta":{"key":"mark"}},"value":{"map":{"key":{"payload":{"protocol":"ip","field":"saddr"}},"data":{"set":[[{"prefix":{"addr":"198.51.100.0","len":24}},4096],["1.2.3.4",1]]}}}}},
+                 {"match":{"op":"==","left":{">>":[{"&":[{"meta":{"key":"mark"}},65280]},8]},"right":16}},{"counter":null}]"#,
+        ),
+        packet,
+    );
+    let r = &e.branches[0].stages[0].rules[0];
+    assert_eq!(r.action, "mark 0x0 -> 0x1000");
+    assert_eq!(r.mark, Some((0, 0x1000)));
+    // `iifname "cali*"` is a prefix; a set of names is an exact lookup.
+    for (pattern, verdict) in [(r#""cal*""#, Verdict::Drop), (r#""eth*""#, Verdict::Accept)] {
+        let e = nft(
+            &doc(&format!(
+                r#"[{{"match":{{"op":"==","left":{{"meta":{{"key":"iifname"}}}},"right":{pattern}}}}},{{"drop":null}}]"#
+            )),
+            packet,
+        );
+        assert_eq!(e.verdict(), verdict, "{pattern}");
+    }
+    let e = nft(
+        &doc(
+            r#"[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":{"set":["eth0","calir0"]}}},{"drop":null}]"#,
+        ),
+        packet,
+    );
+    assert_eq!(e.verdict(), Verdict::Drop);
+    // ct mark of an established connection without `ctmark` cannot be told; with it, it can.
+    let ctm =
+        doc(r#"[{"match":{"op":"==","left":{"ct":{"key":"mark"}},"right":7}},{"drop":null}]"#);
+    let e = nft(&ctm, &format!("{packet} state established"));
+    assert_eq!(e.verdict(), Verdict::Undecidable);
+    let e = nft(&ctm, &format!("{packet} state established ctmark 7"));
+    assert_eq!(e.verdict(), Verdict::Drop);
+    // Before conntrack (-150 is after it; -300 is before): `ct state` reads invalid.
+    let raw = doc(
+        r#"[{"match":{"op":"in","left":{"ct":{"key":"state"}},"right":"invalid"}},{"drop":null}]"#,
+    )
+    .replace("\"prio\":-150", "\"prio\":-300");
+    assert_eq!(nft(&raw, packet).verdict(), Verdict::Drop);
+}
