@@ -139,7 +139,9 @@ impl Lab {
                 &["ip", "netns", "exec", &self.node(), "nft", "-f", "-"],
                 KUBE_PROXY_NFT,
             )
-            .context("loading kube-proxy's nftables tables (is the `nftables` package installed?)")?;
+            .context(
+                "loading kube-proxy's nftables tables (is the `nftables` package installed?)",
+            )?;
         }
         Ok(())
     }
@@ -263,7 +265,10 @@ mod tests {
             assert!(!kept.contains("KUBE-"));
             let cali = |t: &str| t.lines().filter(|l| l.contains("cali")).count();
             assert_eq!(cali(&kept), cali(rules));
-            assert_eq!(kept.matches("COMMIT").count(), rules.matches("COMMIT").count());
+            assert_eq!(
+                kept.matches("COMMIT").count(),
+                rules.matches("COMMIT").count()
+            );
         }
         // The native tables replace them: both families, the same services.
         assert!(KUBE_PROXY_NFT.contains("table ip kube-proxy"));
