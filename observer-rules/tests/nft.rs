@@ -505,3 +505,28 @@ fn numgen_shares_value_maps_and_interface_wildcards() {
     .replace("\"prio\":-150", "\"prio\":-300");
     assert_eq!(nft(&raw, packet).verdict(), Verdict::Drop);
 }
+
+#[test]
+fn degenerate_expressions_do_not_panic() {
+    let doc = |expr: &str| {
+        format!(
+            r#"{{"nftables":[{{"table":{{"family":"ip","name":"t","handle":1}}}},
+            {{"chain":{{"family":"ip","table":"t","name":"c","handle":1,"type":"filter","hook":"input","prio":0,"policy":"accept"}}}},
+            {{"rule":{{"family":"ip","table":"t","chain":"c","handle":2,"expr":{expr}}}}}]}}"#
+        )
+    };
+    for expr in [
+        r#"[{"match":{"op":"in","left":{"concat":[]},"right":1}}]"#,
+        r#"[{"match":{"op":"<","left":{"concat":[]},"right":1}}]"#,
+        r#"[{"vmap":{"key":{"concat":[]},"data":{"set":[]}}}]"#,
+        r#"[{"match":{"op":"==","left":{"<<":[{"meta":{"key":"mark"}},200]},"right":0}}]"#,
+        r#"[{"vmap":{"key":{"numgen":{"mode":"random","mod":0}},"data":{"set":[]}}}]"#,
+        r#"[{"match":{"op":"==","left":{"payload":{"protocol":"ip","field":"saddr"}},"right":{"prefix":{"addr":"10.0.0.0","len":99}}}}]"#,
+        r#"[{}, 5, null, {"jump":{"target":"nowhere"}}]"#,
+    ] {
+        let _ = nft(
+            &doc(expr),
+            "tcp 198.51.100.1:1000 -> 10.202.0.1:22 in calir0",
+        );
+    }
+}

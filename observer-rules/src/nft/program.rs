@@ -705,6 +705,8 @@ fn stmt(cx: &Cx<'_>, s: &Value) -> Stmt {
                 o => return Stmt::Unknown(format!("match operator {o}")),
             };
             let tys = key_types(&left);
+            // An empty concatenation has no type; it compares as nothing modelled.
+            let ty0 = tys.first().copied().unwrap_or(Ty::Other);
             let is_set =
                 right.get("set").is_some() || right.as_str().is_some_and(|r| r.starts_with('@'));
             let (op, rhs) = match op {
@@ -712,14 +714,14 @@ fn stmt(cx: &Cx<'_>, s: &Value) -> Stmt {
                 Op::Flags if is_set => (Op::Eq, None),
                 Op::Flags => (
                     Op::Flags,
-                    Some(match atom(right, tys[0]) {
+                    Some(match atom(right, ty0) {
                         Ok(Atom::N(n)) => Rhs::Num(n),
                         Ok(_) | Err(_) => Rhs::Unknown(format!("bit test against {right}")),
                     }),
                 ),
                 Op::Lt | Op::Gt | Op::Le | Op::Ge => (
                     op,
-                    Some(match atom(right, tys[0]) {
+                    Some(match atom(right, ty0) {
                         Ok(Atom::N(n)) => Rhs::Num(n),
                         _ => Rhs::Unknown(format!("comparison with {right}")),
                     }),
