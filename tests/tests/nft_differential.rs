@@ -11,9 +11,12 @@
 //! disappears with it. A random `numgen` makes the simulator list every endpoint; the kernel's
 //! choice must be one of them.
 //!
-//! Topology as in `rules_differential`: client (eth0 10.201.0.2) <-> (calir0 10.201.0.1) router
-//! (ethr1 10.202.0.1) <-> (eth0 10.202.0.2) server, which drops everything at PREROUTING so no
-//! reply crosses the router. Before every probe the router's ruleset is dumped again: session
+//! Topology as in `rules_differential`: client (eth0 10.201.0.2, fd00:201::2) <-> (calir0
+//! 10.201.0.1, fd00:201::1) router (ethr1 10.202.0.1, fd00:202::1) <-> (eth0 10.202.0.2,
+//! fd00:202::2) server, which drops everything at PREROUTING so no reply crosses the router;
+//! IPv6 neighbours are static and DAD is off, so no NDP crosses it either. Rulesets: `ip
+//! kube-proxy`, `ip6 kube-proxy`, `ip calico`, both IPv4 shapes together, and iptables-nft rules
+//! beside `ip kube-proxy`. Before every probe the router's ruleset is dumped again: session
 //! affinity sets change as packets pass, and the simulator reads dynamic sets from the dump.
 //!
 //! Seed: `OBSERVER_DIFF_SEED` overrides the fixed default so a failure can be replayed.
@@ -29,7 +32,7 @@ use std::time::{Duration, Instant};
 use observer_rules::packet::CtState;
 use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_nft_json, parse_save};
 use observer_tests::raw::{RawProbe, send_raw};
-use observer_tests::{Netns, in_ci, privileged, unique_prefix, veth};
+use observer_tests::{Netns, in_ci, privileged, unique_prefix};
 
 const DEFAULT_SEED: u64 = 0x0b5e_4e12_2026_0010;
 /// iptables-nft rules (native translations and `xt` matches and targets) for the last phase.
@@ -309,13 +312,54 @@ struct Lab {
     routes: Routes,
 }
 
+/// A veth pair configured before its links come up, so IPv6 neither runs DAD nor sends router
+/// solicitations (as in `rules_differential`).
+fn quiet_veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) {
+    observer_tests::run(&[
+        "ip", "link", "add", a_if, "netns", &a.name, "type", "veth", "peer", "name", b_if, "netns",
+        &b.name,
+    ]);
+    for (ns, ifname) in [(a, a_if), (b, b_if)] {
+        ns.sh(&format!(
+            "for k in accept_dad=0 router_solicitations=0 addr_gen_mode=1; do sysctl -qw net.ipv6.conf.{ifname}.$k; done
+             ip link set {ifname} up"
+        ));
+    }
+}
+
 fn lab() -> Lab {
     let p = unique_prefix("nd");
     let client = Netns::new(&format!("{p}c"));
     let router = Netns::new(&format!("{p}r"));
     let server = Netns::new(&format!("{p}s"));
-    veth(&client, "eth0", &router, "calir0");
-    veth(&router, "ethr1", &server, "eth0");
+    quiet_veth(&client, "eth0", &router, "calir0");
+    quiet_veth(&router, "ethr1", &server, "eth0");
+    let mac = |ns: &Netns, i: &str| {
+        ns.sh(&format!("cat /sys/class/net/{i}/address"))
+            .trim()
+            .to_string()
+    };
+    let (c_mac, r0_mac) = (mac(&client, "eth0"), mac(&router, "calir0"));
+    let (r1_mac, s_mac) = (mac(&router, "ethr1"), mac(&server, "eth0"));
+    // IPv6 with static neighbours and no DAD: no NDP crosses the router while probes run.
+    client.sh(&format!(
+        "ip -6 addr add fd00:201::2/64 dev eth0 nodad
+         ip -6 neigh add fd00:201::1 lladdr {r0_mac} dev eth0 nud permanent
+         ip -6 route add default via fd00:201::1"
+    ));
+    router.sh(&format!(
+        "ip -6 addr add fd00:201::1/64 dev calir0 nodad; ip -6 addr add fd00:202::1/64 dev ethr1 nodad
+         ip -6 neigh add fd00:201::2 lladdr {c_mac} dev calir0 nud permanent
+         ip -6 neigh add fd00:202::2 lladdr {s_mac} dev ethr1 nud permanent
+         ip -6 route add default via fd00:202::2
+         ip -6 route add 2001:db8:5100::/48 via fd00:201::2; ip -6 route add 2001:db8:113::/48 via fd00:201::2
+         sysctl -qw net.ipv6.conf.all.forwarding=1"
+    ));
+    server.sh(&format!(
+        "ip -6 addr add fd00:202::2/64 dev eth0 nodad
+         ip -6 neigh add fd00:202::1 lladdr {r1_mac} dev eth0 nud permanent
+         printf 'table ip6 sink {{\\n chain p {{\\n type filter hook prerouting priority -300; policy drop;\\n }}\\n}}\\n' | nft -f -"
+    ));
     client.sh("ip addr add 10.201.0.2/24 dev eth0; ip route add default via 10.201.0.1");
     router.sh(
         "ip addr add 10.201.0.1/24 dev calir0; ip addr add 10.202.0.1/24 dev ethr1
@@ -329,11 +373,14 @@ fn lab() -> Lab {
     server.sh(
         "printf 'table ip sink {\\n chain p {\\n type filter hook prerouting priority -300; policy drop;\\n }\\n}\\n' | nft -f -",
     );
-    router.sh(&format!(
-        "printf 'table ip {TRACE_TABLE} {{\\n chain pre {{\\n type filter hook prerouting priority -400; policy accept;\\n meta l4proto {{ tcp, udp }} th sport 40000-65000 meta nftrace set 1\\n }}\\n chain out {{\\n type filter hook output priority -400; policy accept;\\n meta l4proto {{ tcp, udp }} th sport 40000-65000 meta nftrace set 1\\n }}\\n}}\\n' | nft -f -"
-    ));
+    for fam in ["ip", "ip6"] {
+        router.sh(&format!(
+        "printf 'table {fam} {TRACE_TABLE} {{\\n chain pre {{\\n type filter hook prerouting priority -400; policy accept;\\n meta l4proto {{ tcp, udp }} th sport 40000-65000 meta nftrace set 1\\n }}\\n chain out {{\\n type filter hook output priority -400; policy accept;\\n meta l4proto {{ tcp, udp }} th sport 40000-65000 meta nftrace set 1\\n }}\\n}}\\n' | nft -f -"
+        ));
+    }
     let r4 = router.sh("ip -j -4 route show table all");
-    let routes = Routes::parse_json(&[&r4]).expect("ip -j route parses");
+    let r6 = router.sh("ip -j -6 route show table all");
+    let routes = Routes::parse_json(&[&r4, &r6]).expect("ip -j route parses");
     Lab {
         client,
         router,
@@ -342,9 +389,9 @@ fn lab() -> Lab {
     }
 }
 
-fn load(lab: &Lab, table: &str, text: &str) {
-    let path = std::env::temp_dir().join(format!("{}-{table}.nft", lab.router.name));
-    std::fs::write(&path, text).unwrap();
+/// Removes `table` ("FAMILY NAME") from the router if it is there.
+fn drop_table(lab: &Lab, table: &str) {
+    let (fam, name) = table.split_once(' ').expect("FAMILY NAME");
     let _ = Command::new("ip")
         .args([
             "netns",
@@ -353,10 +400,21 @@ fn load(lab: &Lab, table: &str, text: &str) {
             "nft",
             "delete",
             "table",
-            "ip",
-            table,
+            fam,
+            name,
         ])
         .output();
+}
+
+/// Loads `text`, which defines `table` ("FAMILY NAME"), replacing a previous version.
+fn load(lab: &Lab, table: &str, text: &str) {
+    let path = std::env::temp_dir().join(format!(
+        "{}-{}.nft",
+        lab.router.name,
+        table.replace(' ', "-")
+    ));
+    std::fs::write(&path, text).unwrap();
+    drop_table(lab, table);
     let out = Command::new("ip")
         .args(["netns", "exec", &lab.router.name, "nft", "-f"])
         .arg(&path)
@@ -420,6 +478,8 @@ struct Tally {
     verdicts: BTreeMap<String, usize>,
     /// Agreed events from iptables-nft tables (named by handle through iptables-save).
     iptables_events: usize,
+    /// Agreed IPv6 packets (`ip6 kube-proxy`).
+    v6_packets: usize,
 }
 
 /// Loads `text` as table `table`, sends every probe and compares each packet's trace.
@@ -493,6 +553,7 @@ fn run_ruleset(
         tally.branches += want.len();
         if want.contains(&kernel) {
             tally.events += kernel.len();
+            tally.v6_packets += usize::from(p.src.is_ipv6() && !kernel.is_empty());
             tally.iptables_events += kernel
                 .iter()
                 .filter(|e| {
@@ -538,6 +599,121 @@ fn run_ruleset(
 
 // ---- kube-proxy (pkg/proxy/nftables) shaped rulesets ----
 
+/// What differs between `ip kube-proxy` and `ip6 kube-proxy` rulesets and their probes.
+struct Fam {
+    v6: bool,
+}
+
+impl Fam {
+    /// `ip` / `ip6`: the table family and the payload protocol of addresses.
+    fn nft(&self) -> &'static str {
+        if self.v6 { "ip6" } else { "ip" }
+    }
+    fn addr_type(&self) -> &'static str {
+        if self.v6 { "ipv6_addr" } else { "ipv4_addr" }
+    }
+    fn cluster_ip(&self, i: usize) -> String {
+        if self.v6 {
+            format!("fd00:30::{:x}", i + 1)
+        } else {
+            format!("172.30.{}.{}", i / 200, i % 200 + 1)
+        }
+    }
+    fn cluster_range(&self) -> &'static str {
+        if self.v6 {
+            "fd00:30::/64"
+        } else {
+            "172.30.0.0/16"
+        }
+    }
+    fn unallocated(&self) -> &'static str {
+        if self.v6 {
+            "fd00:30::ff:9"
+        } else {
+            "172.30.250.9"
+        }
+    }
+    fn lb_ip(&self, i: usize) -> String {
+        if self.v6 {
+            format!("fd00:56::{:x}", i + 1)
+        } else {
+            format!("5.6.{}.{}", i / 200, i % 200 + 1)
+        }
+    }
+    fn endpoint(&self, i: usize, e: usize) -> String {
+        if self.v6 {
+            format!("fd00:180:{:x}::{}", i % 250, e + 1)
+        } else {
+            format!("10.180.{}.{}", i % 250, e + 1)
+        }
+    }
+    fn pods(&self) -> &'static str {
+        if self.v6 {
+            "fd00:180::/32"
+        } else {
+            "10.180.0.0/16"
+        }
+    }
+    fn with_port(&self, a: &str, port: u16) -> String {
+        if self.v6 {
+            format!("[{a}]:{port}")
+        } else {
+            format!("{a}:{port}")
+        }
+    }
+    fn loopback(&self) -> &'static str {
+        if self.v6 { "::1" } else { "127.0.0.0/8" }
+    }
+    fn node_ips(&self) -> [&'static str; 2] {
+        if self.v6 {
+            ["fd00:201::1", "fd00:202::1"]
+        } else {
+            ["10.201.0.1", "10.202.0.1"]
+        }
+    }
+    fn router_src(&self) -> &'static str {
+        self.node_ips()[1]
+    }
+    /// The client with pre-filled session affinity, then other sources.
+    fn clients(&self) -> [&'static str; 5] {
+        if self.v6 {
+            [
+                "fd00:201::7",
+                "2001:db8:5100::10",
+                "2001:db8:113::5",
+                "2001:db8:113:1::200",
+                "fd00:180:1::1",
+            ]
+        } else {
+            [
+                "10.201.0.7",
+                "198.51.100.10",
+                "203.0.113.5",
+                "203.0.113.200",
+                "10.180.1.1",
+            ]
+        }
+    }
+    fn source_ranges(&self) -> [&'static str; 3] {
+        if self.v6 {
+            [
+                "2001:db8:113::/64",
+                "2001:db8:113::/64, fd00:201::/64",
+                "2001:db8:5100::/48",
+            ]
+        } else {
+            [
+                "203.0.113.0/25",
+                "203.0.113.0/25, 10.201.0.0/24",
+                "198.51.100.0/24",
+            ]
+        }
+    }
+}
+
+static V4: Fam = Fam { v6: false };
+static V6: Fam = Fam { v6: true };
+
 struct Service {
     cluster_ip: String,
     proto: &'static str,
@@ -559,7 +735,9 @@ fn hash8(i: usize, salt: u64) -> String {
 }
 
 /// A kube-proxy nftables ruleset with `n` services of random kinds, plus the services.
-fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>) {
+fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64, f: &Fam) -> (String, Vec<Service>) {
+    let ip = f.nft();
+    let pods = f.pods();
     let mut chains = String::new();
     let mut service_ips = Vec::new();
     let mut nodeports = Vec::new();
@@ -580,26 +758,29 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
         };
         let id = format!("{ns}/{name}/{proto}/{pname}");
         let h = hash8(i, seed_salt);
-        let cip = format!("172.30.{}.{}", i / 200, i % 200 + 1);
+        let cip = f.cluster_ip(i);
         cluster_ips.push(cip.clone());
         let kind = rng.below(4); // 0,1 ClusterIP, 2 NodePort, 3 LoadBalancer
         let node_port = (kind >= 2).then_some(30000 + i as u16);
-        let lb_ip = (kind == 3).then(|| format!("5.6.{}.{}", i / 200, i % 200 + 1));
+        let lb_ip = (kind == 3).then(|| f.lb_ip(i));
         let n_ep = *rng.pick(&[0usize, 1, 2, 3]);
         let affinity = rng.chance(30);
         let local = kind >= 2 && rng.chance(40);
         let svc_chain = format!("service-{h}-{id}");
         let ext_chain = format!("external-{h}-{id}");
-        let eps: Vec<(String, String)> = (0..n_ep)
+        // (chain, address, address:port); nft 1.0.6 takes no `:` in chain names.
+        let eps: Vec<(String, String, String)> = (0..n_ep)
             .map(|e| {
-                let a = format!("10.180.{}.{}", i % 250, e + 1);
+                let a = f.endpoint(i, e);
                 let tp = if rng.chance(50) { port } else { 8080 };
                 (
                     format!(
-                        "endpoint-{}-{id}__{a}/{tp}",
-                        hash8(i * 7 + e, seed_salt ^ 1)
+                        "endpoint-{}-{id}__{}/{tp}",
+                        hash8(i * 7 + e, seed_salt ^ 1),
+                        a.replace(':', "-")
                     ),
-                    format!("{a}:{tp}"),
+                    a.clone(),
+                    f.with_port(&a, tp),
                 )
             })
             .collect();
@@ -618,17 +799,17 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
             let _ = writeln!(chains, "\tchain {svc_chain} {{");
             let _ = writeln!(
                 chains,
-                "\t\tip daddr {cip} {proto} dport {port} ip saddr != 10.180.0.0/16 jump mark-for-masquerade"
+                "\t\t{ip} daddr {cip} {proto} dport {port} {ip} saddr != {pods} jump mark-for-masquerade"
             );
             if affinity {
-                for (ep, _) in &eps {
-                    let _ = writeln!(chains, "\t\tip saddr @affinity-{ep} goto {ep}");
+                for (ep, _, _) in &eps {
+                    let _ = writeln!(chains, "\t\t{ip} saddr @affinity-{ep} goto {ep}");
                 }
             }
             let vm: Vec<String> = eps
                 .iter()
                 .enumerate()
-                .map(|(k, (ep, _))| format!("{k} : goto {ep}"))
+                .map(|(k, (ep, _, _))| format!("{k} : goto {ep}"))
                 .collect();
             let _ = writeln!(
                 chains,
@@ -636,21 +817,21 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
                 eps.len(),
                 vm.join(", ")
             );
-            for (ep, addr) in &eps {
-                let a = addr.split(':').next().unwrap_or("");
+            for (ep, a, addr) in &eps {
                 let _ = writeln!(chains, "\tchain {ep} {{");
-                let _ = writeln!(chains, "\t\tip saddr {a} jump mark-for-masquerade");
+                let _ = writeln!(chains, "\t\t{ip} saddr {a} jump mark-for-masquerade");
                 if affinity {
-                    let _ = writeln!(chains, "\t\tupdate @affinity-{ep} {{ ip saddr }}");
+                    let _ = writeln!(chains, "\t\tupdate @affinity-{ep} {{ {ip} saddr }}");
                     // Some clients already have affinity, as after earlier connections.
                     let pre = if rng.chance(40) {
-                        "\t\telements = { 10.201.0.7 }\n"
+                        format!("\t\telements = {{ {} }}\n", f.clients()[0])
                     } else {
-                        ""
+                        String::new()
                     };
                     let _ = writeln!(
                         sets,
-                        "\tset affinity-{ep} {{\n\t\ttype ipv4_addr\n\t\tflags dynamic,timeout\n\t\ttimeout 3h\n{pre}\t}}"
+                        "\tset affinity-{ep} {{\n\t\ttype {}\n\t\tflags dynamic,timeout\n\t\ttimeout 3h\n{pre}\t}}",
+                        f.addr_type()
                     );
                 }
                 let _ = writeln!(chains, "\t\tmeta l4proto {proto} dnat to {addr}\n\t}}");
@@ -660,7 +841,7 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
                 if local {
                     let _ = writeln!(
                         chains,
-                        "\t\tip saddr 10.180.0.0/16 goto {svc_chain} comment \"short-circuit pod traffic\""
+                        "\t\t{ip} saddr {pods} goto {svc_chain} comment \"short-circuit pod traffic\""
                     );
                     let _ = writeln!(
                         chains,
@@ -696,14 +877,10 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
             && rng.chance(60)
         {
             let fw = format!("firewall-{h}-{id}");
-            let ranges = *rng.pick(&[
-                "203.0.113.0/25",
-                "203.0.113.0/25, 10.201.0.0/24",
-                "198.51.100.0/24",
-            ]);
+            let ranges = *rng.pick(&f.source_ranges());
             let _ = writeln!(
                 chains,
-                "\tchain {fw} {{\n\t\tip saddr != {{ {ranges} }} drop\n\t}}"
+                "\tchain {fw} {{\n\t\t{ip} saddr != {{ {ranges} }} drop\n\t}}"
             );
             firewall.push(format!("{lb} . {proto} . {port} : goto {fw}"));
         }
@@ -723,34 +900,25 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
         }
     };
     let fib_nodeports = rng.chance(50);
-    let mut t = String::from("table ip kube-proxy {\n\tcomment \"rules for kube-proxy\"\n");
+    let at = f.addr_type();
+    let mut t = format!("table {ip} kube-proxy {{\n\tcomment \"rules for kube-proxy\"\n");
     let _ = write!(
         t,
-        "\tset cluster-ips {{\n\t\ttype ipv4_addr\n{}\t}}\n\tset nodeport-ips {{\n\t\ttype ipv4_addr\n\t\telements = {{ 10.201.0.1, 10.202.0.1 }}\n\t}}\n",
-        elems(&cluster_ips)
+        "\tset cluster-ips {{\n\t\ttype {at}\n{}\t}}\n\tset nodeport-ips {{\n\t\ttype {at}\n\t\telements = {{ {} }}\n\t}}\n",
+        elems(&cluster_ips),
+        f.node_ips().join(", ")
     );
+    let key3 = format!("{at} . inet_proto . inet_service");
     for (name, key, v) in [
-        (
-            "service-ips",
-            "ipv4_addr . inet_proto . inet_service",
-            &service_ips,
-        ),
+        ("service-ips", key3.as_str(), &service_ips),
         ("service-nodeports", "inet_proto . inet_service", &nodeports),
-        (
-            "no-endpoint-services",
-            "ipv4_addr . inet_proto . inet_service",
-            &no_ep,
-        ),
+        ("no-endpoint-services", key3.as_str(), &no_ep),
         (
             "no-endpoint-nodeports",
             "inet_proto . inet_service",
             &no_ep_np,
         ),
-        (
-            "firewall-ips",
-            "ipv4_addr . inet_proto . inet_service",
-            &firewall,
-        ),
+        ("firewall-ips", key3.as_str(), &firewall),
     ] {
         let _ = write!(
             t,
@@ -759,7 +927,7 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
         );
     }
     t.push_str(&sets);
-    t.push_str(
+    let fixed = String::from(
         "\tchain filter-prerouting-pre-dnat {\n\t\ttype filter hook prerouting priority -110; policy accept;\n\t\tct state new jump firewall-check\n\t}
 \tchain filter-output-pre-dnat {\n\t\ttype filter hook output priority -110; policy accept;\n\t\tct state new jump firewall-check\n\t}
 \tchain filter-input {\n\t\ttype filter hook input priority 0; policy accept;\n\t\tct state new jump nodeport-endpoints-check\n\t\tct state new jump service-endpoints-check\n\t}
@@ -776,14 +944,23 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
 \tchain service-endpoints-check {\n\t\tip daddr . meta l4proto . th dport vmap @no-endpoint-services\n\t}
 \tchain mark-for-masquerade {\n\t\tmark set mark or 0x4000\n\t}
 \tchain masquerading {\n\t\tmark and 0x4000 == 0 return\n\t\tmark set mark xor 0x4000\n\t\tmasquerade fully-random\n\t}
-",
+\tchain services {\n\t\tip daddr . meta l4proto . th dport vmap @service-ips\n",
     );
-    t.push_str("\tchain services {\n\t\tip daddr . meta l4proto . th dport vmap @service-ips\n");
+    t.push_str(
+        &fixed
+            .replace("ip daddr", &format!("{ip} daddr"))
+            .replace("172.30.0.0/16", f.cluster_range()),
+    );
     if fib_nodeports {
-        t.push_str("\t\tfib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports\n\t}\n");
+        let _ = writeln!(
+            t,
+            "\t\tfib daddr type local {ip} daddr != {} meta l4proto . th dport vmap @service-nodeports\n\t}}",
+            f.loopback()
+        );
     } else {
-        t.push_str(
-            "\t\tip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports\n\t}\n",
+        let _ = writeln!(
+            t,
+            "\t\t{ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports\n\t}}"
         );
     }
     t.push_str(&chains);
@@ -791,21 +968,15 @@ fn kube_proxy(rng: &mut Rng, n: usize, seed_salt: u64) -> (String, Vec<Service>)
     (t, services)
 }
 
-fn kube_proxy_probes(rng: &mut Rng, services: &[Service], count: usize) -> Vec<Probe> {
-    let srcs = [
-        "10.201.0.7",
-        "198.51.100.10",
-        "203.0.113.5",
-        "203.0.113.200",
-        "10.180.1.1",
-    ];
+fn kube_proxy_probes(rng: &mut Rng, services: &[Service], count: usize, f: &Fam) -> Vec<Probe> {
+    let srcs = f.clients();
     let mut out = Vec::new();
     for _ in 0..count {
         let s = rng.pick(services);
         let proto = if s.proto == "tcp" { 6 } else { 17 };
         let local_out = rng.chance(20);
         let src = if local_out {
-            "10.202.0.1"
+            f.router_src()
         } else {
             *rng.pick(&srcs)
         };
@@ -813,18 +984,14 @@ fn kube_proxy_probes(rng: &mut Rng, services: &[Service], count: usize) -> Vec<P
             0 | 1 => (s.cluster_ip.clone(), s.port, proto),
             2 => (s.cluster_ip.clone(), s.port + 1, proto),
             3 => match s.node_port {
-                Some(np) if !local_out => (
-                    rng.pick(&["10.201.0.1", "10.202.0.1"]).to_string(),
-                    np,
-                    proto,
-                ),
+                Some(np) if !local_out => (rng.pick(&f.node_ips()).to_string(), np, proto),
                 _ => (s.cluster_ip.clone(), s.port, 23 - proto),
             },
             4 => match &s.lb_ip {
                 Some(lb) => (lb.clone(), s.port, proto),
-                None => ("172.30.250.9".to_string(), 80, 6),
+                None => (f.unallocated().to_string(), 80, 6),
             },
-            _ => ("10.180.3.3".to_string(), 8080, proto),
+            _ => (f.endpoint(3, 2), 8080, proto),
         };
         out.push(Probe {
             proto,
@@ -1027,31 +1194,29 @@ fn kernel_nft_trace_agrees_with_simulator() {
     }
     let mut tally = Tally::default();
     let mut rulesets = 0;
-    while started.elapsed() < BUDGET && rulesets < 24 {
-        let (table, text, probes) = if rulesets % 3 == 2 {
-            let text = calico(&mut rng);
-            let probes = calico_probes(&mut rng, 30);
-            ("calico", text, probes)
-        } else {
-            let n = 4 + rng.below(12);
-            let (text, services) = kube_proxy(&mut rng, n, seed ^ rulesets as u64);
-            let probes = kube_proxy_probes(&mut rng, &services, 30);
-            ("kube-proxy", text, probes)
+    while started.elapsed() < BUDGET && rulesets < 28 {
+        let (table, text, probes) = match rulesets % 4 {
+            2 => {
+                let text = calico(&mut rng);
+                let probes = calico_probes(&mut rng, 30);
+                ("ip calico", text, probes)
+            }
+            k => {
+                let f = if k == 3 { &V6 } else { &V4 };
+                let n = 4 + rng.below(12);
+                let (text, services) = kube_proxy(&mut rng, n, seed ^ rulesets as u64, f);
+                let probes = kube_proxy_probes(&mut rng, &services, 30, f);
+                let table = if f.v6 {
+                    "ip6 kube-proxy"
+                } else {
+                    "ip kube-proxy"
+                };
+                (table, text, probes)
+            }
         };
-        // One native table at a time; the other shape is removed.
-        for other in ["kube-proxy", "calico"] {
-            let _ = Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &lab.router.name,
-                    "nft",
-                    "delete",
-                    "table",
-                    "ip",
-                    other,
-                ])
-                .output();
+        // One native table at a time; the other shapes are removed.
+        for other in ["ip kube-proxy", "ip calico", "ip6 kube-proxy"] {
+            drop_table(&lab, other);
         }
         run_ruleset(
             &lab,
@@ -1070,15 +1235,16 @@ fn kernel_nft_trace_agrees_with_simulator() {
     }
     // Both shapes loaded together: Calico's chains interleave with kube-proxy's by priority.
     if tally.disagreements.is_empty() {
-        let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xfeed);
+        drop_table(&lab, "ip6 kube-proxy");
+        let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xfeed, &V4);
         let cal = calico(&mut rng);
-        load(&lab, "calico", &cal);
-        let mut probes = kube_proxy_probes(&mut rng, &services, 20);
+        load(&lab, "ip calico", &cal);
+        let mut probes = kube_proxy_probes(&mut rng, &services, 20, &V4);
         probes.extend(calico_probes(&mut rng, 20));
         run_ruleset(
             &lab,
             &monitor,
-            "kube-proxy",
+            "ip kube-proxy",
             &kp,
             None,
             &probes,
@@ -1090,26 +1256,15 @@ fn kernel_nft_trace_agrees_with_simulator() {
     // iptables-nft rules beside native kube-proxy: simulated once, from iptables-save, named by
     // their nft handles, and run in the kernel's order with the native chains.
     if tally.disagreements.is_empty() {
-        let _ = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &lab.router.name,
-                "nft",
-                "delete",
-                "table",
-                "ip",
-                "calico",
-            ])
-            .output();
+        drop_table(&lab, "ip calico");
         let path = std::env::temp_dir().join(format!("{}-ipt.rules", lab.router.name));
         std::fs::write(&path, IPTABLES_BESIDE).unwrap();
         lab.router
             .sh(&format!("iptables-restore < {}", path.display()));
         let _ = std::fs::remove_file(&path);
         let save = lab.router.sh("iptables-save");
-        let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xbeef);
-        let mut probes = kube_proxy_probes(&mut rng, &services, 25);
+        let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xbeef, &V4);
+        let mut probes = kube_proxy_probes(&mut rng, &services, 25, &V4);
         probes.extend(calico_probes(&mut rng, 15));
         for (dst, port) in [("10.96.0.30", 80), ("10.96.0.30", 81)] {
             probes.push(Probe {
@@ -1123,7 +1278,7 @@ fn kernel_nft_trace_agrees_with_simulator() {
         run_ruleset(
             &lab,
             &monitor,
-            "kube-proxy",
+            "ip kube-proxy",
             &kp,
             Some(&save),
             &probes,
@@ -1133,8 +1288,9 @@ fn kernel_nft_trace_agrees_with_simulator() {
         rulesets += 1;
     }
     eprintln!(
-        "nft_differential: {rulesets} rulesets, {} packets compared against the kernel's trace ({} trace events, {} of them iptables-nft, {} predicted outcomes), {} undecidable, {} disagreements, verdicts {:?}, {:.1} s",
+        "nft_differential: {rulesets} rulesets, {} packets ({} IPv6) compared against the kernel's trace ({} trace events, {} of them iptables-nft, {} predicted outcomes), {} undecidable, {} disagreements, verdicts {:?}, {:.1} s",
         tally.packets - tally.undecidable,
+        tally.v6_packets,
         tally.events,
         tally.iptables_events,
         tally.branches,
@@ -1153,6 +1309,7 @@ fn kernel_nft_trace_agrees_with_simulator() {
         tally.iptables_events > 0,
         "the iptables-nft phase compared nothing"
     );
+    assert!(tally.v6_packets > 0, "no IPv6 packet was compared");
     assert!(
         tally.packets >= 200,
         "too few packets compared: {}",
