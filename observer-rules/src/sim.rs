@@ -17,7 +17,8 @@ use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
 use crate::net::fmt_endpoint;
 use crate::nft::NftRuleset;
-use crate::nft::program::{Program, Scheduled, compile as compile_nft, nat_core_priority};
+use crate::nft::compile::compile as compile_nft;
+use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
 

@@ -1,7 +1,8 @@
 //! `nft -j list ruleset`: tables, chains (hook, priority, policy), rules (their `expr` kept
-//! verbatim with handles and comments) and named sets and maps. [`program`] compiles this model
-//! into typed statements the simulator walks; [`text`] prints rules the way `nft` does.
+//! verbatim with handles and comments) and named sets and maps. [`compile`] turns this model
+//! into the typed [`program`] the simulator walks; [`text`] prints rules the way `nft` does.
 
+pub mod compile;
 pub mod program;
 pub mod text;
 pub mod value;
