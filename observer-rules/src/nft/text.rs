@@ -133,8 +133,17 @@ fn elem_text(v: &Value) -> String {
     }
 }
 
+fn is_ifname(v: &Value) -> bool {
+    v.get("meta")
+        .and_then(|m| m.get("key"))
+        .and_then(Value::as_str)
+        .is_some_and(|k| matches!(k, "iifname" | "oifname" | "iif" | "oif"))
+}
+
 fn right_text(left: &Value, right: &Value) -> String {
     match right {
+        // Interface names are quoted, as nft prints them.
+        Value::String(name) if is_ifname(left) => format!("\"{name}\""),
         Value::Number(n)
             if is_mark(left) || left.get("&").is_some_and(|a| a.get(0).is_some_and(is_mark)) =>
         {
@@ -272,6 +281,11 @@ mod tests {
         assert_eq!(
             rule_text(r.as_array().unwrap(), None),
             "meta l4proto tcp dnat to 10.180.0.1:80"
+        );
+        let r = json!([{"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": "cali*"}}, {"accept": null}]);
+        assert_eq!(
+            rule_text(r.as_array().unwrap(), None),
+            "iifname \"cali*\" accept"
         );
     }
 }
