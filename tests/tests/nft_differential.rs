@@ -662,11 +662,25 @@ fn kernel_nft_trace_agrees_with_simulator() {
     // their nft handles, and run in the kernel's order with the native chains.
     if tally.disagreements.is_empty() {
         drop_table(&lab, "ip calico");
-        let path = std::env::temp_dir().join(format!("{}-ipt.rules", lab.router.name));
-        std::fs::write(&path, IPTABLES_BESIDE).unwrap();
-        lab.router
-            .sh(&format!("iptables-restore < {}", path.display()));
-        let _ = std::fs::remove_file(&path);
+        let out = Command::new("ip")
+            .args(["netns", "exec", &lab.router.name, "iptables-restore"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write as _;
+                c.stdin
+                    .take()
+                    .expect("piped stdin")
+                    .write_all(IPTABLES_BESIDE.as_bytes())?;
+                c.wait_with_output()
+            })
+            .expect("run iptables-restore");
+        assert!(
+            out.status.success(),
+            "iptables-restore: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let save = lab.router.sh("iptables-save");
         let (kp, services) = kube_proxy(&mut rng, 6, seed ^ 0xbeef, &V4);
         let mut probes = kube_proxy_probes(&mut rng, &services, 25, &V4);
