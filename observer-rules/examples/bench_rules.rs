@@ -1,6 +1,8 @@
 //! Benchmark (not a test): a kube-proxy ruleset with 5,000 services (about 40,000 rules) is
 //! parsed and simulated, and, when run as root with iptables available, the same file is
-//! checked by `iptables-restore --test` inside a throwaway namespace for comparison.
+//! checked by `iptables-restore --test` inside a throwaway namespace for comparison. The same
+//! services in kube-proxy's nftables mode (`nft -j list ruleset` shape: verdict maps keyed by
+//! address . protocol . port, `numgen` per service) are parsed, compiled and simulated too.
 //!
 //! `cargo run --release -p observer-rules --example bench_rules -- [--services N]
 //! [--packets N] [--no-kernel] [--json]`
@@ -10,7 +12,10 @@ use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, parse_packet_spec, parse_save};
+use observer_rules::{
+    Ipsets, PacketSpec, Routes, Simulator, parse_nft_json, parse_packet_spec, parse_save,
+};
+use serde_json::{Value, json};
 
 /// Service `i`'s ClusterIP and its two endpoints, deterministic so runs compare.
 fn cluster_ip(i: usize) -> Ipv4Addr {
@@ -88,6 +93,92 @@ fn kube_proxy_ruleset(services: usize) -> String {
     s.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
     s.push_str("COMMIT\n");
     s
+}
+
+/// The same services as kube-proxy's nftables mode writes them, as `nft -j list ruleset` prints.
+fn kube_proxy_nft_json(services: usize) -> String {
+    let mut items: Vec<Value> =
+        vec![json!({"metainfo": {"version": "1.0.6", "json_schema_version": 1}})];
+    items.push(json!({"table": {"family": "ip", "name": "kube-proxy", "handle": 1}}));
+    let chain = |name: &str, base: Option<(&str, &str, i64)>| {
+        let mut c = json!({"family": "ip", "table": "kube-proxy", "name": name, "handle": 0});
+        if let Some((ty, hook, prio)) = base {
+            c["type"] = json!(ty);
+            c["hook"] = json!(hook);
+            c["prio"] = json!(prio);
+            c["policy"] = json!("accept");
+        }
+        json!({ "chain": c })
+    };
+    let rule = |chain: &str, expr: Value| json!({"rule": {"family": "ip", "table": "kube-proxy", "chain": chain, "handle": 0, "expr": expr}});
+    let daddr = json!({"payload": {"protocol": "ip", "field": "daddr"}});
+    let saddr = json!({"payload": {"protocol": "ip", "field": "saddr"}});
+    let key3 = json!({"concat": [daddr, {"meta": {"key": "l4proto"}}, {"payload": {"protocol": "th", "field": "dport"}}]});
+    let mut elems = Vec::with_capacity(services);
+    let mut rest = Vec::new();
+    for i in 0..services {
+        let svc = format!("service-{}-ns{}/svc{i}/tcp/http", hash("H", i), i % 50);
+        elems.push(
+            json!([{"concat": [cluster_ip(i).to_string(), "tcp", 80]}, {"goto": {"target": svc}}]),
+        );
+        rest.push(chain(&svc, None));
+        rest.push(rule(&svc, json!([
+            {"match": {"op": "==", "left": daddr, "right": cluster_ip(i).to_string()}},
+            {"match": {"op": "==", "left": {"payload": {"protocol": "tcp", "field": "dport"}}, "right": 80}},
+            {"match": {"op": "!=", "left": saddr, "right": {"prefix": {"addr": "10.244.0.0", "len": 16}}}},
+            {"jump": {"target": "mark-for-masquerade"}}
+        ])));
+        let eps: Vec<String> = (0..2)
+            .map(|e| {
+                format!(
+                    "endpoint-{}-ns{}/svc{i}/tcp/http__{}/8080",
+                    hash("E", i * 2 + e),
+                    i % 50,
+                    endpoint(i, e)
+                )
+            })
+            .collect();
+        rest.push(rule(&svc, json!([{"vmap": {"key": {"numgen": {"mode": "random", "mod": 2, "offset": 0}},
+            "data": {"set": [[0, {"goto": {"target": eps[0]}}], [1, {"goto": {"target": eps[1]}}]]}}}])));
+        for (e, ep) in eps.iter().enumerate() {
+            rest.push(chain(ep, None));
+            rest.push(rule(ep, json!([{"match": {"op": "==", "left": saddr, "right": endpoint(i, e).to_string()}}, {"jump": {"target": "mark-for-masquerade"}}])));
+            rest.push(rule(ep, json!([{"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}, "right": "tcp"}}, {"dnat": {"addr": endpoint(i, e).to_string(), "port": 8080}}])));
+        }
+    }
+    items.push(json!({"map": {"family": "ip", "name": "service-ips", "table": "kube-proxy", "type": ["ipv4_addr", "inet_proto", "inet_service"], "handle": 0, "map": "verdict", "elem": elems}}));
+    items.push(chain("nat-prerouting", Some(("nat", "prerouting", -100))));
+    items.push(chain("nat-postrouting", Some(("nat", "postrouting", 100))));
+    items.push(chain("services", None));
+    items.push(chain("mark-for-masquerade", None));
+    items.push(chain("masquerading", None));
+    items.push(rule(
+        "nat-prerouting",
+        json!([{"jump": {"target": "services"}}]),
+    ));
+    items.push(rule(
+        "nat-postrouting",
+        json!([{"jump": {"target": "masquerading"}}]),
+    ));
+    items.push(rule(
+        "services",
+        json!([{"vmap": {"key": key3, "data": "@service-ips"}}]),
+    ));
+    items.push(rule("mark-for-masquerade", json!([{"mangle": {"key": {"meta": {"key": "mark"}}, "value": {"|": [{"meta": {"key": "mark"}}, 16384]}}}])));
+    items.push(rule("masquerading", json!([{"match": {"op": "==", "left": {"&": [{"meta": {"key": "mark"}}, 16384]}, "right": 0}}, {"return": null}])));
+    items.push(rule("masquerading", json!([{"mangle": {"key": {"meta": {"key": "mark"}}, "value": {"^": [{"meta": {"key": "mark"}}, 16384]}}}])));
+    items.push(rule(
+        "masquerading",
+        json!([{"masquerade": {"flags": "fully-random"}}]),
+    ));
+    items.extend(rest);
+    // Handles as nft numbers them: one counter per table.
+    for (h, item) in items.iter_mut().enumerate().skip(2) {
+        if let Some(o) = item.as_object_mut().and_then(|o| o.values_mut().next()) {
+            o["handle"] = json!(h);
+        }
+    }
+    json!({ "nftables": items }).to_string()
 }
 
 fn ms(d: Duration) -> f64 {
@@ -225,16 +316,61 @@ fn main() {
         Some(Err(e)) => println!("  iptables-restore --test           skipped: {e}"),
         None => println!("  iptables-restore --test           skipped (--no-kernel)"),
     }
+
+    // kube-proxy's nftables mode: the same services as native nft JSON.
+    let nft_text = kube_proxy_nft_json(services);
+    let t = Instant::now();
+    let nft = parse_nft_json(&nft_text).expect("generated nft JSON parses");
+    let nft_parse = t.elapsed();
+    let nft_rules: usize = nft
+        .tables
+        .iter()
+        .flat_map(|t| &t.chains)
+        .map(|c| c.rules.len())
+        .sum();
+    let t = Instant::now();
+    let nsim = Simulator::new(&empty, &empty, &ipsets, &routes).with_nft(&nft);
+    let nft_prepare = t.elapsed();
+    let t = Instant::now();
+    let mut nft_branches = 0;
+    for spec in &specs {
+        let b = nsim.simulate(spec);
+        debug_assert!(b.iter().all(|b| b.stages.iter().any(|s| s.nat.is_some())));
+        nft_branches += b.len();
+    }
+    let nft_per_packet = t.elapsed() / packets as u32;
+    println!(
+        "kube-proxy nftables ruleset: {services} services, {nft_rules} rules, {:.1} MB of nft JSON",
+        nft_text.len() as f64 / 1e6
+    );
+    println!(
+        "  parse nft JSON (observer-rules)   {:>10.1} ms   target < 1000 ms  {}",
+        ms(nft_parse),
+        verdict(ms(nft_parse), 1000.0)
+    );
+    println!(
+        "  compile (sets hashed, typed)      {:>10.1} ms   parse + compile   {}",
+        ms(nft_prepare),
+        verdict(ms(nft_parse + nft_prepare), 1000.0)
+    );
+    println!(
+        "  simulate, per packet (avg of {packets}) {:>8.3} ms   target < 1 ms     {}  ({nft_branches} branches)",
+        ms(nft_per_packet),
+        verdict(ms(nft_per_packet), 1.0)
+    );
     if json {
         let k = match &kernel_result {
             Some(Ok(d)) => format!("{:.3}", ms(*d)),
             _ => "null".into(),
         };
         println!(
-            "{{\"services\":{services},\"rules\":{rules},\"parse_ms\":{:.3},\"prepare_ms\":{:.3},\"simulate_ms_per_packet\":{:.4},\"iptables_restore_test_ms\":{k}}}",
+            "{{\"services\":{services},\"rules\":{rules},\"parse_ms\":{:.3},\"prepare_ms\":{:.3},\"simulate_ms_per_packet\":{:.4},\"iptables_restore_test_ms\":{k},\"nft_rules\":{nft_rules},\"nft_parse_ms\":{:.3},\"nft_compile_ms\":{:.3},\"nft_simulate_ms_per_packet\":{:.4}}}",
             ms(parse),
             ms(prepare),
-            ms(per_packet)
+            ms(per_packet),
+            ms(nft_parse),
+            ms(nft_prepare),
+            ms(nft_per_packet)
         );
     }
 }

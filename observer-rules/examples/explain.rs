@@ -1,9 +1,10 @@
 //! Offline `explain` without the CLI, for trying the library by hand:
 //!
-//! `cargo run -p observer-rules --example explain -- RULES [--ipsets FILE] [--routes FILE]
-//! [--json] "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0"`
+//! `cargo run -p observer-rules --example explain -- [RULES] [--nft FILE] [--ipsets FILE]
+//! [--routes FILE] [--pick N] [--json] "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0"`
 //!
-//! RULES is `iptables-save` output (or `ip6tables-save` output for an IPv6 packet).
+//! RULES is `iptables-save` output (or `ip6tables-save` output for an IPv6 packet); `--nft`
+//! takes `nft -j list ruleset` output.
 
 use observer_rules::{ExplainRequest, explain};
 
@@ -12,6 +13,8 @@ fn main() {
     let mut req = ExplainRequest::default();
     let mut json = false;
     let mut rules = None;
+    let mut pick: Option<usize> = None;
+    let mut positional = Vec::new();
     let read = |p: Option<String>| {
         std::fs::read_to_string(p.expect("a file name")).expect("readable file")
     };
@@ -20,17 +23,34 @@ fn main() {
             "--ipsets" => req.ipset_save = Some(read(args.next())),
             "--routes" => req.routes_json.push(read(args.next())),
             "--json" => json = true,
-            _ if rules.is_none() => rules = Some(read(Some(a))),
-            _ => req.packet = a,
+            "--nft" => req.nft_json = Some(read(args.next())),
+            "--pick" => pick = args.next().and_then(|n| n.parse().ok()),
+            _ => positional.push(a),
         }
     }
-    let rules = rules.expect("usage: explain RULES [--ipsets F] [--routes F] [--json] PACKET");
-    if req.packet.contains('[') {
-        req.ip6tables_save = Some(rules);
-    } else {
-        req.iptables_save = Some(rules);
+    // The packet comes last; a file before it is the iptables-save input.
+    req.packet = positional.pop().unwrap_or_default();
+    if let Some(f) = positional.pop() {
+        rules = Some(read(Some(f)));
     }
-    match explain(&req) {
+    if rules.is_none() && req.nft_json.is_none() {
+        eprintln!(
+            "usage: explain [RULES] [--nft F] [--ipsets F] [--routes F] [--pick N] [--json] PACKET"
+        );
+        std::process::exit(2);
+    }
+    if let Some(rules) = rules {
+        if req.packet.contains('[') {
+            req.ip6tables_save = Some(rules);
+        } else {
+            req.iptables_save = Some(rules);
+        }
+    }
+    let result = explain(&req).and_then(|e| match pick {
+        Some(n) => e.pick(n),
+        None => Ok(e),
+    });
+    match result {
         Ok(e) if json => println!(
             "{}",
             serde_json::to_string_pretty(&e.to_json()).expect("json")

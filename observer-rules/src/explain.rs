@@ -24,7 +24,7 @@ pub struct ExplainRequest {
     pub iptables_save: Option<String>,
     /// `ip6tables-save [-c]` output.
     pub ip6tables_save: Option<String>,
-    /// `nft -j list ruleset` output (native base chains are reported, not simulated).
+    /// `nft -j list ruleset` output: native tables are simulated with the iptables tables.
     pub nft_json: Option<String>,
     /// `ipset save` (or `ipset list`) output; sets not given are unknown.
     pub ipset_save: Option<String>,
@@ -62,6 +62,8 @@ pub enum ExplainError {
         "no ruleset for {0}: pass iptables-save (or ip6tables-save for IPv6) output, or use --live"
     )]
     NoRuleset(&'static str),
+    #[error("--pick {pick}: the packet has {count} random outcome(s); pick 1 to {count}")]
+    Pick { pick: usize, count: usize },
     #[error("`{cmd}` failed: {msg} (run as root on the node; needs iptables, ipset and iproute2)")]
     Live { cmd: String, msg: String },
 }
@@ -128,27 +130,12 @@ pub fn explain_with(
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
     let mut sim = Simulator::new(&rs.ipv4, &rs.ipv6, ipsets, routes);
+    if let Some(nft) = &rs.nft {
+        sim = sim.with_nft(nft);
+    }
     sim.iface_addrs = iface_addrs.clone();
     let branches = sim.simulate(packet);
     let mut notes = Vec::new();
-    if let (Some(nft), Some(b)) = (&rs.nft, branches.first()) {
-        let fam = if packet.is_v6() { "ip6" } else { "ip" };
-        let mut seen = Vec::new();
-        for s in &b.stages {
-            if seen.contains(&s.hook) {
-                continue;
-            }
-            seen.push(s.hook);
-            for (table, c) in nft.native_base_chains(fam, s.hook.name()) {
-                notes.push(format!(
-                    "native nft chain {table} {} on {} (priority {}) is not simulated; its verdict also applies",
-                    c.name,
-                    s.hook.name(),
-                    c.priority.map_or("?".into(), |p| p.to_string())
-                ));
-            }
-        }
-    }
     if let Some(nft) = &rs.nft {
         let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
         let fam = if packet.is_v6() { "ip6" } else { "ip" };
@@ -159,7 +146,7 @@ pub fn explain_with(
                 .any(|t| t.is_iptables() && t.family == fam)
         {
             notes.push(format!(
-                "the nft ruleset holds iptables-nft tables ({fam}); pass {} output to simulate them",
+                "the nft ruleset holds iptables-nft tables ({fam}), simulated from the nft dump where their rules use no `xt` extension; pass {} output to simulate them fully",
                 if packet.is_v6() { "ip6tables-save" } else { "iptables-save" }
             ));
         }
@@ -226,15 +213,53 @@ pub fn load_live() -> Result<(Ruleset, Ipsets, Routes), ExplainError> {
     let r6 =
         run("ip", &["-j", "-6", "route", "show", "table", "all"]).unwrap_or_else(|_| "[]".into());
     let routes = Routes::parse_json(&[&r4, &r6]).map_err(ExplainError::Routes)?;
-    // Native nft chains are only reported, so a node without nft (or older JSON) still works.
+    // A node without nft (or with JSON we cannot read) is explained from iptables alone.
     let nft = run("nft", &["-j", "list", "ruleset"])
         .ok()
         .and_then(|t| parse_nft_json(&t).ok());
     Ok((Ruleset { ipv4, ipv6, nft }, ipsets, routes))
 }
 
+/// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,
+/// `endpoint-HASH-ns/svc/tcp/p80__10.180.0.1/80`, `external-`, `firewall-`, `endpoints-local-`.
+fn k8s_nft_meaning(m: &MatchedRule) -> Option<Value> {
+    if m.table != "kube-proxy" {
+        return None;
+    }
+    let rest = [
+        "service-",
+        "endpoint-",
+        "external-",
+        "firewall-",
+        "endpoints-local-",
+    ]
+    .iter()
+    .find_map(|p| m.chain.strip_prefix(p))?;
+    let (_hash, rest) = rest.split_once('-')?;
+    let (svc, ep) = match rest.split_once("__") {
+        Some((s, e)) => (s, Some(e)),
+        None => (rest, None),
+    };
+    let parts: Vec<&str> = svc.split('/').collect();
+    let [ns, name, _proto, port] = parts.as_slice() else {
+        return None;
+    };
+    let mut v = json!({ "service": format!("{ns}/{name}:{port}") });
+    if let Some((ip, port)) = ep.and_then(|e| e.rsplit_once('/')) {
+        v["endpoint"] = json!(crate::net::fmt_endpoint(
+            ip,
+            ip.contains(':'),
+            port.parse().ok()
+        ));
+    }
+    Some(v)
+}
+
 /// Kubernetes meaning of a kube-proxy rule: the service from its comment, the endpoint of a DNAT.
 fn k8s_meaning(m: &MatchedRule) -> Option<Value> {
+    if m.nft.as_ref().is_some_and(|n| n.native) {
+        return k8s_nft_meaning(m);
+    }
     if !m.chain.starts_with("KUBE-") {
         return None;
     }
@@ -263,6 +288,13 @@ fn rule_json(m: &MatchedRule) -> Value {
     let mut v = json!({
         "table": m.table, "chain": m.chain, "index": m.index, "text": m.text, "action": m.action,
     });
+    if let Some(n) = &m.nft {
+        v["family"] = json!(n.family);
+        v["handle"] = json!(n.handle);
+        if !n.native {
+            v["iptables_nft"] = json!(true);
+        }
+    }
     if let Some(k) = k8s_meaning(m) {
         v["k8s"] = k;
     }
@@ -298,10 +330,30 @@ fn stage_json(s: &Stage) -> Value {
     if let Some(n) = &s.note {
         v["note"] = json!(n);
     }
+    if let Some((family, chain)) = &s.nft_chain {
+        v["family"] = json!(family);
+        v["chain"] = json!(chain);
+    }
     v
 }
 
 impl Explanation {
+    /// Keeps only random outcome `n` (1-based, in the order listed), for `--pick`: the walk as
+    /// if every `numgen`/statistic draw had gone that branch's way.
+    pub fn pick(mut self, n: usize) -> Result<Explanation, ExplainError> {
+        let count = self.branches.len();
+        if n == 0 || n > count {
+            return Err(ExplainError::Pick { pick: n, count });
+        }
+        let b = self.branches.swap_remove(n - 1);
+        self.notes.push(format!(
+            "picked outcome {n} of {count} (probability {:.4})",
+            b.probability
+        ));
+        self.branches = vec![b];
+        Ok(self)
+    }
+
     /// The verdict all branches agree on; `undecidable` when they differ or any is undecidable.
     pub fn verdict(&self) -> Verdict {
         let mut it = self.branches.iter().map(|b| b.verdict);
@@ -414,11 +466,15 @@ impl Explanation {
                 if let Some(pol) = &s.policy {
                     changes.push(format!("policy {pol}"));
                 }
+                let table = match &s.nft_chain {
+                    Some((fam, chain)) => format!("{fam} {} {chain}", s.table),
+                    None => s.table.clone(),
+                };
                 let _ = writeln!(
                     out,
                     "{indent}{:<11} {:<8} ({:>4})  {:<11} {}",
                     s.hook.name(),
-                    s.table,
+                    table,
                     s.priority,
                     s.verdict.name(),
                     changes.join(", ")
@@ -434,10 +490,14 @@ impl Explanation {
                     if let Some(id) = calico_rule_id(r) {
                         let _ = write!(extra, "  [calico {id}]");
                     }
+                    let place = match &r.nft {
+                        Some(n) if n.native => format!("{} handle {}", r.chain, n.handle),
+                        _ => format!("{}#{}", r.chain, r.index),
+                    };
                     let _ = writeln!(
                         out,
-                        "{indent}    {}#{} {}  => {}{extra}",
-                        r.chain, r.index, r.text, r.action
+                        "{indent}    {place} {}  => {}{extra}",
+                        r.text, r.action
                     );
                     if let Some(u) = &r.undecidable {
                         let _ = writeln!(out, "{indent}      undecidable: {u}");

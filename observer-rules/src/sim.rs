@@ -1,6 +1,10 @@
 //! The simulator: walks a packet through the hooks and tables in the kernel's order and records
 //! exactly the rules whose counters the kernel would increment, every mark and NAT change, and
-//! the verdict. Statistic matches fork the walk; each fork is a [`Branch`] with its probability.
+//! the verdict. Statistic matches and `numgen` fork the walk; each fork is a [`Branch`] with its
+//! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
+//! tables by priority, in the kernel's order.
+
+mod nft_walk;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -12,6 +16,9 @@ use crate::compile::{
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
 use crate::net::fmt_endpoint;
+use crate::nft::NftRuleset;
+use crate::nft::compile::compile as compile_nft;
+use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
 
@@ -105,6 +112,17 @@ pub struct MatchedRule {
     pub comments: Vec<String>,
     /// Packet mark before and after, for rules that set it (MARK, CONNMARK --restore-mark).
     pub mark: Option<(u32, u32)>,
+    /// The nf_tables rule: a native rule, or the iptables-nft rule an iptables rule is.
+    pub nft: Option<NftRuleRef>,
+}
+
+/// Names an nf_tables rule as `nft -a list ruleset` and `nft monitor trace` do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NftRuleRef {
+    pub family: String,
+    pub handle: u64,
+    /// False for an iptables-nft rule simulated from iptables-save.
+    pub native: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -123,6 +141,8 @@ pub struct Stage {
     /// The conntrack entry after the table: state and ct mark (None when unknown);
     /// None before conntrack ran (raw) or when the packet is invalid.
     pub ct: Option<(CtState, Option<u32>)>,
+    /// For a native nft base chain: its family and name (`table` is the nft table).
+    pub nft_chain: Option<(String, String)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -148,6 +168,12 @@ pub struct Simulator<'a> {
     routes: &'a Routes,
     /// Addresses per interface, for MASQUERADE/REDIRECT when routes do not say.
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+    /// Native nftables, compiled once.
+    nft: Option<Program>,
+    /// Per family: iptables-nft tables come from iptables-save, so nft leaves them out.
+    nft_skip_iptables: [bool; 2],
+    /// (family, table, chain, 1-based index) of an iptables rule -> its iptables-nft handle.
+    ipt_handles: HashMap<(usize, String, String, usize), u64>,
 }
 
 fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
@@ -187,6 +213,7 @@ struct Pkt {
     ct_mark: Option<u32>,
     state: CtState,
     dnat_done: bool,
+    snat_done: bool,
     /// False in raw: conntrack runs after it (priority -200), so no entry is attached yet.
     ct_attached: bool,
     tcp_flags: u8,
@@ -273,7 +300,39 @@ impl<'a> Simulator<'a> {
             ipsets,
             routes,
             iface_addrs: HashMap::new(),
+            nft: None,
+            nft_skip_iptables: [false; 2],
+            ipt_handles: HashMap::new(),
         }
+    }
+
+    /// Adds native nftables from `nft -j list ruleset`. iptables-nft tables in it are simulated
+    /// from iptables-save when that was given for the family (their rules then carry the nft
+    /// handle); otherwise from the nft dump, where `xt` extensions are undecidable.
+    pub fn with_nft(mut self, rs: &NftRuleset) -> Self {
+        let prog = compile_nft(rs);
+        for fam in 0..2 {
+            self.nft_skip_iptables[fam] = !self.files[fam].tables.is_empty();
+        }
+        for t in rs.tables.iter().filter(|t| t.is_iptables()) {
+            let fam = usize::from(t.family == "ip6");
+            if !self.nft_skip_iptables[fam] {
+                continue;
+            }
+            for c in &t.chains {
+                for (i, r) in c.rules.iter().enumerate() {
+                    self.ipt_handles
+                        .insert((fam, t.name.clone(), c.name.clone(), i + 1), r.handle);
+                }
+            }
+        }
+        self.nft = Some(prog);
+        self
+    }
+
+    /// The compiled native ruleset, if any.
+    pub fn nft_program(&self) -> Option<&Program> {
+        self.nft.as_ref()
     }
 
     /// Every outcome for `spec`, most likely first; a single branch when nothing is random.
@@ -334,6 +393,7 @@ impl<'a> Simulator<'a> {
                 .or((spec.ct_state == CtState::New).then_some(0)),
             state: spec.ct_state,
             dnat_done: false,
+            snat_done: false,
             ct_attached: false,
             tcp_flags: spec.tcp_flags(),
             icmp: spec
@@ -435,7 +495,9 @@ impl<'a> Simulator<'a> {
         Some(local)
     }
 
-    /// Runs every table of `hook`; false when the packet stopped (drop, reject, undecidable).
+    /// Runs every table of `hook`, iptables tables and native nft base chains merged by the
+    /// priority the kernel runs them at; false when the packet stopped (drop, reject,
+    /// undecidable).
     fn run_hook(
         &self,
         fam: usize,
@@ -444,6 +506,18 @@ impl<'a> Simulator<'a> {
         b: &mut Branch,
         ch: &mut Chooser,
     ) -> bool {
+        enum Entry {
+            Ipt {
+                ti: usize,
+                base: usize,
+                name: &'static str,
+            },
+            Nft(Scheduled),
+        }
+        // (runs at, own priority, reversed creation order, entry); x_tables tables that are not
+        // in the nft dump count as the oldest.
+        type Key = (i32, i32, std::cmp::Reverse<(u64, u64)>);
+        let mut entries: Vec<(Key, Entry)> = Vec::new();
         for &(tname, priority) in hook.tables() {
             let Some(ti) = self.files[fam].tables.iter().position(|t| t.name == tname) else {
                 continue;
@@ -452,10 +526,55 @@ impl<'a> Simulator<'a> {
             let Some(&base) = self.tables[fam][ti].index.get(hook.name()) else {
                 continue;
             };
+            let at = if tname == "nat" {
+                nat_core_priority(hook)
+            } else {
+                priority
+            };
+            let created = self
+                .nft
+                .as_ref()
+                .and_then(|p| p.created(fam == 1, tname, hook.name()))
+                .unwrap_or((0, 0));
+            entries.push((
+                (at, priority, std::cmp::Reverse(created)),
+                Entry::Ipt {
+                    ti,
+                    base,
+                    name: tname,
+                },
+            ));
+        }
+        if let Some(p) = &self.nft {
+            for s in p.hook_chains(fam == 1, hook, self.nft_skip_iptables[fam]) {
+                entries.push((
+                    (s.at, s.priority, std::cmp::Reverse(s.created)),
+                    Entry::Nft(s),
+                ));
+            }
+        }
+        // At equal priority the chain registered last runs first (nf_hook_entries_grow).
+        entries.sort_by_key(|e| e.0);
+        // The nat core stops calling nat chains once one of them translated (nf_nat_inet_fn).
+        let mut nat_done = false;
+        for ((at, priority, _), entry) in entries {
+            let (table, nft_chain, is_nat) = match &entry {
+                Entry::Ipt { name, .. } => (name.to_string(), None, *name == "nat"),
+                Entry::Nft(s) => {
+                    let p = self.nft.as_ref().expect("scheduled from the program");
+                    let t = &p.tables[s.table];
+                    let c = &t.chains[s.chain];
+                    (
+                        t.name.clone(),
+                        Some((t.family.clone(), c.name.clone())),
+                        c.base.as_ref().is_some_and(|b| b.nat),
+                    )
+                }
+            };
             let before = pkt.snapshot();
             let mut stage = Stage {
                 hook,
-                table: tname.to_string(),
+                table,
                 priority,
                 before: before.clone(),
                 after: before,
@@ -465,9 +584,11 @@ impl<'a> Simulator<'a> {
                 nat: None,
                 note: None,
                 ct: None,
+                nft_chain,
             };
-            pkt.ct_attached = tname != "raw";
-            if tname == "nat" && pkt.state != CtState::New {
+            // Conntrack runs at -200 on PREROUTING and OUTPUT: earlier chains see no entry.
+            pkt.ct_attached = !(matches!(hook, Hook::Prerouting | Hook::Output) && at <= -200);
+            if is_nat && pkt.state != CtState::New {
                 stage.note = Some(match pkt.state {
                     CtState::Untracked => "untracked packet: nat is not applied".into(),
                     s => format!(
@@ -479,7 +600,22 @@ impl<'a> Simulator<'a> {
                 b.stages.push(stage);
                 continue;
             }
-            let res = self.run_table(fam, ti, base, hook, pkt, &mut stage, ch);
+            if is_nat && nat_done {
+                stage.note = Some(
+                    "an earlier nat chain on this hook translated: the nat core skips this one"
+                        .into(),
+                );
+                stage.ct = pkt.ct_view();
+                b.stages.push(stage);
+                continue;
+            }
+            let res = match entry {
+                Entry::Ipt { ti, base, .. } => {
+                    self.run_table(fam, ti, base, hook, pkt, &mut stage, ch)
+                }
+                Entry::Nft(s) => self.run_nft_chain(s, hook, pkt, &mut stage, ch),
+            };
+            nat_done |= is_nat && stage.nat.is_some();
             stage.after = pkt.snapshot();
             let verdict = match res {
                 TableResult::Verdict(v) => v,
@@ -553,6 +689,14 @@ impl<'a> Simulator<'a> {
             let mark_before = pkt.mark;
             let (desc, next) = self.apply(&comp.action, hook, pkt, stage);
             let mut m = matched(table.name.as_str(), rule, ri, desc);
+            m.nft = self
+                .ipt_handles
+                .get(&(fam, table.name.clone(), rule.chain.clone(), ri + 1))
+                .map(|&handle| NftRuleRef {
+                    family: if fam == 1 { "ip6" } else { "ip" }.into(),
+                    handle,
+                    native: false,
+                });
             if matches!(
                 comp.action,
                 Action::Mark { .. } | Action::ConnMarkRestore { .. }
@@ -689,6 +833,7 @@ impl<'a> Simulator<'a> {
                 if port.is_some() && pkt.sport.is_some() {
                     pkt.sport = *port;
                 }
+                pkt.snat_done = true;
                 stage.nat = Some(format!("SNAT to {text}"));
                 (format!("SNAT {text}"), Flow::Stop(Verdict::Accept))
             }
@@ -704,6 +849,7 @@ impl<'a> Simulator<'a> {
                 if port.is_some() && pkt.sport.is_some() {
                     pkt.sport = *port;
                 }
+                pkt.snat_done = true;
                 let to = pkt.snapshot().src;
                 stage.nat = Some(format!("MASQUERADE to {to}"));
                 (format!("MASQUERADE {to}"), Flow::Stop(Verdict::Accept))
@@ -968,5 +1114,6 @@ fn matched(table: &str, rule: &Rule, ri: usize, action: String) -> MatchedRule {
         undecidable: None,
         comments: rule.comments().into_iter().map(str::to_string).collect(),
         mark: None,
+        nft: None,
     }
 }

@@ -506,18 +506,25 @@ fn output_path_and_ipv6() {
 }
 
 #[test]
-fn nft_native_chains_are_reported() {
+fn nft_native_chains_run_beside_iptables() {
     let nft = r#"{"nftables":[{"table":{"family":"inet","name":"fw","handle":1}},
-      {"chain":{"family":"inet","table":"fw","name":"fwd","handle":1,"type":"filter","hook":"forward","prio":0,"policy":"drop"}}]}"#;
+      {"chain":{"family":"inet","table":"fw","name":"fwd","handle":1,"type":"filter","hook":"forward","prio":5,"policy":"drop"}}]}"#;
     let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
     r.nft_json = Some(nft.into());
     let e = explain(&r).unwrap();
+    // The lab's iptables filter FORWARD (0) accepts, then the native chain (5) drops by policy.
+    let fwd: Vec<_> = e.branches[0]
+        .stages
+        .iter()
+        .filter(|s| s.hook.name() == "FORWARD")
+        .collect();
+    let last = fwd.last().unwrap();
+    assert_eq!(last.nft_chain, Some(("inet".into(), "fwd".into())));
+    assert_eq!(last.policy.as_deref(), Some("drop"));
+    assert_eq!(e.verdict(), Verdict::Drop);
     assert!(
-        e.notes
-            .iter()
-            .any(|n| n.contains("inet fw fwd") && n.contains("FORWARD")),
-        "{:?}",
-        e.notes
+        fwd.iter()
+            .any(|s| s.table == "filter" && s.nft_chain.is_none())
     );
 }
 

@@ -19,7 +19,8 @@ pub struct ExplainArgs {
     /// `ip6tables-save` output, for IPv6 packets.
     #[arg(long, value_name = "FILE")]
     pub ruleset6: Option<PathBuf>,
-    /// `nft -j list ruleset` output (native nftables chains are reported, not simulated).
+    /// `nft -j list ruleset` output: native nftables (kube-proxy's nftables mode, Calico's
+    /// nftables dataplane) is simulated with the iptables tables, in priority order.
     #[arg(long, value_name = "FILE")]
     pub nft: Option<PathBuf>,
     /// `ipset save` output; sets not given make set matches undecidable.
@@ -37,6 +38,10 @@ pub struct ExplainArgs {
     /// One JSON object (schema 1 plus `rules` per stage).
     #[arg(long)]
     pub json: bool,
+    /// Keep only random outcome N (1-based, as listed): the walk as if every `numgen` or
+    /// statistic draw went that way.
+    #[arg(long, value_name = "N")]
+    pub pick: Option<usize>,
 }
 
 fn read(p: &Option<PathBuf>) -> Result<Option<String>> {
@@ -70,6 +75,10 @@ pub fn run(a: ExplainArgs) -> Result<String> {
             iface_addrs: Default::default(),
         };
         observer_rules::explain(&req)?
+    };
+    let explanation = match a.pick {
+        Some(n) => explanation.pick(n)?,
+        None => explanation,
     };
     Ok(if a.json {
         explanation.to_json().to_string()

@@ -8,6 +8,8 @@
 //! ```
 //! The node carries `lab/node.rules` (kube-proxy ClusterIP 10.10.10.2:22 and Calico 3.7
 //! chains), `lab/node6.rules` (the same service on [fd00:10::2]:22) and `lab/node.ipsets`.
+//! With [`Mode::Nftables`] kube-proxy runs in nftables mode: its KUBE-* iptables rules are left
+//! out and `lab/node-kube-proxy.nft` (tables `ip kube-proxy` and `ip6 kube-proxy`) is loaded.
 
 use std::process::Command;
 
@@ -16,6 +18,26 @@ use anyhow::{Context, Result, bail};
 pub const RULES: &str = include_str!("../../lab/node.rules");
 pub const IPSETS: &str = include_str!("../../lab/node.ipsets");
 pub const RULES6: &str = include_str!("../../lab/node6.rules");
+pub const KUBE_PROXY_NFT: &str = include_str!("../../lab/node-kube-proxy.nft");
+
+/// How kube-proxy programs the lab node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// KUBE-* chains in iptables (kube-proxy's iptables mode).
+    #[default]
+    Iptables,
+    /// Native nftables tables `ip kube-proxy` / `ip6 kube-proxy`, no KUBE-* iptables rules.
+    Nftables,
+}
+
+/// `iptables-save` text without kube-proxy's chains, rules and jumps (Calico's stay).
+pub fn without_kube_proxy(rules: &str) -> String {
+    rules
+        .lines()
+        .filter(|l| !l.contains("KUBE-"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
 
 pub const CLUSTER_IP: &str = "10.10.10.2";
 pub const CLIENT_IP: &str = "198.51.100.10";
@@ -34,12 +56,18 @@ pub const CLUSTER_IP6: &str = "fd00:10::2";
 #[derive(Clone, Debug)]
 pub struct Lab {
     pub prefix: String,
+    pub mode: Mode,
 }
 
 impl Lab {
     pub fn new(prefix: &str) -> Self {
+        Self::with_mode(prefix, Mode::Iptables)
+    }
+
+    pub fn with_mode(prefix: &str, mode: Mode) -> Self {
         Self {
             prefix: prefix.to_string(),
+            mode,
         }
     }
 
@@ -106,6 +134,15 @@ impl Lab {
         )?;
         self.load_rules()
             .context("loading the lab's iptables rules (is the `iptables` package installed?)")?;
+        if self.mode == Mode::Nftables {
+            pipe(
+                &["ip", "netns", "exec", &self.node(), "nft", "-f", "-"],
+                KUBE_PROXY_NFT,
+            )
+            .context(
+                "loading kube-proxy's nftables tables (is the `nftables` package installed?)",
+            )?;
+        }
         Ok(())
     }
 
@@ -115,8 +152,12 @@ impl Lab {
             &["ip", "netns", "exec", &node, "ipset", "restore", "-exist"],
             IPSETS,
         )?;
-        pipe(&["ip", "netns", "exec", &node, "iptables-restore"], RULES)?;
-        pipe(&["ip", "netns", "exec", &node, "ip6tables-restore"], RULES6)?;
+        let (v4, v6) = match self.mode {
+            Mode::Iptables => (RULES.to_string(), RULES6.to_string()),
+            Mode::Nftables => (without_kube_proxy(RULES), without_kube_proxy(RULES6)),
+        };
+        pipe(&["ip", "netns", "exec", &node, "iptables-restore"], &v4)?;
+        pipe(&["ip", "netns", "exec", &node, "ip6tables-restore"], &v6)?;
         Ok(())
     }
 
@@ -211,4 +252,27 @@ fn pipe(args: &[&str], input: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nftables_mode_keeps_calico_and_drops_every_kube_rule() {
+        for rules in [RULES, RULES6] {
+            let kept = without_kube_proxy(rules);
+            assert!(!kept.contains("KUBE-"));
+            let cali = |t: &str| t.lines().filter(|l| l.contains("cali")).count();
+            assert_eq!(cali(&kept), cali(rules));
+            assert_eq!(
+                kept.matches("COMMIT").count(),
+                rules.matches("COMMIT").count()
+            );
+        }
+        // The native tables replace them: both families, the same services.
+        assert!(KUBE_PROXY_NFT.contains("table ip kube-proxy"));
+        assert!(KUBE_PROXY_NFT.contains("table ip6 kube-proxy"));
+        assert!(KUBE_PROXY_NFT.contains(&format!("dnat to {POD_IP}:22")));
+    }
 }

@@ -44,6 +44,10 @@ enum Command {
         /// Prefix of the lab's namespace names (<prefix>-client, <prefix>-node, ...).
         #[arg(long, default_value = "obs", global = true)]
         prefix: String,
+        /// With `up`: kube-proxy's mode on the node (nftables: native `kube-proxy` tables,
+        /// no KUBE-* iptables rules).
+        #[arg(long, value_enum, default_value = "iptables", global = true)]
+        mode: lab::Mode,
     },
 }
 
@@ -151,8 +155,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", explain::run(a)?);
             Ok(())
         }
-        Command::Lab { action, prefix } => {
-            let lab = lab::Lab::new(&prefix);
+        Command::Lab {
+            action,
+            prefix,
+            mode,
+        } => {
+            let lab = lab::Lab::with_mode(&prefix, mode);
             match action {
                 LabAction::Up => {
                     lab.up()?;

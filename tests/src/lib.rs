@@ -2,6 +2,8 @@
 //! running code inside a namespace, and the skip policy (loud skip locally, failure under CI).
 
 pub mod lab;
+pub mod nft_shapes;
+pub mod raw;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;

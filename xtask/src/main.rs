@@ -43,7 +43,12 @@ enum Task {
     /// Build the release binary (target/release/observer) with its probes.
     Build,
     /// Build, bring up the netns lab, trace demo flows through it, tear it down.
-    Demo,
+    Demo {
+        /// kube-proxy's mode on the lab node: iptables (KUBE-* chains) or nftables (native
+        /// `kube-proxy` tables); the demo also prints `observer explain --live` for a flow.
+        #[arg(long, default_value = "iptables", value_parser = ["iptables", "nftables"])]
+        mode: String,
+    },
     /// Formatting, clippy, unit tests and privileged integration tests.
     Test {
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
@@ -68,7 +73,7 @@ fn main() -> Result<()> {
             let tc = setup()?;
             build(&tc, true)
         }
-        Task::Demo => demo(),
+        Task::Demo { mode } => demo(&mode),
         Task::Test { args } => test(&args),
         Task::Bench { seconds } => bench(seconds),
     }
@@ -306,26 +311,44 @@ fn stop(child: &mut Child) -> Result<()> {
 
 /// Builds the release binary, brings up a lab with `prefix`, runs `job` with the binary's
 /// path, and always removes the lab again.
-fn in_lab<T>(task: &str, prefix: &str, job: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+fn in_lab<T>(
+    task: &str,
+    prefix: &str,
+    mode: &str,
+    job: impl FnOnce(&Path) -> Result<T>,
+) -> Result<T> {
     let tc = setup()?;
     build(&tc, true)?;
     need_root(task)?;
     let bin = observer_bin(true);
-    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix]))?;
+    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix, "--mode", mode]))?;
     let result = job(&bin);
     run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
     result
 }
 
-fn demo() -> Result<()> {
+fn demo(mode: &str) -> Result<()> {
     let prefix = "obs";
-    in_lab("demo", prefix, |bin| {
+    in_lab("demo", prefix, mode, |bin| {
         let node = format!("{prefix}-node");
         let mut tail = start_tail(bin, &["--netns", &node], Stdio::inherit())?;
         let sent = run(Command::new(bin).args(["lab", "traffic", "--prefix", prefix]));
         std::thread::sleep(Duration::from_millis(1500));
         stop(&mut tail)?;
-        sent
+        sent?;
+        if mode == "nftables" {
+            // The rules that matter are native nftables now: explain names them by handle.
+            println!("\nexplain (kube-proxy nftables mode, read live from {node}):");
+            run(Command::new(bin).args([
+                "explain",
+                "--live",
+                "--netns",
+                &node,
+                "--packet",
+                "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0",
+            ]))?;
+        }
+        Ok(())
     })
 }
 
@@ -463,7 +486,7 @@ fn bench(seconds: u32) -> Result<()> {
     let mut stats = vec![(0u64, 0u64, 0u64); PHASES.len()];
     let stats_file =
         std::env::temp_dir().join(format!("observer-bench-{}.json", std::process::id()));
-    in_lab("bench", prefix, |bin| {
+    in_lab("bench", prefix, "iptables", |bin| {
         for round in 0..rounds {
             for (i, phase) in PHASES.iter().enumerate() {
                 eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
