@@ -72,6 +72,9 @@ pub mod counter {
     pub const RECLAIMED: u32 = 9;
     /// Traversals first seen after their start (their entry point was not observed).
     pub const NO_START: u32 = 10;
+    /// Moves to the fallback map that failed (map full, or busy on this CPU): the
+    /// traversal stayed in its slot (a socket's) or was written as partial.
+    pub const FALLBACK_FAILED: u32 = 11;
     pub const COUNT: u32 = 16;
 }
 

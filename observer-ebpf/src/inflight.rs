@@ -143,6 +143,7 @@ fn evict(rec: &mut TraversalRecord) {
             rec.skb = 0;
             return;
         }
+        count(counter::FALLBACK_FAILED);
         count(counter::RECLAIMED);
         finish_slot(rec, end::RECLAIMED);
         return;
@@ -231,6 +232,11 @@ pub fn socket_took(f: Found) {
     if PENDING.insert(&f.rec.skb, &*f.rec, 0).is_ok() {
         count(counter::TO_FALLBACK);
         f.rec.skb = 0;
+    } else {
+        // Busy (a program holding the same bucket on this CPU) or full: it waits in its
+        // slot, where a reused address or a needed slot ends it as delivered.
+        f.rec.status &= !status::FALLBACK;
+        count(counter::FALLBACK_FAILED);
     }
 }
 

@@ -65,6 +65,7 @@ pub struct KernelCounters {
     pub to_fallback: u64,
     pub reclaimed: u64,
     pub no_start: u64,
+    pub fallback_failed: u64,
 }
 
 /// Traversals still held by the probes.
@@ -342,10 +343,22 @@ impl Probes {
     ) -> Result<Vec<TraversalRecord>> {
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
+        debug!("sweep: {} keys", map.keys().count());
         // Only kept traversals wait there (the probes move no other).
         let stale: Vec<(u64, TraversalRecord)> = map
             .iter()
-            .filter_map(Result::ok)
+            .filter_map(|e| {
+                if let Err(err) = &e {
+                    debug!("fallback map entry unreadable: {err}");
+                }
+                e.ok()
+            })
+            .inspect(|(k, r)| {
+                debug!(
+                    "fallback map: skb {k:#x} ts_last {} status {:#x}; cutoffs {socket_before_ns} {idle_before_ns}",
+                    r.ts_last, r.status
+                )
+            })
             .filter(|(_, r)| {
                 let socket = r.status & status::SOCKET != 0;
                 r.decision == decision::KEEP
@@ -378,6 +391,15 @@ impl Probes {
             if r.skb == 0 {
                 return;
             }
+            debug!(
+                "in flight at exit: skb {:#x} status {:#x} decision {} visits {} steps {} last hook {:?}",
+                r.skb,
+                r.status,
+                r.decision,
+                r.nvisits,
+                r.nsteps,
+                observer_common::traversal::last_hook(r)
+            );
             if r.decision == decision::KEEP {
                 n.kept += 1;
             } else {
@@ -428,6 +450,7 @@ impl Probes {
             to_fallback: sum(counter::TO_FALLBACK)?,
             reclaimed: sum(counter::RECLAIMED)?,
             no_start: sum(counter::NO_START)?,
+            fallback_failed: sum(counter::FALLBACK_FAILED)?,
         })
     }
 

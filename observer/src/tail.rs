@@ -138,7 +138,15 @@ impl std::fmt::Display for Summary {
             self.not_printed,
             self.attach_failures,
             self.stopped_by,
-        )
+        )?;
+        if self.kernel.fallback_failed > 0 {
+            write!(
+                f,
+                " ({} moves to the fallback map failed)",
+                self.kernel.fallback_failed
+            )?;
+        }
+        Ok(())
     }
 }
 

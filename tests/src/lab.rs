@@ -127,9 +127,24 @@ impl Drop for Lab {
 /// `observer tail --json` on the lab's node; killed on drop if still running.
 pub struct Tail {
     child: Option<Child>,
+    /// Reads the observer's stdout as it comes, as a user's pipeline would: a pipe nobody
+    /// reads fills up and stalls the observer.
+    stdout: Option<std::thread::JoinHandle<Vec<u8>>>,
 }
 
 impl Tail {
+    /// Process id of the running observer.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Whether the observer has exited (without reaping its output).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_some())
+    }
+
     pub fn start(lab: &Lab) -> Self {
         Self::start_with(lab, &[])
     }
@@ -154,7 +169,17 @@ impl Tail {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn observer tail");
-        let mut tail = Self { child: Some(child) };
+        let mut child = child;
+        let mut out = child.stdout.take().expect("piped stdout");
+        let reader = std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = out.read_to_end(&mut buf);
+            buf
+        });
+        let mut tail = Self {
+            child: Some(child),
+            stdout: Some(reader),
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !ready.exists() {
             if let Some(status) = tail.child.as_mut().unwrap().try_wait().unwrap() {
@@ -178,12 +203,19 @@ impl Tail {
     pub fn stop(mut self) -> (Vec<Value>, String) {
         // Let idle traversals close (idle time 1 s) before stopping.
         std::thread::sleep(Duration::from_millis(1500));
-        let child = self.child.take().unwrap();
-        run(&["kill", "-INT", &child.id().to_string()]);
+        let mut child = self.child.take().unwrap();
+        if child.try_wait().ok().flatten().is_none() {
+            run(&["kill", "-INT", &child.id().to_string()]);
+        }
         let out = child.wait_with_output().expect("observer exits");
+        let stdout = self
+            .stdout
+            .take()
+            .map(|r| r.join().expect("stdout reader"))
+            .unwrap_or_default();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "observer failed: {stderr}");
-        let reports = String::from_utf8_lossy(&out.stdout)
+        let reports = String::from_utf8_lossy(&stdout)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
             .collect();

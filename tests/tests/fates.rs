@@ -1,0 +1,241 @@
+//! How traversals end, checked against the kernel in the lab (each test builds its own lab
+//! and removes it): drops after the last INPUT probe (no socket, full receive buffer) with the
+//! kernel's reason and the function that freed the packet, a multicast drop after PREROUTING
+//! that no table is blamed for, interfaces that come, go and get renamed, and a namespace
+//! deleted under a running tail.
+
+use std::net::UdpSocket;
+use std::time::{Duration, Instant};
+
+use observer_tests::lab::{Lab, Tail, first_dst, udp_sink};
+use observer_tests::{privileged, run};
+use serde_json::Value;
+
+fn find<'a>(reports: &'a [Value], what: &str, f: impl Fn(&Value) -> bool) -> &'a Value {
+    reports
+        .iter()
+        .find(|r| f(r))
+        .unwrap_or_else(|| panic!("no report of {what} among {reports:#?}"))
+}
+
+#[test]
+fn udp_to_a_closed_port_is_dropped_after_input_with_no_socket() {
+    if !privileged("udp_to_a_closed_port_is_dropped_after_input_with_no_socket") {
+        return;
+    }
+    let lab = Lab::up("d1");
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"anyone?", "198.51.100.1:9").unwrap();
+    });
+    let (reports, stderr) = tail.stop();
+    let r = find(&reports, "the datagram to port 9", |r| {
+        first_dst(r) == "198.51.100.1:9" && r["proto"] == "udp"
+    });
+    let f = &r["fate"];
+    assert_eq!(f["kind"], "dropped", "{r}");
+    assert_eq!(f["reason"], "NO_SOCKET", "{r}");
+    assert_eq!(f["hook"], "INPUT");
+    assert!(f["table"].is_null(), "after INPUT's last table, not in one: {r}");
+    assert!(
+        f["location"].as_str().unwrap_or("").starts_with("__udp4_lib_rcv+0x"),
+        "freed in __udp4_lib_rcv: {r}"
+    );
+    assert_eq!(r["incomplete"], false, "{stderr}");
+    // The port unreachable error the kernel sent back is its own traversal.
+    assert!(
+        reports
+            .iter()
+            .any(|r| r["proto"] == "icmp" && r["fate"]["kind"] == "sent"),
+        "{reports:#?}"
+    );
+}
+
+#[test]
+fn a_full_receive_buffer_drops_with_the_kernels_reason() {
+    if !privileged("a_full_receive_buffer_drops_with_the_kernels_reason") {
+        return;
+    }
+    use std::os::fd::AsRawFd;
+    let lab = Lab::up("d2");
+    // A socket with the smallest receive buffer, never read while the datagrams arrive.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let sink = lab.serve("node", move |ready| {
+        let s = UdpSocket::bind("198.51.100.1:5454").unwrap();
+        let size: libc::c_int = 1;
+        // SAFETY: valid socket and option.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&size as *const libc::c_int).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        ready.send(()).unwrap();
+        let _ = rx.recv_timeout(Duration::from_secs(20));
+    });
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..40 {
+            s.send_to(&[0u8; 1000], "198.51.100.1:5454").unwrap();
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (reports, stderr) = tail.stop();
+    tx.send(()).unwrap();
+    sink.join().unwrap();
+    let to_sink: Vec<&Value> = reports
+        .iter()
+        .filter(|r| first_dst(r) == "198.51.100.1:5454")
+        .collect();
+    assert_eq!(to_sink.len(), 40, "every datagram reported: {stderr}");
+    let delivered = to_sink.iter().filter(|r| r["fate"]["kind"] == "delivered").count();
+    let full: Vec<&&Value> = to_sink
+        .iter()
+        .filter(|r| r["fate"]["kind"] == "dropped")
+        .collect();
+    assert!(delivered >= 1, "the first datagrams fit: {to_sink:#?}");
+    assert!(!full.is_empty(), "a 1-byte buffer overflows: {to_sink:#?}");
+    for r in &full {
+        assert_eq!(r["fate"]["reason"], "SOCKET_RCVBUFF", "{r}");
+        assert_eq!(r["fate"]["hook"], "INPUT", "{r}");
+    }
+    assert_eq!(delivered + full.len(), 40);
+}
+
+#[test]
+fn multicast_to_a_group_the_node_did_not_join_is_not_blamed_on_a_table() {
+    if !privileged("multicast_to_a_group_the_node_did_not_join_is_not_blamed_on_a_table") {
+        return;
+    }
+    let lab = Lab::up("d3");
+    let tail = Tail::start(&lab);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        // ff02::1:3 on the client's eth0 (interface index in the scope id).
+        // SAFETY: a NUL-terminated name.
+        let idx = unsafe { libc::if_nametoindex(c"eth0".as_ptr()) };
+        assert_ne!(idx, 0, "the client has eth0");
+        let to = std::net::SocketAddrV6::new("ff02::1:3".parse().unwrap(), 5355, 0, idx);
+        s.send_to(b"who?", to).unwrap();
+    });
+    let (reports, _) = tail.stop();
+    let r = find(&reports, "the datagram to ff02::1:3", |r| {
+        first_dst(r) == "[ff02::1:3]:5355"
+    });
+    assert_eq!(r["fate"]["kind"], "dropped", "{r}");
+    assert_eq!(r["fate"]["hook"], "PREROUTING", "{r}");
+    assert!(r["fate"]["table"].is_null(), "no table did it: {r}");
+    assert!(
+        r["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["verdict"] == "accept"),
+        "{r}"
+    );
+    assert!(
+        r["fate"]["location"].as_str().unwrap_or("").starts_with("ip6_mc_input"),
+        "{r}"
+    );
+}
+
+/// Open file descriptors of process `pid`.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn interfaces_that_come_and_go_release_their_probes_and_renames_show() {
+    if !privileged("interfaces_that_come_and_go_release_their_probes_and_renames_show") {
+        return;
+    }
+    let lab = Lab::up("d4");
+    let node = lab.ns("node");
+    let tail = Tail::start(&lab);
+    // Let the first scan settle, then take the baseline.
+    std::thread::sleep(Duration::from_millis(1300));
+    let base = fds(tail.pid());
+    // 100 add/delete cycles, in five batches the observer sees come and go.
+    for round in 0..5 {
+        let mut script = String::new();
+        for i in 0..20 {
+            script.push_str(&format!("link add vc{round}x{i} type veth peer name vp{round}x{i}\n"));
+        }
+        run(&["ip", "-n", &node, "-batch", &write_batch(&lab, &script)]);
+        // Two tcx links (one fd each) per new interface, 40 interfaces.
+        let grown = wait_for(|| fds(tail.pid()) >= base + 80);
+        assert!(grown, "probes attached to the new veths: {base} -> {}", fds(tail.pid()));
+        let mut script = String::new();
+        for i in 0..20 {
+            script.push_str(&format!("link del vc{round}x{i}\n"));
+        }
+        run(&["ip", "-n", &node, "-batch", &write_batch(&lab, &script)]);
+        let released = wait_for(|| fds(tail.pid()) <= base);
+        assert!(
+            released,
+            "links and fds released when interfaces go: {base} before, {} after",
+            fds(tail.pid())
+        );
+    }
+    // A renamed interface is reported by its new name.
+    run(&["ip", "-n", &node, "link", "set", "eth0", "down"]);
+    run(&["ip", "-n", &node, "link", "set", "eth0", "name", "uplink0"]);
+    run(&["ip", "-n", &node, "link", "set", "uplink0", "up"]);
+    std::thread::sleep(Duration::from_millis(1300));
+    let sink = udp_sink(&lab, "node", "198.51.100.1:5353");
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"renamed", "198.51.100.1:5353").unwrap();
+    });
+    sink.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let r = find(&reports, "the datagram through the renamed link", |r| {
+        first_dst(r) == "198.51.100.1:5353"
+    });
+    assert_eq!(r["ingress"]["iface"], "uplink0", "{r}");
+    assert!(stderr.contains(" 0 attach failures"), "{stderr}");
+}
+
+/// Polls `f` for up to 5 s (the observer scans interfaces every second).
+fn wait_for(f: impl Fn() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+fn write_batch(lab: &Lab, script: &str) -> String {
+    let path = std::env::temp_dir().join(format!("{}-batch", lab.prefix));
+    std::fs::write(&path, script).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn a_deleted_namespace_ends_the_tail_with_its_summary() {
+    if !privileged("a_deleted_namespace_ends_the_tail_with_its_summary") {
+        return;
+    }
+    let lab = Lab::up("d5");
+    let mut tail = Tail::start(&lab);
+    run(&["ip", "netns", "delete", &lab.ns("node")]);
+    let t0 = Instant::now();
+    while !tail.exited() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the tail noticed the namespace was deleted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, stderr) = tail.stop();
+    assert!(stderr.contains("was deleted"), "{stderr}");
+    assert!(stderr.contains("stopped by namespace deleted"), "{stderr}");
+}
