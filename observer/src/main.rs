@@ -104,7 +104,7 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !secs.is_finite() || secs < 0.0 || secs > 365.0 * 86400.0 {
+    if !secs.is_finite() || !(0.0..=365.0 * 86400.0).contains(&secs) {
         return Err(format!("`{s}` is out of range: give 0 to 31536000 seconds"));
     }
     Ok(Duration::from_secs_f64(secs))

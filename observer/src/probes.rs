@@ -343,22 +343,10 @@ impl Probes {
     ) -> Result<Vec<TraversalRecord>> {
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
-        debug!("sweep: {} keys", map.keys().count());
         // Only kept traversals wait there (the probes move no other).
         let stale: Vec<(u64, TraversalRecord)> = map
             .iter()
-            .filter_map(|e| {
-                if let Err(err) = &e {
-                    debug!("fallback map entry unreadable: {err}");
-                }
-                e.ok()
-            })
-            .inspect(|(k, r)| {
-                debug!(
-                    "fallback map: skb {k:#x} ts_last {} status {:#x}; cutoffs {socket_before_ns} {idle_before_ns}",
-                    r.ts_last, r.status
-                )
-            })
+            .filter_map(Result::ok)
             .filter(|(_, r)| {
                 let socket = r.status & status::SOCKET != 0;
                 r.decision == decision::KEEP

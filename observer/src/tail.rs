@@ -23,6 +23,7 @@ use crate::correlate::{Plans, Traversal, assemble, index_plans};
 use crate::decode::decode;
 use crate::kallsyms::Symbols;
 use crate::marks::MarkDictionary;
+use crate::output::Writer;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
 use crate::report;
@@ -192,10 +193,6 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     if opts.floor {
         probes.set_floor(true)?;
     }
-    if let Some(path) = &opts.ready_file {
-        std::fs::write(path, format!("{}\n", std::process::id()))
-            .with_context(|| format!("writing ready file {}", path.display()))?;
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -216,12 +213,12 @@ struct Printer<'a> {
     symbols: Symbols,
     netns: String,
     names: std::cell::RefCell<HashMap<u32, String>>,
-    out: std::io::BufWriter<std::io::Stdout>,
+    out: Writer,
+    /// Traversals formatted for output (the writer thread says how many reached stdout).
+    formatted: u64,
     /// Packets lost as of the last report printed.
     reported_lost: u64,
     lost_now: u64,
-    /// stdout was closed (a pipe into `head`): stop, with the summary on stderr.
-    closed: bool,
 }
 
 impl Printer<'_> {
@@ -238,9 +235,13 @@ impl Printer<'_> {
         self.names.borrow_mut().clear();
     }
 
+    fn count_reached(&self) -> bool {
+        self.opts.count.is_some_and(|n| self.formatted >= n)
+    }
+
     /// Prints one record; returns whether `--count` is reached.
     fn print(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
-        if self.closed || self.opts.count.is_some_and(|n| summary.printed >= n) {
+        if self.out.closed() || self.count_reached() {
             summary.not_printed += 1;
             return true;
         }
@@ -267,27 +268,22 @@ impl Printer<'_> {
             ifname: &ifname,
         };
         let r = report::build(&t, &ctx, lost);
-        let written = match self.opts.output {
-            Output::Json => r
-                .write_json(&mut self.out)
-                .and_then(|()| self.out.write_all(b"\n")),
-            Output::Tree => writeln!(self.out, "{}", r.render_tree()),
-            Output::Line => writeln!(self.out, "{}", r.render_line()),
+        let buf = self.out.buf();
+        // Writing into a Vec cannot fail.
+        let _ = match self.opts.output {
+            Output::Json => r.write_json(&mut *buf).and_then(|()| buf.write_all(b"\n")),
+            Output::Tree => writeln!(buf, "{}", r.render_tree()),
+            Output::Line => writeln!(buf, "{}", r.render_line()),
         };
-        if written.is_err() {
-            self.closed = true;
-            summary.not_printed += 1;
-            return true;
-        }
-        summary.printed += 1;
+        self.out.done();
+        self.formatted += 1;
         summary.incomplete += u64::from(r.incomplete);
-        self.opts.count.is_some_and(|n| summary.printed >= n)
+        self.count_reached()
     }
 
-    fn flush(&mut self) {
-        if self.out.flush().is_err() {
-            self.closed = true;
-        }
+    /// Hands the formatted reports to the writer thread; false while it is behind.
+    fn flush(&mut self) -> bool {
+        self.out.push()
     }
 }
 
@@ -300,6 +296,10 @@ fn drain(
 ) -> (usize, bool) {
     let mut n = 0;
     let mut done = false;
+    // Backpressure: while stdout's reader is behind, records wait in the ring buffer.
+    if !printer.flush() {
+        return (0, false);
+    }
     while n < max {
         let Some(item) = ring.next() else { break };
         n += 1;
@@ -329,10 +329,10 @@ async fn event_loop(
         symbols: Symbols::load(),
         netns: opts.netns.clone().unwrap_or_else(|| "current".into()),
         names: Default::default(),
-        out: std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout()),
+        out: Writer::new(std::io::stdout()),
+        formatted: 0,
         reported_lost: 0,
         lost_now: 0,
-        closed: false,
     };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
@@ -340,6 +340,12 @@ async fn event_loop(
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sighup = signal(SignalKind::hangup())?;
+    // Ready only once the signals are ours: a SIGHUP or SIGINT from now on ends the tail
+    // with its summary.
+    if let Some(path) = &opts.ready_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("writing ready file {}", path.display()))?;
+    }
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     // The probes wake us only when the ring buffer fills; otherwise we drain it on this timer.
     let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
@@ -381,32 +387,36 @@ async fn event_loop(
                     guard.clear_ready();
                 }
                 printer.flush();
-                if done || printer.closed { break if printer.closed { "closed stdout" } else { "--count" }; }
+                if printer.out.closed() { break "closed stdout"; }
+                if done { break "--count"; }
             }
             _ = drain_tick.tick() => {
                 let (_, done) = drain(ring.get_mut(), &mut printer, &mut summary, BATCH);
                 printer.flush();
-                if done || printer.closed { break if printer.closed { "closed stdout" } else { "--count" }; }
+                if printer.out.closed() { break "closed stdout"; }
+                if done { break "--count"; }
             }
         }
     };
     // What the probes wrote before we stopped is still owed to the user, within a bound:
     // under a flood the ring buffer holds more than can be printed promptly.
     let until = Instant::now() + FINAL_DRAIN;
-    loop {
+    while Instant::now() < until && !printer.out.closed() {
         let (n, _) = drain(ring.get_mut(), &mut printer, &mut summary, 256);
-        if n == 0 {
-            break;
-        }
-        if Instant::now() >= until {
-            // Counted, not printed.
-            while ring.get_mut().next().is_some() {
-                summary.not_printed += 1;
-            }
+        if n == 0 && !printer.out.behind() {
             break;
         }
     }
-    printer.flush();
+    // Counted, not printed (bounded: the probes may still be writing).
+    let mut rest = 0;
+    while rest < 1 << 20 && ring.get_mut().next().is_some() {
+        rest += 1;
+    }
+    summary.not_printed += rest;
+    // Then a moment for stdout's reader; what it has not taken by then is counted.
+    let (written, unwritten) = printer.out.finish(Duration::from_millis(100));
+    summary.printed = written;
+    summary.not_printed += unwritten;
     let k = probes.counters()?;
     let inflight = probes.in_flight().unwrap_or_default();
     summary.seen = k.seen;

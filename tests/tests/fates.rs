@@ -37,9 +37,15 @@ fn udp_to_a_closed_port_is_dropped_after_input_with_no_socket() {
     assert_eq!(f["kind"], "dropped", "{r}");
     assert_eq!(f["reason"], "NO_SOCKET", "{r}");
     assert_eq!(f["hook"], "INPUT");
-    assert!(f["table"].is_null(), "after INPUT's last table, not in one: {r}");
     assert!(
-        f["location"].as_str().unwrap_or("").starts_with("__udp4_lib_rcv+0x"),
+        f["table"].is_null(),
+        "after INPUT's last table, not in one: {r}"
+    );
+    assert!(
+        f["location"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("__udp4_lib_rcv+0x"),
         "freed in __udp4_lib_rcv: {r}"
     );
     assert_eq!(r["incomplete"], false, "{stderr}");
@@ -93,7 +99,10 @@ fn a_full_receive_buffer_drops_with_the_kernels_reason() {
         .filter(|r| first_dst(r) == "198.51.100.1:5454")
         .collect();
     assert_eq!(to_sink.len(), 40, "every datagram reported: {stderr}");
-    let delivered = to_sink.iter().filter(|r| r["fate"]["kind"] == "delivered").count();
+    let delivered = to_sink
+        .iter()
+        .filter(|r| r["fate"]["kind"] == "delivered")
+        .count();
     let full: Vec<&&Value> = to_sink
         .iter()
         .filter(|r| r["fate"]["kind"] == "dropped")
@@ -139,7 +148,10 @@ fn multicast_to_a_group_the_node_did_not_join_is_not_blamed_on_a_table() {
         "{r}"
     );
     assert!(
-        r["fate"]["location"].as_str().unwrap_or("").starts_with("ip6_mc_input"),
+        r["fate"]["location"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("ip6_mc_input"),
         "{r}"
     );
 }
@@ -164,12 +176,18 @@ fn interfaces_that_come_and_go_release_their_probes_and_renames_show() {
     for round in 0..5 {
         let mut script = String::new();
         for i in 0..20 {
-            script.push_str(&format!("link add vc{round}x{i} type veth peer name vp{round}x{i}\n"));
+            script.push_str(&format!(
+                "link add vc{round}x{i} type veth peer name vp{round}x{i}\n"
+            ));
         }
         run(&["ip", "-n", &node, "-batch", &write_batch(&lab, &script)]);
         // Two tcx links (one fd each) per new interface, 40 interfaces.
         let grown = wait_for(|| fds(tail.pid()) >= base + 80);
-        assert!(grown, "probes attached to the new veths: {base} -> {}", fds(tail.pid()));
+        assert!(
+            grown,
+            "probes attached to the new veths: {base} -> {}",
+            fds(tail.pid())
+        );
         let mut script = String::new();
         for i in 0..20 {
             script.push_str(&format!("link del vc{round}x{i}\n"));
