@@ -12,6 +12,7 @@ pub mod lab;
 pub mod marks;
 pub mod netns;
 pub mod nf_link;
+pub mod nftwatch;
 pub mod output;
 pub mod plan;
 pub mod probes;

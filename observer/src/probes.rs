@@ -20,7 +20,7 @@ use observer_common::{config, counter};
 use std::path::PathBuf;
 
 use crate::btf::KernelLayout;
-use crate::nf_link::{NfError, NfLink, NfObject};
+use crate::nf_link::{NfError, NfFamily, NfHook, NfLink, NfObject};
 use crate::plan::HookPlan;
 
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
@@ -105,6 +105,7 @@ pub struct Probes {
     pub attach_failures: u64,
     /// The plan as attached (priorities may have moved off EBUSY ones).
     pub plans: Vec<HookPlan>,
+    generation: u8,
 }
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
@@ -180,6 +181,7 @@ impl Probes {
             tc_failed: HashSet::new(),
             attach_failures: 0,
             plans: Vec::new(),
+            generation: 0,
         })
     }
 
@@ -187,7 +189,54 @@ impl Probes {
     /// taken (EBUSY) moves to the nearest free priority between the same two tables.
     pub fn attach_netfilter(&mut self, plans: Vec<HookPlan>) -> Result<()> {
         let mut attached = Vec::with_capacity(plans.len());
-        for mut plan in plans {
+        for plan in plans {
+            attached.push(self.attach_plan(plan)?);
+        }
+        debug!("attached {} netfilter links", self.links.len());
+        self.plans = attached;
+        Ok(())
+    }
+
+    /// Brings the probes in line with `plans` (new base-chain priorities appeared or went):
+    /// the hooks whose tables changed get their probes detached and attached anew; then the
+    /// plan generation moves on, so that records say which layout they were made under.
+    /// Returns the hooks re-planned.
+    pub fn replan(&mut self, plans: Vec<HookPlan>) -> Result<Vec<(NfFamily, NfHook)>> {
+        let mut changed = Vec::new();
+        let mut next = Vec::with_capacity(plans.len());
+        for plan in plans {
+            let old = self
+                .plans
+                .iter()
+                .find(|p| p.family == plan.family && p.hook == plan.hook);
+            match old {
+                Some(old) if old.tables == plan.tables => next.push(old.clone()),
+                _ => {
+                    let (f, h) = (plan.family, plan.hook);
+                    self.links.retain(|l| !(l.family == f && l.hook == h));
+                    next.push(self.attach_plan(plan)?);
+                    changed.push((f, h));
+                }
+            }
+        }
+        self.plans = next;
+        if !changed.is_empty() {
+            self.generation = self.generation.wrapping_add(1);
+            let mut config: Array<_, u64> =
+                Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+            config.set(config::PLAN_GEN, u64::from(self.generation), 0)?;
+        }
+        Ok(changed)
+    }
+
+    /// Plan generation in force (records carry it, modulo 256).
+    pub fn generation(&self) -> u8 {
+        self.generation
+    }
+
+    /// Attaches the probes of one hook; returns the plan as attached.
+    fn attach_plan(&mut self, mut plan: HookPlan) -> Result<HookPlan> {
+        {
             debug!(
                 "{}/{}: tables {:?} probes at {:?}",
                 plan.family.name(),
@@ -231,11 +280,8 @@ impl Probes {
                     return Err(e.into());
                 }
             }
-            attached.push(plan);
         }
-        debug!("attached {} netfilter links", self.links.len());
-        self.plans = attached;
-        Ok(())
+        Ok(plan)
     }
 
     /// Brings the tcx probes in line with the namespace's interfaces: attaches to new ones,

@@ -23,6 +23,7 @@ use crate::correlate::{Plans, Traversal, assemble, index_plans};
 use crate::decode::decode;
 use crate::kallsyms::Symbols;
 use crate::marks::MarkDictionary;
+use crate::nftwatch::NftWatch;
 use crate::output::Writer;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
@@ -166,16 +167,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = Probes::load(&layout, &program)?;
-    let custom = match std::process::Command::new("nft")
-        .args(["-j", "list", "ruleset"])
-        .output()
-    {
-        Ok(o) => custom_priorities(&String::from_utf8_lossy(&o.stdout)),
-        Err(e) => {
-            warn!("cannot run nft to find custom base-chain priorities: {e}");
-            Vec::new()
-        }
-    };
+    let custom = read_custom_priorities();
     if !custom.is_empty() {
         info!("bracketing custom nftables base-chain priorities: {custom:?}");
     }
@@ -204,10 +196,36 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     Ok(summary)
 }
 
+/// Base-chain priorities of the namespace's nftables ruleset that no standard table has.
+fn read_custom_priorities() -> Vec<(crate::nf_link::NfFamily, crate::nf_link::NfHook, i32)> {
+    match std::process::Command::new("nft")
+        .args(["-j", "list", "ruleset"])
+        .output()
+    {
+        Ok(o) if o.status.success() => custom_priorities(&String::from_utf8_lossy(&o.stdout)),
+        Ok(o) => {
+            warn!(
+                "`nft -j list ruleset` failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            Vec::new()
+        }
+        Err(e) => {
+            warn!("cannot run nft to find custom base-chain priorities: {e}");
+            Vec::new()
+        }
+    }
+}
+
 /// Everything that turns records into printed reports.
 struct Printer<'a> {
     opts: &'a TailOptions,
-    plans: Plans,
+    /// Probe plans by generation: records made under an earlier one expand through it.
+    plans: HashMap<u8, Plans>,
+    generation: u8,
+    /// Times (ns) from a ruleset change to the probes' re-plan: a traversal in flight then
+    /// may have met a chain its probes did not bracket yet.
+    replans: Vec<(u64, u64)>,
     layout: &'a KernelLayout,
     marks: &'a MarkDictionary,
     symbols: Symbols,
@@ -245,7 +263,20 @@ impl Printer<'_> {
             summary.not_printed += 1;
             return true;
         }
-        let t: Traversal = match assemble(rec, &self.plans, &self.layout.tuple) {
+        let plans = self
+            .plans
+            .get(&rec.generation)
+            .or_else(|| self.plans.get(&self.generation))
+            .expect("the current plan");
+        let mut rec = *rec;
+        if self
+            .replans
+            .iter()
+            .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
+        {
+            rec.incomplete |= observer_common::traversal::missing::REPLANNED;
+        }
+        let t: Traversal = match assemble(&rec, plans, &self.layout.tuple) {
             Ok(t) => t,
             Err(e) => {
                 summary.not_printed += 1;
@@ -258,7 +289,7 @@ impl Printer<'_> {
         let symbol = |a: u64| self.symbols.name(a);
         let ifname = |i: u32| self.ifname(i);
         let ctx = report::Context {
-            plans: &self.plans,
+            plans,
             netns: &self.netns,
             marks: self.marks,
             names: Names {
@@ -323,7 +354,9 @@ async fn event_loop(
 ) -> Result<Summary> {
     let mut printer = Printer {
         opts,
-        plans: index_plans(&probes.plans),
+        plans: HashMap::from([(probes.generation(), index_plans(&probes.plans))]),
+        generation: probes.generation(),
+        replans: Vec::new(),
         layout: &layout,
         marks: &marks,
         symbols: Symbols::load(),
@@ -358,6 +391,18 @@ async fn event_loop(
     let netns_inode = crate::probes::current_netns_inode()?;
     let mut summary = Summary::default();
     let mut last_scan = Instant::now();
+    // nf_tables changes: new base chains are bracketed within a second of appearing.
+    // SAFETY: the watch owns its fd and outlives the registration (both live here).
+    let watch = match NftWatch::open().and_then(|w| {
+        unsafe { AsyncFd::register(w) }.map_err(|e| std::io::Error::other(e.to_string()))
+    }) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            warn!("cannot watch nf_tables changes ({e}); chains added later are not bracketed");
+            None
+        }
+    };
+    let mut ruleset_changed: Option<u64> = None;
     let stopped_by: &'static str = loop {
         if opts.count == Some(0) {
             break "--count";
@@ -370,7 +415,20 @@ async fn event_loop(
             _ = tokio::time::sleep_until(deadline.map_or_else(
                 || tokio::time::Instant::now() + Duration::from_secs(3600),
                 tokio::time::Instant::from_std)), if deadline.is_some() => break "--timeout",
+            guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
+                let mut guard = guard?;
+                if guard.get_inner().drain() {
+                    ruleset_changed.get_or_insert_with(now_ns);
+                }
+                guard.clear_ready();
+            }
             _ = tick.tick() => {
+                if let Some(since) = ruleset_changed
+                    && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
+                {
+                    ruleset_changed = None;
+                    replan(&mut probes, &mut printer, since);
+                }
                 printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
                 sweep(&mut probes, &mut printer, &mut summary, opts);
                 if last_scan.elapsed() >= Duration::from_secs(1) {
@@ -440,6 +498,41 @@ async fn event_loop(
         summary.not_printed += summary.seen - accounted;
     }
     Ok(summary)
+}
+
+/// After an nf_tables change, how long to wait for more before re-planning (a restore
+/// comes as a burst of messages).
+const RULESET_SETTLE: Duration = Duration::from_millis(100);
+
+/// Brackets the base-chain priorities of the ruleset as it is now (the ruleset changed at
+/// `since`, ns).
+fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
+    let custom = read_custom_priorities();
+    match probes.replan(full_plan(&custom)) {
+        Ok(changed) if changed.is_empty() => {}
+        Ok(changed) => {
+            let hooks: Vec<String> = changed
+                .iter()
+                .map(|(f, h)| format!("{}/{}", f.name(), h.name()))
+                .collect();
+            info!(
+                "ruleset changed: probes re-planned on {} (custom priorities {custom:?})",
+                hooks.join(", ")
+            );
+            printer.generation = probes.generation();
+            printer
+                .plans
+                .insert(printer.generation, index_plans(&probes.plans));
+            printer.replans.push((since, now_ns()));
+            if printer.replans.len() > 16 {
+                printer.replans.remove(0);
+            }
+        }
+        Err(e) => {
+            probes.attach_failures += 1;
+            warn!("re-planning the netfilter probes after a ruleset change failed: {e:#}");
+        }
+    }
 }
 
 /// A socket had the packet this long ago, and it was neither dropped nor freed since: it

@@ -257,3 +257,70 @@ fn a_deleted_namespace_ends_the_tail_with_its_summary() {
     assert!(stderr.contains("was deleted"), "{stderr}");
     assert!(stderr.contains("stopped by namespace deleted"), "{stderr}");
 }
+
+#[test]
+fn a_base_chain_added_while_running_gets_its_own_stage() {
+    if !privileged("a_base_chain_added_while_running_gets_its_own_stage") {
+        return;
+    }
+    let lab = Lab::up("d6");
+    let node = lab.ns("node");
+    let tail = Tail::start(&lab);
+    std::thread::sleep(Duration::from_millis(300));
+    let base = fds(tail.pid());
+    // As kube-proxy's nftables mode or a restarted CNI would, after the observer started.
+    let rules = "table inet obstest {\n chain late {\n  type filter hook forward priority -5; policy accept;\n  udp dport 7777 meta mark set mark or 0x100\n  udp dport 7778 drop\n }\n}\n";
+    let file = std::env::temp_dir().join(format!("{}-fwd.nft", lab.prefix));
+    std::fs::write(&file, rules).unwrap();
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &node,
+        "nft",
+        "-f",
+        file.to_str().unwrap(),
+    ]);
+    // Bracketed within a second: two more probes on FORWARD, for each family.
+    assert!(wait_for(|| fds(tail.pid()) > base), "new probes attached");
+    std::thread::sleep(Duration::from_millis(300));
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"marked", "172.17.0.5:7777").unwrap();
+        s.send_to(b"dropped", "172.17.0.5:7778").unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // Removed again: the brackets go too.
+    run(&[
+        "ip", "netns", "exec", &node, "nft", "delete", "table", "inet", "obstest",
+    ]);
+    assert!(
+        wait_for(|| fds(tail.pid()) <= base),
+        "brackets removed with the chain"
+    );
+    let (reports, stderr) = tail.stop();
+    let marked = find(&reports, "the datagram to 7777", |r| {
+        first_dst(r) == "172.17.0.5:7777"
+    });
+    let stage = marked["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["hook"] == "FORWARD" && s["table"] == "prio:-5")
+        .unwrap_or_else(|| panic!("the new chain is its own stage: {marked}\n{stderr}"));
+    assert_eq!(stage["after"]["mark"], "0x100", "{marked}");
+    let set = &marked["marks"]["set"];
+    assert!(
+        set.as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["bit"] == "0x100" && c["table"] == "prio:-5"),
+        "the mark is the new chain's, not filter's: {marked}"
+    );
+    let dropped = find(&reports, "the datagram to 7778", |r| {
+        first_dst(r) == "172.17.0.5:7778"
+    });
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped}");
+    assert_eq!(dropped["fate"]["table"], "prio:-5", "{dropped}");
+    assert_eq!(dropped["fate"]["reason"], "NETFILTER_DROP", "{dropped}");
+}
