@@ -122,7 +122,12 @@ pub mod config {
     pub const PLAN_GEN: u32 = 27;
     /// Non-zero: every probe returns at once (the benchmark's floor: the hooks' own cost).
     pub const FLOOR: u32 = 28;
-    pub const COUNT: u32 = 32;
+    /// Per hook (`READ_HEADERS + hook`), a bitmask of the probe programs that must read the
+    /// packet's headers: those right after a table that may rewrite addresses (nat, a
+    /// custom base chain). The others take them from the record's last step, unless they
+    /// open a hook's visit.
+    pub const READ_HEADERS: u32 = 32;
+    pub const COUNT: u32 = 40;
 }
 
 /// Bytes of `nf_hook_state`, `sk_buff` and `nf_conn` a probe reads at once (from the

@@ -412,6 +412,39 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
     }
 }
 
+/// Fills the headers of `r` (addresses, ports, protocol, TCP flags, the quoted packet of an
+/// ICMP error) from the record's last steps: for a probe that did not read them because no
+/// table since the last one that did could rewrite them.
+#[inline(always)]
+pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
+    if rec.nsteps == 0 {
+        return;
+    }
+    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+        return;
+    };
+    const HEADER_FLAGS: u8 = flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT | flags::INNER;
+    let p = &mut r.packet;
+    copy16(&mut p.saddr, &s.saddr);
+    copy16(&mut p.daddr, &s.daddr);
+    p.sport = s.sport;
+    p.dport = s.dport;
+    p.l4proto = s.l4proto;
+    p.ip_version = s.ip_version;
+    p.tcp_flags = s.tcp_flags;
+    r.header.flags = (r.header.flags & !HEADER_FLAGS) | (s.flags & HEADER_FLAGS);
+    if s.flags & flags::INNER != 0 {
+        if let Some(i) = rec.steps.get(rec.last_inner as usize) {
+            let q = &mut r.inner;
+            copy16(&mut q.saddr, &i.saddr);
+            copy16(&mut q.daddr, &i.daddr);
+            q.sport = i.sport;
+            q.dport = i.dport;
+            q.l4proto = i.l4proto;
+        }
+    }
+}
+
 /// The last hook the record lists (one of [`crate::hook`]), if any.
 #[inline(always)]
 pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
@@ -493,6 +526,31 @@ mod tests {
         }
         assert_eq!(rec.nvisits as usize, MAX_VISITS);
         assert_ne!(rec.incomplete & missing::VISITS, 0);
+    }
+
+    #[test]
+    fn headers_reused_from_the_last_step_add_no_step() {
+        let mut rec = fresh();
+        let mut r = reading(hook::FORWARD, 0x10, 443);
+        r.header.flags |= flags::CT;
+        r.ct.ctinfo = 2;
+        add_reading(&mut rec, &r, 0);
+        // A probe that read only the skb (mark changed) and took the headers from the record.
+        let mut next = Reading::default();
+        next.header.hook = hook::FORWARD;
+        next.header.family = family::IPV4;
+        next.header.flags = flags::CT;
+        next.ct.ctinfo = 2;
+        next.packet.mark = 0x30;
+        reuse_headers(&rec, &mut next);
+        add_reading(&mut rec, &next, 1);
+        assert_eq!(rec.nsteps, 2);
+        let s = rec.steps[1];
+        assert_eq!(
+            (s.dport, s.l4proto, s.ip_version, s.mark),
+            (443, 6, 4, 0x30)
+        );
+        assert_eq!(s.daddr, r.packet.daddr);
     }
 
     #[test]

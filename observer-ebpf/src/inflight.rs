@@ -34,19 +34,20 @@ pub static PENDING: HashMap<u64, TraversalRecord> = HashMap::with_max_entries(40
 #[map]
 pub static OUT: PerCpuArray<TraversalRecord> = PerCpuArray::with_max_entries(1, 0);
 
-/// Per-CPU scratch word through which slot indices pass, see [`opaque`].
+/// Per-CPU scratch word through which values pass, see [`opaque`].
 #[map]
-static INDEX: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+static INDEX: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// `i`, as a value the verifier does not know: stored to and read back from map memory.
 /// A slot chosen by an unrolled loop is otherwise a different constant on every path, so
-/// each of them makes its own copy of everything that follows (and the verifier gives up).
+/// each of them makes its own copy of everything that follows (and the verifier gives up);
+/// a typed kernel pointer becomes a plain number.
 #[inline(always)]
 pub fn opaque(i: usize) -> usize {
     match INDEX.get_ptr_mut(0) {
         // SAFETY: per-CPU word, used by one program run at a time on this CPU.
         Some(p) => unsafe {
-            core::ptr::write_volatile(p, i as u32);
+            core::ptr::write_volatile(p, i as u64);
             core::ptr::read_volatile(p) as usize
         },
         None => i,

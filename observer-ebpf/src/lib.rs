@@ -37,6 +37,10 @@ pub mod ctl {
     pub const ENTRY: usize = 3;
     pub const READ_OK: usize = 4;
     pub const VERDICT: usize = 5;
+    /// The hook of the record's current visit (255: none), and whether this probe took
+    /// the headers from the record instead of reading them.
+    pub const LAST_HOOK: usize = 6;
+    pub const REUSE: usize = 7;
     const WORDS: usize = 8;
 
     #[map]

@@ -100,6 +100,25 @@ impl HookPlan {
         }
     }
 
+    /// Programs (bits) whose point follows a table that may rewrite the packet's addresses
+    /// (nat, or a custom base chain, whose statements are unknown here): they read the
+    /// headers again; the others take them from the record (observer-ebpf's nf probes).
+    pub fn header_readers(&self) -> u64 {
+        let mut mask = 0;
+        for (i, &prio) in self.points.iter().enumerate().skip(1) {
+            let lo = self.points[i - 1];
+            let rewrites = self.tables.iter().any(|t| {
+                t.priority > lo
+                    && t.priority < prio
+                    && (&*t.name == "nat" || t.name.starts_with("prio:"))
+            });
+            if rewrites {
+                mask |= 1 << self.programs[i];
+            }
+        }
+        mask
+    }
+
     /// Position of the point where program `program` is attached.
     pub fn point_of(&self, program: usize) -> Option<usize> {
         self.programs.iter().position(|&p| p == program)
@@ -289,6 +308,16 @@ mod tests {
                 (NfFamily::Ipv6, NfHook::Forward, -5)
             ]
         );
+    }
+
+    #[test]
+    fn headers_are_read_again_after_nat_and_custom_chains_only() {
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        // Points FIRST, -299, -199, -149, -99, LAST: only -99 follows nat.
+        assert_eq!(p.header_readers(), 1 << 4);
+        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-5]);
+        let after_custom = f.points.iter().position(|&x| x == -4).unwrap();
+        assert_eq!(f.header_readers(), 1 << f.programs[after_custom]);
     }
 
     #[test]

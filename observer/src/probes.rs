@@ -194,6 +194,21 @@ impl Probes {
         }
         debug!("attached {} netfilter links", self.links.len());
         self.plans = attached;
+        self.set_header_readers()
+    }
+
+    /// Tells the probes which of them read the headers again (see
+    /// [`HookPlan::header_readers`]); both families' programs share one mask per hook.
+    fn set_header_readers(&mut self) -> Result<()> {
+        let mut masks = [0u64; 5];
+        for p in &self.plans {
+            masks[p.hook as usize] |= p.header_readers();
+        }
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        for (hook, mask) in masks.into_iter().enumerate() {
+            config.set(config::READ_HEADERS + hook as u32, mask, 0)?;
+        }
         Ok(())
     }
 
@@ -221,6 +236,7 @@ impl Probes {
         }
         self.plans = next;
         if !changed.is_empty() {
+            self.set_header_readers()?;
             self.generation = self.generation.wrapping_add(1);
             let mut config: Array<_, u64> =
                 Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;

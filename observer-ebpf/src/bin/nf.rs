@@ -9,10 +9,10 @@
 #![no_std]
 #![no_main]
 
-use observer_common::traversal::{add_reading, decision, last_hook, missing};
+use observer_common::traversal::{add_reading, decision, last_hook, missing, reuse_headers};
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
-use observer_ebpf::inflight::{begin, close_stale, find};
+use observer_ebpf::inflight::{begin, close_stale, find, opaque};
 use observer_ebpf::{
     Decide, cfg, count, decide, field, filtering, is_icmp_error, nfct_of, now, parse_inner,
     parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
@@ -78,9 +78,13 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
     }
     // Read the context through bpf_probe_read_kernel: a direct load would give the verifier
     // a trusted BTF pointer, on which it forbids the variable offsets that BTF gives us.
-    let Ok([state, skb]) = read::<[u64; 2]>(ctx as u64, 0) else {
-        return;
-    };
+    // The context's pointers, loaded directly and passed through map memory: that makes
+    // them plain numbers to the verifier (which forbids the variable offsets BTF gives us on
+    // its typed pointers), for two stores and loads instead of a helper call.
+    // SAFETY: the netfilter context is `struct bpf_nf_ctx`, readable by the program.
+    let (state, skb) = unsafe { ((*ctx).state, (*ctx).skb) };
+    let state = opaque(state as usize) as u64;
+    let skb = opaque(skb as usize) as u64;
     let _ = try_observe(state, skb, program);
 }
 
@@ -112,6 +116,11 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
         let kept = found
             .as_ref()
             .is_some_and(|f| f.rec.decision == decision::KEEP);
+        let last = match &found {
+            Some(f) if continues => last_hook(f.rec).unwrap_or(255),
+            _ => 255,
+        };
+        ctl::set(ctl::LAST_HOOK, u32::from(last));
         if continues && !kept && !with_ct {
             // Left out by the filter: this lookup is all it costs here.
             return Ok(());
@@ -142,7 +151,14 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     ev.header.hook = hook_no;
     ev.header.ts_ns = now();
     ev.header.skb = skb;
-    let read_ok = read_packet(ev, skb, w).is_ok();
+    // Within a hook's visit the devices are known, and the headers only change where a
+    // table may rewrite them (userspace marks those probes); the filter's probes always read.
+    let same_visit = ctl::get(ctl::LAST_HOOK) == u32::from(hook_no);
+    let must_read =
+        cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
+    let headers = decides || !same_visit || must_read;
+    ctl::set(ctl::REUSE, u32::from(!headers));
+    let read_ok = read_packet(ev, skb, w, !same_visit, headers).is_ok();
     ctl::set(ctl::READ_OK, u32::from(read_ok));
     // `program` is a constant: only programs 0 and 2 carry the filter's code.
     let verdict = match ctl::get(ctl::MODE) {
@@ -177,6 +193,9 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     if ctl::get(ctl::READ_OK) == 0 {
         rec.incomplete |= missing::READ;
     }
+    if ctl::get(ctl::REUSE) != 0 {
+        reuse_headers(rec, ev);
+    }
     if rec.decision == decision::KEEP {
         add_reading(rec, ev, program);
     }
@@ -195,22 +214,29 @@ fn read_packet(
     ev: &mut observer_common::PacketEvent,
     skb: u64,
     w: &mut observer_ebpf::Windows,
+    devices: bool,
+    headers: bool,
 ) -> Result<(), ()> {
     let off = |i| cfg(i).ok_or(());
     let st = &w.state;
     ev.header.family = field::<1>(st, off(config::STATE_PF)?, 0)?[0];
-    let ifindex_off = off(config::NETDEV_IFINDEX)?;
-    let dev_in = u64::from_ne_bytes(field(st, off(config::STATE_IN)?, 0)?);
-    let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
-    if dev_in != 0 {
-        ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
-    }
-    if dev_out != 0 {
-        ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
+    if devices {
+        let ifindex_off = off(config::NETDEV_IFINDEX)?;
+        let dev_in = u64::from_ne_bytes(field(st, off(config::STATE_IN)?, 0)?);
+        let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
+        if dev_in != 0 {
+            ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
+        }
+        if dev_out != 0 {
+            ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
+        }
     }
     let start = read_skb_window(skb, w)?;
     ev.packet.mark = u32::from_ne_bytes(field(&w.skb, off(config::SKB_MARK)?, start)?);
     ev.packet.len = u32::from_ne_bytes(field(&w.skb, off(config::SKB_LEN)?, start)?);
+    if !headers {
+        return read_conntrack(ev, w, start);
+    }
     let head = u64::from_ne_bytes(field(&w.skb, off(config::SKB_HEAD)?, start)?);
     let nh = u16::from_ne_bytes(field(&w.skb, off(config::SKB_NETWORK_HEADER)?, start)?);
     let l3 = head + nh as u64;
@@ -246,6 +272,15 @@ fn read_packet(
             }
         }
     }
+    read_conntrack(ev, w, start)
+}
+
+#[inline(always)]
+fn read_conntrack(
+    ev: &mut observer_common::PacketEvent,
+    w: &mut observer_ebpf::Windows,
+    start: u64,
+) -> Result<(), ()> {
     if read_ct(nfct_of(w, start)?, &mut ev.ct, w)? {
         ev.header.flags |= flags::CT;
     }
