@@ -1,0 +1,1454 @@
+//! What `iptables-restore` rejects in a rule, so `observer explain` rejects it too: unknown
+//! matches and targets, unknown or ambiguous options (getopt accepts unique prefixes), missing
+//! or extra arguments, and values the extensions' own parsers refuse (`--dport 99999`,
+//! `-s 300.1.1.1`, `/33`, `--mark 0xzz`, ...). Values are read the way iptables 1.8 reads them
+//! (`strtoul` base 0, address autocompletion, case-insensitive prefixes of names) so a valid
+//! dump is never refused. Extensions whose options we do not list are accepted as they are:
+//! their meaning is "not modelled" later, not an error.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use crate::iptables::{Basic, Item, Opt, Rule};
+
+/// The address family of a dump; `None` where a caller does not say (both are accepted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+/// A problem with one token: its column and the message.
+pub(crate) type Problem = (usize, String);
+
+/// Column of each part of a rule, in model order, as the parser records them: the chain;
+/// per item its flag and value (`-s` and the address, `-m` and the module name, `-j` and the
+/// target), each option as name column, argument count, argument columns; the end of the line.
+pub(crate) struct Cols<'a> {
+    cols: &'a [usize],
+    /// Where each item (and after them, the target) starts in `cols`.
+    starts: Vec<usize>,
+}
+
+impl<'a> Cols<'a> {
+    fn new(rule: &Rule, cols: &'a [usize]) -> Self {
+        let mut starts = Vec::with_capacity(rule.items.len() + 1);
+        let mut i = 1;
+        let skip_opts = |mut i: usize, n: usize| {
+            for _ in 0..n {
+                i += 2 + cols.get(i + 1).copied().unwrap_or(0);
+            }
+            i
+        };
+        for item in &rule.items {
+            starts.push(i);
+            i += 2;
+            if let Item::Module { opts, .. } = item {
+                i = skip_opts(i, opts.len());
+            }
+        }
+        starts.push(i);
+        Self { cols, starts }
+    }
+    fn get(&self, i: usize) -> usize {
+        self.cols.get(i).copied().unwrap_or(1)
+    }
+    fn flag(&self, item: usize) -> usize {
+        self.get(self.starts[item])
+    }
+    fn value(&self, item: usize) -> usize {
+        self.get(self.starts[item] + 1)
+    }
+    /// (name column, argument columns) of each option of an item.
+    fn opts(&self, item: usize) -> impl Iterator<Item = (usize, &'a [usize])> + '_ {
+        let mut i = self.starts[item] + 2;
+        std::iter::from_fn(move || {
+            let name = *self.cols.get(i)?;
+            let n = *self.cols.get(i + 1)?;
+            let args = self.cols.get(i + 2..i + 2 + n)?;
+            i += 2 + n;
+            Some((name, args))
+        })
+    }
+    fn end(&self) -> usize {
+        self.cols.last().copied().unwrap_or(1)
+    }
+}
+
+/// Tables iptables-restore knows.
+pub const TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"];
+
+/// The built-in chains of a table.
+pub fn builtin_chains(table: &str) -> &'static [&'static str] {
+    match table {
+        "raw" => &["PREROUTING", "OUTPUT"],
+        "mangle" => &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"],
+        "nat" => &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"],
+        "filter" | "security" => &["INPUT", "FORWARD", "OUTPUT"],
+        _ => &[],
+    }
+}
+
+/// Longest chain name iptables accepts (XT_EXTENSION_MAXNAMELEN - 1).
+pub const MAX_CHAIN_LEN: usize = 28;
+
+// Extensions shipped with iptables 1.8.9 (libxt_*, libipt_*, libip6t_*).
+const MATCHES: &[&str] = &[
+    "addrtype",
+    "bpf",
+    "cgroup",
+    "cluster",
+    "comment",
+    "connbytes",
+    "connlabel",
+    "connlimit",
+    "connmark",
+    "conntrack",
+    "cpu",
+    "dccp",
+    "devgroup",
+    "dscp",
+    "ecn",
+    "esp",
+    "hashlimit",
+    "helper",
+    "ipcomp",
+    "iprange",
+    "ipvs",
+    "length",
+    "limit",
+    "mac",
+    "mark",
+    "multiport",
+    "nfacct",
+    "osf",
+    "owner",
+    "physdev",
+    "pkttype",
+    "policy",
+    "quota",
+    "rateest",
+    "recent",
+    "rpfilter",
+    "sctp",
+    "set",
+    "socket",
+    "state",
+    "statistic",
+    "string",
+    "tcp",
+    "tcpmss",
+    "time",
+    "tos",
+    "u32",
+    "udp",
+];
+const MATCHES4: &[&str] = &["ah", "icmp", "realm", "ttl"];
+const MATCHES6: &[&str] = &[
+    "ah",
+    "dst",
+    "eui64",
+    "frag",
+    "hbh",
+    "hl",
+    "icmp6",
+    "ipv6header",
+    "mh",
+    "rt",
+    "srh",
+];
+const TARGETS: &[&str] = &[
+    "ACCEPT",
+    "DROP",
+    "RETURN",
+    "QUEUE",
+    "AUDIT",
+    "CHECKSUM",
+    "CLASSIFY",
+    "CONNMARK",
+    "CONNSECMARK",
+    "CT",
+    "DNAT",
+    "DSCP",
+    "HMARK",
+    "IDLETIMER",
+    "LED",
+    "LOG",
+    "MARK",
+    "MASQUERADE",
+    "NFLOG",
+    "NFQUEUE",
+    "NOTRACK",
+    "RATEEST",
+    "REDIRECT",
+    "SECMARK",
+    "SET",
+    "SNAT",
+    "SYNPROXY",
+    "TCPMSS",
+    "TCPOPTSTRIP",
+    "TEE",
+    "TOS",
+    "TPROXY",
+    "TRACE",
+];
+const TARGETS4: &[&str] = &["CLUSTERIP", "ECN", "NETMAP", "REJECT", "TTL", "ULOG"];
+const TARGETS6: &[&str] = &["DNPT", "HL", "NETMAP", "REJECT", "SNPT"];
+
+fn fam_has(f: Option<Family>, common: &[&str], v4: &[&str], v6: &[&str], name: &str) -> bool {
+    common.contains(&name)
+        || (f != Some(Family::V6) && v4.contains(&name))
+        || (f != Some(Family::V4) && v6.contains(&name))
+}
+
+pub fn is_match(f: Option<Family>, name: &str) -> bool {
+    fam_has(f, MATCHES, MATCHES4, MATCHES6, name)
+}
+
+pub fn is_target(f: Option<Family>, name: &str) -> bool {
+    fam_has(f, TARGETS, TARGETS4, TARGETS6, name)
+}
+
+// Protocol names getprotobyname() knows from netbase's /etc/protocols, plus the ones
+// iptables itself knows.
+const PROTOCOLS: &[&str] = &[
+    "all",
+    "ip",
+    "IP",
+    "hopopt",
+    "HOPOPT",
+    "icmp",
+    "ICMP",
+    "igmp",
+    "IGMP",
+    "ggp",
+    "GGP",
+    "ipencap",
+    "IP-ENCAP",
+    "st",
+    "ST",
+    "tcp",
+    "TCP",
+    "egp",
+    "EGP",
+    "igp",
+    "IGP",
+    "pup",
+    "PUP",
+    "udp",
+    "UDP",
+    "hmp",
+    "HMP",
+    "xns-idp",
+    "XNS-IDP",
+    "rdp",
+    "RDP",
+    "iso-tp4",
+    "ISO-TP4",
+    "dccp",
+    "DCCP",
+    "xtp",
+    "XTP",
+    "ddp",
+    "DDP",
+    "idpr-cmtp",
+    "IDPR-CMTP",
+    "ipv6",
+    "IPv6",
+    "ipv6-route",
+    "IPv6-Route",
+    "ipv6-frag",
+    "IPv6-Frag",
+    "idrp",
+    "IDRP",
+    "rsvp",
+    "RSVP",
+    "gre",
+    "GRE",
+    "esp",
+    "IPSEC-ESP",
+    "ah",
+    "IPSEC-AH",
+    "skip",
+    "SKIP",
+    "ipv6-icmp",
+    "IPv6-ICMP",
+    "icmpv6",
+    "ipv6-nonxt",
+    "IPv6-NoNxt",
+    "ipv6-opts",
+    "IPv6-Opts",
+    "rspf",
+    "RSPF",
+    "CPHB",
+    "vmtp",
+    "VMTP",
+    "eigrp",
+    "EIGRP",
+    "ospf",
+    "OSPFIGP",
+    "ax.25",
+    "AX.25",
+    "ipip",
+    "IPIP",
+    "etherip",
+    "ETHERIP",
+    "encap",
+    "ENCAP",
+    "pim",
+    "PIM",
+    "ipcomp",
+    "IPCOMP",
+    "vrrp",
+    "VRRP",
+    "l2tp",
+    "L2TP",
+    "isis",
+    "ISIS",
+    "sctp",
+    "SCTP",
+    "fc",
+    "FC",
+    "mobility-header",
+    "Mobility-Header",
+    "ipv6-mh",
+    "mh",
+    "udplite",
+    "UDPLite",
+    "mpls-in-ip",
+    "MPLS-in-IP",
+    "manet",
+    "hip",
+    "HIP",
+    "shim6",
+    "Shim6",
+    "wesp",
+    "WESP",
+    "rohc",
+    "ROHC",
+    "ethernet",
+    "Ethernet",
+    "mptcp",
+    "MPTCP",
+];
+
+/// `strtoul(s, &end, 0)` with nothing left over and the result at most `max`, as
+/// `xtables_strtoui` reads numbers: `0x` hex, a leading `0` octal, else decimal.
+pub fn strtoul0(s: &str, max: u64) -> Option<u64> {
+    let s = s.strip_prefix('+').unwrap_or(s);
+    let (digits, radix) = if let Some(h) = s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        (h, 16)
+    } else if s.len() > 1 && s.starts_with('0') {
+        (&s[1..], 8)
+    } else {
+        (s, 10)
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    u64::from_str_radix(digits, radix)
+        .ok()
+        .filter(|v| *v <= max)
+}
+
+/// `xtables_numeric_to_ipaddr`: dotted parts read by strtoul base 0, missing trailing parts
+/// are zero (`10.1` is 10.1.0.0); masks must have all four parts.
+pub fn ipv4_numeric(s: &str, is_mask: bool) -> Option<Ipv4Addr> {
+    let parts: Vec<&str> = s.splitn(4, '.').collect();
+    if parts.len() < 4 && is_mask {
+        return None;
+    }
+    let mut b = [0u8; 4];
+    for (i, p) in parts.iter().enumerate() {
+        b[i] = strtoul0(p, 255)? as u8;
+    }
+    Some(Ipv4Addr::from(b))
+}
+
+/// An address with an optional `/len` or `/mask`, as `-s`/`-d` read it (several may be
+/// given separated by commas).
+fn check_host_net(f: Option<Family>, s: &str) -> Result<(), String> {
+    for one in s.split(',') {
+        let (a, m) = match one.split_once('/') {
+            Some((a, m)) => (a, Some(m)),
+            None => (one, None),
+        };
+        let v4 = f != Some(Family::V6) && ipv4_numeric(a, false).is_some();
+        let v6 = f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok();
+        if !v4 && !v6 {
+            return Err(format!(
+                "host/network `{a}` is not an {} address (iptables-save prints addresses, not names)",
+                match f {
+                    Some(Family::V4) => "IPv4",
+                    Some(Family::V6) => "IPv6",
+                    None => "IP",
+                }
+            ));
+        }
+        if let Some(m) = m {
+            let ok = if v4 {
+                if m.contains('.') {
+                    ipv4_numeric(m, true).is_some()
+                } else {
+                    strtoul0(m, 32).is_some()
+                }
+            } else if m.contains(':') {
+                m.parse::<Ipv6Addr>().is_ok()
+            } else {
+                strtoul0(m, 128).is_some()
+            };
+            if !ok {
+                return Err(format!("invalid mask `{m}`"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A port number (0-65535) or a service name (accepted, not modelled).
+fn check_port(s: &str) -> Result<(), String> {
+    if strtoul0(s, 65535).is_some()
+        || (s.starts_with(|c: char| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/')))
+    {
+        Ok(())
+    } else {
+        Err(format!("invalid port `{s}` (0-65535)"))
+    }
+}
+
+fn port_value(s: &str) -> Option<u64> {
+    strtoul0(s, 65535)
+}
+
+/// `a`, `a:b`, `:b`, `a:`; with `multi`, a range may not be open (multiport).
+fn check_port_range(s: &str) -> Result<(), String> {
+    match s.split_once(':') {
+        None => check_port(s),
+        Some((a, b)) => {
+            if !a.is_empty() {
+                check_port(a)?;
+            }
+            if !b.is_empty() {
+                check_port(b)?;
+            }
+            if let (Some(x), Some(y)) = (port_value(a), port_value(b))
+                && x > y
+            {
+                return Err(format!("invalid port range `{s}` (min > max)"));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn check_multiport(s: &str) -> Result<(), String> {
+    let mut n = 0;
+    for p in s.split(',') {
+        if p.is_empty() {
+            return Err(format!("invalid port/service `` in `{s}`"));
+        }
+        match p.split_once(':') {
+            Some((a, b)) => {
+                check_port(a)?;
+                check_port(b)?;
+                if let (Some(x), Some(y)) = (port_value(a), port_value(b))
+                    && x > y
+                {
+                    return Err(format!("invalid port range `{p}`"));
+                }
+                n += 2;
+            }
+            None => {
+                check_port(p)?;
+                n += 1;
+            }
+        }
+    }
+    if n > 15 {
+        return Err("too many ports specified (15 at most, a range counts as two)".into());
+    }
+    Ok(())
+}
+
+fn check_mark(s: &str, with_mask: bool) -> Result<(), String> {
+    let bad = || format!("bad mark value `{s}` (a 32-bit number such as 0x4000, or value/mask)");
+    let (v, m) = match s.split_once('/') {
+        Some((v, m)) if with_mask => (v, Some(m)),
+        _ => (s, None),
+    };
+    strtoul0(v, u64::from(u32::MAX)).ok_or_else(bad)?;
+    if let Some(m) = m {
+        strtoul0(m, u64::from(u32::MAX)).ok_or_else(bad)?;
+    }
+    Ok(())
+}
+
+/// A case-insensitive prefix of one of `names` (first listed wins, as strncasecmp loops do).
+fn prefix_of(names: &[&str], s: &str) -> bool {
+    !s.is_empty()
+        && names
+            .iter()
+            .any(|n| n.len() >= s.len() && n[..s.len()].eq_ignore_ascii_case(s))
+}
+
+fn check_list(s: &str, names: &[&str], what: &str) -> Result<(), String> {
+    for w in s.split(',') {
+        if !prefix_of(names, w) {
+            return Err(format!("bad {what} `{w}` (one of {})", names.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+const ICMP4_NAMES: &[&str] = &[
+    "any",
+    "echo-reply",
+    "destination-unreachable",
+    "network-unreachable",
+    "host-unreachable",
+    "protocol-unreachable",
+    "port-unreachable",
+    "fragmentation-needed",
+    "source-route-failed",
+    "network-unknown",
+    "host-unknown",
+    "network-prohibited",
+    "host-prohibited",
+    "TOS-network-unreachable",
+    "TOS-host-unreachable",
+    "communication-prohibited",
+    "host-precedence-violation",
+    "precedence-cutoff",
+    "source-quench",
+    "redirect",
+    "network-redirect",
+    "host-redirect",
+    "TOS-network-redirect",
+    "TOS-host-redirect",
+    "echo-request",
+    "router-advertisement",
+    "router-solicitation",
+    "time-exceeded",
+    "ttl-zero-during-transit",
+    "ttl-zero-during-reassembly",
+    "parameter-problem",
+    "ip-header-bad",
+    "required-option-missing",
+    "timestamp-request",
+    "timestamp-reply",
+    "address-mask-request",
+    "address-mask-reply",
+];
+const ICMP6_NAMES: &[&str] = &[
+    "destination-unreachable",
+    "no-route",
+    "communication-prohibited",
+    "beyond-scope",
+    "address-unreachable",
+    "port-unreachable",
+    "failed-policy",
+    "reject-route",
+    "packet-too-big",
+    "time-exceeded",
+    "ttl-zero-during-transit",
+    "ttl-zero-during-reassembly",
+    "parameter-problem",
+    "bad-header",
+    "unknown-header-type",
+    "unknown-option",
+    "echo-request",
+    "echo-reply",
+    "router-solicitation",
+    "router-advertisement",
+    "neighbour-solicitation",
+    "neighbor-solicitation",
+    "neighbour-advertisement",
+    "neighbor-advertisement",
+    "redirect",
+];
+
+/// `type[/code]` numbers, or a unique case-insensitive prefix of a type name.
+fn check_icmp(s: &str, names: &[&str]) -> Result<(), String> {
+    let exact = names.iter().any(|n| n.eq_ignore_ascii_case(s));
+    let hits = names
+        .iter()
+        .filter(|n| n.len() >= s.len() && n[..s.len()].eq_ignore_ascii_case(s))
+        .count();
+    if !s.is_empty() && (exact || hits == 1) {
+        return Ok(());
+    }
+    if hits > 1 {
+        return Err(format!("ambiguous ICMP type `{s}`"));
+    }
+    let (t, c) = match s.split_once('/') {
+        Some((t, c)) => (t, Some(c)),
+        None => (s, None),
+    };
+    if strtoul0(t, 255).is_none() || c.is_some_and(|c| strtoul0(c, 255).is_none()) {
+        return Err(format!("unknown ICMP type `{s}`"));
+    }
+    Ok(())
+}
+
+fn check_tcp_flags(s: &str) -> Result<(), String> {
+    for f in s.split(',') {
+        if !["FIN", "SYN", "RST", "PSH", "ACK", "URG", "ALL", "NONE"]
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case(f))
+        {
+            return Err(format!("unknown TCP flag `{f}`"));
+        }
+    }
+    Ok(())
+}
+
+fn check_iprange(f: Option<Family>, s: &str) -> Result<(), String> {
+    let one = |a: &str| {
+        (f != Some(Family::V6) && ipv4_numeric(a, false).is_some())
+            || (f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok())
+    };
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (a, Some(b)),
+        None => (s, None),
+    };
+    if !one(a) || b.is_some_and(|b| !one(b)) {
+        return Err(format!("bad address range `{s}`"));
+    }
+    Ok(())
+}
+
+/// DNAT/SNAT `--to`: `[addr[-addr]][:port[-port]]`, IPv6 in brackets when a port follows.
+fn check_nat_to(f: Option<Family>, s: &str, port_proto: bool) -> Result<(), String> {
+    let bad = || format!("bad NAT address `{s}`");
+    let v4 = |a: &str| f != Some(Family::V6) && a.parse::<Ipv4Addr>().is_ok();
+    let v6 = |a: &str| f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok();
+    let (addrs, ports) = if let Some(rest) = s.strip_prefix('[') {
+        let (a, tail) = rest.split_once(']').ok_or_else(bad)?;
+        let a = a.split_once("]-[").map_or(a, |(x, _)| x);
+        if !v6(a) {
+            return Err(bad());
+        }
+        (None, tail.strip_prefix(':').map(Some).unwrap_or(None))
+    } else if s.matches(':').count() > 1 {
+        (Some((s, true)), None)
+    } else {
+        match s.split_once(':') {
+            Some((a, p)) => (Some((a, false)), Some(p)),
+            None => (Some((s, false)), None),
+        }
+    };
+    if let Some((a, six)) = addrs
+        && !a.is_empty()
+    {
+        let (x, y) = match a.split_once('-') {
+            Some((x, y)) => (x, Some(y)),
+            None => (a, None),
+        };
+        let ok = |v: &str| if six { v6(v) } else { v4(v) };
+        if !ok(x) || y.is_some_and(|y| !ok(y)) {
+            return Err(bad());
+        }
+    }
+    if let Some(p) = ports {
+        if !port_proto {
+            return Err("a port needs -p tcp, udp, sctp or dccp in the rule".into());
+        }
+        check_to_ports(p)?;
+    }
+    Ok(())
+}
+
+fn check_to_ports(p: &str) -> Result<(), String> {
+    let (a, b) = match p.split_once('-') {
+        Some((a, b)) => (a, Some(b)),
+        None => (p, None),
+    };
+    if port_value(a).is_none() || b.is_some_and(|b| port_value(b).is_none()) {
+        return Err(format!("port `{p}` not valid"));
+    }
+    Ok(())
+}
+
+fn check_rate(s: &str) -> Result<(), String> {
+    let bad = || format!("bad rate `{s}` (N/second, N/minute, N/hour or N/day)");
+    let (n, unit) = match s.split_once('/') {
+        Some((n, u)) => (n, Some(u)),
+        None => (s, None),
+    };
+    let n = strtoul0(n, u64::from(u32::MAX)).ok_or_else(bad)?;
+    if n == 0 {
+        return Err(bad());
+    }
+    if let Some(u) = unit
+        && !prefix_of(&["second", "minute", "hour", "day"], u)
+    {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// How many arguments an option takes and what they must be.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Arg {
+    Flag,
+    Any,
+    Comment,
+    U32,
+    U16,
+    Mark,
+    MarkMask,
+    PortRange,
+    PortList,
+    CtStates,
+    States,
+    TcpFlags,
+    Icmp4,
+    Icmp6,
+    AddrTypes,
+    IpRange,
+    Probability,
+    Mode,
+    Rate,
+    Burst,
+    SetArgs,
+    NatTo,
+    ToPorts,
+    Reject,
+    Iface,
+    LogLevel,
+}
+
+struct Spec {
+    opts: &'static [(&'static str, Arg)],
+}
+
+const CT_STATES: &[&str] = &[
+    "INVALID",
+    "NEW",
+    "RELATED",
+    "ESTABLISHED",
+    "UNTRACKED",
+    "SNAT",
+    "DNAT",
+];
+const STATES: &[&str] = &["INVALID", "ESTABLISHED", "NEW", "RELATED", "UNTRACKED"];
+const ADDR_TYPES: &[&str] = &[
+    "UNSPEC",
+    "UNICAST",
+    "LOCAL",
+    "BROADCAST",
+    "ANYCAST",
+    "MULTICAST",
+    "BLACKHOLE",
+    "UNREACHABLE",
+    "PROHIBIT",
+    "THROW",
+    "NAT",
+    "XRESOLVE",
+];
+const REJECT4: &[&str] = &[
+    "icmp-net-unreachable",
+    "net-unreach",
+    "icmp-host-unreachable",
+    "host-unreach",
+    "icmp-proto-unreachable",
+    "proto-unreach",
+    "icmp-port-unreachable",
+    "port-unreach",
+    "icmp-net-prohibited",
+    "net-prohib",
+    "icmp-host-prohibited",
+    "host-prohib",
+    "tcp-reset",
+    "tcp-rst",
+    "icmp-admin-prohibited",
+    "admin-prohib",
+];
+const REJECT6: &[&str] = &[
+    "icmp6-no-route",
+    "no-route",
+    "icmp6-adm-prohibited",
+    "adm-prohibited",
+    "icmp6-addr-unreachable",
+    "addr-unreach",
+    "icmp6-port-unreachable",
+    "port-unreach",
+    "tcp-reset",
+    "icmp6-policy-fail",
+    "policy-fail",
+    "icmp6-reject-route",
+    "reject-route",
+];
+const LOG_LEVELS: &[&str] = &[
+    "alert", "crit", "debug", "emerg", "error", "info", "notice", "panic", "warning",
+];
+
+/// Option lists of the extensions we read; others are accepted unchecked.
+fn spec(name: &str) -> Option<Spec> {
+    use Arg::*;
+    let opts: &'static [(&'static str, Arg)] = match name {
+        "comment" => &[("comment", Comment)],
+        "mark" | "connmark" => &[("mark", MarkMask)],
+        "conntrack" => &[
+            ("ctstate", CtStates),
+            ("ctproto", Any),
+            ("ctorigsrc", Any),
+            ("ctorigdst", Any),
+            ("ctreplsrc", Any),
+            ("ctrepldst", Any),
+            ("ctorigsrcport", Any),
+            ("ctorigdstport", Any),
+            ("ctreplsrcport", Any),
+            ("ctrepldstport", Any),
+            ("ctstatus", Any),
+            ("ctexpire", Any),
+            ("ctdir", Any),
+        ],
+        "state" => &[("state", States)],
+        "tcp" => &[
+            ("source-port", PortRange),
+            ("sport", PortRange),
+            ("destination-port", PortRange),
+            ("dport", PortRange),
+            ("syn", Flag),
+            ("tcp-flags", TcpFlags),
+            ("tcp-option", U32),
+        ],
+        "udp" => &[
+            ("source-port", PortRange),
+            ("sport", PortRange),
+            ("destination-port", PortRange),
+            ("dport", PortRange),
+        ],
+        "multiport" => &[
+            ("source-ports", PortList),
+            ("sports", PortList),
+            ("destination-ports", PortList),
+            ("dports", PortList),
+            ("ports", PortList),
+        ],
+        "icmp" => &[("icmp-type", Icmp4)],
+        "icmp6" => &[("icmpv6-type", Icmp6)],
+        "addrtype" => &[
+            ("src-type", AddrTypes),
+            ("dst-type", AddrTypes),
+            ("limit-iface-in", Flag),
+            ("limit-iface-out", Flag),
+        ],
+        "iprange" => &[("src-range", IpRange), ("dst-range", IpRange)],
+        "statistic" => &[
+            ("mode", Mode),
+            ("probability", Probability),
+            ("every", U32),
+            ("packet", U32),
+        ],
+        "limit" => &[("limit", Rate), ("limit-burst", Burst)],
+        "set" => &[
+            ("match-set", SetArgs),
+            ("set", SetArgs),
+            ("return-nomatch", Flag),
+            ("update-counters", Flag),
+            ("update-subcounters", Flag),
+            ("packets-eq", Any),
+            ("packets-lt", Any),
+            ("packets-gt", Any),
+            ("bytes-eq", Any),
+            ("bytes-lt", Any),
+            ("bytes-gt", Any),
+        ],
+        "rpfilter" => &[
+            ("loose", Flag),
+            ("validmark", Flag),
+            ("accept-local", Flag),
+            ("invert", Flag),
+        ],
+        "physdev" => &[
+            ("physdev-in", Iface),
+            ("physdev-out", Iface),
+            ("physdev-is-in", Flag),
+            ("physdev-is-out", Flag),
+            ("physdev-is-bridged", Flag),
+        ],
+        "ACCEPT" | "DROP" | "RETURN" | "QUEUE" | "NOTRACK" | "TRACE" => &[],
+        "MARK" => &[
+            ("set-xmark", MarkMask),
+            ("set-mark", MarkMask),
+            ("and-mark", Mark),
+            ("or-mark", Mark),
+            ("xor-mark", Mark),
+        ],
+        "CONNMARK" => &[
+            ("set-xmark", MarkMask),
+            ("set-mark", MarkMask),
+            ("and-mark", Mark),
+            ("or-mark", Mark),
+            ("xor-mark", Mark),
+            ("save-mark", Flag),
+            ("restore-mark", Flag),
+            ("mask", Mark),
+            ("nfmask", Mark),
+            ("ctmask", Mark),
+        ],
+        "DNAT" => &[
+            ("to-destination", NatTo),
+            ("random", Flag),
+            ("random-fully", Flag),
+            ("persistent", Flag),
+        ],
+        "SNAT" => &[
+            ("to-source", NatTo),
+            ("random", Flag),
+            ("random-fully", Flag),
+            ("persistent", Flag),
+        ],
+        "MASQUERADE" => &[
+            ("to-ports", ToPorts),
+            ("random", Flag),
+            ("random-fully", Flag),
+        ],
+        "REDIRECT" => &[("to-ports", ToPorts), ("random", Flag)],
+        "REJECT" => &[("reject-with", Reject)],
+        "CT" => &[
+            ("notrack", Flag),
+            ("helper", Any),
+            ("ctevents", Any),
+            ("expevents", Any),
+            ("zone", Any),
+            ("zone-orig", Any),
+            ("zone-reply", Any),
+            ("timeout", Any),
+        ],
+        "LOG" => &[
+            ("log-level", LogLevel),
+            ("log-prefix", Any),
+            ("log-tcp-sequence", Flag),
+            ("log-tcp-options", Flag),
+            ("log-ip-options", Flag),
+            ("log-uid", Flag),
+            ("log-macdecode", Flag),
+        ],
+        "NFLOG" => &[
+            ("nflog-group", U16),
+            ("nflog-prefix", Any),
+            ("nflog-range", U32),
+            ("nflog-size", U32),
+            ("nflog-threshold", U16),
+        ],
+        _ => return None,
+    };
+    Some(Spec { opts })
+}
+
+/// Extensions whose options make up one argument table in getopt at a point of the rule.
+struct Loaded<'a> {
+    name: &'a str,
+    spec: Option<Spec>,
+    /// Options seen so far for this extension instance (full names), for "only once".
+    seen: Vec<&'static str>,
+}
+
+// iptables' own long options: a prefix that also fits one of these is ambiguous.
+const BASE_LONG: &[&str] = &[
+    "append",
+    "check",
+    "delete",
+    "insert",
+    "replace",
+    "list",
+    "list-rules",
+    "flush",
+    "zero",
+    "new-chain",
+    "delete-chain",
+    "rename-chain",
+    "policy",
+    "source",
+    "src",
+    "destination",
+    "dst",
+    "protocol",
+    "in-interface",
+    "jump",
+    "table",
+    "match",
+    "numeric",
+    "out-interface",
+    "verbose",
+    "wait",
+    "wait-interval",
+    "exact",
+    "fragment",
+    "version",
+    "help",
+    "line-numbers",
+    "modprobe",
+    "set-counters",
+    "goto",
+    "ipv4",
+    "ipv6",
+];
+
+enum Resolved {
+    /// Index of the loaded extension and the option's full name and argument kind.
+    Known(usize, &'static str, Arg),
+    /// Not ours to judge: some loaded extension is not modelled.
+    Unchecked,
+}
+
+/// The extensions loaded so far, as getopt sees them.
+#[derive(Default)]
+struct Getopt<'a> {
+    instances: Vec<Loaded<'a>>,
+    /// Latest instance of each distinct extension, oldest first. xtables puts a newly loaded
+    /// extension's options before the older ones, so for a name two extensions share the
+    /// newest wins. Bounded by the number of extensions, which keeps lookups linear.
+    recent: Vec<usize>,
+}
+
+impl<'a> Getopt<'a> {
+    fn load(&mut self, name: &'a str, spec: Option<Spec>) -> usize {
+        let i = self.instances.len();
+        self.instances.push(Loaded {
+            name,
+            spec,
+            seen: Vec::new(),
+        });
+        self.recent.retain(|&r| self.instances[r].name != name);
+        self.recent.push(i);
+        i
+    }
+
+    /// getopt_long: an exact name, else a unique prefix (iptables' own options count too).
+    fn resolve(&self, name: &str) -> Result<Resolved, String> {
+        let mut prefix_hits: Vec<(usize, &'static str, Arg)> = Vec::new();
+        for &i in self.recent.iter().rev() {
+            if let Some(s) = &self.instances[i].spec {
+                for &(n, a) in s.opts {
+                    if n == name {
+                        return Ok(Resolved::Known(i, n, a));
+                    }
+                    if n.starts_with(name) {
+                        prefix_hits.push((i, n, a));
+                    }
+                }
+            }
+        }
+        if self
+            .recent
+            .iter()
+            .any(|&i| self.instances[i].spec.is_none())
+        {
+            return Ok(Resolved::Unchecked);
+        }
+        let base = BASE_LONG.iter().filter(|b| b.starts_with(name)).count();
+        match (prefix_hits.as_slice(), base) {
+            ([(i, n, a)], 0) => Ok(Resolved::Known(*i, n, *a)),
+            ([], 0) => Err(format!("unknown option `--{name}`")),
+            _ => Err(format!("ambiguous option `--{name}`")),
+        }
+    }
+}
+
+/// Context for the checks that look across a rule.
+struct RuleFacts<'a> {
+    family: Option<Family>,
+    /// The rule's `-p` when not negated.
+    proto: Option<&'a str>,
+}
+
+impl RuleFacts<'_> {
+    fn port_proto(&self) -> bool {
+        self.proto.is_some_and(|p| {
+            matches!(
+                p.to_ascii_lowercase().as_str(),
+                "tcp" | "udp" | "sctp" | "dccp" | "6" | "17" | "132" | "33"
+            )
+        })
+    }
+    fn multiport_proto(&self) -> bool {
+        self.port_proto()
+            || self
+                .proto
+                .is_some_and(|p| matches!(p.to_ascii_lowercase().as_str(), "udplite" | "136"))
+    }
+}
+
+fn check_args(
+    facts: &RuleFacts<'_>,
+    owner: &str,
+    name: &str,
+    kind: Arg,
+    o: &Opt,
+    cols: (usize, &[usize]),
+) -> Result<(), Problem> {
+    let (name_col, arg_cols) = cols;
+    let want = match kind {
+        Arg::Flag => 0,
+        Arg::TcpFlags | Arg::SetArgs => 2,
+        _ => 1,
+    };
+    if o.args.len() < want {
+        return Err((
+            name_col,
+            format!("option `--{}` requires an argument", o.name),
+        ));
+    }
+    if o.args.len() > want {
+        return Err((
+            arg_cols.get(want).copied().unwrap_or(name_col),
+            format!("bad argument `{}`", o.args[want]),
+        ));
+    }
+    let a = o.args.first().map_or("", String::as_str);
+    let col = arg_cols.first().copied().unwrap_or(name_col);
+    let fam = facts.family;
+    let r = match kind {
+        Arg::Flag | Arg::Any => Ok(()),
+        Arg::Comment => {
+            if a.len() > 255 {
+                Err("comment longer than 255 characters".into())
+            } else {
+                Ok(())
+            }
+        }
+        Arg::U32 => strtoul0(a, u64::from(u32::MAX))
+            .map(|_| ())
+            .ok_or_else(|| format!("bad value `{a}` for `--{name}` (0-4294967295)")),
+        Arg::U16 => strtoul0(a, 65535)
+            .map(|_| ())
+            .ok_or_else(|| format!("bad value `{a}` for `--{name}` (0-65535)")),
+        Arg::Burst => strtoul0(a, 10000)
+            .map(|_| ())
+            .ok_or_else(|| format!("bad value `{a}` for `--{name}` (0-10000)")),
+        Arg::Mark => check_mark(a, false),
+        Arg::MarkMask => check_mark(a, true),
+        Arg::PortRange => check_port_range(a),
+        Arg::PortList => {
+            if facts.multiport_proto() {
+                check_multiport(a)
+            } else {
+                Err(
+                    "multiport needs `-p tcp`, `-p udp`, `-p udplite`, `-p sctp` or `-p dccp`"
+                        .into(),
+                )
+            }
+        }
+        Arg::CtStates => check_list(a, CT_STATES, "ctstate"),
+        Arg::States => check_list(a, STATES, "state"),
+        Arg::TcpFlags => check_tcp_flags(a).and_then(|()| check_tcp_flags(&o.args[1])),
+        Arg::Icmp4 => check_icmp(a, ICMP4_NAMES),
+        Arg::Icmp6 => check_icmp(a, ICMP6_NAMES),
+        Arg::AddrTypes => check_list(a, ADDR_TYPES, "address type"),
+        Arg::IpRange => check_iprange(fam, a),
+        Arg::Probability => match a.parse::<f64>() {
+            Ok(p) if (0.0..=1.0).contains(&p) => Ok(()),
+            _ => Err(format!("bad probability `{a}` (0-1)")),
+        },
+        Arg::Mode => {
+            if a == "random" || a == "nth" {
+                Ok(())
+            } else {
+                Err(format!("bad mode `{a}` (random or nth)"))
+            }
+        }
+        Arg::Rate => check_rate(a),
+        Arg::SetArgs => {
+            let flags: Vec<&str> = o.args[1].split(',').collect();
+            if flags.len() > 6 || flags.iter().any(|f| *f != "src" && *f != "dst") {
+                Err(format!(
+                    "bad set flags `{}` (src/dst, comma separated)",
+                    o.args[1]
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        Arg::NatTo => check_nat_to(fam, a, facts.port_proto()),
+        Arg::ToPorts => {
+            if facts.port_proto() {
+                check_to_ports(a)
+            } else {
+                Err("--to-ports needs -p tcp, udp, sctp or dccp in the rule".into())
+            }
+        }
+        Arg::Reject => {
+            let names: Vec<&str> = match fam {
+                Some(Family::V4) => REJECT4.to_vec(),
+                Some(Family::V6) => REJECT6.to_vec(),
+                None => REJECT4.iter().chain(REJECT6).copied().collect(),
+            };
+            if prefix_of(&names, a) {
+                Ok(())
+            } else {
+                Err(format!("unknown reject type `{a}`"))
+            }
+        }
+        Arg::Iface => {
+            if a.len() > 15 {
+                Err(format!("interface name `{a}` longer than 15 characters"))
+            } else {
+                Ok(())
+            }
+        }
+        Arg::LogLevel => {
+            if strtoul0(a, 7).is_some() || LOG_LEVELS.contains(&a) {
+                Ok(())
+            } else {
+                Err(format!("log level `{a}` unknown"))
+            }
+        }
+    };
+    r.map_err(|m| (col, format!("{owner}: {m}")))
+}
+
+/// What must hold once all of an extension's options are read.
+fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
+    let has = |n: &str| l.seen.contains(&n);
+    let any = |ns: &[&str]| ns.iter().any(|n| has(n));
+    let name = l.name;
+    match name {
+        "comment" if !has("comment") => Err("comment: option `--comment` must be specified".into()),
+        "mark" | "connmark" if !has("mark") => {
+            Err(format!("{name}: option `--mark` must be specified"))
+        }
+        "conntrack" if l.seen.is_empty() => Err("conntrack: at least one option is required".into()),
+        "state" if !has("state") => Err("state: option `--state` must be specified".into()),
+        "addrtype" if !any(&["src-type", "dst-type"]) => {
+            Err("addrtype: you must specify --src-type or --dst-type".into())
+        }
+        "iprange" if l.seen.is_empty() => Err("iprange: a range is required".into()),
+        "multiport" if l.seen.is_empty() => Err("multiport: no ports specified".into()),
+        "set" if !any(&["match-set", "set"]) => {
+            Err("set: you must specify --match-set".into())
+        }
+        "physdev" if l.seen.is_empty() => Err("physdev: no physdev option specified".into()),
+        "statistic" => {
+            let mode = o.map(|o| o.args.first().map_or("", String::as_str));
+            match mode {
+                None => Err("statistic: no mode specified".into()),
+                Some("random") if !has("probability") => {
+                    Err("statistic: --probability must be specified when using random mode".into())
+                }
+                Some("nth") if !has("every") => {
+                    Err("statistic: --every must be specified when using nth mode".into())
+                }
+                _ => Ok(()),
+            }
+        }
+        "MARK" => match l.seen.len() {
+            0 => Err("MARK: one of --set-xmark, --set-mark, --and-mark, --or-mark or --xor-mark is required".into()),
+            1 => Ok(()),
+            _ => Err("MARK: only one of --set-xmark, --set-mark, --and-mark, --or-mark or --xor-mark".into()),
+        },
+        "CONNMARK" => {
+            let ops = l
+                .seen
+                .iter()
+                .filter(|n| !matches!(**n, "mask" | "nfmask" | "ctmask"))
+                .count();
+            match ops {
+                0 => Err("CONNMARK: no operation specified".into()),
+                1 => Ok(()),
+                _ => Err("CONNMARK: only one operation".into()),
+            }
+        }
+        "DNAT" if !has("to-destination") => {
+            Err("DNAT: option `--to-destination` must be specified".into())
+        }
+        "SNAT" if !has("to-source") => Err("SNAT: option `--to-source` must be specified".into()),
+        _ => Ok(()),
+    }
+}
+
+/// Checks a parsed rule of `table` against what iptables-restore accepts. `is_chain` says
+/// whether a name is a user chain declared (before this line) in the same table.
+pub(crate) fn check_rule(
+    rule: &Rule,
+    cols: &[usize],
+    family: Option<Family>,
+    table: Option<&str>,
+    is_chain: &dyn Fn(&str) -> bool,
+) -> Result<(), Problem> {
+    let cols = Cols::new(rule, cols);
+    let mut proto = None;
+    let mut seen_basic = [false; 5];
+    for (k, item) in rule.items.iter().enumerate() {
+        if let Item::Basic { neg, kind, value } = item {
+            if std::mem::replace(&mut seen_basic[*kind as usize], true) {
+                return Err((
+                    cols.flag(k),
+                    format!("multiple {} flags not allowed", flag(*kind)),
+                ));
+            }
+            match kind {
+                Basic::Src | Basic::Dst => check_host_net(family, value),
+                Basic::Proto => {
+                    if !neg {
+                        proto = Some(value.as_str());
+                    }
+                    check_proto(value)
+                }
+                Basic::InIface | Basic::OutIface => {
+                    if value.len() > 15 {
+                        Err(format!(
+                            "interface name `{value}` longer than 15 characters"
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                }
+            }
+            .map_err(|m| (cols.value(k), m))?;
+        }
+    }
+    let facts = RuleFacts { family, proto };
+    let mut loaded = Getopt::default();
+    // statistic's --mode decides which other options it needs.
+    let mut mode_of: Vec<Option<&Opt>> = Vec::new();
+    let check_opts = |loaded: &mut Getopt<'_>, owner: &str, opts: &[Opt], at: usize| {
+        for (o, (ncol, acols)) in opts.iter().zip(cols.opts(at)) {
+            match loaded.resolve(&o.name).map_err(|m| (ncol, m))? {
+                Resolved::Unchecked => {}
+                Resolved::Known(i, full, kind) => {
+                    let inst = &mut loaded.instances[i];
+                    if inst.seen.contains(&full) {
+                        return Err((
+                            ncol,
+                            format!("{}: option `--{full}` can only be used once", inst.name),
+                        ));
+                    }
+                    inst.seen.push(full);
+                    check_args(&facts, owner, full, kind, o, (ncol, acols))?;
+                }
+            }
+        }
+        Ok::<(), Problem>(())
+    };
+    for (k, item) in rule.items.iter().enumerate() {
+        if let Item::Module {
+            name,
+            implicit,
+            opts,
+        } = item
+        {
+            let ext = if *implicit {
+                match name.as_str() {
+                    "ipv6-icmp" | "icmpv6" => "icmp6",
+                    n => n,
+                }
+            } else {
+                name.as_str()
+            };
+            if !*implicit && !is_match(family, ext) {
+                return Err((cols.value(k), format!("unknown match `{name}`")));
+            }
+            loaded.load(ext, spec(ext));
+            mode_of.push(opts.iter().rev().find(|o| o.name == "mode"));
+            check_opts(&mut loaded, ext, opts, k)?;
+        }
+    }
+    let at = rule.items.len();
+    let mut target_idx = None;
+    if let Some(t) = &rule.target {
+        let chain = is_chain(&t.name);
+        if t.goto && !chain {
+            return Err((cols.value(at), format!("goto `{}` is not a chain", t.name)));
+        }
+        if chain {
+            // A jump takes no options of its own.
+            loaded.load("standard", Some(Spec { opts: &[] }));
+        } else {
+            if table.is_some() && crate::iptables::is_builtin_chain(&t.name) {
+                return Err((
+                    cols.value(at),
+                    format!("cannot jump to the built-in chain `{}`", t.name),
+                ));
+            }
+            if !is_target(family, &t.name) {
+                return Err((
+                    cols.value(at),
+                    format!(
+                        "`{}` is neither a chain declared before this line nor a target",
+                        t.name
+                    ),
+                ));
+            }
+            target_idx = Some(loaded.load(&t.name, spec(&t.name)));
+        }
+        mode_of.push(None);
+        check_opts(&mut loaded, &t.name, &t.opts, at)?;
+    }
+    for (i, l) in loaded.instances.iter().enumerate() {
+        if l.spec.is_none() {
+            continue;
+        }
+        let col = if Some(i) == target_idx {
+            cols.value(at)
+        } else {
+            cols.end()
+        };
+        check_complete(l, mode_of[i]).map_err(|m| (col, m))?;
+    }
+    Ok(())
+}
+
+fn flag(k: Basic) -> &'static str {
+    match k {
+        Basic::Src => "-s",
+        Basic::Dst => "-d",
+        Basic::Proto => "-p",
+        Basic::InIface => "-i",
+        Basic::OutIface => "-o",
+    }
+}
+
+fn check_proto(p: &str) -> Result<(), String> {
+    if strtoul0(p, 255).is_some()
+        || PROTOCOLS.contains(&p)
+        || PROTOCOLS.contains(&p.to_ascii_lowercase().as_str())
+    {
+        Ok(())
+    } else {
+        Err(format!("unknown protocol `{p}`"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_and_addresses_read_like_iptables() {
+        assert_eq!(strtoul0("0x10", 255), Some(16));
+        assert_eq!(strtoul0("010", 255), Some(8));
+        assert_eq!(strtoul0("08", 255), None);
+        assert_eq!(strtoul0("0x", 255), None);
+        assert_eq!(strtoul0("256", 255), None);
+        assert_eq!(
+            ipv4_numeric("10.1", false),
+            Some(Ipv4Addr::new(10, 1, 0, 0))
+        );
+        assert_eq!(ipv4_numeric("10.0.", false), None);
+        assert_eq!(ipv4_numeric("300.1.1.1", false), None);
+        assert!(check_host_net(Some(Family::V4), "10.0.0.0/33").is_err());
+        assert!(check_host_net(Some(Family::V4), "10.0.0.0/255.0.255.0").is_ok());
+        assert!(check_host_net(Some(Family::V4), "10.0.0.0/").is_err());
+        assert!(check_host_net(Some(Family::V6), "fd00::/129").is_err());
+        assert!(check_host_net(Some(Family::V6), "1.2.3.4").is_err());
+        assert!(check_host_net(None, "fd00::/64").is_ok());
+        assert!(check_port_range("300:3").is_err());
+        assert!(check_port_range("99999").is_err());
+        assert!(check_port_range("30080:").is_ok());
+        assert!(check_icmp("echo-re", ICMP6_NAMES).is_err());
+        assert!(check_icmp("echo-req", ICMP6_NAMES).is_ok());
+        assert!(check_icmp("8/", ICMP4_NAMES).is_err());
+        assert!(check_list("NEW,EST", CT_STATES, "ctstate").is_ok());
+        assert!(check_list("RELATED,", CT_STATES, "ctstate").is_err());
+        assert!(check_rate("5/m").is_ok());
+        assert!(check_rate("5/").is_err());
+        assert!(check_nat_to(Some(Family::V4), "172.17", true).is_err());
+        assert!(check_nat_to(Some(Family::V4), "172.17.0.5:22", false).is_err());
+        assert!(check_nat_to(Some(Family::V6), "[fd00::5]:80", true).is_ok());
+    }
+}
