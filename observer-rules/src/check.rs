@@ -944,8 +944,9 @@ fn spec(name: &str) -> Option<Spec> {
 struct Loaded<'a> {
     name: &'a str,
     spec: Option<Spec>,
-    /// Options seen so far for this extension instance (full names), for "only once".
-    seen: Vec<&'static str>,
+    /// Options seen so far for this instance, one bit per entry of its spec (no allocation:
+    /// a rule may load hundreds of thousands of extensions).
+    seen: u32,
 }
 
 // iptables' own long options: a prefix that also fits one of these is ambiguous.
@@ -996,6 +997,21 @@ enum Resolved {
     Unchecked,
 }
 
+impl Loaded<'_> {
+    fn bit(&self, n: &str) -> u32 {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.opts.iter().position(|(o, _)| *o == n))
+            .map_or(0, |i| 1 << i)
+    }
+    fn saw(&self, n: &str) -> bool {
+        self.seen & self.bit(n) != 0
+    }
+    fn mark(&mut self, n: &str) {
+        self.seen |= self.bit(n);
+    }
+}
+
 /// The extensions loaded so far, as getopt sees them.
 #[derive(Default)]
 struct Getopt<'a> {
@@ -1012,7 +1028,7 @@ impl<'a> Getopt<'a> {
         self.instances.push(Loaded {
             name,
             spec,
-            seen: Vec::new(),
+            seen: 0,
         });
         self.recent.retain(|&r| self.instances[r].name != name);
         self.recent.push(i);
@@ -1204,7 +1220,7 @@ fn check_args(
 
 /// What must hold once all of an extension's options are read.
 fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
-    let has = |n: &str| l.seen.contains(&n);
+    let has = |n: &str| l.saw(n);
     let any = |ns: &[&str]| ns.iter().any(|n| has(n));
     let name = l.name;
     match name {
@@ -1212,17 +1228,17 @@ fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
         "mark" | "connmark" if !has("mark") => {
             Err(format!("{name}: option `--mark` must be specified"))
         }
-        "conntrack" if l.seen.is_empty() => Err("conntrack: at least one option is required".into()),
+        "conntrack" if l.seen == 0 => Err("conntrack: at least one option is required".into()),
         "state" if !has("state") => Err("state: option `--state` must be specified".into()),
         "addrtype" if !any(&["src-type", "dst-type"]) => {
             Err("addrtype: you must specify --src-type or --dst-type".into())
         }
-        "iprange" if l.seen.is_empty() => Err("iprange: a range is required".into()),
-        "multiport" if l.seen.is_empty() => Err("multiport: no ports specified".into()),
+        "iprange" if l.seen == 0 => Err("iprange: a range is required".into()),
+        "multiport" if l.seen == 0 => Err("multiport: no ports specified".into()),
         "set" if !any(&["match-set", "set"]) => {
             Err("set: you must specify --match-set".into())
         }
-        "physdev" if l.seen.is_empty() => Err("physdev: no physdev option specified".into()),
+        "physdev" if l.seen == 0 => Err("physdev: no physdev option specified".into()),
         "statistic" => {
             let mode = o.map(|o| o.args.first().map_or("", String::as_str));
             match mode {
@@ -1236,17 +1252,14 @@ fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
                 _ => Ok(()),
             }
         }
-        "MARK" => match l.seen.len() {
+        "MARK" => match l.seen.count_ones() {
             0 => Err("MARK: one of --set-xmark, --set-mark, --and-mark, --or-mark or --xor-mark is required".into()),
             1 => Ok(()),
             _ => Err("MARK: only one of --set-xmark, --set-mark, --and-mark, --or-mark or --xor-mark".into()),
         },
         "CONNMARK" => {
-            let ops = l
-                .seen
-                .iter()
-                .filter(|n| !matches!(**n, "mask" | "nfmask" | "ctmask"))
-                .count();
+            let masks = ["mask", "nfmask", "ctmask"];
+            let ops = l.seen.count_ones() as usize - masks.iter().filter(|m| has(m)).count();
             match ops {
                 0 => Err("CONNMARK: no operation specified".into()),
                 1 => Ok(()),
@@ -1312,13 +1325,13 @@ pub(crate) fn check_rule(
                 Resolved::Unchecked => {}
                 Resolved::Known(i, full, kind) => {
                     let inst = &mut loaded.instances[i];
-                    if inst.seen.contains(&full) {
+                    if inst.saw(full) {
                         return Err((
                             ncol,
                             format!("{}: option `--{full}` can only be used once", inst.name),
                         ));
                     }
-                    inst.seen.push(full);
+                    inst.mark(full);
                     check_args(&facts, owner, full, kind, o, (ncol, acols))?;
                 }
             }
