@@ -940,6 +940,28 @@ fn spec(name: &str) -> Option<Spec> {
     Some(Spec { opts })
 }
 
+/// How many arguments option `opt` (exact or unique prefix) of extension `ext` requires,
+/// when we know the extension. getopt hands a required argument the next word even when it
+/// looks like an option (`--comment -A`), so the parser asks before stopping there.
+pub(crate) fn required_args(ext: &str, opt: &str) -> usize {
+    let Some(sp) = spec(ext) else { return 0 };
+    let kind = match sp.opts.iter().find(|(n, _)| *n == opt) {
+        Some((_, k)) => *k,
+        None => {
+            let mut hits = sp.opts.iter().filter(|(n, _)| n.starts_with(opt));
+            match (hits.next(), hits.next()) {
+                (Some((_, k)), None) => *k,
+                _ => return 0,
+            }
+        }
+    };
+    match kind {
+        Arg::Flag => 0,
+        Arg::TcpFlags | Arg::SetArgs => 2,
+        _ => 1,
+    }
+}
+
 /// Extensions whose options make up one argument table in getopt at a point of the rule.
 struct Loaded<'a> {
     name: &'a str,
@@ -1302,6 +1324,13 @@ pub(crate) fn check_rule(
                     }
                     check_proto(value)
                 }
+                // The kernel has no input device there (or no output device yet).
+                Basic::InIface if matches!(rule.chain.as_str(), "OUTPUT" | "POSTROUTING") => {
+                    return Err((cols.flag(k), format!("can't use -i with {}", rule.chain)));
+                }
+                Basic::OutIface if matches!(rule.chain.as_str(), "PREROUTING" | "INPUT") => {
+                    return Err((cols.flag(k), format!("can't use -o with {}", rule.chain)));
+                }
                 Basic::InIface | Basic::OutIface => {
                     if value.len() > 15 {
                         Err(format!(
@@ -1346,10 +1375,7 @@ pub(crate) fn check_rule(
         } = item
         {
             let ext = if *implicit {
-                match name.as_str() {
-                    "ipv6-icmp" | "icmpv6" => "icmp6",
-                    n => n,
-                }
+                implicit_match(name)
             } else {
                 name.as_str()
             };
@@ -1367,6 +1393,12 @@ pub(crate) fn check_rule(
         let chain = is_chain(&t.name);
         if t.goto && !chain {
             return Err((cols.value(at), format!("goto `{}` is not a chain", t.name)));
+        }
+        if table == Some("nat") && t.name == "DROP" {
+            return Err((
+                cols.value(at),
+                "the nat table is not intended for filtering: DROP is refused there".into(),
+            ));
         }
         if chain {
             // A jump takes no options of its own.
@@ -1404,6 +1436,14 @@ pub(crate) fn check_rule(
         check_complete(l, mode_of[i]).map_err(|m| (col, m))?;
     }
     Ok(())
+}
+
+/// The match `-p NAME` loads when its options follow without `-m`.
+pub(crate) fn implicit_match(proto: &str) -> &str {
+    match proto {
+        "ipv6-icmp" | "icmpv6" => "icmp6",
+        n => n,
+    }
 }
 
 fn flag(k: Basic) -> &'static str {

@@ -249,6 +249,13 @@ pub fn parse_ipsets(text: &str) -> Result<Ipsets, ParseError> {
                 let elem_col = column_of(line, 3);
                 check_element(set, elem, &sets)
                     .map_err(|m| ParseError::new(lineno, elem_col, format!("set `{name}`: {m}")))?;
+                if words[3..].contains(&"nomatch") && !set.kind.contains("net") {
+                    return Err(ParseError::new(
+                        lineno,
+                        column_of(line, 4),
+                        format!("`nomatch` is only for net sets, not {}", set.kind),
+                    ));
+                }
                 check_add_options(&words[3..])
                     .map_err(|(i, m)| ParseError::new(lineno, column_of(line, 4 + i), m))?;
                 let set = sets.sets.get_mut(*name).expect("looked up above");

@@ -695,8 +695,16 @@ fn parse_rule_tokens<'a>(
             other if other.starts_with("--") => {
                 // Arguments gather in reused buffers and are copied out at their exact size:
                 // a rule may have hundreds of thousands of options.
+                let owner = match (&target, items.last(), &proto) {
+                    (Some(tg), _, _) => tg.name.as_str(),
+                    (None, Some(Item::Module { name, .. }), _) => name.as_str(),
+                    (None, _, Some(p)) => check::implicit_match(p),
+                    _ => "",
+                };
+                let required = check::required_args(owner, &other[2..]);
                 while let Some(a) = next.take() {
-                    if is_option_word(&a) || (a.text == "!" && !a.quoted) {
+                    let forced = arg_buf.len() < required;
+                    if !forced && (is_option_word(&a) || (a.text == "!" && !a.quoted)) {
                         next = Some(a);
                         break;
                     }
