@@ -442,6 +442,29 @@ fn check_port_range(s: &str) -> Result<(), String> {
     }
 }
 
+/// iptables 1.8.9's udp match reads a port that is not a u16 through the service lookup,
+/// which takes any decimal number and keeps its low 16 bits (`--dport 70000` is saved as
+/// `--dport 4464`), refusing only what reads as -1 or overflows; nor does it check that a
+/// range is ordered. Accepting the same keeps the verdict of iptables-restore.
+fn check_udp_port_range(s: &str) -> Result<(), String> {
+    let one = |p: &str| {
+        if p.is_empty() || strtoul0(p, 65535).is_some() {
+            return Ok(());
+        }
+        if p.chars().all(|c| c.is_ascii_digit()) {
+            return match p.parse::<u64>() {
+                Ok(v) if v as u32 != u32::MAX => Ok(()),
+                _ => Err(format!("port `{p}` does not resolve to anything")),
+            };
+        }
+        check_port(p)
+    };
+    match s.split_once(':') {
+        Some((a, b)) => one(a).and_then(|()| one(b)),
+        None => one(s),
+    }
+}
+
 fn check_multiport(s: &str) -> Result<(), String> {
     let mut n = 0;
     for p in s.split(',') {
@@ -699,6 +722,8 @@ enum Arg {
     Mark,
     MarkMask,
     PortRange,
+    /// libxt_udp's parser: see [`check_udp_port_range`].
+    UdpPortRange,
     PortList,
     CtStates,
     States,
@@ -717,6 +742,8 @@ enum Arg {
     Reject,
     Iface,
     LogLevel,
+    /// LOG's prefix: no newline (an unterminated quote brings one).
+    Prefix,
 }
 
 struct Spec {
@@ -816,10 +843,10 @@ fn spec(name: &str) -> Option<Spec> {
             ("tcp-option", U32),
         ],
         "udp" => &[
-            ("source-port", PortRange),
-            ("sport", PortRange),
-            ("destination-port", PortRange),
-            ("dport", PortRange),
+            ("source-port", UdpPortRange),
+            ("sport", UdpPortRange),
+            ("destination-port", UdpPortRange),
+            ("dport", UdpPortRange),
         ],
         "multiport" => &[
             ("source-ports", PortList),
@@ -921,7 +948,7 @@ fn spec(name: &str) -> Option<Spec> {
         ],
         "LOG" => &[
             ("log-level", LogLevel),
-            ("log-prefix", Any),
+            ("log-prefix", Prefix),
             ("log-tcp-sequence", Flag),
             ("log-tcp-options", Flag),
             ("log-ip-options", Flag),
@@ -1143,6 +1170,13 @@ fn check_args(
     let fam = facts.family;
     let r = match kind {
         Arg::Flag | Arg::Any => Ok(()),
+        Arg::Prefix => {
+            if a.contains('\n') {
+                Err("newlines are not allowed in --log-prefix".into())
+            } else {
+                Ok(())
+            }
+        }
         Arg::Comment => {
             if a.len() > 255 {
                 Err("comment longer than 255 characters".into())
@@ -1162,6 +1196,7 @@ fn check_args(
         Arg::Mark => check_mark(a, false),
         Arg::MarkMask => check_mark(a, true),
         Arg::PortRange => check_port_range(a),
+        Arg::UdpPortRange => check_udp_port_range(a),
         Arg::PortList => {
             if facts.multiport_proto() {
                 check_multiport(a)

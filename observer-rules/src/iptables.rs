@@ -148,6 +148,9 @@ struct Tok<'a> {
 /// iptables-restore, which accepts it.
 struct Lexer<'a> {
     line: &'a str,
+    /// The line ended with a newline, which an unterminated quote takes into its word (as
+    /// iptables-restore's line buffer does): `--dport "22` is then `22\n`, an invalid port.
+    eol: bool,
     /// Byte offset and 1-based column of the next character; counted as we go (recounting
     /// the prefix per token made long rules quadratic).
     pos: usize,
@@ -155,9 +158,10 @@ struct Lexer<'a> {
 }
 
 impl<'a> Lexer<'a> {
-    fn new(line: &'a str) -> Self {
+    fn new(line: &'a str, eol: bool) -> Self {
         Self {
             line,
+            eol,
             pos: 0,
             col: 1,
         }
@@ -202,7 +206,10 @@ impl<'a> Lexer<'a> {
             self.col += 1;
             if in_quote {
                 match c {
-                    '"' => break,
+                    '"' => {
+                        in_quote = false;
+                        break;
+                    }
                     '\\' => {
                         if let Some(e) = chars.next() {
                             used += e.len_utf8();
@@ -220,6 +227,9 @@ impl<'a> Lexer<'a> {
             }
         }
         self.pos = start + used;
+        if in_quote && self.pos == self.line.len() && self.eol {
+            text.push('\n');
+        }
         Some(Tok {
             text: Cow::Owned(text),
             col: start_col,
@@ -230,7 +240,7 @@ impl<'a> Lexer<'a> {
 
 /// Words of a line with their columns (declarations; rules stream instead).
 fn tokenize(line: &str) -> Vec<Tok<'_>> {
-    let mut lx = Lexer::new(line);
+    let mut lx = Lexer::new(line, false);
     std::iter::from_fn(|| lx.next_tok()).collect()
 }
 
@@ -316,9 +326,13 @@ fn parse_with(text: &str, mode: Mode) -> Result<SaveFile, ParseError> {
     let mut file = SaveFile::default();
     let mut current: Option<Open> = None;
     let mut last_line = 0;
-    for (idx, raw_line) in text.lines().enumerate() {
+    for (idx, raw) in text.split_inclusive('\n').enumerate() {
         let lineno = idx + 1;
         last_line = lineno;
+        let (raw_line, eol) = match raw.strip_suffix('\n') {
+            Some(l) => (l, true),
+            None => (raw, false),
+        };
         let line = raw_line.trim_end_matches('\r');
         let trimmed = line.trim_start();
         let indent = line.chars().count() - trimmed.chars().count();
@@ -388,7 +402,7 @@ fn parse_with(text: &str, mode: Mode) -> Result<SaveFile, ParseError> {
             declare(open, decl, lineno, indent, mode)?;
             continue;
         }
-        parse_rule_line(open, line, lineno, mode)?;
+        parse_rule_line(open, line, eol, lineno, mode)?;
     }
     if let Some(open) = current.take() {
         if mode.strict {
@@ -501,10 +515,11 @@ fn declare(
 fn parse_rule_line(
     open: &mut Open,
     line: &str,
+    eol: bool,
     lineno: usize,
     mode: Mode,
 ) -> Result<(), ParseError> {
-    let mut lx = Lexer::new(line);
+    let mut lx = Lexer::new(line, eol);
     let mut first = lx.next_tok();
     let mut counters = None;
     if let Some(t) = first.as_ref().filter(|t| t.text.starts_with('[')) {
@@ -561,7 +576,7 @@ fn parse_rule_line(
 /// Parses one rule line (`-A CHAIN ...`, without counters): syntax only, no table to check
 /// chains or values against.
 pub fn parse_rule(line: &str) -> Result<Rule, ParseError> {
-    let mut lx = Lexer::new(line);
+    let mut lx = Lexer::new(line, false);
     let first = lx.next_tok();
     parse_rule_tokens(first, &mut lx, None, 1, &mut Vec::new())
 }
@@ -757,13 +772,21 @@ fn parse_rule_tokens<'a>(
 
 fn force_quote(s: &str) -> String {
     let mut q = String::from("\"");
-    for c in s.chars() {
+    // Only an unterminated quote at the end of a line yields a trailing newline; print it
+    // the same way so the text reads back to the same word.
+    let (body, open) = match s.strip_suffix('\n') {
+        Some(b) => (b, true),
+        None => (s, false),
+    };
+    for c in body.chars() {
         if c == '"' || c == '\\' {
             q.push('\\');
         }
         q.push(c);
     }
-    q.push('"');
+    if !open {
+        q.push('"');
+    }
     q
 }
 
