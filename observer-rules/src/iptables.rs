@@ -379,6 +379,14 @@ fn parse_with(text: &str, mode: Mode) -> Result<SaveFile, ParseError> {
             continue;
         }
         if trimmed.trim_end() == "COMMIT" && (indent == 0 || !mode.strict) {
+            if mode.strict && !eol {
+                // iptables-legacy-restore compares the line with "COMMIT\n".
+                return Err(ParseError::new(
+                    lineno,
+                    1,
+                    "COMMIT without a newline: the dump is truncated",
+                ));
+            }
             match current.take() {
                 Some(open) => commit(&mut file, open.table),
                 None => {
@@ -641,9 +649,11 @@ fn parse_rule_tokens<'a>(
             if target.is_some() {
                 return Err(err(&t, format!("`{}` after the target", t.text)));
             }
+            // getopt gives the next word whatever it looks like (`-i -j` names an interface
+            // `-j`); a lone `!` there is the old intrapositioned negation, refused.
             let v = next
                 .take()
-                .filter(|v| !is_option_word(v) && v.text != "!")
+                .filter(|v| v.quoted || v.text != "!")
                 .ok_or_else(|| err(&t, format!("`{}` needs a value", t.text)))?;
             next = lx.next_tok();
             if kind == Basic::Proto {
@@ -659,6 +669,13 @@ fn parse_rule_tokens<'a>(
             continue;
         }
         match t.text.as_ref() {
+            // getopt's end of options: nothing may follow it.
+            "--" => {
+                if let Some(extra) = next {
+                    return Err(err(&extra, format!("bad argument `{}`", extra.text)));
+                }
+                break;
+            }
             "-f" | "--fragment" => {
                 cols.extend([t.col, t.col]);
                 items.push(Item::Fragment { neg });
@@ -718,7 +735,7 @@ fn parse_rule_tokens<'a>(
                 };
                 let required = check::required_args(owner, &other[2..]);
                 while let Some(a) = next.take() {
-                    let forced = arg_buf.len() < required;
+                    let forced = arg_buf.len() < required && (a.quoted || a.text != "!");
                     if !forced && (is_option_word(&a) || (a.text == "!" && !a.quoted)) {
                         next = Some(a);
                         break;
