@@ -364,6 +364,24 @@ pub fn ipv4_numeric(s: &str, is_mask: bool) -> Option<Ipv4Addr> {
     Some(Ipv4Addr::from(b))
 }
 
+/// An IPv4 address as `inet_aton` reads it: one to four parts, the last filling the
+/// remaining bytes (`10.1` is 10.0.0.1), each part decimal, octal or hex.
+pub fn inet_aton_ok(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('.').collect();
+    if parts.len() > 4 {
+        return false;
+    }
+    let last_bits = 8 * (5 - parts.len() as u32);
+    parts.iter().enumerate().all(|(i, p)| {
+        let max = if i + 1 == parts.len() {
+            (1u64 << last_bits.min(32)) - 1
+        } else {
+            255
+        };
+        strtoul0(p, max).is_some()
+    })
+}
+
 /// An address with an optional `/len` or `/mask`, as `-s`/`-d` read it (several may be
 /// given separated by commas).
 fn check_host_net(f: Option<Family>, s: &str) -> Result<(), String> {
@@ -372,7 +390,9 @@ fn check_host_net(f: Option<Family>, s: &str) -> Result<(), String> {
             Some((a, m)) => (a, Some(m)),
             None => (one, None),
         };
-        let v4 = f != Some(Family::V6) && ipv4_numeric(a, false).is_some();
+        // What iptables' own reader refuses goes to getaddrinfo, which takes inet_aton's
+        // forms (`0x4000` is 0.0.64.0).
+        let v4 = f != Some(Family::V6) && (ipv4_numeric(a, false).is_some() || inet_aton_ok(a));
         let v6 = f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok();
         if !v4 && !v6 {
             return Err(format!(
@@ -404,13 +424,352 @@ fn check_host_net(f: Option<Family>, s: &str) -> Result<(), String> {
     Ok(())
 }
 
+// Service names getservbyname() knows from netbase's /etc/services (Debian 12), which
+// iptables accepts for ports; iptables-save always prints numbers.
+const SERVICES: &[&str] = &[
+    "Clearcase",
+    "acr-nema",
+    "afpovertcp",
+    "afs3-bos",
+    "afs3-callback",
+    "afs3-fileserver",
+    "afs3-kaserver",
+    "afs3-prserver",
+    "afs3-rmtsys",
+    "afs3-update",
+    "afs3-vlserver",
+    "afs3-volser",
+    "amanda",
+    "amandaidx",
+    "amidxtape",
+    "amqp",
+    "amqps",
+    "asf-rmcp",
+    "asp",
+    "auth",
+    "authentication",
+    "babel",
+    "bacula-dir",
+    "bacula-fd",
+    "bacula-sd",
+    "bbs",
+    "bgp",
+    "bgpd",
+    "biff",
+    "binkp",
+    "bootpc",
+    "bootps",
+    "canna",
+    "cfengine",
+    "chargen",
+    "cisco-sccp",
+    "clc-build-daemon",
+    "clearcase",
+    "cmd",
+    "cmip-agent",
+    "cmip-man",
+    "codaauth2",
+    "codasrv",
+    "codasrv-se",
+    "comsat",
+    "csync2",
+    "cvspserver",
+    "daap",
+    "datametrics",
+    "daytime",
+    "db-lsp",
+    "dcap",
+    "dhcpv6-client",
+    "dhcpv6-server",
+    "dicom",
+    "dict",
+    "dircproxy",
+    "discard",
+    "distcc",
+    "domain",
+    "domain-s",
+    "echo",
+    "epmap",
+    "epmd",
+    "exec",
+    "f5-globalsite",
+    "f5-iquery",
+    "fax",
+    "fido",
+    "finger",
+    "font-service",
+    "freeciv",
+    "fsp",
+    "fspd",
+    "ftp",
+    "ftp-data",
+    "ftps",
+    "ftps-data",
+    "gdomap",
+    "gds-db",
+    "gds_db",
+    "git",
+    "gnunet",
+    "gnutella-rtr",
+    "gnutella-svc",
+    "gopher",
+    "gpsd",
+    "gris",
+    "groupwise",
+    "gsidcap",
+    "gsiftp",
+    "gsigatekeeper",
+    "hkp",
+    "hprop",
+    "http",
+    "http-alt",
+    "https",
+    "hylafax",
+    "iax",
+    "icp",
+    "icpv2",
+    "ident",
+    "imap",
+    "imap2",
+    "imaps",
+    "ingreslock",
+    "ipp",
+    "iprop",
+    "ipsec-nat-t",
+    "ipx",
+    "ircd",
+    "ircs-u",
+    "isakmp",
+    "iscsi-target",
+    "isisd",
+    "isns",
+    "iso-tsap",
+    "jabber-client",
+    "jabber-server",
+    "kamanda",
+    "kdc",
+    "kerberos",
+    "kerberos-adm",
+    "kerberos-iv",
+    "kerberos-master",
+    "kerberos-sec",
+    "kerberos4",
+    "kerberos5",
+    "kerberos_master",
+    "kermit",
+    "klogin",
+    "kpasswd",
+    "krb-prop",
+    "krb5",
+    "krb5_prop",
+    "krb_prop",
+    "krcmd",
+    "kshell",
+    "l2f",
+    "l2tp",
+    "ldap",
+    "ldaps",
+    "ldp",
+    "loc-srv",
+    "login",
+    "lotusnote",
+    "lotusnotes",
+    "lrrd",
+    "mail",
+    "mailq",
+    "mdns",
+    "microsoft-ds",
+    "moira-db",
+    "moira-update",
+    "moira-ureg",
+    "moira_db",
+    "moira_update",
+    "moira_ureg",
+    "mon",
+    "ms-sql-m",
+    "ms-sql-s",
+    "ms-wbt-server",
+    "mtn",
+    "munin",
+    "mysql",
+    "mysql-proxy",
+    "nbd",
+    "nbp",
+    "netbios-dgm",
+    "netbios-ns",
+    "netbios-ssn",
+    "netstat",
+    "nfs",
+    "nicname",
+    "nntp",
+    "nntps",
+    "nqs",
+    "nrpe",
+    "nsca",
+    "ntalk",
+    "ntp",
+    "ntske",
+    "null",
+    "nut",
+    "old-radacct",
+    "old-radius",
+    "omniorb",
+    "openvpn",
+    "ospf6d",
+    "ospfapi",
+    "ospfd",
+    "passwd-server",
+    "passwd_server",
+    "pawserv",
+    "pop-3",
+    "pop3",
+    "pop3s",
+    "poppassd",
+    "portmapper",
+    "postgres",
+    "postgresql",
+    "predict",
+    "printer",
+    "proofd",
+    "ptp-event",
+    "ptp-general",
+    "puppet",
+    "qmqp",
+    "qmtp",
+    "qotd",
+    "quote",
+    "radacct",
+    "radius",
+    "radius-acct",
+    "radmin-port",
+    "readnews",
+    "redis",
+    "remctl",
+    "ripd",
+    "ripngd",
+    "rmiregistry",
+    "rmtcfg",
+    "rootd",
+    "route",
+    "routed",
+    "router",
+    "rpc2portmap",
+    "rplay",
+    "rptp",
+    "rsync",
+    "rtcm-sc104",
+    "rtmp",
+    "rtsp",
+    "sa-msg-port",
+    "saft",
+    "sane",
+    "sane-port",
+    "saned",
+    "sge-execd",
+    "sge-qmaster",
+    "sge_execd",
+    "sge_qmaster",
+    "sgi-cad",
+    "sgi-cmsd",
+    "sgi-crsd",
+    "sgi-gcd",
+    "shell",
+    "sieve",
+    "silc",
+    "sink",
+    "sip",
+    "sip-tls",
+    "skkserv",
+    "smtp",
+    "smtps",
+    "smux",
+    "snmp",
+    "snmp-trap",
+    "snmptrap",
+    "snntp",
+    "snpp",
+    "socks",
+    "source",
+    "spamd",
+    "spooler",
+    "ssh",
+    "ssmtp",
+    "submission",
+    "submissions",
+    "subversion",
+    "sunrpc",
+    "supfiledbg",
+    "supfilesrv",
+    "suucp",
+    "svn",
+    "svrloc",
+    "syslog",
+    "syslog-tls",
+    "sysrqd",
+    "systat",
+    "tacacs",
+    "talk",
+    "tap",
+    "tcpmux",
+    "telnet",
+    "telnets",
+    "tfido",
+    "tftp",
+    "time",
+    "timserver",
+    "tinc",
+    "tproxy",
+    "tsap",
+    "ttytst",
+    "untp",
+    "urd",
+    "users",
+    "uucp",
+    "uucpd",
+    "venus",
+    "venus-se",
+    "wais",
+    "webcache",
+    "webmin",
+    "who",
+    "whod",
+    "whois",
+    "wnn6",
+    "www",
+    "x11",
+    "x11-0",
+    "x11-1",
+    "x11-2",
+    "x11-3",
+    "x11-4",
+    "x11-5",
+    "x11-6",
+    "x11-7",
+    "xdmcp",
+    "xfs",
+    "xinetd",
+    "xmms2",
+    "xmpp-client",
+    "xmpp-server",
+    "xtel",
+    "xtelw",
+    "z3950",
+    "zabbix-agent",
+    "zabbix-trapper",
+    "zebra",
+    "zebrasrv",
+    "zephyr-clt",
+    "zephyr-hm",
+    "zephyr-srv",
+    "zip",
+    "zope",
+    "zope-ftp",
+    "zserv",
+];
+
 /// A port number (0-65535) or a service name (accepted, not modelled).
 fn check_port(s: &str) -> Result<(), String> {
-    if strtoul0(s, 65535).is_some()
-        || (s.starts_with(|c: char| c.is_ascii_alphabetic())
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/')))
-    {
+    if strtoul0(s, 65535).is_some() || SERVICES.contains(&s) {
         Ok(())
     } else {
         Err(format!("invalid port `{s}` (0-65535)"))
@@ -1287,6 +1646,10 @@ fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
         }
         "conntrack" if l.seen == 0 => Err("conntrack: at least one option is required".into()),
         "state" if !has("state") => Err("state: option `--state` must be specified".into()),
+        "icmp" if !has("icmp-type") => Err("icmp: option `--icmp-type` must be specified".into()),
+        "icmp6" if !has("icmpv6-type") => {
+            Err("icmp6: option `--icmpv6-type` must be specified".into())
+        }
         "addrtype" if !any(&["src-type", "dst-type"]) => {
             Err("addrtype: you must specify --src-type or --dst-type".into())
         }
@@ -1342,6 +1705,8 @@ pub(crate) fn check_rule(
 ) -> Result<(), Problem> {
     let cols = Cols::new(rule, cols);
     let mut proto = None;
+    // The nft back end wants `-p tcp` (negated or not) before tcp's options, udp alike.
+    let mut any_proto: Option<&str> = None;
     let mut seen_basic = [false; 5];
     for (k, item) in rule.items.iter().enumerate() {
         if let Item::Basic { neg, kind, value } = item {
@@ -1354,6 +1719,7 @@ pub(crate) fn check_rule(
             match kind {
                 Basic::Src | Basic::Dst => check_host_net(family, value),
                 Basic::Proto => {
+                    any_proto = Some(value.as_str());
                     if !neg {
                         proto = Some(value.as_str());
                     }
@@ -1416,6 +1782,15 @@ pub(crate) fn check_rule(
             };
             if !*implicit && !is_match(family, ext) {
                 return Err((cols.value(k), format!("unknown match `{name}`")));
+            }
+            if let ("tcp" | "udp", false) = (ext, opts.is_empty()) {
+                let num = if ext == "tcp" { "6" } else { "17" };
+                if !any_proto.is_some_and(|p| p.eq_ignore_ascii_case(ext) || p == num) {
+                    return Err((
+                        cols.value(k),
+                        format!("the {ext} match requires `-p {ext}`"),
+                    ));
+                }
             }
             loaded.load(ext, spec(ext));
             mode_of.push(opts.iter().rev().find(|o| o.name == "mode"));

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use crate::check::strtoul0;
+use crate::check::{inet_aton_ok, strtoul0};
 use crate::error::ParseError;
 use crate::net::Net;
 
@@ -294,24 +294,6 @@ fn column_of(line: &str, n: usize) -> usize {
         col += 1;
     }
     col
-}
-
-/// An IPv4 address as `inet_aton` (and so `ipset`) reads it: one to four parts, the last
-/// filling the remaining bytes (`10.1` is 10.0.0.1), each part decimal, octal or hex.
-fn inet_aton_ok(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('.').collect();
-    if parts.len() > 4 {
-        return false;
-    }
-    let last_bits = 8 * (5 - parts.len() as u32);
-    parts.iter().enumerate().all(|(i, p)| {
-        let max = if i + 1 == parts.len() {
-            (1u64 << last_bits.min(32)) - 1
-        } else {
-            255
-        };
-        strtoul0(p, max).is_some()
-    })
 }
 
 /// An address, `addr/len` (`min_len` up to the family's width) or `from-to` range.

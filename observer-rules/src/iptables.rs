@@ -238,12 +238,6 @@ impl<'a> Lexer<'a> {
     }
 }
 
-/// Words of a line with their columns (declarations; rules stream instead).
-fn tokenize(line: &str) -> Vec<Tok<'_>> {
-    let mut lx = Lexer::new(line, false);
-    std::iter::from_fn(|| lx.next_tok()).collect()
-}
-
 fn parse_counters(s: &str) -> Option<Counters> {
     let inner = s.strip_prefix('[')?.strip_suffix(']')?;
     let (p, b) = inner.split_once(':')?;
@@ -437,7 +431,21 @@ fn declare(
     indent: usize,
     mode: Mode,
 ) -> Result<(), ParseError> {
-    let toks = tokenize(decl);
+    // iptables-restore splits declarations on whitespace (strtok): quotes are plain text.
+    let mut col = 1;
+    let toks: Vec<Tok<'_>> = decl
+        .split_inclusive(char::is_whitespace)
+        .filter_map(|w| {
+            let at = col;
+            col += w.chars().count();
+            let text = w.trim_end_matches(char::is_whitespace);
+            (!text.is_empty()).then_some(Tok {
+                text: Cow::Borrowed(text),
+                col: at,
+                quoted: false,
+            })
+        })
+        .collect();
     let at = |t: &Tok<'_>| indent + 1 + t.col;
     let Some(name) = toks.first() else {
         return Err(ParseError::new(lineno, indent + 2, "missing chain name"));
@@ -904,10 +912,11 @@ impl SaveFile {
             out.push_str(&t.name);
             out.push('\n');
             for c in &t.chains {
+                // Declarations are split on whitespace, not quotes: print them raw.
                 out.push(':');
-                out.push_str(&quote(&c.name));
+                out.push_str(&c.name);
                 out.push(' ');
-                out.push_str(&c.policy.as_deref().map_or_else(|| "-".to_string(), quote));
+                out.push_str(c.policy.as_deref().unwrap_or("-"));
                 if let Some(k) = c.counters {
                     out.push_str(&format!(" [{}:{}]", k.packets, k.bytes));
                 }

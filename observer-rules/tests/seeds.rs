@@ -659,3 +659,37 @@ fn explain_refuses_broken_and_empty_dumps() {
         assert!(e.to_string().contains("holds no tables"), "{e}");
     }
 }
+
+/// The fuzz target's property, on every cut of the lab dumps: whatever parses prints back to
+/// text that parses to the same model (cuts mid-quote keep their newline, for one).
+#[test]
+fn every_accepted_cut_of_the_lab_dumps_round_trips() {
+    let mut accepted = 0;
+    for text in [
+        LAB,
+        include_str!("../../lab/node.rules"),
+        include_str!("../../lab/node6.rules"),
+    ] {
+        // Every third byte keeps this under a few seconds in a debug build.
+        for at in (0..=text.len())
+            .step_by(3)
+            .filter(|&i| text.is_char_boundary(i))
+        {
+            // The whole prefix, and the prefix with the rest of its line dropped but the
+            // following lines kept (a half line inside an intact file).
+            let line_end = text[at..].find('\n').map_or(text.len(), |e| at + e);
+            for cut in [
+                text[..at].to_string(),
+                format!("{}{}", &text[..at], &text[line_end..]),
+            ] {
+                let Ok(file) = parse_save(&cut) else { continue };
+                accepted += 1;
+                let printed = file.to_text(true);
+                let again = parse_save(&printed)
+                    .unwrap_or_else(|e| panic!("printed form does not parse: {e}\n{printed}"));
+                assert_eq!(again, file, "{cut}");
+            }
+        }
+    }
+    assert!(accepted > 100, "{accepted}");
+}

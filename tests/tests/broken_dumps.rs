@@ -361,10 +361,14 @@ fn corrupt(r: &mut Rng, f: &Fam, base: &str) -> (&'static str, String) {
         }
         _ => {
             // A word of one rule swapped with a word from anywhere in the file.
+            // Words outside quotes: comment prose would bring in extensions (`-m cluster`)
+            // whose options the parser does not list.
             let words: Vec<&str> = base
                 .lines()
                 .filter(|l| l.starts_with("-A"))
-                .flat_map(|l| set_free_prefix(l).split(' '))
+                .flat_map(|l| set_free_prefix(l).split('"').step_by(2))
+                .flat_map(|l| l.split(' '))
+                .filter(|w| !w.is_empty())
                 .collect();
             let i = *r.pick(&rule_lines);
             let line = set_free_prefix(lines[i]);
