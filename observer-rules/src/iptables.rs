@@ -752,10 +752,15 @@ fn parse_rule_tokens<'a>(
                     arg_buf.push(a.text.into_owned());
                     next = lx.next_tok();
                 }
+                #[expect(
+                    clippy::drain_collect,
+                    reason = "an exact-size copy; taking the buffer would keep its spare capacity"
+                )]
+                let args: Vec<String> = arg_buf.drain(..).collect();
                 let opt = Opt {
                     neg,
                     name: other[2..].to_string(),
-                    args: arg_buf.drain(..).collect(),
+                    args,
                 };
                 neg = false;
                 if let Some(tg) = target.as_mut() {

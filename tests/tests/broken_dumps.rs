@@ -10,13 +10,14 @@
 //!
 //! Seed: `OBSERVER_BROKEN_SEED` overrides the fixed default so a failure can be replayed.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use observer_rules::{Family, parse_ipsets, parse_save_family};
-use observer_tests::{Netns, privileged, unique_prefix};
+use observer_tests::{Netns, in_ci, privileged, unique_prefix};
 
 const LAB4: &str = include_str!("../../lab/node.rules");
 const LAB6: &str = include_str!("../../lab/node6.rules");
@@ -408,6 +409,97 @@ fn run_in(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), String> {
     }
 }
 
+const TOOLS: &[&str] = &[
+    "iptables-restore",
+    "iptables-legacy-restore",
+    "ip6tables-restore",
+    "ip6tables-legacy-restore",
+    "iptables-save",
+    "ip6tables-save",
+    "ipset",
+];
+
+/// The restore tools this test compares with; missing ones fail under CI, skip loudly elsewhere.
+fn tools_present(test: &str) -> bool {
+    let missing: Vec<&str> = TOOLS
+        .iter()
+        .copied()
+        .filter(|t| Command::new(t).arg("--version").output().is_err())
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!(
+        "{test}: needs {} (apt-get install -y iptables ipset)",
+        missing.join(", ")
+    );
+    if in_ci() {
+        panic!("{msg}; CI=true, so this privileged test fails instead of skipping");
+    }
+    eprintln!("\n!!!!!!!! SKIPPED {msg} !!!!!!!!\n");
+    false
+}
+
+/// Rule lines per chain of each table of a dump, as our model prints them (chains without
+/// rules left out: iptables-save lists built-in chains a dump may not declare).
+type Tables = Vec<(String, BTreeMap<String, Vec<String>>)>;
+
+fn rules_by_table(text: &str, family: Family) -> Tables {
+    let file = parse_save_family(text, family).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    file.tables
+        .iter()
+        .map(|t| {
+            let chains = t
+                .chains
+                .iter()
+                .filter(|c| !c.rules.is_empty())
+                .map(|c| (c.name.clone(), c.rules.iter().map(|r| r.text()).collect()))
+                .collect();
+            (t.name.clone(), chains)
+        })
+        .collect()
+}
+
+/// A repeated table block: iptables-restore flushes the table at each `*table` line, so the
+/// kernel ends up with the last copy. Loaded for real (in a throwaway namespace), saved, and
+/// compared with the parser's model, which must also hold the last copy.
+#[test]
+fn a_repeated_table_keeps_its_last_copy_as_in_the_kernel() {
+    if !privileged("broken_dumps") || !tools_present("broken_dumps") {
+        return;
+    }
+    let ns = Netns::new(&unique_prefix("obrt"));
+    run_in(&ns, &["ipset", "restore"], LAB_SETS).expect("lab ipsets load");
+    for (fam, lab, restore, save) in [
+        (Family::V4, LAB4, "iptables-restore", "iptables-save"),
+        (Family::V6, LAB6, "ip6tables-restore", "ip6tables-save"),
+    ] {
+        // The second copy of the first table lost its last two rules.
+        let start = lab.find("\n*").unwrap() + 1;
+        let end = start + lab[start..].find("COMMIT\n").unwrap();
+        let block: Vec<&str> = lab[start..end].lines().collect();
+        let second = block[..block.len() - 2].join("\n") + "\nCOMMIT\n";
+        let text = format!("{lab}{second}");
+        run_in(&ns, &[restore, "-w"], &text).unwrap_or_else(|e| panic!("{restore}: {e}"));
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns.name, save])
+            .output()
+            .unwrap();
+        let saved = String::from_utf8(out.stdout).unwrap();
+        let kernel = rules_by_table(&saved, fam);
+        let ours = rules_by_table(&text, fam);
+        let name = block[0].trim_start_matches('*');
+        let pick = |v: &Tables| v.iter().find(|(t, _)| t == name).unwrap().1.clone();
+        let count = |t: &BTreeMap<String, Vec<String>>| t.values().map(Vec::len).sum::<usize>();
+        assert_eq!(pick(&ours), pick(&kernel), "{fam:?} table {name}:\n{saved}");
+        assert_eq!(
+            count(&pick(&ours)) + 2,
+            count(&pick(&rules_by_table(lab, fam))),
+            "the model holds the second copy"
+        );
+    }
+}
+
 struct Case {
     what: &'static str,
     family: Family,
@@ -435,7 +527,7 @@ fn numbered(text: &str) -> String {
 
 #[test]
 fn parser_rejects_what_iptables_restore_rejects() {
-    if !privileged("broken_dumps") {
+    if !privileged("broken_dumps") || !tools_present("broken_dumps") {
         return;
     }
     let seed = std::env::var("OBSERVER_BROKEN_SEED")
