@@ -101,18 +101,18 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     if !have && req.nft_json.is_none() {
         return Err(ExplainError::NoRuleset(fam));
     }
-    // iptables-restore accepts an empty file, but a verdict from it would be "accept
-    // everywhere" built on nothing: usually the wrong file or the other back end's save.
-    let file = if packet.is_v6() { &ipv6 } else { &ipv4 };
-    if have && file.tables.is_empty() && req.nft_json.is_none() {
-        return Err(ExplainError::EmptyRuleset(fam));
-    }
     let nft = req
         .nft_json
         .as_deref()
         .map(parse_nft_json)
         .transpose()
         .map_err(ExplainError::Nft)?;
+    // iptables-restore accepts an empty file, but a verdict from it would be "accept
+    // everywhere" built on nothing: usually the wrong file or the other back end's save.
+    let file = if packet.is_v6() { &ipv6 } else { &ipv4 };
+    if have && file.tables.is_empty() && !nft_has_tables(nft.as_ref(), packet.is_v6()) {
+        return Err(ExplainError::EmptyRuleset(fam));
+    }
     let ipsets = match &req.ipset_save {
         Some(t) => parse_ipsets(t).map_err(ExplainError::Ipset)?,
         None => Ipsets::default(),
@@ -175,7 +175,7 @@ pub fn explain_with(
         }
     }
     let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
-    if file.tables.is_empty() && rs.nft.is_none() {
+    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), packet.is_v6()) {
         notes.push(format!(
             "the {} ruleset is empty: no table to walk, every hook accepts",
             if packet.is_v6() { "IPv6" } else { "IPv4" }
@@ -191,6 +191,16 @@ pub fn explain_with(
         branches,
         notes,
     }
+}
+
+/// Whether an nft ruleset holds tables that can see packets of this family.
+fn nft_has_tables(nft: Option<&NftRuleset>, v6: bool) -> bool {
+    let fam = if v6 { "ip6" } else { "ip" };
+    nft.is_some_and(|n| {
+        n.tables
+            .iter()
+            .any(|t| t.family == fam || t.family == "inet")
+    })
 }
 
 fn mentions_sets(rs: &Ruleset) -> bool {

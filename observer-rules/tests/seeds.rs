@@ -658,6 +658,21 @@ fn explain_refuses_broken_and_empty_dumps() {
         .unwrap_err();
         assert!(e.to_string().contains("holds no tables"), "{e}");
     }
+    // --live reads the node itself: an empty ruleset is its real state, said in a note.
+    let packet =
+        observer_rules::parse_packet_spec("udp 10.0.0.1:5000 -> 10.0.0.2:53 in eth0").unwrap();
+    let e = observer_rules::explain_with(
+        &Default::default(),
+        &Default::default(),
+        &Default::default(),
+        &packet,
+        &Default::default(),
+    );
+    assert!(
+        e.notes.iter().any(|n| n.contains("IPv4 ruleset is empty")),
+        "{:?}",
+        e.notes
+    );
 }
 
 /// The fuzz target's property, on every cut of the lab dumps: whatever parses prints back to
