@@ -247,6 +247,28 @@ fn parse_counters(s: &str) -> Option<Counters> {
     })
 }
 
+/// Splits a short option with its argument attached (`-mcomment`) as getopt does. iptables
+/// reads the argument of `-s -d -p -i -o -j` from the whole word instead (`argv[optind-1]`),
+/// so `-ptcp` is the protocol `-ptcp` (refused) and `-ieth0` the interface `-ieth0`.
+fn split_short_option<'a>(t: &mut Tok<'a>) -> Option<Tok<'a>> {
+    let b = t.text.as_bytes();
+    if t.quoted || b.len() <= 2 || b[0] != b'-' || !b"sdpiojgm".contains(&b[1]) {
+        return None;
+    }
+    let skip = if matches!(b[1], b'g' | b'm') { 2 } else { 0 };
+    let value = match &t.text {
+        Cow::Borrowed(w) => Cow::Borrowed(&w[skip..]),
+        Cow::Owned(w) => Cow::Owned(w[skip..].to_string()),
+    };
+    t.text = Cow::Owned(t.text[..2].to_string());
+    Some(Tok {
+        text: value,
+        col: t.col + skip,
+        // Whatever follows is the argument, even `!` or a leading `-`.
+        quoted: true,
+    })
+}
+
 fn is_option_word(t: &Tok<'_>) -> bool {
     !t.quoted && t.text.starts_with('-') && t.text.len() > 1
 }
@@ -629,8 +651,14 @@ fn parse_rule_tokens<'a>(
     let mut proto: Option<String> = None;
     let mut arg_buf: Vec<String> = Vec::new();
     let mut arg_cols: Vec<usize> = Vec::new();
-    while let Some(t) = next.take() {
-        next = lx.next_tok();
+    // A word split off a short option (`-ptcp`), read before the lookahead.
+    let mut stash: Option<Tok<'a>> = None;
+    while let Some(mut t) = next.take() {
+        next = stash.take().or_else(|| lx.next_tok());
+        if let Some(value) = split_short_option(&mut t) {
+            // getopt reads `-iZeth0` as `-i Zeth0`.
+            stash = next.replace(value);
+        }
         if t.text == "!" && !t.quoted {
             if neg {
                 return Err(err(&t, "double negation".into()));
@@ -663,7 +691,7 @@ fn parse_rule_tokens<'a>(
                 .take()
                 .filter(|v| v.quoted || v.text != "!")
                 .ok_or_else(|| err(&t, format!("`{}` needs a value", t.text)))?;
-            next = lx.next_tok();
+            next = stash.take().or_else(|| lx.next_tok());
             if kind == Basic::Proto {
                 proto = Some(v.text.to_ascii_lowercase());
             }
@@ -700,7 +728,7 @@ fn parse_rule_tokens<'a>(
                     .take()
                     .filter(|v| !is_option_word(v))
                     .ok_or_else(|| err(&t, "-m needs a module name".into()))?;
-                next = lx.next_tok();
+                next = stash.take().or_else(|| lx.next_tok());
                 cols.extend([t.col, name.col]);
                 items.push(Item::Module {
                     name: name.text.into_owned(),
@@ -724,7 +752,7 @@ fn parse_rule_tokens<'a>(
                     .take()
                     .filter(|v| !is_option_word(v) && v.text != "!")
                     .ok_or_else(|| err(&t, format!("`{}` needs a target or chain", t.text)))?;
-                next = lx.next_tok();
+                next = stash.take().or_else(|| lx.next_tok());
                 cols.extend([t.col, name.col]);
                 target = Some(Target {
                     goto: t.text.starts_with("-g") || t.text == "--goto",
@@ -750,7 +778,7 @@ fn parse_rule_tokens<'a>(
                     }
                     arg_cols.push(a.col);
                     arg_buf.push(a.text.into_owned());
-                    next = lx.next_tok();
+                    next = stash.take().or_else(|| lx.next_tok());
                 }
                 #[expect(
                     clippy::drain_collect,

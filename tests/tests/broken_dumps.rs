@@ -282,8 +282,25 @@ fn corrupt(r: &mut Rng, f: &Fam, base: &str) -> (&'static str, String) {
         .collect();
     let rejoin = |ls: Vec<String>| ls.join("\n") + "\n";
     let owned = || lines.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    match r.below(12) {
+    match r.below(14) {
         0 => ("intact", base.to_string()),
+        12 | 13 => {
+            // One character of a rule replaced: digits, letters, separators, quotes.
+            let i = *r.pick(&rule_lines);
+            let keep = set_free_prefix(lines[i]);
+            let chars: Vec<char> = keep.chars().collect();
+            let at = 3 + r.below(chars.len().saturating_sub(3));
+            let with = *r.pick(&[
+                '0', '9', 'x', 'Z', '-', ',', '/', ':', '.', '!', '"', ' ', '+',
+            ]);
+            let mut line: String = chars[..at].iter().collect();
+            line.push(with);
+            line.extend(&chars[at + 1..]);
+            line.push_str(&lines[i][keep.len()..]);
+            let mut ls = owned();
+            ls[i] = line;
+            ("character replaced", rejoin(ls))
+        }
         1 | 2 => {
             // Cut the file at a random byte: usually a table without COMMIT.
             let at = boundary(base, r.below(base.len()));

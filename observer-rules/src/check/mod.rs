@@ -235,7 +235,8 @@ fn spec(name: &str) -> Option<Spec> {
             ("physdev-is-out", Flag),
             ("physdev-is-bridged", Flag),
         ],
-        "ACCEPT" | "DROP" | "RETURN" | "QUEUE" | "NOTRACK" | "TRACE" => &[],
+        // "standard" stands for a jump to a chain, which takes no options.
+        "standard" | "ACCEPT" | "DROP" | "RETURN" | "QUEUE" | "NOTRACK" | "TRACE" => &[],
         "MARK" => &[
             ("set-xmark", MarkMask),
             ("set-mark", MarkMask),
@@ -334,6 +335,10 @@ struct Loaded<'a> {
     /// Options seen so far for this instance, one bit per entry of its spec (no allocation:
     /// a rule may load hundreds of thousands of extensions).
     seen: u32,
+    /// statistic's `--mode`, which decides what else it needs.
+    mode: Option<&'a Opt>,
+    /// Loaded by `-m` (not by `-p`), with the column of its name.
+    explicit: Option<usize>,
 }
 
 enum Resolved {
@@ -369,12 +374,14 @@ struct Getopt<'a> {
 }
 
 impl<'a> Getopt<'a> {
-    fn load(&mut self, name: &'a str, spec: Option<Spec>) -> usize {
+    fn load(&mut self, name: &'a str, explicit: Option<usize>) -> usize {
         let i = self.instances.len();
         self.instances.push(Loaded {
             name,
-            spec,
+            spec: spec(name),
             seen: 0,
+            mode: None,
+            explicit,
         });
         self.recent.retain(|&r| self.instances[r].name != name);
         self.recent.push(i);
@@ -573,7 +580,8 @@ fn check_args(
 }
 
 /// What must hold once all of an extension's options are read.
-fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
+fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
+    let o = l.mode;
     let has = |n: &str| l.saw(n);
     let any = |ns: &[&str]| ns.iter().any(|n| has(n));
     let name = l.name;
@@ -634,8 +642,8 @@ fn check_complete(l: &Loaded<'_>, o: Option<&Opt>) -> Result<(), String> {
 
 /// Checks a parsed rule of `table` against what iptables-restore accepts. `is_chain` says
 /// whether a name is a user chain declared (before this line) in the same table.
-pub(crate) fn check_rule(
-    rule: &Rule,
+pub(crate) fn check_rule<'r>(
+    rule: &'r Rule,
     cols: &[usize],
     family: Option<Family>,
     table: Option<&str>,
@@ -643,7 +651,6 @@ pub(crate) fn check_rule(
 ) -> Result<(), Problem> {
     let cols = Cols::new(rule, cols);
     let mut proto = None;
-    // The nft back end wants `-p tcp` (negated or not) before tcp's options, udp alike.
     let mut any_proto: Option<&str> = None;
     let mut seen_basic = [false; 5];
     for (k, item) in rule.items.iter().enumerate() {
@@ -685,23 +692,39 @@ pub(crate) fn check_rule(
     }
     let facts = RuleFacts { family, proto };
     let mut loaded = Getopt::default();
-    // statistic's --mode decides which other options it needs.
-    let mut mode_of: Vec<Option<&Opt>> = Vec::new();
-    let check_opts = |loaded: &mut Getopt<'_>, owner: &str, opts: &[Opt], at: usize| {
+    // An option no loaded extension knows makes iptables load the match of `-p` once and
+    // try again (`-p ipv6-icmp -m udp --icmpv6-type 128` is valid); the parser already
+    // created that match when options followed `-p` directly.
+    let mut proto_used = rule
+        .items
+        .iter()
+        .any(|i| matches!(i, Item::Module { implicit: true, .. }));
+    let mut check_opts = |loaded: &mut Getopt<'r>, owner: &str, opts: &'r [Opt], at: usize| {
         for (o, (ncol, acols)) in opts.iter().zip(cols.opts(at)) {
-            match loaded.resolve(&o.name).map_err(|m| (ncol, m))? {
-                Resolved::Unchecked => {}
-                Resolved::Known(i, full, kind) => {
-                    let inst = &mut loaded.instances[i];
-                    if inst.saw(full) {
-                        return Err((
-                            ncol,
-                            format!("{}: option `--{full}` can only be used once", inst.name),
-                        ));
+            let resolved = match loaded.resolve(&o.name) {
+                Err(m) => match proto.map(implicit_match) {
+                    Some(ext) if !proto_used && is_match(family, ext) => {
+                        proto_used = true;
+                        loaded.load(ext, None);
+                        loaded.resolve(&o.name).map_err(|m| (ncol, m))?
                     }
-                    inst.mark(full);
-                    check_args(&facts, owner, full, kind, o, (ncol, acols))?;
+                    _ => return Err((ncol, m)),
+                },
+                Ok(r) => r,
+            };
+            if let Resolved::Known(i, full, kind) = resolved {
+                let inst = &mut loaded.instances[i];
+                if inst.saw(full) {
+                    return Err((
+                        ncol,
+                        format!("{}: option `--{full}` can only be used once", inst.name),
+                    ));
                 }
+                inst.mark(full);
+                if full == "mode" {
+                    inst.mode = Some(o);
+                }
+                check_args(&facts, owner, full, kind, o, (ncol, acols))?;
             }
         }
         Ok::<(), Problem>(())
@@ -721,17 +744,7 @@ pub(crate) fn check_rule(
             if !*implicit && !is_match(family, ext) {
                 return Err((cols.value(k), format!("unknown match `{name}`")));
             }
-            if let ("tcp" | "udp", false) = (ext, opts.is_empty()) {
-                let num = if ext == "tcp" { "6" } else { "17" };
-                if !any_proto.is_some_and(|p| p.eq_ignore_ascii_case(ext) || p == num) {
-                    return Err((
-                        cols.value(k),
-                        format!("the {ext} match requires `-p {ext}`"),
-                    ));
-                }
-            }
-            loaded.load(ext, spec(ext));
-            mode_of.push(opts.iter().rev().find(|o| o.name == "mode"));
+            loaded.load(ext, (!*implicit).then(|| cols.value(k)));
             check_opts(&mut loaded, ext, opts, k)?;
         }
     }
@@ -750,7 +763,7 @@ pub(crate) fn check_rule(
         }
         if chain {
             // A jump takes no options of its own.
-            loaded.load("standard", Some(Spec { opts: &[] }));
+            loaded.load("standard", None);
         } else {
             if table.is_some() && crate::iptables::is_builtin_chain(&t.name) {
                 return Err((
@@ -767,12 +780,22 @@ pub(crate) fn check_rule(
                     ),
                 ));
             }
-            target_idx = Some(loaded.load(&t.name, spec(&t.name)));
+            target_idx = Some(loaded.load(&t.name, None));
         }
-        mode_of.push(None);
         check_opts(&mut loaded, &t.name, &t.opts, at)?;
     }
     for (i, l) in loaded.instances.iter().enumerate() {
+        // The nft back end wants `-p tcp` (negated or not) when tcp's options are used,
+        // udp alike.
+        if let (Some(col), "tcp" | "udp", true) = (l.explicit, l.name, l.seen != 0) {
+            let num = if l.name == "tcp" { "6" } else { "17" };
+            if !any_proto.is_some_and(|p| p.eq_ignore_ascii_case(l.name) || p == num) {
+                return Err((
+                    col,
+                    format!("the {} match requires `-p {}`", l.name, l.name),
+                ));
+            }
+        }
         if l.spec.is_none() {
             continue;
         }
@@ -781,7 +804,7 @@ pub(crate) fn check_rule(
         } else {
             cols.end()
         };
-        check_complete(l, mode_of[i]).map_err(|m| (col, m))?;
+        check_complete(l).map_err(|m| (col, m))?;
     }
     Ok(())
 }
