@@ -653,6 +653,8 @@ fn parse_rule_tokens<'a>(
     let mut arg_cols: Vec<usize> = Vec::new();
     // A word split off a short option (`-ptcp`), read before the lookahead.
     let mut stash: Option<Tok<'a>> = None;
+    // Distinct extensions loaded so far (bounded by how many exist), for getopt prefixes.
+    let mut exts: Vec<String> = Vec::new();
     while let Some(mut t) = next.take() {
         next = stash.take().or_else(|| lx.next_tok());
         if let Some(value) = split_short_option(&mut t) {
@@ -672,6 +674,14 @@ fn parse_rule_tokens<'a>(
                 &t,
                 format!("unexpected `{}` (expected an option)", t.text),
             ));
+        }
+        // getopt takes a unique prefix of iptables' own long options too (`--j` is `--jump`)
+        // unless a loaded extension has an option it could also begin.
+        if t.text.len() > 2
+            && t.text.starts_with("--")
+            && let Some(flag) = check::base_option(&t.text[2..], &exts)
+        {
+            t.text = Cow::Borrowed(flag);
         }
         let basic = match t.text.as_ref() {
             "-s" | "--source" | "--src" => Some(Basic::Src),
@@ -730,6 +740,9 @@ fn parse_rule_tokens<'a>(
                     .ok_or_else(|| err(&t, "-m needs a module name".into()))?;
                 next = stash.take().or_else(|| lx.next_tok());
                 cols.extend([t.col, name.col]);
+                if !exts.iter().any(|e| *e == name.text) {
+                    exts.push(name.text.to_string());
+                }
                 items.push(Item::Module {
                     name: name.text.into_owned(),
                     implicit: false,
@@ -754,6 +767,9 @@ fn parse_rule_tokens<'a>(
                     .ok_or_else(|| err(&t, format!("`{}` needs a target or chain", t.text)))?;
                 next = stash.take().or_else(|| lx.next_tok());
                 cols.extend([t.col, name.col]);
+                if !exts.iter().any(|e| *e == name.text) {
+                    exts.push(name.text.to_string());
+                }
                 target = Some(Target {
                     goto: t.text.starts_with("-g") || t.text == "--goto",
                     name: name.text.into_owned(),
@@ -1088,6 +1104,8 @@ mod tests {
         assert!(rule("-A c -j DNAT --to-destination 10.0.0.1:80").is_err());
         // "MARK: option "--set-mark" cannot be used together with "--or-mark""
         assert!(rule("-A c -j MARK --set-mark 1 --or-mark 2").is_err());
+        // "unknown protocol "-ptcp"": iptables reads -p's word whole
+        assert!(rule("-A c -ptcp").is_err());
         // "line 3 failed": -A on a chain never declared
         assert!(rule("-A d -j ACCEPT").is_err());
         // "Can't set policy `ACCEPT' on `X': Bad built-in chain name"
@@ -1112,6 +1130,8 @@ mod tests {
             "-A c -j REJECT --reject-with icmp-port-unr",
             "-A c -m limit --limit 5/m",
             "-A c -p tcp --dport ssh",
+            "-A c --pro tcp --dport 22 --j ACCEPT",
+            "-A c -mcomment --comment x -ieth0",
         ] {
             rule(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
@@ -1130,6 +1150,15 @@ mod tests {
         assert!(v6("-A INPUT -j REJECT --reject-with icmp-port-unreachable").is_err());
         v6("-A INPUT -s fd00::/64 -p ipv6-icmp -m icmp6 --icmpv6-type echo-req").unwrap();
         v6("-A INPUT -j REJECT --reject-with icmp6-port-unreachable").unwrap();
+        // An option no loaded match knows loads the match of -p (ip6tables-restore accepts).
+        v6("-A INPUT -p ipv6-icmp -m udp --icmpv6-type 128").unwrap();
+        assert!(
+            parse_save_family(
+                "*filter\n-A INPUT -p icmp -m udp --icmpv6-type 128\nCOMMIT\n",
+                Family::V4
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -809,6 +809,37 @@ pub(crate) fn check_rule<'r>(
     Ok(())
 }
 
+/// The short flag for `--NAME` when NAME is a unique prefix of one of iptables' own long
+/// options that the parser reads (`--j` -> `-j`) and no option of the loaded extensions
+/// `exts` begins with it. Exact long names are left to the parser.
+pub(crate) fn base_option(name: &str, exts: &[String]) -> Option<&'static str> {
+    let mut hits = BASE_LONG.iter().filter(|b| b.starts_with(name));
+    let (Some(full), None) = (hits.next(), hits.next()) else {
+        return None;
+    };
+    if *full == name {
+        return None;
+    }
+    let clash = exts
+        .iter()
+        .any(|e| spec(e).is_some_and(|s| s.opts.iter().any(|(o, _)| o.starts_with(name))));
+    if clash {
+        return None;
+    }
+    Some(match *full {
+        "source" | "src" => "-s",
+        "destination" | "dst" => "-d",
+        "protocol" => "-p",
+        "in-interface" => "-i",
+        "out-interface" => "-o",
+        "jump" => "-j",
+        "goto" => "-g",
+        "match" => "-m",
+        "fragment" => "-f",
+        _ => return None,
+    })
+}
+
 /// The match `-p NAME` loads when its options follow without `-m`.
 pub(crate) fn implicit_match(proto: &str) -> &str {
     match proto {
