@@ -662,6 +662,9 @@ pub(crate) fn check_rule<'r>(
                 ));
             }
             match kind {
+                Basic::Src | Basic::Dst if *neg && value.contains(',') => {
+                    Err("! not allowed with multiple source or destination addresses".into())
+                }
                 Basic::Src | Basic::Dst => check_host_net(family, value),
                 Basic::Proto => {
                     any_proto = Some(value.as_str());
