@@ -1,7 +1,8 @@
 //! The `iptables-save` / `ip6tables-save` syntax: a faithful model of tables, chains and rules
-//! (counters, comments, negation, goto), a parser that never panics and reports line and column,
-//! and a printer whose output parses back to the same model. Meaning is assigned later
-//! (`compile`), so options we do not understand survive verbatim.
+//! (counters, comments, negation, goto), a parser that never panics, refuses what
+//! `iptables-restore` refuses (structure here, options and values in [`crate::check`]) and
+//! reports line and column, and a printer whose output parses back to the same model. Meaning
+//! is assigned later (`compile`), so options we do not model survive verbatim.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
