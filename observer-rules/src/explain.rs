@@ -9,9 +9,10 @@ use std::process::Command;
 use serde_json::{Value, json};
 use thiserror::Error;
 
+use crate::check::Family;
 use crate::error::ParseError;
 use crate::ipset::{Ipsets, parse_ipsets};
-use crate::iptables::{SaveFile, parse_save};
+use crate::iptables::{SaveFile, parse_save_family};
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec, proto_name};
 use crate::route::Routes;
@@ -64,6 +65,12 @@ pub enum ExplainError {
     NoRuleset(&'static str),
     #[error("--pick {pick}: the packet has {count} random outcome(s); pick 1 to {count}")]
     Pick { pick: usize, count: usize },
+    #[error(
+        "the {0} ruleset holds no tables (empty file, or only comments): nothing to explain. \
+         Check the file; on a node using the other back end, dump with iptables-legacy-save \
+         or iptables-nft-save"
+    )]
+    EmptyRuleset(&'static str),
     #[error("`{cmd}` failed: {msg} (run as root on the node; needs iptables, ipset and iproute2)")]
     Live { cmd: String, msg: String },
 }
@@ -80,11 +87,11 @@ pub struct Explanation {
 pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     let packet = parse_packet_spec(&req.packet)?;
     let ipv4 = match &req.iptables_save {
-        Some(t) => parse_save(t).map_err(ExplainError::Iptables)?,
+        Some(t) => parse_save_family(t, Family::V4).map_err(ExplainError::Iptables)?,
         None => SaveFile::default(),
     };
     let ipv6 = match &req.ip6tables_save {
-        Some(t) => parse_save(t).map_err(ExplainError::Ip6tables)?,
+        Some(t) => parse_save_family(t, Family::V6).map_err(ExplainError::Ip6tables)?,
         None => SaveFile::default(),
     };
     let have = if packet.is_v6() {
@@ -92,12 +99,9 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     } else {
         req.iptables_save.is_some()
     };
+    let fam = if packet.is_v6() { "IPv6" } else { "IPv4" };
     if !have && req.nft_json.is_none() {
-        return Err(ExplainError::NoRuleset(if packet.is_v6() {
-            "IPv6"
-        } else {
-            "IPv4"
-        }));
+        return Err(ExplainError::NoRuleset(fam));
     }
     let nft = req
         .nft_json
@@ -105,6 +109,12 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
         .map(parse_nft_json)
         .transpose()
         .map_err(ExplainError::Nft)?;
+    // iptables-restore accepts an empty file, but a verdict from it would be "accept
+    // everywhere" built on nothing: usually the wrong file or the other back end's save.
+    let file = if packet.is_v6() { &ipv6 } else { &ipv4 };
+    if have && file.tables.is_empty() && !nft_has_tables(nft.as_ref(), packet.is_v6()) {
+        return Err(ExplainError::EmptyRuleset(fam));
+    }
     let ipsets = match &req.ipset_save {
         Some(t) => parse_ipsets(t).map_err(ExplainError::Ipset)?,
         None => Ipsets::default(),
@@ -151,6 +161,13 @@ pub fn explain_with(
             ));
         }
     }
+    let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
+    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), packet.is_v6()) {
+        notes.push(format!(
+            "the {} ruleset is empty: no table to walk, every hook accepts",
+            if packet.is_v6() { "IPv6" } else { "IPv4" }
+        ));
+    }
     if ipsets.sets.is_empty() && mentions_sets(rs) {
         notes.push(
             "rules use ipsets but no `ipset save` was given: set matches are undecidable".into(),
@@ -161,6 +178,16 @@ pub fn explain_with(
         branches,
         notes,
     }
+}
+
+/// Whether an nft ruleset holds tables that can see packets of this family.
+fn nft_has_tables(nft: Option<&NftRuleset>, v6: bool) -> bool {
+    let fam = if v6 { "ip6" } else { "ip" };
+    nft.is_some_and(|n| {
+        n.tables
+            .iter()
+            .any(|t| t.family == fam || t.family == "inet")
+    })
 }
 
 fn mentions_sets(rs: &Ruleset) -> bool {
@@ -200,9 +227,10 @@ fn run(cmd: &str, args: &[&str]) -> Result<String, ExplainError> {
 /// Reads this node's rules, sets and routes (`--live`). ip6tables and ipset are optional:
 /// without them IPv6 has no rules and set matches are undecidable.
 pub fn load_live() -> Result<(Ruleset, Ipsets, Routes), ExplainError> {
-    let ipv4 = parse_save(&run("iptables-save", &["-c"])?).map_err(ExplainError::Iptables)?;
+    let ipv4 = parse_save_family(&run("iptables-save", &["-c"])?, Family::V4)
+        .map_err(ExplainError::Iptables)?;
     let ipv6 = match run("ip6tables-save", &["-c"]) {
-        Ok(t) => parse_save(&t).map_err(ExplainError::Ip6tables)?,
+        Ok(t) => parse_save_family(&t, Family::V6).map_err(ExplainError::Ip6tables)?,
         Err(_) => SaveFile::default(),
     };
     let ipsets = match run("ipset", &["save"]) {

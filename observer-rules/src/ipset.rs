@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use crate::check::{inet_aton_ok, strtoul0};
 use crate::error::ParseError;
 use crate::net::Net;
 
@@ -213,6 +214,13 @@ pub fn parse_ipsets(text: &str) -> Result<Ipsets, ParseError> {
                         format!("unknown set type `{kind}`"),
                     ));
                 }
+                if sets.sets.contains_key(*name) {
+                    return Err(ParseError::new(
+                        lineno,
+                        column_of(line, 2),
+                        format!("set `{name}` created twice"),
+                    ));
+                }
                 sets.sets.insert(
                     name.to_string(),
                     Ipset {
@@ -231,13 +239,26 @@ pub fn parse_ipsets(text: &str) -> Result<Ipsets, ParseError> {
                         "add needs a set name and an element",
                     ));
                 };
-                let Some(set) = sets.sets.get_mut(*name) else {
+                let Some(set) = sets.sets.get(*name) else {
                     return Err(ParseError::new(
                         lineno,
                         col,
                         format!("add to set `{name}` before its create line"),
                     ));
                 };
+                let elem_col = column_of(line, 3);
+                check_element(set, elem, &sets)
+                    .map_err(|m| ParseError::new(lineno, elem_col, format!("set `{name}`: {m}")))?;
+                if words[3..].contains(&"nomatch") && !set.kind.contains("net") {
+                    return Err(ParseError::new(
+                        lineno,
+                        column_of(line, 4),
+                        format!("`nomatch` is only for net sets, not {}", set.kind),
+                    ));
+                }
+                check_add_options(&words[3..])
+                    .map_err(|(i, m)| ParseError::new(lineno, column_of(line, 4 + i), m))?;
+                let set = sets.sets.get_mut(*name).expect("looked up above");
                 set.members.push(Member {
                     dims: elem.split(',').map(str::to_string).collect(),
                     nomatch: words[3..].contains(&"nomatch"),
@@ -253,6 +274,168 @@ pub fn parse_ipsets(text: &str) -> Result<Ipsets, ParseError> {
         }
     }
     Ok(sets)
+}
+
+/// 1-based column of the `n`th (1-based) whitespace-separated word of `line`.
+fn column_of(line: &str, n: usize) -> usize {
+    let mut col = 1;
+    let mut words = 0;
+    let mut in_word = false;
+    for c in line.chars() {
+        if c.is_whitespace() {
+            in_word = false;
+        } else if !in_word {
+            in_word = true;
+            words += 1;
+            if words == n {
+                return col;
+            }
+        }
+        col += 1;
+    }
+    col
+}
+
+/// An address, `addr/len` (`min_len` up to the family's width) or `from-to` range.
+fn check_addr(v6: bool, s: &str, min_len: u64) -> Result<(), String> {
+    let one = |a: &str| {
+        if v6 {
+            a.parse::<std::net::Ipv6Addr>().is_ok()
+        } else {
+            inet_aton_ok(a)
+        }
+    };
+    let fam = if v6 { "IPv6" } else { "IPv4" };
+    if let Some((a, len)) = s.split_once('/') {
+        if !one(a) {
+            return Err(format!("cannot parse `{a}` as an {fam} address"));
+        }
+        let max = if v6 { 128 } else { 32 };
+        return match strtoul0(len, max) {
+            Some(n) if n >= min_len => Ok(()),
+            _ => Err(format!(
+                "prefix length `{len}` out of range {min_len}-{max}"
+            )),
+        };
+    }
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    if !v6 && a.contains(':') || !one(a) || !one(b) {
+        return Err(format!("cannot parse `{s}` as an {fam} address"));
+    }
+    Ok(())
+}
+
+/// `[proto:]port[-port]`, as hash:*,port sets read it.
+fn check_port(s: &str) -> Result<(), String> {
+    let (proto, ports) = match s.split_once(':') {
+        Some((p, n)) => (p, n),
+        None => ("tcp", s),
+    };
+    if matches!(proto, "icmp" | "icmpv6") {
+        // icmp:TYPE/CODE or a name; not modelled.
+        return Ok(());
+    }
+    if proto_number(proto).is_none() {
+        return Err(format!("cannot parse `{proto}` as a protocol"));
+    }
+    let (a, b) = ports.split_once('-').unwrap_or((ports, ports));
+    if strtoul0(a, 65535).is_none() || strtoul0(b, 65535).is_none() {
+        return Err(format!("cannot parse `{ports}` as a {proto} port"));
+    }
+    Ok(())
+}
+
+/// One `add` element against its set's type, the way `ipset restore` checks it.
+fn check_element(set: &Ipset, elem: &str, sets: &Ipsets) -> Result<(), String> {
+    let Some(dims) = dims_of(&set.kind) else {
+        return Ok(());
+    };
+    let v6 = set
+        .create_opts
+        .windows(2)
+        .any(|w| w[0] == "family" && w[1] == "inet6");
+    let parts: Vec<&str> = elem.split(',').collect();
+    if parts.len() < dims.len() {
+        return Err(format!(
+            "element `{elem}` has {} of the {} parts of {}",
+            parts.len(),
+            dims.len(),
+            set.kind
+        ));
+    }
+    for (d, p) in dims.iter().zip(&parts) {
+        match d {
+            Dim::Ip if set.kind.starts_with("bitmap:") => check_addr(false, p, 1),
+            Dim::Ip => check_addr(v6, p, 1),
+            Dim::Net => check_addr(v6, p, 1),
+            Dim::Port if set.kind.starts_with("bitmap:") => strtoul0(p, 65535)
+                .map(|_| ())
+                .ok_or_else(|| format!("cannot parse `{p}` as a port")),
+            Dim::Port => check_port(p),
+            Dim::Iface => {
+                let name = p.strip_prefix("physdev:").unwrap_or(p);
+                if name.is_empty() || name.len() > 15 {
+                    Err(format!(
+                        "interface name `{name}` is empty or longer than 15 characters"
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            Dim::Mac => {
+                let ok = p.split(':').count() == 6
+                    && p.split(':')
+                        .all(|b| b.len() <= 2 && u8::from_str_radix(b, 16).is_ok());
+                if ok {
+                    Ok(())
+                } else {
+                    Err(format!("cannot parse `{p}` as a MAC address"))
+                }
+            }
+            Dim::Mark => strtoul0(p, u64::from(u32::MAX))
+                .map(|_| ())
+                .ok_or_else(|| format!("cannot parse `{p}` as a mark")),
+            Dim::Set => {
+                if sets.sets.contains_key(*p) {
+                    Ok(())
+                } else {
+                    Err(format!("set `{p}` does not exist"))
+                }
+            }
+        }?;
+    }
+    if parts.len() > dims.len() && !dims.contains(&Dim::Set) {
+        return Err(format!("element `{elem}` has more parts than {}", set.kind));
+    }
+    Ok(())
+}
+
+/// What may follow an element: `nomatch` and the extensions' `KEY VALUE` pairs.
+fn check_add_options(words: &[&str]) -> Result<(), (usize, String)> {
+    let mut i = 0;
+    while i < words.len() {
+        match words[i] {
+            "nomatch" | "-exist" => i += 1,
+            "timeout" | "packets" | "bytes" | "skbmark" | "skbprio" | "skbqueue" => {
+                if words.get(i + 1).is_none() {
+                    return Err((i, format!("`{}` needs a value", words[i])));
+                }
+                i += 2;
+            }
+            "comment" => {
+                // A quoted comment may hold spaces: skip to its closing quote.
+                i += 1;
+                if words.get(i).is_some_and(|w| w.starts_with('"')) {
+                    while i < words.len() && !(words[i].ends_with('"') && words[i].len() > 1) {
+                        i += 1;
+                    }
+                }
+                i += 1;
+            }
+            other => return Err((i, format!("unknown argument `{other}`"))),
+        }
+    }
+    Ok(())
 }
 
 fn parse_list(text: &str) -> Result<Ipsets, ParseError> {
@@ -390,6 +573,35 @@ mod tests {
             s.contains("b", &[true], &lk("192.170.3.4", "1.1.1.1", 1)),
             Some(false)
         );
+    }
+
+    #[test]
+    fn invalid_entries_are_errors_as_in_ipset_restore() {
+        // Each was checked with `ipset restore` (v7.17) in a throwaway namespace.
+        let add = |kind: &str, e: &str| {
+            parse_ipsets(&format!("create s {kind} family inet\nadd s {e}\n")).map(|_| ())
+        };
+        let e = add("hash:net", "1.2.3.400").unwrap_err();
+        assert_eq!((e.line, e.column), (2, 7));
+        assert!(add("hash:net", "1.2.3.4/33").is_err());
+        assert!(add("hash:net", "1.2.3.4/0").is_err());
+        assert!(add("hash:ip,port", "1.2.3.4,udp:99999").is_err());
+        assert!(add("hash:ip,port", "1.2.3.4,foo:80").is_err());
+        assert!(add("hash:ip,port", "1.2.3.4").is_err());
+        assert!(add("hash:net", "1.2.3.4 junk").is_err());
+        assert!(parse_ipsets("create s hash:net family inet6\nadd s fd00::/129\n").is_err());
+        assert!(parse_ipsets("create s hash:net family inet6\nadd s 1.2.3.4\n").is_err());
+        assert!(parse_ipsets("create l list:set\nadd l nosuch\n").is_err());
+        assert!(parse_ipsets("create s hash:ip\ncreate s hash:ip\n").is_err());
+        for ok in [
+            "10.1",
+            "1.2.3.4-1.2.3.9",
+            "10.0.0.0/8 nomatch",
+            "10.0.0.0/8 timeout 5",
+        ] {
+            add("hash:net", ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        add("hash:ip,port", "1.2.3.4,80").unwrap();
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! kernel would increment. Matches it does not model make the answer "undecidable" rather than
 //! a guess. `explain` is the entry point the CLI wires up.
 
+pub mod check;
 pub mod compile;
 pub mod error;
 pub mod explain;
@@ -17,12 +18,13 @@ pub mod packet;
 pub mod route;
 pub mod sim;
 
+pub use check::Family;
 pub use error::ParseError;
 pub use explain::{
     ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, load_live,
 };
 pub use ipset::{Ipsets, parse_ipsets};
-pub use iptables::{SaveFile, parse_save};
+pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
