@@ -1,8 +1,11 @@
 //! Collector throughput on one core, from synthetic traversal records (no kernel needed): how
 //! many records per second are decoded and expanded, turned into reports, and written as
 //! JSON lines. The records are made by the probes' own assembly code from the readings of
-//! the lab's forwarded flows (DNAT + masquerade, established, replies). Run by
-//! `cargo xtask bench`; targets: 300,000 traversals/s to reports, 150,000/s to JSON.
+//! the lab's forwarded flows (DNAT + masquerade, established, replies) over 1,000 client
+//! ports. The last mode renders as `observer tail` does, through its cache of reports by
+//! record content (a flow's later packets share their rendering); the others build every
+//! report. Run by `cargo xtask bench`; targets: 300,000 traversals/s to reports, 150,000/s
+//! to JSON.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -15,6 +18,7 @@ use observer::correlate::{assemble, index_plans};
 use observer::decode::{decode, encode_record};
 use observer::marks::MarkDictionary;
 use observer::plan::full_plan;
+use observer::render_cache::RenderCache;
 use observer::report::{self, Context};
 use observer_common::traversal::{TraversalRecord, add_reading, end, start};
 use observer_common::{PacketEvent, family, flags, hook, kind};
@@ -29,12 +33,11 @@ const LAYOUT: TupleLayout = TupleLayout {
 };
 
 type Ep = ([u8; 4], u16);
-const CLIENT: Ep = ([198, 51, 100, 10], 40000);
 const VIP: Ep = ([10, 10, 10, 2], 22);
 const POD: Ep = ([172, 17, 0, 5], 22);
-const NODE: Ep = ([169, 254, 1, 1], 40000);
 
-fn event(at: u8, src: Ep, dst: Ep, mark: u32, ctinfo: Option<u32>) -> PacketEvent {
+fn event(at: u8, src: Ep, dst: Ep, mark: u32, ctinfo: Option<u32>, port: u16) -> PacketEvent {
+    let (client, node): (Ep, Ep) = (([198, 51, 100, 10], port), ([169, 254, 1, 1], port));
     let mut ev = PacketEvent::default();
     ev.header.kind = kind::PACKET;
     ev.header.family = family::IPV4;
@@ -51,8 +54,8 @@ fn event(at: u8, src: Ep, dst: Ep, mark: u32, ctinfo: Option<u32>) -> PacketEven
         ev.header.flags = flags::CT;
         ev.ct.ctinfo = info;
         for (raw, (s, d)) in [
-            (&mut ev.ct.orig, (CLIENT, VIP)),
-            (&mut ev.ct.reply, (POD, NODE)),
+            (&mut ev.ct.orig, (client, VIP)),
+            (&mut ev.ct.reply, (POD, node)),
         ] {
             raw[0..4].copy_from_slice(&s.0);
             raw[16..18].copy_from_slice(&s.1.to_be_bytes());
@@ -68,7 +71,8 @@ fn event(at: u8, src: Ep, dst: Ep, mark: u32, ctinfo: Option<u32>) -> PacketEven
 /// One forwarded packet of the lab's ClusterIP flow, as the probes would record it:
 /// `kind` 0 is a connection's first packet (DNAT and masquerade by the nat rules), 1 a later
 /// packet, 2 a reply (translated back by conntrack).
-fn record(kind_of: usize, skb: u64) -> TraversalRecord {
+fn record(kind_of: usize, skb: u64, port: u16) -> TraversalRecord {
+    let (client, node): (Ep, Ep) = (([198, 51, 100, 10], port), ([169, 254, 1, 1], port));
     // SAFETY: all-zero is a valid record.
     let mut rec: TraversalRecord = unsafe { std::mem::zeroed() };
     start(&mut rec, skb, 1, 0);
@@ -78,11 +82,11 @@ fn record(kind_of: usize, skb: u64) -> TraversalRecord {
         _ => 3,
     };
     let (src, pre_dst, post_dst, post_src) = match kind_of {
-        2 => (POD, NODE, CLIENT, VIP),
-        _ => (CLIENT, VIP, POD, NODE),
+        2 => (POD, node, client, VIP),
+        _ => (client, VIP, POD, node),
     };
     let mut add = |program: u8, e: PacketEvent| add_reading(&mut rec, &e, program);
-    let mut ing = event(hook::TC_INGRESS, src, pre_dst, 0, None);
+    let mut ing = event(hook::TC_INGRESS, src, pre_dst, 0, None, port);
     ing.header.ifindex_in = 2;
     add(0, ing);
     for p in 0..6u8 {
@@ -93,23 +97,37 @@ fn record(kind_of: usize, skb: u64) -> TraversalRecord {
         };
         add(
             p,
-            event(hook::PRE_ROUTING, src, dst, mark, (p >= 2).then_some(info)),
+            event(
+                hook::PRE_ROUTING,
+                src,
+                dst,
+                mark,
+                (p >= 2).then_some(info),
+                port,
+            ),
         );
     }
     for p in 0..5u8 {
         let mark = if p >= 2 { 0x14000 } else { 0x4000 };
-        let mut e = event(hook::FORWARD, src, post_dst, mark, Some(info));
+        let mut e = event(hook::FORWARD, src, post_dst, mark, Some(info), port);
         e.header.ifindex_in = 2;
         e.header.ifindex_out = 5;
         add(p, e);
     }
     for p in 0..4u8 {
         let s = if p >= 2 { post_src } else { src };
-        let mut e = event(hook::POST_ROUTING, s, post_dst, 0x14000, Some(info));
+        let mut e = event(hook::POST_ROUTING, s, post_dst, 0x14000, Some(info), port);
         e.header.ifindex_out = 5;
         add(p, e);
     }
-    let mut eg = event(hook::TC_EGRESS, post_src, post_dst, 0x14000, Some(info));
+    let mut eg = event(
+        hook::TC_EGRESS,
+        post_src,
+        post_dst,
+        0x14000,
+        Some(info),
+        port,
+    );
     eg.header.ifindex_out = 5;
     add(0, eg);
     rec.end = end::EGRESS;
@@ -122,7 +140,14 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(200_000);
     let records: Vec<Vec<u8>> = (0..n)
-        .map(|i| encode_record(&record(i % 3, 0xffff_8880_0000_0000 + (i as u64) * 256)))
+        .map(|i| {
+            let port = 30000 + (i / 3 % 1000) as u16;
+            encode_record(&record(
+                i % 3,
+                0xffff_8880_0000_0000 + (i as u64) * 256,
+                port,
+            ))
+        })
         .collect();
     let avg = records.iter().map(Vec::len).sum::<usize>() / n;
     let plans = index_plans(&full_plan(&[]));
@@ -145,16 +170,29 @@ fn main() {
         ifname: &ifname,
     };
     println!("  {n} traversal records of {avg} bytes on average");
-    // A second argument runs one mode only (0, 1 or 2), for profilers.
+    // A second argument runs one mode only (0 to 3), for profilers.
     let modes: Vec<usize> = match std::env::args().nth(2).and_then(|a| a.parse().ok()) {
         Some(m) => vec![m],
-        None => vec![0, 1, 2],
+        None => vec![0, 1, 2, 3],
     };
+    let mut cache = RenderCache::default();
     for mode in modes {
         let mut out = std::io::BufWriter::new(Vec::with_capacity(64 << 20));
         let t0 = Instant::now();
         for r in &records {
             let Ok(rec) = decode(r) else { continue };
+            if mode == 3 {
+                // As the tail does: the cache first, the report only for a new rendering.
+                let r = cache.get_or_render(&rec, || {
+                    let t = assemble(&rec, &plans, &LAYOUT).expect("valid record");
+                    let r = report::build(&t, &ctx, 0);
+                    let mut b = Vec::new();
+                    let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
+                    (b, r.incomplete)
+                });
+                let _ = out.write_all(&r.bytes);
+                continue;
+            }
             let Ok(t) = assemble(&rec, &plans, &LAYOUT) else {
                 continue;
             };
@@ -176,12 +214,13 @@ fn main() {
         let what = match mode {
             0 => "decode + expand",
             1 => "decode + expand + report",
-            _ => "decode + expand + report + JSON line",
+            2 => "decode + expand + report + JSON line",
+            _ => "... JSON line, through tail's cache",
         };
         println!(
             "  {what:<38} {:>10.0} traversals/s  (one core{})",
             n as f64 / secs,
-            if mode == 2 {
+            if mode >= 2 {
                 format!(", {} MB JSON", bytes / 1_000_000)
             } else {
                 String::new()

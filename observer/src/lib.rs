@@ -16,6 +16,7 @@ pub mod nftwatch;
 pub mod output;
 pub mod plan;
 pub mod probes;
+pub mod render_cache;
 pub mod report;
 pub mod tail;
 pub mod traffic;

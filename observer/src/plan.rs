@@ -89,7 +89,9 @@ impl HookPlan {
         points.dedup();
         // A table at p+1 of another would share its probe: drop points that sit on a table.
         points.retain(|p| !tables.iter().any(|t| t.priority == *p));
-        points.truncate(NF_SLOTS);
+        // Hooks where packets do not enter leave programs 0 and 2 out (see programs_for).
+        let entry = matches!(hook, NfHook::PreRouting | NfHook::LocalOut);
+        points.truncate(if entry { NF_SLOTS } else { NF_SLOTS - 2 });
         let programs = programs_for(hook, &points);
         Self {
             family,
@@ -163,6 +165,14 @@ impl HookPlan {
 /// conntrack (-200) gets program 2, which the probes use to decide the filter with the
 /// connection's tuples (see observer-ebpf's `Decide`).
 fn programs_for(hook: NfHook, points: &[i32]) -> Vec<usize> {
+    if !matches!(hook, NfHook::PreRouting | NfHook::LocalOut) {
+        // Programs 0 and 2 decide the filter, so they run only where packets enter: a probe
+        // knows from its program alone whether it decides, before reading anything.
+        return (0..NF_SLOTS)
+            .filter(|p| *p != 0 && *p != 2)
+            .take(points.len())
+            .collect();
+    }
     let mut programs: Vec<usize> = (0..points.len()).collect();
     if matches!(hook, NfHook::PreRouting | NfHook::LocalOut)
         && let Some(after_ct) = points.iter().position(|&p| p > -200)
@@ -281,8 +291,9 @@ mod tests {
             (0..p.points.len()).collect::<Vec<_>>(),
             "each program once"
         );
+        // Elsewhere, neither 0 nor 2: those decide the filter.
         let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-250]);
-        assert_eq!(f.programs, (0..f.points.len()).collect::<Vec<_>>());
+        assert_eq!(f.programs, vec![1, 3, 4, 5, 6, 7]);
     }
 
     #[test]

@@ -27,6 +27,7 @@ use crate::nftwatch::NftWatch;
 use crate::output::Writer;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
+use crate::render_cache::RenderCache;
 use crate::report;
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::TraversalRecord;
@@ -234,6 +235,8 @@ struct Printer<'a> {
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
+    /// Reports already rendered, by record content.
+    cache: RenderCache,
     /// Packets lost as of the last report printed.
     reported_lost: u64,
     lost_now: u64,
@@ -248,9 +251,10 @@ impl Printer<'_> {
             .clone()
     }
 
-    /// Forgets cached interface names (after renames or removals).
-    fn forget_names(&self) {
+    /// Forgets cached interface names and renderings (after renames or removals).
+    fn forget_names(&mut self) {
         self.names.borrow_mut().clear();
+        self.cache.clear();
     }
 
     fn count_reached(&self) -> bool {
@@ -276,16 +280,42 @@ impl Printer<'_> {
         {
             rec.incomplete |= observer_common::traversal::missing::REPLANNED;
         }
-        let t: Traversal = match assemble(&rec, plans, &self.layout.tuple) {
-            Ok(t) => t,
-            Err(e) => {
-                summary.not_printed += 1;
-                warn!("unusable traversal record: {e}");
-                return false;
-            }
-        };
         let lost = self.lost_now - self.reported_lost;
         self.reported_lost = self.lost_now;
+        // A report is a function of the record (and names and plans, which clear the
+        // cache when they change); `lost` is not, so only lines without it are shared.
+        let mut cache = std::mem::take(&mut self.cache);
+        let rendered = if lost == 0 {
+            let r = cache.get_or_render(&rec, || self.render(&rec, plans, 0));
+            Some((r.bytes.clone(), r.incomplete))
+        } else {
+            None
+        };
+        self.cache = cache;
+        let (bytes, incomplete) = match rendered {
+            Some(r) => r,
+            None => self.render(&rec, plans, lost),
+        };
+        if bytes.is_empty() {
+            summary.not_printed += 1;
+            return false;
+        }
+        self.out.buf().extend_from_slice(&bytes);
+        self.out.done();
+        self.formatted += 1;
+        summary.incomplete += u64::from(incomplete);
+        self.count_reached()
+    }
+
+    /// Formats one traversal as the output mode says; empty when the record is unusable.
+    fn render(&self, rec: &TraversalRecord, plans: &Plans, lost: u64) -> (Vec<u8>, bool) {
+        let t: Traversal = match assemble(rec, plans, &self.layout.tuple) {
+            Ok(t) => t,
+            Err(e) => {
+                warn!("unusable traversal record: {e}");
+                return (Vec::new(), false);
+            }
+        };
         let symbol = |a: u64| self.symbols.name(a);
         let ifname = |i: u32| self.ifname(i);
         let ctx = report::Context {
@@ -299,17 +329,14 @@ impl Printer<'_> {
             ifname: &ifname,
         };
         let r = report::build(&t, &ctx, lost);
-        let buf = self.out.buf();
+        let mut buf = Vec::with_capacity(4096);
         // Writing into a Vec cannot fail.
         let _ = match self.opts.output {
-            Output::Json => r.write_json(&mut *buf).and_then(|()| buf.write_all(b"\n")),
+            Output::Json => r.write_json(&mut buf).and_then(|()| buf.write_all(b"\n")),
             Output::Tree => writeln!(buf, "{}", r.render_tree()),
             Output::Line => writeln!(buf, "{}", r.render_line()),
         };
-        self.out.done();
-        self.formatted += 1;
-        summary.incomplete += u64::from(r.incomplete);
-        self.count_reached()
+        (buf, r.incomplete)
     }
 
     /// Hands the formatted reports to the writer thread; false while it is behind.
@@ -364,6 +391,7 @@ async fn event_loop(
         names: Default::default(),
         out: Writer::new(std::io::stdout()),
         formatted: 0,
+        cache: RenderCache::default(),
         reported_lost: 0,
         lost_now: 0,
     };
@@ -520,6 +548,7 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
                 hooks.join(", ")
             );
             printer.generation = probes.generation();
+            printer.cache.clear();
             printer
                 .plans
                 .insert(printer.generation, index_plans(&probes.plans));

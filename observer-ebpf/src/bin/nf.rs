@@ -93,18 +93,11 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     let w = windows().ok_or(())?;
     let off = |i| cfg(i).ok_or(());
     // Program 0 is where a packet enters PREROUTING or OUTPUT, program 2 is just after
-    // conntrack there (see observer's plan): only they need the hook before the lookup
-    // below. Every other probe reads nothing more for a packet the filter left out.
+    // conntrack there; the plan attaches them nowhere else (see observer's plan), so the
+    // program says it all, and a packet the filter left out costs a probe the lookup below.
     let decides = program == 0 || program == 2;
-    let mut hook_no = 0;
-    if decides {
-        // One read per struct: the calls, not the bytes, are what a probe pays for.
-        read_into(state, 0, &mut w.state)?;
-        hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
-    }
-    let entry_hook = decides && (hook_no == hook::PRE_ROUTING || hook_no == hook::LOCAL_OUT);
-    let entry = entry_hook && program == 0;
-    let with_ct = entry_hook && program == 2;
+    let entry = program == 0;
+    let with_ct = program == 2;
     {
         let found = find(skb);
         // The record found is this packet's: anywhere but an entry point, and there only
@@ -142,10 +135,9 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
         ctl::set(ctl::REDECIDE, u32::from(with_ct && continues && !kept));
         ctl::set(ctl::ENTRY, u32::from(entry));
     }
-    if !decides {
-        read_into(state, 0, &mut w.state)?;
-        hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
-    }
+    // One read per struct: the calls, not the bytes, are what a probe pays for.
+    read_into(state, 0, &mut w.state)?;
+    let hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
     let ev = scratch().ok_or(())?;
     ev.header.kind = kind::PACKET;
     ev.header.hook = hook_no;

@@ -1,0 +1,145 @@
+//! Rendered reports by record content: the packets of a flow mostly make records that are
+//! identical but for the skb address and the times, and so identical reports. The collector
+//! renders such a record once and copies the bytes after that. Entries are keyed by the
+//! whole record (compared byte for byte, never trusted to a hash alone), bounded in number,
+//! and forgotten when anything else a report depends on changes (interface names, plans).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+
+use observer_common::traversal::TraversalRecord;
+
+/// Entries kept; the cache starts over when full.
+pub const ENTRIES: usize = 4096;
+
+#[derive(Default)]
+struct Fnv;
+
+impl BuildHasher for Fnv {
+    type Hasher = FnvHasher;
+    fn build_hasher(&self) -> FnvHasher {
+        FnvHasher(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+/// FNV-1a over 8-byte words: the keys are already hashes.
+struct FnvHasher(u64);
+
+impl Hasher for FnvHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+pub struct Rendered {
+    key: Vec<u8>,
+    pub bytes: Vec<u8>,
+    pub incomplete: bool,
+}
+
+#[derive(Default)]
+pub struct RenderCache {
+    map: HashMap<u64, Rendered, Fnv>,
+    pub hits: u64,
+}
+
+/// The record's bytes as a report depends on them: its written part, without the skb
+/// address and the times.
+fn key_of(rec: &TraversalRecord) -> Vec<u8> {
+    let mut r = *rec;
+    r.skb = 0;
+    r.ts_first = 0;
+    r.ts_last = 0;
+    // SAFETY: plain data; the written length is within the record.
+    unsafe {
+        std::slice::from_raw_parts((&r as *const TraversalRecord).cast::<u8>(), r.written_len())
+    }
+    .to_vec()
+}
+
+fn hash(key: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for chunk in key.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(0x100_0000_01b3);
+        h ^= h >> 29;
+    }
+    h
+}
+
+impl RenderCache {
+    /// The rendering of `rec`: from the cache, or made by `render` (bytes, incomplete) and
+    /// kept.
+    pub fn get_or_render(
+        &mut self,
+        rec: &TraversalRecord,
+        render: impl FnOnce() -> (Vec<u8>, bool),
+    ) -> &Rendered {
+        let key = key_of(rec);
+        let h = hash(&key);
+        let hit = self.map.get(&h).is_some_and(|e| e.key == key);
+        if hit {
+            self.hits += 1;
+        } else {
+            if self.map.len() >= ENTRIES {
+                self.map.clear();
+            }
+            let (bytes, incomplete) = render();
+            self.map.insert(
+                h,
+                Rendered {
+                    key,
+                    bytes,
+                    incomplete,
+                },
+            );
+        }
+        &self.map[&h]
+    }
+
+    /// Forgets everything (names or plans changed).
+    pub fn clear(&mut self) {
+        self.map.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(skb: u64, mark: u32) -> TraversalRecord {
+        // SAFETY: all-zero is a valid record.
+        let mut r: TraversalRecord = unsafe { std::mem::zeroed() };
+        observer_common::traversal::start(&mut r, skb, skb * 10, 0);
+        r.nsteps = 1;
+        r.steps[0].mark = mark;
+        r
+    }
+
+    #[test]
+    fn records_differing_only_in_identity_and_time_share_a_rendering() {
+        let mut c = RenderCache::default();
+        let mut calls = 0;
+        let mut render = |m: u32| {
+            calls += 1;
+            (format!("mark {m}\n").into_bytes(), false)
+        };
+        assert_eq!(c.get_or_render(&rec(1, 5), || render(5)).bytes, b"mark 5\n");
+        assert_eq!(c.get_or_render(&rec(2, 5), || render(5)).bytes, b"mark 5\n");
+        assert_eq!(c.get_or_render(&rec(3, 6), || render(6)).bytes, b"mark 6\n");
+        assert_eq!(calls, 2);
+        assert_eq!(c.hits, 1);
+        c.clear();
+        c.get_or_render(&rec(4, 5), || render(5));
+        assert_eq!(calls, 3);
+    }
+}
