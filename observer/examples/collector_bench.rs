@@ -159,7 +159,9 @@ fn main() {
         5 => "cali1a2b".to_string(),
         n => format!("if{n}"),
     };
+    let snapshots = report::SnapshotCache::default();
     let ctx = Context {
+        snapshots: &snapshots,
         plans: &plans,
         netns: "bench",
         marks: &marks,

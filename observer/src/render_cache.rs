@@ -12,8 +12,10 @@ use observer_common::traversal::TraversalRecord;
 /// Entries kept; the cache starts over when full.
 pub const ENTRIES: usize = 4096;
 
-#[derive(Default)]
-struct Fnv;
+/// A fast hasher for keys made of small integers (FNV-1a); not for untrusted keys that
+/// could be chosen to collide (ours come from the kernel's records of our own namespace).
+#[derive(Default, Clone)]
+pub struct Fnv;
 
 impl BuildHasher for Fnv {
     type Hasher = FnvHasher;
@@ -22,8 +24,7 @@ impl BuildHasher for Fnv {
     }
 }
 
-/// FNV-1a over 8-byte words: the keys are already hashes.
-struct FnvHasher(u64);
+pub struct FnvHasher(u64);
 
 impl Hasher for FnvHasher {
     fn finish(&self) -> u64 {
@@ -128,18 +129,18 @@ mod tests {
     #[test]
     fn records_differing_only_in_identity_and_time_share_a_rendering() {
         let mut c = RenderCache::default();
-        let mut calls = 0;
-        let mut render = |m: u32| {
-            calls += 1;
+        let calls = std::cell::Cell::new(0);
+        let render = |m: u32| {
+            calls.set(calls.get() + 1);
             (format!("mark {m}\n").into_bytes(), false)
         };
         assert_eq!(c.get_or_render(&rec(1, 5), || render(5)).bytes, b"mark 5\n");
         assert_eq!(c.get_or_render(&rec(2, 5), || render(5)).bytes, b"mark 5\n");
         assert_eq!(c.get_or_render(&rec(3, 6), || render(6)).bytes, b"mark 6\n");
-        assert_eq!(calls, 2);
+        assert_eq!(calls.get(), 2);
         assert_eq!(c.hits, 1);
         c.clear();
         c.get_or_render(&rec(4, 5), || render(5));
-        assert_eq!(calls, 3);
+        assert_eq!(calls.get(), 3);
     }
 }

@@ -46,8 +46,46 @@ pub struct Report {
     pub flow: String,
 }
 
+/// Snapshots made for earlier traversals, by what they show: a flow's packets show the same
+/// few, and formatting them is most of a report's cost. Bounded; starts over when full.
+#[derive(Default)]
+pub struct SnapshotCache {
+    map: std::cell::RefCell<
+        std::collections::HashMap<SnapKey, Arc<Snapshot>, crate::render_cache::Fnv>,
+    >,
+}
+
+type SnapKey = (
+    Option<Endpoint>,
+    Option<Endpoint>,
+    bool,
+    u32,
+    u32,
+    Option<(Endpoint, Endpoint, u8)>,
+);
+
+impl SnapshotCache {
+    const ENTRIES: usize = 65536;
+
+    fn get(&self, o: &Observation) -> Option<Arc<Snapshot>> {
+        let key = (o.src, o.dst, o.has_ports, o.mark, o.len, o.inner);
+        if let Some(s) = self.map.borrow().get(&key) {
+            return Some(s.clone());
+        }
+        let s = Arc::new(snapshot(o)?);
+        let mut map = self.map.borrow_mut();
+        if map.len() >= Self::ENTRIES {
+            map.clear();
+        }
+        map.insert(key, s.clone());
+        Some(s)
+    }
+}
+
 /// What building a report needs besides the traversal.
 pub struct Context<'a> {
+    /// Snapshots shared across reports.
+    pub snapshots: &'a SnapshotCache,
     pub plans: &'a Plans,
     pub netns: &'a str,
     pub marks: &'a MarkDictionary,
@@ -225,10 +263,10 @@ fn snapshot(o: &Observation) -> Option<Snapshot> {
 
 /// Snapshots already made for this traversal: most records of a packet look alike, and
 /// formatting addresses is the costly part of a report.
-#[derive(Default)]
 struct Snapshots<'a> {
     made: Vec<(&'a Observation, Arc<Snapshot>)>,
     cts: Vec<(u32, u32, Arc<CtView>)>,
+    shared: &'a SnapshotCache,
 }
 
 impl<'a> Snapshots<'a> {
@@ -261,7 +299,7 @@ impl<'a> Snapshots<'a> {
         if let Some((_, s)) = self.made.iter().find(|(a, _)| same(a)) {
             return Some(s.clone());
         }
-        let s = Arc::new(snapshot(o)?);
+        let s = self.shared.get(o)?;
         self.made.push((o, s.clone()));
         Some(s)
     }
@@ -301,7 +339,11 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             }
         }
     }
-    let mut snapshots = Snapshots::default();
+    let mut snapshots = Snapshots {
+        made: Vec::with_capacity(8),
+        cts: Vec::new(),
+        shared: ctx.snapshots,
+    };
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
     if annotate::reassembled(t) {
         hooks.clear();
@@ -715,7 +757,9 @@ mod tests {
         let marks = MarkDictionary::default();
         let reasons: HashMap<u32, String> = [(12, "NETFILTER_DROP".to_string())].into();
         let symbol = |a: u64| format!("fn+{a:#x}");
+        let shared = SnapshotCache::default();
         let ctx = Context {
+            snapshots: &shared,
             plans,
             netns: "node",
             marks: &marks,

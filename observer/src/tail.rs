@@ -237,6 +237,7 @@ struct Printer<'a> {
     formatted: u64,
     /// Reports already rendered, by record content.
     cache: RenderCache,
+    snapshots: report::SnapshotCache,
     /// Packets lost as of the last report printed.
     reported_lost: u64,
     lost_now: u64,
@@ -319,6 +320,7 @@ impl Printer<'_> {
         let symbol = |a: u64| self.symbols.name(a);
         let ifname = |i: u32| self.ifname(i);
         let ctx = report::Context {
+            snapshots: &self.snapshots,
             plans,
             netns: &self.netns,
             marks: self.marks,
@@ -392,6 +394,7 @@ async fn event_loop(
         out: Writer::new(std::io::stdout()),
         formatted: 0,
         cache: RenderCache::default(),
+        snapshots: report::SnapshotCache::default(),
         reported_lost: 0,
         lost_now: 0,
     };
