@@ -433,15 +433,15 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     p.ip_version = s.ip_version;
     p.tcp_flags = s.tcp_flags;
     r.header.flags = (r.header.flags & !HEADER_FLAGS) | (s.flags & HEADER_FLAGS);
-    if s.flags & flags::INNER != 0 {
-        if let Some(i) = rec.steps.get(rec.last_inner as usize) {
-            let q = &mut r.inner;
-            copy16(&mut q.saddr, &i.saddr);
-            copy16(&mut q.daddr, &i.daddr);
-            q.sport = i.sport;
-            q.dport = i.dport;
-            q.l4proto = i.l4proto;
-        }
+    if s.flags & flags::INNER != 0
+        && let Some(i) = rec.steps.get(rec.last_inner as usize)
+    {
+        let q = &mut r.inner;
+        copy16(&mut q.saddr, &i.saddr);
+        copy16(&mut q.daddr, &i.daddr);
+        q.sport = i.sport;
+        q.dport = i.dport;
+        q.l4proto = i.l4proto;
     }
 }
 
