@@ -888,6 +888,29 @@ mod tests {
     }
 
     #[test]
+    fn conntrack_is_a_stage_only_where_it_runs() {
+        let (mut t, plans) = forwarded();
+        assert!(
+            report(&t, &plans, 0)
+                .stages
+                .iter()
+                .any(|s| &*s.table == "conntrack")
+        );
+        // A namespace without conntrack: no record of the packet has an entry.
+        for r in &mut t.records {
+            r.ct = None;
+        }
+        let r = report(&t, &plans, 0);
+        assert!(
+            r.stages.iter().all(|s| &*s.table != "conntrack"),
+            "no conntrack stage where conntrack never ran: {:?}",
+            r.stages
+        );
+        assert!(r.stages.iter().any(|s| &*s.table == "raw"));
+        assert!(r.conntrack.is_none());
+    }
+
+    #[test]
     fn a_packet_whose_end_was_not_seen_is_incomplete_not_dropped() {
         let r = cut_in_forward_filter(Closed::Idle);
         assert_eq!(r.fate.kind, "incomplete");
