@@ -45,6 +45,10 @@ pub mod end {
     pub const IDLE: u8 = 7;
     /// Still in flight when the collector stopped (read from the maps at exit).
     pub const IN_FLIGHT: u8 = 8;
+    /// Sent back to this host without leaving through an interface: after POSTROUTING it
+    /// entered PREROUTING again as the same skb (multicast/broadcast loopback,
+    /// `dev_loopback_xmit`), which starts a new traversal.
+    pub const LOOPED: u8 = 9;
 }
 
 /// Bits of [`TraversalRecord::incomplete`]: what is missing from a written record.

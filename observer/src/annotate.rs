@@ -192,6 +192,15 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
             before: None,
         },
         Closed::Egress => left(NfHook::PostRouting),
+        Closed::Looped => Fate {
+            kind: "looped",
+            hook: Some(NfHook::PostRouting.name()),
+            table: None,
+            reason: None,
+            location: None,
+            after: at.after.clone(),
+            before: None,
+        },
         Closed::Dropped => {
             let reason = t.drop.map(|d| {
                 names

@@ -36,6 +36,8 @@ pub enum Closed {
     Idle,
     /// Still in flight when the observer stopped.
     InFlight,
+    /// Looped back to this host after POSTROUTING, without leaving through an interface.
+    Looped,
 }
 
 impl Closed {
@@ -49,6 +51,7 @@ impl Closed {
             end::REUSED => Self::Reused,
             end::IDLE => Self::Idle,
             end::IN_FLIGHT => Self::InFlight,
+            end::LOOPED => Self::Looped,
             _ => return None,
         })
     }
@@ -57,7 +60,7 @@ impl Closed {
     pub fn is_observed_end(self) -> bool {
         matches!(
             self,
-            Self::Egress | Self::Delivered | Self::Consumed | Self::Dropped
+            Self::Egress | Self::Delivered | Self::Consumed | Self::Dropped | Self::Looped
         )
     }
 }

@@ -33,7 +33,7 @@ pub struct Report {
     pub fate: Fate,
     pub marks: Marks,
     pub nat: Vec<Nat>,
-    pub conntrack: Option<ConntrackView>,
+    pub conntrack: Option<Arc<ConntrackView>>,
     /// Packets the kernel could not record (ring buffer full) since the previous report.
     pub lost: u64,
     /// Part of the traversal is missing: its end was not seen, or the record could not hold
@@ -53,7 +53,12 @@ pub struct SnapshotCache {
     map: std::cell::RefCell<
         std::collections::HashMap<SnapKey, Arc<Snapshot>, crate::render_cache::Fnv>,
     >,
+    cts: std::cell::RefCell<
+        std::collections::HashMap<CtKey, Arc<ConntrackView>, crate::render_cache::Fnv>,
+    >,
 }
+
+type CtKey = (u32, u32, crate::decode::Tuple, crate::decode::Tuple);
 
 type SnapKey = (
     Option<Endpoint>,
@@ -66,6 +71,22 @@ type SnapKey = (
 
 impl SnapshotCache {
     const ENTRIES: usize = 65536;
+
+    /// The connection view of `t`, shared with earlier reports of the same connection state.
+    fn conntrack(&self, t: &Traversal) -> Option<Arc<ConntrackView>> {
+        let ct = *t.records.iter().rev().find_map(|r| r.ct.as_ref())?;
+        let key = (ct.info, ct.mark, ct.original, ct.reply);
+        if let Some(v) = self.cts.borrow().get(&key) {
+            return Some(v.clone());
+        }
+        let v = Arc::new(annotate::conntrack(t)?);
+        let mut map = self.cts.borrow_mut();
+        if map.len() >= Self::ENTRIES {
+            map.clear();
+        }
+        map.insert(key, v.clone());
+        Some(v)
+    }
 
     fn get(&self, o: &Observation) -> Option<Arc<Snapshot>> {
         let key = (o.src, o.dst, o.has_ports, o.mark, o.len, o.inner);
@@ -416,7 +437,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         fate,
         marks: annotate::marks(&observed, ctx.marks),
         nat: annotate::nat(&observed),
-        conntrack: annotate::conntrack(t),
+        conntrack: ctx.snapshots.conntrack(t),
         stages,
         lost,
         flow: first_l3
@@ -628,6 +649,7 @@ impl Report {
                 None => f.kind.to_string(),
             },
             "delivered" => "delivered to a local socket".into(),
+            "looped" => "looped back to this host (left POSTROUTING without an interface)".into(),
             "reassembled" => {
                 "fragment merged by defragmentation (PREROUTING, priority -400)".into()
             }

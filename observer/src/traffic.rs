@@ -107,6 +107,8 @@ pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
 
     let node: SocketAddr = format!("{}:9", lab::NODE_IP).parse()?;
     udp_send(&lab.ns("client"), node, b"to the node")?;
-    done.push(format!("client -> node {node} udp (local delivery)"));
+    done.push(format!(
+        "client -> node {node} udp (no socket listens: the kernel drops it after INPUT)"
+    ));
     Ok(done)
 }

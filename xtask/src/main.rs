@@ -331,6 +331,9 @@ fn demo(mode: &str) -> Result<()> {
     let prefix = "obs";
     in_lab("demo", prefix, mode, |bin| {
         let node = format!("{prefix}-node");
+        // New interfaces announce themselves (IPv6 DAD and MLD reports, a few over the first
+        // seconds): let that pass, so that the first screen shows the demo's flows.
+        std::thread::sleep(Duration::from_secs(3));
         let mut tail = start_tail(bin, &["--netns", &node], Stdio::inherit())?;
         let sent = run(Command::new(bin).args(["lab", "traffic", "--prefix", prefix]));
         std::thread::sleep(Duration::from_millis(1500));

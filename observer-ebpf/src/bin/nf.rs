@@ -9,10 +9,12 @@
 #![no_std]
 #![no_main]
 
-use observer_common::traversal::{add_reading, decision, last_hook, missing, reuse_headers};
+use observer_common::traversal::{
+    add_reading, decision, end, last_hook, missing, reuse_headers,
+};
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
-use observer_ebpf::inflight::{begin, close_stale, find, opaque};
+use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque};
 use observer_ebpf::{
     Decide, cfg, count, decide, field, filtering, is_icmp_error, nfct_of, now, parse_inner,
     parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
@@ -169,9 +171,14 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
             f.rec
         }
         stale => {
-            // The skb address starts another packet: the one recorded under it ended unseen.
+            // The skb address starts another traversal: the one recorded under it ended unseen,
+            // or (after POSTROUTING) was looped back to this host as the same skb.
             if let Some(f) = stale {
-                close_stale(f);
+                if last_hook(f.rec) == Some(hook::POST_ROUTING) {
+                    finish(f, end::LOOPED);
+                } else {
+                    close_stale(f);
+                }
             }
             let rec = begin(skb, ev.header.ts_ns).ok_or(())?;
             if ctl::get(ctl::ENTRY) == 0 {
