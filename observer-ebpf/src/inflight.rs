@@ -69,6 +69,14 @@ pub struct Found {
 /// The in-flight record of `skb`, if any.
 #[inline(always)]
 pub fn find(skb: u64) -> Option<Found> {
+    find_slot(skb).or_else(|| find_pending(skb))
+}
+
+/// The record of `skb` in this CPU's slots: where a packet being handled on this CPU is.
+/// The end events that fire for every packet of the machine (a socket taking it, a free)
+/// look only here, so that a packet not ours costs them no hash lookup.
+#[inline(always)]
+pub fn find_slot(skb: u64) -> Option<Found> {
     if let Some(slots) = SLOTS.get_ptr_mut(0) {
         // SAFETY: per-CPU value; one program runs at a time on a CPU (softirq and process
         // context exclude each other for these hooks' callers).
@@ -88,6 +96,11 @@ pub fn find(skb: u64) -> Option<Found> {
             });
         }
     }
+    None
+}
+
+#[inline(always)]
+fn find_pending(skb: u64) -> Option<Found> {
     let rec = PENDING.get_ptr_mut(&skb)?;
     Some(Found {
         // SAFETY: a map value; concurrent users are resolved by who deletes it (see finish).

@@ -9,9 +9,7 @@
 #![no_std]
 #![no_main]
 
-use observer_common::traversal::{
-    add_reading, decision, end, last_hook, missing, reuse_headers,
-};
+use observer_common::traversal::{add_reading, decision, end, last_hook, missing, reuse_headers};
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque};
