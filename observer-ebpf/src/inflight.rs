@@ -238,18 +238,25 @@ fn write(rec: &TraversalRecord) {
 #[inline(always)]
 pub fn socket_took(f: Found) {
     f.rec.status |= status::SOCKET;
-    if f.place == Place::Pending || f.rec.decision != decision::KEEP {
+    park(f.rec);
+}
+
+/// Moves a record from its slot to [`PENDING`], where its end is awaited from any CPU: a
+/// socket has the packet, or defragmentation holds it. Records already there stay.
+#[inline(always)]
+pub fn park(rec: &mut TraversalRecord) {
+    if rec.status & status::FALLBACK != 0 || rec.decision != decision::KEEP {
         return;
     }
-    f.rec.status |= status::FALLBACK;
+    rec.status |= status::FALLBACK;
     // BPF_ANY: a record of the same address already there is older, hence stale.
-    if PENDING.insert(&f.rec.skb, &*f.rec, 0).is_ok() {
+    if PENDING.insert(&rec.skb, &*rec, 0).is_ok() {
         count(counter::TO_FALLBACK);
-        f.rec.skb = 0;
+        rec.skb = 0;
     } else {
         // Busy (a program holding the same bucket on this CPU) or full: it waits in its
-        // slot, where a reused address or a needed slot ends it as delivered.
-        f.rec.status &= !status::FALLBACK;
+        // slot, where a reused address or a needed slot ends it.
+        rec.status &= !status::FALLBACK;
         count(counter::FALLBACK_FAILED);
     }
 }

@@ -12,7 +12,7 @@
 use observer_common::traversal::{add_reading, decision, end, last_hook, missing, reuse_headers};
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
-use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque};
+use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
     Decide, cfg, count, decide, field, filtering, is_icmp_error, nfct_of, now, parse_inner,
     parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
@@ -195,6 +195,11 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     }
     if rec.decision == decision::KEEP {
         add_reading(rec, ev, program);
+        // A fragment at the first PREROUTING probe is about to be held by defragmentation
+        // (-400), to be freed on whatever CPU frees the datagram it completes.
+        if program == 0 && hook_no == hook::PRE_ROUTING && ev.header.flags & flags::FRAGMENT != 0 {
+            park(rec);
+        }
     }
     Ok(())
 }

@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use observer_common::config;
 use observer_common::traversal::{end, status};
-use observer_ebpf::inflight::{Found, find, find_slot, finish, socket_took};
+use observer_ebpf::inflight::{Found, find, finish, socket_took};
 use observer_ebpf::{cfg, read};
 
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
@@ -37,16 +37,15 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
 }
 
 /// The kernel freed a packet without calling it a drop: `consume_skb(skb, location)`.
-/// Frees happen for every packet of the machine; only this CPU's slots are looked at (a
-/// packet the kernel absorbs is still there; one a socket holds waits in the fallback map,
-/// where the collector hands it over as delivered).
+/// A fragment merged by defragmentation is freed this way too, on whatever CPU frees the
+/// datagram it became part of: its record waits in the fallback map for that.
 #[btf_tracepoint(function = "consume_skb")]
 pub fn observer_consume_skb(ctx: BtfTracePointContext) -> i32 {
     if floor() {
         return 0;
     }
     let (skb, location) = (arg(ctx.as_ptr(), 0), arg(ctx.as_ptr(), 1));
-    if let Some(f) = find_slot(skb).filter(|_| in_observed_netns(skb)) {
+    if let Some(f) = ours(skb) {
         f.rec.location = location;
         let how = if f.rec.status & status::SOCKET != 0 {
             end::DELIVERED
@@ -93,8 +92,7 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
         return 1;
     }
     let skb = ctx.skb.skb as u64;
-    // The socket lookup runs on the CPU that handled the packet's hooks: its slot.
-    if let Some(f) = find_slot(skb) {
+    if let Some(f) = find(skb) {
         socket_took(f);
     }
     1
