@@ -141,7 +141,9 @@ fn workload(lab: &Lab) -> Outcome {
     let answers = lab.run_in("client", || {
         (0..20)
             .map(|i| {
-                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                // A port of its own for each query: an ephemeral port picked twice would make
+                // one query part of an earlier connection (ESTABLISHED, not a new DNAT).
+                let s = UdpSocket::bind(format!("0.0.0.0:{}", 41000 + i)).unwrap();
                 s.set_read_timeout(Some(TIMEOUT)).unwrap();
                 s.send_to(format!("query {i}").as_bytes(), "10.10.10.10:53")
                     .unwrap();
