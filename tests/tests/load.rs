@@ -105,7 +105,9 @@ fn a_flood_is_accounted_for_in_packets_and_sigint_is_prompt() {
     // Packets that reached the node after the observer stopped are not its to count.
     let rx = rx_packets(&lab.ns("node"), "eth0") - rx_before;
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    eprintln!("flood: SIGINT to exit {exit_after:?}, peak RSS {rss_kib} KiB, sent {sent}, node eth0 received {rx}");
+    eprintln!(
+        "flood: SIGINT to exit {exit_after:?}, peak RSS {rss_kib} KiB, sent {sent}, node eth0 received {rx}"
+    );
     assert!(out.status.success(), "{stderr}");
     assert!(
         exit_after < Duration::from_secs(1),
