@@ -88,6 +88,12 @@ fn observe(ctx: &TcContext, at: u8) {
     };
     if f.rec.decision == decision::KEEP {
         add_reading(f.rec, ev, 0);
+    } else if at == hook::TC_INGRESS {
+        // Left out, but where it entered is still noted: the first PREROUTING probe then
+        // knows this record is the same packet's, not a stale one to close.
+        f.rec.nvisits = 1;
+        f.rec.cur_visit = 0;
+        f.rec.visits[0].hook = hook::TC_INGRESS;
     }
     if at == hook::TC_EGRESS {
         finish(f, end::EGRESS);
