@@ -402,6 +402,7 @@ impl Probes {
         &mut self,
         socket_before_ns: u64,
         idle_before_ns: u64,
+        idle_end: u8,
     ) -> Result<Vec<TraversalRecord>> {
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
@@ -426,7 +427,7 @@ impl Probes {
                 rec.end = if rec.status & status::SOCKET != 0 {
                     end::DELIVERED
                 } else {
-                    end::IDLE
+                    idle_end
                 };
                 out.push(rec);
             }

@@ -30,7 +30,7 @@ use crate::probes::{KernelCounters, Probes, ifname};
 use crate::render_cache::RenderCache;
 use crate::report;
 use observer_common::filter::FilterProgram;
-use observer_common::traversal::TraversalRecord;
+use observer_common::traversal::{TraversalRecord, end};
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -488,7 +488,18 @@ async fn event_loop(
         }
     };
     // What the probes wrote before we stopped is still owed to the user, within a bound:
-    // under a flood the ring buffer holds more than can be printed promptly.
+    // under a flood the ring buffer holds more than can be printed promptly. Traversals
+    // waiting in the fallback map are printed too, as still in flight (a socket's as
+    // delivered); only those in per-CPU slots, which the probes may still be writing, are
+    // just counted.
+    match probes.sweep(u64::MAX, u64::MAX, end::IN_FLIGHT) {
+        Ok(recs) => {
+            for r in &recs {
+                printer.print(r, &mut summary);
+            }
+        }
+        Err(e) => warn!("reading the probes' fallback map: {e:#}"),
+    }
     let until = Instant::now() + FINAL_DRAIN;
     while Instant::now() < until && !printer.out.closed() {
         let (n, _) = drain(ring.get_mut(), &mut printer, &mut summary, 256);
@@ -576,7 +587,7 @@ fn sweep(probes: &mut Probes, printer: &mut Printer, summary: &mut Summary, opts
     let now = now_ns();
     let socket_before = now.saturating_sub(SOCKET_GRACE.as_nanos() as u64);
     let idle_before = now.saturating_sub(opts.idle.as_nanos() as u64);
-    match probes.sweep(socket_before, idle_before) {
+    match probes.sweep(socket_before, idle_before, end::IDLE) {
         Ok(recs) => {
             for r in &recs {
                 printer.print(r, summary);
