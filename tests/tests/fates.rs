@@ -281,8 +281,14 @@ fn a_base_chain_added_while_running_gets_its_own_stage() {
         "-f",
         file.to_str().unwrap(),
     ]);
-    // Bracketed within a second: two more probes on FORWARD, for each family.
+    // Bracketed within a second: more probes on FORWARD, for each family.
+    let t0 = Instant::now();
     assert!(wait_for(|| fds(tail.pid()) > base), "new probes attached");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "bracketed within a second, took {:?}",
+        t0.elapsed()
+    );
     std::thread::sleep(Duration::from_millis(300));
     lab.run_in("client", || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
