@@ -75,6 +75,10 @@ fn a_flood_is_accounted_for_in_packets_and_sigint_is_prompt() {
     let stats = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
     let (child, reader) = start(&lab, &["--json", "--stats", stats.to_str().unwrap()]);
     let rx_before = rx_packets(&lab.ns("node"), "eth0");
+    let rx_before_all: u64 = ["eth0", "eth1", "cali1a2b", "cali2c3d"]
+        .iter()
+        .map(|i| rx_packets(&lab.ns("node"), i))
+        .sum();
     // A bounded flood: 64-byte datagrams client -> pod (forwarded by the node) for 2 s,
     // then SIGINT while it still runs.
     let stop = Arc::new(AtomicBool::new(false));
@@ -133,11 +137,21 @@ fn a_flood_is_accounted_for_in_packets_and_sigint_is_prompt() {
             + n("not_printed"),
         "every packet seen is accounted for: {s}"
     );
-    // Every IP packet the node's eth0 received before SIGINT entered the probes (ARP and the
-    // packets after the stop are the difference, never more than was received).
-    assert!(seen <= rx, "seen {seen} <= received {rx}: {s}");
+    // Every IP packet the node received before SIGINT entered the probes: never more than
+    // arrived on its interfaces (the pod's few rate-limited ICMP errors come in on cali1a2b;
+    // the node's own IPv6 announcements are a handful), and most of what arrived on eth0
+    // (ARP and the packets after the stop are the difference).
+    let all_rx: u64 = ["eth0", "eth1", "cali1a2b", "cali2c3d"]
+        .iter()
+        .map(|i| rx_packets(&lab.ns("node"), i))
+        .sum::<u64>()
+        - rx_before_all;
     assert!(
-        rx - seen < rx / 2 + 100,
+        seen <= all_rx + 20,
+        "seen {seen} <= received {all_rx} (+20 of its own): {s}"
+    );
+    assert!(
+        rx.saturating_sub(seen) < rx / 2 + 100,
         "most of what arrived was seen: {rx} vs {s}"
     );
     // Every printed traversal is whole, or says it is not.
