@@ -202,7 +202,13 @@ fn finish_pending(rec: &mut TraversalRecord, how: u8) {
         );
         bpf_probe_read_kernel_buf(rec as *const TraversalRecord as *const u8, dst)
     };
-    if PENDING.remove(&skb).is_err() || copied.is_err() {
+    if PENDING.remove(&skb).is_err() {
+        // Another CPU (or the collector) ended it.
+        return;
+    }
+    if copied.is_err() {
+        // Ours to write but unreadable: lost, and counted as such.
+        count(counter::RINGBUF_FULL);
         return;
     }
     out.end = how;

@@ -435,6 +435,40 @@ impl Probes {
         Ok(out)
     }
 
+    /// Detaches every probe (netfilter links, tcx, tracepoints, cgroup) while keeping the
+    /// maps: at exit, so that nothing more arrives while the last records are read and the
+    /// counters add up exactly.
+    pub fn detach(&mut self) {
+        self.links.clear();
+        for (_, a) in self.tc.drain() {
+            for (prog, id) in a.links {
+                if let Some(Ok(p)) = self
+                    .ebpf
+                    .program_mut(prog)
+                    .map(<&mut SchedClassifier>::try_from)
+                {
+                    let _ = p.detach(id);
+                }
+            }
+        }
+        for (prog, _) in END_TRACEPOINTS {
+            if let Some(Ok(p)) = self
+                .ebpf
+                .program_mut(prog)
+                .map(<&mut BtfTracePoint>::try_from)
+            {
+                let _ = p.unload();
+            }
+        }
+        if let Some(Ok(p)) = self
+            .ebpf
+            .program_mut("observer_sock_ingress")
+            .map(<&mut CgroupSkb>::try_from)
+        {
+            let _ = p.unload();
+        }
+    }
+
     /// Traversals the probes still hold (per-CPU slots and the fallback map).
     pub fn in_flight(&self) -> Result<InFlight> {
         let mut n = InFlight::default();

@@ -487,6 +487,16 @@ async fn event_loop(
             }
         }
     };
+    // Nothing more comes in from here: what the probes hold now is all there is to account.
+    // Every probe is told at once to stop (the floor flag) before any is detached, so that
+    // no traversal is written with some of its probes already gone; one still on its way
+    // stays in its slot and is counted as in flight. (A probe already running on another
+    // CPU finishes within an RCU grace period.)
+    if let Err(e) = probes.set_floor(true) {
+        warn!("stopping the probes: {e:#}");
+    }
+    probes.detach();
+    std::thread::sleep(Duration::from_millis(30));
     // What the probes wrote before we stopped is still owed to the user, within a bound:
     // under a flood the ring buffer holds more than can be printed promptly. Traversals
     // waiting in the fallback map are printed too, as still in flight (a socket's as
@@ -507,9 +517,9 @@ async fn event_loop(
             break;
         }
     }
-    // Counted, not printed (bounded: the probes may still be writing).
+    // Counted, not printed (the probes are detached: the ring buffer only empties).
     let mut rest = 0;
-    while rest < 1 << 20 && ring.get_mut().next().is_some() {
+    while ring.get_mut().next().is_some() {
         rest += 1;
     }
     summary.not_printed += rest;
