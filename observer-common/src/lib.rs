@@ -26,8 +26,6 @@ pub mod family {
 pub mod kind {
     /// A packet seen at a netfilter probe or a TC hook: [`super::PacketEvent`].
     pub const PACKET: u8 = 1;
-    /// A packet freed as dropped (`kfree_skb` tracepoint): [`super::DropEvent`].
-    pub const DROP: u8 = 2;
     /// A whole traversal, assembled in the kernel: [`super::traversal::TraversalRecord`].
     pub const TRAVERSAL: u8 = 3;
 }
@@ -243,20 +241,7 @@ pub struct InnerInfo {
     pub _pad: [u8; 3],
 }
 
-/// Record of kind [`kind::DROP`]: the kernel freed `header.skb` as dropped.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DropEvent {
-    pub header: EventHeader,
-    /// `enum skb_drop_reason`; names come from BTF, its numbering changes between kernels.
-    pub reason: u32,
-    pub _pad: u32,
-    /// Kernel address of the function that dropped it.
-    pub location: u64,
-}
-
 const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
-const _: () = assert!(core::mem::size_of::<DropEvent>() == 48);
 const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
 const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
 const _: () = assert!(core::mem::size_of::<InnerInfo>() == 40);
@@ -271,7 +256,6 @@ mod pod {
     unsafe impl aya::Pod for super::CtInfo {}
     unsafe impl aya::Pod for super::PacketEvent {}
     unsafe impl aya::Pod for super::InnerInfo {}
-    unsafe impl aya::Pod for super::DropEvent {}
     unsafe impl aya::Pod for super::traversal::TraversalRecord {}
 }
 pub mod filter;

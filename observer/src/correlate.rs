@@ -85,12 +85,6 @@ pub struct Traversal {
     pub missing: u8,
 }
 
-impl Traversal {
-    pub fn last_seen(&self) -> u64 {
-        self.records.last().map_or(0, |r| r.ts_ns)
-    }
-}
-
 /// Probe plans by (family, hook), for one plan generation: an array, since every record's
 /// every point looks one up.
 #[derive(Clone, Debug, Default)]

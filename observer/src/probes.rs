@@ -384,16 +384,6 @@ impl Probes {
         Ok(changes)
     }
 
-    /// Name of a probed interface, as of the last scan.
-    pub fn interface_name(&self, index: u32) -> Option<&str> {
-        self.tc.get(&index).map(|a| a.name.as_str())
-    }
-
-    /// tcx links held (two per probed interface).
-    pub fn tc_links(&self) -> usize {
-        self.tc.values().map(|a| a.links.len()).sum()
-    }
-
     /// Takes the fallback-map traversals whose end will not be seen: those a socket has
     /// had since before `socket_before_ns` (queued to it, or freed by TCP without an event:
     /// delivered), and any other not heard of since `idle_before_ns` (incomplete). A

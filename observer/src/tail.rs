@@ -502,14 +502,13 @@ async fn event_loop(
     // waiting in the fallback map are printed too, as still in flight (a socket's as
     // delivered); only those in per-CPU slots, which the probes may still be writing, are
     // just counted.
-    match probes.sweep(u64::MAX, u64::MAX, end::IN_FLIGHT) {
-        Ok(recs) => {
-            for r in &recs {
-                printer.print(r, &mut summary);
-            }
-        }
-        Err(e) => warn!("reading the probes' fallback map: {e:#}"),
-    }
+    take_waiting(
+        &mut probes,
+        &mut printer,
+        &mut summary,
+        (u64::MAX, u64::MAX),
+        end::IN_FLIGHT,
+    );
     let until = Instant::now() + FINAL_DRAIN;
     while Instant::now() < until && !printer.out.closed() {
         let (n, _) = drain(ring.get_mut(), &mut printer, &mut summary, 256);
@@ -597,7 +596,25 @@ fn sweep(probes: &mut Probes, printer: &mut Printer, summary: &mut Summary, opts
     let now = now_ns();
     let socket_before = now.saturating_sub(SOCKET_GRACE.as_nanos() as u64);
     let idle_before = now.saturating_sub(opts.idle.as_nanos() as u64);
-    match probes.sweep(socket_before, idle_before, end::IDLE) {
+    take_waiting(
+        probes,
+        printer,
+        summary,
+        (socket_before, idle_before),
+        end::IDLE,
+    );
+}
+
+/// Prints the fallback-map traversals the probes hand over: a socket's held since before
+/// `before.0` as delivered, any other not heard of since `before.1` ending as `idle_end`.
+fn take_waiting(
+    probes: &mut Probes,
+    printer: &mut Printer,
+    summary: &mut Summary,
+    before: (u64, u64),
+    idle_end: u8,
+) {
+    match probes.sweep(before.0, before.1, idle_end) {
         Ok(recs) => {
             for r in &recs {
                 printer.print(r, summary);
