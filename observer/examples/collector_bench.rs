@@ -150,7 +150,7 @@ fn main() {
         })
         .collect();
     let avg = records.iter().map(Vec::len).sum::<usize>() / n;
-    let plans = index_plans(&full_plan(&[]));
+    let plans = index_plans(&full_plan(None));
     let marks = MarkDictionary::default();
     let reasons = HashMap::new();
     let symbol = |a: u64| format!("{a:#x}");

@@ -328,7 +328,7 @@ pub mod tests {
     }
 
     fn plans() -> Plans {
-        index_plans(&full_plan(&[]))
+        index_plans(&full_plan(None))
     }
 
     #[test]
@@ -390,7 +390,11 @@ pub mod tests {
     #[test]
     fn programs_map_to_points_through_the_plan() {
         // A custom chain at -250 moves the after-conntrack point, not program 2.
-        let plans = index_plans(&full_plan(&[(NfFamily::Ipv4, NfHook::PreRouting, -250)]));
+        let plans = index_plans(&full_plan(Some(&[(
+            NfFamily::Ipv4,
+            NfHook::PreRouting,
+            -250,
+        )])));
         let plan = &plans[&(NfFamily::Ipv4, NfHook::PreRouting)];
         let evs: Vec<PacketEvent> = plan
             .programs

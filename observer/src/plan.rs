@@ -68,10 +68,21 @@ pub struct HookPlan {
 }
 
 impl HookPlan {
-    /// Standard tables plus `custom` priorities (e.g. nftables base chains), bracketed.
-    pub fn new(family: NfFamily, hook: NfHook, custom: &[i32]) -> Self {
-        let mut tables = standard_tables(hook);
-        for &p in custom {
+    /// The plan of one hook. `users`: the priorities of what the namespace runs there (its
+    /// nf_tables base chains and legacy x_tables, see [`hook_users`]); a standard table is
+    /// bracketed only when it is there (conntrack at PREROUTING and OUTPUT always: its hooks
+    /// come with any user of conntrack), any other priority as `prio:<n>`. `None` (the
+    /// ruleset could not be read): every standard table.
+    ///
+    /// A probe after each table; the last table's is the hook's last point (INT_MAX-1), and a
+    /// hook without tables has only its first: probes with nothing between them would see
+    /// the same packet twice.
+    pub fn new(family: NfFamily, hook: NfHook, users: Option<&[i32]>) -> Self {
+        let mut tables: Vec<Table> = standard_tables(hook)
+            .into_iter()
+            .filter(|t| users.is_none_or(|u| &*t.name == "conntrack" || u.contains(&t.priority)))
+            .collect();
+        for &p in users.unwrap_or_default() {
             if !tables.iter().any(|t| t.priority == p) && p > FIRST && p < LAST {
                 tables.push(Table {
                     name: format!("prio:{p}").into(),
@@ -80,11 +91,14 @@ impl HookPlan {
             }
         }
         tables.sort_by_key(|t| t.priority);
+        tables.dedup_by_key(|t| t.priority);
         let mut points = vec![FIRST];
-        for t in &tables {
-            points.push(t.priority.saturating_add(1));
+        if let Some((_, rest)) = tables.split_last() {
+            for t in rest {
+                points.push(t.priority.saturating_add(1));
+            }
+            points.push(LAST);
         }
-        points.push(LAST);
         points.sort_unstable();
         points.dedup();
         // A table at p+1 of another would share its probe: drop points that sit on a table.
@@ -184,28 +198,42 @@ fn programs_for(hook: NfHook, points: &[i32]) -> Vec<usize> {
     programs
 }
 
-/// The whole plan: every family and hook.
-pub fn full_plan(custom: &[(NfFamily, NfHook, i32)]) -> Vec<HookPlan> {
+/// The whole plan: every family and hook, for the hook users found (`None`: unknown, every
+/// standard table is bracketed).
+pub fn full_plan(users: Option<&[(NfFamily, NfHook, i32)]>) -> Vec<HookPlan> {
     let mut out = Vec::new();
     for family in NfFamily::ALL {
         for hook in NfHook::ALL {
-            let prios: Vec<i32> = custom
-                .iter()
-                .filter(|(f, h, _)| *f == family && *h == hook)
-                .map(|(_, _, p)| *p)
-                .collect();
-            out.push(HookPlan::new(family, hook, &prios));
+            let prios: Option<Vec<i32>> = users.map(|u| {
+                u.iter()
+                    .filter(|(f, h, _)| *f == family && *h == hook)
+                    .map(|(_, _, p)| *p)
+                    .collect()
+            });
+            out.push(HookPlan::new(family, hook, prios.as_deref()));
         }
     }
     out
 }
 
-/// Custom base-chain priorities from `nft -j list ruleset` output: every base chain whose
-/// priority is not a standard table's. Families `inet` count for both.
-pub fn custom_priorities(nft_json: &str) -> Vec<(NfFamily, NfHook, i32)> {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(nft_json) else {
-        return Vec::new();
-    };
+/// The legacy x_tables loaded in a namespace (`/proc/net/ip_tables_names`,
+/// `ip6_tables_names`): each runs at every hook its table has, at its standard priority.
+pub fn legacy_users(family: NfFamily, names: &str) -> Vec<(NfFamily, NfHook, i32)> {
+    let mut out = Vec::new();
+    for name in names.split_whitespace() {
+        for hook in NfHook::ALL {
+            if let Some(t) = standard_tables(hook).iter().find(|t| &*t.name == name) {
+                out.push((family, hook, t.priority));
+            }
+        }
+    }
+    out
+}
+
+/// Every base chain's (family, hook, priority) from `nft -j list ruleset` output, native
+/// and iptables-nft tables alike. Families `inet` count for both.
+pub fn base_chains(nft_json: &str) -> Result<Vec<(NfFamily, NfHook, i32)>, serde_json::Error> {
+    let v = serde_json::from_str::<serde_json::Value>(nft_json)?;
     let mut out = Vec::new();
     for item in v["nftables"].as_array().into_iter().flatten() {
         let chain = &item["chain"];
@@ -231,16 +259,13 @@ pub fn custom_priorities(nft_json: &str) -> Vec<(NfFamily, NfHook, i32)> {
             _ => continue,
         };
         let prio = prio as i32;
-        if standard_tables(hook).iter().any(|t| t.priority == prio) {
-            continue;
-        }
         for &f in families {
             out.push((f, hook, prio));
         }
     }
     out.sort();
     out.dedup();
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -249,8 +274,9 @@ mod tests {
 
     #[test]
     fn prerouting_brackets_every_table() {
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
-        assert_eq!(p.points, vec![FIRST, -299, -199, -149, -99, LAST]);
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, None);
+        // The last table's after is the hook's last point.
+        assert_eq!(p.points, vec![FIRST, -299, -199, -149, LAST]);
         for t in &p.tables {
             let (b, a) = p.bracket(t);
             let (b, a) = (b.unwrap(), a.unwrap());
@@ -264,7 +290,7 @@ mod tests {
 
     #[test]
     fn custom_priority_is_bracketed() {
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-5]);
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[-150, 0, 50, -5]));
         assert!(p.tables.iter().any(|t| &*t.name == "prio:-5"));
         let t = p.tables.iter().find(|t| t.priority == -5).unwrap();
         let (b, a) = p.bracket(t);
@@ -274,10 +300,14 @@ mod tests {
 
     #[test]
     fn the_after_conntrack_point_is_always_program_2() {
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, None);
         assert_eq!(p.programs, (0..p.points.len()).collect::<Vec<_>>());
         // A custom chain between raw and conntrack moves the point, not the program.
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[-250, -280]);
+        let p = HookPlan::new(
+            NfFamily::Ipv4,
+            NfHook::PreRouting,
+            Some(&[-300, -250, -280, -150, -100]),
+        );
         let at = p.point_of(2).unwrap();
         assert_eq!(
             p.points[at], -199,
@@ -292,13 +322,14 @@ mod tests {
             "each program once"
         );
         // Elsewhere, neither 0 nor 2: those decide the filter.
-        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-250]);
-        assert_eq!(f.programs, vec![1, 3, 4, 5, 6, 7]);
+        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[-150, 0, 50, -250]));
+        assert_eq!(f.points, vec![FIRST, -249, -149, 1, LAST]);
+        assert_eq!(f.programs, vec![1, 3, 4, 5, 6]);
     }
 
     #[test]
     fn fallbacks_stay_between_neighbouring_tables() {
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, None);
         let slot = p.points.iter().position(|&x| x == -149).unwrap();
         let f = p.fallbacks(slot);
         assert!(!f.is_empty());
@@ -311,32 +342,89 @@ mod tests {
           {"chain":{"family":"inet","table":"t","name":"c","handle":1,"type":"filter","hook":"forward","prio":-5,"policy":"accept"}},
           {"chain":{"family":"ip","table":"nat","name":"PREROUTING","handle":2,"type":"nat","hook":"prerouting","prio":-100,"policy":"accept"}},
           {"chain":{"family":"ip","table":"t","name":"plain","handle":3}}]}"#;
-        let c = custom_priorities(json);
+        let c = base_chains(json).unwrap();
         assert_eq!(
             c,
             vec![
+                (NfFamily::Ipv4, NfHook::PreRouting, -100),
                 (NfFamily::Ipv4, NfHook::Forward, -5),
                 (NfFamily::Ipv6, NfHook::Forward, -5)
             ]
         );
+        assert!(base_chains("{not json").is_err());
     }
 
     #[test]
     fn headers_are_read_again_after_nat_and_custom_chains_only() {
-        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, &[]);
-        // Points FIRST, -299, -199, -149, -99, LAST: only -99 follows nat.
+        let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, None);
+        // Points FIRST, -299, -199, -149, LAST: only LAST follows nat.
         assert_eq!(p.header_readers(), 1 << 4);
-        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, &[-5]);
+        let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[-150, 0, 50, -5]));
         let after_custom = f.points.iter().position(|&x| x == -4).unwrap();
         assert_eq!(f.header_readers(), 1 << f.programs[after_custom]);
     }
 
     #[test]
     fn plan_fits_slots() {
-        for p in full_plan(&[]) {
+        for p in full_plan(None) {
             assert!(p.points.len() <= NF_SLOTS);
             assert_eq!(p.points.first(), Some(&FIRST));
             assert_eq!(p.points.last(), Some(&LAST));
         }
+    }
+
+    #[test]
+    fn only_the_tables_a_namespace_has_are_bracketed() {
+        // The lab's iptables-nft node: raw, nat and filter tables; no mangle, no security.
+        let json = r#"{"nftables":[
+          {"chain":{"family":"ip","table":"raw","name":"PREROUTING","hook":"prerouting","prio":-300}},
+          {"chain":{"family":"ip","table":"nat","name":"PREROUTING","hook":"prerouting","prio":-100}},
+          {"chain":{"family":"ip","table":"nat","name":"POSTROUTING","hook":"postrouting","prio":100}},
+          {"chain":{"family":"ip","table":"filter","name":"FORWARD","hook":"forward","prio":0}}]}"#;
+        let users = base_chains(json).unwrap();
+        let plans = full_plan(Some(&users));
+        let plan = |f, h| plans.iter().find(|p| p.family == f && p.hook == h).unwrap();
+        let names = |p: &HookPlan| {
+            p.tables
+                .iter()
+                .map(|t| t.name.to_string())
+                .collect::<Vec<_>>()
+        };
+        let pre = plan(NfFamily::Ipv4, NfHook::PreRouting);
+        assert_eq!(names(pre), ["raw", "conntrack", "nat"]);
+        assert_eq!(pre.points, vec![FIRST, -299, -199, LAST]);
+        assert_eq!(pre.point_of(2), Some(2), "program 2 just after conntrack");
+        let fwd = plan(NfFamily::Ipv4, NfHook::Forward);
+        assert_eq!(names(fwd), ["filter"]);
+        assert_eq!(fwd.points, vec![FIRST, LAST]);
+        assert_eq!(fwd.bracket(&fwd.tables[0]), (Some(0), Some(1)));
+        // No table at all: one probe sees the packet pass.
+        let in6 = plan(NfFamily::Ipv6, NfHook::Forward);
+        assert!(in6.tables.is_empty());
+        assert_eq!(in6.points, vec![FIRST]);
+        // Conntrack stays bracketed where packets enter, even with no table there.
+        let out6 = plan(NfFamily::Ipv6, NfHook::LocalOut);
+        assert_eq!(names(out6), ["conntrack"]);
+        assert_eq!(out6.points, vec![FIRST, LAST]);
+    }
+
+    #[test]
+    fn legacy_tables_run_at_every_hook_of_their_kind() {
+        let u = legacy_users(NfFamily::Ipv4, "filter\nnat\n");
+        let mut hooks: Vec<_> = u.iter().map(|(_, h, p)| (h.name(), *p)).collect();
+        hooks.sort();
+        assert_eq!(
+            hooks,
+            [
+                ("FORWARD", 0),
+                ("INPUT", 0),
+                ("INPUT", 100),
+                ("OUTPUT", -100),
+                ("OUTPUT", 0),
+                ("POSTROUTING", 100),
+                ("PREROUTING", -100)
+            ]
+        );
+        assert!(legacy_users(NfFamily::Ipv6, "").is_empty());
     }
 }

@@ -724,14 +724,14 @@ mod tests {
 
     /// A forwarded, DNATed and masqueraded TCP SYN as the probes would report it.
     fn forwarded() -> (Traversal, Plans) {
-        let plans = index_plans(&full_plan(&[]));
+        let plans = index_plans(&full_plan(None));
         let skb = 0xffff_0000_0000_1000;
         let orig = (CLIENT, VIP);
         let reply = (POD, CLIENT);
         let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, CLIENT, VIP, 0)];
         evs[0].header.ifindex_in = 2;
-        // PREROUTING points: FIRST, -299, -199, -149, -99, LAST.
-        for slot in 0..6u32 {
+        // PREROUTING points: FIRST, -299, -199, -149, LAST (after nat).
+        for slot in 0..5u32 {
             // Raw clears a stale scratch bit (as Calico's --set-xmark 0x0/0xf0000 does),
             // nat sets kube-proxy's masquerade bit while it DNATs.
             let (dst, mark) = match slot {
@@ -745,20 +745,21 @@ mod tests {
             }
             evs.push(e);
         }
-        // FORWARD: FIRST, -149, 1, 51, LAST.
-        for slot in 0..5u32 {
+        // FORWARD: FIRST, -149, 1, LAST (after security), as the plan's programs.
+        let programs = |h| plans[&(NfFamily::Ipv4, h)].programs.clone();
+        for slot in programs(NfHook::Forward) {
             evs.push(with_ct(
-                tcp_event(2, slot, skb, CLIENT, POD, 0x4000),
+                tcp_event(2, slot as u32, skb, CLIENT, POD, 0x4000),
                 2,
                 orig,
                 reply,
             ));
         }
-        // POSTROUTING: FIRST, -149, 101, LAST; MASQUERADE at nat (100).
-        for slot in 0..4u32 {
-            let src = if slot >= 2 { NODE } else { CLIENT };
+        // POSTROUTING: FIRST, -149, LAST; MASQUERADE at nat (100).
+        for (at, slot) in programs(NfHook::PostRouting).into_iter().enumerate() {
+            let src = if at >= 2 { NODE } else { CLIENT };
             evs.push(with_ct(
-                tcp_event(4, slot, skb, src, POD, 0x4000),
+                tcp_event(4, slot as u32, skb, src, POD, 0x4000),
                 2,
                 orig,
                 reply,

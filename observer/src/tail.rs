@@ -23,9 +23,10 @@ use crate::correlate::{Plans, Traversal, assemble, index_plans};
 use crate::decode::decode;
 use crate::kallsyms::Symbols;
 use crate::marks::MarkDictionary;
+use crate::nf_link::{NfFamily, NfHook};
 use crate::nftwatch::NftWatch;
 use crate::output::Writer;
-use crate::plan::{custom_priorities, full_plan};
+use crate::plan::{base_chains, full_plan, legacy_users};
 use crate::probes::{KernelCounters, Probes, ifname};
 use crate::render_cache::RenderCache;
 use crate::report;
@@ -168,11 +169,8 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = Probes::load(&layout, &program)?;
-    let custom = read_custom_priorities();
-    if !custom.is_empty() {
-        info!("bracketing custom nftables base-chain priorities: {custom:?}");
-    }
-    probes.attach_netfilter(full_plan(&custom))?;
+    let users = read_hook_users();
+    probes.attach_netfilter(full_plan(users.as_deref()))?;
     let changes = probes.sync_interfaces()?;
     for (name, e) in &changes.failed {
         warn!("no probes on interface {name}: {e}");
@@ -197,25 +195,53 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     Ok(summary)
 }
 
-/// Base-chain priorities of the namespace's nftables ruleset that no standard table has.
-fn read_custom_priorities() -> Vec<(crate::nf_link::NfFamily, crate::nf_link::NfHook, i32)> {
-    match std::process::Command::new("nft")
+/// What runs at each netfilter hook of the namespace: the base chains of its nf_tables
+/// ruleset (native and iptables-nft) and its legacy x_tables. `None` when the ruleset cannot
+/// be read: then every standard table is bracketed (said once, here).
+fn read_hook_users() -> Option<Vec<(NfFamily, NfHook, i32)>> {
+    let out = match std::process::Command::new("nft")
         .args(["-j", "list", "ruleset"])
         .output()
     {
-        Ok(o) if o.status.success() => custom_priorities(&String::from_utf8_lossy(&o.stdout)),
+        Ok(o) if o.status.success() => o.stdout,
         Ok(o) => {
             warn!(
-                "`nft -j list ruleset` failed: {}",
+                "`nft -j list ruleset` failed ({}); bracketing every standard table",
                 String::from_utf8_lossy(&o.stderr).trim()
             );
-            Vec::new()
+            return None;
         }
         Err(e) => {
-            warn!("cannot run nft to find custom base-chain priorities: {e}");
-            Vec::new()
+            warn!("cannot run nft to list the base chains ({e}); bracketing every standard table");
+            return None;
         }
+    };
+    let mut users = match base_chains(&String::from_utf8_lossy(&out)) {
+        Ok(u) => u,
+        Err(e) => {
+            warn!("unreadable `nft -j list ruleset` output ({e}); bracketing every standard table");
+            return None;
+        }
+    };
+    users.extend(legacy_tables().1);
+    Some(users)
+}
+
+/// The legacy x_tables of the namespace (the process is in it): their names as read, and
+/// where they run. No file: none loaded.
+fn legacy_tables() -> (String, Vec<(NfFamily, NfHook, i32)>) {
+    let mut names = String::new();
+    let mut users = Vec::new();
+    for (family, file) in [
+        (NfFamily::Ipv4, "/proc/net/ip_tables_names"),
+        (NfFamily::Ipv6, "/proc/net/ip6_tables_names"),
+    ] {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        users.extend(legacy_users(family, &text));
+        names.push_str(&text);
+        names.push('/');
     }
+    (names, users)
 }
 
 /// Everything that turns records into printed reports.
@@ -420,6 +446,7 @@ async fn event_loop(
         .as_ref()
         .map(|n| PathBuf::from("/run/netns").join(n));
     let netns_inode = crate::probes::current_netns_inode()?;
+    let mut legacy_names = legacy_tables().0;
     let mut summary = Summary::default();
     let mut last_scan = Instant::now();
     // nf_tables changes: new base chains are bracketed within a second of appearing.
@@ -466,6 +493,12 @@ async fn event_loop(
                     last_scan = Instant::now();
                     if let Some(why) = housekeeping(&mut probes, &mut printer, netns_file.as_deref(), netns_inode) {
                         break why;
+                    }
+                    // Legacy x_tables announce nothing: a table loaded since is seen here.
+                    let legacy = legacy_tables().0;
+                    if legacy != legacy_names {
+                        legacy_names = legacy;
+                        ruleset_changed.get_or_insert_with(now_ns);
                     }
                 }
             }
@@ -558,18 +591,15 @@ const RULESET_SETTLE: Duration = Duration::from_millis(100);
 /// Brackets the base-chain priorities of the ruleset as it is now (the ruleset changed at
 /// `since`, ns).
 fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
-    let custom = read_custom_priorities();
-    match probes.replan(full_plan(&custom)) {
+    let users = read_hook_users();
+    match probes.replan(full_plan(users.as_deref())) {
         Ok(changed) if changed.is_empty() => {}
         Ok(changed) => {
             let hooks: Vec<String> = changed
                 .iter()
                 .map(|(f, h)| format!("{}/{}", f.name(), h.name()))
                 .collect();
-            info!(
-                "ruleset changed: probes re-planned on {} (custom priorities {custom:?})",
-                hooks.join(", ")
-            );
+            info!("ruleset changed: probes re-planned on {}", hooks.join(", "));
             printer.generation = probes.generation();
             printer.cache.clear();
             printer

@@ -294,8 +294,10 @@ fn a_kernel_filter_leaves_other_flows_unrecorded() {
     }
     let lab = Lab::up("f8");
     let server = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
-    let listener = udp_sink(&lab, "node", "198.51.100.1:5353");
     let tail = Tail::start_with(&lab, &["--filter", "udp and dst port 5353"]);
+    // Bound once the probes are attached: its receive timeout must not run out while they
+    // load (then the kernel rightly drops the datagram, NO_SOCKET).
+    let listener = udp_sink(&lab, "node", "198.51.100.1:5353");
     // Excluded: a whole TCP connection through the ClusterIP.
     assert_eq!(
         tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
@@ -316,7 +318,7 @@ fn a_kernel_filter_leaves_other_flows_unrecorded() {
     let traced = find(&reports, "the matching datagram", |r| {
         first_dst(r) == "198.51.100.1:5353"
     });
-    assert_eq!(traced["fate"]["kind"], "delivered");
+    assert_eq!(traced["fate"]["kind"], "delivered", "{traced}\n{stderr}");
     assert_eq!(
         traced["ingress"]["iface"], "eth0",
         "kept from its first probe on"
@@ -541,7 +543,29 @@ fn gso_aggregates_are_followed_as_one_packet() {
         );
         assert_eq!(r["egress"]["iface"], "cali1a2b");
         let stages = r["stages"].as_array().unwrap();
-        assert!(stages.len() >= 9, "every table passed: {r}");
+        let passed: Vec<String> = stages
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}/{}",
+                    s["hook"].as_str().unwrap(),
+                    s["table"].as_str().unwrap()
+                )
+            })
+            .collect();
+        // Every table the lab node has on the forward path, in order (no mangle or security
+        // table there: not bracketed).
+        assert_eq!(
+            passed,
+            [
+                "PREROUTING/raw",
+                "PREROUTING/conntrack",
+                "PREROUTING/nat",
+                "FORWARD/filter",
+                "POSTROUTING/nat"
+            ],
+            "every table passed: {r}"
+        );
         assert!(
             stages
                 .iter()
