@@ -44,6 +44,18 @@ pub mod flags {
     pub const INNER: u8 = 16;
 }
 
+/// Words of the `PENDING_COUNT` array: how many records the fallback map may hold is
+/// `PUT - TAKEN - COLLECTED` (the probes skip its hash lookup at zero).
+pub mod pending_count {
+    /// Records the probes are putting in (counted before the insert).
+    pub const PUT: u32 = 0;
+    /// Records the probes took out (or failed to put in).
+    pub const TAKEN: u32 = 1;
+    /// Records the collector took out: written by userspace only.
+    pub const COLLECTED: u32 = 2;
+    pub const WORDS: u32 = 3;
+}
+
 /// Indices into the `COUNTERS` per-CPU array. Userspace sums the CPUs and reports every one.
 /// Everything but `READ_FAILED` and `NOT_CONFIGURED` counts packets (traversals).
 pub mod counter {

@@ -341,7 +341,10 @@ fn copy_tuple(dst: &mut [u8; CT_TUPLE_BYTES], src: &[u8; CT_TUPLE_BYTES]) {
 /// Adds the reading `r`, taken by probe program `program` (0 for TC), to `rec`.
 #[inline(always)]
 pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
-    rec.ts_last = r.header.ts_ns;
+    // A reading without a time (a probe within the same visit) leaves it.
+    if r.header.ts_ns != 0 {
+        rec.ts_last = r.header.ts_ns;
+    }
     if rec.family == 0 {
         rec.family = r.header.family;
     }

@@ -11,10 +11,10 @@
 use aya_ebpf::{
     helpers::bpf_probe_read_kernel_buf,
     macros::map,
-    maps::{HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
 };
 use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, start, status};
-use observer_common::{config, counter};
+use observer_common::{config, counter, pending_count};
 
 use crate::{EVENTS, cfg, count, wakeup_flags};
 
@@ -29,6 +29,46 @@ pub static SLOTS: PerCpuArray<Slots> = PerCpuArray::with_max_entries(1, 0);
 /// Traversals that left their CPU's slot, by skb address.
 #[map]
 pub static PENDING: HashMap<u64, TraversalRecord> = HashMap::with_max_entries(4096, 0);
+
+/// How many records [`PENDING`] may hold, as words [`pending_count`] names: records put in,
+/// taken out by the probes, and taken out by the collector (which writes its own word). An
+/// overestimate costs a lookup; it never undercounts, because a record is counted before it
+/// is put in and uncounted after it is taken out.
+#[map]
+pub static PENDING_COUNT: Array<u64> = Array::with_max_entries(pending_count::WORDS, 0);
+
+/// Adds one to word `i` of [`PENDING_COUNT`], atomically (all CPUs share it).
+#[inline(always)]
+fn pending_add(i: u32) {
+    use core::intrinsics::{AtomicOrdering, atomic_xadd};
+    if let Some(p) = PENDING_COUNT.get_ptr_mut(i) {
+        // SAFETY: an 8-byte aligned u64 in map memory, only ever updated atomically.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(p, 1) };
+    }
+}
+
+#[inline(always)]
+fn pending_in() {
+    pending_add(pending_count::PUT);
+}
+
+#[inline(always)]
+fn pending_out() {
+    pending_add(pending_count::TAKEN);
+}
+
+/// Whether [`PENDING`] may hold a record: most packets end on the CPU they started on, and
+/// then the fallback map is empty and a miss costs no hash lookup.
+#[inline(always)]
+fn pending_maybe() -> bool {
+    let word = |i| match PENDING_COUNT.get(i) {
+        // SAFETY: read once; a torn view only overestimates (see PENDING_COUNT).
+        Some(v) => unsafe { core::ptr::read_volatile(v) },
+        None => 0,
+    };
+    let taken = word(pending_count::TAKEN).wrapping_add(word(pending_count::COLLECTED));
+    word(pending_count::PUT) != taken
+}
 
 /// Per-CPU copy of a record taken out of [`PENDING`], written from here once it is claimed.
 #[map]
@@ -101,6 +141,9 @@ pub fn find_slot(skb: u64) -> Option<Found> {
 
 #[inline(always)]
 fn find_pending(skb: u64) -> Option<Found> {
+    if !pending_maybe() {
+        return None;
+    }
     let rec = PENDING.get_ptr_mut(&skb)?;
     Some(Found {
         // SAFETY: a map value; concurrent users are resolved by who deletes it (see finish).
@@ -152,11 +195,13 @@ fn evict(rec: &mut TraversalRecord) {
         rec.status |= status::FALLBACK;
         // BPF_NOEXIST: an older record of the same skb address in the map is stale; keep
         // it and write this one.
+        pending_in();
         if PENDING.insert(&rec.skb, &*rec, 1).is_ok() {
             count(counter::TO_FALLBACK);
             rec.skb = 0;
             return;
         }
+        pending_out();
         count(counter::FALLBACK_FAILED);
         count(counter::RECLAIMED);
         finish_slot(rec, end::RECLAIMED);
@@ -206,6 +251,7 @@ fn finish_pending(rec: &mut TraversalRecord, how: u8) {
         // Another CPU (or the collector) ended it.
         return;
     }
+    pending_out();
     if copied.is_err() {
         // Ours to write but unreadable: lost, and counted as such.
         count(counter::RINGBUF_FULL);
@@ -255,11 +301,14 @@ pub fn park(rec: &mut TraversalRecord) {
         return;
     }
     rec.status |= status::FALLBACK;
-    // BPF_ANY: a record of the same address already there is older, hence stale.
+    // BPF_ANY: a record of the same address already there is older, hence stale (replaced,
+    // it stays counted: an overestimate).
+    pending_in();
     if PENDING.insert(&rec.skb, &*rec, 0).is_ok() {
         count(counter::TO_FALLBACK);
         rec.skb = 0;
     } else {
+        pending_out();
         // Busy (a program holding the same bucket on this CPU) or full: it waits in its
         // slot, where a reused address or a needed slot ends it.
         rec.status &= !status::FALLBACK;

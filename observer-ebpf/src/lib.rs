@@ -5,6 +5,10 @@
 //! netfilter object's map references are pointed at those same maps when it is loaded, so every
 //! probe writes into one ring buffer and one set of counters.
 #![no_std]
+// `atomic_xadd`: the BPF target has no atomic read-modify-write types, but LLVM emits BPF's
+// atomic add for the intrinsic (the toolchain is a pinned nightly).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
     helpers::{bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_buf},

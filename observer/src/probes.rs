@@ -16,7 +16,7 @@ use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
-use observer_common::{config, counter};
+use observer_common::{config, counter, pending_count};
 use std::path::PathBuf;
 
 use crate::btf::KernelLayout;
@@ -27,7 +27,7 @@ static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
-const MAPS: [&str; 12] = [
+const MAPS: [&str; 13] = [
     "EVENTS",
     "CTL",
     "INDEX",
@@ -39,6 +39,7 @@ const MAPS: [&str; 12] = [
     "WINDOWS",
     "SLOTS",
     "PENDING",
+    "PENDING_COUNT",
     "OUT",
 ];
 /// Where traversals end besides TC egress (`observer-ebpf/src/bin/tc/ends.rs`):
@@ -106,6 +107,8 @@ pub struct Probes {
     /// The plan as attached (priorities may have moved off EBUSY ones).
     pub plans: Vec<HookPlan>,
     generation: u8,
+    /// Records the collector took out of the fallback map (`pending_count::COLLECTED`).
+    collected: u64,
 }
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
@@ -182,6 +185,7 @@ impl Probes {
             attach_failures: 0,
             plans: Vec::new(),
             generation: 0,
+            collected: 0,
         })
     }
 
@@ -421,6 +425,16 @@ impl Probes {
                 };
                 out.push(rec);
             }
+        }
+        if !out.is_empty() {
+            // After the removals: the probes' count may only overestimate.
+            self.collected += out.len() as u64;
+            let mut count: Array<_, u64> = Array::try_from(
+                self.ebpf
+                    .map_mut("PENDING_COUNT")
+                    .context("no PENDING_COUNT map")?,
+            )?;
+            count.set(pending_count::COLLECTED, self.collected, 0)?;
         }
         Ok(out)
     }

@@ -141,11 +141,15 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     let ev = scratch().ok_or(())?;
     ev.header.kind = kind::PACKET;
     ev.header.hook = hook_no;
-    ev.header.ts_ns = now();
     ev.header.skb = skb;
     // Within a hook's visit the devices are known, and the headers only change where a
     // table may rewrite them (userspace marks those probes); the filter's probes always read.
     let same_visit = ctl::get(ctl::LAST_HOOK) == u32::from(hook_no);
+    // The clock is read once per visit: the record's last-seen time only orders slots for
+    // eviction and tells the collector a traversal is idle (0 here: left as it was).
+    if !same_visit {
+        ev.header.ts_ns = now();
+    }
     let must_read =
         cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
     let headers = decides || !same_visit || must_read;
