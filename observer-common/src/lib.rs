@@ -140,6 +140,47 @@ pub mod config {
     pub const COUNT: u32 = 40;
 }
 
+/// Kernel struct fields the netfilter probes load with one instruction from the typed
+/// pointers their context gives (`nf_hook_state`, `sk_buff`, and the devices the state
+/// points to). They are compiled with a placeholder offset naming the field's `config`
+/// slot, which observer's netfilter loader replaces with the offset BTF gives, as libbpf's
+/// CO-RE relocations do; the verifier then checks each load against BTF.
+pub mod direct {
+    /// Placeholder of config slot `c`: `BASE + STRIDE * c`, far above any offset in these
+    /// structs, and spaced so that no two placeholders sit next to each other.
+    pub const BASE: usize = 0x4000;
+    pub const STRIDE: usize = 0x40;
+    pub const END: usize = BASE + STRIDE * super::config::COUNT as usize;
+
+    #[inline(always)]
+    pub const fn placeholder(slot: u32) -> usize {
+        BASE + STRIDE * slot as usize
+    }
+
+    /// The config slot a load offset stands for, if it is a placeholder.
+    pub const fn slot_of(off: usize) -> Option<u32> {
+        if off >= BASE && off < END && (off - BASE).is_multiple_of(STRIDE) {
+            Some(((off - BASE) / STRIDE) as u32)
+        } else {
+            None
+        }
+    }
+
+    /// The slots the probes load directly (the loader refuses any other placeholder).
+    pub const SLOTS: [u32; 10] = [
+        super::config::STATE_HOOK,
+        super::config::STATE_PF,
+        super::config::STATE_IN,
+        super::config::STATE_OUT,
+        super::config::NETDEV_IFINDEX,
+        super::config::SKB_MARK,
+        super::config::SKB_LEN,
+        super::config::SKB_HEAD,
+        super::config::SKB_NETWORK_HEADER,
+        super::config::SKB_NFCT,
+    ];
+}
+
 /// Bytes of `nf_hook_state`, `sk_buff` and `nf_conn` a probe reads at once (from the
 /// window starts in `config`); userspace checks that every field it needs lies inside.
 pub const STATE_WINDOW_BYTES: usize = 32;

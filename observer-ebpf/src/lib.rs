@@ -45,7 +45,9 @@ pub mod ctl {
     /// the headers from the record instead of reading them.
     pub const LAST_HOOK: usize = 6;
     pub const REUSE: usize = 7;
-    const WORDS: usize = 8;
+    /// Whether this probe copied the connection's tuples (else they come from the record).
+    pub const TUPLES: usize = 8;
+    const WORDS: usize = 16;
 
     #[map]
     static CTL: PerCpuArray<[u32; WORDS]> = PerCpuArray::with_max_entries(1, 0);
@@ -278,6 +280,22 @@ pub fn cfg(index: u32) -> Option<u64> {
     }
 }
 
+/// Loads field `SLOT` (a [`config`] slot, see [`observer_common::direct`]) of the kernel
+/// struct `base` points to, with one instruction. `base` must be a typed kernel pointer the
+/// verifier knows (a netfilter context's state or skb, or a device pointer loaded from the
+/// state): the loader puts the BTF offset in place of the placeholder, and the verifier
+/// checks the load against BTF (a fault, such as a null device, reads zero).
+#[inline(always)]
+pub fn direct<T: Copy, const SLOT: u32>(base: *const u8) -> T {
+    // SAFETY: volatile, so that the compiler keeps one load at exactly this offset (the
+    // loader rewrites it); the kernel checks and guards the access.
+    unsafe {
+        core::ptr::read_volatile(
+            base.wrapping_add(observer_common::direct::placeholder(SLOT)) as *const T,
+        )
+    }
+}
+
 /// Reads a `T` at `base + off` from kernel memory.
 #[inline(always)]
 pub fn read<T>(base: u64, off: u64) -> Result<T, ()> {
@@ -493,10 +511,11 @@ pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
     Ok(start)
 }
 
-/// Copies the conntrack entry `nfct` (the skb's `_nfct`) into `ct`. Returns false when the
-/// skb carries none (or the untracked marker).
+/// Copies the conntrack entry `nfct` (the skb's `_nfct`) into `ct`, its tuples only when
+/// `tuples` (they change only where conntrack or NAT runs). Returns false when the skb
+/// carries none (or the untracked marker).
 #[inline(always)]
-pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows) -> Result<bool, ()> {
+pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Result<bool, ()> {
     let info = nfct & 7;
     let conn = nfct & !7;
     // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
@@ -509,8 +528,10 @@ pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows) -> Result<bool, ()> 
     ct.ctinfo = info as u32;
     ct.mark = u32::from_ne_bytes(field(&w.ct, off(config::CT_MARK)?, start)?);
     ct.status = u64::from_ne_bytes(field(&w.ct, off(config::CT_STATUS)?, start)?);
-    copy_field(&w.ct, off(config::CT_TUPLE_ORIG)?, start, &mut ct.orig)?;
-    copy_field(&w.ct, off(config::CT_TUPLE_REPLY)?, start, &mut ct.reply)?;
+    if tuples {
+        copy_field(&w.ct, off(config::CT_TUPLE_ORIG)?, start, &mut ct.orig)?;
+        copy_field(&w.ct, off(config::CT_TUPLE_REPLY)?, start, &mut ct.reply)?;
+    }
     Ok(true)
 }
 

@@ -36,6 +36,15 @@ pub enum NfError {
     #[error("program `{prog}` has a relocation at byte {offset} that is not an ld_imm64")]
     BadRelocation { prog: String, offset: u64 },
     #[error(
+        "program `{prog}` has a field placeholder at instruction {insn} that the loader cannot \
+         resolve ({what}); the probe object and observer must come from the same build"
+    )]
+    Placeholder {
+        prog: String,
+        insn: usize,
+        what: String,
+    },
+    #[error(
         "the kernel refused to load netfilter program `{prog}`: {source}\n\
          verifier log:\n{log}\n(BPF netfilter programs need Linux 6.4+ with \
          CONFIG_NETFILTER_BPF_LINK=y and root or CAP_BPF+CAP_NET_ADMIN)"
@@ -132,8 +141,14 @@ pub struct NfObject {
 }
 
 impl NfObject {
-    /// Parses `elf` and points every map reference at the fd `maps` gives for that symbol.
-    pub fn parse(elf: &[u8], maps: &HashMap<String, RawFd>) -> Result<Self, NfError> {
+    /// Parses `elf`, points every map reference at the fd `maps` gives for that symbol, and
+    /// puts the kernel's field offsets (`fields`: the config values, by slot) in place of the
+    /// probes' placeholders (see `observer_common::direct`).
+    pub fn parse(
+        elf: &[u8],
+        maps: &HashMap<String, RawFd>,
+        fields: &[u64],
+    ) -> Result<Self, NfError> {
         let file = object::File::parse(elf)?;
         let license = file
             .section_by_name("license")
@@ -174,6 +189,11 @@ impl NfObject {
                     }
                 })?;
             }
+            patch_fields(&mut insns, fields).map_err(|(insn, what)| NfError::Placeholder {
+                prog: prog.to_string(),
+                insn,
+                what,
+            })?;
             programs.insert(
                 prog.to_string(),
                 NfProgram {
@@ -192,6 +212,50 @@ impl NfObject {
             .get_mut(name)
             .ok_or_else(|| NfError::NoProgram(name.to_string()))
     }
+}
+
+/// Puts field offsets in place of placeholders: in every memory load whose offset is one
+/// (`observer_common::direct`). A placeholder left anywhere else (the compiler folded it
+/// into arithmetic) or naming a slot without a value is an error, with the instruction.
+fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, String)> {
+    use observer_common::direct;
+    const CLASS_LDX: u8 = 0x01;
+    const MODE_MEM: u8 = 0x60;
+    const ALU64_ADD_K: u8 = 0x07;
+    const ALU_ADD_K: u8 = 0x04;
+    let mut patched = 0;
+    let mut i = 0;
+    while i + INSN <= insns.len() {
+        let insn = &mut insns[i..i + INSN];
+        let op = insn[0];
+        if op == LD_IMM64 {
+            i += 2 * INSN;
+            continue;
+        }
+        let off = i16::from_le_bytes([insn[2], insn[3]]);
+        let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
+        if op & 0x07 == CLASS_LDX && op & 0xe0 == MODE_MEM && off > 0 {
+            if let Some(slot) = direct::slot_of(off as usize) {
+                if !direct::SLOTS.contains(&slot) {
+                    return Err((i / INSN, format!("slot {slot} is not a direct field")));
+                }
+                let real = fields
+                    .get(slot as usize)
+                    .copied()
+                    .filter(|&v| v < direct::BASE as u64)
+                    .ok_or_else(|| (i / INSN, format!("no offset for slot {slot}")))?;
+                insn[2..4].copy_from_slice(&(real as i16).to_le_bytes());
+                patched += 1;
+            }
+        } else if (op == ALU64_ADD_K || op == ALU_ADD_K)
+            && imm > 0
+            && direct::slot_of(imm as usize).is_some_and(|s| direct::SLOTS.contains(&s))
+        {
+            return Err((i / INSN, format!("placeholder added in opcode {op:#04x}")));
+        }
+        i += INSN;
+    }
+    Ok(patched)
 }
 
 /// Rewrites the `ld_imm64` at byte `offset` to load map `fd`. None if it is not an ld_imm64.
@@ -345,6 +409,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn field_placeholders_become_btf_offsets() {
+        use observer_common::{config, direct};
+        let mut fields = vec![config::UNSET; config::COUNT as usize];
+        fields[config::SKB_MARK as usize] = 0xa8;
+        let ph = direct::placeholder(config::SKB_MARK) as i16;
+        // r0 = *(u32 *)(r1 + placeholder); exit
+        let mut insns = vec![0x61, 0x10];
+        insns.extend(ph.to_le_bytes());
+        insns.extend([0; 4]);
+        insns.extend([0x95, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(patch_fields(&mut insns, &fields), Ok(1));
+        assert_eq!(i16::from_le_bytes([insns[2], insns[3]]), 0xa8);
+        // Patched once, a second pass finds nothing.
+        assert_eq!(patch_fields(&mut insns, &fields), Ok(0));
+        // A slot without a value, a slot that is not a direct field, and a placeholder
+        // folded into arithmetic (r1 += placeholder) are refused.
+        let mut unset = vec![0x61, 0x10];
+        unset.extend((direct::placeholder(config::SKB_LEN) as i16).to_le_bytes());
+        unset.extend([0; 4]);
+        assert!(patch_fields(&mut unset, &fields).is_err());
+        let mut other = vec![0x61, 0x10];
+        other.extend((direct::placeholder(config::CT_MARK) as i16).to_le_bytes());
+        other.extend([0; 4]);
+        assert!(patch_fields(&mut other, &fields).is_err());
+        let mut add = vec![0x07, 0x01, 0, 0];
+        add.extend((ph as i32).to_le_bytes());
+        assert!(patch_fields(&mut add, &fields).is_err());
+    }
+
+    #[test]
     fn patches_ld_imm64_with_map_fd() {
         // r1 = 0 ll (ld_imm64, dst r1), then exit.
         let mut insns = vec![
@@ -367,7 +461,7 @@ mod tests {
     #[test]
     fn refuses_garbage_objects() {
         assert!(matches!(
-            NfObject::parse(b"not an elf", &HashMap::new()),
+            NfObject::parse(b"not an elf", &HashMap::new(), &[]),
             Err(NfError::Elf(_))
         ));
     }

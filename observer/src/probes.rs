@@ -175,7 +175,7 @@ impl Probes {
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
             .collect::<Result<_>>()?;
-        let nf = NfObject::parse(NF_OBJECT, &fds)?;
+        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config)?;
         Ok(Self {
             ebpf,
             nf,
@@ -655,7 +655,9 @@ mod tests {
             return;
         }
         let fds: HashMap<String, RawFd> = MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
-        let mut obj = NfObject::parse(NF_OBJECT, &fds).expect("netfilter object parses");
+        let layout = crate::btf::KernelLayout::from_kernel().expect("kernel BTF");
+        let mut obj =
+            NfObject::parse(NF_OBJECT, &fds, &layout.config).expect("netfilter object parses");
         for slot in 0..NF_SLOTS {
             obj.program_mut(&format!("nf_slot_{slot}"))
                 .expect("slot program present");
@@ -663,7 +665,7 @@ mod tests {
         assert!(obj.program_mut(&format!("nf_slot_{NF_SLOTS}")).is_err());
         // Without the shared maps the object cannot be relocated.
         assert!(matches!(
-            NfObject::parse(NF_OBJECT, &HashMap::new()),
+            NfObject::parse(NF_OBJECT, &HashMap::new(), &layout.config),
             Err(NfError::UnsupportedRelocation { .. })
         ));
     }

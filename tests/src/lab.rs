@@ -12,7 +12,11 @@ use serde_json::Value;
 
 use crate::{enter_netns, run, unique_prefix};
 
-pub const TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a test's socket waits for its peer. Servers are bound before the observer
+/// starts, whose attach can take seconds on a loaded machine (tests run in parallel): a
+/// timeout that ran out meanwhile would close the socket and the kernel would rightly drop
+/// the packet (NO_SOCKET). Only a failing test waits this long.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn observer_bin() -> PathBuf {
     if let Ok(p) = std::env::var("OBSERVER_BIN") {

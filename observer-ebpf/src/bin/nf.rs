@@ -9,14 +9,16 @@
 #![no_std]
 #![no_main]
 
-use observer_common::traversal::{add_reading, decision, end, last_hook, missing, reuse_headers};
+use observer_common::traversal::{
+    add_reading, copy_words, decision, end, last_hook, missing, reuse_headers,
+};
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, count, decide, field, filtering, is_icmp_error, nfct_of, now, parse_inner,
-    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, read_skb_window, scratch,
-    skip_ipv6_ext, windows,
+    Decide, cfg, count, decide, direct, field, filtering, is_icmp_error, now, parse_inner,
+    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, scratch, skip_ipv6_ext,
+    windows,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -76,22 +78,19 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
         count(counter::NOT_CONFIGURED);
         return;
     }
-    // Read the context through bpf_probe_read_kernel: a direct load would give the verifier
-    // a trusted BTF pointer, on which it forbids the variable offsets that BTF gives us.
-    // The context's pointers, loaded directly and passed through map memory: that makes
-    // them plain numbers to the verifier (which forbids the variable offsets BTF gives us on
-    // its typed pointers), for two stores and loads instead of a helper call.
+    // The context's pointers are typed kernel pointers to the verifier: the fields the probe
+    // needs are loaded from them directly (`direct`, offsets from BTF put in by the loader).
+    // The skb address also passes through map memory, which makes it a plain number: the
+    // key of the in-flight record, and a base for reads at offsets known only at run time.
     // SAFETY: the netfilter context is `struct bpf_nf_ctx`, readable by the program.
-    let (state, skb) = unsafe { ((*ctx).state, (*ctx).skb) };
-    let state = opaque(state as usize) as u64;
-    let skb = opaque(skb as usize) as u64;
-    let _ = try_observe(state, skb, program);
+    let (state_p, skb_p) = unsafe { ((*ctx).state as *const u8, (*ctx).skb as *const u8) };
+    let skb = opaque(skb_p as usize) as u64;
+    let _ = try_observe(state_p, skb_p, skb, program);
 }
 
 #[inline(always)]
-fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
+fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> Result<(), ()> {
     let w = windows().ok_or(())?;
-    let off = |i| cfg(i).ok_or(());
     // Program 0 is where a packet enters PREROUTING or OUTPUT, program 2 is just after
     // conntrack there; the plan attaches them nowhere else (see observer's plan), so the
     // program says it all, and a packet the filter left out costs a probe the lookup below.
@@ -135,9 +134,7 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
         ctl::set(ctl::REDECIDE, u32::from(with_ct && continues && !kept));
         ctl::set(ctl::ENTRY, u32::from(entry));
     }
-    // One read per struct: the calls, not the bytes, are what a probe pays for.
-    read_into(state, 0, &mut w.state)?;
-    let hook_no = field::<1>(&w.state, off(config::STATE_HOOK)?, 0)?[0];
+    let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
     let ev = scratch().ok_or(())?;
     ev.header.kind = kind::PACKET;
     ev.header.hook = hook_no;
@@ -154,7 +151,11 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
         cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
     let headers = decides || !same_visit || must_read;
     ctl::set(ctl::REUSE, u32::from(!headers));
-    let read_ok = read_packet(ev, skb, w, !same_visit, headers).is_ok();
+    // The connection's tuples change only where conntrack or NAT (or an unknown chain) ran:
+    // elsewhere, as at the start of the next hook, they are the record's.
+    let tuples = decides || must_read || ctl::get(ctl::CONTINUES) == 0;
+    ctl::set(ctl::TUPLES, u32::from(tuples));
+    let read_ok = read_packet(ev, state_p, skb_p, w, !same_visit, headers, tuples).is_ok();
     ctl::set(ctl::READ_OK, u32::from(read_ok));
     // `program` is a constant: only programs 0 and 2 carry the filter's code.
     let verdict = match ctl::get(ctl::MODE) {
@@ -197,6 +198,10 @@ fn try_observe(state: u64, skb: u64, program: u8) -> Result<(), ()> {
     if ctl::get(ctl::REUSE) != 0 {
         reuse_headers(rec, ev);
     }
+    if ctl::get(ctl::TUPLES) == 0 {
+        copy_words(&mut ev.ct.orig, &rec.ct_orig);
+        copy_words(&mut ev.ct.reply, &rec.ct_reply);
+    }
     if rec.decision == decision::KEEP {
         add_reading(rec, ev, program);
         // A fragment at the first PREROUTING probe is about to be held by defragmentation
@@ -218,33 +223,32 @@ const MODE_ORPHAN: u32 = 3;
 #[inline(always)]
 fn read_packet(
     ev: &mut observer_common::PacketEvent,
-    skb: u64,
+    state_p: *const u8,
+    skb_p: *const u8,
     w: &mut observer_ebpf::Windows,
     devices: bool,
     headers: bool,
+    tuples: bool,
 ) -> Result<(), ()> {
-    let off = |i| cfg(i).ok_or(());
-    let st = &w.state;
-    ev.header.family = field::<1>(st, off(config::STATE_PF)?, 0)?[0];
+    ev.header.family = direct::<u8, { config::STATE_PF }>(state_p);
     if devices {
-        let ifindex_off = off(config::NETDEV_IFINDEX)?;
-        let dev_in = u64::from_ne_bytes(field(st, off(config::STATE_IN)?, 0)?);
-        let dev_out = u64::from_ne_bytes(field(st, off(config::STATE_OUT)?, 0)?);
-        if dev_in != 0 {
-            ev.header.ifindex_in = read::<u32>(dev_in, ifindex_off)?;
+        let dev_in = direct::<*const u8, { config::STATE_IN }>(state_p);
+        let dev_out = direct::<*const u8, { config::STATE_OUT }>(state_p);
+        if !dev_in.is_null() {
+            ev.header.ifindex_in = direct::<u32, { config::NETDEV_IFINDEX }>(dev_in);
         }
-        if dev_out != 0 {
-            ev.header.ifindex_out = read::<u32>(dev_out, ifindex_off)?;
+        if !dev_out.is_null() {
+            ev.header.ifindex_out = direct::<u32, { config::NETDEV_IFINDEX }>(dev_out);
         }
     }
-    let start = read_skb_window(skb, w)?;
-    ev.packet.mark = u32::from_ne_bytes(field(&w.skb, off(config::SKB_MARK)?, start)?);
-    ev.packet.len = u32::from_ne_bytes(field(&w.skb, off(config::SKB_LEN)?, start)?);
+    ev.packet.mark = direct::<u32, { config::SKB_MARK }>(skb_p);
+    ev.packet.len = direct::<u32, { config::SKB_LEN }>(skb_p);
+    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
     if !headers {
-        return read_conntrack(ev, w, start);
+        return read_conntrack(ev, w, nfct, tuples);
     }
-    let head = u64::from_ne_bytes(field(&w.skb, off(config::SKB_HEAD)?, start)?);
-    let nh = u16::from_ne_bytes(field(&w.skb, off(config::SKB_NETWORK_HEADER)?, start)?);
+    let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
+    let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
     let l3 = head + nh as u64;
     // The IP header and the first 16 bytes after a 20/40-byte header, in one read.
     read_into(l3, 0, &mut w.pkt)?;
@@ -278,16 +282,17 @@ fn read_packet(
             }
         }
     }
-    read_conntrack(ev, w, start)
+    read_conntrack(ev, w, nfct, tuples)
 }
 
 #[inline(always)]
 fn read_conntrack(
     ev: &mut observer_common::PacketEvent,
     w: &mut observer_ebpf::Windows,
-    start: u64,
+    nfct: u64,
+    tuples: bool,
 ) -> Result<(), ()> {
-    if read_ct(nfct_of(w, start)?, &mut ev.ct, w)? {
+    if read_ct(nfct, &mut ev.ct, w, tuples)? {
         ev.header.flags |= flags::CT;
     }
     Ok(())

@@ -159,11 +159,15 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
         }
     }
     // The context pointer is the kernel's sk_buff: its conntrack entry (set at egress) lets
-    // the filter follow NATed packets and shows the connection as it leaves.
-    if let Some(w) = windows() {
+    // the filter follow NATed packets and shows the connection as it leaves. At ingress a
+    // packet has none yet (crossing into a namespace clears it), or, looped back on this
+    // host, the one PREROUTING's first probe reads again: not read there.
+    if at == hook::TC_EGRESS
+        && let Some(w) = windows()
+    {
         let ct = read_skb_window(ev.header.skb, w)
             .and_then(|start| nfct_of(w, start))
-            .and_then(|nfct| read_ct(nfct, &mut ev.ct, w));
+            .and_then(|nfct| read_ct(nfct, &mut ev.ct, w, true));
         if ct == Ok(true) {
             ev.header.flags |= flags::CT;
         }
