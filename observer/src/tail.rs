@@ -69,7 +69,7 @@ pub enum Output {
 /// 10 us per printed traversal, a batch is a few tens of milliseconds.
 const BATCH: usize = 2048;
 /// At exit, how long the remaining records are still printed; the rest are counted.
-const FINAL_DRAIN: Duration = Duration::from_millis(150);
+const FINAL_DRAIN: Duration = Duration::from_millis(80);
 
 /// The mark dictionary for this run: defaults, then the bits the live ruleset shows
 /// (KUBE-MARK-MASQ / KUBE-MARK-DROP), then the user's file.
@@ -525,10 +525,12 @@ async fn event_loop(
     // no traversal is written with some of its probes already gone; one still on its way
     // stays in its slot and is counted as in flight. (A probe already running on another
     // CPU finishes within an RCU grace period.)
+    let stopping = Instant::now();
     if let Err(e) = probes.set_floor(true) {
         warn!("stopping the probes: {e:#}");
     }
-    probes.detach();
+    let releasing = probes.detach();
+    log::debug!("exit: probes detached after {:?}", stopping.elapsed());
     std::thread::sleep(Duration::from_millis(30));
     // What the probes wrote before we stopped is still owed to the user, within a bound:
     // under a flood the ring buffer holds more than can be printed promptly. Traversals
@@ -549,6 +551,7 @@ async fn event_loop(
             break;
         }
     }
+    log::debug!("exit: ring buffer drained after {:?}", stopping.elapsed());
     // Counted, not printed (the probes are detached: the ring buffer only empties).
     let mut rest = 0;
     while ring.get_mut().next().is_some() {
@@ -556,9 +559,10 @@ async fn event_loop(
     }
     summary.not_printed += rest;
     // Then a moment for stdout's reader; what it has not taken by then is counted.
-    let (written, unwritten) = printer.out.finish(Duration::from_millis(100));
+    let (written, unwritten) = printer.out.finish(Duration::from_millis(40));
     summary.printed = written;
     summary.not_printed += unwritten;
+    log::debug!("exit: output finished after {:?}", stopping.elapsed());
     let k = probes.counters()?;
     let inflight = probes.in_flight().unwrap_or_default();
     summary.seen = k.seen;
@@ -569,6 +573,11 @@ async fn event_loop(
     summary.in_flight_left_out = inflight.left_out;
     summary.attach_failures = probes.attach_failures;
     summary.stopped_by = stopped_by;
+    let _ = releasing.join();
+    log::debug!(
+        "exit: counted, links released after {:?}",
+        stopping.elapsed()
+    );
     summary.kernel = k;
     // A record written between the drain and the counters is neither printed nor in flight.
     let accounted = summary.printed
