@@ -6,8 +6,6 @@
 //! kept in userspace (the probes assemble traversals), and every packet the probes saw is
 //! accounted for in the summary: printed, lost, left out, or still in flight.
 
-use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -17,18 +15,16 @@ use serde::Serialize;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::annotate::Names;
 use crate::btf::KernelLayout;
-use crate::correlate::{Plans, Traversal, assemble, index_plans};
-use crate::decode::decode;
-use crate::kallsyms::Symbols;
+use crate::decode::encode_record;
 use crate::marks::MarkDictionary;
 use crate::nftwatch::NftWatch;
 use crate::output::Writer;
+pub use crate::pipeline::Output;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Pipeline};
 use crate::plan::{custom_priorities, full_plan};
-use crate::probes::{KernelCounters, Probes, ifname};
-use crate::render_cache::RenderCache;
-use crate::report;
+use crate::probes::{KernelCounters, Probes};
+use crate::recording::{Header, Recorder};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 
@@ -51,17 +47,8 @@ pub struct TailOptions {
     pub stats_file: Option<PathBuf>,
     /// Benchmarks: probes attached but returning at once.
     pub floor: bool,
-}
-
-/// How each traversal is printed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Output {
-    /// A header line and one line per table, with what it changed and why.
-    Tree,
-    /// One JSON object per line (schema 1, docs/json-schema.md).
-    Json,
-    /// One line per packet, for busy nodes.
-    Line,
+    /// Save every record with its context here, for `observer replay`.
+    pub record: Option<PathBuf>,
 }
 
 /// Records handled before the event loop looks at signals and timers again: at about
@@ -120,8 +107,20 @@ pub struct Summary {
     pub attach_failures: u64,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
+    /// With `--record`: what the recording holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub record: Option<RecordStats>,
     #[serde(skip)]
     pub kernel: KernelCounters,
+}
+
+/// What `--record` wrote, in traversal records.
+#[derive(Debug, Default, Serialize)]
+pub struct RecordStats {
+    /// Records written to the recording.
+    pub records: u64,
+    /// Records handled but not written (the file could not be written).
+    pub failed: u64,
 }
 
 impl std::fmt::Display for Summary {
@@ -142,6 +141,12 @@ impl std::fmt::Display for Summary {
             self.attach_failures,
             self.stopped_by,
         )?;
+        if let Some(r) = &self.record {
+            write!(f, "; {} records recorded", r.records)?;
+            if r.failed > 0 {
+                write!(f, " ({} could not be written to the recording)", r.failed)?;
+            }
+        }
         if self.kernel.fallback_failed > 0 {
             write!(
                 f,
@@ -161,6 +166,27 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     }
     let layout = KernelLayout::from_kernel()?;
     let marks = mark_dictionary(opts.marks_file.as_ref())?;
+    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    let recorder = match &opts.record {
+        Some(path) => Some(Recorder::create(
+            path,
+            &Header::new(&netns, &layout.tuple, &layout.drop_reasons, &marks),
+        )?),
+        None => None,
+    };
+    let mut pipeline = Pipeline::new(
+        PipelineContext {
+            output: opts.output,
+            netns,
+            tuple: layout.tuple,
+            drop_reasons: layout.drop_reasons.clone(),
+            marks,
+        },
+        Box::new(LiveNames::load()),
+    );
+    if let Some(r) = recorder {
+        pipeline.record_to(r);
+    }
     // Interface names in the filter are those of the observed namespace, entered above.
     let mut program = match &opts.filter {
         Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
@@ -189,7 +215,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let summary = rt.block_on(event_loop(&opts, probes, ring, layout, marks))?;
+    let summary = rt.block_on(event_loop(&opts, probes, ring, pipeline))?;
     if let Some(path) = &opts.stats_file {
         std::fs::write(path, serde_json::to_string(&summary)? + "\n")
             .with_context(|| format!("writing stats file {}", path.display()))?;
@@ -218,127 +244,46 @@ fn read_custom_priorities() -> Vec<(crate::nf_link::NfFamily, crate::nf_link::Nf
     }
 }
 
-/// Everything that turns records into printed reports.
+/// The pipeline and where its reports go.
 struct Printer<'a> {
     opts: &'a TailOptions,
-    /// Probe plans by generation: records made under an earlier one expand through it.
-    plans: HashMap<u8, Plans>,
-    generation: u8,
-    /// Times (ns) from a ruleset change to the probes' re-plan: a traversal in flight then
-    /// may have met a chain its probes did not bracket yet.
-    replans: Vec<(u64, u64)>,
-    layout: &'a KernelLayout,
-    marks: &'a MarkDictionary,
-    symbols: Symbols,
-    netns: String,
-    names: std::cell::RefCell<HashMap<u32, String>>,
+    pipeline: Pipeline,
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
-    /// Reports already rendered, by record content.
-    cache: RenderCache,
-    snapshots: report::SnapshotCache,
-    /// Packets lost as of the last report printed.
-    reported_lost: u64,
+    /// The kernel's count of lost packets, as last read.
     lost_now: u64,
 }
 
 impl Printer<'_> {
-    fn ifname(&self, index: u32) -> String {
-        self.names
-            .borrow_mut()
-            .entry(index)
-            .or_insert_with(|| ifname(index))
-            .clone()
-    }
-
-    /// Forgets cached interface names and renderings (after renames or removals).
-    fn forget_names(&mut self) {
-        self.names.borrow_mut().clear();
-        self.cache.clear();
-    }
-
     fn count_reached(&self) -> bool {
         self.opts.count.is_some_and(|n| self.formatted >= n)
     }
 
-    /// Prints one record; returns whether `--count` is reached.
-    fn print(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
+    /// Prints one record (ring-buffer bytes); returns whether `--count` is reached.
+    fn print(&mut self, raw: &[u8], summary: &mut Summary) -> bool {
         if self.out.closed() || self.count_reached() {
             summary.not_printed += 1;
             return true;
         }
-        let plans = self
-            .plans
-            .get(&rec.generation)
-            .or_else(|| self.plans.get(&self.generation))
-            .expect("the current plan");
-        let mut rec = *rec;
-        if self
-            .replans
-            .iter()
-            .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
-        {
-            rec.incomplete |= observer_common::traversal::missing::REPLANNED;
+        match self.pipeline.handle(raw, self.lost_now) {
+            Outcome::Report { bytes, incomplete } => {
+                self.out.buf().extend_from_slice(&bytes);
+                self.out.done();
+                self.formatted += 1;
+                summary.incomplete += u64::from(incomplete);
+            }
+            other => {
+                crate::pipeline::warn_unusable(&other);
+                summary.not_printed += 1;
+            }
         }
-        let lost = self.lost_now - self.reported_lost;
-        self.reported_lost = self.lost_now;
-        // A report is a function of the record (and names and plans, which clear the
-        // cache when they change); `lost` is not, so only lines without it are shared.
-        let mut cache = std::mem::take(&mut self.cache);
-        let rendered = if lost == 0 {
-            let r = cache.get_or_render(&rec, || self.render(&rec, plans, 0));
-            Some((r.bytes.clone(), r.incomplete))
-        } else {
-            None
-        };
-        self.cache = cache;
-        let (bytes, incomplete) = match rendered {
-            Some(r) => r,
-            None => self.render(&rec, plans, lost),
-        };
-        if bytes.is_empty() {
-            summary.not_printed += 1;
-            return false;
-        }
-        self.out.buf().extend_from_slice(&bytes);
-        self.out.done();
-        self.formatted += 1;
-        summary.incomplete += u64::from(incomplete);
         self.count_reached()
     }
 
-    /// Formats one traversal as the output mode says; empty when the record is unusable.
-    fn render(&self, rec: &TraversalRecord, plans: &Plans, lost: u64) -> (Vec<u8>, bool) {
-        let t: Traversal = match assemble(rec, plans, &self.layout.tuple) {
-            Ok(t) => t,
-            Err(e) => {
-                warn!("unusable traversal record: {e}");
-                return (Vec::new(), false);
-            }
-        };
-        let symbol = |a: u64| self.symbols.name(a);
-        let ifname = |i: u32| self.ifname(i);
-        let ctx = report::Context {
-            snapshots: &self.snapshots,
-            plans,
-            netns: &self.netns,
-            marks: self.marks,
-            names: Names {
-                drop_reasons: &self.layout.drop_reasons,
-                symbol: &symbol,
-            },
-            ifname: &ifname,
-        };
-        let r = report::build(&t, &ctx, lost);
-        let mut buf = Vec::with_capacity(4096);
-        // Writing into a Vec cannot fail.
-        let _ = match self.opts.output {
-            Output::Json => r.write_json(&mut buf).and_then(|()| buf.write_all(b"\n")),
-            Output::Tree => writeln!(buf, "{}", r.render_tree()),
-            Output::Line => writeln!(buf, "{}", r.render_line()),
-        };
-        (buf, r.incomplete)
+    /// Prints a record taken from the probes' maps.
+    fn print_record(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
+        self.print(&encode_record(rec), summary)
     }
 
     /// Hands the formatted reports to the writer thread; false while it is behind.
@@ -363,13 +308,7 @@ fn drain(
     while n < max {
         let Some(item) = ring.next() else { break };
         n += 1;
-        match decode(&item) {
-            Ok(rec) => done |= printer.print(&rec, summary),
-            Err(e) => {
-                summary.not_printed += 1;
-                warn!("undecodable record: {e}");
-            }
-        }
+        done |= printer.print(&item, summary);
     }
     (n, done)
 }
@@ -378,24 +317,14 @@ async fn event_loop(
     opts: &TailOptions,
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    layout: KernelLayout,
-    marks: MarkDictionary,
+    mut pipeline: Pipeline,
 ) -> Result<Summary> {
+    pipeline.add_plans(probes.generation(), &probes.plans);
     let mut printer = Printer {
         opts,
-        plans: HashMap::from([(probes.generation(), index_plans(&probes.plans))]),
-        generation: probes.generation(),
-        replans: Vec::new(),
-        layout: &layout,
-        marks: &marks,
-        symbols: Symbols::load(),
-        netns: opts.netns.clone().unwrap_or_else(|| "current".into()),
-        names: Default::default(),
+        pipeline,
         out: Writer::new(std::io::stdout()),
         formatted: 0,
-        cache: RenderCache::default(),
-        snapshots: report::SnapshotCache::default(),
-        reported_lost: 0,
         lost_now: 0,
     };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
@@ -537,6 +466,19 @@ async fn event_loop(
     summary.attach_failures = probes.attach_failures;
     summary.stopped_by = stopped_by;
     summary.kernel = k;
+    if let Some(mut r) = printer.pipeline.take_recorder() {
+        if !r.finish() {
+            // What was buffered is lost; the file holds the records before it at least.
+            warn!(
+                "the end of the recording {} may be missing",
+                r.path().display()
+            );
+        }
+        summary.record = Some(RecordStats {
+            records: r.records,
+            failed: r.failed,
+        });
+    }
     // A record written between the drain and the counters is neither printed nor in flight.
     let accounted = summary.printed
         + summary.lost
@@ -570,15 +512,10 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
                 "ruleset changed: probes re-planned on {} (custom priorities {custom:?})",
                 hooks.join(", ")
             );
-            printer.generation = probes.generation();
-            printer.cache.clear();
             printer
-                .plans
-                .insert(printer.generation, index_plans(&probes.plans));
-            printer.replans.push((since, now_ns()));
-            if printer.replans.len() > 16 {
-                printer.replans.remove(0);
-            }
+                .pipeline
+                .add_plans(probes.generation(), &probes.plans);
+            printer.pipeline.replanned(since, now_ns());
         }
         Err(e) => {
             probes.attach_failures += 1;
@@ -617,7 +554,7 @@ fn take_waiting(
     match probes.sweep(before.0, before.1, idle_end) {
         Ok(recs) => {
             for r in &recs {
-                printer.print(r, summary);
+                printer.print_record(r, summary);
             }
             printer.flush();
         }
@@ -647,7 +584,7 @@ fn housekeeping(
                 warn!("no probes on interface {name}: {e}");
             }
             if !c.removed.is_empty() || !c.renamed.is_empty() {
-                printer.forget_names();
+                printer.pipeline.forget_names();
             }
         }
         Err(e) => warn!("scanning interfaces: {e:#}"),

@@ -1,0 +1,158 @@
+//! `observer replay FILE`: the reports of a `tail --record` run, printed again from the
+//! recording through the same pipeline as tail (no root, no eBPF, any machine).
+
+use std::cell::RefCell;
+use std::io::Write;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use anyhow::{Context as _, Result};
+use serde::Serialize;
+
+use crate::marks::MarkDictionary;
+use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames};
+use crate::recording::{Frame, Meta, Reader};
+
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    pub file: PathBuf,
+    pub output: Output,
+    /// Stop after printing N traversals.
+    pub count: Option<u64>,
+}
+
+/// What a replay printed, in records.
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct ReplaySummary {
+    pub records: u64,
+    pub printed: u64,
+    pub incomplete: u64,
+    /// Records that decode or expand to no report (tail counted them as not printed too).
+    pub unusable: u64,
+    /// Context frames of a kind this observer does not know, skipped.
+    pub skipped_context: u64,
+    #[serde(skip)]
+    pub recorded_by: String,
+    #[serde(skip)]
+    pub netns: String,
+}
+
+impl std::fmt::Display for ReplaySummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "observer: replayed {} records of `{}` (recorded by observer {}): {} traversals \
+             printed ({} incomplete), {} unusable",
+            self.records,
+            self.netns,
+            self.recorded_by,
+            self.printed,
+            self.incomplete,
+            self.unusable
+        )?;
+        if self.skipped_context > 0 {
+            write!(
+                f,
+                "; {} context frames of a later observer skipped",
+                self.skipped_context
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The recording's names, shared between the pipeline and the reader that updates them.
+struct Shared(Rc<RefCell<RecordedNames>>);
+
+impl NameSource for Shared {
+    fn ifname(&self, index: u32) -> String {
+        self.0.borrow().ifname(index)
+    }
+    fn symbol(&self, addr: u64) -> String {
+        self.0.borrow().symbol(addr)
+    }
+}
+
+/// Prints the recording's reports to `out`.
+pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
+    let mut reader = Reader::open(&opts.file)?;
+    let h = reader.header.clone();
+    let names = Rc::new(RefCell::new(RecordedNames::default()));
+    let mut pipeline = Pipeline::new(
+        Context {
+            output: opts.output,
+            netns: h.netns.clone(),
+            tuple: (&h.tuple).into(),
+            drop_reasons: h.drop_reasons.clone(),
+            marks: MarkDictionary::from_entries(&h.marks),
+        },
+        Box::new(Shared(names.clone())),
+    );
+    let mut summary = ReplaySummary {
+        recorded_by: h.observer_version.clone(),
+        netns: h.netns.clone(),
+        ..Default::default()
+    };
+    while let Some(frame) = reader.next_frame()? {
+        if opts.count.is_some_and(|n| summary.printed >= n) {
+            break;
+        }
+        match frame {
+            Frame::Meta(Meta::Plans { generation, plans }) => {
+                let plans = plans
+                    .iter()
+                    .map(|p| {
+                        p.to_plan().with_context(|| {
+                            format!(
+                                "{}: a probe plan names an unknown family or hook ({}, {}); \
+                                 the file is damaged or from another observer",
+                                opts.file.display(),
+                                p.family,
+                                p.hook
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                pipeline.add_plans(generation, &plans);
+            }
+            Frame::Meta(Meta::Replan { from, to }) => pipeline.replanned(from, to),
+            Frame::Meta(Meta::Names { ifnames, symbols }) => {
+                let mut n = names.borrow_mut();
+                let renamed = ifnames
+                    .iter()
+                    .any(|(i, name)| n.ifnames.get(i).is_some_and(|old| old != name));
+                n.ifnames.extend(ifnames);
+                n.symbols.extend(symbols);
+                drop(n);
+                if renamed {
+                    pipeline.forget_names();
+                }
+            }
+            Frame::UnknownMeta(name) => {
+                log::warn!(
+                    "skipping context `{name}`, which this observer does not know (recorded \
+                     by observer {})",
+                    h.observer_version
+                );
+                summary.skipped_context += 1;
+            }
+            Frame::Record { lost_now, bytes } => {
+                summary.records += 1;
+                match pipeline.handle(&bytes, lost_now) {
+                    Outcome::Report { bytes, incomplete } => {
+                        out.write_all(&bytes)
+                            .context("writing the reports to stdout")?;
+                        summary.printed += 1;
+                        summary.incomplete += u64::from(incomplete);
+                    }
+                    other => {
+                        crate::pipeline::warn_unusable(&other);
+                        summary.unusable += 1;
+                    }
+                }
+            }
+        }
+    }
+    out.flush().context("writing the reports to stdout")?;
+    Ok(summary)
+}
