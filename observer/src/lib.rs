@@ -14,6 +14,7 @@ pub mod netns;
 pub mod nf_link;
 pub mod nftwatch;
 pub mod output;
+pub mod pcapng;
 pub mod pipeline;
 pub mod plan;
 pub mod probes;

@@ -105,6 +105,13 @@ struct TailArgs {
     /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
+    /// Also write each printed traversal's packet to FILE as pcap-ng, for Wireshark or
+    /// tshark: its first 128 bytes from the IP header (LINKTYPE_RAW), taken where the
+    /// traversal started, on an interface block per interface it entered on, with the
+    /// traversal's one-line report as the packet comment (`tshark -r FILE -V`, or the
+    /// `frame.comment` field). Without it the probes only check a flag.
+    #[arg(long, value_name = "FILE")]
+    pcapng: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -171,6 +178,7 @@ fn run(cli: Cli) -> Result<()> {
                 stats_file: a.stats,
                 floor: a.floor,
                 record: a.record,
+                pcapng: a.pcapng,
             })?;
             eprintln!("{summary}");
             Ok(())

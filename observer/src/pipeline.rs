@@ -102,12 +102,41 @@ impl NameSource for RecordedNames {
 /// What the pipeline made of one record.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The report, formatted as the output mode says, and whether it is flagged incomplete.
-    Report { bytes: Vec<u8>, incomplete: bool },
+    /// The report, formatted as the output mode says, and whether it is flagged incomplete;
+    /// with [`Pipeline::packet_info`], what `--pcapng` needs of the traversal.
+    Report {
+        bytes: Vec<u8>,
+        incomplete: bool,
+        packet: Option<PacketInfo>,
+    },
     /// The bytes are no traversal record.
     Undecodable(DecodeError),
     /// A record the plans cannot expand (unknown end or hook).
     Unusable(String),
+}
+
+/// A printed traversal, as `--pcapng` writes it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PacketInfo {
+    /// Its identity (skb address, start time: `CLOCK_MONOTONIC` ns).
+    pub skb: u64,
+    pub ts_first: u64,
+    /// The interface where it entered (where it left for a packet sent by this host;
+    /// `local` when neither was seen).
+    pub iface: String,
+    /// Its one-line report.
+    pub line: String,
+}
+
+/// The interface a traversal entered on, else the one it left by (0: none seen).
+fn entry_ifindex(rec: &TraversalRecord) -> u32 {
+    let visits = &rec.visits[..usize::from(rec.nvisits).min(rec.visits.len())];
+    visits
+        .iter()
+        .map(|v| v.ifindex_in)
+        .find(|&i| i != 0)
+        .or_else(|| visits.iter().map(|v| v.ifindex_out).find(|&i| i != 0))
+        .unwrap_or(0)
 }
 
 /// The context every report needs besides its record.
@@ -131,6 +160,10 @@ pub struct Pipeline {
     names: Box<dyn NameSource>,
     /// Reports already rendered, by record content.
     cache: RenderCache,
+    /// One-line renderings for [`PacketInfo`], likewise.
+    line_cache: RenderCache,
+    /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
+    pub packet_info: bool,
     snapshots: report::SnapshotCache,
     /// Packets lost as of the last report.
     reported_lost: u64,
@@ -146,6 +179,8 @@ impl Pipeline {
             replans: Vec::new(),
             names,
             cache: RenderCache::default(),
+            line_cache: RenderCache::default(),
+            packet_info: false,
             snapshots: report::SnapshotCache::default(),
             reported_lost: 0,
             recorder: None,
@@ -172,7 +207,7 @@ impl Pipeline {
             r.meta(&Meta::plans(generation, plans));
         }
         self.generation = generation;
-        self.cache.clear();
+        self.clear_caches();
         self.plans.insert(generation, index_plans(plans));
     }
 
@@ -190,13 +225,12 @@ impl Pipeline {
     /// Forgets cached interface names and renderings (after renames or removals).
     pub fn forget_names(&mut self) {
         self.names.forget();
-        self.cache.clear();
+        self.clear_caches();
     }
 
-    /// Replaces the names (a recording's, as it goes on).
-    pub fn names_mut(&mut self) -> &mut dyn NameSource {
+    fn clear_caches(&mut self) {
         self.cache.clear();
-        &mut *self.names
+        self.line_cache.clear();
     }
 
     /// One ring-buffer record -> its report. `lost_now` is the kernel's count of lost
@@ -239,7 +273,15 @@ impl Pipeline {
         let result = if lost == 0 {
             let mut failed = None;
             let r = self.cache.get_or_render(&rec, || {
-                match render(&rec, plans, &self.ctx, &self.snapshots, &names, 0) {
+                match render(
+                    &rec,
+                    plans,
+                    &self.ctx,
+                    self.ctx.output,
+                    &self.snapshots,
+                    &names,
+                    0,
+                ) {
                     Ok(r) => r,
                     Err(e) => {
                         failed = Some(e);
@@ -252,14 +294,54 @@ impl Pipeline {
                 None => Ok((r.bytes.clone(), r.incomplete)),
             }
         } else {
-            render(&rec, plans, &self.ctx, &self.snapshots, &names, lost)
+            render(
+                &rec,
+                plans,
+                &self.ctx,
+                self.ctx.output,
+                &self.snapshots,
+                &names,
+                lost,
+            )
+        };
+        let packet = match &result {
+            Ok((bytes, _)) if self.packet_info && !bytes.is_empty() => {
+                let line = if self.ctx.output == Output::Line {
+                    bytes.clone()
+                } else {
+                    let snapshots = &self.snapshots;
+                    let ctx = &self.ctx;
+                    self.line_cache
+                        .get_or_render(&rec, || {
+                            render(&rec, plans, ctx, Output::Line, snapshots, &names, 0)
+                                .unwrap_or_default()
+                        })
+                        .bytes
+                        .clone()
+                };
+                let iface = match entry_ifindex(&rec) {
+                    0 => "local".to_string(),
+                    i => names.ifname(i),
+                };
+                Some(PacketInfo {
+                    skb: rec.skb,
+                    ts_first: rec.ts_first,
+                    iface,
+                    line: String::from_utf8_lossy(&line).trim_end().to_string(),
+                })
+            }
+            _ => None,
         };
         let learned = names.log.map(std::cell::RefCell::into_inner);
         if let (Some(r), Some(learned)) = (&mut self.recorder, learned) {
             r.names(learned);
         }
         match result {
-            Ok((bytes, incomplete)) if !bytes.is_empty() => Outcome::Report { bytes, incomplete },
+            Ok((bytes, incomplete)) if !bytes.is_empty() => Outcome::Report {
+                bytes,
+                incomplete,
+                packet,
+            },
             Ok(_) => Outcome::Unusable("empty report".into()),
             Err(e) => {
                 // A cached failure renders as empty bytes; forget it so it is reported again.
@@ -305,6 +387,7 @@ fn render(
     rec: &TraversalRecord,
     plans: &Plans,
     ctx: &Context,
+    output: Output,
     snapshots: &report::SnapshotCache,
     names: &Logged,
     lost: u64,
@@ -326,7 +409,7 @@ fn render(
     let r = report::build(&t, &rctx, lost);
     let mut buf = Vec::with_capacity(4096);
     // Writing into a Vec cannot fail.
-    let _ = match ctx.output {
+    let _ = match output {
         Output::Json => r.write_json(&mut buf).and_then(|()| buf.write_all(b"\n")),
         Output::Tree => writeln!(buf, "{}", r.render_tree()),
         Output::Line => writeln!(buf, "{}", r.render_line()),

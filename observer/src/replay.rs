@@ -139,7 +139,9 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
             Frame::Record { lost_now, bytes } => {
                 summary.records += 1;
                 match pipeline.handle(&bytes, lost_now) {
-                    Outcome::Report { bytes, incomplete } => {
+                    Outcome::Report {
+                        bytes, incomplete, ..
+                    } => {
                         out.write_all(&bytes)
                             .context("writing the reports to stdout")?;
                         summary.printed += 1;

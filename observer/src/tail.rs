@@ -20,8 +20,9 @@ use crate::decode::encode_record;
 use crate::marks::MarkDictionary;
 use crate::nftwatch::NftWatch;
 use crate::output::Writer;
+use crate::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
 pub use crate::pipeline::Output;
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Pipeline};
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes};
 use crate::recording::{Header, Recorder};
@@ -49,6 +50,8 @@ pub struct TailOptions {
     pub floor: bool,
     /// Save every record with its context here, for `observer replay`.
     pub record: Option<PathBuf>,
+    /// Write each printed traversal's packet here (pcap-ng, its report line as comment).
+    pub pcapng: Option<PathBuf>,
 }
 
 /// Records handled before the event loop looks at signals and timers again: at about
@@ -110,6 +113,9 @@ pub struct Summary {
     /// With `--record`: what the recording holds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub record: Option<RecordStats>,
+    /// With `--pcapng`: what the file holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pcapng: Option<PcapngStats>,
     #[serde(skip)]
     pub kernel: KernelCounters,
 }
@@ -147,6 +153,22 @@ impl std::fmt::Display for Summary {
                 write!(f, " ({} could not be written to the recording)", r.failed)?;
             }
         }
+        if let Some(p) = &self.pcapng {
+            write!(f, "; {} packets in the pcap-ng file", p.packets)?;
+            if p.without_bytes > 0 {
+                write!(f, " ({} without their bytes)", p.without_bytes)?;
+            }
+            if p.bytes_lost > 0 {
+                write!(
+                    f,
+                    ", {} packets' bytes lost (packet ring buffer full)",
+                    p.bytes_lost
+                )?;
+            }
+            if p.failed > 0 {
+                write!(f, ", {} not written (file error)", p.failed)?;
+            }
+        }
         if self.kernel.fallback_failed > 0 {
             write!(
                 f,
@@ -164,7 +186,14 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     if let Some(ns) = &opts.netns {
         crate::netns::enter(ns)?;
     }
-    let layout = KernelLayout::from_kernel()?;
+    let mut layout = KernelLayout::from_kernel()?;
+    let pcapng = match &opts.pcapng {
+        Some(path) => {
+            layout.config[observer_common::config::CAPTURE_BYTES as usize] = 1;
+            Some(PcapngWriter::create(path)?)
+        }
+        None => None,
+    };
     let marks = mark_dictionary(opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let recorder = match &opts.record {
@@ -187,6 +216,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     if let Some(r) = recorder {
         pipeline.record_to(r);
     }
+    pipeline.packet_info = pcapng.is_some();
     // Interface names in the filter are those of the observed namespace, entered above.
     let mut program = match &opts.filter {
         Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
@@ -209,13 +239,22 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         changes.added.join(", ")
     );
     let ring = probes.take_ring()?;
+    let pcap = match pcapng {
+        Some(writer) => Some(Pcap {
+            writer,
+            ring: probes.take_packets()?,
+            store: PacketStore::new(PACKETS_HELD),
+            clock: monotonic_to_unix(),
+        }),
+        None => None,
+    };
     if opts.floor {
         probes.set_floor(true)?;
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let summary = rt.block_on(event_loop(&opts, probes, ring, pipeline))?;
+    let summary = rt.block_on(event_loop(&opts, probes, ring, pipeline, pcap))?;
     if let Some(path) = &opts.stats_file {
         std::fs::write(path, serde_json::to_string(&summary)? + "\n")
             .with_context(|| format!("writing stats file {}", path.display()))?;
@@ -244,10 +283,46 @@ fn read_custom_priorities() -> Vec<(crate::nf_link::NfFamily, crate::nf_link::Nf
     }
 }
 
+/// Packet bytes waiting for their traversal (`--pcapng`): at most this many (160 bytes each).
+const PACKETS_HELD: usize = 65536;
+
+/// `--pcapng`: the probes' packet bytes, paired with the traversals printed.
+struct Pcap {
+    writer: PcapngWriter,
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    store: PacketStore,
+    /// `CLOCK_MONOTONIC` -> Unix time, ns.
+    clock: u64,
+}
+
+impl Pcap {
+    fn drain(&mut self) {
+        while let Some(item) = self.ring.next() {
+            match crate::pcapng::decode(&item) {
+                Ok(p) => self.store.insert(p),
+                Err(e) => warn!("undecodable packet bytes: {e}"),
+            }
+        }
+    }
+
+    /// Writes a printed traversal's packet. Its bytes were written when it started, so
+    /// before its record; if they were not read yet, they are now.
+    fn write(&mut self, t: &PacketInfo) {
+        let mut bytes = self.store.take(t.skb, t.ts_first);
+        if bytes.is_none() {
+            self.drain();
+            bytes = self.store.take(t.skb, t.ts_first);
+        }
+        self.writer
+            .write(&t.iface, t.ts_first + self.clock, bytes.as_ref(), &t.line);
+    }
+}
+
 /// The pipeline and where its reports go.
 struct Printer<'a> {
     opts: &'a TailOptions,
     pipeline: Pipeline,
+    pcap: Option<Pcap>,
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
@@ -267,7 +342,14 @@ impl Printer<'_> {
             return true;
         }
         match self.pipeline.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, incomplete } => {
+            Outcome::Report {
+                bytes,
+                incomplete,
+                packet,
+            } => {
+                if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
+                    pcap.write(packet);
+                }
                 self.out.buf().extend_from_slice(&bytes);
                 self.out.done();
                 self.formatted += 1;
@@ -305,6 +387,9 @@ fn drain(
     if !printer.flush() {
         return (0, false);
     }
+    if let Some(p) = &mut printer.pcap {
+        p.drain();
+    }
     while n < max {
         let Some(item) = ring.next() else { break };
         n += 1;
@@ -318,11 +403,13 @@ async fn event_loop(
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     mut pipeline: Pipeline,
+    pcap: Option<Pcap>,
 ) -> Result<Summary> {
     pipeline.add_plans(probes.generation(), &probes.plans);
     let mut printer = Printer {
         opts,
         pipeline,
+        pcap,
         out: Writer::new(std::io::stdout()),
         formatted: 0,
         lost_now: 0,
@@ -478,6 +565,15 @@ async fn event_loop(
             records: r.records,
             failed: r.failed,
         });
+    }
+    if let Some(mut p) = printer.pcap.take() {
+        p.writer.finish();
+        let mut stats = p.writer.stats;
+        stats.bytes_lost = probes.packets_lost().unwrap_or_else(|e| {
+            warn!("reading the probes' count of lost packet bytes: {e:#}");
+            0
+        });
+        summary.pcapng = Some(stats);
     }
     // A record written between the drain and the counters is neither printed nor in flight.
     let accounted = summary.printed
