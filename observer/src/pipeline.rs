@@ -639,4 +639,38 @@ mod tests {
         assert_eq!(s.printed, 2);
         assert_eq!(String::from_utf8(out).unwrap().lines().count(), 2);
     }
+
+    #[test]
+    fn packet_info_carries_the_line_report_and_entry_interface() {
+        let recs = records();
+        let mut lines = Pipeline::new(context(Output::Line), Box::new(Host));
+        lines.add_plans(0, &full_plan(&[]));
+        let Outcome::Report { bytes: line, .. } = lines.handle(&recs[0], 0) else {
+            panic!("a report");
+        };
+        for output in [Output::Tree, Output::Json, Output::Line] {
+            let mut p = Pipeline::new(context(output), Box::new(Host));
+            p.add_plans(0, &full_plan(&[]));
+            p.packet_info = true;
+            // Twice: the second comes from the caches.
+            for _ in 0..2 {
+                let Outcome::Report {
+                    packet: Some(info), ..
+                } = p.handle(&recs[0], 0)
+                else {
+                    panic!("a report with its packet");
+                };
+                assert_eq!(info.line, String::from_utf8_lossy(&line).trim_end());
+                assert_eq!(info.iface, "eth0");
+                let rec = decode(&recs[0]).unwrap();
+                assert_eq!((info.skb, info.ts_first), (rec.skb, rec.ts_first));
+            }
+        }
+        let mut p = Pipeline::new(context(Output::Json), Box::new(Host));
+        p.add_plans(0, &full_plan(&[]));
+        assert!(
+            matches!(p.handle(&recs[0], 0), Outcome::Report { packet: None, .. }),
+            "only asked for"
+        );
+    }
 }
