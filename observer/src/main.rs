@@ -115,6 +115,13 @@ struct TailArgs {
 }
 
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    observer tail --netns obs-node --record node.obsrec   # as root, on the node\n  \
+    observer replay node.obsrec                          # anywhere, no root\n  \
+    observer replay --json node.obsrec | jq -c .fate\n\n\
+The file holds the raw records with the probe plan, kernel layout, interface names, kernel \
+symbols and mark names they need (docs/recording.md); a recording of another format or record \
+layout is refused with the version that can read it.")]
 struct ReplayArgs {
     /// A file written by `observer tail --record FILE`.
     file: PathBuf,

@@ -252,6 +252,17 @@ impl PcapngWriter {
         }
     }
 
+    /// Hands what is buffered to the file (a write that fails stops it, counted).
+    pub fn flush(&mut self) {
+        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
+            log::warn!(
+                "writing the pcap-ng file {} failed ({e}); it stops here",
+                self.path.display()
+            );
+            self.out = None;
+        }
+    }
+
     /// Flushes the file; false if its end could not be written.
     pub fn finish(&mut self) -> bool {
         match self.out.take().map(|mut o| o.flush()) {

@@ -34,8 +34,13 @@ const MAX_FRAME: u32 = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecordingError {
-    #[error("{path}: {source}")]
+    #[error("cannot read the recording {path}: {source}")]
     Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("cannot write the recording {path}: {source}; check the path and free space")]
+    Write {
         path: String,
         source: std::io::Error,
     },
@@ -276,7 +281,7 @@ pub struct Recorder {
 impl Recorder {
     /// Creates `path` and writes the magic, version and header.
     pub fn create(path: &Path, header: &Header) -> Result<Self, RecordingError> {
-        let file = std::fs::File::create(path).map_err(|source| RecordingError::Io {
+        let file = std::fs::File::create(path).map_err(|source| RecordingError::Write {
             path: path.display().to_string(),
             source,
         })?;
@@ -297,7 +302,7 @@ impl Recorder {
             records: 0,
             failed: 0,
         };
-        let io = |source| RecordingError::Io {
+        let io = |source| RecordingError::Write {
             path: path.display().to_string(),
             source,
         };
@@ -360,7 +365,19 @@ impl Recorder {
         }
     }
 
-    /// Flushes the file; false (and counted) if the last buffered records were not written.
+    /// Hands what is buffered to the file, so that a tail killed outright leaves a
+    /// recording of everything up to about now (a write that fails stops it, as above).
+    pub fn flush(&mut self) {
+        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
+            log::warn!(
+                "writing the recording {} failed ({e}); recording stops here",
+                self.path.display()
+            );
+            self.out = None;
+        }
+    }
+
+    /// Flushes the file; false if the last buffered records were not written.
     pub fn finish(&mut self) -> bool {
         match self.out.take().map(|mut o| o.flush()) {
             Some(Err(e)) => {

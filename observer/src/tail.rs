@@ -368,6 +368,16 @@ impl Printer<'_> {
         self.print(&encode_record(rec), summary)
     }
 
+    /// The recording and the pcap-ng file, up to date on disk every tick.
+    fn flush_files(&mut self) {
+        if let Some(r) = self.pipeline.recorder_mut() {
+            r.flush();
+        }
+        if let Some(p) = &mut self.pcap {
+            p.writer.flush();
+        }
+    }
+
     /// Hands the formatted reports to the writer thread; false while it is behind.
     fn flush(&mut self) -> bool {
         self.out.push()
@@ -470,6 +480,7 @@ async fn event_loop(
                 guard.clear_ready();
             }
             _ = tick.tick() => {
+                printer.flush_files();
                 if let Some(since) = ruleset_changed
                     && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
                 {
