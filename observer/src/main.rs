@@ -134,6 +134,11 @@ struct ReplayArgs {
     /// Stop after printing N traversals.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
+    /// Print only the traversals this pcap-filter subset keeps (docs/filter.md), decided
+    /// from the record as the probes decide after conntrack: by the packet as it entered
+    /// and its connection's tuples; interface names are the recording's.
+    #[arg(long, value_name = "EXPR")]
+    filter: Option<String>,
 }
 
 /// `--timeout`: a finite, non-negative number of seconds, at most a year.
@@ -196,6 +201,7 @@ fn run(cli: Cli) -> Result<()> {
                     file: a.file,
                     output: if a.json { tail::Output::Json } else { a.output },
                     count: a.count,
+                    filter: a.filter,
                 },
                 &mut std::io::stdout().lock(),
             )?;

@@ -564,6 +564,7 @@ mod tests {
                 file: file.clone(),
                 output,
                 count: None,
+                filter: None,
             },
             &mut replayed,
         )
@@ -631,6 +632,7 @@ mod tests {
                 file,
                 output: Output::Line,
                 count: Some(2),
+                filter: None,
             },
             &mut out,
         )
@@ -671,6 +673,61 @@ mod tests {
         assert!(
             matches!(p.handle(&recs[0], 0), Outcome::Report { packet: None, .. }),
             "only asked for"
+        );
+    }
+
+    #[test]
+    fn replay_filters_as_the_probes_decide_after_conntrack() {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("observer-filter-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.rec");
+        let ctx = context(Output::Line);
+        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
+        let mut live = Pipeline::new(ctx, Box::new(Host));
+        live.record_to(Recorder::create(&file, &header).unwrap());
+        live.add_plans(0, &full_plan(&[]));
+        for r in records() {
+            live.handle(&r, 0);
+        }
+        live.take_recorder().unwrap().finish();
+        let printed = |filter: &str| {
+            let mut out = Vec::new();
+            let s = run(
+                &ReplayOptions {
+                    file: file.clone(),
+                    output: Output::Line,
+                    count: None,
+                    filter: Some(filter.into()),
+                },
+                &mut out,
+            )
+            .unwrap();
+            assert_eq!(s.printed + s.filtered, 3, "{filter}");
+            s.printed
+        };
+        // The ClusterIP as it entered, the pod only in the connection's reply tuple.
+        assert_eq!(printed("dst host 10.10.10.2 and tcp port 22"), 3);
+        assert_eq!(printed("host 172.17.0.5"), 3);
+        assert_eq!(printed("udp or port 23"), 0);
+        // Interface names are the recording's.
+        assert_eq!(printed("iface eth0"), 3);
+        assert_eq!(printed("not iface eth0"), 0);
+        let mut out = Vec::new();
+        let err = run(
+            &ReplayOptions {
+                file: file.clone(),
+                output: Output::Line,
+                count: None,
+                filter: Some("iface nosuch0".into()),
+            },
+            &mut out,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            err.is_err(),
+            "an interface the recording never named is an error"
         );
     }
 }

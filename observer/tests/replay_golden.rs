@@ -32,6 +32,7 @@ fn replayed(file: &Path, output: Output) -> (String, observer::replay::ReplaySum
             file: file.into(),
             output,
             count: None,
+            filter: None,
         },
         &mut out,
     )
@@ -99,6 +100,7 @@ fn a_damaged_recording_is_refused_with_where() {
             file: cut,
             output: Output::Line,
             count: None,
+            filter: None,
         },
         &mut out,
     )
