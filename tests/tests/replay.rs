@@ -80,6 +80,11 @@ fn recorded_lab_flows_replay_as_printed_live() {
     }
 
     if std::env::var("OBSERVER_UPDATE_GOLDEN").is_ok_and(|v| v == "1") {
+        // The golden test holds the lab's flows to be complete: check it before writing.
+        assert!(
+            live.iter().all(|r| r["incomplete"] == false),
+            "a traversal of this run is incomplete; run `cargo xtask golden` again: {live:#?}"
+        );
         let golden = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../observer/tests/golden");
         std::fs::create_dir_all(&golden).unwrap();
         std::fs::copy(&file, golden.join("lab-flows.obsrec")).unwrap();
