@@ -84,15 +84,41 @@ pub struct Wire {
     pub step_bytes: usize,
     pub max_steps: usize,
     pub max_visits: usize,
+    /// Where the fields the collector reads sit (`field@offset`): a layout that moved them
+    /// without changing the sizes above is another layout too.
+    pub fields: String,
 }
 
 impl Wire {
     pub fn current() -> Self {
+        use observer_common::traversal::{Step, TraversalRecord as R, Visit};
+        use std::mem::offset_of;
+        let fields = [
+            ("end", offset_of!(R, end)),
+            ("nvisits", offset_of!(R, nvisits)),
+            ("nsteps", offset_of!(R, nsteps)),
+            ("reason", offset_of!(R, reason)),
+            ("generation", offset_of!(R, generation)),
+            ("skb", offset_of!(R, skb)),
+            ("ts_first", offset_of!(R, ts_first)),
+            ("location", offset_of!(R, location)),
+            ("ct_orig", offset_of!(R, ct_orig)),
+            ("visits", offset_of!(R, visits)),
+            ("visit.ifindex_in", offset_of!(Visit, ifindex_in)),
+            ("steps", offset_of!(R, steps)),
+            ("step.mark", offset_of!(Step, mark)),
+            ("step.saddr", offset_of!(Step, saddr)),
+        ]
+        .iter()
+        .map(|(f, o)| format!("{f}@{o}"))
+        .collect::<Vec<_>>()
+        .join(" ");
         Self {
             record_head_bytes: RECORD_HEAD_BYTES,
             step_bytes: STEP_BYTES,
             max_steps: MAX_STEPS,
             max_visits: MAX_VISITS,
+            fields,
         }
     }
 }
@@ -101,8 +127,8 @@ impl std::fmt::Display for Wire {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "head {} bytes, steps of {} bytes, {} steps, {} visits",
-            self.record_head_bytes, self.step_bytes, self.max_steps, self.max_visits
+            "head {} bytes, steps of {} bytes, {} steps, {} visits, fields {}",
+            self.record_head_bytes, self.step_bytes, self.max_steps, self.max_visits, self.fields
         )
     }
 }
@@ -728,6 +754,14 @@ mod tests {
         // Another record layout: refused before any record is decoded wrongly.
         let mut h = header();
         h.wire.step_bytes += 8;
+        let mut moved = header();
+        moved.wire.fields = moved.wire.fields.replace("skb@", "skb@8+");
+        let buf = Shared::default();
+        let mut r = Recorder::to_writer(Path::new("mem"), Box::new(buf.clone()), &moved).unwrap();
+        r.finish();
+        let bytes = buf.0.lock().unwrap().clone();
+        let err = Reader::new("x", &bytes[..]).err().unwrap();
+        assert!(matches!(err, RecordingError::WireMismatch { .. }), "{err}");
         let buf = Shared::default();
         let mut r = Recorder::to_writer(Path::new("mem"), Box::new(buf.clone()), &h).unwrap();
         r.finish();
