@@ -28,7 +28,11 @@ pub mod kind {
     pub const PACKET: u8 = 1;
     /// A whole traversal, assembled in the kernel: [`super::traversal::TraversalRecord`].
     pub const TRAVERSAL: u8 = 3;
+    /// A packet's first bytes, in the `PACKETS` ring buffer: [`super::packet_bytes::PacketBytes`].
+    pub const PACKET_BYTES: u8 = 4;
 }
+
+pub mod packet_bytes;
 
 /// Bits of [`EventHeader::flags`].
 pub mod flags {
@@ -132,6 +136,11 @@ pub mod config {
     pub const PLAN_GEN: u32 = 27;
     /// Non-zero: every probe returns at once (the benchmark's floor: the hooks' own cost).
     pub const FLOOR: u32 = 28;
+    /// Non-zero: where a traversal starts, its packet's first bytes go to the `PACKETS`
+    /// ring buffer (`tail --pcapng`).
+    pub const CAPTURE_BYTES: u32 = 30;
+    /// `sk_buff.tail` (an offset from `head` on 64-bit kernels): the end of the linear data.
+    pub const SKB_TAIL: u32 = 31;
     /// Per hook (`READ_HEADERS + hook`), a bitmask of the probe programs that must read the
     /// packet's headers: those right after a table that may rewrite addresses (nat, a
     /// custom base chain). The others take them from the record's last step, unless they

@@ -180,6 +180,7 @@ pub fn begin(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
     }
     start(rec, skb, ts, cfg(config::PLAN_GEN).unwrap_or(0) as u8);
     count(counter::SEEN);
+    crate::packet_bytes::capture(skb, ts);
     Some(rec)
 }
 

@@ -23,6 +23,7 @@ use observer_common::{
 };
 
 pub mod inflight;
+pub mod packet_bytes;
 
 /// A probe's control values, kept in per-CPU map memory instead of registers.
 ///

@@ -148,6 +148,11 @@ impl KernelLayout {
             set(config::NETDEV_NET, net);
             set(config::NET_INUM, inum);
         }
+        // Optional: `tail --pcapng` needs the end of the linear data (`sk_buff_data_t`, an
+        // offset from `head` on 64-bit kernels, the only ones observer runs on).
+        if let Ok(tail) = off("sk_buff", "tail") {
+            set(config::SKB_TAIL, tail);
+        }
         if let (Ok(sk), Ok(net)) = (off("sk_buff", "sk"), off("sock", "__sk_common.skc_net.net")) {
             set(config::SKB_SK, sk);
             set(config::SOCK_NET, net);

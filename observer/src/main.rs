@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::{explain, lab, tail, traffic};
+use observer::{explain, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -34,6 +34,9 @@ struct Cli {
 enum Command {
     /// Stream one report per packet traversal (human tree, or JSON lines with --json).
     Tail(TailArgs),
+    /// Print the reports of a `tail --record` file again: same output, no root, no eBPF,
+    /// on any machine.
+    Replay(ReplayArgs),
     /// Predict a packet's path from the rules alone: every rule that matches, mark and NAT
     /// changes, the verdict (no root, no eBPF; or --live on a node).
     Explain(explain::ExplainArgs),
@@ -97,6 +100,45 @@ struct TailArgs {
     /// Benchmarks only: attach every probe but let each return at once (the hooks' own cost).
     #[arg(long, hide = true)]
     floor: bool,
+    /// Also save every traversal record, with the probe plan, kernel layout, interface
+    /// names, kernel symbols and mark names its report needs, to FILE; `observer replay
+    /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
+    /// Also write each printed traversal's packet to FILE as pcap-ng, for Wireshark or
+    /// tshark: its first 128 bytes from the IP header (LINKTYPE_RAW), taken where the
+    /// traversal started, on an interface block per interface it entered on, with the
+    /// traversal's one-line report as the packet comment (`tshark -r FILE -V`, or the
+    /// `frame.comment` field). Without it the probes only check a flag.
+    #[arg(long, value_name = "FILE")]
+    pcapng: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    observer tail --netns obs-node --record node.obsrec   # as root, on the node\n  \
+    observer replay node.obsrec                          # anywhere, no root\n  \
+    observer replay --json node.obsrec | jq -c .fate\n\n\
+The file holds the raw records with the probe plan, kernel layout, interface names, kernel \
+symbols and mark names they need (docs/recording.md); a recording of another format or record \
+layout is refused with the version that can read it.")]
+struct ReplayArgs {
+    /// A file written by `observer tail --record FILE`.
+    file: PathBuf,
+    /// How to print each traversal (the recording holds records, not a format: any works).
+    #[arg(long, value_enum, default_value = "tree")]
+    output: tail::Output,
+    /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
+    #[arg(long, conflicts_with = "output")]
+    json: bool,
+    /// Stop after printing N traversals.
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
+    /// Print only the traversals this pcap-filter subset keeps (docs/filter.md), decided
+    /// from the record as the probes decide after conntrack: by the packet as it entered
+    /// and its connection's tuples; interface names are the recording's.
+    #[arg(long, value_name = "EXPR")]
+    filter: Option<String>,
 }
 
 /// `--timeout`: a finite, non-negative number of seconds, at most a year.
@@ -147,7 +189,22 @@ fn run(cli: Cli) -> Result<()> {
                 idle: Duration::from_millis(a.idle_ms),
                 stats_file: a.stats,
                 floor: a.floor,
+                record: a.record,
+                pcapng: a.pcapng,
             })?;
+            eprintln!("{summary}");
+            Ok(())
+        }
+        Command::Replay(a) => {
+            let summary = replay::run(
+                &replay::ReplayOptions {
+                    file: a.file,
+                    output: if a.json { tail::Output::Json } else { a.output },
+                    count: a.count,
+                    filter: a.filter,
+                },
+                &mut std::io::stdout().lock(),
+            )?;
             eprintln!("{summary}");
             Ok(())
         }

@@ -82,6 +82,18 @@ impl MarkDictionary {
         }
     }
 
+    /// Every named bit, lowest first (what a recording saves).
+    pub fn entries(&self) -> Vec<(u32, String)> {
+        self.names.iter().map(|(b, n)| (*b, n.clone())).collect()
+    }
+
+    /// A dictionary of exactly these bits (a recording's).
+    pub fn from_entries(entries: &[(u32, String)]) -> Self {
+        Self {
+            names: entries.iter().cloned().collect(),
+        }
+    }
+
     /// The name of one bit, if known.
     pub fn name(&self, bit: u32) -> Option<&str> {
         self.names.get(&bit).map(String::as_str)

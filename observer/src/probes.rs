@@ -27,7 +27,7 @@ static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
-const MAPS: [&str; 13] = [
+const MAPS: [&str; 15] = [
     "EVENTS",
     "CTL",
     "INDEX",
@@ -41,7 +41,17 @@ const MAPS: [&str; 13] = [
     "PENDING",
     "PENDING_COUNT",
     "OUT",
+    "PACKETS",
+    "PACKETS_LOST",
 ];
+/// Size of the packet-bytes ring buffer with `--pcapng` (about 26,000 packets of 160 bytes).
+const PACKETS_BYTES: u32 = 4 * 1024 * 1024;
+/// Its size without: the smallest a ring buffer can be, one page.
+fn min_ring_bytes() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(page).unwrap_or(4096)
+}
 /// Where traversals end besides TC egress (`observer-ebpf/src/bin/tc/ends.rs`):
 /// tracepoints, then socket-receive functions entered and returned from.
 const END_TRACEPOINTS: [(&str, &str); 2] = [
@@ -174,9 +184,24 @@ impl Probes {
                  rebuild with `cargo xtask build`"
             );
         }
-        let mut ebpf = EbpfLoader::new().load(TC_OBJECT).context(
-            "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
-        )?;
+        // The packet-bytes ring buffer (`tail --pcapng`) takes memory only when used.
+        let capture = layout
+            .config
+            .get(config::CAPTURE_BYTES as usize)
+            .is_some_and(|&v| v != config::UNSET && v != 0);
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(
+                "PACKETS",
+                if capture {
+                    PACKETS_BYTES
+                } else {
+                    min_ring_bytes()
+                },
+            )
+            .load(TC_OBJECT)
+            .context(
+                "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
+            )?;
         {
             let mut config: Array<_, u64> = Array::try_from(
                 ebpf.map_mut("CONFIG")
@@ -565,6 +590,25 @@ impl Probes {
             Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::FLOOR, u64::from(floor), 0)?;
         Ok(())
+    }
+
+    /// The packet-bytes ring buffer (`tail --pcapng`).
+    pub fn take_packets(&mut self) -> Result<RingBuf<MapData>> {
+        let map = self
+            .ebpf
+            .take_map("PACKETS")
+            .context("probe object has no PACKETS map")?;
+        Ok(RingBuf::try_from(map)?)
+    }
+
+    /// Packets whose first bytes the probes could not write (ring buffer full, unreadable).
+    pub fn packets_lost(&self) -> Result<u64> {
+        let arr: PerCpuArray<_, u64> = PerCpuArray::try_from(
+            self.ebpf
+                .map("PACKETS_LOST")
+                .context("no PACKETS_LOST map")?,
+        )?;
+        Ok(arr.get(&0, 0)?.iter().sum())
     }
 
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {

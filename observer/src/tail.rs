@@ -6,8 +6,6 @@
 //! kept in userspace (the probes assemble traversals), and every packet the probes saw is
 //! accounted for in the summary: printed, lost, left out, or still in flight.
 
-use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -17,19 +15,18 @@ use serde::Serialize;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::annotate::Names;
 use crate::btf::KernelLayout;
-use crate::correlate::{Plans, Traversal, assemble, index_plans};
-use crate::decode::decode;
-use crate::kallsyms::Symbols;
+use crate::decode::encode_record;
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
 use crate::nftwatch::NftWatch;
 use crate::output::Writer;
+use crate::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
+pub use crate::pipeline::Output;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
 use crate::plan::{base_chains, full_plan, legacy_users};
-use crate::probes::{KernelCounters, Probes, ifname};
-use crate::render_cache::RenderCache;
-use crate::report;
+use crate::probes::{KernelCounters, Probes};
+use crate::recording::{Header, Recorder};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 
@@ -52,17 +49,10 @@ pub struct TailOptions {
     pub stats_file: Option<PathBuf>,
     /// Benchmarks: probes attached but returning at once.
     pub floor: bool,
-}
-
-/// How each traversal is printed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Output {
-    /// A header line and one line per table, with what it changed and why.
-    Tree,
-    /// One JSON object per line (schema 1, docs/json-schema.md).
-    Json,
-    /// One line per packet, for busy nodes.
-    Line,
+    /// Save every record with its context here, for `observer replay`.
+    pub record: Option<PathBuf>,
+    /// Write each printed traversal's packet here (pcap-ng, its report line as comment).
+    pub pcapng: Option<PathBuf>,
 }
 
 /// Records handled before the event loop looks at signals and timers again: at about
@@ -121,8 +111,23 @@ pub struct Summary {
     pub attach_failures: u64,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
+    /// With `--record`: what the recording holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub record: Option<RecordStats>,
+    /// With `--pcapng`: what the file holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pcapng: Option<PcapngStats>,
     #[serde(skip)]
     pub kernel: KernelCounters,
+}
+
+/// What `--record` wrote, in traversal records.
+#[derive(Debug, Default, Serialize)]
+pub struct RecordStats {
+    /// Records written to the recording.
+    pub records: u64,
+    /// Records handled but not written (the file could not be written).
+    pub failed: u64,
 }
 
 impl std::fmt::Display for Summary {
@@ -143,6 +148,28 @@ impl std::fmt::Display for Summary {
             self.attach_failures,
             self.stopped_by,
         )?;
+        if let Some(r) = &self.record {
+            write!(f, "; {} records recorded", r.records)?;
+            if r.failed > 0 {
+                write!(f, " ({} could not be written to the recording)", r.failed)?;
+            }
+        }
+        if let Some(p) = &self.pcapng {
+            write!(f, "; {} packets in the pcap-ng file", p.packets)?;
+            if p.without_bytes > 0 {
+                write!(f, " ({} without their bytes)", p.without_bytes)?;
+            }
+            if p.bytes_lost > 0 {
+                write!(
+                    f,
+                    ", {} packets' bytes lost (packet ring buffer full)",
+                    p.bytes_lost
+                )?;
+            }
+            if p.failed > 0 {
+                write!(f, ", {} not written (file error)", p.failed)?;
+            }
+        }
         if self.kernel.fallback_failed > 0 {
             write!(
                 f,
@@ -160,8 +187,37 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     if let Some(ns) = &opts.netns {
         crate::netns::enter(ns)?;
     }
-    let layout = KernelLayout::from_kernel()?;
+    let mut layout = KernelLayout::from_kernel()?;
+    let pcapng = match &opts.pcapng {
+        Some(path) => {
+            layout.config[observer_common::config::CAPTURE_BYTES as usize] = 1;
+            Some(PcapngWriter::create(path)?)
+        }
+        None => None,
+    };
     let marks = mark_dictionary(opts.marks_file.as_ref())?;
+    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    let recorder = match &opts.record {
+        Some(path) => Some(Recorder::create(
+            path,
+            &Header::new(&netns, &layout.tuple, &layout.drop_reasons, &marks),
+        )?),
+        None => None,
+    };
+    let mut pipeline = Pipeline::new(
+        PipelineContext {
+            output: opts.output,
+            netns,
+            tuple: layout.tuple,
+            drop_reasons: layout.drop_reasons.clone(),
+            marks,
+        },
+        Box::new(LiveNames::load()),
+    );
+    if let Some(r) = recorder {
+        pipeline.record_to(r);
+    }
+    pipeline.packet_info = pcapng.is_some();
     // Interface names in the filter are those of the observed namespace, entered above.
     let mut program = match &opts.filter {
         Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
@@ -181,13 +237,22 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         changes.added.join(", ")
     );
     let ring = probes.take_ring()?;
+    let pcap = match pcapng {
+        Some(writer) => Some(Pcap {
+            writer,
+            ring: probes.take_packets()?,
+            store: PacketStore::new(PACKETS_HELD),
+            clock: monotonic_to_unix(),
+        }),
+        None => None,
+    };
     if opts.floor {
         probes.set_floor(true)?;
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let summary = rt.block_on(event_loop(&opts, probes, ring, layout, marks))?;
+    let summary = rt.block_on(event_loop(&opts, probes, ring, pipeline, pcap))?;
     if let Some(path) = &opts.stats_file {
         std::fs::write(path, serde_json::to_string(&summary)? + "\n")
             .with_context(|| format!("writing stats file {}", path.display()))?;
@@ -244,127 +309,99 @@ fn legacy_tables() -> (String, Vec<(NfFamily, NfHook, i32)>) {
     (names, users)
 }
 
-/// Everything that turns records into printed reports.
+/// Packet bytes waiting for their traversal (`--pcapng`): at most this many (160 bytes each).
+const PACKETS_HELD: usize = 65536;
+
+/// `--pcapng`: the probes' packet bytes, paired with the traversals printed.
+struct Pcap {
+    writer: PcapngWriter,
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    store: PacketStore,
+    /// `CLOCK_MONOTONIC` -> Unix time, ns.
+    clock: u64,
+}
+
+impl Pcap {
+    fn drain(&mut self) {
+        while let Some(item) = self.ring.next() {
+            match crate::pcapng::decode(&item) {
+                Ok(p) => self.store.insert(p),
+                Err(e) => warn!("undecodable packet bytes: {e}"),
+            }
+        }
+    }
+
+    /// Writes a printed traversal's packet. Its bytes were written when it started, so
+    /// before its record; if they were not read yet, they are now.
+    fn write(&mut self, t: &PacketInfo) {
+        let mut bytes = self.store.take(t.skb, t.ts_first);
+        if bytes.is_none() {
+            self.drain();
+            bytes = self.store.take(t.skb, t.ts_first);
+        }
+        self.writer
+            .write(&t.iface, t.ts_first + self.clock, bytes.as_ref(), &t.line);
+    }
+}
+
+/// The pipeline and where its reports go.
 struct Printer<'a> {
     opts: &'a TailOptions,
-    /// Probe plans by generation: records made under an earlier one expand through it.
-    plans: HashMap<u8, Plans>,
-    generation: u8,
-    /// Times (ns) from a ruleset change to the probes' re-plan: a traversal in flight then
-    /// may have met a chain its probes did not bracket yet.
-    replans: Vec<(u64, u64)>,
-    layout: &'a KernelLayout,
-    marks: &'a MarkDictionary,
-    symbols: Symbols,
-    netns: String,
-    names: std::cell::RefCell<HashMap<u32, String>>,
+    pipeline: Pipeline,
+    pcap: Option<Pcap>,
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
-    /// Reports already rendered, by record content.
-    cache: RenderCache,
-    snapshots: report::SnapshotCache,
-    /// Packets lost as of the last report printed.
-    reported_lost: u64,
+    /// The kernel's count of lost packets, as last read.
     lost_now: u64,
 }
 
 impl Printer<'_> {
-    fn ifname(&self, index: u32) -> String {
-        self.names
-            .borrow_mut()
-            .entry(index)
-            .or_insert_with(|| ifname(index))
-            .clone()
-    }
-
-    /// Forgets cached interface names and renderings (after renames or removals).
-    fn forget_names(&mut self) {
-        self.names.borrow_mut().clear();
-        self.cache.clear();
-    }
-
     fn count_reached(&self) -> bool {
         self.opts.count.is_some_and(|n| self.formatted >= n)
     }
 
-    /// Prints one record; returns whether `--count` is reached.
-    fn print(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
+    /// Prints one record (ring-buffer bytes); returns whether `--count` is reached.
+    fn print(&mut self, raw: &[u8], summary: &mut Summary) -> bool {
         if self.out.closed() || self.count_reached() {
             summary.not_printed += 1;
             return true;
         }
-        let plans = self
-            .plans
-            .get(&rec.generation)
-            .or_else(|| self.plans.get(&self.generation))
-            .expect("the current plan");
-        let mut rec = *rec;
-        if self
-            .replans
-            .iter()
-            .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
-        {
-            rec.incomplete |= observer_common::traversal::missing::REPLANNED;
+        match self.pipeline.handle(raw, self.lost_now) {
+            Outcome::Report {
+                bytes,
+                incomplete,
+                packet,
+            } => {
+                if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
+                    pcap.write(packet);
+                }
+                self.out.buf().extend_from_slice(&bytes);
+                self.out.done();
+                self.formatted += 1;
+                summary.incomplete += u64::from(incomplete);
+            }
+            other => {
+                crate::pipeline::warn_unusable(&other);
+                summary.not_printed += 1;
+            }
         }
-        let lost = self.lost_now - self.reported_lost;
-        self.reported_lost = self.lost_now;
-        // A report is a function of the record (and names and plans, which clear the
-        // cache when they change); `lost` is not, so only lines without it are shared.
-        let mut cache = std::mem::take(&mut self.cache);
-        let rendered = if lost == 0 {
-            let r = cache.get_or_render(&rec, || self.render(&rec, plans, 0));
-            Some((r.bytes.clone(), r.incomplete))
-        } else {
-            None
-        };
-        self.cache = cache;
-        let (bytes, incomplete) = match rendered {
-            Some(r) => r,
-            None => self.render(&rec, plans, lost),
-        };
-        if bytes.is_empty() {
-            summary.not_printed += 1;
-            return false;
-        }
-        self.out.buf().extend_from_slice(&bytes);
-        self.out.done();
-        self.formatted += 1;
-        summary.incomplete += u64::from(incomplete);
         self.count_reached()
     }
 
-    /// Formats one traversal as the output mode says; empty when the record is unusable.
-    fn render(&self, rec: &TraversalRecord, plans: &Plans, lost: u64) -> (Vec<u8>, bool) {
-        let t: Traversal = match assemble(rec, plans, &self.layout.tuple) {
-            Ok(t) => t,
-            Err(e) => {
-                warn!("unusable traversal record: {e}");
-                return (Vec::new(), false);
-            }
-        };
-        let symbol = |a: u64| self.symbols.name(a);
-        let ifname = |i: u32| self.ifname(i);
-        let ctx = report::Context {
-            snapshots: &self.snapshots,
-            plans,
-            netns: &self.netns,
-            marks: self.marks,
-            names: Names {
-                drop_reasons: &self.layout.drop_reasons,
-                symbol: &symbol,
-            },
-            ifname: &ifname,
-        };
-        let r = report::build(&t, &ctx, lost);
-        let mut buf = Vec::with_capacity(4096);
-        // Writing into a Vec cannot fail.
-        let _ = match self.opts.output {
-            Output::Json => r.write_json(&mut buf).and_then(|()| buf.write_all(b"\n")),
-            Output::Tree => writeln!(buf, "{}", r.render_tree()),
-            Output::Line => writeln!(buf, "{}", r.render_line()),
-        };
-        (buf, r.incomplete)
+    /// Prints a record taken from the probes' maps.
+    fn print_record(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
+        self.print(&encode_record(rec), summary)
+    }
+
+    /// The recording and the pcap-ng file, up to date on disk every tick.
+    fn flush_files(&mut self) {
+        if let Some(r) = self.pipeline.recorder_mut() {
+            r.flush();
+        }
+        if let Some(p) = &mut self.pcap {
+            p.writer.flush();
+        }
     }
 
     /// Hands the formatted reports to the writer thread; false while it is behind.
@@ -386,16 +423,13 @@ fn drain(
     if !printer.flush() {
         return (0, false);
     }
+    if let Some(p) = &mut printer.pcap {
+        p.drain();
+    }
     while n < max {
         let Some(item) = ring.next() else { break };
         n += 1;
-        match decode(&item) {
-            Ok(rec) => done |= printer.print(&rec, summary),
-            Err(e) => {
-                summary.not_printed += 1;
-                warn!("undecodable record: {e}");
-            }
-        }
+        done |= printer.print(&item, summary);
     }
     (n, done)
 }
@@ -404,24 +438,16 @@ async fn event_loop(
     opts: &TailOptions,
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    layout: KernelLayout,
-    marks: MarkDictionary,
+    mut pipeline: Pipeline,
+    pcap: Option<Pcap>,
 ) -> Result<Summary> {
+    pipeline.add_plans(probes.generation(), &probes.plans);
     let mut printer = Printer {
         opts,
-        plans: HashMap::from([(probes.generation(), index_plans(&probes.plans))]),
-        generation: probes.generation(),
-        replans: Vec::new(),
-        layout: &layout,
-        marks: &marks,
-        symbols: Symbols::load(),
-        netns: opts.netns.clone().unwrap_or_else(|| "current".into()),
-        names: Default::default(),
+        pipeline,
+        pcap,
         out: Writer::new(std::io::stdout()),
         formatted: 0,
-        cache: RenderCache::default(),
-        snapshots: report::SnapshotCache::default(),
-        reported_lost: 0,
         lost_now: 0,
     };
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
@@ -481,6 +507,7 @@ async fn event_loop(
                 guard.clear_ready();
             }
             _ = tick.tick() => {
+                printer.flush_files();
                 if let Some(since) = ruleset_changed
                     && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
                 {
@@ -579,6 +606,28 @@ async fn event_loop(
         stopping.elapsed()
     );
     summary.kernel = k;
+    if let Some(mut r) = printer.pipeline.take_recorder() {
+        if !r.finish() {
+            // What was buffered is lost; the file holds the records before it at least.
+            warn!(
+                "the end of the recording {} may be missing",
+                r.path().display()
+            );
+        }
+        summary.record = Some(RecordStats {
+            records: r.records,
+            failed: r.failed,
+        });
+    }
+    if let Some(mut p) = printer.pcap.take() {
+        p.writer.finish();
+        let mut stats = p.writer.stats;
+        stats.bytes_lost = probes.packets_lost().unwrap_or_else(|e| {
+            warn!("reading the probes' count of lost packet bytes: {e:#}");
+            0
+        });
+        summary.pcapng = Some(stats);
+    }
     // A record written between the drain and the counters is neither printed nor in flight.
     let accounted = summary.printed
         + summary.lost
@@ -609,15 +658,10 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
                 .map(|(f, h)| format!("{}/{}", f.name(), h.name()))
                 .collect();
             info!("ruleset changed: probes re-planned on {}", hooks.join(", "));
-            printer.generation = probes.generation();
-            printer.cache.clear();
             printer
-                .plans
-                .insert(printer.generation, index_plans(&probes.plans));
-            printer.replans.push((since, now_ns()));
-            if printer.replans.len() > 16 {
-                printer.replans.remove(0);
-            }
+                .pipeline
+                .add_plans(probes.generation(), &probes.plans);
+            printer.pipeline.replanned(since, now_ns());
         }
         Err(e) => {
             probes.attach_failures += 1;
@@ -656,7 +700,7 @@ fn take_waiting(
     match probes.sweep(before.0, before.1, idle_end) {
         Ok(recs) => {
             for r in &recs {
-                printer.print(r, summary);
+                printer.print_record(r, summary);
             }
             printer.flush();
         }
@@ -686,7 +730,7 @@ fn housekeeping(
                 warn!("no probes on interface {name}: {e}");
             }
             if !c.removed.is_empty() || !c.renamed.is_empty() {
-                printer.forget_names();
+                printer.pipeline.forget_names();
             }
         }
         Err(e) => warn!("scanning interfaces: {e:#}"),

@@ -7,6 +7,8 @@
 //! - `demo`: the main job on the built-in lab: build, lab up, trace a few flows, lab down.
 //! - `test`: fmt, clippy, and every test (unit and privileged integration tests).
 //! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
+//! - `golden`: record the lab's demo flows again for the golden replay tests, or (with
+//!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -27,6 +29,8 @@ const PACKAGES: &[&str] = &[
     "iperf3",
     "procps",
     "kmod",
+    // Reads back `tail --pcapng` files in the tests.
+    "tshark",
 ];
 
 #[derive(Parser)]
@@ -55,6 +59,14 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// Golden replay files (observer/tests/golden): record the lab's demo flows with
+    /// `tail --record` (root) and write what `observer replay` prints of them.
+    Golden {
+        /// Keep the recordings; only rewrite the expected outputs by replaying them (no
+        /// root; after an intended change of the reports: review the diff).
+        #[arg(long)]
+        outputs_only: bool,
+    },
     /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
     Bench {
         /// Seconds per iperf3 run.
@@ -75,8 +87,45 @@ fn main() -> Result<()> {
         }
         Task::Demo { mode } => demo(&mode),
         Task::Test { args } => test(&args),
+        Task::Golden { outputs_only } => golden(outputs_only),
         Task::Bench { seconds } => bench(seconds),
     }
+}
+
+fn golden(outputs_only: bool) -> Result<()> {
+    if outputs_only {
+        return run(Command::new("cargo")
+            .args([
+                "test",
+                "--locked",
+                "-p",
+                "observer",
+                "--test",
+                "replay_golden",
+            ])
+            .env("OBSERVER_SKIP_EBPF", "1")
+            .env("OBSERVER_UPDATE_GOLDEN", "1"));
+    }
+    need_root("golden")?;
+    let tc = setup()?;
+    build(&tc, false)?;
+    run(Command::new("cargo")
+        .args([
+            "test",
+            "--locked",
+            "-p",
+            "observer-tests",
+            "--test",
+            "replay",
+        ])
+        .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
+        .env("OBSERVER_BIN", observer_bin(false))
+        .env("OBSERVER_UPDATE_GOLDEN", "1")
+        .args(["--", "recorded_lab_flows_replay_as_printed_live", "--exact"]))?;
+    eprintln!(
+        "xtask: golden recordings and outputs rewritten in observer/tests/golden; review and commit them"
+    );
+    Ok(())
 }
 
 fn workspace_root() -> PathBuf {
@@ -139,6 +188,22 @@ fn install_packages() -> Result<()> {
         bail!("Debian packages {missing:?} are missing; run `cargo xtask setup` as root");
     }
     eprintln!("xtask: installing {missing:?}");
+    if missing.contains(&"tshark") {
+        // wireshark-common asks whether non-root users may capture; answer it beforehand so
+        // that the install never waits for a terminal (no: the tests run as root).
+        let mut preseed = Command::new("debconf-set-selections")
+            .stdin(Stdio::piped())
+            .spawn()
+            .context("cannot run debconf-set-selections")?;
+        std::io::Write::write_all(
+            preseed.stdin.as_mut().expect("piped stdin"),
+            b"wireshark-common wireshark-common/install-setuid boolean false\n",
+        )?;
+        drop(preseed.stdin.take());
+        if !preseed.wait()?.success() {
+            bail!("debconf-set-selections failed to preseed wireshark-common");
+        }
+    }
     run(Command::new("apt-get").arg("update").arg("-qq"))?;
     run(Command::new("apt-get")
         .args(["install", "-y", "-qq", "--no-install-recommends"])

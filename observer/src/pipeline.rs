@@ -1,0 +1,733 @@
+//! The record -> report pipeline, shared by `tail` (records from the probes) and `replay`
+//! (records from a `--record` file): decode, expand through the probe plan of the record's
+//! generation, build the report, render it. Everything a report depends on besides the
+//! record (plans, kernel layout, names, mark dictionary) lives here, so that the same
+//! records with the same context print the same bytes live and replayed.
+//!
+//! With a [`Recorder`] attached, every record handled is saved with whatever context it
+//! needed that the file does not hold yet (docs/recording.md).
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use log::warn;
+
+use crate::annotate::Names;
+use crate::btf::TupleLayout;
+use crate::correlate::{Plans, Traversal, assemble, index_plans};
+use crate::decode::{DecodeError, decode};
+use crate::kallsyms::Symbols;
+use crate::marks::MarkDictionary;
+use crate::plan::HookPlan;
+use crate::recording::{Meta, Recorder};
+use crate::render_cache::RenderCache;
+use crate::report;
+use observer_common::traversal::{TraversalRecord, missing};
+
+/// How each traversal is printed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// A header line and one line per table, with what it changed and why.
+    Tree,
+    /// One JSON object per line (schema 1, docs/json-schema.md).
+    Json,
+    /// One line per packet, for busy nodes.
+    Line,
+}
+
+/// Interface names and kernel symbols, from the running system or from a recording.
+pub trait NameSource {
+    /// The interface's name (`-` for 0, `if<N>` when unknown).
+    fn ifname(&self, index: u32) -> String;
+    /// `function+0xoffset` for a kernel code address (hex when unknown).
+    fn symbol(&self, addr: u64) -> String;
+    /// Forgets cached names (interfaces were renamed or removed).
+    fn forget(&self) {}
+}
+
+/// Names from this host: `if_indextoname` (cached) and `/proc/kallsyms`.
+pub struct LiveNames {
+    names: std::cell::RefCell<HashMap<u32, String>>,
+    symbols: Symbols,
+}
+
+impl LiveNames {
+    pub fn load() -> Self {
+        Self {
+            names: Default::default(),
+            symbols: Symbols::load(),
+        }
+    }
+}
+
+impl NameSource for LiveNames {
+    fn ifname(&self, index: u32) -> String {
+        self.names
+            .borrow_mut()
+            .entry(index)
+            .or_insert_with(|| crate::probes::ifname(index))
+            .clone()
+    }
+    fn symbol(&self, addr: u64) -> String {
+        self.symbols.name(addr)
+    }
+    fn forget(&self) {
+        self.names.borrow_mut().clear();
+    }
+}
+
+/// Names as a recording saved them.
+#[derive(Default)]
+pub struct RecordedNames {
+    pub ifnames: HashMap<u32, String>,
+    pub symbols: HashMap<u64, String>,
+}
+
+impl NameSource for RecordedNames {
+    fn ifname(&self, index: u32) -> String {
+        match self.ifnames.get(&index) {
+            Some(n) => n.clone(),
+            None if index == 0 => "-".into(),
+            None => format!("if{index}"),
+        }
+    }
+    fn symbol(&self, addr: u64) -> String {
+        self.symbols
+            .get(&addr)
+            .cloned()
+            .unwrap_or_else(|| format!("{addr:#x}"))
+    }
+}
+
+/// What the pipeline made of one record.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The report, formatted as the output mode says, and whether it is flagged incomplete;
+    /// with [`Pipeline::packet_info`], what `--pcapng` needs of the traversal.
+    Report {
+        bytes: Vec<u8>,
+        incomplete: bool,
+        packet: Option<PacketInfo>,
+    },
+    /// The bytes are no traversal record.
+    Undecodable(DecodeError),
+    /// A record the plans cannot expand (unknown end or hook).
+    Unusable(String),
+}
+
+/// A printed traversal, as `--pcapng` writes it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PacketInfo {
+    /// Its identity (skb address, start time: `CLOCK_MONOTONIC` ns).
+    pub skb: u64,
+    pub ts_first: u64,
+    /// The interface where it entered (where it left for a packet sent by this host;
+    /// `local` when neither was seen).
+    pub iface: String,
+    /// Its one-line report.
+    pub line: String,
+}
+
+/// The interface a traversal entered on, else the one it left by (0: none seen).
+fn entry_ifindex(rec: &TraversalRecord) -> u32 {
+    let visits = &rec.visits[..usize::from(rec.nvisits).min(rec.visits.len())];
+    visits
+        .iter()
+        .map(|v| v.ifindex_in)
+        .find(|&i| i != 0)
+        .or_else(|| visits.iter().map(|v| v.ifindex_out).find(|&i| i != 0))
+        .unwrap_or(0)
+}
+
+/// The context every report needs besides its record.
+pub struct Context {
+    pub output: Output,
+    pub netns: String,
+    pub tuple: TupleLayout,
+    /// `enum skb_drop_reason` value -> name.
+    pub drop_reasons: HashMap<u32, String>,
+    pub marks: MarkDictionary,
+}
+
+pub struct Pipeline {
+    pub ctx: Context,
+    /// Probe plans by generation: records made under an earlier one expand through it.
+    plans: HashMap<u8, Plans>,
+    generation: u8,
+    /// Times (ns) from a ruleset change to the probes' re-plan: a traversal in flight then
+    /// may have met a chain its probes did not bracket yet.
+    replans: Vec<(u64, u64)>,
+    names: Box<dyn NameSource>,
+    /// Reports already rendered, by record content.
+    cache: RenderCache,
+    /// One-line renderings for [`PacketInfo`], likewise.
+    line_cache: RenderCache,
+    /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
+    pub packet_info: bool,
+    snapshots: report::SnapshotCache,
+    /// Packets lost as of the last report.
+    reported_lost: u64,
+    recorder: Option<Recorder>,
+}
+
+impl Pipeline {
+    pub fn new(ctx: Context, names: Box<dyn NameSource>) -> Self {
+        Self {
+            ctx,
+            plans: HashMap::new(),
+            generation: 0,
+            replans: Vec::new(),
+            names,
+            cache: RenderCache::default(),
+            line_cache: RenderCache::default(),
+            packet_info: false,
+            snapshots: report::SnapshotCache::default(),
+            reported_lost: 0,
+            recorder: None,
+        }
+    }
+
+    /// Saves every record handled from now on, with its context, through `recorder` (which
+    /// has written the file's header already).
+    pub fn record_to(&mut self, recorder: Recorder) {
+        self.recorder = Some(recorder);
+    }
+
+    pub fn recorder_mut(&mut self) -> Option<&mut Recorder> {
+        self.recorder.as_mut()
+    }
+
+    pub fn take_recorder(&mut self) -> Option<Recorder> {
+        self.recorder.take()
+    }
+
+    /// The probe plan of `generation`, now the current one.
+    pub fn add_plans(&mut self, generation: u8, plans: &[HookPlan]) {
+        if let Some(r) = &mut self.recorder {
+            r.meta(&Meta::plans(generation, plans));
+        }
+        self.generation = generation;
+        self.clear_caches();
+        self.plans.insert(generation, index_plans(plans));
+    }
+
+    /// The ruleset changed at `from` and the probes were re-planned at `to` (ns).
+    pub fn replanned(&mut self, from: u64, to: u64) {
+        if let Some(r) = &mut self.recorder {
+            r.meta(&Meta::Replan { from, to });
+        }
+        self.replans.push((from, to));
+        if self.replans.len() > 16 {
+            self.replans.remove(0);
+        }
+    }
+
+    /// Forgets cached interface names and renderings (after renames or removals).
+    pub fn forget_names(&mut self) {
+        self.names.forget();
+        self.clear_caches();
+    }
+
+    fn clear_caches(&mut self) {
+        self.cache.clear();
+        self.line_cache.clear();
+    }
+
+    /// One ring-buffer record -> its report. `lost_now` is the kernel's count of lost
+    /// packets so far; the report says how many were lost since the previous one.
+    pub fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
+        let outcome = match decode(raw) {
+            Ok(rec) => self.render_record(&rec, lost_now),
+            Err(e) => Outcome::Undecodable(e),
+        };
+        if let Some(r) = &mut self.recorder {
+            r.record(raw, lost_now);
+        }
+        outcome
+    }
+
+    fn render_record(&mut self, rec: &TraversalRecord, lost_now: u64) -> Outcome {
+        let Some(plans) = self
+            .plans
+            .get(&rec.generation)
+            .or_else(|| self.plans.get(&self.generation))
+        else {
+            return Outcome::Unusable("no probe plan is known".into());
+        };
+        let mut rec = *rec;
+        if self
+            .replans
+            .iter()
+            .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
+        {
+            rec.incomplete |= missing::REPLANNED;
+        }
+        let lost = lost_now.saturating_sub(self.reported_lost);
+        self.reported_lost = self.reported_lost.max(lost_now);
+        // A report is a function of the record (and names and plans, which clear the
+        // cache when they change); `lost` is not, so only lines without it are shared.
+        let names = Logged {
+            inner: &*self.names,
+            log: self.recorder.as_ref().map(|_| Default::default()),
+        };
+        let result = if lost == 0 {
+            let mut failed = None;
+            let r = self.cache.get_or_render(&rec, || {
+                match render(
+                    &rec,
+                    plans,
+                    &self.ctx,
+                    self.ctx.output,
+                    &self.snapshots,
+                    &names,
+                    0,
+                ) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        failed = Some(e);
+                        (Vec::new(), false)
+                    }
+                }
+            });
+            match failed {
+                Some(e) => Err(e),
+                None => Ok((r.bytes.clone(), r.incomplete)),
+            }
+        } else {
+            render(
+                &rec,
+                plans,
+                &self.ctx,
+                self.ctx.output,
+                &self.snapshots,
+                &names,
+                lost,
+            )
+        };
+        let packet = match &result {
+            Ok((bytes, _)) if self.packet_info && !bytes.is_empty() => {
+                let line = if self.ctx.output == Output::Line {
+                    bytes.clone()
+                } else {
+                    let snapshots = &self.snapshots;
+                    let ctx = &self.ctx;
+                    self.line_cache
+                        .get_or_render(&rec, || {
+                            render(&rec, plans, ctx, Output::Line, snapshots, &names, 0)
+                                .unwrap_or_default()
+                        })
+                        .bytes
+                        .clone()
+                };
+                let iface = match entry_ifindex(&rec) {
+                    0 => "local".to_string(),
+                    i => names.ifname(i),
+                };
+                Some(PacketInfo {
+                    skb: rec.skb,
+                    ts_first: rec.ts_first,
+                    iface,
+                    line: String::from_utf8_lossy(&line).trim_end().to_string(),
+                })
+            }
+            _ => None,
+        };
+        let learned = names.log.map(std::cell::RefCell::into_inner);
+        if let (Some(r), Some(learned)) = (&mut self.recorder, learned) {
+            r.names(learned);
+        }
+        match result {
+            Ok((bytes, incomplete)) if !bytes.is_empty() => Outcome::Report {
+                bytes,
+                incomplete,
+                packet,
+            },
+            Ok(_) => Outcome::Unusable("empty report".into()),
+            Err(e) => {
+                // A cached failure renders as empty bytes; forget it so it is reported again.
+                self.cache.clear();
+                Outcome::Unusable(e)
+            }
+        }
+    }
+}
+
+/// A name source that notes what it answered, for the recording.
+struct Logged<'a> {
+    inner: &'a dyn NameSource,
+    log: Option<std::cell::RefCell<Learned>>,
+}
+
+/// Names a report used: (ifindex, name) and (address, symbol).
+#[derive(Default)]
+pub struct Learned {
+    pub ifnames: Vec<(u32, String)>,
+    pub symbols: Vec<(u64, String)>,
+}
+
+impl Logged<'_> {
+    fn ifname(&self, index: u32) -> String {
+        let n = self.inner.ifname(index);
+        if let Some(l) = &self.log {
+            l.borrow_mut().ifnames.push((index, n.clone()));
+        }
+        n
+    }
+    fn symbol(&self, addr: u64) -> String {
+        let s = self.inner.symbol(addr);
+        if let Some(l) = &self.log {
+            l.borrow_mut().symbols.push((addr, s.clone()));
+        }
+        s
+    }
+}
+
+/// Formats one traversal as the output mode says.
+fn render(
+    rec: &TraversalRecord,
+    plans: &Plans,
+    ctx: &Context,
+    output: Output,
+    snapshots: &report::SnapshotCache,
+    names: &Logged,
+    lost: u64,
+) -> Result<(Vec<u8>, bool), String> {
+    let t: Traversal = assemble(rec, plans, &ctx.tuple).map_err(|e| e.to_string())?;
+    let symbol = |a: u64| names.symbol(a);
+    let ifname = |i: u32| names.ifname(i);
+    let rctx = report::Context {
+        snapshots,
+        plans,
+        netns: &ctx.netns,
+        marks: &ctx.marks,
+        names: Names {
+            drop_reasons: &ctx.drop_reasons,
+            symbol: &symbol,
+        },
+        ifname: &ifname,
+    };
+    let r = report::build(&t, &rctx, lost);
+    let mut buf = Vec::with_capacity(4096);
+    // Writing into a Vec cannot fail.
+    let _ = match output {
+        Output::Json => r.write_json(&mut buf).and_then(|()| buf.write_all(b"\n")),
+        Output::Tree => writeln!(buf, "{}", r.render_tree()),
+        Output::Line => writeln!(buf, "{}", r.render_line()),
+    };
+    Ok((buf, r.incomplete))
+}
+
+/// Logs an unusable record the way tail always has.
+pub fn warn_unusable(o: &Outcome) {
+    match o {
+        Outcome::Undecodable(e) => warn!("undecodable record: {e}"),
+        Outcome::Unusable(e) => warn!("unusable traversal record: {e}"),
+        Outcome::Report { .. } => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::correlate::tests::record_of;
+    use crate::decode::encode_record;
+    use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
+    use crate::plan::full_plan;
+    use crate::recording::Header;
+    use crate::replay::{ReplayOptions, run};
+    use observer_common::hook;
+    use observer_common::traversal::end;
+
+    const CLIENT: ([u8; 4], u16) = ([198, 51, 100, 10], 40000);
+    const VIP: ([u8; 4], u16) = ([10, 10, 10, 2], 22);
+    const POD: ([u8; 4], u16) = ([172, 17, 0, 5], 22);
+
+    /// Names as a live host would give them; counts lookups.
+    struct Host;
+    impl NameSource for Host {
+        fn ifname(&self, index: u32) -> String {
+            match index {
+                0 => "-".into(),
+                2 => "eth0".into(),
+                5 => "cali1a2b".into(),
+                i => format!("if{i}"),
+            }
+        }
+        fn symbol(&self, addr: u64) -> String {
+            format!("nf_hook_slow+{:#x}", addr & 0xfff)
+        }
+    }
+
+    /// A DNATed packet forwarded to the pod, and one dropped in FORWARD/filter.
+    fn records() -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        for (n, dropped) in [(1u64, false), (2, true), (3, false)] {
+            let skb = 0xffff_0000_0000_1000 + 0x100 * n;
+            let orig = (CLIENT, VIP);
+            let reply = (POD, CLIENT);
+            let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, CLIENT, VIP, 0)];
+            evs[0].header.ifindex_in = 2;
+            for slot in 0..6u32 {
+                let (dst, mark) = if slot >= 4 { (POD, 0x4000) } else { (VIP, 0) };
+                let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
+                if slot >= 2 {
+                    e = with_ct(e, 2, orig, reply);
+                }
+                evs.push(e);
+            }
+            let forward_slots = if dropped { 2 } else { 5 };
+            for slot in 0..forward_slots {
+                evs.push(with_ct(
+                    tcp_event(2, slot, skb, CLIENT, POD, 0x4000),
+                    2,
+                    orig,
+                    reply,
+                ));
+            }
+            if !dropped {
+                let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, CLIENT, POD, 0x4000);
+                eg.header.ifindex_out = 5;
+                evs.push(eg);
+            }
+            for (i, e) in evs.iter_mut().enumerate() {
+                e.header.ts_ns = n * 1000 + i as u64;
+            }
+            let mut rec = record_of(&evs, if dropped { end::DROPPED } else { end::EGRESS });
+            if dropped {
+                rec.reason = 12;
+                rec.location = 0xffff_ffff_8100_009e;
+            }
+            out.push(encode_record(&rec));
+        }
+        out
+    }
+
+    fn context(output: Output) -> Context {
+        Context {
+            output,
+            netns: "lab-node".into(),
+            tuple: LAYOUT,
+            drop_reasons: [(12, "NETFILTER_DROP".to_string())].into(),
+            marks: MarkDictionary::default(),
+        }
+    }
+
+    /// Runs records through a "live" pipeline that records, then replays the file.
+    fn live_and_replayed(output: Output) -> (Vec<u8>, Vec<u8>, crate::replay::ReplaySummary) {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("observer-pipeline-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join(format!("{output:?}.rec"));
+        let ctx = context(output);
+        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
+        let mut live = Pipeline::new(ctx, Box::new(Host));
+        live.record_to(Recorder::create(&file, &header).unwrap());
+        live.add_plans(0, &full_plan(None));
+        let mut printed = Vec::new();
+        let recs = records();
+        // Lost packets before the second report; then an undecodable record; then a
+        // re-plan (the third record is in flight across it) and a rename.
+        for (i, (raw, lost)) in [(&recs[0], 0), (&recs[1], 3), (&recs[0], 3)]
+            .into_iter()
+            .enumerate()
+        {
+            if let Outcome::Report { bytes, .. } = live.handle(raw, lost) {
+                printed.extend(bytes);
+            }
+            if i == 1 {
+                assert!(matches!(
+                    live.handle(&[3, 0, 0], 3),
+                    Outcome::Undecodable(_)
+                ));
+                live.add_plans(
+                    1,
+                    &full_plan(Some(&[(
+                        crate::nf_link::NfFamily::Ipv4,
+                        crate::nf_link::NfHook::Forward,
+                        -10,
+                    )])),
+                );
+                live.replanned(2990, 3010);
+            }
+        }
+        if let Outcome::Report { bytes, .. } = live.handle(&recs[2], 3) {
+            printed.extend(bytes);
+        }
+        let mut r = live.take_recorder().unwrap();
+        assert!(r.finish());
+        assert_eq!((r.records, r.failed), (5, 0));
+        let mut replayed = Vec::new();
+        let summary = run(
+            &ReplayOptions {
+                file: file.clone(),
+                output,
+                count: None,
+                filter: None,
+            },
+            &mut replayed,
+        )
+        .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        (printed, replayed, summary)
+    }
+
+    #[test]
+    fn replay_prints_what_tail_printed_in_every_output() {
+        for output in [Output::Json, Output::Tree, Output::Line] {
+            let (live, replayed, summary) = live_and_replayed(output);
+            let text = String::from_utf8(live.clone()).unwrap();
+            assert!(text.contains("cali1a2b"), "{text}");
+            assert!(text.contains("nf_hook_slow+0x9e"), "{text}");
+            assert!(text.contains("NETFILTER_DROP"), "{text}");
+            assert_eq!(
+                String::from_utf8(replayed).unwrap(),
+                text,
+                "{output:?}: replay differs from the live output"
+            );
+            assert_eq!(summary.records, 5);
+            assert_eq!(summary.printed, 4);
+            assert_eq!(summary.unusable, 1);
+        }
+    }
+
+    #[test]
+    fn lost_packets_and_replans_reach_the_replayed_reports() {
+        let (live, replayed, _) = live_and_replayed(Output::Json);
+        assert_eq!(live, replayed);
+        let reports: Vec<serde_json::Value> = String::from_utf8(replayed)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let lost: Vec<u64> = reports
+            .iter()
+            .map(|r| r["lost"].as_u64().unwrap())
+            .collect();
+        assert_eq!(lost, vec![0, 3, 0, 0]);
+        // The third record (ts 1000..) does not overlap the re-plan window; the fourth
+        // (ts 3000..) does, and is flagged.
+        assert_eq!(reports[2]["incomplete"], false);
+        assert_eq!(reports[3]["incomplete"], true, "{}", reports[3]);
+    }
+
+    #[test]
+    fn replay_count_stops_early() {
+        let dir = std::env::temp_dir().join(format!("observer-count-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.rec");
+        let ctx = context(Output::Line);
+        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
+        let mut live = Pipeline::new(ctx, Box::new(Host));
+        live.record_to(Recorder::create(&file, &header).unwrap());
+        live.add_plans(0, &full_plan(None));
+        for r in records() {
+            live.handle(&r, 0);
+        }
+        live.take_recorder().unwrap().finish();
+        let mut out = Vec::new();
+        let s = run(
+            &ReplayOptions {
+                file,
+                output: Output::Line,
+                count: Some(2),
+                filter: None,
+            },
+            &mut out,
+        )
+        .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(s.printed, 2);
+        assert_eq!(String::from_utf8(out).unwrap().lines().count(), 2);
+    }
+
+    #[test]
+    fn packet_info_carries_the_line_report_and_entry_interface() {
+        let recs = records();
+        let mut lines = Pipeline::new(context(Output::Line), Box::new(Host));
+        lines.add_plans(0, &full_plan(None));
+        let Outcome::Report { bytes: line, .. } = lines.handle(&recs[0], 0) else {
+            panic!("a report");
+        };
+        for output in [Output::Tree, Output::Json, Output::Line] {
+            let mut p = Pipeline::new(context(output), Box::new(Host));
+            p.add_plans(0, &full_plan(None));
+            p.packet_info = true;
+            // Twice: the second comes from the caches.
+            for _ in 0..2 {
+                let Outcome::Report {
+                    packet: Some(info), ..
+                } = p.handle(&recs[0], 0)
+                else {
+                    panic!("a report with its packet");
+                };
+                assert_eq!(info.line, String::from_utf8_lossy(&line).trim_end());
+                assert_eq!(info.iface, "eth0");
+                let rec = decode(&recs[0]).unwrap();
+                assert_eq!((info.skb, info.ts_first), (rec.skb, rec.ts_first));
+            }
+        }
+        let mut p = Pipeline::new(context(Output::Json), Box::new(Host));
+        p.add_plans(0, &full_plan(None));
+        assert!(
+            matches!(p.handle(&recs[0], 0), Outcome::Report { packet: None, .. }),
+            "only asked for"
+        );
+    }
+
+    #[test]
+    fn replay_filters_as_the_probes_decide_after_conntrack() {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("observer-filter-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.rec");
+        let ctx = context(Output::Line);
+        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
+        let mut live = Pipeline::new(ctx, Box::new(Host));
+        live.record_to(Recorder::create(&file, &header).unwrap());
+        live.add_plans(0, &full_plan(None));
+        for r in records() {
+            live.handle(&r, 0);
+        }
+        live.take_recorder().unwrap().finish();
+        let printed = |filter: &str| {
+            let mut out = Vec::new();
+            let s = run(
+                &ReplayOptions {
+                    file: file.clone(),
+                    output: Output::Line,
+                    count: None,
+                    filter: Some(filter.into()),
+                },
+                &mut out,
+            )
+            .unwrap();
+            assert_eq!(s.printed + s.filtered, 3, "{filter}");
+            s.printed
+        };
+        // The ClusterIP as it entered, the pod only in the connection's reply tuple.
+        assert_eq!(printed("dst host 10.10.10.2 and tcp port 22"), 3);
+        assert_eq!(printed("host 172.17.0.5"), 3);
+        assert_eq!(printed("udp or port 23"), 0);
+        // Interface names are the recording's.
+        assert_eq!(printed("iface eth0"), 3);
+        assert_eq!(printed("not iface eth0"), 0);
+        let mut out = Vec::new();
+        let err = run(
+            &ReplayOptions {
+                file: file.clone(),
+                output: Output::Line,
+                count: None,
+                filter: Some("iface nosuch0".into()),
+            },
+            &mut out,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            err.is_err(),
+            "an interface the recording never named is an error"
+        );
+    }
+}

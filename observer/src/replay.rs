@@ -1,0 +1,256 @@
+//! `observer replay FILE`: the reports of a `tail --record` run, printed again from the
+//! recording through the same pipeline as tail (no root, no eBPF, any machine).
+
+use std::cell::RefCell;
+use std::io::Write;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use anyhow::{Context as _, Result};
+use serde::Serialize;
+
+use crate::btf::TupleLayout;
+use crate::decode::{decode, tuple as raw_tuple};
+use crate::marks::MarkDictionary;
+use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames};
+use crate::recording::{Frame, Meta, Reader};
+use observer_common::filter::{
+    FilterInput, FilterProgram, MAX_INPUTS, eval_any, flow_hash, sample_keep,
+};
+use observer_common::traversal::{TraversalRecord, step};
+
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    pub file: PathBuf,
+    pub output: Output,
+    /// Stop after printing N traversals.
+    pub count: Option<u64>,
+    /// Print only traversals this `--filter` expression keeps (docs/filter.md).
+    pub filter: Option<String>,
+}
+
+/// What a replay printed, in records.
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct ReplaySummary {
+    pub records: u64,
+    pub printed: u64,
+    pub incomplete: u64,
+    /// Records that decode or expand to no report (tail counted them as not printed too).
+    pub unusable: u64,
+    /// Context frames of a kind this observer does not know, skipped.
+    pub skipped_context: u64,
+    /// Records left out by `--filter` (or its `--sample`).
+    pub filtered: u64,
+    #[serde(skip)]
+    pub recorded_by: String,
+    #[serde(skip)]
+    pub netns: String,
+}
+
+impl std::fmt::Display for ReplaySummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "observer: replayed {} records of `{}` (recorded by observer {}): {} traversals \
+             printed ({} incomplete), {} unusable",
+            self.records,
+            self.netns,
+            self.recorded_by,
+            self.printed,
+            self.incomplete,
+            self.unusable
+        )?;
+        if self.filtered > 0 {
+            write!(f, ", {} left out by --filter", self.filtered)?;
+        }
+        if self.skipped_context > 0 {
+            write!(
+                f,
+                "; {} context frames of a later observer skipped",
+                self.skipped_context
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The recording's names, shared between the pipeline and the reader that updates them.
+struct Shared(Rc<RefCell<RecordedNames>>);
+
+impl NameSource for Shared {
+    fn ifname(&self, index: u32) -> String {
+        self.0.borrow().ifname(index)
+    }
+    fn symbol(&self, addr: u64) -> String {
+        self.0.borrow().symbol(addr)
+    }
+}
+
+/// Prints the recording's reports to `out`.
+pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
+    let mut reader = Reader::open(&opts.file)?;
+    let h = reader.header.clone();
+    let names = Rc::new(RefCell::new(RecordedNames::default()));
+    let mut pipeline = Pipeline::new(
+        Context {
+            output: opts.output,
+            netns: h.netns.clone(),
+            tuple: (&h.tuple).into(),
+            drop_reasons: h.drop_reasons.clone(),
+            marks: MarkDictionary::from_entries(&h.marks),
+        },
+        Box::new(Shared(names.clone())),
+    );
+    let mut summary = ReplaySummary {
+        recorded_by: h.observer_version.clone(),
+        netns: h.netns.clone(),
+        ..Default::default()
+    };
+    // Interface names in the filter are the recording's (the last name an index had).
+    let filter = match &opts.filter {
+        Some(expr) => Some(crate::filter::compile(expr, &|name| {
+            recorded_ifindex(&opts.file, name)
+        })?),
+        None => None,
+    };
+    let tuple: TupleLayout = (&h.tuple).into();
+    while let Some(frame) = reader.next_frame()? {
+        if opts.count.is_some_and(|n| summary.printed >= n) {
+            break;
+        }
+        match frame {
+            Frame::Meta(Meta::Plans { generation, plans }) => {
+                let plans = plans
+                    .iter()
+                    .map(|p| {
+                        p.to_plan().with_context(|| {
+                            format!(
+                                "{}: a probe plan names an unknown family or hook ({}, {}); \
+                                 the file is damaged or from another observer",
+                                opts.file.display(),
+                                p.family,
+                                p.hook
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                pipeline.add_plans(generation, &plans);
+            }
+            Frame::Meta(Meta::Replan { from, to }) => pipeline.replanned(from, to),
+            Frame::Meta(Meta::Names { ifnames, symbols }) => {
+                let mut n = names.borrow_mut();
+                let renamed = ifnames
+                    .iter()
+                    .any(|(i, name)| n.ifnames.get(i).is_some_and(|old| old != name));
+                n.ifnames.extend(ifnames);
+                n.symbols.extend(symbols);
+                drop(n);
+                if renamed {
+                    pipeline.forget_names();
+                }
+            }
+            Frame::UnknownMeta(name) => {
+                log::warn!(
+                    "skipping context `{name}`, which this observer does not know (recorded \
+                     by observer {})",
+                    h.observer_version
+                );
+                summary.skipped_context += 1;
+            }
+            Frame::Record { lost_now, bytes } => {
+                summary.records += 1;
+                if let (Some(prog), Ok(rec)) = (&filter, decode(&bytes))
+                    && !keeps(prog, &rec, &tuple)
+                {
+                    summary.filtered += 1;
+                    continue;
+                }
+                match pipeline.handle(&bytes, lost_now) {
+                    Outcome::Report {
+                        bytes, incomplete, ..
+                    } => {
+                        out.write_all(&bytes)
+                            .context("writing the reports to stdout")?;
+                        summary.printed += 1;
+                        summary.incomplete += u64::from(incomplete);
+                    }
+                    other => {
+                        crate::pipeline::warn_unusable(&other);
+                        summary.unusable += 1;
+                    }
+                }
+            }
+        }
+    }
+    out.flush().context("writing the reports to stdout")?;
+    Ok(summary)
+}
+
+/// The interface index a name had in the recording at `file` (its last), for `--filter`.
+fn recorded_ifindex(file: &std::path::Path, name: &str) -> Option<u32> {
+    let mut r = Reader::open(file).ok()?;
+    let mut found = None;
+    while let Ok(Some(f)) = r.next_frame() {
+        if let Frame::Meta(Meta::Names { ifnames, .. }) = f {
+            for (i, n) in ifnames {
+                if n == name {
+                    found = Some(i);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// What the probes' filter decides for `rec`, from what the record holds: the packet as it
+/// entered, and its connection's original and reply tuples, as the probes decide after
+/// conntrack (docs/filter.md); sampled by the original tuple, as they sample.
+pub fn keeps(prog: &FilterProgram, rec: &TraversalRecord, layout: &TupleLayout) -> bool {
+    let n = usize::from(rec.nsteps).min(rec.steps.len());
+    let Some(s) = rec.steps[..n]
+        .iter()
+        .find(|s| s.flags & step::INNER_STATE == 0)
+    else {
+        return false;
+    };
+    let visit = rec.visits[usize::from(s.visit).min(rec.visits.len() - 1)];
+    let has_ports = s.flags & (observer_common::flags::NO_L3 | observer_common::flags::NO_L4) == 0
+        && matches!(s.l4proto, 6 | 17 | 132);
+    let entry = FilterInput {
+        saddr: s.saddr,
+        daddr: s.daddr,
+        ifindex_in: visit.ifindex_in,
+        ifindex_out: visit.ifindex_out,
+        mark: s.mark,
+        sport: s.sport,
+        dport: s.dport,
+        ip_version: s.ip_version,
+        l4proto: s.l4proto,
+        has_ports: u8::from(has_ports),
+        _pad: 0,
+    };
+    let mut inputs = [entry; MAX_INPUTS];
+    let with_ct = rec.steps[..n]
+        .iter()
+        .any(|s| s.flags & observer_common::flags::CT != 0);
+    if with_ct {
+        let v4 = s.ip_version == 4;
+        for (input, raw) in inputs[1..].iter_mut().zip([&rec.ct_orig, &rec.ct_reply]) {
+            let t = raw_tuple(raw, layout, v4);
+            let bytes = |a: std::net::IpAddr| match a {
+                std::net::IpAddr::V4(a) => {
+                    let mut b = [0u8; 16];
+                    b[..4].copy_from_slice(&a.octets());
+                    b
+                }
+                std::net::IpAddr::V6(a) => a.octets(),
+            };
+            input.saddr = bytes(t.src.addr);
+            input.daddr = bytes(t.dst.addr);
+            input.sport = t.src.port;
+            input.dport = t.dst.port;
+        }
+    }
+    let hashed = if with_ct { &inputs[1] } else { &inputs[0] };
+    eval_any(prog, &inputs, if with_ct { 3 } else { 1 }) && sample_keep(prog, flow_hash(hashed))
+}
