@@ -594,8 +594,17 @@ fn bench(seconds: u32) -> Result<()> {
          workload, {rounds} alternating rounds, medians; ratios against the baseline:"
     );
     println!(
-        "  {:<36} {:>12} {:>7} {:>14} {:>7} {:>12} {:>12} {:>10}",
-        "phase", "TCP Gbit/s", "ratio", "UDP 64B pkt/s", "ratio", "seen", "printed", "lost"
+        "  {:<36} {:>12} {:>7} {:>7} {:>14} {:>7} {:>7} {:>12} {:>12} {:>10}",
+        "phase",
+        "TCP Gbit/s",
+        "ratio",
+        "/floor",
+        "UDP 64B pkt/s",
+        "ratio",
+        "/floor",
+        "seen",
+        "printed",
+        "lost"
     );
     for (i, phase) in PHASES.iter().enumerate() {
         let (seen, printed, lost) = stats[i];
@@ -607,20 +616,23 @@ fn bench(seconds: u32) -> Result<()> {
             }
         };
         println!(
-            "  {:<36} {:>12.2} {:>7.3} {:>14.0} {:>7.3} {:>12} {:>12} {:>10}",
+            "  {:<36} {:>12.2} {:>7.3} {:>7.3} {:>14.0} {:>7.3} {:>7.3} {:>12} {:>12} {:>10}",
             phase.label,
             tcp[i] / 1e9,
             tcp[i] / tcp[0],
+            tcp[i] / tcp[1],
             udp[i],
             udp[i] / udp[0],
+            udp[i] / udp[1],
             cell(seen),
             cell(printed),
             cell(lost),
         );
     }
     println!(
-        "  (seen/printed/lost: packets, summed over the rounds, from the observer's --stats; \
-         the floor and the filter print nothing by design)"
+        "  (ratio: against the baseline; /floor: against the probes that return at once, the \
+         hooks' own price; seen/printed/lost: packets, summed over the rounds, from the \
+         observer's --stats; the floor and the filter print nothing by design)"
     );
     println!("\ncollector, synthetic records (observer/examples/collector_bench.rs):");
     run(Command::new("cargo").args([
