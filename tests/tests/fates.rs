@@ -330,3 +330,94 @@ fn a_base_chain_added_while_running_gets_its_own_stage() {
     assert_eq!(dropped["fate"]["table"], "prio:-5", "{dropped}");
     assert_eq!(dropped["fate"]["reason"], "NETFILTER_DROP", "{dropped}");
 }
+
+#[test]
+fn a_table_created_while_running_is_bracketed_and_absent_ones_are_not() {
+    if !privileged("a_table_created_while_running_is_bracketed_and_absent_ones_are_not") {
+        return;
+    }
+    let lab = Lab::up("d7");
+    let node = lab.ns("node");
+    let tail = Tail::start(&lab);
+    std::thread::sleep(Duration::from_millis(300));
+    let send = |port: u16| {
+        lab.run_in("client", move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"x", ("172.17.0.5", port)).unwrap();
+        })
+    };
+    // The lab node has no mangle table: no FORWARD/mangle stage.
+    send(7781);
+    std::thread::sleep(Duration::from_millis(300));
+    let base = fds(tail.pid());
+    // iptables creates the mangle table (with its base chains at -150) on first use.
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &node,
+        "iptables",
+        "-t",
+        "mangle",
+        "-A",
+        "FORWARD",
+        "-p",
+        "udp",
+        "--dport",
+        "7782",
+        "-j",
+        "MARK",
+        "--set-xmark",
+        "0x200/0x200",
+    ]);
+    let t0 = Instant::now();
+    assert!(wait_for(|| fds(tail.pid()) > base), "mangle bracketed");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "bracketed within a second, took {:?}",
+        t0.elapsed()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    send(7782);
+    std::thread::sleep(Duration::from_millis(300));
+    run(&[
+        "ip", "netns", "exec", &node, "iptables", "-t", "mangle", "-F",
+    ]);
+    let (reports, stderr) = tail.stop();
+    let tables = |r: &serde_json::Value| -> Vec<String> {
+        r["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}/{}",
+                    s["hook"].as_str().unwrap(),
+                    s["table"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    let before = find(&reports, "the datagram before mangle existed", |r| {
+        first_dst(r) == "172.17.0.5:7781"
+    });
+    assert!(
+        !tables(before).iter().any(|t| t.ends_with("/mangle")),
+        "no stage for a table the node does not have: {before}\n{stderr}"
+    );
+    let after = find(&reports, "the datagram after", |r| {
+        first_dst(r) == "172.17.0.5:7782"
+    });
+    let stage = after["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["hook"] == "FORWARD" && s["table"] == "mangle")
+        .unwrap_or_else(|| panic!("the new table is a stage: {after}\n{stderr}"));
+    assert_eq!(stage["after"]["mark"], "0x200", "{after}");
+    // iptables-nft registers only the chains a table uses: mangle runs at FORWARD alone.
+    assert!(
+        !tables(after).contains(&"PREROUTING/mangle".to_string()),
+        "mangle has no PREROUTING chain here: {after}"
+    );
+}
