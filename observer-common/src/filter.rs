@@ -267,6 +267,17 @@ pub const MAX_INPUTS: usize = 3;
 /// than separate [`eval`] calls: their exit paths multiply, these converge at every term.
 #[inline(always)]
 pub fn eval_any(prog: &FilterProgram, inputs: &[FilterInput; MAX_INPUTS], n: u32) -> bool {
+    eval_any_from(prog, inputs, 0, n)
+}
+
+/// Like [`eval_any`], over `inputs[first..n]`.
+#[inline(always)]
+pub fn eval_any_from(
+    prog: &FilterProgram,
+    inputs: &[FilterInput; MAX_INPUTS],
+    first: usize,
+    n: u32,
+) -> bool {
     if prog.enabled == 0 {
         return true;
     }
@@ -279,6 +290,9 @@ pub fn eval_any(prog: &FilterProgram, inputs: &[FilterInput; MAX_INPUTS], n: u32
         for (k, input) in inputs.iter().enumerate() {
             if k >= n {
                 break;
+            }
+            if k < first {
+                continue;
             }
             if term_matches(&prog.terms[i], input) {
                 return true;
@@ -523,6 +537,13 @@ mod tests {
             at(atom::PORT, dir::DST, 443, 443),
         ]]);
         assert!(!eval_any(&mixed, &inputs, 3));
+        // From `first` on: the packet's own input left out.
+        let own = prog(&[&[net4(dir::EITHER, [10, 96, 0, 1], [255; 4])]]);
+        let only_pkt = [pkt, reply, reply];
+        assert!(eval_any_from(&own, &only_pkt, 0, 3));
+        assert!(!eval_any_from(&own, &only_pkt, 1, 3));
+        assert!(eval_any_from(&pod, &only_pkt, 1, 3));
+        assert!(!eval_any_from(&pod, &only_pkt, 3, 3));
     }
 
     #[test]

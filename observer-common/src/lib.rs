@@ -136,6 +136,9 @@ pub mod config {
     pub const PLAN_GEN: u32 = 27;
     /// Non-zero: every probe returns at once (the benchmark's floor: the hooks' own cost).
     pub const FLOOR: u32 = 28;
+    /// Offset of the protocol number in a raw conntrack tuple (a packet decided from its
+    /// connection's tuples alone takes its protocol from there).
+    pub const TUPLE_PROTO: u32 = 29;
     /// Non-zero: where a traversal starts, its packet's first bytes go to the `PACKETS`
     /// ring buffer (`tail --pcapng`).
     pub const CAPTURE_BYTES: u32 = 30;

@@ -48,6 +48,10 @@ pub mod ctl {
     pub const REUSE: usize = 7;
     /// Whether this probe copied the connection's tuples (else they come from the record).
     pub const TUPLES: usize = 8;
+    /// Program 2 kept a packet it decided without reading its headers: read them now.
+    pub const LATE: usize = 9;
+    /// The filter leaves the packet's own input out (see `Decide::WithConntrack`).
+    pub const SKIP_PACKET: usize = 10;
     const WORDS: usize = 16;
 
     #[map]
@@ -179,9 +183,29 @@ pub fn decide(ev: &PacketEvent, how: Decide) -> u8 {
             }
             // Sample by the original tuple: a connection's packets, both ways and before
             // and after NAT, are kept or left out together.
+            // A packet decided at entry and not read again (`ctl::SKIP_PACKET`): from its
+            // connection's tuples alone; there, before any NAT, its addresses are one of them.
+            let first = (ctl::get(ctl::SKIP_PACKET) & 1) as usize;
+            if first == 1 {
+                // Its headers were not read: protocol and IP version from the connection.
+                let proto = cfg(config::TUPLE_PROTO).map_or(0, |o| (o as usize).min(47));
+                let l4proto = ev.ct.orig.get(proto).copied().unwrap_or(0);
+                let version = match ev.header.family {
+                    observer_common::family::IPV4 => 4,
+                    observer_common::family::IPV6 => 6,
+                    _ => 0,
+                };
+                let mut k = 1;
+                while k < 3 {
+                    inputs[k].l4proto = l4proto;
+                    inputs[k].ip_version = version;
+                    inputs[k].has_ports = u8::from(matches!(l4proto, 6 | 17 | 132));
+                    k += 1;
+                }
+            }
             let hashed = if n == 3 { &inputs[1] } else { &inputs[0] };
             verdict_of(
-                filter::eval_any(prog, inputs, n),
+                filter::eval_any_from(prog, inputs, first, n),
                 filter::sample_keep(prog, filter::flow_hash(hashed)),
             )
         }

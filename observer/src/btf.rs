@@ -232,6 +232,7 @@ impl KernelLayout {
         config[config::TUPLE_SRC_PORT as usize] = tuple.src_port as u64;
         config[config::TUPLE_DST_ADDR as usize] = tuple.dst_addr as u64;
         config[config::TUPLE_DST_PORT as usize] = tuple.dst_port as u64;
+        config[config::TUPLE_PROTO as usize] = tuple.protonum as u64;
 
         Ok(Self {
             config,

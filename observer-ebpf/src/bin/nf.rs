@@ -149,7 +149,13 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
     }
     let must_read =
         cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
-    let headers = decides || !same_visit || must_read;
+    // A packet the filter left out where it entered is decided again after conntrack from
+    // its connection's tuples alone: there, before any NAT, its addresses are one of them
+    // (and were decided at entry). Its headers are read only if it is kept then.
+    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
+    let has_ct = nfct & !7 != 0 && nfct & 7 != 7;
+    let lazy = with_ct && has_ct && ctl::get(ctl::REDECIDE) != 0;
+    let headers = ((decides || !same_visit) && !lazy) || must_read;
     ctl::set(ctl::REUSE, u32::from(!headers));
     // The connection's tuples change only where conntrack or NAT (or an unknown chain) ran:
     // elsewhere, as at the start of the next hook, they are the record's.
@@ -160,11 +166,24 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
     // `program` is a constant: only programs 0 and 2 carry the filter's code.
     let verdict = match ctl::get(ctl::MODE) {
         MODE_ENTRY if program == 0 => decide(ev, Decide::Entry),
-        MODE_CONNTRACK if program == 2 => decide(ev, Decide::WithConntrack),
+        MODE_CONNTRACK if program == 2 => {
+            ctl::set(ctl::SKIP_PACKET, ctl::get(ctl::REUSE));
+            decide(ev, Decide::WithConntrack)
+        }
         MODE_ORPHAN if filtering() => decision::FILTERED_OUT,
         _ => decision::KEEP,
     };
     ctl::set(ctl::VERDICT, u32::from(verdict));
+    if program == 2 {
+        ctl::set(
+            ctl::LATE,
+            u32::from(verdict == decision::KEEP && ctl::get(ctl::REUSE) != 0),
+        );
+        if ctl::get(ctl::LATE) != 0 {
+            // Kept from here on: its first step needs the headers after all.
+            read_into_event(ev, skb_p, w);
+        }
+    }
     let found = find(skb);
     let rec = match found {
         Some(f) if ctl::get(ctl::CONTINUES) != 0 && f.rec.skb == skb => {
@@ -247,6 +266,33 @@ fn read_packet(
     if !headers {
         return read_conntrack(ev, w, nfct, tuples);
     }
+    if read_headers(ev, skb_p, w).is_err() {
+        return Err(());
+    }
+    read_conntrack(ev, w, nfct, tuples)
+}
+
+/// Reads the headers after all (a probe that skipped them), flagging a failed read in the
+/// control words like `read_packet`'s.
+#[inline(always)]
+fn read_into_event(
+    ev: &mut observer_common::PacketEvent,
+    skb_p: *const u8,
+    w: &mut observer_ebpf::Windows,
+) {
+    if read_headers(ev, skb_p, w).is_err() {
+        ctl::set(ctl::READ_OK, 0);
+    }
+    ctl::set(ctl::REUSE, 0);
+}
+
+/// Reads the IP and transport headers (and an ICMP error's quoted packet) into `ev`.
+#[inline(always)]
+fn read_headers(
+    ev: &mut observer_common::PacketEvent,
+    skb_p: *const u8,
+    w: &mut observer_ebpf::Windows,
+) -> Result<(), ()> {
     let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
     let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
     let l3 = head + nh as u64;
@@ -282,7 +328,7 @@ fn read_packet(
             }
         }
     }
-    read_conntrack(ev, w, nfct, tuples)
+    Ok(())
 }
 
 #[inline(always)]
