@@ -9,7 +9,8 @@ pub mod explain;
 pub mod filter;
 pub mod kallsyms;
 pub mod lab;
-pub mod marks;
+/// Mark names live in the model, shared with explain.
+pub use observer_model::marks;
 pub mod netns;
 pub mod nf_link;
 pub mod nftwatch;

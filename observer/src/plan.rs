@@ -19,36 +19,16 @@ pub struct Table {
     pub priority: i32,
 }
 
-/// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike).
+/// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike): the
+/// model's list.
 pub fn standard_tables(hook: NfHook) -> Vec<Table> {
-    let t = |name: &str, priority| Table {
-        name: name.into(),
-        priority,
-    };
-    match hook {
-        NfHook::PreRouting => vec![
-            t("raw", -300),
-            t("conntrack", -200),
-            t("mangle", -150),
-            t("nat", -100),
-        ],
-        NfHook::LocalIn => vec![
-            t("mangle", -150),
-            t("filter", 0),
-            t("security", 50),
-            t("nat", 100),
-        ],
-        NfHook::Forward => vec![t("mangle", -150), t("filter", 0), t("security", 50)],
-        NfHook::LocalOut => vec![
-            t("raw", -300),
-            t("conntrack", -200),
-            t("mangle", -150),
-            t("nat", -100),
-            t("filter", 0),
-            t("security", 50),
-        ],
-        NfHook::PostRouting => vec![t("mangle", -150), t("nat", 100)],
-    }
+    hook.tables()
+        .iter()
+        .map(|&(name, priority)| Table {
+            name: name.into(),
+            priority,
+        })
+        .collect()
 }
 
 /// Probe layout of one (family, hook).

@@ -1,50 +1,22 @@
-//! Annotation and rendering: a traversal -> the per-table report (JSON schema 1 and the
-//! human tree). Pure: interface names come through a lookup the caller provides.
+//! Annotation and rendering: a traversal record -> the model's [`observer_model::Traversal`]
+//! (observed), per table. Pure: interface names come through a lookup the caller provides;
+//! the renderers are the model's.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 
-use serde::Serialize;
-
-use crate::annotate::{
-    self, ConntrackView, EndPoint, Fate, MarkChange, Marks, Names, Nat, ObservedStage,
+use observer_model::{
+    CtView, FateKind, Iface, Quoted, SCHEMA, Snapshot, Source, Stage, Traversal as Report, Verdict,
 };
+
+use crate::annotate::{self, EndPoint, Names, ObservedStage};
 use crate::correlate::{Closed, Plans, Traversal, missing_text};
 use crate::decode::{Endpoint, Observation, Point};
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
 use observer_common::NF_SLOTS;
+use observer_model::ConntrackView;
 
 pub use crate::correlate::index_plans;
-
-pub const SCHEMA: u32 = 1;
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Report {
-    pub schema: u32,
-    pub netns: String,
-    pub family: Option<&'static str>,
-    pub proto: String,
-    pub ingress: Option<Iface>,
-    pub egress: Option<Iface>,
-    /// The routing decision: `input`, `forward` or `output`.
-    pub route: Option<&'static str>,
-    pub stages: Vec<Stage>,
-    pub fate: Fate,
-    pub marks: Marks,
-    pub nat: Vec<Nat>,
-    pub conntrack: Option<Arc<ConntrackView>>,
-    /// Packets the kernel could not record (ring buffer full) since the previous report.
-    pub lost: u64,
-    /// Part of the traversal is missing: its end was not seen, or the record could not hold
-    /// all of it. Never printed as complete.
-    pub incomplete: bool,
-    /// Why, when `incomplete`.
-    pub incomplete_reason: Option<String>,
-    /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
-    #[serde(skip)]
-    pub flow: String,
-}
 
 /// Snapshots made for earlier traversals, by what they show: a flow's packets show the same
 /// few, and formatting them is most of a report's cost. Bounded; starts over when full.
@@ -114,169 +86,23 @@ pub struct Context<'a> {
     pub ifname: &'a dyn Fn(u32) -> String,
 }
 
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Iface {
-    pub iface: String,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Stage {
-    pub hook: &'static str,
-    pub table: Arc<str>,
-    pub priority: i32,
-    pub before: Option<Arc<Snapshot>>,
-    pub after: Option<Arc<Snapshot>>,
-    pub ct: Option<Arc<CtView>>,
-    pub verdict: &'static str,
-}
-
-/// The packet just before or after a table. Serialized from a JSON rendering made once
-/// and shared by every stage showing the same snapshot: most stages of a packet show the
-/// same few, and escaping their strings again for each was most of the collector's work.
-#[derive(Debug, Clone)]
-pub struct Snapshot {
-    pub src: String,
-    pub dst: String,
-    pub mark: String,
-    /// `skb->len`: a GSO/GRO aggregate is one packet of many MTUs; a reassembled packet
-    /// grows at defragmentation.
-    pub len: u32,
-    /// ICMP errors only: the packet the error quotes, which conntrack translates too.
-    pub inner: Option<Quoted>,
-    json: Box<serde_json::value::RawValue>,
-}
-
-#[derive(Serialize)]
-struct SnapshotJson<'a> {
-    src: &'a str,
-    dst: &'a str,
-    mark: &'a str,
-    len: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    inner: Option<&'a Quoted>,
-}
-
-impl Snapshot {
-    pub fn new(src: String, dst: String, mark: String, len: u32, inner: Option<Quoted>) -> Self {
-        // Rendered without a parse back (`from_string` would validate what we just wrote).
-        let json = serde_json::value::to_raw_value(&SnapshotJson {
-            src: &src,
-            dst: &dst,
-            mark: &mark,
-            len,
-            inner: inner.as_ref(),
-        })
-        .expect("a snapshot serialises");
-        Self {
-            src,
-            dst,
-            mark,
-            len,
-            inner,
-            json,
-        }
-    }
-}
-
-impl PartialEq for Snapshot {
-    fn eq(&self, o: &Self) -> bool {
-        self.src == o.src
-            && self.dst == o.dst
-            && self.mark == o.mark
-            && self.len == o.len
-            && self.inner == o.inner
-    }
-}
-
-impl Eq for Snapshot {}
-
-impl Serialize for Snapshot {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
-    }
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct Quoted {
-    pub src: String,
-    pub dst: String,
-    pub proto: String,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct CtView {
-    pub state: String,
-    pub mark: String,
-}
-
-pub fn proto_name(p: u8) -> String {
-    match p {
-        0 => "hopopt".into(),
-        1 => "icmp".into(),
-        6 => "tcp".into(),
-        17 => "udp".into(),
-        58 => "icmpv6".into(),
-        132 => "sctp".into(),
-        n => n.to_string(),
-    }
-}
-
-/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports. Written
-/// by hand for IPv4: `Ipv4Addr`'s `Display` (it supports padding) was the collector's
-/// largest cost.
+/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
 pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
-    let mut s = String::with_capacity(24);
-    match e.addr {
-        std::net::IpAddr::V4(a) => {
-            for (i, o) in a.octets().into_iter().enumerate() {
-                if i > 0 {
-                    s.push('.');
-                }
-                push_decimal(&mut s, o.into());
-            }
-        }
-        std::net::IpAddr::V6(a) if has_port => {
-            let _ = write!(s, "[{a}]");
-        }
-        std::net::IpAddr::V6(a) => {
-            let _ = write!(s, "{a}");
-        }
-    }
-    if has_port {
-        s.push(':');
-        push_decimal(&mut s, e.port.into());
-    }
-    s
-}
-
-/// Appends `n` in decimal.
-fn push_decimal(s: &mut String, mut n: u32) {
-    let mut buf = [0u8; 10];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    // The digits are ASCII.
-    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("?"));
+    observer_model::endpoint(e.addr, has_port.then_some(e.port))
 }
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
     Some(Snapshot::new(
         endpoint(&o.src?, o.has_ports),
         endpoint(&o.dst?, o.has_ports),
-        format!("{:#x}", o.mark),
-        o.len,
+        o.mark,
+        Some(o.len),
         o.inner.map(|(s, d, p)| {
-            let ports = matches!(p, 6 | 17 | 132);
+            let ports = observer_model::has_ports(p);
             Quoted {
                 src: endpoint(&s, ports),
                 dst: endpoint(&d, ports),
-                proto: proto_name(p),
+                proto: observer_model::proto_name(p),
             }
         }),
     ))
@@ -301,8 +127,8 @@ impl<'a> Snapshots<'a> {
             return v.clone();
         }
         let v = Arc::new(CtView {
-            state: c.state().to_string(),
-            mark: format!("{:#x}", c.mark),
+            state: c.state(),
+            mark: Some(c.mark),
         });
         self.cts.push((c.info, c.mark, v.clone()));
         v
@@ -392,20 +218,25 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             // The packet's last table: what ended it there decides the verdict.
             let ended_here = after.is_none() && !seen_later;
             let verdict = match (ended_here, t.closed) {
-                (false, _) => "accept",
-                (true, Closed::Dropped) => "drop",
-                (true, Closed::Consumed) => "stolen",
-                (true, _) => "unknown",
+                (false, _) => Verdict::Accept,
+                (true, Closed::Dropped) => Verdict::Drop,
+                (true, Closed::Consumed) => Verdict::Stolen,
+                (true, _) => Verdict::Unknown,
             };
             let ct_src = after.unwrap_or(before);
             stages.push(Stage {
-                hook: hook.name(),
+                hook: *hook,
                 table: table.name.clone(),
                 priority: table.priority,
+                chain: None,
                 before: snapshots.of(before),
                 after: after.and_then(|o| snapshots.of(o)),
                 ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
+                rules: Arc::new([]),
+                policy: None,
+                note: None,
+                check: None,
             });
             observed.push(ObservedStage {
                 hook: *hook,
@@ -421,14 +252,15 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     let route = annotate::route(t);
     let fate = annotate::fate(t, &end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
-    if fate.kind == "incomplete" {
+    if fate.kind == FateKind::Incomplete {
         reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));
     }
     Report {
         schema: SCHEMA,
-        netns: ctx.netns.to_string(),
-        family: family.map(NfFamily::name),
-        proto: first_l3.map_or_else(|| "unknown".into(), |r| proto_name(r.proto)),
+        source: Source::Observed,
+        netns: Some(ctx.netns.to_string()),
+        family,
+        proto: first_l3.map_or_else(|| "unknown".into(), |r| observer_model::proto_name(r.proto)),
         ingress,
         egress,
         route,
@@ -439,6 +271,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         nat: annotate::nat(&observed),
         conntrack: ctx.snapshots.conntrack(t),
         stages,
+        branches: Vec::new(),
+        notes: Vec::new(),
         lost,
         flow: first_l3
             .and_then(|o| snapshots.of(o))
@@ -488,220 +322,6 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
             }
         }
         None => none,
-    }
-}
-
-impl Report {
-    pub fn to_json_line(&self) -> String {
-        serde_json::to_string(self).expect("report serialises")
-    }
-
-    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
-    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
-        serde_json::to_writer(out, self).map_err(std::io::Error::from)
-    }
-
-    fn flow(&self) -> String {
-        self.flow.clone()
-    }
-
-    fn mark_word(c: &MarkChange, sign: char) -> String {
-        format!(
-            "{sign}{} {}",
-            c.bit,
-            c.name.as_deref().unwrap_or("(unnamed)")
-        )
-    }
-
-    /// The readable tree: a header line, one line per table with what it changed (NAT, mark
-    /// bits by name, conntrack state), then the packet's fate and its connection.
-    pub fn render_tree(&self) -> String {
-        let mut out = String::new();
-        let _ = write!(
-            out,
-            "{} {} {}",
-            self.family.unwrap_or("?"),
-            self.proto,
-            self.flow()
-        );
-        if let Some(i) = &self.ingress {
-            let _ = write!(out, "  in {}", i.iface);
-        }
-        if let Some(e) = &self.egress {
-            let _ = write!(out, "  out {}", e.iface);
-        }
-        if let Some(r) = self.route {
-            let _ = write!(out, "  route {r}");
-        }
-        if self.lost > 0 {
-            let _ = write!(out, "  [{} packets lost in kernel]", self.lost);
-        }
-        if self.incomplete && self.fate.kind != "incomplete" {
-            let _ = write!(
-                out,
-                "  [incomplete: {}]",
-                self.incomplete_reason.as_deref().unwrap_or("?")
-            );
-        }
-        out.push('\n');
-        let mut last_ct: Option<&CtView> = None;
-        for s in &self.stages {
-            let here = |hook: &str, table: &str| hook == s.hook && table == &*s.table;
-            let mut what = Vec::new();
-            let mut note = None;
-            for n in self.nat.iter().filter(|n| here(n.hook, &n.table)) {
-                what.push(format!(
-                    "{} {} -> {} ({})",
-                    n.kind.to_uppercase(),
-                    n.from,
-                    n.to,
-                    if n.source == "rules" {
-                        "nat rules"
-                    } else {
-                        "conntrack"
-                    }
-                ));
-                if n.source == "conntrack" {
-                    note = Some(
-                        "the nat table is not consulted for this packet because its connection \
-                         is already established: conntrack applied the stored translation",
-                    );
-                }
-            }
-            for c in self.marks.set.iter().filter(|c| here(c.hook, &c.table)) {
-                what.push(Self::mark_word(c, '+'));
-            }
-            for c in self.marks.cleared.iter().filter(|c| here(c.hook, &c.table)) {
-                what.push(Self::mark_word(c, '-'));
-            }
-            if s.ct.as_deref() != last_ct {
-                if let Some(ct) = &s.ct {
-                    what.push(format!("ct {} (ctmark {})", ct.state, ct.mark));
-                }
-                last_ct = s.ct.as_deref();
-            }
-            if let (Some(b), Some(a)) = (
-                s.before.as_ref().and_then(|b| b.inner.as_ref()),
-                s.after.as_ref().and_then(|a| a.inner.as_ref()),
-            ) && b != a
-            {
-                what.push(format!(
-                    "quoted packet {} -> {} became {} -> {}",
-                    b.src, b.dst, a.src, a.dst
-                ));
-            }
-            match s.verdict {
-                "drop" => what.push("dropped here".into()),
-                "stolen" => what.push("taken here (stolen)".into()),
-                "unknown" => what.push("not seen after this table".into()),
-                _ => {}
-            }
-            if what.is_empty() {
-                what.push("-".into());
-            }
-            let _ = writeln!(
-                out,
-                "  {:<12} {:<10} {:>6}  {}",
-                s.hook,
-                s.table,
-                s.priority,
-                what.join(", ")
-            );
-            if let Some(n) = note {
-                let _ = writeln!(out, "  {:<31}  note: {n}", "");
-            }
-        }
-        let _ = writeln!(out, "  => {}", self.fate_text());
-        if let Some(ct) = &self.conntrack {
-            let _ = writeln!(
-                out,
-                "  conntrack: {} (ctmark {}), original {} -> {}, reply {} -> {}",
-                ct.state, ct.mark, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
-            );
-        }
-        out
-    }
-
-    fn fate_text(&self) -> String {
-        let f = &self.fate;
-        let place = match (f.hook, &f.table) {
-            (Some(h), Some(t)) => format!(" in {h}/{t}"),
-            (Some(h), None) => format!(" after {h}"),
-            (None, _) => f
-                .after
-                .as_deref()
-                .map_or(String::new(), |a| format!(" after {a}")),
-        };
-        let func = |sep: &str| {
-            f.location
-                .as_deref()
-                .map_or(String::new(), |l| format!("{sep}in {l}"))
-        };
-        match f.kind {
-            "dropped" => format!(
-                "DROPPED{place}{}: {}",
-                func(", "),
-                f.reason.as_deref().unwrap_or("no reason given")
-            ),
-            "consumed" => format!("consumed by the kernel{place}{}", func(", ")),
-            "forwarded" | "sent" => match &self.egress {
-                Some(e) => format!("{} out {}", f.kind, e.iface),
-                None => f.kind.to_string(),
-            },
-            "delivered" => "delivered to a local socket".into(),
-            "looped" => "looped back to this host (left POSTROUTING without an interface)".into(),
-            "reassembled" => {
-                "fragment merged by defragmentation (PREROUTING, priority -400)".into()
-            }
-            _ => format!(
-                "INCOMPLETE{place}: {}",
-                self.incomplete_reason.as_deref().unwrap_or("end not seen")
-            ),
-        }
-    }
-
-    /// One line per packet: flow, interfaces, route, NAT, mark changes, fate.
-    pub fn render_line(&self) -> String {
-        let mut parts = vec![format!(
-            "{} {} {} [{} -> {}] {}",
-            self.family.unwrap_or("?"),
-            self.proto,
-            self.flow(),
-            self.ingress.as_ref().map_or("-", |i| i.iface.as_str()),
-            self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
-            self.route.unwrap_or("-"),
-        )];
-        let nat: Vec<String> = self
-            .nat
-            .iter()
-            .map(|n| {
-                format!(
-                    "{} {}->{}@{}/{}({})",
-                    n.kind.to_uppercase(),
-                    n.from,
-                    n.to,
-                    n.hook,
-                    n.table,
-                    n.source
-                )
-            })
-            .collect();
-        if !nat.is_empty() {
-            parts.push(nat.join(" "));
-        }
-        let marks: Vec<String> = self
-            .marks
-            .set
-            .iter()
-            .map(|c| (c, '+'))
-            .chain(self.marks.cleared.iter().map(|c| (c, '-')))
-            .map(|(c, sign)| format!("{}@{}/{}", Self::mark_word(c, sign), c.hook, c.table))
-            .collect();
-        if !marks.is_empty() {
-            parts.push(marks.join(" "));
-        }
-        parts.push(self.fate_text());
-        parts.join(" | ")
     }
 }
 
@@ -806,7 +426,7 @@ mod tests {
     fn forwarded_dnat_masquerade_report() {
         let (t, plans) = forwarded();
         let r = report(&t, &plans, 0);
-        assert_eq!(r.family, Some("ipv4"));
+        assert_eq!(r.family, Some(NfFamily::Ipv4));
         assert_eq!(r.proto, "tcp");
         assert_eq!(
             r.ingress,
@@ -820,7 +440,11 @@ mod tests {
                 iface: "cali1a2b".into()
             })
         );
-        let hooks: Vec<_> = r.stages.iter().map(|s| (s.hook, &*s.table)).collect();
+        let hooks: Vec<_> = r
+            .stages
+            .iter()
+            .map(|s| (s.hook.name(), &*s.table))
+            .collect();
         assert_eq!(
             hooks,
             vec![
@@ -839,11 +463,11 @@ mod tests {
         assert_eq!(nat.priority, -100);
         assert_eq!(nat.before.as_ref().unwrap().dst, "10.10.10.2:22");
         assert_eq!(nat.after.as_ref().unwrap().dst, "172.17.0.5:22");
-        assert_eq!(nat.after.as_ref().unwrap().mark, "0x4000");
+        assert_eq!(nat.after.as_ref().unwrap().mark, 0x4000);
         assert_eq!(nat.ct.as_ref().unwrap().state, "new");
         let snat = &r.stages[8];
         assert_eq!(snat.after.as_ref().unwrap().src, "172.17.0.1:40000");
-        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         // No conntrack entry before the conntrack table runs.
         assert!(r.stages[0].ct.is_none());
     }
@@ -853,7 +477,7 @@ mod tests {
         let (t, plans) = forwarded();
         let v: serde_json::Value =
             serde_json::from_str(&report(&t, &plans, 3).to_json_line()).unwrap();
-        assert_eq!(v["schema"], 1);
+        assert_eq!(v["schema"], 2);
         assert_eq!(v["netns"], "node");
         assert_eq!(v["lost"], 3);
         assert_eq!(v["egress"]["iface"], "cali1a2b");
@@ -889,13 +513,13 @@ mod tests {
         let last = r.stages.last().unwrap();
         assert_eq!(
             (last.hook, &*last.table, last.verdict),
-            ("FORWARD", "filter", "drop")
+            (NfHook::Forward, "filter", Verdict::Drop)
         );
         assert!(last.after.is_none());
         assert_eq!(r.egress, None);
         assert_eq!(
             (r.fate.kind, r.fate.hook, r.fate.table.as_deref()),
-            ("dropped", Some("FORWARD"), Some("filter"))
+            (FateKind::Dropped, Some(NfHook::Forward), Some("filter"))
         );
         assert_eq!(r.fate.location.as_deref(), Some("fn+0x40"));
         assert_eq!(r.fate.after.as_deref(), Some("FORWARD/-149"));
@@ -935,9 +559,9 @@ mod tests {
     #[test]
     fn a_packet_whose_end_was_not_seen_is_incomplete_not_dropped() {
         let r = cut_in_forward_filter(Closed::Idle);
-        assert_eq!(r.fate.kind, "incomplete");
+        assert_eq!(r.fate.kind, FateKind::Incomplete);
         assert!(r.incomplete);
-        assert_eq!(r.stages.last().unwrap().verdict, "unknown");
+        assert_eq!(r.stages.last().unwrap().verdict, Verdict::Unknown);
         assert!(!r.render_tree().contains("DROPPED"));
         assert!(r.render_tree().contains("INCOMPLETE"));
     }
@@ -960,9 +584,9 @@ mod tests {
         let r = report(&t, &plans, 0);
         assert_eq!(
             (r.fate.hook, r.fate.table.as_deref()),
-            (Some("PREROUTING"), None)
+            (Some(NfHook::PreRouting), None)
         );
-        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         assert!(
             r.render_tree()
                 .contains("=> DROPPED after PREROUTING, in fn+0x15e: NETFILTER_DROP")
