@@ -28,4 +28,4 @@ pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
-pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, Verdict};
+pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, StageInput, Verdict};
