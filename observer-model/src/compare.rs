@@ -76,22 +76,20 @@ pub fn compare(observed: &Traversal, predicted: &Traversal) -> Vec<String> {
         let found = rest
             .clone()
             .position(|p| p.hook == o.hook && p.table == o.table);
-        match found {
-            Some(skip) => {
-                for p in rest.by_ref().take(skip) {
-                    out.push(format!(
-                        "{}/{}: predicted, not observed",
-                        p.hook.name(),
-                        p.table
-                    ));
-                }
-                let p = rest.next().expect("found above");
-                for d in compare_stage(o, p).disagreements {
-                    out.push(format!("{}/{}: {d}", o.hook.name(), o.table));
-                }
+        // Observed only (conntrack, a table without rules in the prediction): nothing to
+        // compare.
+        if let Some(skip) = found {
+            for p in rest.by_ref().take(skip) {
+                out.push(format!(
+                    "{}/{}: predicted, not observed",
+                    p.hook.name(),
+                    p.table
+                ));
             }
-            // Observed only: conntrack, or a table with no rules in the prediction.
-            None => {}
+            let p = rest.next().expect("found above");
+            for d in compare_stage(o, p).disagreements {
+                out.push(format!("{}/{}: {d}", o.hook.name(), o.table));
+            }
         }
     }
     for p in rest {

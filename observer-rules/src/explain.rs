@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::process::Command;
 
 use std::sync::Arc;
 
@@ -76,8 +75,6 @@ pub enum ExplainError {
          or iptables-nft-save"
     )]
     EmptyRuleset(&'static str),
-    #[error("`{cmd}` failed: {msg} (run as root on the node; needs iptables, ipset and iproute2)")]
-    Live { cmd: String, msg: String },
 }
 
 /// The answer: one branch per random outcome (just one when nothing is random).
@@ -206,51 +203,6 @@ fn mentions_sets(rs: &Ruleset) -> bool {
                 .iter()
                 .any(|i| matches!(i, crate::iptables::Item::Module { name, .. } if name == "set"))
         })
-}
-
-fn run(cmd: &str, args: &[&str]) -> Result<String, ExplainError> {
-    let full = format!("{cmd} {}", args.join(" "));
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| ExplainError::Live {
-            cmd: full.clone(),
-            msg: e.to_string(),
-        })?;
-    if !out.status.success() {
-        return Err(ExplainError::Live {
-            cmd: full,
-            msg: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
-    }
-    String::from_utf8(out.stdout).map_err(|e| ExplainError::Live {
-        cmd: full,
-        msg: e.to_string(),
-    })
-}
-
-/// Reads this node's rules, sets and routes (`--live`). ip6tables and ipset are optional:
-/// without them IPv6 has no rules and set matches are undecidable.
-pub fn load_live() -> Result<(Ruleset, Ipsets, Routes), ExplainError> {
-    let ipv4 = parse_save_family(&run("iptables-save", &["-c"])?, Family::V4)
-        .map_err(ExplainError::Iptables)?;
-    let ipv6 = match run("ip6tables-save", &["-c"]) {
-        Ok(t) => parse_save_family(&t, Family::V6).map_err(ExplainError::Ip6tables)?,
-        Err(_) => SaveFile::default(),
-    };
-    let ipsets = match run("ipset", &["save"]) {
-        Ok(t) => parse_ipsets(&t).map_err(ExplainError::Ipset)?,
-        Err(_) => Ipsets::default(),
-    };
-    let r4 = run("ip", &["-j", "-4", "route", "show", "table", "all"])?;
-    let r6 =
-        run("ip", &["-j", "-6", "route", "show", "table", "all"]).unwrap_or_else(|_| "[]".into());
-    let routes = Routes::parse_json(&[&r4, &r6]).map_err(ExplainError::Routes)?;
-    // A node without nft (or with JSON we cannot read) is explained from iptables alone.
-    let nft = run("nft", &["-j", "list", "ruleset"])
-        .ok()
-        .and_then(|t| parse_nft_json(&t).ok());
-    Ok((Ruleset { ipv4, ipv6, nft }, ipsets, routes))
 }
 
 /// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,

@@ -19,5 +19,6 @@ pub mod plan;
 pub mod probes;
 pub mod render_cache;
 pub mod report;
+pub mod rulenames;
 pub mod tail;
 pub mod traffic;

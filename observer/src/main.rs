@@ -59,7 +59,7 @@ struct TailArgs {
     /// How to print each traversal.
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
@@ -97,6 +97,11 @@ struct TailArgs {
     /// Benchmarks only: attach every probe but let each return at once (the hooks' own cost).
     #[arg(long, hide = true)]
     floor: bool,
+    /// Do not name the rules of each stage (by default each observed stage lists the rules
+    /// that matched, simulated from the live ruleset, and says whether they agree with
+    /// what the kernel did).
+    #[arg(long)]
+    no_rules: bool,
 }
 
 /// `--timeout`: a finite, non-negative number of seconds, at most a year.
@@ -147,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
                 idle: Duration::from_millis(a.idle_ms),
                 stats_file: a.stats,
                 floor: a.floor,
+                rules: !a.no_rules,
             })?;
             eprintln!("{summary}");
             Ok(())

@@ -180,42 +180,32 @@ pub fn full_plan(custom: &[(NfFamily, NfHook, i32)]) -> Vec<HookPlan> {
     out
 }
 
-/// Custom base-chain priorities from `nft -j list ruleset` output: every base chain whose
-/// priority is not a standard table's. Families `inet` count for both.
-pub fn custom_priorities(nft_json: &str) -> Vec<(NfFamily, NfHook, i32)> {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(nft_json) else {
-        return Vec::new();
-    };
+/// Base-chain priorities of an nftables ruleset (as the live reader parsed it) that no
+/// standard table has, per family and hook.
+pub fn custom_priorities(nft: &observer_rules::NftRuleset) -> Vec<(NfFamily, NfHook, i32)> {
     let mut out = Vec::new();
-    for item in v["nftables"].as_array().into_iter().flatten() {
-        let chain = &item["chain"];
-        let (Some(fam), Some(hook), Some(prio)) = (
-            chain["family"].as_str(),
-            chain["hook"].as_str(),
-            chain["prio"].as_i64(),
-        ) else {
-            continue;
-        };
-        let hook = match hook {
-            "prerouting" => NfHook::PreRouting,
-            "input" => NfHook::LocalIn,
-            "forward" => NfHook::Forward,
-            "output" => NfHook::LocalOut,
-            "postrouting" => NfHook::PostRouting,
-            _ => continue,
-        };
-        let families: &[NfFamily] = match fam {
+    for t in &nft.tables {
+        let families: &[NfFamily] = match t.family.as_str() {
             "ip" => &[NfFamily::Ipv4],
             "ip6" => &[NfFamily::Ipv6],
             "inet" => &NfFamily::ALL,
             _ => continue,
         };
-        let prio = prio as i32;
-        if standard_tables(hook).iter().any(|t| t.priority == prio) {
-            continue;
-        }
-        for &f in families {
-            out.push((f, hook, prio));
+        for c in &t.chains {
+            let (Some(hook), Some(prio)) =
+                (c.hook.as_deref().and_then(NfHook::from_nft), c.priority)
+            else {
+                continue;
+            };
+            let Ok(prio) = i32::try_from(prio) else {
+                continue;
+            };
+            if standard_tables(hook).iter().any(|t| t.priority == prio) {
+                continue;
+            }
+            for &f in families {
+                out.push((f, hook, prio));
+            }
         }
     }
     out.sort();
@@ -288,10 +278,13 @@ mod tests {
     #[test]
     fn reads_custom_priorities_from_nft_json() {
         let json = r#"{"nftables":[{"metainfo":{}},
+          {"table":{"family":"inet","name":"t","handle":1}},
+          {"table":{"family":"ip","name":"nat","handle":2}},
+          {"table":{"family":"ip","name":"t","handle":3}},
           {"chain":{"family":"inet","table":"t","name":"c","handle":1,"type":"filter","hook":"forward","prio":-5,"policy":"accept"}},
           {"chain":{"family":"ip","table":"nat","name":"PREROUTING","handle":2,"type":"nat","hook":"prerouting","prio":-100,"policy":"accept"}},
           {"chain":{"family":"ip","table":"t","name":"plain","handle":3}}]}"#;
-        let c = custom_priorities(json);
+        let c = custom_priorities(&observer_rules::parse_nft_json(json).unwrap());
         assert_eq!(
             c,
             vec![

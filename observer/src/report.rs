@@ -84,6 +84,8 @@ pub struct Context<'a> {
     pub marks: &'a MarkDictionary,
     pub names: Names<'a>,
     pub ifname: &'a dyn Fn(u32) -> String,
+    /// Names the rules of each stage from the live ruleset, when rule naming is on.
+    pub rules: Option<&'a crate::rulenames::RuleNamer>,
 }
 
 /// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
@@ -196,7 +198,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         hooks.clear();
     }
     // Conntrack is a stage only where it runs: some record of the packet has an entry.
-    let tracked = t.records.iter().any(|r| r.ct.is_some());
+    let first_ct = t.records.iter().find_map(|r| r.ct);
+    let tracked = first_ct.is_some();
     let mut observed: Vec<ObservedStage> = Vec::new();
     let mut stages = Vec::new();
     'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
@@ -238,6 +241,26 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 note: None,
                 check: None,
             });
+            if let (Some(namer), Some(b)) = (ctx.rules, b) {
+                let stage = stages.last_mut().expect("pushed");
+                let window = (
+                    plan.points[b],
+                    a.map_or(crate::plan::LAST, |a| plan.points[a]),
+                );
+                let named = namer.name(
+                    &crate::rulenames::ObservedStage {
+                        hook: *hook,
+                        window,
+                        before,
+                        after,
+                        stage,
+                        first_ct,
+                    },
+                    ifname,
+                );
+                stage.rules = named.rules.clone();
+                stage.check = named.check.clone();
+            }
             observed.push(ObservedStage {
                 hook: *hook,
                 table: table.name.clone(),
@@ -360,6 +383,7 @@ mod tests {
                 _ => (POD, 0x4000),
             };
             let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
+            e.header.ifindex_in = 2;
             if slot >= 2 {
                 e = with_ct(e, 2, orig, reply);
             }
@@ -367,22 +391,16 @@ mod tests {
         }
         // FORWARD: FIRST, -149, 1, 51, LAST.
         for slot in 0..5u32 {
-            evs.push(with_ct(
-                tcp_event(2, slot, skb, CLIENT, POD, 0x4000),
-                2,
-                orig,
-                reply,
-            ));
+            let mut e = tcp_event(2, slot, skb, CLIENT, POD, 0x4000);
+            (e.header.ifindex_in, e.header.ifindex_out) = (2, 5);
+            evs.push(with_ct(e, 2, orig, reply));
         }
         // POSTROUTING: FIRST, -149, 101, LAST; MASQUERADE at nat (100).
         for slot in 0..4u32 {
             let src = if slot >= 2 { NODE } else { CLIENT };
-            evs.push(with_ct(
-                tcp_event(4, slot, skb, src, POD, 0x4000),
-                2,
-                orig,
-                reply,
-            ));
+            let mut e = tcp_event(4, slot, skb, src, POD, 0x4000);
+            (e.header.ifindex_in, e.header.ifindex_out) = (2, 5);
+            evs.push(with_ct(e, 2, orig, reply));
         }
         let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
         eg.header.ifindex_out = 5;
@@ -410,6 +428,7 @@ mod tests {
                 symbol: &symbol,
             },
             ifname: &names,
+            rules: None,
         };
         build(t, &ctx, lost)
     }
@@ -642,25 +661,232 @@ mod tests {
         }
     }
 
+    /// A rule namer over the lab node's rules and sets (cali1a2b masquerades to the
+    /// synthetic traversal's node address).
+    fn lab_namer() -> crate::rulenames::RuleNamer {
+        let v4 = observer_rules::parse_save(include_str!("../../lab/node.rules")).unwrap();
+        let sets = observer_rules::parse_ipsets(include_str!("../../lab/node.ipsets")).unwrap();
+        let mut sim =
+            observer_rules::Simulator::owned(v4, Default::default(), sets, Default::default());
+        sim.iface_addrs
+            .insert("cali1a2b".into(), vec!["172.17.0.1".parse().unwrap()]);
+        crate::rulenames::RuleNamer::with_simulator(sim, 0)
+    }
+
+    fn named_report(t: &Traversal, plans: &Plans, namer: &crate::rulenames::RuleNamer) -> Report {
+        let marks = MarkDictionary::default();
+        let reasons = HashMap::new();
+        let symbol = |a: u64| format!("fn+{a:#x}");
+        let shared = SnapshotCache::default();
+        let ctx = Context {
+            snapshots: &shared,
+            plans,
+            netns: "node",
+            marks: &marks,
+            names: Names {
+                drop_reasons: &reasons,
+                symbol: &symbol,
+            },
+            ifname: &names,
+            rules: Some(namer),
+        };
+        build(t, &ctx, 0)
+    }
+
+    #[test]
+    fn tail_names_the_rules_of_each_stage_and_flags_what_disagrees() {
+        let (t, plans) = forwarded();
+        let namer = lab_namer();
+        let r = named_report(&t, &plans, &namer);
+        let at = |hook: &str, table: &str| {
+            r.stages
+                .iter()
+                .find(|s| s.hook.name() == hook && &*s.table == table)
+                .unwrap()
+        };
+        // kube-proxy's DNAT and masquerade mark, named and in agreement with the kernel.
+        let nat = at("PREROUTING", "nat");
+        let chains: Vec<String> = nat.rules.iter().map(|r| r.id.place()).collect();
+        assert!(
+            chains.contains(&"KUBE-MARK-MASQ#1".to_string()),
+            "{chains:?}"
+        );
+        assert!(
+            chains.contains(&"KUBE-SEP-JJDDRQDQBMLIVXO7#2".to_string()),
+            "{chains:?}"
+        );
+        let check = nat.check.as_ref().unwrap();
+        assert_eq!(
+            check.result,
+            observer_model::CheckResult::Agrees,
+            "{check:?}"
+        );
+        // The synthetic packet never got Calico's accept bit in filter FORWARD, which the
+        // rules set: flagged with both sides, not hidden.
+        let filter = at("FORWARD", "filter");
+        let check = filter.check.as_ref().unwrap();
+        assert_eq!(check.result, observer_model::CheckResult::Disagrees);
+        assert_eq!(
+            check.disagreements,
+            ["rules predict mark 0x14000, the kernel set 0x4000"]
+        );
+        let tree = r.render_tree();
+        assert!(
+            tree.contains("!! rules predict mark 0x14000, the kernel set 0x4000"),
+            "{tree}"
+        );
+        assert!(
+            tree.contains("DISAGREE with the kernel at FORWARD/filter"),
+            "{tree}"
+        );
+        assert!(
+            tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),
+            "{tree}"
+        );
+        // No chain runs at conntrack: nothing to name or check there.
+        let ct = at("PREROUTING", "conntrack");
+        assert!(ct.rules.is_empty() && ct.check.is_none());
+        // The second report of the same flow comes from the cache.
+        let misses = namer.misses.get();
+        assert_eq!(named_report(&t, &plans, &namer), r);
+        assert_eq!(namer.misses.get(), misses);
+    }
+
+    #[test]
+    fn a_confirmed_connection_keeps_conntracks_translation_and_its_sentence() {
+        let (mut t, plans) = forwarded();
+        // Later packet of the connection: established and confirmed everywhere; the
+        // masquerade bit is not set again (the nat chains that set it are not walked).
+        for o in &mut t.records {
+            o.mark &= !0x4000;
+            if let Some(ct) = &mut o.ct {
+                ct.info = 0;
+                ct.status |= 1 << 3;
+            }
+        }
+        let r = named_report(&t, &plans, &lab_namer());
+        let nat = r
+            .stages
+            .iter()
+            .find(|s| s.hook == NfHook::PreRouting && &*s.table == "nat")
+            .unwrap();
+        assert!(nat.rules.is_empty(), "the nat chains are not walked");
+        assert_eq!(
+            nat.check.as_ref().unwrap().result,
+            observer_model::CheckResult::Agrees
+        );
+        let tree = r.render_tree();
+        assert!(
+            tree.contains("DNAT 10.10.10.2:22 -> 172.17.0.5:22 (conntrack)")
+                && tree.contains("conntrack applied the stored translation"),
+            "{tree}"
+        );
+    }
+
+    /// Every ```json block of the schema doc that is a traversal.
+    fn documented_traversals(doc: &str) -> Vec<serde_json::Value> {
+        doc.split("```json")
+            .skip(1)
+            .map(|b| &b[..b.find("```").expect("closed block")])
+            .map(|b| serde_json::from_str::<serde_json::Value>(b).expect("valid JSON"))
+            .filter(|v| v.get("schema").is_some())
+            .collect()
+    }
+
+    /// Predicted traversals covering every shape explain prints: iptables rules with
+    /// Kubernetes and Calico meanings, an undecidable match, native nftables chains and
+    /// rules with random branches, iptables-nft rules.
+    fn predictions() -> Vec<serde_json::Value> {
+        let fixtures = |name: &str| {
+            std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../observer-rules/tests/fixtures")
+                    .join(name),
+            )
+            .unwrap()
+        };
+        let lab = include_str!("../../lab/node.rules");
+        let routes = r#"[{"dst":"default","dev":"eth1","flags":[]},
+            {"dst":"10.201.0.0/24","dev":"calir0","flags":[]}]"#;
+        let reqs = [
+            observer_rules::ExplainRequest {
+                iptables_save: Some(lab.into()),
+                ipset_save: Some(include_str!("../../lab/node.ipsets").into()),
+                packet: "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 out cali1a2b".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                iptables_save: Some(lab.into()),
+                packet: "udp 172.17.0.6:5000 -> 192.0.2.50:53 in cali3c4d out eth0".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                nft_json: Some(fixtures("kube-proxy.json")),
+                routes_json: vec![routes.into()],
+                packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                iptables_save: Some(fixtures("mixed.rules")),
+                nft_json: Some(fixtures("mixed.json")),
+                routes_json: vec![routes.into()],
+                packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
+                ..Default::default()
+            },
+        ];
+        reqs.iter()
+            .map(|r| {
+                let e = observer_rules::explain(r).unwrap();
+                serde_json::to_value(e.to_model(&MarkDictionary::default(), None)).unwrap()
+            })
+            .collect()
+    }
+
     #[test]
     fn documented_schema_matches() {
         let doc = include_str!("../../docs/json-schema.md");
-        let start = doc.find("```json").expect("json example in docs") + "```json".len();
-        let end = start + doc[start..].find("```").expect("closed block");
-        let documented: serde_json::Value = serde_json::from_str(&doc[start..end]).unwrap();
+        let documented = documented_traversals(doc);
+        assert_eq!(documented.len(), 2, "an observed and a predicted example");
         let (t, plans) = forwarded();
-        let real: serde_json::Value =
-            serde_json::from_str(&report(&t, &plans, 0).to_json_line()).unwrap();
+        let observed: serde_json::Value =
+            serde_json::from_str(&named_report(&t, &plans, &lab_namer()).to_json_line()).unwrap();
+        let predicted = predictions();
+        // One shape: both producers print schema 2, told apart by `source` only.
+        assert_eq!(observed["schema"], 2);
+        assert_eq!(observed["source"], "observed");
+        for p in &predicted {
+            assert_eq!(
+                (&p["schema"], &p["source"]),
+                (&observed["schema"], &"predicted".into())
+            );
+        }
         let (mut want, mut got) = (Default::default(), Default::default());
-        key_paths(&documented, "", &mut want);
-        key_paths(&real, "", &mut got);
+        for d in &documented {
+            key_paths(d, "", &mut want);
+        }
+        for v in predicted.iter().chain([&observed]) {
+            key_paths(v, "", &mut got);
+        }
         assert_eq!(
             want, got,
             "docs/json-schema.md and the printed JSON disagree"
         );
+        // Each example's own keys: an observed traversal and a predicted one, each as the
+        // producers print it (stage keys are the same on both sides).
+        let mut obs_keys = Default::default();
+        key_paths(&observed, "", &mut obs_keys);
+        let mut doc_obs = Default::default();
+        key_paths(&documented[0], "", &mut doc_obs);
+        assert!(
+            doc_obs
+                .iter()
+                .all(|k| obs_keys.contains(k) || k.contains("rules[]")),
+            "the observed example shows keys tail does not print: {:?}",
+            doc_obs.difference(&obs_keys).collect::<Vec<_>>()
+        );
         // Every key of the real output is explained in the doc's table too.
         for k in got {
-            let leaf = k.rsplit('.').next().unwrap();
+            let leaf = k.rsplit('.').next().unwrap().trim_end_matches("[]");
             assert!(
                 doc.contains(&format!("`{leaf}`")) || doc.contains(&format!(".{leaf}`")),
                 "docs/json-schema.md does not explain `{leaf}`"

@@ -29,8 +29,10 @@ use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
 use crate::render_cache::RenderCache;
 use crate::report;
+use crate::rulenames::RuleNamer;
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
+use observer_rules::LiveNode;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -51,6 +53,9 @@ pub struct TailOptions {
     pub stats_file: Option<PathBuf>,
     /// Benchmarks: probes attached but returning at once.
     pub floor: bool,
+    /// Name the rules of each stage from the live ruleset (and check them against the
+    /// kernel).
+    pub rules: bool,
 }
 
 /// How each traversal is printed.
@@ -58,7 +63,7 @@ pub struct TailOptions {
 pub enum Output {
     /// A header line and one line per table, with what it changed and why.
     Tree,
-    /// One JSON object per line (schema 1, docs/json-schema.md).
+    /// One JSON object per line (schema 2, docs/json-schema.md).
     Json,
     /// One line per packet, for busy nodes.
     Line,
@@ -71,19 +76,12 @@ const BATCH: usize = 2048;
 const FINAL_DRAIN: Duration = Duration::from_millis(150);
 
 /// The mark dictionary for this run: defaults, then the bits the live ruleset shows
-/// (KUBE-MARK-MASQ / KUBE-MARK-DROP), then the user's file.
-fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
+/// (KUBE-MARK-MASQ / KUBE-MARK-DROP, or nftables mode's mark-for-masquerade), then the
+/// user's file.
+fn mark_dictionary(live: &LiveNode, file: Option<&PathBuf>) -> Result<MarkDictionary> {
     let mut d = MarkDictionary::default();
-    match std::process::Command::new("iptables-save")
-        .args(["-t", "nat"])
-        .output()
-    {
-        Ok(out) => {
-            for (bit, name) in d.learn_from_iptables_save(&String::from_utf8_lossy(&out.stdout)) {
-                info!("live ruleset: {name} is {bit:#x}");
-            }
-        }
-        Err(e) => warn!("cannot run iptables-save to learn kube-proxy's mark bits: {e}"),
+    for (bit, name) in live.learn_marks(&mut d) {
+        info!("live ruleset: {name} is {bit:#x}");
     }
     if let Some(f) = file {
         let text = std::fs::read_to_string(f)
@@ -92,6 +90,16 @@ fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
             .with_context(|| format!("in marks file {}", f.display()))?;
     }
     Ok(d)
+}
+
+/// Reads the node's rules, sets, routes and addresses, warning about every read that
+/// failed (rule naming then says undecidable where it needed what is missing).
+fn read_live() -> LiveNode {
+    let live = LiveNode::read();
+    for e in &live.failures {
+        warn!("reading the node: {e}");
+    }
+    live
 }
 
 /// What a tail run saw, in packets; printed on exit and written by `--stats`.
@@ -160,7 +168,8 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         crate::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
-    let marks = mark_dictionary(opts.marks_file.as_ref())?;
+    let live = read_live();
+    let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     // Interface names in the filter are those of the observed namespace, entered above.
     let mut program = match &opts.filter {
         Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
@@ -168,7 +177,12 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = Probes::load(&layout, &program)?;
-    let custom = read_custom_priorities();
+    let custom = live
+        .ruleset
+        .nft
+        .as_ref()
+        .map(custom_priorities)
+        .unwrap_or_default();
     if !custom.is_empty() {
         info!("bracketing custom nftables base-chain priorities: {custom:?}");
     }
@@ -189,33 +203,12 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let summary = rt.block_on(event_loop(&opts, probes, ring, layout, marks))?;
+    let summary = rt.block_on(event_loop(&opts, probes, ring, layout, marks, live))?;
     if let Some(path) = &opts.stats_file {
         std::fs::write(path, serde_json::to_string(&summary)? + "\n")
             .with_context(|| format!("writing stats file {}", path.display()))?;
     }
     Ok(summary)
-}
-
-/// Base-chain priorities of the namespace's nftables ruleset that no standard table has.
-fn read_custom_priorities() -> Vec<(crate::nf_link::NfFamily, crate::nf_link::NfHook, i32)> {
-    match std::process::Command::new("nft")
-        .args(["-j", "list", "ruleset"])
-        .output()
-    {
-        Ok(o) if o.status.success() => custom_priorities(&String::from_utf8_lossy(&o.stdout)),
-        Ok(o) => {
-            warn!(
-                "`nft -j list ruleset` failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            );
-            Vec::new()
-        }
-        Err(e) => {
-            warn!("cannot run nft to find custom base-chain priorities: {e}");
-            Vec::new()
-        }
-    }
 }
 
 /// Everything that turns records into printed reports.
@@ -228,7 +221,9 @@ struct Printer<'a> {
     /// may have met a chain its probes did not bracket yet.
     replans: Vec<(u64, u64)>,
     layout: &'a KernelLayout,
-    marks: &'a MarkDictionary,
+    marks: MarkDictionary,
+    /// The live ruleset's rule namer (with `--rules`), rebuilt when the ruleset changes.
+    namer: Option<RuleNamer>,
     symbols: Symbols,
     netns: String,
     names: std::cell::RefCell<HashMap<u32, String>>,
@@ -323,12 +318,13 @@ impl Printer<'_> {
             snapshots: &self.snapshots,
             plans,
             netns: &self.netns,
-            marks: self.marks,
+            marks: &self.marks,
             names: Names {
                 drop_reasons: &self.layout.drop_reasons,
                 symbol: &symbol,
             },
             ifname: &ifname,
+            rules: self.namer.as_ref(),
         };
         let r = report::build(&t, &ctx, lost);
         let mut buf = Vec::with_capacity(4096);
@@ -380,6 +376,7 @@ async fn event_loop(
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     layout: KernelLayout,
     marks: MarkDictionary,
+    live: LiveNode,
 ) -> Result<Summary> {
     let mut printer = Printer {
         opts,
@@ -387,7 +384,8 @@ async fn event_loop(
         generation: probes.generation(),
         replans: Vec::new(),
         layout: &layout,
-        marks: &marks,
+        marks,
+        namer: opts.rules.then(|| RuleNamer::new(&live, 0)),
         symbols: Symbols::load(),
         netns: opts.netns.clone().unwrap_or_else(|| "current".into()),
         names: Default::default(),
@@ -558,7 +556,24 @@ const RULESET_SETTLE: Duration = Duration::from_millis(100);
 /// Brackets the base-chain priorities of the ruleset as it is now (the ruleset changed at
 /// `since`, ns).
 fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
-    let custom = read_custom_priorities();
+    let live = read_live();
+    let custom = live
+        .ruleset
+        .nft
+        .as_ref()
+        .map(custom_priorities)
+        .unwrap_or_default();
+    // Reports name rules and mark bits from the ruleset: what was rendered is stale.
+    match mark_dictionary(&live, printer.opts.marks_file.as_ref()) {
+        Ok(m) => printer.marks = m,
+        Err(e) => warn!("mark names not updated after the ruleset change: {e:#}"),
+    }
+    if let Some(n) = &printer.namer {
+        let generation = n.generation + 1;
+        printer.namer = Some(RuleNamer::new(&live, generation));
+        info!("ruleset changed: rules re-read (generation {generation})");
+    }
+    printer.cache.clear();
     match probes.replan(full_plan(&custom)) {
         Ok(changed) if changed.is_empty() => {}
         Ok(changed) => {
