@@ -222,6 +222,18 @@ fn undecidable(why: &str) -> Check {
     }
 }
 
+/// `a.b.c.d:port` / `[v6]:port` without the port.
+fn address(endpoint: &str) -> &str {
+    match endpoint.rsplit_once(':') {
+        Some((a, _)) if !a.contains(':') || a.ends_with(']') => a,
+        _ => endpoint,
+    }
+}
+
+fn same_address(a: &str, b: &str) -> bool {
+    address(a) == address(b)
+}
+
 /// The branch's chains as one predicted stage shaped like the observed one.
 fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::Stage {
     let rules: Arc<[Rule]> = br
@@ -242,13 +254,23 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
                 None,
             )))
         }
-        (Some(l), _) => Some(Arc::new(Snapshot::new(
-            l.after.src.clone(),
-            l.after.dst.clone(),
-            l.after.mark,
-            None,
-            None,
-        ))),
+        (Some(l), o) => {
+            // A NAT rule applied: the kernel keeps the port when it can, and picks another
+            // when the rule asks for a random one (`fully-random`, `--random`) or the tuple
+            // is taken. The address is the rules'; the port is the kernel's choice.
+            let natted = br.stages.iter().any(|st| st.nat.is_some());
+            let port_of_kernel = |p: &String, o: Option<&String>| match o {
+                Some(o) if natted && same_address(p, o) => o.clone(),
+                _ => p.clone(),
+            };
+            Some(Arc::new(Snapshot::new(
+                port_of_kernel(&l.after.src, o.map(|o| &o.src)),
+                port_of_kernel(&l.after.dst, o.map(|o| &o.dst)),
+                l.after.mark,
+                None,
+                None,
+            )))
+        }
         (None, _) => None,
     };
     model::Stage {
@@ -264,5 +286,20 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
         policy: None,
         note: br.stages.iter().find_map(|st| st.note.clone()),
         check: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_told_from_addresses() {
+        assert_eq!(address("169.254.1.1:35318"), "169.254.1.1");
+        assert_eq!(address("[2001:db8::1]:80"), "[2001:db8::1]");
+        assert_eq!(address("2001:db8::1"), "2001:db8::1");
+        assert_eq!(address("10.0.0.1"), "10.0.0.1");
+        assert!(same_address("169.254.1.1:35318", "169.254.1.1:24278"));
+        assert!(!same_address("169.254.1.1:35318", "169.254.1.2:35318"));
     }
 }
