@@ -1,5 +1,6 @@
 //! `observer explain`: turns dumps (or the live node) plus a packet description into an
-//! [`Explanation`], rendered as schema-1 JSON (the live tracer's shape) or as a readable tree.
+//! [`Explanation`], and that into the model's predicted [`Traversal`] (JSON schema 2: the
+//! live tracer's shape, printed by the same renderers).
 
 use std::collections::HashMap;
 use std::net::IpAddr;

@@ -1,6 +1,9 @@
-//! Annotation and rendering: a traversal record -> the model's [`observer_model::Traversal`]
-//! (observed), per table. Pure: interface names come through a lookup the caller provides;
-//! the renderers are the model's.
+//! Reports: an assembled traversal -> the model's observed [`observer_model::Traversal`],
+//! one stage per table, with the rules of each stage named when a [`RuleNamer`] is given.
+//! Pure: interface names come through a lookup the caller provides; the renderers (tree,
+//! line, JSON) are the model's, shared with `observer explain`.
+//!
+//! [`RuleNamer`]: crate::rulenames::RuleNamer
 
 use std::sync::Arc;
 
