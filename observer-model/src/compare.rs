@@ -130,7 +130,7 @@ mod tests {
             ))),
             ct: None,
             verdict,
-            rules: Arc::new([]),
+            rules: Default::default(),
             policy: None,
             note: None,
             check: None,

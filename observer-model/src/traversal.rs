@@ -200,7 +200,7 @@ pub struct Stage {
     pub ct: Option<Arc<CtView>>,
     pub verdict: Verdict,
     /// The rules whose counters the kernel increments for this packet here, in order.
-    pub rules: Arc<[Rule]>,
+    pub rules: Rules,
     /// The built-in chain whose policy decided, when one did.
     pub policy: Option<String>,
     pub note: Option<String>,
@@ -416,6 +416,58 @@ impl RuleId {
             RuleId::Iptables { chain, index, .. } => format!("{chain}#{index}"),
             RuleId::Nft { chain, handle, .. } => format!("{chain} handle {handle}"),
         }
+    }
+}
+
+/// The rules of a stage, with their JSON rendered once: a flow's packets name the same
+/// rules, and escaping their text again for every report would be most of its cost.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    items: Arc<[Rule]>,
+    json: Arc<serde_json::value::RawValue>,
+}
+
+impl Rules {
+    pub fn new(items: Vec<Rule>) -> Self {
+        let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
+        Self {
+            items: items.into(),
+            json: json.into(),
+        }
+    }
+}
+
+/// No rules: made once and shared (most stages of a report without rule naming).
+static NO_RULES: std::sync::LazyLock<Rules> = std::sync::LazyLock::new(|| Rules::new(Vec::new()));
+
+impl Default for Rules {
+    fn default() -> Self {
+        NO_RULES.clone()
+    }
+}
+
+impl FromIterator<Rule> for Rules {
+    fn from_iter<I: IntoIterator<Item = Rule>>(iter: I) -> Self {
+        Self::new(iter.into_iter().collect())
+    }
+}
+
+impl std::ops::Deref for Rules {
+    type Target = [Rule];
+    fn deref(&self) -> &[Rule] {
+        &self.items
+    }
+}
+
+impl PartialEq for Rules {
+    fn eq(&self, o: &Self) -> bool {
+        self.items == o.items
+    }
+}
+
+impl Serialize for Rules {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
     }
 }
 

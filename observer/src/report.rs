@@ -239,7 +239,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 after: after.and_then(|o| snapshots.of(o)),
                 ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
-                rules: Arc::new([]),
+                rules: Default::default(),
                 policy: None,
                 note: None,
                 check: None,

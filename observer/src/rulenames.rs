@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use observer_model::{self as model, Check, CheckResult, Rule, Snapshot, Verdict};
+use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
 use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
 
 use crate::decode::{Conntrack, Endpoint, Observation};
@@ -57,7 +57,7 @@ struct Key {
 /// The rules of one stage and how they compare with the kernel.
 #[derive(Debug)]
 pub struct Named {
-    pub rules: Arc<[Rule]>,
+    pub rules: Rules,
     /// None when no chain runs in the stage (nothing to simulate).
     pub check: Option<Arc<Check>>,
 }
@@ -147,7 +147,7 @@ impl RuleNamer {
         let b = s.before;
         let (Some(src), Some(dst)) = (b.src, b.dst) else {
             return Named {
-                rules: Arc::new([]),
+                rules: Rules::default(),
                 check: Some(Arc::new(undecidable(
                     "the packet's headers could not be read here",
                 ))),
@@ -183,7 +183,7 @@ impl RuleNamer {
         let branches = self.sim.simulate_stage(&input);
         if branches.iter().all(|br| br.stages.is_empty()) {
             return Named {
-                rules: Arc::new([]),
+                rules: Rules::default(),
                 check: None,
             };
         }
@@ -236,7 +236,7 @@ fn same_address(a: &str, b: &str) -> bool {
 
 /// The branch's chains as one predicted stage shaped like the observed one.
 fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::Stage {
-    let rules: Arc<[Rule]> = br
+    let rules: Rules = br
         .stages
         .iter()
         .flat_map(|st| &st.rules)
