@@ -52,18 +52,21 @@ pub struct RenderCache {
     pub hits: u64,
 }
 
-/// The record's bytes as a report depends on them: its written part, without the skb
-/// address and the times.
-fn key_of(rec: &TraversalRecord) -> Vec<u8> {
+/// The record as a report depends on it: without the skb address and the times.
+fn keyed(rec: &TraversalRecord) -> TraversalRecord {
     let mut r = *rec;
     r.skb = 0;
     r.ts_first = 0;
     r.ts_last = 0;
+    r
+}
+
+/// The written part of a record, as bytes.
+fn written(r: &TraversalRecord) -> &[u8] {
     // SAFETY: plain data; the written length is within the record.
     unsafe {
-        std::slice::from_raw_parts((&r as *const TraversalRecord).cast::<u8>(), r.written_len())
+        std::slice::from_raw_parts((r as *const TraversalRecord).cast::<u8>(), r.written_len())
     }
-    .to_vec()
 }
 
 fn hash(key: &[u8]) -> u64 {
@@ -85,8 +88,10 @@ impl RenderCache {
         rec: &TraversalRecord,
         render: impl FnOnce() -> (Vec<u8>, bool),
     ) -> &Rendered {
-        let key = key_of(rec);
-        let h = hash(&key);
+        // Hashed and compared in place: a hit allocates nothing.
+        let r = keyed(rec);
+        let key = written(&r);
+        let h = hash(key);
         let hit = self.map.get(&h).is_some_and(|e| e.key == key);
         if hit {
             self.hits += 1;
@@ -98,7 +103,7 @@ impl RenderCache {
             self.map.insert(
                 h,
                 Rendered {
-                    key,
+                    key: key.to_vec(),
                     bytes,
                     incomplete,
                 },

@@ -15,6 +15,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -23,7 +24,6 @@ use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
 
 use crate::decode::{Conntrack, Endpoint, Observation};
 use crate::nf_link::NfHook;
-use crate::render_cache::Fnv;
 
 /// `IPS_SRC_NAT`, `IPS_DST_NAT`, `IPS_CONFIRMED` (`enum ip_conntrack_status`).
 const IPS_SRC_NAT: u64 = 1 << 4;
@@ -34,24 +34,111 @@ const IPS_CONFIRMED: u64 = 1 << 3;
 const ENTRIES: usize = 65536;
 
 /// What the cache is keyed by: everything of the packet the rules may look at, where the
-/// stage is, and what the kernel made of it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct Key {
-    hook: NfHook,
-    window: (i32, i32),
-    src: Endpoint,
-    dst: Endpoint,
-    has_ports: bool,
-    proto: u8,
-    mark: u32,
-    /// (ctinfo, ct mark, status) of the entry the stage sees (or will see, before conntrack).
-    ct: Option<(u32, u32, u64)>,
-    ifindex: (u32, u32),
-    tcp_flags: u8,
-    icmp: Option<(u8, u8)>,
-    /// The observed outcome: after-state (addresses, mark) and whether the packet went on.
-    after: Option<(Option<Endpoint>, Option<Endpoint>, u32)>,
-    went_on: bool,
+/// stage is, and what the kernel made of it, packed into words (compared word for word,
+/// never trusted to the hash alone; hashed in one pass).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key([u64; 15]);
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Multiply-xorshift over the words, then murmur3's finaliser: the words differ
+        // mostly in a few bits (ports), which must reach every bit of the hash.
+        let mut h: u64 = 0;
+        for w in self.0 {
+            h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            h ^= h >> 32;
+        }
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^= h >> 33;
+        state.write_u64(h);
+    }
+}
+
+/// An address as two words (IPv4 as its IPv6-mapped form; the family is in the key too).
+fn addr_words(a: Option<Endpoint>) -> (u64, u64, u16) {
+    let Some(e) = a else {
+        return (u64::MAX, u64::MAX, 0);
+    };
+    let v = match e.addr {
+        IpAddr::V4(v4) => u128::from(v4.to_ipv6_mapped()),
+        IpAddr::V6(v6) => u128::from(v6),
+    };
+    ((v >> 64) as u64, v as u64, e.port)
+}
+
+impl Key {
+    fn new(
+        hook: NfHook,
+        window: (i32, i32),
+        b: &Observation,
+        ct: Option<Conntrack>,
+        after: Option<&Observation>,
+        went_on: bool,
+    ) -> Self {
+        let (s0, s1, sp) = addr_words(b.src);
+        let (d0, d1, dp) = addr_words(b.dst);
+        let (as0, as1, asp) = addr_words(after.and_then(|a| a.src));
+        let (ad0, ad1, adp) = addr_words(after.and_then(|a| a.dst));
+        let (ic, icmp) = b
+            .icmp
+            .map_or((0, 0), |(t, c)| (1, u64::from(t) << 8 | u64::from(c)));
+        let v6 = b.src.is_some_and(|e| e.addr.is_ipv6());
+        let w0 = hook as u64
+            | u64::from(b.proto) << 8
+            | u64::from(b.has_ports) << 16
+            | u64::from(b.tcp_flags) << 17
+            | u64::from(went_on) << 25
+            | ic << 26
+            | icmp << 27
+            | u64::from(after.is_some()) << 43
+            | u64::from(ct.is_some()) << 44
+            | u64::from(v6) << 45;
+        let (info, ctmark, status) = ct.map_or((0, 0, 0), |c| {
+            (
+                c.info,
+                c.mark,
+                c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
+            )
+        });
+        Key([
+            w0,
+            u64::from(window.0 as u32) << 32 | u64::from(window.1 as u32),
+            s0,
+            s1,
+            d0,
+            d1,
+            u64::from(sp) << 48 | u64::from(dp) << 32 | u64::from(b.mark),
+            u64::from(info) << 32 | u64::from(ctmark),
+            status << 32 | u64::from(b.ifindex_in),
+            u64::from(b.ifindex_out) << 32 | u64::from(after.map_or(0, |a| a.mark)),
+            as0,
+            as1,
+            ad0,
+            ad1,
+            u64::from(asp) << 16 | u64::from(adp),
+        ])
+    }
+}
+
+/// Takes the key's own hash as it is.
+#[derive(Default)]
+struct Passthrough(u64);
+
+impl std::hash::Hasher for Passthrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
 }
 
 /// The rules of one stage and how they compare with the kernel.
@@ -80,7 +167,7 @@ pub struct RuleNamer {
     sim: Simulator<'static>,
     /// Bumped every time the ruleset is read again.
     pub generation: u64,
-    cache: RefCell<HashMap<Key, Arc<Named>, Fnv>>,
+    cache: RefCell<HashMap<Key, Arc<Named>, BuildHasherDefault<Passthrough>>>,
     /// Misses (simulations run) and hits, for the exit summary and the bench.
     pub misses: std::cell::Cell<u64>,
 }
@@ -104,27 +191,7 @@ impl RuleNamer {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
         let went_on = s.stage.verdict == Verdict::Accept;
-        let key = Key {
-            hook: s.hook,
-            window: s.window,
-            src: b.src.unwrap_or(UNSPECIFIED),
-            dst: b.dst.unwrap_or(UNSPECIFIED),
-            has_ports: b.has_ports,
-            proto: b.proto,
-            mark: b.mark,
-            ct: ct.map(|c| {
-                (
-                    c.info,
-                    c.mark,
-                    c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
-                )
-            }),
-            ifindex: (b.ifindex_in, b.ifindex_out),
-            tcp_flags: b.tcp_flags,
-            icmp: b.icmp,
-            after: s.after.map(|a| (a.src, a.dst, a.mark)),
-            went_on,
-        };
+        let key = Key::new(s.hook, s.window, b, ct, s.after, went_on);
         if let Some(n) = self.cache.borrow().get(&key) {
             return n.clone();
         }
@@ -208,11 +275,6 @@ impl RuleNamer {
         }
     }
 }
-
-const UNSPECIFIED: Endpoint = Endpoint {
-    addr: IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-    port: 0,
-};
 
 fn undecidable(why: &str) -> Check {
     Check {

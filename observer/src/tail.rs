@@ -280,23 +280,27 @@ impl Printer<'_> {
         self.reported_lost = self.lost_now;
         // A report is a function of the record (and names and plans, which clear the
         // cache when they change); `lost` is not, so only lines without it are shared.
+        // A cached line is copied once, straight into the output buffer.
         let mut cache = std::mem::take(&mut self.cache);
-        let rendered = if lost == 0 {
+        let incomplete = if lost == 0 {
             let r = cache.get_or_render(&rec, || self.render(&rec, plans, 0));
-            Some((r.bytes.clone(), r.incomplete))
+            let (empty, incomplete) = (r.bytes.is_empty(), r.incomplete);
+            if !empty {
+                self.out.buf().extend_from_slice(&r.bytes);
+            }
+            (!empty).then_some(incomplete)
         } else {
-            None
+            let (bytes, incomplete) = self.render(&rec, plans, lost);
+            if !bytes.is_empty() {
+                self.out.buf().extend_from_slice(&bytes);
+            }
+            (!bytes.is_empty()).then_some(incomplete)
         };
         self.cache = cache;
-        let (bytes, incomplete) = match rendered {
-            Some(r) => r,
-            None => self.render(&rec, plans, lost),
-        };
-        if bytes.is_empty() {
+        let Some(incomplete) = incomplete else {
             summary.not_printed += 1;
             return false;
-        }
-        self.out.buf().extend_from_slice(&bytes);
+        };
         self.out.done();
         self.formatted += 1;
         summary.incomplete += u64::from(incomplete);
