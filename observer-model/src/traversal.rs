@@ -160,8 +160,10 @@ pub struct Traversal {
     pub nat: Vec<Nat>,
     pub conntrack: Option<Arc<ConntrackView>>,
     /// Predicted with random choices (`numgen`, `statistic`): every outcome, with its
-    /// probability; the top-level stages are the first. Empty otherwise.
+    /// probability; the top-level stages are the first. Absent otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub branches: Vec<Branch>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
     /// Packets the kernel could not record (ring buffer full) since the previous report.
     pub lost: u64,
@@ -193,7 +195,8 @@ pub struct Stage {
     pub hook: Hook,
     pub table: Arc<str>,
     pub priority: i32,
-    /// A native nftables base chain (explain): its family and name; null otherwise.
+    /// A native nftables base chain (explain): its family and name; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub chain: Option<ChainRef>,
     pub before: Option<Arc<Snapshot>>,
     pub after: Option<Arc<Snapshot>>,
@@ -202,10 +205,13 @@ pub struct Stage {
     /// The rules whose counters the kernel increments for this packet here, in order.
     pub rules: Rules,
     /// The built-in chain whose policy decided, when one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
     /// Observed stages: whether the rules, simulated on the observed before-state, predict
     /// the observed after-state.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub check: Option<Arc<Check>>,
 }
 

@@ -181,7 +181,7 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     assert_eq!(j["egress"]["iface"], "cali1a2b");
     assert_eq!(j["ingress"]["iface"], "eth0");
     assert_eq!(j["fate"]["kind"], "forwarded");
-    assert_eq!(j["branches"], serde_json::json!([]));
+    assert!(j.get("branches").is_none(), "one outcome: no branches");
     assert_eq!(j["nat"][0]["kind"], "dnat");
     assert_eq!(j["nat"][0]["to"], "172.17.0.5:22");
     assert_eq!(j["conntrack"]["original"]["dst"], "10.10.10.2:22");
