@@ -24,10 +24,26 @@ const CONNTRACK_NOTE: &str = "the nat table is not consulted for this packet bec
 fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks, nat: &[Nat]) {
     let mut last_ct: Option<&CtView> = None;
     for s in stages {
+        // A change belongs to the stage whose before and after show it: predicted stages of
+        // one nftables table share their hook and table name.
         let here = |hook, table: &str| hook == s.hook && table == &*s.table;
+        let (b, a) = (s.before.as_deref(), s.after.as_deref());
+        let translated = |n: &&Nat| {
+            here(n.hook, &n.table)
+                && b.zip(a).is_some_and(|(b, a)| match n.kind {
+                    crate::NatKind::Dnat => b.dst == n.from && a.dst == n.to,
+                    crate::NatKind::Snat => b.src == n.from && a.src == n.to,
+                })
+        };
+        let marked = |c: &&MarkChange, set: bool| {
+            here(c.hook, &c.table)
+                && b.zip(a).is_some_and(|(b, a)| {
+                    (b.mark & c.bit != 0) != set && (a.mark & c.bit != 0) == set
+                })
+        };
         let mut what = Vec::new();
         let mut note = s.note.as_deref();
-        for n in nat.iter().filter(|n| here(n.hook, &n.table)) {
+        for n in nat.iter().filter(translated) {
             what.push(format!(
                 "{} {} -> {} ({})",
                 match n.kind {
@@ -45,10 +61,10 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
                 note = Some(CONNTRACK_NOTE);
             }
         }
-        for c in marks.set.iter().filter(|c| here(c.hook, &c.table)) {
+        for c in marks.set.iter().filter(|c| marked(c, true)) {
             what.push(mark_word(c, '+'));
         }
-        for c in marks.cleared.iter().filter(|c| here(c.hook, &c.table)) {
+        for c in marks.cleared.iter().filter(|c| marked(c, false)) {
             what.push(mark_word(c, '-'));
         }
         if s.ct.as_deref() != last_ct {
@@ -349,5 +365,136 @@ impl Traversal {
         }
         parts.push(self.fate_text());
         parts.join(" | ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::traversal::{ChainRef, Rule, RuleId, Rules, Snapshot, Source};
+    use crate::{Hook, NatKind};
+    use std::sync::Arc;
+
+    fn snap(dst: &str, mark: u32) -> Option<Arc<Snapshot>> {
+        Some(Arc::new(Snapshot::new(
+            "10.201.0.7:40000".into(),
+            dst.into(),
+            mark,
+            None,
+            None,
+        )))
+    }
+
+    fn chain(
+        name: &str,
+        prio: i32,
+        before: (&str, u32),
+        after: (&str, u32),
+        rules: Rules,
+    ) -> Stage {
+        Stage {
+            hook: Hook::PreRouting,
+            table: "kube-proxy".into(),
+            priority: prio,
+            chain: Some(ChainRef {
+                family: "ip".into(),
+                name: name.into(),
+            }),
+            before: snap(before.0, before.1),
+            after: snap(after.0, after.1),
+            ct: None,
+            verdict: Verdict::Accept,
+            rules,
+            policy: None,
+            note: None,
+            check: None,
+        }
+    }
+
+    #[test]
+    fn changes_go_to_the_chain_that_made_them_and_rules_sit_beneath() {
+        let dnat = Rule {
+            id: RuleId::Nft {
+                family: "ip".into(),
+                table: "kube-proxy".into(),
+                chain: "endpoint-X".into(),
+                handle: 41,
+            },
+            text: "meta l4proto tcp dnat to 172.17.0.5:22".into(),
+            action: "dnat 172.17.0.5:22".into(),
+            mark: None,
+            undecidable: None,
+            iptables_nft: None,
+            k8s: Some(crate::K8s {
+                service: "default/registry:ssh".into(),
+                endpoint: Some("172.17.0.5:22".into()),
+            }),
+            calico: None,
+        };
+        let stages = vec![
+            chain(
+                "filter-prerouting-pre-dnat",
+                -110,
+                ("10.10.10.2:22", 0),
+                ("10.10.10.2:22", 0),
+                Rules::default(),
+            ),
+            chain(
+                "nat-prerouting",
+                -100,
+                ("10.10.10.2:22", 0),
+                ("172.17.0.5:22", 0x4000),
+                Rules::new(vec![dnat]),
+            ),
+        ];
+        let t = Traversal {
+            schema: crate::SCHEMA,
+            source: Source::Predicted,
+            netns: None,
+            family: Some(crate::Family::Ipv4),
+            proto: "tcp".into(),
+            ingress: None,
+            egress: None,
+            route: Some(crate::Route::Forward),
+            marks: crate::mark_changes(&stages, &crate::MarkDictionary::default()),
+            nat: vec![Nat {
+                kind: NatKind::Dnat,
+                hook: Hook::PreRouting,
+                table: "kube-proxy".into(),
+                from: "10.10.10.2:22".into(),
+                to: "172.17.0.5:22".into(),
+                source: NatSource::Rules,
+            }],
+            stages,
+            fate: Fate::new(FateKind::Forwarded),
+            conntrack: None,
+            branches: Vec::new(),
+            notes: Vec::new(),
+            lost: 0,
+            incomplete: false,
+            incomplete_reason: None,
+            flow: "10.201.0.7:40000 -> 10.10.10.2:22".into(),
+        };
+        let tree = t.render_tree();
+        let lines: Vec<&str> = tree.lines().collect();
+        assert!(lines[0].ends_with("(predicted from the rules)"), "{tree}");
+        assert!(
+            lines[1].contains("filter-prerouting-pre-dnat") && lines[1].ends_with(" -"),
+            "{tree}"
+        );
+        assert!(
+            lines[2].contains("nat-prerouting")
+                && lines[2].contains("DNAT 10.10.10.2:22 -> 172.17.0.5:22 (nat rules)")
+                && lines[2].contains("+0x4000 kube-proxy:masquerade"),
+            "{tree}"
+        );
+        assert_eq!(
+            lines[3].trim(),
+            "endpoint-X handle 41 meta l4proto tcp dnat to 172.17.0.5:22  => dnat 172.17.0.5:22  [k8s default/registry:ssh]"
+        );
+        assert!(
+            t.render_line()
+                .contains("DNAT 10.10.10.2:22->172.17.0.5:22@PREROUTING/kube-proxy(rules)")
+        );
     }
 }
