@@ -1,5 +1,7 @@
 //! observer's library: everything the binary does, one module per stage of the data flow
-//! (probes -> ring buffer -> decode -> correlate -> report) plus the lab and its traffic.
+//! (probes -> ring buffer -> decode -> correlate -> report, with rule naming) plus the lab
+//! and its traffic. The traversal type and its renderers are `observer-model`'s; the live
+//! node's rules are read by `observer-rules`' `live` module.
 
 pub mod annotate;
 pub mod btf;

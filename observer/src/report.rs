@@ -251,7 +251,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                     a.map_or(crate::plan::LAST, |a| plan.points[a]),
                 );
                 let named = namer.name(
-                    &crate::rulenames::ObservedStage {
+                    &crate::rulenames::StageToName {
                         hook: *hook,
                         window,
                         before,

@@ -150,7 +150,7 @@ pub struct Named {
 }
 
 /// One stage to name, as the report builder sees it.
-pub struct ObservedStage<'a> {
+pub struct StageToName<'a> {
     pub hook: NfHook,
     /// Priorities of the probes before and after the stage.
     pub window: (i32, i32),
@@ -187,7 +187,7 @@ impl RuleNamer {
     }
 
     /// The rules of `s` and their check against the kernel; `ifname` names interfaces.
-    pub fn name(&self, s: &ObservedStage, ifname: &dyn Fn(u32) -> String) -> Arc<Named> {
+    pub fn name(&self, s: &StageToName, ifname: &dyn Fn(u32) -> String) -> Arc<Named> {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
         let went_on = s.stage.verdict == Verdict::Accept;
@@ -207,7 +207,7 @@ impl RuleNamer {
 
     fn simulate(
         &self,
-        s: &ObservedStage,
+        s: &StageToName,
         ct: Option<Conntrack>,
         ifname: &dyn Fn(u32) -> String,
     ) -> Named {
