@@ -436,6 +436,7 @@ async fn event_loop(
         }
     };
     let mut ruleset_changed: Option<u64> = None;
+    let mut reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)> = None;
     let stopped_by: &'static str = loop {
         if opts.count == Some(0) {
             break "--count";
@@ -456,11 +457,32 @@ async fn event_loop(
                 guard.clear_ready();
             }
             _ = tick.tick() => {
-                if let Some(since) = ruleset_changed
+                // The node is read on a thread of its own (several commands, a few hundred
+                // ms on a large ruleset): the loop keeps draining meanwhile. The thread is in
+                // the observed namespace, as every thread started after `netns::enter`.
+                if reading.is_none()
+                    && let Some(since) = ruleset_changed
                     && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
                 {
                     ruleset_changed = None;
-                    replan(&mut probes, &mut printer, since);
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    std::thread::spawn(move || {
+                        let _ = tx.send(read_live());
+                    });
+                    reading = Some((since, rx));
+                }
+                if let Some((since, rx)) = &reading {
+                    match rx.try_recv() {
+                        Ok(live) => {
+                            replan(&mut probes, &mut printer, *since, &live);
+                            reading = None;
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            warn!("reading the node after a ruleset change failed: its thread ended early");
+                            reading = None;
+                        }
+                    }
                 }
                 printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
                 sweep(&mut probes, &mut printer, &mut summary, opts);
@@ -557,10 +579,9 @@ async fn event_loop(
 /// comes as a burst of messages).
 const RULESET_SETTLE: Duration = Duration::from_millis(100);
 
-/// Brackets the base-chain priorities of the ruleset as it is now (the ruleset changed at
-/// `since`, ns).
-fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
-    let live = read_live();
+/// After a ruleset change (at `since`, ns) the node was read again (`live`): brackets its
+/// base-chain priorities, and names rules and mark bits from it from now on.
+fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNode) {
     let custom = live
         .ruleset
         .nft
@@ -568,13 +589,13 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
         .map(custom_priorities)
         .unwrap_or_default();
     // Reports name rules and mark bits from the ruleset: what was rendered is stale.
-    match mark_dictionary(&live, printer.opts.marks_file.as_ref()) {
+    match mark_dictionary(live, printer.opts.marks_file.as_ref()) {
         Ok(m) => printer.marks = m,
         Err(e) => warn!("mark names not updated after the ruleset change: {e:#}"),
     }
     if let Some(n) = &printer.namer {
         let generation = n.generation + 1;
-        printer.namer = Some(RuleNamer::new(&live, generation));
+        printer.namer = Some(RuleNamer::new(live, generation));
         info!("ruleset changed: rules re-read (generation {generation})");
     }
     printer.cache.clear();

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use observer_tests::lab::{Lab, Tail, first_dst};
+use observer_tests::lab::{Lab, Tail, first_dst, tcp_client, tcp_echo};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
@@ -266,4 +266,61 @@ fn nftables_lab_names_the_native_kube_proxy_rules() {
         "{:?}",
         named(&reports)
     );
+}
+
+#[test]
+fn a_rule_added_while_tail_runs_is_named_after_the_change() {
+    if !privileged("a_rule_added_while_tail_runs_is_named_after_the_change") {
+        return;
+    }
+    let lab = Lab::up("tc");
+    let tail = Tail::start(&lab);
+    // iptables-nft: the change arrives on the nf_tables netlink group the tail watches.
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "iptables",
+        "-t",
+        "mangle",
+        "-A",
+        "FORWARD",
+        "-p",
+        "tcp",
+        "--dport",
+        "22",
+        "-j",
+        "MARK",
+        "--or-mark",
+        "0x100",
+    ]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let echo = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+    assert_eq!(
+        tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+        b"ping"
+    );
+    echo.join().unwrap();
+    let (reports, stderr) = tail.stop();
+    let syn = reports
+        .iter()
+        .find(|r| first_dst(r) == "10.10.10.2:22" && r["conntrack"]["state"] == "new")
+        .unwrap_or_else(|| panic!("the first packet to the ClusterIP: {stderr}"));
+    let mangle = syn["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["hook"] == "FORWARD" && s["table"] == "mangle")
+        .unwrap();
+    let rules = mangle["rules"].as_array().unwrap();
+    assert!(
+        rules.iter().any(|r| r["chain"] == "FORWARD"
+            && r["table"] == "mangle"
+            && r["mark"]["after"] == "0x4100"),
+        "the new rule is named: {mangle:#}"
+    );
+    assert_eq!(mangle["check"]["result"], "agrees", "{mangle:#}");
+    let bad = not_agreeing(&reports);
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
