@@ -241,7 +241,7 @@ fn main() {
                     let r = report::build(&t, ctx, 0);
                     let mut b = Vec::new();
                     let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
-                    (b, r.incomplete)
+                    (b, observer::render_cache::Outcome::of(&r))
                 });
                 let _ = out.write_all(&r.bytes);
                 continue;

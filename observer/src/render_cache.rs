@@ -43,7 +43,33 @@ impl Hasher for FnvHasher {
 pub struct Rendered {
     key: Vec<u8>,
     pub bytes: Vec<u8>,
+    pub outcome: Outcome,
+}
+
+/// What the summary counts of a rendered report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Flagged incomplete.
     pub incomplete: bool,
+    /// Some stage's rules disagree with what the kernel did.
+    pub rules_disagree: bool,
+    /// Some stage's rules could not be decided.
+    pub rules_undecidable: bool,
+}
+
+impl Outcome {
+    pub fn of(t: &observer_model::Traversal) -> Self {
+        let checked = |r| {
+            t.stages
+                .iter()
+                .any(|s| s.check.as_ref().is_some_and(|c| c.result == r))
+        };
+        Self {
+            incomplete: t.incomplete,
+            rules_disagree: checked(observer_model::CheckResult::Disagrees),
+            rules_undecidable: checked(observer_model::CheckResult::Undecidable),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -81,12 +107,12 @@ fn hash(key: &[u8]) -> u64 {
 }
 
 impl RenderCache {
-    /// The rendering of `rec`: from the cache, or made by `render` (bytes, incomplete) and
+    /// The rendering of `rec`: from the cache, or made by `render` (bytes, outcome) and
     /// kept.
     pub fn get_or_render(
         &mut self,
         rec: &TraversalRecord,
-        render: impl FnOnce() -> (Vec<u8>, bool),
+        render: impl FnOnce() -> (Vec<u8>, Outcome),
     ) -> &Rendered {
         // Hashed and compared in place: a hit allocates nothing.
         let r = keyed(rec);
@@ -99,13 +125,13 @@ impl RenderCache {
             if self.map.len() >= ENTRIES {
                 self.map.clear();
             }
-            let (bytes, incomplete) = render();
+            let (bytes, outcome) = render();
             self.map.insert(
                 h,
                 Rendered {
                     key: key.to_vec(),
                     bytes,
-                    incomplete,
+                    outcome,
                 },
             );
         }
@@ -137,7 +163,7 @@ mod tests {
         let calls = std::cell::Cell::new(0);
         let render = |m: u32| {
             calls.set(calls.get() + 1);
-            (format!("mark {m}\n").into_bytes(), false)
+            (format!("mark {m}\n").into_bytes(), Outcome::default())
         };
         assert_eq!(c.get_or_render(&rec(1, 5), || render(5)).bytes, b"mark 5\n");
         assert_eq!(c.get_or_render(&rec(2, 5), || render(5)).bytes, b"mark 5\n");

@@ -27,7 +27,7 @@ use crate::nftwatch::NftWatch;
 use crate::output::Writer;
 use crate::plan::{custom_priorities, full_plan};
 use crate::probes::{KernelCounters, Probes, ifname};
-use crate::render_cache::RenderCache;
+use crate::render_cache::{Outcome, RenderCache};
 use crate::report;
 use crate::rulenames::RuleNamer;
 use observer_common::filter::FilterProgram;
@@ -126,6 +126,10 @@ pub struct Summary {
     pub not_printed: u64,
     /// Probe attachments that failed (interfaces left without tcx probes).
     pub attach_failures: u64,
+    /// Of `printed`, traversals where some stage's rules disagree with what the kernel did.
+    pub rules_disagree: u64,
+    /// Of `printed`, traversals where some stage's rules could not be decided.
+    pub rules_undecidable: u64,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
     #[serde(skip)]
@@ -150,6 +154,13 @@ impl std::fmt::Display for Summary {
             self.attach_failures,
             self.stopped_by,
         )?;
+        if self.rules_disagree + self.rules_undecidable > 0 {
+            write!(
+                f,
+                "; rules named: {} traversals where they disagree with the kernel, {} undecidable",
+                self.rules_disagree, self.rules_undecidable
+            )?;
+        }
         if self.kernel.fallback_failed > 0 {
             write!(
                 f,
@@ -282,38 +293,40 @@ impl Printer<'_> {
         // cache when they change); `lost` is not, so only lines without it are shared.
         // A cached line is copied once, straight into the output buffer.
         let mut cache = std::mem::take(&mut self.cache);
-        let incomplete = if lost == 0 {
+        let outcome = if lost == 0 {
             let r = cache.get_or_render(&rec, || self.render(&rec, plans, 0));
-            let (empty, incomplete) = (r.bytes.is_empty(), r.incomplete);
+            let (empty, outcome) = (r.bytes.is_empty(), r.outcome);
             if !empty {
                 self.out.buf().extend_from_slice(&r.bytes);
             }
-            (!empty).then_some(incomplete)
+            (!empty).then_some(outcome)
         } else {
-            let (bytes, incomplete) = self.render(&rec, plans, lost);
+            let (bytes, outcome) = self.render(&rec, plans, lost);
             if !bytes.is_empty() {
                 self.out.buf().extend_from_slice(&bytes);
             }
-            (!bytes.is_empty()).then_some(incomplete)
+            (!bytes.is_empty()).then_some(outcome)
         };
         self.cache = cache;
-        let Some(incomplete) = incomplete else {
+        let Some(outcome) = outcome else {
             summary.not_printed += 1;
             return false;
         };
         self.out.done();
         self.formatted += 1;
-        summary.incomplete += u64::from(incomplete);
+        summary.incomplete += u64::from(outcome.incomplete);
+        summary.rules_disagree += u64::from(outcome.rules_disagree);
+        summary.rules_undecidable += u64::from(outcome.rules_undecidable);
         self.count_reached()
     }
 
     /// Formats one traversal as the output mode says; empty when the record is unusable.
-    fn render(&self, rec: &TraversalRecord, plans: &Plans, lost: u64) -> (Vec<u8>, bool) {
+    fn render(&self, rec: &TraversalRecord, plans: &Plans, lost: u64) -> (Vec<u8>, Outcome) {
         let t: Traversal = match assemble(rec, plans, &self.layout.tuple) {
             Ok(t) => t,
             Err(e) => {
                 warn!("unusable traversal record: {e}");
-                return (Vec::new(), false);
+                return (Vec::new(), Outcome::default());
             }
         };
         let symbol = |a: u64| self.symbols.name(a);
@@ -338,7 +351,7 @@ impl Printer<'_> {
             Output::Tree => writeln!(buf, "{}", r.render_tree()),
             Output::Line => writeln!(buf, "{}", r.render_line()),
         };
-        (buf, r.incomplete)
+        (buf, Outcome::of(&r))
     }
 
     /// Hands the formatted reports to the writer thread; false while it is behind.
