@@ -742,6 +742,9 @@ mod tests {
             tree.contains("DISAGREE with the kernel at FORWARD/filter"),
             "{tree}"
         );
+        // The exit summary counts it too.
+        let outcome = crate::render_cache::Outcome::of(&r);
+        assert!(outcome.rules_disagree && !outcome.rules_undecidable && !outcome.incomplete);
         assert!(
             tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),
             "{tree}"
