@@ -11,6 +11,9 @@ use observer_common::traversal::TraversalRecord;
 
 /// Entries kept; the cache starts over when full.
 pub const ENTRIES: usize = 4096;
+/// Bytes kept (renderings and keys); the cache starts over past this: lines that name
+/// rules are longer, and memory must stay bounded whatever their length.
+pub const BYTES: usize = 12 << 20;
 
 /// A fast hasher for keys made of small integers (FNV-1a); not for untrusted keys that
 /// could be chosen to collide (ours come from the kernel's records of our own namespace).
@@ -75,6 +78,8 @@ impl Outcome {
 #[derive(Default)]
 pub struct RenderCache {
     map: HashMap<u64, Rendered, Fnv>,
+    /// Bytes held by the entries.
+    held: usize,
     pub hits: u64,
 }
 
@@ -122,11 +127,12 @@ impl RenderCache {
         if hit {
             self.hits += 1;
         } else {
-            if self.map.len() >= ENTRIES {
-                self.map.clear();
-            }
             let (bytes, outcome) = render();
-            self.map.insert(
+            if self.map.len() >= ENTRIES || self.held + bytes.len() + key.len() > BYTES {
+                self.clear();
+            }
+            self.held += bytes.len() + key.len();
+            let replaced = self.map.insert(
                 h,
                 Rendered {
                     key: key.to_vec(),
@@ -134,6 +140,9 @@ impl RenderCache {
                     outcome,
                 },
             );
+            if let Some(old) = replaced {
+                self.held -= old.bytes.len() + old.key.len();
+            }
         }
         &self.map[&h]
     }
@@ -141,6 +150,7 @@ impl RenderCache {
     /// Forgets everything (names or plans changed).
     pub fn clear(&mut self) {
         self.map.clear();
+        self.held = 0;
     }
 }
 
@@ -173,5 +183,17 @@ mod tests {
         c.clear();
         c.get_or_render(&rec(4, 5), || render(5));
         assert_eq!(calls.get(), 3);
+    }
+
+    #[test]
+    fn memory_stays_bounded_whatever_the_length_of_the_lines() {
+        let mut c = RenderCache::default();
+        for i in 0..40 {
+            c.get_or_render(&rec(i + 1, i as u32), || {
+                (vec![b'x'; 1 << 20], Outcome::default())
+            });
+            assert!(c.held <= BYTES, "{} bytes held", c.held);
+        }
+        assert!(c.map.len() <= BYTES >> 20);
     }
 }

@@ -373,7 +373,9 @@ fn drain(
     if !printer.flush() {
         return (0, false);
     }
-    while n < max {
+    // ... and as soon as it falls behind within the batch: a chunk then holds at most one
+    // chunk's worth, whatever the length of the lines (rules make them longer).
+    while n < max && !printer.out.behind() {
         let Some(item) = ring.next() else { break };
         n += 1;
         match decode(&item) {
