@@ -434,6 +434,11 @@ pub struct Rules {
 }
 
 impl Rules {
+    /// Their JSON, as it is printed.
+    pub fn json(&self) -> &str {
+        self.json.get()
+    }
+
     pub fn new(items: Vec<Rule>) -> Self {
         let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
         Self {

@@ -13,7 +13,7 @@ use observer_common::traversal::TraversalRecord;
 pub const ENTRIES: usize = 4096;
 /// Bytes kept (renderings and keys); the cache starts over past this: lines that name
 /// rules are longer, and memory must stay bounded whatever their length.
-pub const BYTES: usize = 12 << 20;
+pub const BYTES: usize = 32 << 20;
 
 /// A fast hasher for keys made of small integers (FNV-1a); not for untrusted keys that
 /// could be chosen to collide (ours come from the kernel's records of our own namespace).

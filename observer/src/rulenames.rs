@@ -10,7 +10,9 @@
 //! so only marks and verdicts are held to the rules there.
 //!
 //! Cost: one simulation per distinct (stage, packet state, observed outcome), cached per
-//! flow and dropped with the ruleset generation it was made under. The key is made of the
+//! flow in two generations (a working set larger than the cache degrades gradually, it does
+//! not thrash) and dropped with the ruleset generation it was made under; rule lists that
+//! several flows name are kept once. The key is made of the
 //! record's own integers (interfaces by index), so a warm lookup allocates nothing.
 
 use std::cell::RefCell;
@@ -30,8 +32,41 @@ const IPS_SRC_NAT: u64 = 1 << 4;
 const IPS_DST_NAT: u64 = 1 << 5;
 const IPS_CONFIRMED: u64 = 1 << 3;
 
-/// Entries kept (about 300 bytes each, the rules shared); the cache starts over when full.
-const ENTRIES: usize = 16384;
+/// Entries in each of the cache's two generations (about 200 bytes each; the rules
+/// themselves are shared between entries that name the same ones).
+const ENTRIES: usize = 65536;
+/// Distinct rule lists kept for sharing.
+const SHARED: usize = 16384;
+
+type Map<V> = HashMap<Key, V, BuildHasherDefault<Passthrough>>;
+
+/// A bounded cache that does not thrash: when the current generation is full it becomes
+/// the old one (the one before is dropped); an entry found in the old generation moves to
+/// the current one. A working set up to [`ENTRIES`] stays warm, a larger one degrades
+/// gradually instead of missing every time.
+#[derive(Default)]
+struct TwoGenerations {
+    current: Map<Arc<Named>>,
+    old: Map<Arc<Named>>,
+}
+
+impl TwoGenerations {
+    fn get(&mut self, k: &Key) -> Option<Arc<Named>> {
+        if let Some(v) = self.current.get(k) {
+            return Some(v.clone());
+        }
+        let v = self.old.remove(k)?;
+        self.insert(*k, v.clone());
+        Some(v)
+    }
+
+    fn insert(&mut self, k: Key, v: Arc<Named>) {
+        if self.current.len() >= ENTRIES {
+            self.old = std::mem::take(&mut self.current);
+        }
+        self.current.insert(k, v);
+    }
+}
 
 /// What the cache is keyed by: everything of the packet the rules may look at, where the
 /// stage is, and what the kernel made of it, packed into words (compared word for word,
@@ -167,7 +202,9 @@ pub struct RuleNamer {
     sim: Simulator<'static>,
     /// Bumped every time the ruleset is read again.
     pub generation: u64,
-    cache: RefCell<HashMap<Key, Arc<Named>, BuildHasherDefault<Passthrough>>>,
+    cache: RefCell<TwoGenerations>,
+    /// Rule lists by their JSON: the flows of a service name the same rules, kept once.
+    shared: RefCell<HashMap<u64, Rules>>,
     /// Misses (simulations run) and hits, for the exit summary and the bench.
     pub misses: std::cell::Cell<u64>,
 }
@@ -182,6 +219,7 @@ impl RuleNamer {
             sim,
             generation,
             cache: RefCell::default(),
+            shared: RefCell::default(),
             misses: std::cell::Cell::new(0),
         }
     }
@@ -192,17 +230,37 @@ impl RuleNamer {
         let ct = b.ct.or(s.first_ct);
         let went_on = s.stage.verdict == Verdict::Accept;
         let key = Key::new(s.hook, s.window, b, ct, s.after, went_on);
-        if let Some(n) = self.cache.borrow().get(&key) {
-            return n.clone();
+        if let Some(n) = self.cache.borrow_mut().get(&key) {
+            return n;
         }
         self.misses.set(self.misses.get() + 1);
-        let named = Arc::new(self.simulate(s, ct, ifname));
-        let mut cache = self.cache.borrow_mut();
-        if cache.len() >= ENTRIES {
-            cache.clear();
-        }
-        cache.insert(key, named.clone());
+        let mut named = self.simulate(s, ct, ifname);
+        named.rules = self.share(named.rules);
+        let named = Arc::new(named);
+        self.cache.borrow_mut().insert(key, named.clone());
         named
+    }
+
+    /// The copy of `rules` already kept, if the same list was named before.
+    fn share(&self, rules: Rules) -> Rules {
+        if rules.is_empty() {
+            return rules;
+        }
+        let text = rules.json();
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(text, &mut h);
+        let h = std::hash::Hasher::finish(&h);
+        let mut shared = self.shared.borrow_mut();
+        if let Some(kept) = shared.get(&h)
+            && kept.json() == text
+        {
+            return kept.clone();
+        }
+        if shared.len() >= SHARED {
+            shared.clear();
+        }
+        shared.insert(h, rules.clone());
+        rules
     }
 
     fn simulate(
@@ -354,6 +412,41 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_keeps_a_working_set_larger_than_one_generation() {
+        let mut c = TwoGenerations::default();
+        let key = |i: u64| {
+            let mut k = [0u64; 15];
+            k[0] = i;
+            Key(k)
+        };
+        let named = || {
+            Arc::new(Named {
+                rules: Rules::default(),
+                check: None,
+            })
+        };
+        let n = ENTRIES as u64;
+        for i in 0..n {
+            c.insert(key(i), named());
+        }
+        // A working set of one generation stays warm.
+        assert!((0..n).all(|i| c.get(&key(i)).is_some()));
+        // Half a generation more: the cycle still finds at least half of them (a cache
+        // that started over when full would find none).
+        for i in n..n + n / 2 {
+            c.insert(key(i), named());
+        }
+        let found = (0..n).filter(|&i| c.get(&key(i)).is_some()).count() as u64;
+        assert!(found >= n / 2, "{found} of {n}");
+        // Two generations further on, the first keys are gone: memory is bounded.
+        for i in 2 * n..4 * n {
+            c.insert(key(i), named());
+        }
+        assert!(c.get(&key(0)).is_none());
+        assert!(c.current.len() + c.old.len() <= 2 * ENTRIES);
+    }
 
     #[test]
     fn ports_are_told_from_addresses() {
