@@ -1,12 +1,17 @@
 //! `observer explain`: turns dumps (or the live node) plus a packet description into an
-//! [`Explanation`], rendered as schema-1 JSON (the live tracer's shape) or as a readable tree.
+//! [`Explanation`], and that into the model's predicted [`Traversal`] (JSON schema 2: the
+//! live tracer's shape, printed by the same renderers).
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::net::IpAddr;
-use std::process::Command;
 
-use serde_json::{Value, json};
+use std::sync::Arc;
+
+use observer_model::{
+    self as model, ChainRef, ConntrackView, CtView, Fate, FateKind, Iface, K8s, MarkDictionary,
+    Nat, NatKind, NatSource, Route, Rule, RuleId, Traversal, TupleView,
+};
+use serde_json::Value;
 use thiserror::Error;
 
 use crate::check::Family;
@@ -71,8 +76,6 @@ pub enum ExplainError {
          or iptables-nft-save"
     )]
     EmptyRuleset(&'static str),
-    #[error("`{cmd}` failed: {msg} (run as root on the node; needs iptables, ipset and iproute2)")]
-    Live { cmd: String, msg: String },
 }
 
 /// The answer: one branch per random outcome (just one when nothing is random).
@@ -203,54 +206,9 @@ fn mentions_sets(rs: &Ruleset) -> bool {
         })
 }
 
-fn run(cmd: &str, args: &[&str]) -> Result<String, ExplainError> {
-    let full = format!("{cmd} {}", args.join(" "));
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| ExplainError::Live {
-            cmd: full.clone(),
-            msg: e.to_string(),
-        })?;
-    if !out.status.success() {
-        return Err(ExplainError::Live {
-            cmd: full,
-            msg: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        });
-    }
-    String::from_utf8(out.stdout).map_err(|e| ExplainError::Live {
-        cmd: full,
-        msg: e.to_string(),
-    })
-}
-
-/// Reads this node's rules, sets and routes (`--live`). ip6tables and ipset are optional:
-/// without them IPv6 has no rules and set matches are undecidable.
-pub fn load_live() -> Result<(Ruleset, Ipsets, Routes), ExplainError> {
-    let ipv4 = parse_save_family(&run("iptables-save", &["-c"])?, Family::V4)
-        .map_err(ExplainError::Iptables)?;
-    let ipv6 = match run("ip6tables-save", &["-c"]) {
-        Ok(t) => parse_save_family(&t, Family::V6).map_err(ExplainError::Ip6tables)?,
-        Err(_) => SaveFile::default(),
-    };
-    let ipsets = match run("ipset", &["save"]) {
-        Ok(t) => parse_ipsets(&t).map_err(ExplainError::Ipset)?,
-        Err(_) => Ipsets::default(),
-    };
-    let r4 = run("ip", &["-j", "-4", "route", "show", "table", "all"])?;
-    let r6 =
-        run("ip", &["-j", "-6", "route", "show", "table", "all"]).unwrap_or_else(|_| "[]".into());
-    let routes = Routes::parse_json(&[&r4, &r6]).map_err(ExplainError::Routes)?;
-    // A node without nft (or with JSON we cannot read) is explained from iptables alone.
-    let nft = run("nft", &["-j", "list", "ruleset"])
-        .ok()
-        .and_then(|t| parse_nft_json(&t).ok());
-    Ok((Ruleset { ipv4, ipv6, nft }, ipsets, routes))
-}
-
 /// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,
 /// `endpoint-HASH-ns/svc/tcp/p80__10.180.0.1/80`, `external-`, `firewall-`, `endpoints-local-`.
-fn k8s_nft_meaning(m: &MatchedRule) -> Option<Value> {
+fn k8s_nft_meaning(m: &MatchedRule) -> Option<K8s> {
     if m.table != "kube-proxy" {
         return None;
     }
@@ -272,19 +230,16 @@ fn k8s_nft_meaning(m: &MatchedRule) -> Option<Value> {
     let [ns, name, _proto, port] = parts.as_slice() else {
         return None;
     };
-    let mut v = json!({ "service": format!("{ns}/{name}:{port}") });
-    if let Some((ip, port)) = ep.and_then(|e| e.rsplit_once('/')) {
-        v["endpoint"] = json!(crate::net::fmt_endpoint(
-            ip,
-            ip.contains(':'),
-            port.parse().ok()
-        ));
-    }
-    Some(v)
+    Some(K8s {
+        service: format!("{ns}/{name}:{port}"),
+        endpoint: ep
+            .and_then(|e| e.rsplit_once('/'))
+            .map(|(ip, port)| crate::net::fmt_endpoint(ip, ip.contains(':'), port.parse().ok())),
+    })
 }
 
 /// Kubernetes meaning of a kube-proxy rule: the service from its comment, the endpoint of a DNAT.
-fn k8s_meaning(m: &MatchedRule) -> Option<Value> {
+fn k8s_meaning(m: &MatchedRule) -> Option<K8s> {
     if m.nft.as_ref().is_some_and(|n| n.native) {
         return k8s_nft_meaning(m);
     }
@@ -295,74 +250,184 @@ fn k8s_meaning(m: &MatchedRule) -> Option<Value> {
         .comments
         .iter()
         .find_map(|c| c.split_whitespace().next().filter(|w| w.contains('/')))?;
-    let mut v = json!({ "service": service });
-    if m.chain.starts_with("KUBE-SEP-")
-        && let Some(ep) = m.action.strip_prefix("DNAT ")
-    {
-        v["endpoint"] = json!(ep);
-    }
-    Some(v)
+    Some(K8s {
+        service: service.to_string(),
+        endpoint: m
+            .chain
+            .starts_with("KUBE-SEP-")
+            .then(|| m.action.strip_prefix("DNAT ").map(str::to_string))
+            .flatten(),
+    })
 }
 
 fn calico_rule_id(m: &MatchedRule) -> Option<&str> {
     m.comments.iter().find_map(|c| c.strip_prefix("cali:"))
 }
 
-fn snap_json(s: &Snapshot) -> Value {
-    json!({ "src": s.src, "dst": s.dst, "mark": format!("{:#x}", s.mark) })
+/// A matched rule in the model's words: `{table, chain, index}` for iptables rules,
+/// `{family, table, chain, handle}` for native nftables rules.
+pub fn model_rule(m: &MatchedRule) -> Rule {
+    let id = match &m.nft {
+        Some(n) if n.native => RuleId::Nft {
+            family: n.family.clone(),
+            table: m.table.clone(),
+            chain: m.chain.clone(),
+            handle: n.handle,
+        },
+        _ => RuleId::Iptables {
+            table: m.table.clone(),
+            chain: m.chain.clone(),
+            index: m.index,
+        },
+    };
+    Rule {
+        id,
+        text: m.text.clone(),
+        action: m.action.clone(),
+        mark: m.mark,
+        undecidable: m.undecidable.clone(),
+        iptables_nft: m
+            .nft
+            .as_ref()
+            .filter(|n| !n.native)
+            .map(|n| (n.family.clone(), n.handle)),
+        k8s: k8s_meaning(m),
+        calico: calico_rule_id(m).map(str::to_string),
+    }
 }
 
-fn rule_json(m: &MatchedRule) -> Value {
-    let mut v = json!({
-        "table": m.table, "chain": m.chain, "index": m.index, "text": m.text, "action": m.action,
+fn model_snapshot(s: &Snapshot) -> Arc<model::Snapshot> {
+    Arc::new(model::Snapshot::new(
+        s.src.clone(),
+        s.dst.clone(),
+        s.mark,
+        None,
+        None,
+    ))
+}
+
+/// A simulated stage in the model's words.
+pub fn model_stage(s: &Stage) -> model::Stage {
+    model::Stage {
+        hook: s.hook,
+        table: s.table.as_str().into(),
+        priority: s.priority,
+        chain: s.nft_chain.as_ref().map(|(family, name)| ChainRef {
+            family: family.clone(),
+            name: name.clone(),
+        }),
+        before: Some(model_snapshot(&s.before)),
+        after: Some(model_snapshot(&s.after)),
+        ct: s.ct.map(|(state, mark)| {
+            Arc::new(CtView {
+                state: state.name(),
+                mark,
+            })
+        }),
+        verdict: s.verdict,
+        rules: s.rules.iter().map(model_rule).collect(),
+        policy: s.policy.clone(),
+        note: s.note.clone(),
+        check: None,
+    }
+}
+
+fn route_of(r: &str) -> Option<Route> {
+    Some(match r {
+        "input" => Route::Input,
+        "forward" => Route::Forward,
+        "output" => Route::Output,
+        "unroutable" => Route::Unroutable,
+        "unknown" => Route::Unknown,
+        _ => return None,
+    })
+}
+
+/// Where and why a predicted path ends.
+fn predicted_fate(b: &Branch) -> Fate {
+    let last = b.stages.last();
+    let mut f = Fate::new(match (b.verdict, route_of(&b.route)) {
+        (Verdict::Accept, Some(Route::Input)) => FateKind::Delivered,
+        (Verdict::Accept, Some(Route::Output)) => FateKind::Sent,
+        (Verdict::Accept, _) => FateKind::Forwarded,
+        (Verdict::Reject, _) => FateKind::Rejected,
+        (Verdict::Undecidable, _) => FateKind::Undecidable,
+        _ => FateKind::Dropped,
     });
-    if let Some(n) = &m.nft {
-        v["family"] = json!(n.family);
-        v["handle"] = json!(n.handle);
-        if !n.native {
-            v["iptables_nft"] = json!(true);
+    f.hook = last.map(|s| s.hook);
+    if let Some(s) = last.filter(|s| s.verdict != Verdict::Accept) {
+        f.table = Some(s.table.as_str().into());
+        f.reason = match (&s.policy, s.rules.last()) {
+            _ if s.verdict == Verdict::Undecidable => s.note.clone(),
+            (Some(p), _) => Some(format!("policy {p} of {}", s.hook.name())),
+            (None, Some(r)) => Some(format!(
+                "rule {}",
+                match &r.nft {
+                    Some(n) if n.native => format!("{} handle {}", r.chain, n.handle),
+                    _ => format!("{}#{}", r.chain, r.index),
+                }
+            )),
+            (None, None) => None,
+        };
+    } else if b.verdict != Verdict::Accept {
+        // Routing ended it (or had nothing to decide with).
+        f.reason = b.notes.last().cloned();
+    }
+    f
+}
+
+/// Address translations between a stage's before and after.
+fn predicted_nat(stages: &[model::Stage]) -> Vec<Nat> {
+    let mut out = Vec::new();
+    for s in stages {
+        let (Some(b), Some(a)) = (&s.before, &s.after) else {
+            continue;
+        };
+        for (kind, from, to) in [
+            (NatKind::Dnat, &b.dst, &a.dst),
+            (NatKind::Snat, &b.src, &a.src),
+        ] {
+            if from != to {
+                out.push(Nat {
+                    kind,
+                    hook: s.hook,
+                    table: s.table.clone(),
+                    from: from.clone(),
+                    to: to.clone(),
+                    source: NatSource::Rules,
+                });
+            }
         }
     }
-    if let Some(k) = k8s_meaning(m) {
-        v["k8s"] = k;
-    }
-    if let Some(id) = calico_rule_id(m) {
-        v["calico"] = json!({ "rule_id": id });
-    }
-    if let Some(u) = &m.undecidable {
-        v["undecidable"] = json!(u);
-    }
-    if let Some((before, after)) = m.mark {
-        v["mark"] = json!({ "before": format!("{before:#x}"), "after": format!("{after:#x}") });
-    }
-    v
+    out
 }
 
-fn stage_json(s: &Stage) -> Value {
-    let mut v = json!({
-        "hook": s.hook.name(), "table": s.table, "priority": s.priority,
-        "before": snap_json(&s.before), "after": snap_json(&s.after),
-        "ct": s.ct.map(|(state, mark)| json!({
-            "state": state.name(),
-            "mark": mark.map(|m| format!("{m:#x}")),
-        })),
-        "verdict": s.verdict.name(),
-        "rules": s.rules.iter().map(rule_json).collect::<Vec<_>>(),
-    });
-    if let Some(p) = &s.policy {
-        v["policy"] = json!(p);
+/// The connection the prediction implies: the original tuple as the packet came, the reply
+/// tuple the reverse of what left the last table.
+fn predicted_conntrack(p: &PacketSpec, stages: &[model::Stage]) -> Option<Arc<ConntrackView>> {
+    let ct = stages.iter().rev().find_map(|s| s.ct.clone())?;
+    if matches!(ct.state, "untracked" | "invalid") {
+        return None;
     }
-    if let Some(n) = &s.nat {
-        v["nat"] = json!(n);
-    }
-    if let Some(n) = &s.note {
-        v["note"] = json!(n);
-    }
-    if let Some((family, chain)) = &s.nft_chain {
-        v["family"] = json!(family);
-        v["chain"] = json!(chain);
-    }
-    v
+    let (first, last) = (
+        stages.first()?.before.as_ref()?,
+        stages.last()?.after.as_ref()?,
+    );
+    let proto = proto_name(p.proto);
+    Some(Arc::new(ConntrackView {
+        state: ct.state.to_string(),
+        mark: ct.mark,
+        original: TupleView {
+            src: first.src.clone(),
+            dst: first.dst.clone(),
+            proto: proto.clone(),
+        },
+        reply: TupleView {
+            src: last.dst.clone(),
+            dst: last.src.clone(),
+            proto,
+        },
+    }))
 }
 
 impl Explanation {
@@ -393,149 +458,90 @@ impl Explanation {
         }
     }
 
-    fn main_branch(&self) -> Option<&Branch> {
-        self.branches.first()
-    }
-
-    /// Schema-1 JSON, the same shape the live tracer emits per packet.
-    pub fn to_json(&self) -> Value {
+    /// The prediction as the model's traversal (the live tracer's type), mark bits named
+    /// from `marks`; `netns` is the namespace read (`--live --netns`), if any.
+    pub fn to_model(&self, marks: &MarkDictionary, netns: Option<&str>) -> Traversal {
         let p = &self.packet;
-        let b = self.main_branch();
-        let mut v = json!({
-            "schema": 1,
-            "source": "explain",
-            "family": if p.is_v6() { "ipv6" } else { "ipv4" },
-            "proto": proto_name(p.proto),
-            "ingress": p.in_iface.as_ref().map(|i| json!({ "iface": i })),
-            "egress": b.and_then(|b| b.egress.as_ref()).map(|i| json!({ "iface": i })),
-            "route": b.map(|b| b.route.clone()),
-            "ct_state": p.ct_state.name(),
-            "stages": b.map(|b| b.stages.iter().map(stage_json).collect::<Vec<_>>()).unwrap_or_default(),
-            "verdict": self.verdict().name(),
-        });
-        if self.branches.len() > 1 {
-            v["branches"] = self
-                .branches
-                .iter()
-                .map(|b| {
-                    json!({
-                        "probability": b.probability,
-                        "route": b.route,
-                        "egress": b.egress.as_ref().map(|i| json!({ "iface": i })),
-                        "stages": b.stages.iter().map(stage_json).collect::<Vec<_>>(),
-                        "verdict": b.verdict.name(),
-                        "notes": b.notes,
-                    })
-                })
-                .collect();
-        }
+        let branches: Vec<model::Branch> = self
+            .branches
+            .iter()
+            .map(|b| {
+                let stages: Vec<model::Stage> = b.stages.iter().map(model_stage).collect();
+                model::Branch {
+                    probability: b.probability,
+                    route: route_of(&b.route),
+                    egress: b.egress.as_ref().map(|i| Iface { iface: i.clone() }),
+                    marks: model::mark_changes(&stages, marks),
+                    nat: predicted_nat(&stages),
+                    fate: predicted_fate(b),
+                    stages,
+                    notes: b.notes.clone(),
+                }
+            })
+            .collect();
+        let main = branches.first();
         let mut notes = self.notes.clone();
-        if let Some(b) = b {
+        if let Some(b) = main {
             notes.extend(b.notes.iter().cloned());
         }
-        if !notes.is_empty() {
-            v["notes"] = json!(notes);
+        let stages = main.map(|b| b.stages.clone()).unwrap_or_default();
+        let flow = match stages.first().and_then(|s| s.before.as_ref()) {
+            Some(s) => format!("{} -> {}", s.src, s.dst),
+            None => {
+                let v6 = p.is_v6();
+                format!(
+                    "{} -> {}",
+                    crate::net::fmt_endpoint(&p.src.to_string(), v6, p.sport),
+                    crate::net::fmt_endpoint(&p.dst.to_string(), v6, p.dport)
+                )
+            }
+        };
+        let mut fate = main.map_or_else(|| Fate::new(FateKind::Undecidable), |b| b.fate.clone());
+        if self.branches.len() > 1 && self.verdict() == Verdict::Undecidable {
+            fate = Fate::new(FateKind::Undecidable);
+            fate.reason = Some("the random outcomes end differently: see `branches`".into());
         }
-        v
+        Traversal {
+            schema: model::SCHEMA,
+            source: model::Source::Predicted,
+            netns: netns.map(str::to_string),
+            family: Some(if p.is_v6() {
+                model::Family::Ipv6
+            } else {
+                model::Family::Ipv4
+            }),
+            proto: proto_name(p.proto),
+            ingress: p.in_iface.as_ref().map(|i| Iface { iface: i.clone() }),
+            egress: main.and_then(|b| b.egress.clone()),
+            route: main.and_then(|b| b.route),
+            conntrack: predicted_conntrack(p, &stages),
+            marks: main.map(|b| b.marks.clone()).unwrap_or_default(),
+            nat: main.map(|b| b.nat.clone()).unwrap_or_default(),
+            stages,
+            fate,
+            branches: if branches.len() > 1 {
+                branches
+            } else {
+                Vec::new()
+            },
+            notes,
+            lost: 0,
+            incomplete: false,
+            incomplete_reason: None,
+            flow,
+        }
     }
 
-    /// A readable tree: one line per hook/table with what changed, matched rules beneath.
+    /// Schema-2 JSON: the live tracer's shape (`source` `predicted`), mark bits named from
+    /// the default dictionary.
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self.to_model(&MarkDictionary::default(), None))
+            .expect("a traversal serialises")
+    }
+
+    /// The model's tree: one line per hook/table with what changed, matched rules beneath.
     pub fn render_tree(&self) -> String {
-        let p = &self.packet;
-        let mut out = String::new();
-        let b0 = self.main_branch();
-        let _ = writeln!(
-            out,
-            "{} {} -> {}{}  route {}{}  ct {}  verdict {}",
-            proto_name(p.proto),
-            b0.and_then(|b| b.stages.first())
-                .map_or_else(|| p.src.to_string(), |s| s.before.src.clone()),
-            b0.and_then(|b| b.stages.first())
-                .map_or_else(|| p.dst.to_string(), |s| s.before.dst.clone()),
-            p.in_iface
-                .as_ref()
-                .map_or(String::new(), |i| format!("  in {i}")),
-            b0.map_or("?", |b| b.route.as_str()),
-            b0.and_then(|b| b.egress.as_ref())
-                .map_or(String::new(), |o| format!("  out {o}")),
-            p.ct_state.name(),
-            self.verdict().name(),
-        );
-        for n in &self.notes {
-            let _ = writeln!(out, "  note: {n}");
-        }
-        let many = self.branches.len() > 1;
-        for (i, b) in self.branches.iter().enumerate() {
-            let indent = if many { "  " } else { "" };
-            if many {
-                let _ = writeln!(
-                    out,
-                    "branch {} of {} (probability {:.4}): verdict {}{}",
-                    i + 1,
-                    self.branches.len(),
-                    b.probability,
-                    b.verdict.name(),
-                    b.egress
-                        .as_ref()
-                        .map_or(String::new(), |o| format!(", out {o}"))
-                );
-            }
-            for s in &b.stages {
-                let mut changes = Vec::new();
-                if s.before.src != s.after.src {
-                    changes.push(format!("src {} -> {}", s.before.src, s.after.src));
-                }
-                if s.before.dst != s.after.dst {
-                    changes.push(format!("dst {} -> {}", s.before.dst, s.after.dst));
-                }
-                if s.before.mark != s.after.mark {
-                    changes.push(format!("mark {:#x} -> {:#x}", s.before.mark, s.after.mark));
-                }
-                if let Some(pol) = &s.policy {
-                    changes.push(format!("policy {pol}"));
-                }
-                let table = match &s.nft_chain {
-                    Some((fam, chain)) => format!("{fam} {} {chain}", s.table),
-                    None => s.table.clone(),
-                };
-                let _ = writeln!(
-                    out,
-                    "{indent}{:<11} {:<8} ({:>4})  {:<11} {}",
-                    s.hook.name(),
-                    table,
-                    s.priority,
-                    s.verdict.name(),
-                    changes.join(", ")
-                );
-                if let Some(n) = &s.note {
-                    let _ = writeln!(out, "{indent}    note: {n}");
-                }
-                for r in &s.rules {
-                    let mut extra = String::new();
-                    if let Some(k) = k8s_meaning(r) {
-                        let _ = write!(extra, "  [k8s {}]", k["service"].as_str().unwrap_or(""));
-                    }
-                    if let Some(id) = calico_rule_id(r) {
-                        let _ = write!(extra, "  [calico {id}]");
-                    }
-                    let place = match &r.nft {
-                        Some(n) if n.native => format!("{} handle {}", r.chain, n.handle),
-                        _ => format!("{}#{}", r.chain, r.index),
-                    };
-                    let _ = writeln!(
-                        out,
-                        "{indent}    {place} {}  => {}{extra}",
-                        r.text, r.action
-                    );
-                    if let Some(u) = &r.undecidable {
-                        let _ = writeln!(out, "{indent}      undecidable: {u}");
-                    }
-                }
-            }
-            for n in &b.notes {
-                let _ = writeln!(out, "{indent}note: {n}");
-            }
-        }
-        out
+        self.to_model(&MarkDictionary::default(), None)
+            .render_tree()
     }
 }

@@ -12,6 +12,7 @@ pub mod error;
 pub mod explain;
 pub mod ipset;
 pub mod iptables;
+pub mod live;
 pub mod net;
 pub mod nft;
 pub mod packet;
@@ -20,12 +21,11 @@ pub mod sim;
 
 pub use check::Family;
 pub use error::ParseError;
-pub use explain::{
-    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, load_live,
-};
+pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
+pub use live::{LiveError, LiveNode};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
-pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, Verdict};
+pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, StageInput, Verdict};

@@ -104,15 +104,8 @@ pub fn parse_mark_mask(s: &str) -> Option<(u32, u32)> {
     }
 }
 
-/// Formats an endpoint the way the JSON schema wants it: `a.b.c.d:port`, `[v6]:port`, or the
-/// bare address when there is no port (ICMP).
-pub fn fmt_endpoint(addr: &str, v6: bool, port: Option<u16>) -> String {
-    match (port, v6) {
-        (Some(p), true) => format!("[{addr}]:{p}"),
-        (Some(p), false) => format!("{addr}:{p}"),
-        (None, _) => addr.to_string(),
-    }
-}
+/// Endpoint text is the model's, shared with the live tracer.
+pub use observer_model::endpoint_text as fmt_endpoint;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@ use thiserror::Error;
 
 use crate::net::parse_u32;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CtState {
     New,
     Established,
@@ -100,17 +100,8 @@ pub fn proto_number(name: &str) -> Option<u8> {
     })
 }
 
-pub fn proto_name(p: u8) -> String {
-    match p {
-        6 => "tcp".into(),
-        17 => "udp".into(),
-        1 => "icmp".into(),
-        58 => "icmpv6".into(),
-        132 => "sctp".into(),
-        136 => "udplite".into(),
-        n => n.to_string(),
-    }
-}
+/// Protocol names are the model's, shared with the live tracer.
+pub use observer_model::proto_name;
 
 fn parse_endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
     if let Some(rest) = s.strip_prefix('[') {

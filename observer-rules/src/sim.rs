@@ -6,6 +6,7 @@
 
 mod nft_walk;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 
@@ -15,79 +16,20 @@ use crate::compile::{
 };
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
-use crate::net::fmt_endpoint;
 use crate::nft::NftRuleset;
 use crate::nft::compile::compile as compile_nft;
 use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
+use observer_model::endpoint_text as fmt_endpoint;
 
 /// Stop forking after this many branches; the explanation says when it was cut.
 const MAX_BRANCHES: usize = 256;
 /// The kernel limits jump depth too; a loop in a hand-written ruleset must not hang us.
 const MAX_DEPTH: usize = 64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hook {
-    Prerouting,
-    Input,
-    Forward,
-    Output,
-    Postrouting,
-}
-
-impl Hook {
-    pub fn name(self) -> &'static str {
-        match self {
-            Hook::Prerouting => "PREROUTING",
-            Hook::Input => "INPUT",
-            Hook::Forward => "FORWARD",
-            Hook::Output => "OUTPUT",
-            Hook::Postrouting => "POSTROUTING",
-        }
-    }
-
-    /// Tables on this hook, in the kernel's priority order, with their priorities.
-    pub fn tables(self) -> &'static [(&'static str, i32)] {
-        match self {
-            Hook::Prerouting => &[("raw", -300), ("mangle", -150), ("nat", -100)],
-            Hook::Input => &[
-                ("mangle", -150),
-                ("filter", 0),
-                ("security", 50),
-                ("nat", 100),
-            ],
-            Hook::Forward => &[("mangle", -150), ("filter", 0), ("security", 50)],
-            Hook::Output => &[
-                ("raw", -300),
-                ("mangle", -150),
-                ("nat", -100),
-                ("filter", 0),
-                ("security", 50),
-            ],
-            Hook::Postrouting => &[("mangle", -150), ("nat", 100)],
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    Accept,
-    Drop,
-    Reject,
-    Undecidable,
-}
-
-impl Verdict {
-    pub fn name(self) -> &'static str {
-        match self {
-            Verdict::Accept => "accept",
-            Verdict::Drop => "drop",
-            Verdict::Reject => "reject",
-            Verdict::Undecidable => "undecidable",
-        }
-    }
-}
+/// Hooks and verdicts are the model's (`observer-model`), shared with the live tracer.
+pub use observer_model::{Hook, Verdict};
 
 /// The packet fields shown before and after a stage.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -145,6 +87,31 @@ pub struct Stage {
     pub nft_chain: Option<(String, String)>,
 }
 
+/// One observed stage to simulate: the packet as the probe before it saw it, and the
+/// priorities of that probe and the next (the chains between them are the stage).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StageInput {
+    pub hook: Hook,
+    /// Exclusive bounds: chains running at a priority strictly between them.
+    pub window: (i32, i32),
+    pub proto: u8,
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub sport: Option<u16>,
+    pub dport: Option<u16>,
+    pub in_iface: Option<String>,
+    pub out_iface: Option<String>,
+    pub mark: u32,
+    pub ct_state: CtState,
+    pub ct_mark: Option<u32>,
+    /// The connection's destination / source was translated (`--ctstate DNAT/SNAT`).
+    pub dnat_done: bool,
+    pub snat_done: bool,
+    pub tcp_flags: u8,
+    /// ICMP type and code.
+    pub icmp: (u8, u8),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Branch {
     pub probability: f64,
@@ -162,10 +129,10 @@ struct PTable {
 
 /// A ruleset prepared for repeated simulation (rules compiled once).
 pub struct Simulator<'a> {
-    files: [&'a SaveFile; 2],
+    files: [Cow<'a, SaveFile>; 2],
     tables: [Vec<PTable>; 2],
-    ipsets: &'a Ipsets,
-    routes: &'a Routes,
+    ipsets: Cow<'a, Ipsets>,
+    routes: Cow<'a, Routes>,
     /// Addresses per interface, for MASQUERADE/REDIRECT when routes do not say.
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
     /// Native nftables, compiled once.
@@ -295,10 +262,25 @@ enum TableResult {
 impl<'a> Simulator<'a> {
     pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
         Self {
-            files: [v4, v6],
             tables: [prepare(v4, false), prepare(v6, true)],
-            ipsets,
-            routes,
+            files: [Cow::Borrowed(v4), Cow::Borrowed(v6)],
+            ipsets: Cow::Borrowed(ipsets),
+            routes: Cow::Borrowed(routes),
+            iface_addrs: HashMap::new(),
+            nft: None,
+            nft_skip_iptables: [false; 2],
+            ipt_handles: HashMap::new(),
+        }
+    }
+
+    /// A simulator that owns its inputs, to keep for as long as they are current (the live
+    /// tracer keeps one per ruleset generation).
+    pub fn owned(v4: SaveFile, v6: SaveFile, ipsets: Ipsets, routes: Routes) -> Simulator<'static> {
+        Simulator {
+            tables: [prepare(&v4, false), prepare(&v6, true)],
+            files: [Cow::Owned(v4), Cow::Owned(v6)],
+            ipsets: Cow::Owned(ipsets),
+            routes: Cow::Owned(routes),
             iface_addrs: HashMap::new(),
             nft: None,
             nft_skip_iptables: [false; 2],
@@ -337,6 +319,50 @@ impl<'a> Simulator<'a> {
 
     /// Every outcome for `spec`, most likely first; a single branch when nothing is random.
     pub fn simulate(&self, spec: &PacketSpec) -> Vec<Branch> {
+        self.every_outcome(|ch| self.walk(spec, ch))
+    }
+
+    /// Every outcome of one stage of an observed traversal: the chains that run between
+    /// two probes (`input.window`), from the packet as the first probe saw it. One branch
+    /// per random outcome (`statistic`, `numgen`), each with its probability.
+    pub fn simulate_stage(&self, input: &StageInput) -> Vec<Branch> {
+        self.every_outcome(|ch| {
+            let mut pkt = Pkt {
+                v6: input.src.is_ipv6(),
+                proto: input.proto,
+                src: input.src,
+                dst: input.dst,
+                sport: input.sport,
+                dport: input.dport,
+                src_label: None,
+                dst_label: None,
+                in_iface: input.in_iface.clone(),
+                out_iface: input.out_iface.clone(),
+                mark: input.mark,
+                ct_mark: input.ct_mark,
+                state: input.ct_state,
+                dnat_done: input.dnat_done,
+                snat_done: input.snat_done,
+                ct_attached: false,
+                tcp_flags: input.tcp_flags,
+                icmp: input.icmp,
+            };
+            let mut b = Branch {
+                probability: 1.0,
+                route: String::new(),
+                egress: input.out_iface.clone(),
+                stages: Vec::new(),
+                verdict: Verdict::Accept,
+                notes: Vec::new(),
+            };
+            let fam = usize::from(pkt.v6);
+            self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
+            b
+        })
+    }
+
+    /// Runs `walk` once per combination of random choices, most likely first.
+    fn every_outcome(&self, walk: impl Fn(&mut Chooser) -> Branch) -> Vec<Branch> {
         let mut out = Vec::new();
         let mut todo: Vec<Vec<bool>> = vec![Vec::new()];
         while let Some(prefix) = todo.pop() {
@@ -354,7 +380,7 @@ impl<'a> Simulator<'a> {
                 prefix,
                 log: Vec::new(),
             };
-            let mut branch = self.walk(spec, &mut ch);
+            let mut branch = walk(&mut ch);
             branch.probability = ch
                 .log
                 .iter()
@@ -409,28 +435,28 @@ impl<'a> Simulator<'a> {
             notes: Vec::new(),
         };
         let hooks: Vec<Hook> = if spec.in_iface.is_some() {
-            vec![Hook::Prerouting]
+            vec![Hook::PreRouting]
         } else {
             // Locally generated: the route is chosen before OUTPUT.
             match self.route(spec, &mut pkt, &mut b) {
-                Some(false) => vec![Hook::Output],
+                Some(false) => vec![Hook::LocalOut],
                 Some(true) => {
                     b.notes
                         .push("destination is local: the packet loops back through lo".into());
-                    vec![Hook::Output]
+                    vec![Hook::LocalOut]
                 }
                 None => return b,
             }
         };
         for hook in hooks {
-            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch) {
+            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
                 return b;
             }
         }
         let next = if spec.in_iface.is_some() {
             match self.route(spec, &mut pkt, &mut b) {
-                Some(true) => vec![Hook::Input],
-                Some(false) => vec![Hook::Forward, Hook::Postrouting],
+                Some(true) => vec![Hook::LocalIn],
+                Some(false) => vec![Hook::Forward, Hook::PostRouting],
                 None => return b,
             }
         } else {
@@ -440,10 +466,10 @@ impl<'a> Simulator<'a> {
                     return b;
                 }
             }
-            vec![Hook::Postrouting]
+            vec![Hook::PostRouting]
         };
         for hook in next {
-            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch) {
+            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
                 return b;
             }
         }
@@ -505,6 +531,7 @@ impl<'a> Simulator<'a> {
         pkt: &mut Pkt,
         b: &mut Branch,
         ch: &mut Chooser,
+        window: Option<(i32, i32)>,
     ) -> bool {
         enum Entry {
             Ipt {
@@ -553,6 +580,10 @@ impl<'a> Simulator<'a> {
                 ));
             }
         }
+        // Only the chains between two probes, when simulating one observed stage.
+        if let Some((lo, hi)) = window {
+            entries.retain(|((at, _, _), _)| lo < *at && *at < hi);
+        }
         // At equal priority the chain registered last runs first (nf_hook_entries_grow).
         entries.sort_by_key(|e| e.0);
         // The nat core stops calling nat chains once one of them translated (nf_nat_inet_fn).
@@ -587,7 +618,7 @@ impl<'a> Simulator<'a> {
                 nft_chain,
             };
             // Conntrack runs at -200 on PREROUTING and OUTPUT: earlier chains see no entry.
-            pkt.ct_attached = !(matches!(hook, Hook::Prerouting | Hook::Output) && at <= -200);
+            pkt.ct_attached = !(matches!(hook, Hook::PreRouting | Hook::LocalOut) && at <= -200);
             if is_nat && pkt.state != CtState::New {
                 stage.note = Some(match pkt.state {
                     CtState::Untracked => "untracked packet: nat is not applied".into(),
@@ -856,7 +887,7 @@ impl<'a> Simulator<'a> {
             }
             Action::Redirect { port } => {
                 let old = (pkt.dst, pkt.dport);
-                let a = if hook == Hook::Output {
+                let a = if hook == Hook::LocalOut {
                     Some(if pkt.v6 {
                         "::1".parse().expect("valid")
                     } else {
@@ -928,11 +959,11 @@ impl<'a> Simulator<'a> {
         // ip_output() hands the hook skb->dev as the input device, so a forwarded packet still
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
-            Hook::Output => None,
+            Hook::LocalOut => None,
             _ => pkt.in_iface.as_deref(),
         };
         let out_if = match hook {
-            Hook::Forward | Hook::Output | Hook::Postrouting => pkt.out_iface.as_deref(),
+            Hook::Forward | Hook::LocalOut | Hook::PostRouting => pkt.out_iface.as_deref(),
             _ => None,
         };
         let mut unknown: Option<String> = None;

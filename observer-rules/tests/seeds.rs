@@ -174,14 +174,31 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     assert_eq!(post.after.mark, 0x0);
 
     let j = e.to_json();
-    assert_eq!(j["schema"], 1);
-    assert_eq!(j["source"], "explain");
+    assert_eq!(j["schema"], 2);
+    assert_eq!(j["source"], "predicted");
     assert_eq!(j["family"], "ipv4");
     assert_eq!(j["route"], "forward");
     assert_eq!(j["egress"]["iface"], "cali1a2b");
     assert_eq!(j["ingress"]["iface"], "eth0");
-    assert_eq!(j["verdict"], "accept");
-    assert!(j.get("branches").is_none());
+    assert_eq!(j["fate"]["kind"], "forwarded");
+    assert!(j.get("branches").is_none(), "one outcome: no branches");
+    assert_eq!(j["nat"][0]["kind"], "dnat");
+    assert_eq!(j["nat"][0]["to"], "172.17.0.5:22");
+    assert_eq!(j["conntrack"]["original"]["dst"], "10.10.10.2:22");
+    assert_eq!(j["conntrack"]["reply"]["src"], "172.17.0.5:22");
+    // Mark bits are named as the live tracer names them.
+    assert!(
+        j["marks"]["set"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["bit"] == "0x4000"
+                && c["name"] == "kube-proxy:masquerade"
+                && c["hook"] == "PREROUTING"
+                && c["table"] == "nat"),
+        "{}",
+        j["marks"]
+    );
     let stages = j["stages"].as_array().unwrap();
     let hooks: Vec<String> = stages
         .iter()
@@ -235,9 +252,10 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
 
     let tree = e.render_tree();
     assert!(
-        tree.contains("dst 10.10.10.2:22 -> 172.17.0.5:22"),
+        tree.contains("DNAT 10.10.10.2:22 -> 172.17.0.5:22 (nat rules)"),
         "{tree}"
     );
+    assert!(tree.contains("+0x4000 kube-proxy:masquerade"), "{tree}");
     assert!(tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2"), "{tree}");
     assert!(tree.contains("[k8s default/registry:ssh]"), "{tree}");
 }
@@ -365,7 +383,10 @@ fn statistic_endpoints_give_three_equal_branches() {
     assert_eq!(idx, ["PREROUTING#1", "KUBE-SVC-X#3", "KUBE-SEP-C#1"]);
     let j = e.to_json();
     assert_eq!(j["branches"].as_array().unwrap().len(), 3);
-    assert_eq!(j["verdict"], "accept");
+    assert_eq!(j["fate"]["kind"], "forwarded");
+    for b in j["branches"].as_array().unwrap() {
+        assert_eq!(b["fate"]["kind"], "forwarded");
+    }
 }
 
 #[test]

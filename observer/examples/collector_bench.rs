@@ -4,8 +4,9 @@
 //! the lab's forwarded flows (DNAT + masquerade, established, replies) over 1,000 client
 //! ports. The last mode renders as `observer tail` does, through its cache of reports by
 //! record content (a flow's later packets share their rendering); the others build every
-//! report. Run by `cargo xtask bench`; targets: 300,000 traversals/s to reports, 150,000/s
-//! to JSON.
+//! report. The last two modes name each stage's rules from the lab node's ruleset (cache
+//! warmed first, as on a node whose flows were seen before). Run by `cargo xtask bench`;
+//! targets: 300,000 traversals/s to reports, 150,000/s to JSON.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -20,6 +21,7 @@ use observer::marks::MarkDictionary;
 use observer::plan::full_plan;
 use observer::render_cache::RenderCache;
 use observer::report::{self, Context};
+use observer::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, add_reading, end, start};
 use observer_common::{PacketEvent, family, flags, hook, kind};
 
@@ -134,6 +136,29 @@ fn record(kind_of: usize, skb: u64, port: u16) -> TraversalRecord {
     rec
 }
 
+/// Output as the tail's writer thread takes it: buffers handed on when full (the bytes are
+/// counted, not kept), so a run measures the collector, not the growth of one huge buffer.
+#[derive(Default)]
+struct Drained {
+    buf: Vec<u8>,
+    total: usize,
+}
+
+impl Write for Drained {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= 4 << 20 {
+            self.total += self.buf.len();
+            black_box(&self.buf);
+            self.buf.clear();
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn main() {
     let n: usize = std::env::args()
         .nth(1)
@@ -170,27 +195,53 @@ fn main() {
             symbol: &symbol,
         },
         ifname: &ifname,
+        rules: None,
     };
+    // Rule naming on: the lab node's rules, its cache warmed by one pass over the records
+    // (a flow's later packets find their stages' rules there).
+    let namer = lab_rule_namer();
+    let named = Context {
+        snapshots: &snapshots,
+        plans: &plans,
+        netns: "bench",
+        marks: &marks,
+        names: Names {
+            drop_reasons: &reasons,
+            symbol: &symbol,
+        },
+        ifname: &ifname,
+        rules: Some(&namer),
+    };
+    for r in &records {
+        if let Ok(t) = decode(r)
+            .map_err(drop)
+            .and_then(|rec| assemble(&rec, &plans, &LAYOUT).map_err(drop))
+        {
+            black_box(report::build(&t, &named, 0));
+        }
+    }
+    let warm_misses = namer.misses.get();
     println!("  {n} traversal records of {avg} bytes on average");
-    // A second argument runs one mode only (0 to 3), for profilers.
+    // A second argument runs one mode only (0 to 5), for profilers.
     let modes: Vec<usize> = match std::env::args().nth(2).and_then(|a| a.parse().ok()) {
         Some(m) => vec![m],
-        None => vec![0, 1, 2, 3],
+        None => vec![0, 1, 2, 3, 4, 5],
     };
-    let mut cache = RenderCache::default();
     for mode in modes {
-        let mut out = std::io::BufWriter::new(Vec::with_capacity(64 << 20));
+        let mut cache = RenderCache::default();
+        let ctx = if mode >= 4 { &named } else { &ctx };
+        let mut out = Drained::default();
         let t0 = Instant::now();
         for r in &records {
             let Ok(rec) = decode(r) else { continue };
-            if mode == 3 {
+            if mode == 3 || mode == 5 {
                 // As the tail does: the cache first, the report only for a new rendering.
                 let r = cache.get_or_render(&rec, || {
                     let t = assemble(&rec, &plans, &LAYOUT).expect("valid record");
-                    let r = report::build(&t, &ctx, 0);
+                    let r = report::build(&t, ctx, 0);
                     let mut b = Vec::new();
                     let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
-                    (b, r.incomplete)
+                    (b, observer::render_cache::Outcome::of(&r))
                 });
                 let _ = out.write_all(&r.bytes);
                 continue;
@@ -203,21 +254,23 @@ fn main() {
                     black_box(&t);
                 }
                 1 => {
-                    black_box(report::build(&t, &ctx, 0));
+                    black_box(report::build(&t, ctx, 0));
                 }
                 _ => {
-                    let r = report::build(&t, &ctx, 0);
+                    let r = report::build(&t, ctx, 0);
                     let _ = r.write_json(&mut out).and_then(|()| out.write_all(b"\n"));
                 }
             }
         }
         let secs = t0.elapsed().as_secs_f64();
-        let bytes = out.get_ref().len();
+        let bytes = out.total + out.buf.len();
         let what = match mode {
             0 => "decode + expand",
             1 => "decode + expand + report",
             2 => "decode + expand + report + JSON line",
-            _ => "... JSON line, through tail's cache",
+            3 => "... JSON line, through tail's cache",
+            4 => "report + JSON line, rules named (warm)",
+            _ => "... rules named, through tail's cache",
         };
         println!(
             "  {what:<38} {:>10.0} traversals/s  (one core{})",
@@ -229,4 +282,24 @@ fn main() {
             }
         );
     }
+    println!(
+        "  rule naming: {warm_misses} simulations to warm the cache, {} after",
+        namer.misses.get() - warm_misses
+    );
+}
+
+/// A rule namer over the lab node's iptables rules and ipsets, with cali1a2b's address for
+/// MASQUERADE.
+fn lab_rule_namer() -> RuleNamer {
+    let rules = include_str!("../../lab/node.rules");
+    let sets = include_str!("../../lab/node.ipsets");
+    let v4 = observer_rules::parse_save(rules).expect("the lab's rules parse");
+    let ipsets = observer_rules::parse_ipsets(sets).expect("the lab's ipsets parse");
+    let mut sim =
+        observer_rules::Simulator::owned(v4, Default::default(), ipsets, Default::default());
+    sim.iface_addrs.insert(
+        "cali1a2b".into(),
+        vec!["169.254.1.1".parse().expect("address")],
+    );
+    RuleNamer::with_simulator(sim, 0)
 }

@@ -6,11 +6,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::Serialize;
+use observer_model::{
+    ConntrackView, Fate, FateKind, MarkChange, MarkDictionary, Marks, Nat, NatKind, NatSource,
+    Route, TupleView,
+};
 
 use crate::correlate::{Closed, Traversal};
 use crate::decode::{Conntrack, Observation, Point, Tuple};
-use crate::marks::MarkDictionary;
 use crate::nf_link::NfHook;
 use crate::report::endpoint;
 
@@ -25,72 +27,8 @@ pub struct ObservedStage<'a> {
     pub after: Option<&'a Observation>,
 }
 
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct Fate {
-    /// `delivered` (a socket took it), `forwarded`, `sent`, `dropped` (the kernel freed it as
-    /// dropped), `consumed` (freed without a drop: answered or absorbed by the kernel),
-    /// `reassembled` (a fragment merged by defragmentation), or `incomplete` (its end was not
-    /// observed: see `reason`).
-    pub kind: &'static str,
-    /// Where it ended: the hook, and the table only when it died between that table's two
-    /// probes.
-    pub hook: Option<&'static str>,
-    pub table: Option<Arc<str>>,
-    /// The kernel's drop reason, or why the traversal is incomplete.
-    pub reason: Option<String>,
-    /// The kernel function that freed it (`ip6_mc_input+0x15e`), for drops and consumed
-    /// packets.
-    pub location: Option<String>,
-    /// The last observation point it passed (`PREROUTING/-99`, `TC ingress`), and the next
-    /// one on its path when that is known: it ended between the two.
-    pub after: Option<String>,
-    pub before: Option<String>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct MarkChange {
-    pub bit: String,
-    pub name: Option<String>,
-    pub hook: &'static str,
-    pub table: Arc<str>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
-pub struct Marks {
-    pub set: Vec<MarkChange>,
-    pub cleared: Vec<MarkChange>,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct Nat {
-    /// `dnat` or `snat`.
-    pub kind: &'static str,
-    pub hook: &'static str,
-    pub table: Arc<str>,
-    pub from: String,
-    pub to: String,
-    /// `rules` when the nat chains were evaluated (first packet of a connection),
-    /// `conntrack` when the stored translation was applied.
-    pub source: &'static str,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct TupleView {
-    pub src: String,
-    pub dst: String,
-    pub proto: String,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct ConntrackView {
-    pub state: String,
-    pub mark: String,
-    pub original: TupleView,
-    pub reply: TupleView,
-}
-
 /// The routing decision: `input`, `forward` or `output` (None if no hook after it was seen).
-pub fn route(t: &Traversal) -> Option<&'static str> {
+pub fn route(t: &Traversal) -> Option<Route> {
     let hooks = || {
         t.records.iter().filter_map(|r| match r.point {
             Point::Netfilter(h, _) => Some(h),
@@ -98,11 +36,11 @@ pub fn route(t: &Traversal) -> Option<&'static str> {
         })
     };
     if hooks().any(|h| h == NfHook::LocalIn) {
-        Some("input")
+        Some(Route::Input)
     } else if hooks().any(|h| h == NfHook::Forward) {
-        Some("forward")
+        Some(Route::Forward)
     } else if hooks().next() == Some(NfHook::LocalOut) {
-        Some("output")
+        Some(Route::Output)
     } else {
         None
     }
@@ -143,14 +81,14 @@ pub struct Names<'a> {
     pub symbol: &'a dyn Fn(u64) -> String,
 }
 
-pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &Names) -> Fate {
+pub fn fate(t: &Traversal, at: &EndPoint, route: Option<Route>, names: &Names) -> Fate {
     let location = t
         .drop
         .filter(|d| d.location != 0)
         .map(|d| (names.symbol)(d.location));
     let here = |kind, reason: Option<String>| Fate {
         kind,
-        hook: at.hook.map(NfHook::name),
+        hook: at.hook,
         table: at.table.clone(),
         reason,
         location: location.clone(),
@@ -158,12 +96,12 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
         before: at.before.clone(),
     };
     let left = |hook: NfHook| Fate {
-        kind: if route == Some("output") {
-            "sent"
+        kind: if route == Some(Route::Output) {
+            FateKind::Sent
         } else {
-            "forwarded"
+            FateKind::Forwarded
         },
-        hook: Some(hook.name()),
+        hook: Some(hook),
         table: None,
         reason: None,
         location: None,
@@ -172,8 +110,8 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
     };
     if reassembled(t) {
         return Fate {
-            kind: "reassembled",
-            hook: Some(NfHook::PreRouting.name()),
+            kind: FateKind::Reassembled,
+            hook: Some(NfHook::PreRouting),
             table: Some("defrag".into()),
             reason: None,
             location,
@@ -183,8 +121,8 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
     }
     match t.closed {
         Closed::Delivered => Fate {
-            kind: "delivered",
-            hook: Some(NfHook::LocalIn.name()),
+            kind: FateKind::Delivered,
+            hook: Some(NfHook::LocalIn),
             table: None,
             reason: None,
             location: None,
@@ -193,8 +131,8 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
         },
         Closed::Egress => left(NfHook::PostRouting),
         Closed::Looped => Fate {
-            kind: "looped",
-            hook: Some(NfHook::PostRouting.name()),
+            kind: FateKind::Looped,
+            hook: Some(NfHook::PostRouting),
             table: None,
             reason: None,
             location: None,
@@ -209,11 +147,11 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<&'static str>, names: &N
                     .cloned()
                     .unwrap_or_else(|| format!("reason {}", d.reason))
             });
-            here("dropped", reason)
+            here(FateKind::Dropped, reason)
         }
-        Closed::Consumed => here("consumed", None),
+        Closed::Consumed => here(FateKind::Consumed, None),
         Closed::Reclaimed | Closed::Reused | Closed::Idle | Closed::InFlight => here(
-            "incomplete",
+            FateKind::Incomplete,
             Some(
                 match t.closed {
                     Closed::Reused => "its skb started another packet before its end was seen",
@@ -234,9 +172,9 @@ pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
         let (b, a) = (s.before.mark, after.mark);
         for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
             let change = MarkChange {
-                bit: format!("{bit:#x}"),
+                bit,
                 name: dict.name(bit).map(str::to_string),
-                hook: s.hook.name(),
+                hook: s.hook,
                 table: s.table.clone(),
             };
             if a & bit != 0 {
@@ -264,16 +202,16 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
         };
         // First packet of a connection: the entry is not confirmed yet, so the nat chains ran.
         let source = match s.before.ct {
-            Some(ct) if ct.status & IPS_CONFIRMED == 0 => "rules",
-            Some(_) => "conntrack",
-            None => "rules",
+            Some(ct) if ct.status & IPS_CONFIRMED == 0 => NatSource::Rules,
+            Some(_) => NatSource::Conntrack,
+            None => NatSource::Rules,
         };
         let ports = after.has_ports;
-        for (kind, from, to) in [("dnat", bd, ad), ("snat", bs, a_s)] {
+        for (kind, from, to) in [(NatKind::Dnat, bd, ad), (NatKind::Snat, bs, a_s)] {
             if from != to {
                 out.push(Nat {
                     kind,
-                    hook: s.hook.name(),
+                    hook: s.hook,
                     table: s.table.clone(),
                     from: endpoint(&from, ports),
                     to: endpoint(&to, ports),
@@ -286,11 +224,11 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
 }
 
 fn tuple_view(t: &Tuple) -> TupleView {
-    let ports = matches!(t.proto, 6 | 17 | 132 | 136);
+    let ports = observer_model::has_ports(t.proto);
     TupleView {
         src: endpoint(&t.src, ports),
         dst: endpoint(&t.dst, ports),
-        proto: crate::report::proto_name(t.proto),
+        proto: observer_model::proto_name(t.proto),
     }
 }
 
@@ -303,7 +241,7 @@ pub fn conntrack(t: &Traversal) -> Option<ConntrackView> {
         } else {
             ct.state().to_string()
         },
-        mark: format!("{:#x}", ct.mark),
+        mark: Some(ct.mark),
         original: tuple_view(&ct.original),
         reply: tuple_view(&ct.reply),
     })

@@ -207,6 +207,7 @@ fn observation(
             (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto)
         }),
         fragment: o.flags & flags::FRAGMENT != 0,
+        icmp: crate::decode::icmp_of(o.l4proto, o.dport),
     }
 }
 

@@ -95,6 +95,13 @@ pub struct Observation {
     pub inner: Option<(Endpoint, Endpoint, u8)>,
     /// An IPv4 fragment.
     pub fragment: bool,
+    /// ICMP and ICMPv6: the message's type and code (the probes read them where ports are).
+    pub icmp: Option<(u8, u8)>,
+}
+
+/// Type and code of an ICMP(v6) message, which the probes keep where ports are.
+pub(crate) fn icmp_of(proto: u8, dport: u16) -> Option<(u8, u8)> {
+    matches!(proto, 1 | 58).then(|| ((dport >> 8) as u8, dport as u8))
 }
 
 pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
@@ -243,6 +250,7 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
             (at(&i.saddr, i.sport), at(&i.daddr, i.dport), i.l4proto)
         }),
         fragment: h.flags & flags::FRAGMENT != 0,
+        icmp: icmp_of(p.l4proto, p.dport),
     })
 }
 

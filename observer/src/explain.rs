@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use observer_model::MarkDictionary;
+use observer_rules::LiveNode;
 
 #[derive(clap::Args, Debug)]
 #[command(
@@ -35,9 +37,12 @@ pub struct ExplainArgs {
     /// With --live: the `ip netns` name whose rules to read.
     #[arg(long, requires = "live")]
     pub netns: Option<String>,
-    /// One JSON object (schema 1 plus `rules` per stage).
+    /// One JSON object (schema 2, docs/json-schema.md: the live tracer's shape).
     #[arg(long)]
     pub json: bool,
+    /// TOML file naming mark bits, as for `observer tail --marks`.
+    #[arg(long, value_name = "FILE")]
+    pub marks: Option<PathBuf>,
     /// Keep only random outcome N (1-based, as listed): the walk as if every `numgen` or
     /// statistic draw went that way.
     #[arg(long, value_name = "N")]
@@ -51,16 +56,37 @@ fn read(p: &Option<PathBuf>) -> Result<Option<String>> {
 }
 
 pub fn run(a: ExplainArgs) -> Result<String> {
+    let mut marks = MarkDictionary::default();
     let explanation = if a.live {
         if let Some(ns) = &a.netns {
             crate::netns::enter(ns)?;
         }
-        let (rs, sets, routes) = observer_rules::load_live()?;
+        let live = LiveNode::read();
+        if !live.has_rules() && !live.failures.is_empty() {
+            let why: Vec<String> = live.failures.iter().map(ToString::to_string).collect();
+            bail!("could not read the node's rules: {}", why.join("; "));
+        }
+        live.learn_marks(&mut marks);
         let packet = observer_rules::parse_packet_spec(&a.packet)?;
-        observer_rules::explain_with(&rs, &sets, &routes, &packet, &Default::default())
+        let mut e = observer_rules::explain_with(
+            &live.ruleset,
+            &live.ipsets,
+            &live.routes,
+            &packet,
+            &live.iface_addrs,
+        );
+        // Every read that failed is said: what it leaves out is undecidable, not absent.
+        for f in &live.failures {
+            e.notes.push(format!("reading the node: {f}"));
+        }
+        e
     } else {
+        let ruleset = read(&a.ruleset)?;
+        if let Some(text) = &ruleset {
+            marks.learn_from_iptables_save(text);
+        }
         let req = observer_rules::ExplainRequest {
-            iptables_save: read(&a.ruleset)?,
+            iptables_save: ruleset,
             ip6tables_save: read(&a.ruleset6)?,
             nft_json: read(&a.nft)?,
             ipset_save: read(&a.ipsets)?,
@@ -76,13 +102,21 @@ pub fn run(a: ExplainArgs) -> Result<String> {
         };
         observer_rules::explain(&req)?
     };
+    if let Some(f) = &a.marks {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("reading marks file {}", f.display()))?;
+        marks
+            .apply_toml(&text)
+            .with_context(|| format!("in marks file {}", f.display()))?;
+    }
     let explanation = match a.pick {
         Some(n) => explanation.pick(n)?,
         None => explanation,
     };
+    let t = explanation.to_model(&marks, a.netns.as_deref());
     Ok(if a.json {
-        explanation.to_json().to_string()
+        t.to_json_line()
     } else {
-        explanation.render_tree()
+        t.render_tree()
     })
 }

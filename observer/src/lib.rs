@@ -1,5 +1,7 @@
 //! observer's library: everything the binary does, one module per stage of the data flow
-//! (probes -> ring buffer -> decode -> correlate -> report) plus the lab and its traffic.
+//! (probes -> ring buffer -> decode -> correlate -> report, with rule naming) plus the lab
+//! and its traffic. The traversal type and its renderers are `observer-model`'s; the live
+//! node's rules are read by `observer-rules`' `live` module.
 
 pub mod annotate;
 pub mod btf;
@@ -9,7 +11,8 @@ pub mod explain;
 pub mod filter;
 pub mod kallsyms;
 pub mod lab;
-pub mod marks;
+/// Mark names live in the model, shared with explain.
+pub use observer_model::marks;
 pub mod netns;
 pub mod nf_link;
 pub mod nftwatch;
@@ -22,5 +25,6 @@ pub mod recording;
 pub mod render_cache;
 pub mod replay;
 pub mod report;
+pub mod rulenames;
 pub mod tail;
 pub mod traffic;

@@ -62,7 +62,7 @@ struct TailArgs {
     /// How to print each traversal.
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
@@ -100,6 +100,11 @@ struct TailArgs {
     /// Benchmarks only: attach every probe but let each return at once (the hooks' own cost).
     #[arg(long, hide = true)]
     floor: bool,
+    /// Do not name the rules of each stage (by default each observed stage lists the rules
+    /// that matched, simulated from the live ruleset, and says whether they agree with
+    /// what the kernel did).
+    #[arg(long)]
+    no_rules: bool,
     /// Also save every traversal record, with the probe plan, kernel layout, interface
     /// names, kernel symbols and mark names its report needs, to FILE; `observer replay
     /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
@@ -128,7 +133,7 @@ struct ReplayArgs {
     /// How to print each traversal (the recording holds records, not a format: any works).
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 1, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Stop after printing N traversals.
@@ -189,6 +194,7 @@ fn run(cli: Cli) -> Result<()> {
                 idle: Duration::from_millis(a.idle_ms),
                 stats_file: a.stats,
                 floor: a.floor,
+                rules: !a.no_rules,
                 record: a.record,
                 pcapng: a.pcapng,
             })?;

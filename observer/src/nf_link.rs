@@ -67,65 +67,8 @@ pub enum NfError {
     },
 }
 
-/// Protocol family of a netfilter hook (`NFPROTO_*`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum NfFamily {
-    Ipv4,
-    Ipv6,
-}
-
-impl NfFamily {
-    pub const ALL: [NfFamily; 2] = [NfFamily::Ipv4, NfFamily::Ipv6];
-
-    pub fn pf(self) -> u32 {
-        match self {
-            NfFamily::Ipv4 => u32::from(observer_common::family::IPV4),
-            NfFamily::Ipv6 => u32::from(observer_common::family::IPV6),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            NfFamily::Ipv4 => "ipv4",
-            NfFamily::Ipv6 => "ipv6",
-        }
-    }
-}
-
-/// The five inet hooks, numbered as the kernel's `NF_INET_*`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum NfHook {
-    PreRouting = 0,
-    LocalIn = 1,
-    Forward = 2,
-    LocalOut = 3,
-    PostRouting = 4,
-}
-
-impl NfHook {
-    pub const ALL: [NfHook; 5] = [
-        NfHook::PreRouting,
-        NfHook::LocalIn,
-        NfHook::Forward,
-        NfHook::LocalOut,
-        NfHook::PostRouting,
-    ];
-
-    pub fn from_raw(v: u8) -> Option<Self> {
-        Self::ALL.get(usize::from(v)).copied()
-    }
-
-    /// The chain name iptables uses for this hook.
-    pub fn name(self) -> &'static str {
-        match self {
-            NfHook::PreRouting => "PREROUTING",
-            NfHook::LocalIn => "INPUT",
-            NfHook::Forward => "FORWARD",
-            NfHook::LocalOut => "OUTPUT",
-            NfHook::PostRouting => "POSTROUTING",
-        }
-    }
-}
+/// Families and hooks are the model's (`observer-model`): the loader only attaches at them.
+pub use observer_model::{Family as NfFamily, Hook as NfHook};
 
 /// One program of a netfilter object, with its map references already resolved.
 pub struct NfProgram {

@@ -20,8 +20,9 @@ use crate::kallsyms::Symbols;
 use crate::marks::MarkDictionary;
 use crate::plan::HookPlan;
 use crate::recording::{Meta, Recorder};
-use crate::render_cache::RenderCache;
+use crate::render_cache::{Outcome as Counts, RenderCache};
 use crate::report;
+use crate::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
 
 /// How each traversal is printed.
@@ -29,7 +30,7 @@ use observer_common::traversal::{TraversalRecord, missing};
 pub enum Output {
     /// A header line and one line per table, with what it changed and why.
     Tree,
-    /// One JSON object per line (schema 1, docs/json-schema.md).
+    /// One JSON object per line (schema 2, docs/json-schema.md).
     Json,
     /// One line per packet, for busy nodes.
     Line,
@@ -107,6 +108,9 @@ pub enum Outcome {
     Report {
         bytes: Vec<u8>,
         incomplete: bool,
+        /// Some stage's named rules disagree with the kernel / could not be decided.
+        rules_disagree: bool,
+        rules_undecidable: bool,
         packet: Option<PacketInfo>,
     },
     /// The bytes are no traversal record.
@@ -147,6 +151,9 @@ pub struct Context {
     /// `enum skb_drop_reason` value -> name.
     pub drop_reasons: HashMap<u32, String>,
     pub marks: MarkDictionary,
+    /// Names the rules of each stage (tail with the live ruleset; none in replay: a
+    /// recording holds no ruleset yet).
+    pub namer: Option<RuleNamer>,
 }
 
 pub struct Pipeline {
@@ -228,6 +235,18 @@ impl Pipeline {
         self.clear_caches();
     }
 
+    /// Reports name rules and mark bits from the ruleset: after it changed, what was
+    /// rendered is stale.
+    pub fn ruleset_changed(&mut self, marks: Option<MarkDictionary>, namer: Option<RuleNamer>) {
+        if let Some(m) = marks {
+            self.ctx.marks = m;
+        }
+        if namer.is_some() {
+            self.ctx.namer = namer;
+        }
+        self.clear_caches();
+    }
+
     fn clear_caches(&mut self) {
         self.cache.clear();
         self.line_cache.clear();
@@ -285,13 +304,13 @@ impl Pipeline {
                     Ok(r) => r,
                     Err(e) => {
                         failed = Some(e);
-                        (Vec::new(), false)
+                        (Vec::new(), Counts::default())
                     }
                 }
             });
             match failed {
                 Some(e) => Err(e),
-                None => Ok((r.bytes.clone(), r.incomplete)),
+                None => Ok((r.bytes.clone(), r.outcome)),
             }
         } else {
             render(
@@ -337,9 +356,11 @@ impl Pipeline {
             r.names(learned);
         }
         match result {
-            Ok((bytes, incomplete)) if !bytes.is_empty() => Outcome::Report {
+            Ok((bytes, counts)) if !bytes.is_empty() => Outcome::Report {
                 bytes,
-                incomplete,
+                incomplete: counts.incomplete,
+                rules_disagree: counts.rules_disagree,
+                rules_undecidable: counts.rules_undecidable,
                 packet,
             },
             Ok(_) => Outcome::Unusable("empty report".into()),
@@ -391,7 +412,7 @@ fn render(
     snapshots: &report::SnapshotCache,
     names: &Logged,
     lost: u64,
-) -> Result<(Vec<u8>, bool), String> {
+) -> Result<(Vec<u8>, Counts), String> {
     let t: Traversal = assemble(rec, plans, &ctx.tuple).map_err(|e| e.to_string())?;
     let symbol = |a: u64| names.symbol(a);
     let ifname = |i: u32| names.ifname(i);
@@ -405,6 +426,7 @@ fn render(
             symbol: &symbol,
         },
         ifname: &ifname,
+        rules: ctx.namer.as_ref(),
     };
     let r = report::build(&t, &rctx, lost);
     let mut buf = Vec::with_capacity(4096);
@@ -414,7 +436,7 @@ fn render(
         Output::Tree => writeln!(buf, "{}", r.render_tree()),
         Output::Line => writeln!(buf, "{}", r.render_line()),
     };
-    Ok((buf, r.incomplete))
+    Ok((buf, Counts::of(&r)))
 }
 
 /// Logs an unusable record the way tail always has.
@@ -509,6 +531,7 @@ mod tests {
             tuple: LAYOUT,
             drop_reasons: [(12, "NETFILTER_DROP".to_string())].into(),
             marks: MarkDictionary::default(),
+            namer: None,
         }
     }
 

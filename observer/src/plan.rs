@@ -19,36 +19,16 @@ pub struct Table {
     pub priority: i32,
 }
 
-/// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike).
+/// Standard tables of a hook, in the kernel's priority order (IPv4 and IPv6 alike): the
+/// model's list.
 pub fn standard_tables(hook: NfHook) -> Vec<Table> {
-    let t = |name: &str, priority| Table {
-        name: name.into(),
-        priority,
-    };
-    match hook {
-        NfHook::PreRouting => vec![
-            t("raw", -300),
-            t("conntrack", -200),
-            t("mangle", -150),
-            t("nat", -100),
-        ],
-        NfHook::LocalIn => vec![
-            t("mangle", -150),
-            t("filter", 0),
-            t("security", 50),
-            t("nat", 100),
-        ],
-        NfHook::Forward => vec![t("mangle", -150), t("filter", 0), t("security", 50)],
-        NfHook::LocalOut => vec![
-            t("raw", -300),
-            t("conntrack", -200),
-            t("mangle", -150),
-            t("nat", -100),
-            t("filter", 0),
-            t("security", 50),
-        ],
-        NfHook::PostRouting => vec![t("mangle", -150), t("nat", 100)],
-    }
+    hook.tables()
+        .iter()
+        .map(|&(name, priority)| Table {
+            name: name.into(),
+            priority,
+        })
+        .collect()
 }
 
 /// Probe layout of one (family, hook).
@@ -230,42 +210,34 @@ pub fn legacy_users(family: NfFamily, names: &str) -> Vec<(NfFamily, NfHook, i32
     out
 }
 
-/// Every base chain's (family, hook, priority) from `nft -j list ruleset` output, native
-/// and iptables-nft tables alike. Families `inet` count for both.
-pub fn base_chains(nft_json: &str) -> Result<Vec<(NfFamily, NfHook, i32)>, serde_json::Error> {
-    let v = serde_json::from_str::<serde_json::Value>(nft_json)?;
+/// Every base chain's (family, hook, priority) of an nftables ruleset (as the live reader
+/// parsed it), native and iptables-nft tables alike. Families `inet` count for both.
+pub fn base_chains(nft: &observer_rules::NftRuleset) -> Vec<(NfFamily, NfHook, i32)> {
     let mut out = Vec::new();
-    for item in v["nftables"].as_array().into_iter().flatten() {
-        let chain = &item["chain"];
-        let (Some(fam), Some(hook), Some(prio)) = (
-            chain["family"].as_str(),
-            chain["hook"].as_str(),
-            chain["prio"].as_i64(),
-        ) else {
-            continue;
-        };
-        let hook = match hook {
-            "prerouting" => NfHook::PreRouting,
-            "input" => NfHook::LocalIn,
-            "forward" => NfHook::Forward,
-            "output" => NfHook::LocalOut,
-            "postrouting" => NfHook::PostRouting,
-            _ => continue,
-        };
-        let families: &[NfFamily] = match fam {
+    for t in &nft.tables {
+        let families: &[NfFamily] = match t.family.as_str() {
             "ip" => &[NfFamily::Ipv4],
             "ip6" => &[NfFamily::Ipv6],
             "inet" => &NfFamily::ALL,
             _ => continue,
         };
-        let prio = prio as i32;
-        for &f in families {
-            out.push((f, hook, prio));
+        for c in &t.chains {
+            let (Some(hook), Some(prio)) =
+                (c.hook.as_deref().and_then(NfHook::from_nft), c.priority)
+            else {
+                continue;
+            };
+            let Ok(prio) = i32::try_from(prio) else {
+                continue;
+            };
+            for &f in families {
+                out.push((f, hook, prio));
+            }
         }
     }
     out.sort();
     out.dedup();
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
@@ -339,10 +311,13 @@ mod tests {
     #[test]
     fn reads_custom_priorities_from_nft_json() {
         let json = r#"{"nftables":[{"metainfo":{}},
+          {"table":{"family":"inet","name":"t","handle":1}},
+          {"table":{"family":"ip","name":"nat","handle":2}},
+          {"table":{"family":"ip","name":"t","handle":3}},
           {"chain":{"family":"inet","table":"t","name":"c","handle":1,"type":"filter","hook":"forward","prio":-5,"policy":"accept"}},
           {"chain":{"family":"ip","table":"nat","name":"PREROUTING","handle":2,"type":"nat","hook":"prerouting","prio":-100,"policy":"accept"}},
           {"chain":{"family":"ip","table":"t","name":"plain","handle":3}}]}"#;
-        let c = base_chains(json).unwrap();
+        let c = base_chains(&observer_rules::parse_nft_json(json).unwrap());
         assert_eq!(
             c,
             vec![
@@ -351,7 +326,6 @@ mod tests {
                 (NfFamily::Ipv6, NfHook::Forward, -5)
             ]
         );
-        assert!(base_chains("{not json").is_err());
     }
 
     #[test]
@@ -377,11 +351,14 @@ mod tests {
     fn only_the_tables_a_namespace_has_are_bracketed() {
         // The lab's iptables-nft node: raw, nat and filter tables; no mangle, no security.
         let json = r#"{"nftables":[
+          {"table":{"family":"ip","name":"raw","handle":1}},
+          {"table":{"family":"ip","name":"nat","handle":2}},
+          {"table":{"family":"ip","name":"filter","handle":3}},
           {"chain":{"family":"ip","table":"raw","name":"PREROUTING","hook":"prerouting","prio":-300}},
           {"chain":{"family":"ip","table":"nat","name":"PREROUTING","hook":"prerouting","prio":-100}},
           {"chain":{"family":"ip","table":"nat","name":"POSTROUTING","hook":"postrouting","prio":100}},
           {"chain":{"family":"ip","table":"filter","name":"FORWARD","hook":"forward","prio":0}}]}"#;
-        let users = base_chains(json).unwrap();
+        let users = base_chains(&observer_rules::parse_nft_json(json).unwrap());
         let plans = full_plan(Some(&users));
         let plan = |f, h| plans.iter().find(|p| p.family == f && p.hook == h).unwrap();
         let names = |p: &HookPlan| {

@@ -11,6 +11,9 @@ use observer_common::traversal::TraversalRecord;
 
 /// Entries kept; the cache starts over when full.
 pub const ENTRIES: usize = 4096;
+/// Bytes kept (renderings and keys); the cache starts over past this: lines that name
+/// rules are longer, and memory must stay bounded whatever their length.
+pub const BYTES: usize = 32 << 20;
 
 /// A fast hasher for keys made of small integers (FNV-1a); not for untrusted keys that
 /// could be chosen to collide (ours come from the kernel's records of our own namespace).
@@ -43,27 +46,58 @@ impl Hasher for FnvHasher {
 pub struct Rendered {
     key: Vec<u8>,
     pub bytes: Vec<u8>,
+    pub outcome: Outcome,
+}
+
+/// What the summary counts of a rendered report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// Flagged incomplete.
     pub incomplete: bool,
+    /// Some stage's rules disagree with what the kernel did.
+    pub rules_disagree: bool,
+    /// Some stage's rules could not be decided.
+    pub rules_undecidable: bool,
+}
+
+impl Outcome {
+    pub fn of(t: &observer_model::Traversal) -> Self {
+        let checked = |r| {
+            t.stages
+                .iter()
+                .any(|s| s.check.as_ref().is_some_and(|c| c.result == r))
+        };
+        Self {
+            incomplete: t.incomplete,
+            rules_disagree: checked(observer_model::CheckResult::Disagrees),
+            rules_undecidable: checked(observer_model::CheckResult::Undecidable),
+        }
+    }
 }
 
 #[derive(Default)]
 pub struct RenderCache {
     map: HashMap<u64, Rendered, Fnv>,
+    /// Bytes held by the entries.
+    held: usize,
     pub hits: u64,
 }
 
-/// The record's bytes as a report depends on them: its written part, without the skb
-/// address and the times.
-fn key_of(rec: &TraversalRecord) -> Vec<u8> {
+/// The record as a report depends on it: without the skb address and the times.
+fn keyed(rec: &TraversalRecord) -> TraversalRecord {
     let mut r = *rec;
     r.skb = 0;
     r.ts_first = 0;
     r.ts_last = 0;
+    r
+}
+
+/// The written part of a record, as bytes.
+fn written(r: &TraversalRecord) -> &[u8] {
     // SAFETY: plain data; the written length is within the record.
     unsafe {
-        std::slice::from_raw_parts((&r as *const TraversalRecord).cast::<u8>(), r.written_len())
+        std::slice::from_raw_parts((r as *const TraversalRecord).cast::<u8>(), r.written_len())
     }
-    .to_vec()
 }
 
 fn hash(key: &[u8]) -> u64 {
@@ -78,31 +112,37 @@ fn hash(key: &[u8]) -> u64 {
 }
 
 impl RenderCache {
-    /// The rendering of `rec`: from the cache, or made by `render` (bytes, incomplete) and
+    /// The rendering of `rec`: from the cache, or made by `render` (bytes, outcome) and
     /// kept.
     pub fn get_or_render(
         &mut self,
         rec: &TraversalRecord,
-        render: impl FnOnce() -> (Vec<u8>, bool),
+        render: impl FnOnce() -> (Vec<u8>, Outcome),
     ) -> &Rendered {
-        let key = key_of(rec);
-        let h = hash(&key);
+        // Hashed and compared in place: a hit allocates nothing.
+        let r = keyed(rec);
+        let key = written(&r);
+        let h = hash(key);
         let hit = self.map.get(&h).is_some_and(|e| e.key == key);
         if hit {
             self.hits += 1;
         } else {
-            if self.map.len() >= ENTRIES {
-                self.map.clear();
+            let (bytes, outcome) = render();
+            if self.map.len() >= ENTRIES || self.held + bytes.len() + key.len() > BYTES {
+                self.clear();
             }
-            let (bytes, incomplete) = render();
-            self.map.insert(
+            self.held += bytes.len() + key.len();
+            let replaced = self.map.insert(
                 h,
                 Rendered {
-                    key,
+                    key: key.to_vec(),
                     bytes,
-                    incomplete,
+                    outcome,
                 },
             );
+            if let Some(old) = replaced {
+                self.held -= old.bytes.len() + old.key.len();
+            }
         }
         &self.map[&h]
     }
@@ -110,6 +150,7 @@ impl RenderCache {
     /// Forgets everything (names or plans changed).
     pub fn clear(&mut self) {
         self.map.clear();
+        self.held = 0;
     }
 }
 
@@ -132,7 +173,7 @@ mod tests {
         let calls = std::cell::Cell::new(0);
         let render = |m: u32| {
             calls.set(calls.get() + 1);
-            (format!("mark {m}\n").into_bytes(), false)
+            (format!("mark {m}\n").into_bytes(), Outcome::default())
         };
         assert_eq!(c.get_or_render(&rec(1, 5), || render(5)).bytes, b"mark 5\n");
         assert_eq!(c.get_or_render(&rec(2, 5), || render(5)).bytes, b"mark 5\n");
@@ -142,5 +183,17 @@ mod tests {
         c.clear();
         c.get_or_render(&rec(4, 5), || render(5));
         assert_eq!(calls.get(), 3);
+    }
+
+    #[test]
+    fn memory_stays_bounded_whatever_the_length_of_the_lines() {
+        let mut c = RenderCache::default();
+        for i in 0..40 {
+            c.get_or_render(&rec(i + 1, i as u32), || {
+                (vec![b'x'; 1 << 20], Outcome::default())
+            });
+            assert!(c.held <= BYTES, "{} bytes held", c.held);
+        }
+        assert!(c.map.len() <= BYTES >> 20);
     }
 }

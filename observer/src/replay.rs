@@ -98,6 +98,8 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
             tuple: (&h.tuple).into(),
             drop_reasons: h.drop_reasons.clone(),
             marks: MarkDictionary::from_entries(&h.marks),
+            // A recording holds no ruleset yet: rules are not named on replay.
+            namer: None,
         },
         Box::new(Shared(names.clone())),
     );

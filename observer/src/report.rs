@@ -1,50 +1,25 @@
-//! Annotation and rendering: a traversal -> the per-table report (JSON schema 1 and the
-//! human tree). Pure: interface names come through a lookup the caller provides.
+//! Reports: an assembled traversal -> the model's observed [`observer_model::Traversal`],
+//! one stage per table, with the rules of each stage named when a [`RuleNamer`] is given.
+//! Pure: interface names come through a lookup the caller provides; the renderers (tree,
+//! line, JSON) are the model's, shared with `observer explain`.
+//!
+//! [`RuleNamer`]: crate::rulenames::RuleNamer
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 
-use serde::Serialize;
-
-use crate::annotate::{
-    self, ConntrackView, EndPoint, Fate, MarkChange, Marks, Names, Nat, ObservedStage,
+use observer_model::{
+    CtView, FateKind, Iface, Quoted, SCHEMA, Snapshot, Source, Stage, Traversal as Report, Verdict,
 };
+
+use crate::annotate::{self, EndPoint, Names, ObservedStage};
 use crate::correlate::{Closed, Plans, Traversal, missing_text};
 use crate::decode::{Endpoint, Observation, Point};
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
 use observer_common::NF_SLOTS;
+use observer_model::ConntrackView;
 
 pub use crate::correlate::index_plans;
-
-pub const SCHEMA: u32 = 1;
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Report {
-    pub schema: u32,
-    pub netns: String,
-    pub family: Option<&'static str>,
-    pub proto: String,
-    pub ingress: Option<Iface>,
-    pub egress: Option<Iface>,
-    /// The routing decision: `input`, `forward` or `output`.
-    pub route: Option<&'static str>,
-    pub stages: Vec<Stage>,
-    pub fate: Fate,
-    pub marks: Marks,
-    pub nat: Vec<Nat>,
-    pub conntrack: Option<Arc<ConntrackView>>,
-    /// Packets the kernel could not record (ring buffer full) since the previous report.
-    pub lost: u64,
-    /// Part of the traversal is missing: its end was not seen, or the record could not hold
-    /// all of it. Never printed as complete.
-    pub incomplete: bool,
-    /// Why, when `incomplete`.
-    pub incomplete_reason: Option<String>,
-    /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
-    #[serde(skip)]
-    pub flow: String,
-}
 
 /// Snapshots made for earlier traversals, by what they show: a flow's packets show the same
 /// few, and formatting them is most of a report's cost. Bounded; starts over when full.
@@ -112,171 +87,27 @@ pub struct Context<'a> {
     pub marks: &'a MarkDictionary,
     pub names: Names<'a>,
     pub ifname: &'a dyn Fn(u32) -> String,
+    /// Names the rules of each stage from the live ruleset, when rule naming is on.
+    pub rules: Option<&'a crate::rulenames::RuleNamer>,
 }
 
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Iface {
-    pub iface: String,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq)]
-pub struct Stage {
-    pub hook: &'static str,
-    pub table: Arc<str>,
-    pub priority: i32,
-    pub before: Option<Arc<Snapshot>>,
-    pub after: Option<Arc<Snapshot>>,
-    pub ct: Option<Arc<CtView>>,
-    pub verdict: &'static str,
-}
-
-/// The packet just before or after a table. Serialized from a JSON rendering made once
-/// and shared by every stage showing the same snapshot: most stages of a packet show the
-/// same few, and escaping their strings again for each was most of the collector's work.
-#[derive(Debug, Clone)]
-pub struct Snapshot {
-    pub src: String,
-    pub dst: String,
-    pub mark: String,
-    /// `skb->len`: a GSO/GRO aggregate is one packet of many MTUs; a reassembled packet
-    /// grows at defragmentation.
-    pub len: u32,
-    /// ICMP errors only: the packet the error quotes, which conntrack translates too.
-    pub inner: Option<Quoted>,
-    json: Box<serde_json::value::RawValue>,
-}
-
-#[derive(Serialize)]
-struct SnapshotJson<'a> {
-    src: &'a str,
-    dst: &'a str,
-    mark: &'a str,
-    len: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    inner: Option<&'a Quoted>,
-}
-
-impl Snapshot {
-    pub fn new(src: String, dst: String, mark: String, len: u32, inner: Option<Quoted>) -> Self {
-        // Rendered without a parse back (`from_string` would validate what we just wrote).
-        let json = serde_json::value::to_raw_value(&SnapshotJson {
-            src: &src,
-            dst: &dst,
-            mark: &mark,
-            len,
-            inner: inner.as_ref(),
-        })
-        .expect("a snapshot serialises");
-        Self {
-            src,
-            dst,
-            mark,
-            len,
-            inner,
-            json,
-        }
-    }
-}
-
-impl PartialEq for Snapshot {
-    fn eq(&self, o: &Self) -> bool {
-        self.src == o.src
-            && self.dst == o.dst
-            && self.mark == o.mark
-            && self.len == o.len
-            && self.inner == o.inner
-    }
-}
-
-impl Eq for Snapshot {}
-
-impl Serialize for Snapshot {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
-    }
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct Quoted {
-    pub src: String,
-    pub dst: String,
-    pub proto: String,
-}
-
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
-pub struct CtView {
-    pub state: String,
-    pub mark: String,
-}
-
-pub fn proto_name(p: u8) -> String {
-    match p {
-        0 => "hopopt".into(),
-        1 => "icmp".into(),
-        6 => "tcp".into(),
-        17 => "udp".into(),
-        58 => "icmpv6".into(),
-        132 => "sctp".into(),
-        n => n.to_string(),
-    }
-}
-
-/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports. Written
-/// by hand for IPv4: `Ipv4Addr`'s `Display` (it supports padding) was the collector's
-/// largest cost.
+/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
 pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
-    let mut s = String::with_capacity(24);
-    match e.addr {
-        std::net::IpAddr::V4(a) => {
-            for (i, o) in a.octets().into_iter().enumerate() {
-                if i > 0 {
-                    s.push('.');
-                }
-                push_decimal(&mut s, o.into());
-            }
-        }
-        std::net::IpAddr::V6(a) if has_port => {
-            let _ = write!(s, "[{a}]");
-        }
-        std::net::IpAddr::V6(a) => {
-            let _ = write!(s, "{a}");
-        }
-    }
-    if has_port {
-        s.push(':');
-        push_decimal(&mut s, e.port.into());
-    }
-    s
-}
-
-/// Appends `n` in decimal.
-fn push_decimal(s: &mut String, mut n: u32) {
-    let mut buf = [0u8; 10];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    // The digits are ASCII.
-    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("?"));
+    observer_model::endpoint(e.addr, has_port.then_some(e.port))
 }
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
     Some(Snapshot::new(
         endpoint(&o.src?, o.has_ports),
         endpoint(&o.dst?, o.has_ports),
-        format!("{:#x}", o.mark),
-        o.len,
+        o.mark,
+        Some(o.len),
         o.inner.map(|(s, d, p)| {
-            let ports = matches!(p, 6 | 17 | 132);
+            let ports = observer_model::has_ports(p);
             Quoted {
                 src: endpoint(&s, ports),
                 dst: endpoint(&d, ports),
-                proto: proto_name(p),
+                proto: observer_model::proto_name(p),
             }
         }),
     ))
@@ -301,8 +132,8 @@ impl<'a> Snapshots<'a> {
             return v.clone();
         }
         let v = Arc::new(CtView {
-            state: c.state().to_string(),
-            mark: format!("{:#x}", c.mark),
+            state: c.state(),
+            mark: Some(c.mark),
         });
         self.cts.push((c.info, c.mark, v.clone()));
         v
@@ -370,7 +201,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         hooks.clear();
     }
     // Conntrack is a stage only where it runs: some record of the packet has an entry.
-    let tracked = t.records.iter().any(|r| r.ct.is_some());
+    let first_ct = t.records.iter().find_map(|r| r.ct);
+    let tracked = first_ct.is_some();
     let mut observed: Vec<ObservedStage> = Vec::new();
     let mut stages = Vec::new();
     'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
@@ -392,21 +224,46 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             // The packet's last table: what ended it there decides the verdict.
             let ended_here = after.is_none() && !seen_later;
             let verdict = match (ended_here, t.closed) {
-                (false, _) => "accept",
-                (true, Closed::Dropped) => "drop",
-                (true, Closed::Consumed) => "stolen",
-                (true, _) => "unknown",
+                (false, _) => Verdict::Accept,
+                (true, Closed::Dropped) => Verdict::Drop,
+                (true, Closed::Consumed) => Verdict::Stolen,
+                (true, _) => Verdict::Unknown,
             };
             let ct_src = after.unwrap_or(before);
             stages.push(Stage {
-                hook: hook.name(),
+                hook: *hook,
                 table: table.name.clone(),
                 priority: table.priority,
+                chain: None,
                 before: snapshots.of(before),
                 after: after.and_then(|o| snapshots.of(o)),
                 ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
+                rules: Default::default(),
+                policy: None,
+                note: None,
+                check: None,
             });
+            if let (Some(namer), Some(b)) = (ctx.rules, b) {
+                let stage = stages.last_mut().expect("pushed");
+                let window = (
+                    plan.points[b],
+                    a.map_or(crate::plan::LAST, |a| plan.points[a]),
+                );
+                let named = namer.name(
+                    &crate::rulenames::StageToName {
+                        hook: *hook,
+                        window,
+                        before,
+                        after,
+                        stage,
+                        first_ct,
+                    },
+                    ifname,
+                );
+                stage.rules = named.rules.clone();
+                stage.check = named.check.clone();
+            }
             observed.push(ObservedStage {
                 hook: *hook,
                 table: table.name.clone(),
@@ -421,14 +278,15 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     let route = annotate::route(t);
     let fate = annotate::fate(t, &end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
-    if fate.kind == "incomplete" {
+    if fate.kind == FateKind::Incomplete {
         reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));
     }
     Report {
         schema: SCHEMA,
-        netns: ctx.netns.to_string(),
-        family: family.map(NfFamily::name),
-        proto: first_l3.map_or_else(|| "unknown".into(), |r| proto_name(r.proto)),
+        source: Source::Observed,
+        netns: Some(ctx.netns.to_string()),
+        family,
+        proto: first_l3.map_or_else(|| "unknown".into(), |r| observer_model::proto_name(r.proto)),
         ingress,
         egress,
         route,
@@ -439,6 +297,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         nat: annotate::nat(&observed),
         conntrack: ctx.snapshots.conntrack(t),
         stages,
+        branches: Vec::new(),
+        notes: Vec::new(),
         lost,
         flow: first_l3
             .and_then(|o| snapshots.of(o))
@@ -491,220 +351,6 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
     }
 }
 
-impl Report {
-    pub fn to_json_line(&self) -> String {
-        serde_json::to_string(self).expect("report serialises")
-    }
-
-    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
-    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
-        serde_json::to_writer(out, self).map_err(std::io::Error::from)
-    }
-
-    fn flow(&self) -> String {
-        self.flow.clone()
-    }
-
-    fn mark_word(c: &MarkChange, sign: char) -> String {
-        format!(
-            "{sign}{} {}",
-            c.bit,
-            c.name.as_deref().unwrap_or("(unnamed)")
-        )
-    }
-
-    /// The readable tree: a header line, one line per table with what it changed (NAT, mark
-    /// bits by name, conntrack state), then the packet's fate and its connection.
-    pub fn render_tree(&self) -> String {
-        let mut out = String::new();
-        let _ = write!(
-            out,
-            "{} {} {}",
-            self.family.unwrap_or("?"),
-            self.proto,
-            self.flow()
-        );
-        if let Some(i) = &self.ingress {
-            let _ = write!(out, "  in {}", i.iface);
-        }
-        if let Some(e) = &self.egress {
-            let _ = write!(out, "  out {}", e.iface);
-        }
-        if let Some(r) = self.route {
-            let _ = write!(out, "  route {r}");
-        }
-        if self.lost > 0 {
-            let _ = write!(out, "  [{} packets lost in kernel]", self.lost);
-        }
-        if self.incomplete && self.fate.kind != "incomplete" {
-            let _ = write!(
-                out,
-                "  [incomplete: {}]",
-                self.incomplete_reason.as_deref().unwrap_or("?")
-            );
-        }
-        out.push('\n');
-        let mut last_ct: Option<&CtView> = None;
-        for s in &self.stages {
-            let here = |hook: &str, table: &str| hook == s.hook && table == &*s.table;
-            let mut what = Vec::new();
-            let mut note = None;
-            for n in self.nat.iter().filter(|n| here(n.hook, &n.table)) {
-                what.push(format!(
-                    "{} {} -> {} ({})",
-                    n.kind.to_uppercase(),
-                    n.from,
-                    n.to,
-                    if n.source == "rules" {
-                        "nat rules"
-                    } else {
-                        "conntrack"
-                    }
-                ));
-                if n.source == "conntrack" {
-                    note = Some(
-                        "the nat table is not consulted for this packet because its connection \
-                         is already established: conntrack applied the stored translation",
-                    );
-                }
-            }
-            for c in self.marks.set.iter().filter(|c| here(c.hook, &c.table)) {
-                what.push(Self::mark_word(c, '+'));
-            }
-            for c in self.marks.cleared.iter().filter(|c| here(c.hook, &c.table)) {
-                what.push(Self::mark_word(c, '-'));
-            }
-            if s.ct.as_deref() != last_ct {
-                if let Some(ct) = &s.ct {
-                    what.push(format!("ct {} (ctmark {})", ct.state, ct.mark));
-                }
-                last_ct = s.ct.as_deref();
-            }
-            if let (Some(b), Some(a)) = (
-                s.before.as_ref().and_then(|b| b.inner.as_ref()),
-                s.after.as_ref().and_then(|a| a.inner.as_ref()),
-            ) && b != a
-            {
-                what.push(format!(
-                    "quoted packet {} -> {} became {} -> {}",
-                    b.src, b.dst, a.src, a.dst
-                ));
-            }
-            match s.verdict {
-                "drop" => what.push("dropped here".into()),
-                "stolen" => what.push("taken here (stolen)".into()),
-                "unknown" => what.push("not seen after this table".into()),
-                _ => {}
-            }
-            if what.is_empty() {
-                what.push("-".into());
-            }
-            let _ = writeln!(
-                out,
-                "  {:<12} {:<10} {:>6}  {}",
-                s.hook,
-                s.table,
-                s.priority,
-                what.join(", ")
-            );
-            if let Some(n) = note {
-                let _ = writeln!(out, "  {:<31}  note: {n}", "");
-            }
-        }
-        let _ = writeln!(out, "  => {}", self.fate_text());
-        if let Some(ct) = &self.conntrack {
-            let _ = writeln!(
-                out,
-                "  conntrack: {} (ctmark {}), original {} -> {}, reply {} -> {}",
-                ct.state, ct.mark, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
-            );
-        }
-        out
-    }
-
-    fn fate_text(&self) -> String {
-        let f = &self.fate;
-        let place = match (f.hook, &f.table) {
-            (Some(h), Some(t)) => format!(" in {h}/{t}"),
-            (Some(h), None) => format!(" after {h}"),
-            (None, _) => f
-                .after
-                .as_deref()
-                .map_or(String::new(), |a| format!(" after {a}")),
-        };
-        let func = |sep: &str| {
-            f.location
-                .as_deref()
-                .map_or(String::new(), |l| format!("{sep}in {l}"))
-        };
-        match f.kind {
-            "dropped" => format!(
-                "DROPPED{place}{}: {}",
-                func(", "),
-                f.reason.as_deref().unwrap_or("no reason given")
-            ),
-            "consumed" => format!("consumed by the kernel{place}{}", func(", ")),
-            "forwarded" | "sent" => match &self.egress {
-                Some(e) => format!("{} out {}", f.kind, e.iface),
-                None => f.kind.to_string(),
-            },
-            "delivered" => "delivered to a local socket".into(),
-            "looped" => "looped back to this host (left POSTROUTING without an interface)".into(),
-            "reassembled" => {
-                "fragment merged by defragmentation (PREROUTING, priority -400)".into()
-            }
-            _ => format!(
-                "INCOMPLETE{place}: {}",
-                self.incomplete_reason.as_deref().unwrap_or("end not seen")
-            ),
-        }
-    }
-
-    /// One line per packet: flow, interfaces, route, NAT, mark changes, fate.
-    pub fn render_line(&self) -> String {
-        let mut parts = vec![format!(
-            "{} {} {} [{} -> {}] {}",
-            self.family.unwrap_or("?"),
-            self.proto,
-            self.flow(),
-            self.ingress.as_ref().map_or("-", |i| i.iface.as_str()),
-            self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
-            self.route.unwrap_or("-"),
-        )];
-        let nat: Vec<String> = self
-            .nat
-            .iter()
-            .map(|n| {
-                format!(
-                    "{} {}->{}@{}/{}({})",
-                    n.kind.to_uppercase(),
-                    n.from,
-                    n.to,
-                    n.hook,
-                    n.table,
-                    n.source
-                )
-            })
-            .collect();
-        if !nat.is_empty() {
-            parts.push(nat.join(" "));
-        }
-        let marks: Vec<String> = self
-            .marks
-            .set
-            .iter()
-            .map(|c| (c, '+'))
-            .chain(self.marks.cleared.iter().map(|c| (c, '-')))
-            .map(|(c, sign)| format!("{}@{}/{}", Self::mark_word(c, sign), c.hook, c.table))
-            .collect();
-        if !marks.is_empty() {
-            parts.push(marks.join(" "));
-        }
-        parts.push(self.fate_text());
-        parts.join(" | ")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -740,6 +386,7 @@ mod tests {
                 _ => (POD, 0x4000),
             };
             let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
+            e.header.ifindex_in = 2;
             if slot >= 2 {
                 e = with_ct(e, 2, orig, reply);
             }
@@ -748,22 +395,16 @@ mod tests {
         // FORWARD: FIRST, -149, 1, LAST (after security), as the plan's programs.
         let programs = |h| plans[&(NfFamily::Ipv4, h)].programs.clone();
         for slot in programs(NfHook::Forward) {
-            evs.push(with_ct(
-                tcp_event(2, slot as u32, skb, CLIENT, POD, 0x4000),
-                2,
-                orig,
-                reply,
-            ));
+            let mut e = tcp_event(2, slot as u32, skb, CLIENT, POD, 0x4000);
+            (e.header.ifindex_in, e.header.ifindex_out) = (2, 5);
+            evs.push(with_ct(e, 2, orig, reply));
         }
         // POSTROUTING: FIRST, -149, LAST; MASQUERADE at nat (100).
         for (at, slot) in programs(NfHook::PostRouting).into_iter().enumerate() {
             let src = if at >= 2 { NODE } else { CLIENT };
-            evs.push(with_ct(
-                tcp_event(4, slot as u32, skb, src, POD, 0x4000),
-                2,
-                orig,
-                reply,
-            ));
+            let mut e = tcp_event(4, slot as u32, skb, src, POD, 0x4000);
+            (e.header.ifindex_in, e.header.ifindex_out) = (2, 5);
+            evs.push(with_ct(e, 2, orig, reply));
         }
         let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
         eg.header.ifindex_out = 5;
@@ -791,6 +432,7 @@ mod tests {
                 symbol: &symbol,
             },
             ifname: &names,
+            rules: None,
         };
         build(t, &ctx, lost)
     }
@@ -807,7 +449,7 @@ mod tests {
     fn forwarded_dnat_masquerade_report() {
         let (t, plans) = forwarded();
         let r = report(&t, &plans, 0);
-        assert_eq!(r.family, Some("ipv4"));
+        assert_eq!(r.family, Some(NfFamily::Ipv4));
         assert_eq!(r.proto, "tcp");
         assert_eq!(
             r.ingress,
@@ -821,7 +463,11 @@ mod tests {
                 iface: "cali1a2b".into()
             })
         );
-        let hooks: Vec<_> = r.stages.iter().map(|s| (s.hook, &*s.table)).collect();
+        let hooks: Vec<_> = r
+            .stages
+            .iter()
+            .map(|s| (s.hook.name(), &*s.table))
+            .collect();
         assert_eq!(
             hooks,
             vec![
@@ -840,11 +486,11 @@ mod tests {
         assert_eq!(nat.priority, -100);
         assert_eq!(nat.before.as_ref().unwrap().dst, "10.10.10.2:22");
         assert_eq!(nat.after.as_ref().unwrap().dst, "172.17.0.5:22");
-        assert_eq!(nat.after.as_ref().unwrap().mark, "0x4000");
+        assert_eq!(nat.after.as_ref().unwrap().mark, 0x4000);
         assert_eq!(nat.ct.as_ref().unwrap().state, "new");
         let snat = &r.stages[8];
         assert_eq!(snat.after.as_ref().unwrap().src, "172.17.0.1:40000");
-        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         // No conntrack entry before the conntrack table runs.
         assert!(r.stages[0].ct.is_none());
     }
@@ -854,7 +500,7 @@ mod tests {
         let (t, plans) = forwarded();
         let v: serde_json::Value =
             serde_json::from_str(&report(&t, &plans, 3).to_json_line()).unwrap();
-        assert_eq!(v["schema"], 1);
+        assert_eq!(v["schema"], 2);
         assert_eq!(v["netns"], "node");
         assert_eq!(v["lost"], 3);
         assert_eq!(v["egress"]["iface"], "cali1a2b");
@@ -890,13 +536,13 @@ mod tests {
         let last = r.stages.last().unwrap();
         assert_eq!(
             (last.hook, &*last.table, last.verdict),
-            ("FORWARD", "filter", "drop")
+            (NfHook::Forward, "filter", Verdict::Drop)
         );
         assert!(last.after.is_none());
         assert_eq!(r.egress, None);
         assert_eq!(
             (r.fate.kind, r.fate.hook, r.fate.table.as_deref()),
-            ("dropped", Some("FORWARD"), Some("filter"))
+            (FateKind::Dropped, Some(NfHook::Forward), Some("filter"))
         );
         assert_eq!(r.fate.location.as_deref(), Some("fn+0x40"));
         assert_eq!(r.fate.after.as_deref(), Some("FORWARD/-149"));
@@ -936,9 +582,9 @@ mod tests {
     #[test]
     fn a_packet_whose_end_was_not_seen_is_incomplete_not_dropped() {
         let r = cut_in_forward_filter(Closed::Idle);
-        assert_eq!(r.fate.kind, "incomplete");
+        assert_eq!(r.fate.kind, FateKind::Incomplete);
         assert!(r.incomplete);
-        assert_eq!(r.stages.last().unwrap().verdict, "unknown");
+        assert_eq!(r.stages.last().unwrap().verdict, Verdict::Unknown);
         assert!(!r.render_tree().contains("DROPPED"));
         assert!(r.render_tree().contains("INCOMPLETE"));
     }
@@ -961,9 +607,9 @@ mod tests {
         let r = report(&t, &plans, 0);
         assert_eq!(
             (r.fate.hook, r.fate.table.as_deref()),
-            (Some("PREROUTING"), None)
+            (Some(NfHook::PreRouting), None)
         );
-        assert!(r.stages.iter().all(|s| s.verdict == "accept"));
+        assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         assert!(
             r.render_tree()
                 .contains("=> DROPPED after PREROUTING, in fn+0x15e: NETFILTER_DROP")
@@ -1019,25 +665,235 @@ mod tests {
         }
     }
 
+    /// A rule namer over the lab node's rules and sets (cali1a2b masquerades to the
+    /// synthetic traversal's node address).
+    fn lab_namer() -> crate::rulenames::RuleNamer {
+        let v4 = observer_rules::parse_save(include_str!("../../lab/node.rules")).unwrap();
+        let sets = observer_rules::parse_ipsets(include_str!("../../lab/node.ipsets")).unwrap();
+        let mut sim =
+            observer_rules::Simulator::owned(v4, Default::default(), sets, Default::default());
+        sim.iface_addrs
+            .insert("cali1a2b".into(), vec!["172.17.0.1".parse().unwrap()]);
+        crate::rulenames::RuleNamer::with_simulator(sim, 0)
+    }
+
+    fn named_report(t: &Traversal, plans: &Plans, namer: &crate::rulenames::RuleNamer) -> Report {
+        let marks = MarkDictionary::default();
+        let reasons = HashMap::new();
+        let symbol = |a: u64| format!("fn+{a:#x}");
+        let shared = SnapshotCache::default();
+        let ctx = Context {
+            snapshots: &shared,
+            plans,
+            netns: "node",
+            marks: &marks,
+            names: Names {
+                drop_reasons: &reasons,
+                symbol: &symbol,
+            },
+            ifname: &names,
+            rules: Some(namer),
+        };
+        build(t, &ctx, 0)
+    }
+
+    #[test]
+    fn tail_names_the_rules_of_each_stage_and_flags_what_disagrees() {
+        let (t, plans) = forwarded();
+        let namer = lab_namer();
+        let r = named_report(&t, &plans, &namer);
+        let at = |hook: &str, table: &str| {
+            r.stages
+                .iter()
+                .find(|s| s.hook.name() == hook && &*s.table == table)
+                .unwrap()
+        };
+        // kube-proxy's DNAT and masquerade mark, named and in agreement with the kernel.
+        let nat = at("PREROUTING", "nat");
+        let chains: Vec<String> = nat.rules.iter().map(|r| r.id.place()).collect();
+        assert!(
+            chains.contains(&"KUBE-MARK-MASQ#1".to_string()),
+            "{chains:?}"
+        );
+        assert!(
+            chains.contains(&"KUBE-SEP-JJDDRQDQBMLIVXO7#2".to_string()),
+            "{chains:?}"
+        );
+        let check = nat.check.as_ref().unwrap();
+        assert_eq!(
+            check.result,
+            observer_model::CheckResult::Agrees,
+            "{check:?}"
+        );
+        // The synthetic packet never got Calico's accept bit in filter FORWARD, which the
+        // rules set: flagged with both sides, not hidden.
+        let filter = at("FORWARD", "filter");
+        let check = filter.check.as_ref().unwrap();
+        assert_eq!(check.result, observer_model::CheckResult::Disagrees);
+        assert_eq!(
+            check.disagreements,
+            ["rules predict mark 0x14000, the kernel set 0x4000"]
+        );
+        let tree = r.render_tree();
+        assert!(
+            tree.contains("!! rules predict mark 0x14000, the kernel set 0x4000"),
+            "{tree}"
+        );
+        assert!(
+            tree.contains("DISAGREE with the kernel at FORWARD/filter"),
+            "{tree}"
+        );
+        // The exit summary counts it too.
+        let outcome = crate::render_cache::Outcome::of(&r);
+        assert!(outcome.rules_disagree && !outcome.rules_undecidable && !outcome.incomplete);
+        assert!(
+            tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),
+            "{tree}"
+        );
+        // No chain runs at conntrack: nothing to name or check there.
+        let ct = at("PREROUTING", "conntrack");
+        assert!(ct.rules.is_empty() && ct.check.is_none());
+        // The second report of the same flow comes from the cache.
+        let misses = namer.misses.get();
+        assert_eq!(named_report(&t, &plans, &namer), r);
+        assert_eq!(namer.misses.get(), misses);
+    }
+
+    #[test]
+    fn a_confirmed_connection_keeps_conntracks_translation_and_its_sentence() {
+        let (mut t, plans) = forwarded();
+        // Later packet of the connection: established and confirmed everywhere; the
+        // masquerade bit is not set again (the nat chains that set it are not walked).
+        for o in &mut t.records {
+            o.mark &= !0x4000;
+            if let Some(ct) = &mut o.ct {
+                ct.info = 0;
+                ct.status |= 1 << 3;
+            }
+        }
+        let r = named_report(&t, &plans, &lab_namer());
+        let nat = r
+            .stages
+            .iter()
+            .find(|s| s.hook == NfHook::PreRouting && &*s.table == "nat")
+            .unwrap();
+        assert!(nat.rules.is_empty(), "the nat chains are not walked");
+        assert_eq!(
+            nat.check.as_ref().unwrap().result,
+            observer_model::CheckResult::Agrees
+        );
+        let tree = r.render_tree();
+        assert!(
+            tree.contains("DNAT 10.10.10.2:22 -> 172.17.0.5:22 (conntrack)")
+                && tree.contains("conntrack applied the stored translation"),
+            "{tree}"
+        );
+    }
+
+    /// Every ```json block of the schema doc that is a traversal.
+    fn documented_traversals(doc: &str) -> Vec<serde_json::Value> {
+        doc.split("```json")
+            .skip(1)
+            .map(|b| &b[..b.find("```").expect("closed block")])
+            .map(|b| serde_json::from_str::<serde_json::Value>(b).expect("valid JSON"))
+            .filter(|v| v.get("schema").is_some())
+            .collect()
+    }
+
+    /// Predicted traversals covering every shape explain prints: iptables rules with
+    /// Kubernetes and Calico meanings, an undecidable match, native nftables chains and
+    /// rules with random branches, iptables-nft rules.
+    fn predictions() -> Vec<serde_json::Value> {
+        let fixtures = |name: &str| {
+            std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../observer-rules/tests/fixtures")
+                    .join(name),
+            )
+            .unwrap()
+        };
+        let lab = include_str!("../../lab/node.rules");
+        let routes = r#"[{"dst":"default","dev":"eth1","flags":[]},
+            {"dst":"10.201.0.0/24","dev":"calir0","flags":[]}]"#;
+        let reqs = [
+            observer_rules::ExplainRequest {
+                iptables_save: Some(lab.into()),
+                ipset_save: Some(include_str!("../../lab/node.ipsets").into()),
+                packet: "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 out cali1a2b".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                iptables_save: Some(lab.into()),
+                packet: "udp 172.17.0.6:5000 -> 192.0.2.50:53 in cali3c4d out eth0".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                nft_json: Some(fixtures("kube-proxy.json")),
+                routes_json: vec![routes.into()],
+                packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
+                ..Default::default()
+            },
+            observer_rules::ExplainRequest {
+                iptables_save: Some(fixtures("mixed.rules")),
+                nft_json: Some(fixtures("mixed.json")),
+                routes_json: vec![routes.into()],
+                packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
+                ..Default::default()
+            },
+        ];
+        reqs.iter()
+            .map(|r| {
+                let e = observer_rules::explain(r).unwrap();
+                serde_json::to_value(e.to_model(&MarkDictionary::default(), None)).unwrap()
+            })
+            .collect()
+    }
+
     #[test]
     fn documented_schema_matches() {
         let doc = include_str!("../../docs/json-schema.md");
-        let start = doc.find("```json").expect("json example in docs") + "```json".len();
-        let end = start + doc[start..].find("```").expect("closed block");
-        let documented: serde_json::Value = serde_json::from_str(&doc[start..end]).unwrap();
+        let documented = documented_traversals(doc);
+        assert_eq!(documented.len(), 2, "an observed and a predicted example");
         let (t, plans) = forwarded();
-        let real: serde_json::Value =
-            serde_json::from_str(&report(&t, &plans, 0).to_json_line()).unwrap();
+        let observed: serde_json::Value =
+            serde_json::from_str(&named_report(&t, &plans, &lab_namer()).to_json_line()).unwrap();
+        let predicted = predictions();
+        // One shape: both producers print schema 2, told apart by `source` only.
+        assert_eq!(observed["schema"], 2);
+        assert_eq!(observed["source"], "observed");
+        for p in &predicted {
+            assert_eq!(
+                (&p["schema"], &p["source"]),
+                (&observed["schema"], &"predicted".into())
+            );
+        }
         let (mut want, mut got) = (Default::default(), Default::default());
-        key_paths(&documented, "", &mut want);
-        key_paths(&real, "", &mut got);
+        for d in &documented {
+            key_paths(d, "", &mut want);
+        }
+        for v in predicted.iter().chain([&observed]) {
+            key_paths(v, "", &mut got);
+        }
         assert_eq!(
             want, got,
             "docs/json-schema.md and the printed JSON disagree"
         );
+        // Each example's own keys: an observed traversal and a predicted one, each as the
+        // producers print it (stage keys are the same on both sides).
+        let mut obs_keys = Default::default();
+        key_paths(&observed, "", &mut obs_keys);
+        let mut doc_obs = Default::default();
+        key_paths(&documented[0], "", &mut doc_obs);
+        assert!(
+            doc_obs
+                .iter()
+                .all(|k| obs_keys.contains(k) || k.contains("rules[]")),
+            "the observed example shows keys tail does not print: {:?}",
+            doc_obs.difference(&obs_keys).collect::<Vec<_>>()
+        );
         // Every key of the real output is explained in the doc's table too.
         for k in got {
-            let leaf = k.rsplit('.').next().unwrap();
+            let leaf = k.rsplit('.').next().unwrap().trim_end_matches("[]");
             assert!(
                 doc.contains(&format!("`{leaf}`")) || doc.contains(&format!(".{leaf}`")),
                 "docs/json-schema.md does not explain `{leaf}`"

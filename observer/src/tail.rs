@@ -27,8 +27,10 @@ use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo
 use crate::plan::{base_chains, full_plan, legacy_users};
 use crate::probes::{KernelCounters, Probes};
 use crate::recording::{Header, Recorder};
+use crate::rulenames::RuleNamer;
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
+use observer_rules::LiveNode;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -53,6 +55,9 @@ pub struct TailOptions {
     pub record: Option<PathBuf>,
     /// Write each printed traversal's packet here (pcap-ng, its report line as comment).
     pub pcapng: Option<PathBuf>,
+    /// Name the rules of each stage from the live ruleset (and check them against the
+    /// kernel).
+    pub rules: bool,
 }
 
 /// Records handled before the event loop looks at signals and timers again: at about
@@ -62,19 +67,12 @@ const BATCH: usize = 2048;
 const FINAL_DRAIN: Duration = Duration::from_millis(80);
 
 /// The mark dictionary for this run: defaults, then the bits the live ruleset shows
-/// (KUBE-MARK-MASQ / KUBE-MARK-DROP), then the user's file.
-fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
+/// (KUBE-MARK-MASQ / KUBE-MARK-DROP, or nftables mode's mark-for-masquerade), then the
+/// user's file.
+fn mark_dictionary(live: &LiveNode, file: Option<&PathBuf>) -> Result<MarkDictionary> {
     let mut d = MarkDictionary::default();
-    match std::process::Command::new("iptables-save")
-        .args(["-t", "nat"])
-        .output()
-    {
-        Ok(out) => {
-            for (bit, name) in d.learn_from_iptables_save(&String::from_utf8_lossy(&out.stdout)) {
-                info!("live ruleset: {name} is {bit:#x}");
-            }
-        }
-        Err(e) => warn!("cannot run iptables-save to learn kube-proxy's mark bits: {e}"),
+    for (bit, name) in live.learn_marks(&mut d) {
+        info!("live ruleset: {name} is {bit:#x}");
     }
     if let Some(f) = file {
         let text = std::fs::read_to_string(f)
@@ -83,6 +81,16 @@ fn mark_dictionary(file: Option<&PathBuf>) -> Result<MarkDictionary> {
             .with_context(|| format!("in marks file {}", f.display()))?;
     }
     Ok(d)
+}
+
+/// Reads the node's rules, sets, routes and addresses, warning about every read that
+/// failed (rule naming then says undecidable where it needed what is missing).
+fn read_live() -> LiveNode {
+    let live = LiveNode::read();
+    for e in &live.failures {
+        warn!("reading the node: {e}");
+    }
+    live
 }
 
 /// What a tail run saw, in packets; printed on exit and written by `--stats`.
@@ -109,6 +117,10 @@ pub struct Summary {
     pub not_printed: u64,
     /// Probe attachments that failed (interfaces left without tcx probes).
     pub attach_failures: u64,
+    /// Of `printed`, traversals where some stage's rules disagree with what the kernel did.
+    pub rules_disagree: u64,
+    /// Of `printed`, traversals where some stage's rules could not be decided.
+    pub rules_undecidable: u64,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
     /// With `--record`: what the recording holds.
@@ -148,6 +160,13 @@ impl std::fmt::Display for Summary {
             self.attach_failures,
             self.stopped_by,
         )?;
+        if self.rules_disagree + self.rules_undecidable > 0 {
+            write!(
+                f,
+                "; rules named: {} traversals where they disagree with the kernel, {} undecidable",
+                self.rules_disagree, self.rules_undecidable
+            )?;
+        }
         if let Some(r) = &self.record {
             write!(f, "; {} records recorded", r.records)?;
             if r.failed > 0 {
@@ -195,7 +214,8 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         }
         None => None,
     };
-    let marks = mark_dictionary(opts.marks_file.as_ref())?;
+    let live = read_live();
+    let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let recorder = match &opts.record {
         Some(path) => Some(Recorder::create(
@@ -211,6 +231,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
             tuple: layout.tuple,
             drop_reasons: layout.drop_reasons.clone(),
             marks,
+            namer: opts.rules.then(|| RuleNamer::new(&live, 0)),
         },
         Box::new(LiveNames::load()),
     );
@@ -225,7 +246,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = Probes::load(&layout, &program)?;
-    let users = read_hook_users();
+    let users = hook_users(&live);
     probes.attach_netfilter(full_plan(users.as_deref()))?;
     let changes = probes.sync_interfaces()?;
     for (name, e) in &changes.failed {
@@ -261,33 +282,14 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
 }
 
 /// What runs at each netfilter hook of the namespace: the base chains of its nf_tables
-/// ruleset (native and iptables-nft) and its legacy x_tables. `None` when the ruleset cannot
-/// be read: then every standard table is bracketed (said once, here).
-fn read_hook_users() -> Option<Vec<(NfFamily, NfHook, i32)>> {
-    let out = match std::process::Command::new("nft")
-        .args(["-j", "list", "ruleset"])
-        .output()
-    {
-        Ok(o) if o.status.success() => o.stdout,
-        Ok(o) => {
-            warn!(
-                "`nft -j list ruleset` failed ({}); bracketing every standard table",
-                String::from_utf8_lossy(&o.stderr).trim()
-            );
-            return None;
-        }
-        Err(e) => {
-            warn!("cannot run nft to list the base chains ({e}); bracketing every standard table");
-            return None;
-        }
+/// ruleset (native and iptables-nft) and its legacy x_tables. `None` when the ruleset could
+/// not be read (the reader said why): then every standard table is bracketed.
+fn hook_users(live: &LiveNode) -> Option<Vec<(NfFamily, NfHook, i32)>> {
+    let Some(nft) = live.ruleset.nft.as_ref() else {
+        warn!("no nftables ruleset read: bracketing every standard table");
+        return None;
     };
-    let mut users = match base_chains(&String::from_utf8_lossy(&out)) {
-        Ok(u) => u,
-        Err(e) => {
-            warn!("unreadable `nft -j list ruleset` output ({e}); bracketing every standard table");
-            return None;
-        }
-    };
+    let mut users = base_chains(nft);
     users.extend(legacy_tables().1);
     Some(users)
 }
@@ -371,6 +373,8 @@ impl Printer<'_> {
             Outcome::Report {
                 bytes,
                 incomplete,
+                rules_disagree,
+                rules_undecidable,
                 packet,
             } => {
                 if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
@@ -380,6 +384,8 @@ impl Printer<'_> {
                 self.out.done();
                 self.formatted += 1;
                 summary.incomplete += u64::from(incomplete);
+                summary.rules_disagree += u64::from(rules_disagree);
+                summary.rules_undecidable += u64::from(rules_undecidable);
             }
             other => {
                 crate::pipeline::warn_unusable(&other);
@@ -426,7 +432,9 @@ fn drain(
     if let Some(p) = &mut printer.pcap {
         p.drain();
     }
-    while n < max {
+    // ... and as soon as it falls behind within the batch: a chunk then holds at most one
+    // chunk's worth, whatever the length of the lines (rules make them longer).
+    while n < max && !printer.out.behind() {
         let Some(item) = ring.next() else { break };
         n += 1;
         done |= printer.print(&item, summary);
@@ -487,6 +495,7 @@ async fn event_loop(
         }
     };
     let mut ruleset_changed: Option<u64> = None;
+    let mut reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)> = None;
     let stopped_by: &'static str = loop {
         if opts.count == Some(0) {
             break "--count";
@@ -508,11 +517,32 @@ async fn event_loop(
             }
             _ = tick.tick() => {
                 printer.flush_files();
-                if let Some(since) = ruleset_changed
+                // The node is read on a thread of its own (several commands, a few hundred
+                // ms on a large ruleset): the loop keeps draining meanwhile. The thread is in
+                // the observed namespace, as every thread started after `netns::enter`.
+                if reading.is_none()
+                    && let Some(since) = ruleset_changed
                     && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
                 {
                     ruleset_changed = None;
-                    replan(&mut probes, &mut printer, since);
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    std::thread::spawn(move || {
+                        let _ = tx.send(read_live());
+                    });
+                    reading = Some((since, rx));
+                }
+                if let Some((since, rx)) = &reading {
+                    match rx.try_recv() {
+                        Ok(live) => {
+                            replan(&mut probes, &mut printer, *since, &live);
+                            reading = None;
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                            warn!("reading the node after a ruleset change failed: its thread ended early");
+                            reading = None;
+                        }
+                    }
                 }
                 printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
                 sweep(&mut probes, &mut printer, &mut summary, opts);
@@ -646,10 +676,23 @@ async fn event_loop(
 /// comes as a burst of messages).
 const RULESET_SETTLE: Duration = Duration::from_millis(100);
 
-/// Brackets the base-chain priorities of the ruleset as it is now (the ruleset changed at
-/// `since`, ns).
-fn replan(probes: &mut Probes, printer: &mut Printer, since: u64) {
-    let users = read_hook_users();
+/// After a ruleset change (at `since`, ns) the node was read again (`live`): brackets the
+/// tables it has now, and names rules and mark bits from it from now on.
+fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNode) {
+    let marks = match mark_dictionary(live, printer.opts.marks_file.as_ref()) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            warn!("mark names not updated after the ruleset change: {e:#}");
+            None
+        }
+    };
+    let namer = printer.pipeline.ctx.namer.as_ref().map(|n| {
+        let generation = n.generation + 1;
+        info!("ruleset changed: rules re-read (generation {generation})");
+        RuleNamer::new(live, generation)
+    });
+    printer.pipeline.ruleset_changed(marks, namer);
+    let users = hook_users(live);
     match probes.replan(full_plan(users.as_deref())) {
         Ok(changed) if changed.is_empty() => {}
         Ok(changed) => {

@@ -38,6 +38,11 @@ pub struct Lab {
 
 impl Lab {
     pub fn up(tag: &str) -> Self {
+        Self::up_with_mode(tag, "iptables")
+    }
+
+    /// A lab whose kube-proxy runs in `mode` (`iptables` or `nftables`).
+    pub fn up_with_mode(tag: &str, mode: &str) -> Self {
         let prefix = unique_prefix(tag);
         let lab = Self { prefix };
         run(&[
@@ -46,8 +51,22 @@ impl Lab {
             "up",
             "--prefix",
             &lab.prefix,
+            "--mode",
+            mode,
         ]);
         lab
+    }
+
+    /// `observer lab traffic`: the demo flows (client -> ClusterIP, pod -> external,
+    /// client -> node).
+    pub fn traffic(&self) {
+        run(&[
+            observer_bin().to_str().unwrap(),
+            "lab",
+            "traffic",
+            "--prefix",
+            &self.prefix,
+        ]);
     }
 
     pub fn ns(&self, role: &str) -> String {

@@ -25,7 +25,8 @@ fn clusterip_is_dnatted_marked_forwarded_and_masqueraded() {
                 && stage(r, "PREROUTING", "nat").is_some_and(|s| s["ct"]["state"] == "new")
         })
         .unwrap_or_else(|| panic!("no first packet to the ClusterIP in {reports:#?}\n{stderr}"));
-    assert_eq!(syn["schema"], 1);
+    assert_eq!(syn["schema"], 2);
+    assert_eq!(syn["source"], "observed");
     assert_eq!(syn["family"], "ipv4");
     assert_eq!(syn["proto"], "tcp");
     assert_eq!(syn["ingress"]["iface"], "eth0");

@@ -911,9 +911,15 @@ fn run_backend(
         lab_packets = lab_probes.len();
         if !legacy {
             // `--live` reads the same node state through the real commands.
-            let (rs, sets, live_routes) = lab
-                .router
-                .run(|| observer_rules::load_live().expect("load_live"));
+            let live = lab.router.run(observer_rules::LiveNode::read);
+            assert!(
+                live.failures
+                    .iter()
+                    .all(|f| !f.cmd().starts_with("iptables-save")),
+                "{:?}",
+                live.failures
+            );
+            let (rs, sets, live_routes) = (live.ruleset, live.ipsets, live.routes);
             assert_eq!(rs.ipv4.rule_count(), parse_save(LAB).unwrap().rule_count());
             assert_eq!(sets.sets.len(), 3);
             assert!(matches!(

@@ -224,11 +224,11 @@ pub struct Program {
 
 pub(super) fn hook_of(name: &str) -> Option<Hook> {
     Some(match name {
-        "prerouting" => Hook::Prerouting,
-        "input" => Hook::Input,
+        "prerouting" => Hook::PreRouting,
+        "input" => Hook::LocalIn,
         "forward" => Hook::Forward,
-        "output" => Hook::Output,
-        "postrouting" => Hook::Postrouting,
+        "output" => Hook::LocalOut,
+        "postrouting" => Hook::PostRouting,
         _ => return None,
     })
 }
@@ -296,7 +296,7 @@ impl Program {
 
 pub fn nat_core_priority(hook: Hook) -> i32 {
     match hook {
-        Hook::Prerouting | Hook::Output => -100,
+        Hook::PreRouting | Hook::LocalOut => -100,
         _ => 100,
     }
 }

@@ -583,14 +583,14 @@ fn tri(b: bool) -> Tri {
 /// The input device the hook sees (see the iptables walk: POSTROUTING keeps it).
 fn in_if(hook: Hook, pkt: &Pkt) -> Option<&str> {
     match hook {
-        Hook::Output => None,
+        Hook::LocalOut => None,
         _ => pkt.in_iface.as_deref(),
     }
 }
 
 fn out_if(hook: Hook, pkt: &Pkt) -> Option<&str> {
     match hook {
-        Hook::Forward | Hook::Output | Hook::Postrouting => pkt.out_iface.as_deref(),
+        Hook::Forward | Hook::LocalOut | Hook::PostRouting => pkt.out_iface.as_deref(),
         _ => None,
     }
 }

@@ -127,6 +127,13 @@ impl MarkDictionary {
         Ok(())
     }
 
+    /// Names `bits` `name`, which the live ruleset shows is this meaning's bit: the default
+    /// bit for the meaning is forgotten first.
+    pub fn learn(&mut self, bits: u32, name: &str) {
+        self.names.retain(|_, n| n != name);
+        self.set(bits, name);
+    }
+
     /// Learns kube-proxy's real bits from `iptables-save` output: the MARK rule of
     /// `KUBE-MARK-MASQ` (and `KUBE-MARK-DROP`) names the bit actually used on this node.
     /// Returns what it learned.
@@ -146,9 +153,7 @@ impl MarkDictionary {
                         let v = words.next().unwrap_or("");
                         let bits = v.split('/').next().and_then(parse_value).unwrap_or(0);
                         if bits != 0 {
-                            // Forget the default bit for this meaning before naming the real one.
-                            self.names.retain(|_, n| n != name);
-                            self.set(bits, name);
+                            self.learn(bits, name);
                             learned.push((bits, name));
                         }
                     }

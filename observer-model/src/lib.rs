@@ -1,0 +1,54 @@
+//! One model of a packet's traversal through netfilter, shared by the live tracer
+//! (`observer tail`, observed) and the rule simulator (`observer explain`, predicted).
+//!
+//! Why a crate of its own: `observer-rules` (no root, no eBPF) and `observer` (the
+//! collector) both produce traversals, and `observer` depends on `observer-rules`; the type
+//! both produce, the vocabulary both speak (families, hooks, the tables of each hook,
+//! protocol names, endpoint text, mark names) and the renderers cannot live in either
+//! without the other importing its whole world. This crate holds only those: pure types
+//! and functions, no I/O.
+//!
+//! - [`vocab`]: families, hooks and their tables, protocol names, endpoints.
+//! - [`traversal`]: the [`Traversal`] type (JSON schema 2), with serde enums for every
+//!   closed set of words (fate kind, verdict, NAT kind and source, route, check result).
+//! - [`render`]: the tree and one-line renderers.
+//! - [`compare`]: observed against predicted.
+//! - [`marks`]: mark bit names.
+
+pub mod compare;
+pub mod marks;
+pub mod render;
+pub mod traversal;
+pub mod vocab;
+
+pub use compare::{compare, compare_stage};
+pub use marks::MarkDictionary;
+pub use traversal::*;
+pub use vocab::{Family, Hook, endpoint, endpoint_text, has_ports, proto_name};
+
+use std::sync::Arc;
+
+/// Every mark bit the stages set or cleared, named from `dict`, with the table that did it.
+pub fn mark_changes(stages: &[Stage], dict: &MarkDictionary) -> Marks {
+    let mut out = Marks::default();
+    for s in stages {
+        let (Some(before), Some(after)) = (&s.before, &s.after) else {
+            continue;
+        };
+        let (b, a) = (before.mark, after.mark);
+        for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
+            let change = MarkChange {
+                bit,
+                name: dict.name(bit).map(str::to_string),
+                hook: s.hook,
+                table: Arc::clone(&s.table),
+            };
+            if a & bit != 0 {
+                out.set.push(change);
+            } else {
+                out.cleared.push(change);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,590 @@
+//! A packet's traversal through netfilter, observed by the probes or predicted from the
+//! rules: one type for both, serialized as JSON schema 2 (`docs/json-schema.md`). Enums
+//! serialize to the schema's words; marks are numbers here and hex text in JSON.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
+
+use crate::vocab::{Family, Hook};
+
+/// The layout version written in every object's `schema` key.
+pub const SCHEMA: u32 = 2;
+
+fn hex<S: Serializer>(v: &u32, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{v:#x}"))
+}
+
+fn opt_hex<S: Serializer>(v: &Option<u32>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => hex(v, s),
+        None => s.serialize_none(),
+    }
+}
+
+/// Whether the kernel was watched (tail) or the rules were asked (explain).
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Observed,
+    Predicted,
+}
+
+/// The routing decision.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Route {
+    Input,
+    Forward,
+    Output,
+    /// Predicted only: routing drops the packet.
+    Unroutable,
+    /// Predicted only: no routes to decide with.
+    Unknown,
+}
+
+impl Route {
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Input => "input",
+            Route::Forward => "forward",
+            Route::Output => "output",
+            Route::Unroutable => "unroutable",
+            Route::Unknown => "unknown",
+        }
+    }
+}
+
+/// What a table did with the packet.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Accept,
+    Drop,
+    /// Predicted: a REJECT rule (the kernel drops the packet and answers it).
+    Reject,
+    /// Observed: taken without a drop (queued).
+    Stolen,
+    /// Observed: its end was not seen.
+    Unknown,
+    /// Predicted: a match the simulator cannot decide.
+    Undecidable,
+}
+
+impl Verdict {
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Accept => "accept",
+            Verdict::Drop => "drop",
+            Verdict::Reject => "reject",
+            Verdict::Stolen => "stolen",
+            Verdict::Unknown => "unknown",
+            Verdict::Undecidable => "undecidable",
+        }
+    }
+}
+
+/// How a traversal ended.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FateKind {
+    Delivered,
+    Forwarded,
+    Sent,
+    Dropped,
+    /// Predicted: a REJECT rule.
+    Rejected,
+    Consumed,
+    Looped,
+    Reassembled,
+    Incomplete,
+    /// Predicted: the simulator could not decide.
+    Undecidable,
+}
+
+impl FateKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            FateKind::Delivered => "delivered",
+            FateKind::Forwarded => "forwarded",
+            FateKind::Sent => "sent",
+            FateKind::Dropped => "dropped",
+            FateKind::Rejected => "rejected",
+            FateKind::Consumed => "consumed",
+            FateKind::Looped => "looped",
+            FateKind::Reassembled => "reassembled",
+            FateKind::Incomplete => "incomplete",
+            FateKind::Undecidable => "undecidable",
+        }
+    }
+}
+
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NatKind {
+    Dnat,
+    Snat,
+}
+
+/// Who translated: the nat chains (first packet of a connection) or conntrack's stored
+/// translation (every later packet and reply).
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NatSource {
+    Rules,
+    Conntrack,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Iface {
+    pub iface: String,
+}
+
+/// One traversal: the packet's path through the hooks and tables of one namespace.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Traversal {
+    pub schema: u32,
+    pub source: Source,
+    /// The observed (or read) namespace: the `--netns` name, `current`, or null for files.
+    pub netns: Option<String>,
+    pub family: Option<Family>,
+    pub proto: Cow<'static, str>,
+    pub ingress: Option<Iface>,
+    pub egress: Option<Iface>,
+    pub route: Option<Route>,
+    pub stages: Vec<Stage>,
+    pub fate: Fate,
+    pub marks: Marks,
+    pub nat: Vec<Nat>,
+    pub conntrack: Option<Arc<ConntrackView>>,
+    /// Predicted with random choices (`numgen`, `statistic`): every outcome, with its
+    /// probability; the top-level stages are the first. Absent otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub branches: Vec<Branch>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+    /// Packets the kernel could not record (ring buffer full) since the previous report.
+    pub lost: u64,
+    /// Part of the traversal is missing: its end was not seen, or the record could not hold
+    /// all of it. Never printed as complete.
+    pub incomplete: bool,
+    pub incomplete_reason: Option<String>,
+    /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
+    #[serde(skip)]
+    pub flow: String,
+}
+
+/// One random outcome of a prediction.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Branch {
+    pub probability: f64,
+    pub route: Option<Route>,
+    pub egress: Option<Iface>,
+    pub stages: Vec<Stage>,
+    pub fate: Fate,
+    pub marks: Marks,
+    pub nat: Vec<Nat>,
+    pub notes: Vec<String>,
+}
+
+/// One table (or nftables base chain) the packet passed.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct Stage {
+    pub hook: Hook,
+    pub table: Arc<str>,
+    pub priority: i32,
+    /// A native nftables base chain (explain): its family and name; absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain: Option<ChainRef>,
+    pub before: Option<Arc<Snapshot>>,
+    pub after: Option<Arc<Snapshot>>,
+    pub ct: Option<Arc<CtView>>,
+    pub verdict: Verdict,
+    /// The rules whose counters the kernel increments for this packet here, in order.
+    pub rules: Rules,
+    /// The built-in chain whose policy decided, when one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Observed stages: whether the rules, simulated on the observed before-state, predict
+    /// the observed after-state.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub check: Option<Arc<Check>>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ChainRef {
+    pub family: String,
+    pub name: String,
+}
+
+/// The packet just before or after a table. Serialized from a JSON rendering made once
+/// and shared by every stage showing the same snapshot: most stages of a packet show the
+/// same few, and escaping their strings again for each was most of the collector's work.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub src: String,
+    pub dst: String,
+    pub mark: u32,
+    /// `skb->len` (observed only): a GSO/GRO aggregate is one packet of many MTUs; a
+    /// reassembled packet grows at defragmentation.
+    pub len: Option<u32>,
+    /// ICMP errors only: the packet the error quotes, which conntrack translates too.
+    pub inner: Option<Quoted>,
+    json: Box<serde_json::value::RawValue>,
+}
+
+#[derive(Serialize)]
+struct SnapshotJson<'a> {
+    src: &'a str,
+    dst: &'a str,
+    #[serde(serialize_with = "hex_ref")]
+    mark: &'a u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    len: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inner: Option<&'a Quoted>,
+}
+
+fn hex_ref<S: Serializer>(v: &&u32, s: S) -> Result<S::Ok, S::Error> {
+    hex(v, s)
+}
+
+impl Snapshot {
+    pub fn new(
+        src: String,
+        dst: String,
+        mark: u32,
+        len: Option<u32>,
+        inner: Option<Quoted>,
+    ) -> Self {
+        // Rendered without a parse back (`from_string` would validate what we just wrote).
+        let json = serde_json::value::to_raw_value(&SnapshotJson {
+            src: &src,
+            dst: &dst,
+            mark: &mark,
+            len,
+            inner: inner.as_ref(),
+        })
+        .expect("a snapshot serialises");
+        Self {
+            src,
+            dst,
+            mark,
+            len,
+            inner,
+            json,
+        }
+    }
+}
+
+impl Serialize for Snapshot {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
+    }
+}
+
+impl PartialEq for Snapshot {
+    fn eq(&self, o: &Self) -> bool {
+        (&self.src, &self.dst, self.mark, self.len, &self.inner)
+            == (&o.src, &o.dst, o.mark, o.len, &o.inner)
+    }
+}
+
+/// The packet an ICMP error quotes.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Quoted {
+    pub src: String,
+    pub dst: String,
+    pub proto: Cow<'static, str>,
+}
+
+/// The conntrack entry attached to the packet after a table.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct CtView {
+    /// `new`, `established`, `related`, `untracked` (`invalid`: predicted only).
+    pub state: &'static str,
+    /// The ct mark; null when a prediction does not know it.
+    #[serde(serialize_with = "opt_hex")]
+    pub mark: Option<u32>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Fate {
+    pub kind: FateKind,
+    /// Where it ended: the hook, and the table only when it died inside that table.
+    pub hook: Option<Hook>,
+    pub table: Option<Arc<str>>,
+    /// The kernel's drop reason, why the traversal is incomplete, or (predicted) the rule
+    /// or policy that decided.
+    pub reason: Option<String>,
+    /// The kernel function that freed it (`ip6_mc_input+0x15e`), for drops and consumed
+    /// packets.
+    pub location: Option<String>,
+    /// The last observation point it passed (`PREROUTING/-99`, `TC ingress`), and the next
+    /// one on its path when that is known: it ended between the two.
+    pub after: Option<String>,
+    pub before: Option<String>,
+}
+
+impl Fate {
+    pub fn new(kind: FateKind) -> Self {
+        Self {
+            kind,
+            hook: None,
+            table: None,
+            reason: None,
+            location: None,
+            after: None,
+            before: None,
+        }
+    }
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct MarkChange {
+    #[serde(serialize_with = "hex")]
+    pub bit: u32,
+    pub name: Option<String>,
+    pub hook: Hook,
+    pub table: Arc<str>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marks {
+    pub set: Vec<MarkChange>,
+    pub cleared: Vec<MarkChange>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Nat {
+    pub kind: NatKind,
+    pub hook: Hook,
+    pub table: Arc<str>,
+    pub from: String,
+    pub to: String,
+    pub source: NatSource,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct TupleView {
+    pub src: String,
+    pub dst: String,
+    pub proto: Cow<'static, str>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ConntrackView {
+    /// `new`, `established`, ... with ` reply` for reply-direction packets.
+    pub state: String,
+    #[serde(serialize_with = "opt_hex")]
+    pub mark: Option<u32>,
+    pub original: TupleView,
+    pub reply: TupleView,
+}
+
+/// Which rule: an iptables rule by its chain and 1-based position, or a native nftables
+/// rule by its handle.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RuleId {
+    Iptables {
+        table: String,
+        chain: String,
+        index: usize,
+    },
+    Nft {
+        family: String,
+        table: String,
+        chain: String,
+        handle: u64,
+    },
+}
+
+impl RuleId {
+    pub fn chain(&self) -> &str {
+        match self {
+            RuleId::Iptables { chain, .. } | RuleId::Nft { chain, .. } => chain,
+        }
+    }
+
+    pub fn table(&self) -> &str {
+        match self {
+            RuleId::Iptables { table, .. } | RuleId::Nft { table, .. } => table,
+        }
+    }
+
+    /// `CHAIN#INDEX` or `CHAIN handle H`, as the tree prints it.
+    pub fn place(&self) -> String {
+        match self {
+            RuleId::Iptables { chain, index, .. } => format!("{chain}#{index}"),
+            RuleId::Nft { chain, handle, .. } => format!("{chain} handle {handle}"),
+        }
+    }
+}
+
+/// The rules of a stage, with their JSON rendered once: a flow's packets name the same
+/// rules, and escaping their text again for every report would be most of its cost.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    items: Arc<[Rule]>,
+    json: Arc<serde_json::value::RawValue>,
+}
+
+impl Rules {
+    /// Their JSON, as it is printed.
+    pub fn json(&self) -> &str {
+        self.json.get()
+    }
+
+    pub fn new(items: Vec<Rule>) -> Self {
+        let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
+        Self {
+            items: items.into(),
+            json: json.into(),
+        }
+    }
+}
+
+/// No rules: made once and shared (most stages of a report without rule naming).
+static NO_RULES: std::sync::LazyLock<Rules> = std::sync::LazyLock::new(|| Rules::new(Vec::new()));
+
+impl Default for Rules {
+    fn default() -> Self {
+        NO_RULES.clone()
+    }
+}
+
+impl FromIterator<Rule> for Rules {
+    fn from_iter<I: IntoIterator<Item = Rule>>(iter: I) -> Self {
+        Self::new(iter.into_iter().collect())
+    }
+}
+
+impl std::ops::Deref for Rules {
+    type Target = [Rule];
+    fn deref(&self) -> &[Rule] {
+        &self.items
+    }
+}
+
+impl PartialEq for Rules {
+    fn eq(&self, o: &Self) -> bool {
+        self.items == o.items
+    }
+}
+
+impl Serialize for Rules {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.json.serialize(s)
+    }
+}
+
+/// A rule whose counters the kernel increments for this packet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    pub id: RuleId,
+    pub text: String,
+    /// What it did: `jump KUBE-SVC-...`, `accept`, `mark 0x0 -> 0x4000`, `DNAT 172.17.0.5:22`.
+    pub action: String,
+    /// Packet mark before and after, for rules that set it.
+    pub mark: Option<(u32, u32)>,
+    /// Set when the rule could not be decided; the walk stopped there.
+    pub undecidable: Option<String>,
+    /// For an iptables rule loaded through iptables-nft: its nf_tables family and handle.
+    pub iptables_nft: Option<(String, u64)>,
+    /// The Kubernetes service (and endpoint) a kube-proxy rule is for.
+    pub k8s: Option<K8s>,
+    /// Calico's rule id (from its `cali:` comment).
+    pub calico: Option<String>,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct K8s {
+    pub service: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+}
+
+impl Serialize for Rule {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(None)?;
+        match &self.id {
+            RuleId::Iptables {
+                table,
+                chain,
+                index,
+            } => {
+                m.serialize_entry("table", table)?;
+                m.serialize_entry("chain", chain)?;
+                m.serialize_entry("index", index)?;
+            }
+            RuleId::Nft {
+                family,
+                table,
+                chain,
+                handle,
+            } => {
+                m.serialize_entry("family", family)?;
+                m.serialize_entry("table", table)?;
+                m.serialize_entry("chain", chain)?;
+                m.serialize_entry("handle", handle)?;
+            }
+        }
+        m.serialize_entry("text", &self.text)?;
+        m.serialize_entry("action", &self.action)?;
+        if let Some((before, after)) = self.mark {
+            m.serialize_entry(
+                "mark",
+                &serde_json::json!({ "before": format!("{before:#x}"), "after": format!("{after:#x}") }),
+            )?;
+        }
+        if let Some(u) = &self.undecidable {
+            m.serialize_entry("undecidable", u)?;
+        }
+        if let Some((family, handle)) = &self.iptables_nft {
+            m.serialize_entry(
+                "iptables_nft",
+                &serde_json::json!({ "family": family, "handle": handle }),
+            )?;
+        }
+        if let Some(k) = &self.k8s {
+            m.serialize_entry("k8s", k)?;
+        }
+        if let Some(id) = &self.calico {
+            m.serialize_entry("calico", &serde_json::json!({ "rule_id": id }))?;
+        }
+        m.end()
+    }
+}
+
+/// The rules' prediction for an observed stage, held against what the kernel did.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub result: CheckResult,
+    /// Each difference, with both sides: "rules predict mark 0x4000, the kernel set 0x0".
+    pub disagreements: Vec<String>,
+    /// Why the rules cannot tell (an undecidable match), when `result` is `undecidable`.
+    pub reason: Option<String>,
+}
+
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckResult {
+    Agrees,
+    Disagrees,
+    Undecidable,
+}
+
+impl Traversal {
+    pub fn to_json_line(&self) -> String {
+        serde_json::to_string(self).expect("a traversal serialises")
+    }
+
+    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
+    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
+        serde_json::to_writer(out, self).map_err(std::io::Error::from)
+    }
+}

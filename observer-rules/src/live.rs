@@ -1,0 +1,303 @@
+//! The live node, read by one module: rules (`iptables-save -c`, `ip6tables-save -c`),
+//! native nftables (`nft -j list ruleset`), ipsets (`ipset save`), routes (`ip -j route`),
+//! interface addresses (`ip -j addr`) and the mark bits kube-proxy really uses, read once
+//! per change and shared by `observer tail` (rule naming, custom base-chain priorities, the
+//! mark dictionary) and `observer explain --live`.
+//!
+//! Every read that fails is kept in [`LiveNode::failures`] with what to do about it: the
+//! callers report each one (tail warns, explain adds a note), none is dropped silently.
+//! What a failed read leaves is empty (no rules of that kind, no sets, no routes), which
+//! makes the matches that needed it undecidable rather than guessed.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::process::Command;
+
+use observer_model::MarkDictionary;
+use serde_json::Value;
+use thiserror::Error;
+
+use crate::check::Family as Dialect;
+use crate::explain::Ruleset;
+use crate::ipset::{Ipsets, parse_ipsets};
+use crate::iptables::parse_save_family;
+use crate::nft::{NftRuleset, parse_nft_json};
+use crate::route::Routes;
+use crate::sim::Simulator;
+
+/// One read of the node that did not give us what we need.
+#[derive(Debug, Error)]
+pub enum LiveError {
+    #[error("cannot run `{cmd}`: {source} (install {package}; `cargo xtask setup` does)")]
+    Spawn {
+        cmd: String,
+        package: &'static str,
+        source: std::io::Error,
+    },
+    #[error("`{cmd}` failed: {stderr} (run as root, in the namespace to read)")]
+    Failed { cmd: String, stderr: String },
+    #[error("`{cmd}` printed what we cannot read: {message} (please report it with the output)")]
+    Unreadable { cmd: String, message: String },
+}
+
+impl LiveError {
+    /// The command that failed.
+    pub fn cmd(&self) -> &str {
+        match self {
+            LiveError::Spawn { cmd, .. }
+            | LiveError::Failed { cmd, .. }
+            | LiveError::Unreadable { cmd, .. } => cmd,
+        }
+    }
+}
+
+/// The node as read at one moment.
+#[derive(Debug, Default)]
+pub struct LiveNode {
+    pub ruleset: Ruleset,
+    pub ipsets: Ipsets,
+    pub routes: Routes,
+    /// Addresses of each interface (MASQUERADE's source, REDIRECT's destination).
+    pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+    /// The IPv4 `iptables-save` text (kube-proxy's mark rules are named from it).
+    pub iptables_text: String,
+    /// Every read that failed, with what to do.
+    pub failures: Vec<LiveError>,
+}
+
+fn run(cmd: &str, args: &[&str], package: &'static str) -> Result<String, LiveError> {
+    let full = format!("{cmd} {}", args.join(" "));
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|source| LiveError::Spawn {
+            cmd: full.clone(),
+            package,
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(LiveError::Failed {
+            cmd: full,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    String::from_utf8(out.stdout).map_err(|e| LiveError::Unreadable {
+        cmd: full,
+        message: e.to_string(),
+    })
+}
+
+impl LiveNode {
+    /// Reads the node (the calling thread's network namespace). Never fails as a whole:
+    /// see [`LiveNode::failures`].
+    pub fn read() -> Self {
+        let mut node = LiveNode::default();
+        let keep = |r: Result<String, LiveError>, failures: &mut Vec<LiveError>| match r {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failures.push(e);
+                None
+            }
+        };
+        let mut failures = Vec::new();
+        let unreadable = |cmd: &str, e: &dyn std::fmt::Display| LiveError::Unreadable {
+            cmd: cmd.into(),
+            message: e.to_string(),
+        };
+        if let Some(t) = keep(run("iptables-save", &["-c"], "iptables"), &mut failures) {
+            match parse_save_family(&t, Dialect::V4) {
+                Ok(f) => node.ruleset.ipv4 = f,
+                Err(e) => failures.push(unreadable("iptables-save -c", &e)),
+            }
+            node.iptables_text = t;
+        }
+        if let Some(t) = keep(run("ip6tables-save", &["-c"], "iptables"), &mut failures) {
+            match parse_save_family(&t, Dialect::V6) {
+                Ok(f) => node.ruleset.ipv6 = f,
+                Err(e) => failures.push(unreadable("ip6tables-save -c", &e)),
+            }
+        }
+        if let Some(t) = keep(
+            run("nft", &["-j", "list", "ruleset"], "nftables"),
+            &mut failures,
+        ) {
+            match parse_nft_json(&t) {
+                Ok(n) => node.ruleset.nft = Some(n),
+                Err(e) => failures.push(unreadable("nft -j list ruleset", &e)),
+            }
+        }
+        if let Some(t) = keep(run("ipset", &["save"], "ipset"), &mut failures) {
+            match parse_ipsets(&t) {
+                Ok(s) => node.ipsets = s,
+                Err(e) => failures.push(unreadable("ipset save", &e)),
+            }
+        }
+        let mut routes = Vec::new();
+        for v in ["-4", "-6"] {
+            if let Some(t) = keep(
+                run(
+                    "ip",
+                    &["-j", v, "route", "show", "table", "all"],
+                    "iproute2",
+                ),
+                &mut failures,
+            ) {
+                routes.push(t);
+            }
+        }
+        let texts: Vec<&str> = routes.iter().map(String::as_str).collect();
+        match Routes::parse_json(&texts) {
+            Ok(r) => node.routes = r,
+            Err(e) => failures.push(unreadable("ip -j route show table all", &e)),
+        }
+        if let Some(t) = keep(
+            run("ip", &["-j", "addr", "show"], "iproute2"),
+            &mut failures,
+        ) {
+            match parse_addrs(&t) {
+                Some(a) => node.iface_addrs = a,
+                None => failures.push(unreadable("ip -j addr show", &"not a list of links")),
+            }
+        }
+        node.failures = failures;
+        node
+    }
+
+    /// Whether the node has rules the kernel runs (iptables tables or nftables tables).
+    pub fn has_rules(&self) -> bool {
+        !self.ruleset.ipv4.tables.is_empty()
+            || !self.ruleset.ipv6.tables.is_empty()
+            || self
+                .ruleset
+                .nft
+                .as_ref()
+                .is_some_and(|n| !n.tables.is_empty())
+    }
+
+    /// A simulator over a copy of this state, kept for as long as the state is current.
+    pub fn simulator(&self) -> Simulator<'static> {
+        let mut sim = Simulator::owned(
+            self.ruleset.ipv4.clone(),
+            self.ruleset.ipv6.clone(),
+            self.ipsets.clone(),
+            self.routes.clone(),
+        );
+        if let Some(n) = &self.ruleset.nft {
+            sim = sim.with_nft(n);
+        }
+        sim.iface_addrs = self.iface_addrs.clone();
+        sim
+    }
+
+    /// Names the mark bits this node's kube-proxy really uses (its `KUBE-MARK-MASQ` /
+    /// `KUBE-MARK-DROP` rules, or the nftables mode's `mark-for-masquerade` chain).
+    /// Returns what it learned.
+    pub fn learn_marks(&self, dict: &mut MarkDictionary) -> Vec<(u32, &'static str)> {
+        let mut learned = dict.learn_from_iptables_save(&self.iptables_text);
+        if let Some(bit) = self.ruleset.nft.as_ref().and_then(nft_masquerade_bit) {
+            dict.learn(bit, "kube-proxy:masquerade");
+            learned.push((bit, "kube-proxy:masquerade"));
+        }
+        learned
+    }
+}
+
+/// `ip -j addr show`: interface name -> its addresses.
+fn parse_addrs(text: &str) -> Option<HashMap<String, Vec<IpAddr>>> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let mut out = HashMap::new();
+    for link in v.as_array()? {
+        let Some(name) = link["ifname"].as_str() else {
+            continue;
+        };
+        let addrs: Vec<IpAddr> = link["addr_info"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a["local"].as_str()?.parse().ok())
+            .collect();
+        out.insert(name.to_string(), addrs);
+    }
+    Some(out)
+}
+
+/// The bit kube-proxy's nftables mode ORs into the mark in `mark-for-masquerade`
+/// (`mark set mark or 0x4000`).
+fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
+    let chain = nft
+        .tables
+        .iter()
+        .filter(|t| t.name == "kube-proxy")
+        .flat_map(|t| &t.chains)
+        .find(|c| c.name == "mark-for-masquerade")?;
+    chain.rules.iter().find_map(|r| or_value(&r.expr))
+}
+
+/// The number in a `{"|": [{"meta": {"key": "mark"}}, N]}` anywhere in `v`.
+fn or_value(v: &Value) -> Option<u32> {
+    match v {
+        Value::Object(m) => {
+            if let Some(Value::Array(a)) = m.get("|")
+                && a.first().is_some_and(|x| x["meta"]["key"] == "mark")
+            {
+                return a.get(1)?.as_u64().and_then(|n| u32::try_from(n).ok());
+            }
+            m.values().find_map(or_value)
+        }
+        Value::Array(a) => a.iter().find_map(or_value),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_addresses_from_ip_json() {
+        let a = parse_addrs(
+            r#"[{"ifindex":1,"ifname":"lo","addr_info":[{"family":"inet","local":"127.0.0.1"}]},
+                {"ifindex":5,"ifname":"cali1a2b","addr_info":[{"family":"inet","local":"169.254.1.1"},{"family":"inet6","local":"fe80::1"}]},
+                {"ifindex":6,"ifname":"down"}]"#,
+        )
+        .unwrap();
+        assert_eq!(a["cali1a2b"].len(), 2);
+        assert_eq!(a["cali1a2b"][0].to_string(), "169.254.1.1");
+        assert!(a["down"].is_empty());
+        assert!(parse_addrs("{}").is_none());
+    }
+
+    #[test]
+    fn kube_proxy_nftables_masquerade_bit_is_learned() {
+        let nft = parse_nft_json(
+            r#"{"nftables":[{"table":{"family":"ip","name":"kube-proxy","handle":1}},
+            {"chain":{"family":"ip","table":"kube-proxy","name":"mark-for-masquerade","handle":2}},
+            {"rule":{"family":"ip","table":"kube-proxy","chain":"mark-for-masquerade","handle":3,
+              "expr":[{"mangle":{"key":{"meta":{"key":"mark"}},"value":{"|":[{"meta":{"key":"mark"}},4096]}}}]}}]}"#,
+        )
+        .unwrap();
+        let node = LiveNode {
+            ruleset: Ruleset {
+                nft: Some(nft),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let mut d = MarkDictionary::default();
+        assert_eq!(
+            node.learn_marks(&mut d),
+            [(0x1000, "kube-proxy:masquerade")]
+        );
+        assert_eq!(d.name(0x1000), Some("kube-proxy:masquerade"));
+        assert_eq!(d.name(0x4000), None);
+    }
+
+    #[test]
+    fn a_missing_command_is_a_failure_that_says_what_to_install() {
+        let e = run("observer-no-such-command", &["x"], "iproute2").unwrap_err();
+        assert!(e.to_string().contains("install iproute2"), "{e}");
+        assert_eq!(e.cmd(), "observer-no-such-command x");
+        let e = run("false", &[], "coreutils").unwrap_err();
+        assert!(matches!(e, LiveError::Failed { .. }), "{e}");
+    }
+}

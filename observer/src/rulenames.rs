@@ -1,0 +1,460 @@
+//! Rule naming for observed traversals: for each stage (the chains between two probes),
+//! the rules that matched, found by simulating the live ruleset (`observer-rules`) on the
+//! packet as the first probe saw it, and the prediction held against what the second probe
+//! saw (`observer_model::compare_stage`).
+//!
+//! Random rules (`statistic`, `numgen`) give several outcomes: the one whose after-state the
+//! kernel produced is the one the packet took, and its rules are named; when none is, the
+//! most likely one is shown with the disagreement. For packets of confirmed connections the
+//! addresses are conntrack's stored translation, not the rules' (nat chains are not walked),
+//! so only marks and verdicts are held to the rules there.
+//!
+//! Cost: one simulation per distinct (stage, packet state, observed outcome), cached per
+//! flow in two generations (a working set larger than the cache degrades gradually, it does
+//! not thrash) and dropped with the ruleset generation it was made under; rule lists that
+//! several flows name are kept once. The key is made of the
+//! record's own integers (interfaces by index), so a warm lookup allocates nothing.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
+use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
+
+use crate::decode::{Conntrack, Endpoint, Observation};
+use crate::nf_link::NfHook;
+
+/// `IPS_SRC_NAT`, `IPS_DST_NAT`, `IPS_CONFIRMED` (`enum ip_conntrack_status`).
+const IPS_SRC_NAT: u64 = 1 << 4;
+const IPS_DST_NAT: u64 = 1 << 5;
+const IPS_CONFIRMED: u64 = 1 << 3;
+
+/// Entries in each of the cache's two generations (about 200 bytes each; the rules
+/// themselves are shared between entries that name the same ones).
+const ENTRIES: usize = 65536;
+/// Distinct rule lists kept for sharing.
+const SHARED: usize = 16384;
+
+type Map<V> = HashMap<Key, V, BuildHasherDefault<Passthrough>>;
+
+/// A bounded cache that does not thrash: when the current generation is full it becomes
+/// the old one (the one before is dropped); an entry found in the old generation moves to
+/// the current one. A working set up to [`ENTRIES`] stays warm, a larger one degrades
+/// gradually instead of missing every time.
+#[derive(Default)]
+struct TwoGenerations {
+    current: Map<Arc<Named>>,
+    old: Map<Arc<Named>>,
+}
+
+impl TwoGenerations {
+    fn get(&mut self, k: &Key) -> Option<Arc<Named>> {
+        if let Some(v) = self.current.get(k) {
+            return Some(v.clone());
+        }
+        let v = self.old.remove(k)?;
+        self.insert(*k, v.clone());
+        Some(v)
+    }
+
+    fn insert(&mut self, k: Key, v: Arc<Named>) {
+        if self.current.len() >= ENTRIES {
+            self.old = std::mem::take(&mut self.current);
+        }
+        self.current.insert(k, v);
+    }
+}
+
+/// What the cache is keyed by: everything of the packet the rules may look at, where the
+/// stage is, and what the kernel made of it, packed into words (compared word for word,
+/// never trusted to the hash alone; hashed in one pass).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key([u64; 15]);
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Multiply-xorshift over the words, then murmur3's finaliser: the words differ
+        // mostly in a few bits (ports), which must reach every bit of the hash.
+        let mut h: u64 = 0;
+        for w in self.0 {
+            h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            h ^= h >> 32;
+        }
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^= h >> 33;
+        state.write_u64(h);
+    }
+}
+
+/// An address as two words (IPv4 as its IPv6-mapped form; the family is in the key too).
+fn addr_words(a: Option<Endpoint>) -> (u64, u64, u16) {
+    let Some(e) = a else {
+        return (u64::MAX, u64::MAX, 0);
+    };
+    let v = match e.addr {
+        IpAddr::V4(v4) => u128::from(v4.to_ipv6_mapped()),
+        IpAddr::V6(v6) => u128::from(v6),
+    };
+    ((v >> 64) as u64, v as u64, e.port)
+}
+
+impl Key {
+    fn new(
+        hook: NfHook,
+        window: (i32, i32),
+        b: &Observation,
+        ct: Option<Conntrack>,
+        after: Option<&Observation>,
+        went_on: bool,
+    ) -> Self {
+        let (s0, s1, sp) = addr_words(b.src);
+        let (d0, d1, dp) = addr_words(b.dst);
+        let (as0, as1, asp) = addr_words(after.and_then(|a| a.src));
+        let (ad0, ad1, adp) = addr_words(after.and_then(|a| a.dst));
+        let (ic, icmp) = b
+            .icmp
+            .map_or((0, 0), |(t, c)| (1, u64::from(t) << 8 | u64::from(c)));
+        let v6 = b.src.is_some_and(|e| e.addr.is_ipv6());
+        let w0 = hook as u64
+            | u64::from(b.proto) << 8
+            | u64::from(b.has_ports) << 16
+            | u64::from(b.tcp_flags) << 17
+            | u64::from(went_on) << 25
+            | ic << 26
+            | icmp << 27
+            | u64::from(after.is_some()) << 43
+            | u64::from(ct.is_some()) << 44
+            | u64::from(v6) << 45;
+        let (info, ctmark, status) = ct.map_or((0, 0, 0), |c| {
+            (
+                c.info,
+                c.mark,
+                c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
+            )
+        });
+        Key([
+            w0,
+            u64::from(window.0 as u32) << 32 | u64::from(window.1 as u32),
+            s0,
+            s1,
+            d0,
+            d1,
+            u64::from(sp) << 48 | u64::from(dp) << 32 | u64::from(b.mark),
+            u64::from(info) << 32 | u64::from(ctmark),
+            status << 32 | u64::from(b.ifindex_in),
+            u64::from(b.ifindex_out) << 32 | u64::from(after.map_or(0, |a| a.mark)),
+            as0,
+            as1,
+            ad0,
+            ad1,
+            u64::from(asp) << 16 | u64::from(adp),
+        ])
+    }
+}
+
+/// Takes the key's own hash as it is.
+#[derive(Default)]
+struct Passthrough(u64);
+
+impl std::hash::Hasher for Passthrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// The rules of one stage and how they compare with the kernel.
+#[derive(Debug)]
+pub struct Named {
+    pub rules: Rules,
+    /// None when no chain runs in the stage (nothing to simulate).
+    pub check: Option<Arc<Check>>,
+}
+
+/// One stage to name, as the report builder sees it.
+pub struct StageToName<'a> {
+    pub hook: NfHook,
+    /// Priorities of the probes before and after the stage.
+    pub window: (i32, i32),
+    pub before: &'a Observation,
+    pub after: Option<&'a Observation>,
+    /// The observed stage in the model's words (its snapshots and verdict).
+    pub stage: &'a model::Stage,
+    /// The connection entry the packet gets at conntrack, for stages before it.
+    pub first_ct: Option<Conntrack>,
+}
+
+/// The live ruleset of one generation, compiled for simulation, with its cache.
+pub struct RuleNamer {
+    sim: Simulator<'static>,
+    /// Bumped every time the ruleset is read again.
+    pub generation: u64,
+    cache: RefCell<TwoGenerations>,
+    /// Rule lists by their JSON: the flows of a service name the same rules, kept once.
+    shared: RefCell<HashMap<u64, Rules>>,
+    /// Misses (simulations run) and hits, for the exit summary and the bench.
+    pub misses: std::cell::Cell<u64>,
+}
+
+impl RuleNamer {
+    pub fn new(node: &LiveNode, generation: u64) -> Self {
+        Self::with_simulator(node.simulator(), generation)
+    }
+
+    pub fn with_simulator(sim: Simulator<'static>, generation: u64) -> Self {
+        Self {
+            sim,
+            generation,
+            cache: RefCell::default(),
+            shared: RefCell::default(),
+            misses: std::cell::Cell::new(0),
+        }
+    }
+
+    /// The rules of `s` and their check against the kernel; `ifname` names interfaces.
+    pub fn name(&self, s: &StageToName, ifname: &dyn Fn(u32) -> String) -> Arc<Named> {
+        let b = s.before;
+        let ct = b.ct.or(s.first_ct);
+        let went_on = s.stage.verdict == Verdict::Accept;
+        let key = Key::new(s.hook, s.window, b, ct, s.after, went_on);
+        if let Some(n) = self.cache.borrow_mut().get(&key) {
+            return n;
+        }
+        self.misses.set(self.misses.get() + 1);
+        let mut named = self.simulate(s, ct, ifname);
+        named.rules = self.share(named.rules);
+        let named = Arc::new(named);
+        self.cache.borrow_mut().insert(key, named.clone());
+        named
+    }
+
+    /// The copy of `rules` already kept, if the same list was named before.
+    fn share(&self, rules: Rules) -> Rules {
+        if rules.is_empty() {
+            return rules;
+        }
+        let text = rules.json();
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(text, &mut h);
+        let h = std::hash::Hasher::finish(&h);
+        let mut shared = self.shared.borrow_mut();
+        if let Some(kept) = shared.get(&h)
+            && kept.json() == text
+        {
+            return kept.clone();
+        }
+        if shared.len() >= SHARED {
+            shared.clear();
+        }
+        shared.insert(h, rules.clone());
+        rules
+    }
+
+    fn simulate(
+        &self,
+        s: &StageToName,
+        ct: Option<Conntrack>,
+        ifname: &dyn Fn(u32) -> String,
+    ) -> Named {
+        let b = s.before;
+        let (Some(src), Some(dst)) = (b.src, b.dst) else {
+            return Named {
+                rules: Rules::default(),
+                check: Some(Arc::new(undecidable(
+                    "the packet's headers could not be read here",
+                ))),
+            };
+        };
+        let iface = |i: u32| (i != 0).then(|| ifname(i));
+        let input = StageInput {
+            hook: s.hook,
+            window: s.window,
+            proto: b.proto,
+            src: src.addr,
+            dst: dst.addr,
+            sport: b.has_ports.then_some(src.port),
+            dport: b.has_ports.then_some(dst.port),
+            in_iface: iface(b.ifindex_in),
+            out_iface: iface(b.ifindex_out),
+            mark: b.mark,
+            ct_state: match ct.map(|c| c.state()) {
+                Some("established") => CtState::Established,
+                Some("related") => CtState::Related,
+                Some("untracked") => CtState::Untracked,
+                // No entry at all (conntrack not loaded, or before it): a new packet.
+                _ => CtState::New,
+            },
+            ct_mark: Some(ct.map_or(0, |c| c.mark)),
+            dnat_done: ct.is_some_and(|c| c.status & IPS_DST_NAT != 0),
+            snat_done: ct.is_some_and(|c| c.status & IPS_SRC_NAT != 0),
+            tcp_flags: b.tcp_flags,
+            icmp: b
+                .icmp
+                .unwrap_or(if src.addr.is_ipv6() { (128, 0) } else { (8, 0) }),
+        };
+        let branches = self.sim.simulate_stage(&input);
+        if branches.iter().all(|br| br.stages.is_empty()) {
+            return Named {
+                rules: Rules::default(),
+                check: None,
+            };
+        }
+        let confirmed = ct.is_some_and(|c| c.status & IPS_CONFIRMED != 0);
+        // The outcome the kernel produced, else the most likely one.
+        let judged: Vec<(model::Stage, Check)> = branches
+            .iter()
+            .map(|br| {
+                let p = predicted(br, s.stage, confirmed);
+                let c = model::compare_stage(s.stage, &p);
+                (p, c)
+            })
+            .collect();
+        let pick = judged
+            .iter()
+            .position(|(_, c)| c.result == CheckResult::Agrees)
+            .unwrap_or(0);
+        let (p, check) = judged.into_iter().nth(pick).expect("one branch at least");
+        Named {
+            rules: p.rules,
+            check: Some(Arc::new(check)),
+        }
+    }
+}
+
+fn undecidable(why: &str) -> Check {
+    Check {
+        result: CheckResult::Undecidable,
+        disagreements: Vec::new(),
+        reason: Some(why.into()),
+    }
+}
+
+/// `a.b.c.d:port` / `[v6]:port` without the port.
+fn address(endpoint: &str) -> &str {
+    match endpoint.rsplit_once(':') {
+        Some((a, _)) if !a.contains(':') || a.ends_with(']') => a,
+        _ => endpoint,
+    }
+}
+
+fn same_address(a: &str, b: &str) -> bool {
+    address(a) == address(b)
+}
+
+/// The branch's chains as one predicted stage shaped like the observed one.
+fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::Stage {
+    let rules: Rules = br
+        .stages
+        .iter()
+        .flat_map(|st| &st.rules)
+        .map(observer_rules::explain::model_rule)
+        .collect();
+    let last = br.stages.last();
+    let after = match (last, observed.after.as_ref()) {
+        (Some(l), Some(o)) if confirmed => {
+            // Addresses of a confirmed connection are conntrack's translation.
+            Some(Arc::new(Snapshot::new(
+                o.src.clone(),
+                o.dst.clone(),
+                l.after.mark,
+                None,
+                None,
+            )))
+        }
+        (Some(l), o) => {
+            // A NAT rule applied: the kernel keeps the port when it can, and picks another
+            // when the rule asks for a random one (`fully-random`, `--random`) or the tuple
+            // is taken. The address is the rules'; the port is the kernel's choice.
+            let natted = br.stages.iter().any(|st| st.nat.is_some());
+            let port_of_kernel = |p: &String, o: Option<&String>| match o {
+                Some(o) if natted && same_address(p, o) => o.clone(),
+                _ => p.clone(),
+            };
+            Some(Arc::new(Snapshot::new(
+                port_of_kernel(&l.after.src, o.map(|o| &o.src)),
+                port_of_kernel(&l.after.dst, o.map(|o| &o.dst)),
+                l.after.mark,
+                None,
+                None,
+            )))
+        }
+        (None, _) => None,
+    };
+    model::Stage {
+        hook: observed.hook,
+        table: observed.table.clone(),
+        priority: observed.priority,
+        chain: None,
+        before: observed.before.clone(),
+        after,
+        ct: None,
+        verdict: br.verdict,
+        rules,
+        policy: None,
+        note: br.stages.iter().find_map(|st| st.note.clone()),
+        check: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_keeps_a_working_set_larger_than_one_generation() {
+        let mut c = TwoGenerations::default();
+        let key = |i: u64| {
+            let mut k = [0u64; 15];
+            k[0] = i;
+            Key(k)
+        };
+        let named = || {
+            Arc::new(Named {
+                rules: Rules::default(),
+                check: None,
+            })
+        };
+        let n = ENTRIES as u64;
+        for i in 0..n {
+            c.insert(key(i), named());
+        }
+        // A working set of one generation stays warm.
+        assert!((0..n).all(|i| c.get(&key(i)).is_some()));
+        // Half a generation more: the cycle still finds at least half of them (a cache
+        // that started over when full would find none).
+        for i in n..n + n / 2 {
+            c.insert(key(i), named());
+        }
+        let found = (0..n).filter(|&i| c.get(&key(i)).is_some()).count() as u64;
+        assert!(found >= n / 2, "{found} of {n}");
+        // Two generations further on, the first keys are gone: memory is bounded.
+        for i in 2 * n..4 * n {
+            c.insert(key(i), named());
+        }
+        assert!(c.get(&key(0)).is_none());
+        assert!(c.current.len() + c.old.len() <= 2 * ENTRIES);
+    }
+
+    #[test]
+    fn ports_are_told_from_addresses() {
+        assert_eq!(address("169.254.1.1:35318"), "169.254.1.1");
+        assert_eq!(address("[2001:db8::1]:80"), "[2001:db8::1]");
+        assert_eq!(address("2001:db8::1"), "2001:db8::1");
+        assert_eq!(address("10.0.0.1"), "10.0.0.1");
+        assert!(same_address("169.254.1.1:35318", "169.254.1.1:24278"));
+        assert!(!same_address("169.254.1.1:35318", "169.254.1.2:35318"));
+    }
+}
