@@ -24,3 +24,4 @@ pub mod replay;
 pub mod report;
 pub mod tail;
 pub mod traffic;
+pub mod upkeep;
