@@ -1,6 +1,7 @@
 //! observer's library: everything the binary does, one module per stage of the data flow
 //! (probes -> ring buffer -> decode -> correlate -> report) plus the lab and its traffic.
 
+pub mod agent;
 pub mod annotate;
 pub mod btf;
 pub mod correlate;
