@@ -97,18 +97,25 @@ impl Drop for Agent {
 
 /// `GET path` on `addr` from inside the lab's node namespace: (status, body).
 pub fn http_get(lab: &Lab, addr: &'static str, path: &str) -> (u16, String) {
+    try_http_get(lab, addr, path).unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"))
+}
+
+/// As [`http_get`], with the error (nothing listens yet, ...).
+pub fn try_http_get(
+    lab: &Lab,
+    addr: &'static str,
+    path: &str,
+) -> Result<(u16, String), std::io::Error> {
     let path = path.to_string();
     lab.run_in("node", move || {
-        let mut s = std::net::TcpStream::connect(addr)
-            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
         write!(
             s,
             "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
+        )?;
         let mut buf = Vec::new();
-        s.read_to_end(&mut buf).unwrap();
+        s.read_to_end(&mut buf)?;
         let text = String::from_utf8_lossy(&buf).into_owned();
         let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
         let status = head
@@ -116,7 +123,7 @@ pub fn http_get(lab: &Lab, addr: &'static str, path: &str) -> (u16, String) {
             .nth(1)
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        (status, body.to_string())
+        Ok((status, body.to_string()))
     })
 }
 
