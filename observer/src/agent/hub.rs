@@ -275,6 +275,8 @@ impl Hub {
                 // Not rendered in its mode (a pipeline failure, already logged): skipped.
                 s.skipped += 1;
                 s.pending_skips += 1;
+                self.skipped_total
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 i += 1;
                 continue;
             };
@@ -393,5 +395,142 @@ fn finish(s: Subscriber, why: &'static str, lost_now: u64) {
         for m in pending {
             let _ = tx.try_send(m);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::correlate::tests::record_of;
+    use crate::decode::tests::{LAYOUT, tcp_event};
+    use observer_common::hook;
+    use observer_common::traversal::end;
+
+    /// A TCP packet to port `dport`, seen at TC ingress only.
+    fn rec(dport: u16) -> TraversalRecord {
+        let ev = tcp_event(
+            hook::TC_INGRESS,
+            0,
+            0xffff_0000_0000_1000 + u64::from(dport),
+            ([198, 51, 100, 10], 40000),
+            ([10, 10, 10, 2], dport),
+            0,
+        );
+        record_of(&[ev], end::EGRESS)
+    }
+
+    fn rendered(tag: &str) -> Rendered {
+        Rendered {
+            json: Bytes::from(format!("{{\"schema\":1,\"tag\":\"{tag}\"}}\n")),
+            tree: Some(Bytes::from(format!("tree {tag}\n"))),
+            line: None,
+        }
+    }
+
+    fn request(filter: &str, output: Output, count: Option<u64>) -> Request {
+        Request {
+            program: crate::filter::compile(filter, &|_| None).unwrap(),
+            output,
+            count,
+            timeout: None,
+        }
+    }
+
+    fn lines(rx: &mut mpsc::Receiver<Bytes>) -> Vec<serde_json::Value> {
+        let mut out = Vec::new();
+        while let Ok(b) = rx.try_recv() {
+            out.push(serde_json::from_slice(&b).unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn each_subscriber_gets_exactly_what_its_filter_keeps() {
+        let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
+        let mut a = hub.subscribe(request("tcp dst port 22", Output::Json, None));
+        let mut b = hub.subscribe(request("port 80", Output::Tree, None));
+        for port in [22, 80, 22, 443] {
+            hub.dispatch(&rec(port), &rendered(&port.to_string()));
+        }
+        let a = lines(&mut a);
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|l| l["tag"] == "22"), "{a:?}");
+        let b = lines(&mut b);
+        assert_eq!(b, vec![serde_json::json!({"text": "tree 80\n"})]);
+        assert_eq!(hub.wanted(&rec(80)), (true, false));
+        assert_eq!(hub.wanted(&rec(22)), (false, false));
+    }
+
+    #[tokio::test]
+    async fn count_ends_the_stream_with_its_summary() {
+        let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
+        let mut rx = hub.subscribe(request("", Output::Json, Some(2)));
+        for port in [1, 2, 3] {
+            hub.dispatch(&rec(port), &rendered("x"));
+        }
+        assert_eq!(hub.subscribers(), 0);
+        let mut got = Vec::new();
+        while let Some(b) = rx.recv().await {
+            got.push(serde_json::from_slice::<serde_json::Value>(&b).unwrap());
+        }
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[2]["agent"]["end"], "count");
+        assert_eq!(got[2]["agent"]["sent"], 2);
+    }
+
+    #[test]
+    fn a_slow_subscriber_is_told_how_many_it_missed() {
+        let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
+        let mut rx = hub.subscribe(request("", Output::Json, None));
+        for _ in 0..QUEUE + 5 {
+            hub.dispatch(&rec(7), &rendered("x"));
+        }
+        assert_eq!(hub.skipped_total(), 5);
+        // Room again: the notice comes before the next report.
+        for _ in 0..10 {
+            rx.try_recv().unwrap();
+        }
+        hub.dispatch(&rec(7), &rendered("y"));
+        let rest = lines(&mut rx);
+        let notice = rest
+            .iter()
+            .position(|l| l["agent"]["skipped"] == 5)
+            .unwrap();
+        assert_eq!(rest[notice + 1]["tag"], "y");
+    }
+
+    #[test]
+    fn the_flight_recorder_keeps_the_newest_within_its_bounds() {
+        let mut f = FlightRecorder::new(3, 1 << 20);
+        for port in 0..5u16 {
+            f.push(Held {
+                rec: rec(port),
+                rendered: rendered(&port.to_string()),
+            });
+        }
+        assert_eq!((f.len(), f.evicted), (3, 2));
+        let hub = Hub::new(LAYOUT, f);
+        let out = hub.drops(&request("", Output::Json, Some(2)));
+        let v: Vec<serde_json::Value> = out
+            .iter()
+            .map(|b| serde_json::from_slice(b).unwrap())
+            .collect();
+        assert_eq!(v.len(), 3);
+        assert_eq!(
+            (v[0]["tag"].as_str(), v[1]["tag"].as_str()),
+            (Some("3"), Some("4"))
+        );
+        assert_eq!(v[2]["agent"]["end"], "flight recorder");
+        // By bytes too: one entry at least is kept.
+        let mut small = FlightRecorder::new(100, 1);
+        small.push(Held {
+            rec: rec(1),
+            rendered: rendered("a"),
+        });
+        small.push(Held {
+            rec: rec(2),
+            rendered: rendered("b"),
+        });
+        assert_eq!(small.len(), 1);
     }
 }
