@@ -8,6 +8,7 @@ pub mod correlate;
 pub mod decode;
 pub mod explain;
 pub mod filter;
+pub mod k8s;
 pub mod kallsyms;
 pub mod lab;
 pub mod marks;
