@@ -214,3 +214,22 @@ impl Client {
         )
     }
 }
+
+/// `GET path` on the agent's unix socket: the body.
+pub fn unix_get(socket: &std::path::Path, path: &str) -> String {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}

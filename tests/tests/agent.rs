@@ -6,7 +6,9 @@ use std::net::UdpSocket;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{Agent, Client, METRICS, encode, http_get, sample, try_http_get};
+use observer_tests::agent::{
+    Agent, Client, METRICS, encode, http_get, sample, try_http_get, unix_get,
+};
 use observer_tests::lab::Lab;
 use observer_tests::{privileged, run};
 use serde_json::Value;
@@ -218,6 +220,26 @@ fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
     let lab = Lab::up("ag2");
     drop_udp_port(&lab, 7003);
     let agent = Agent::start(&lab);
+    // The socket is root-only: traces carry addresses.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&agent.socket)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // Service names from kube-proxy's rules in the lab (iptables mode).
+    let names: Value = serde_json::from_str(&unix_get(&agent.socket, "/v1/names")).unwrap();
+    assert!(
+        names["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["addr"] == "10.10.10.2"
+                && s["proto"] == "tcp"
+                && s["port"] == 22
+                && s["service"] == "default/registry:ssh"),
+        "{names}"
+    );
     let sock = agent.socket.to_str().unwrap().to_string();
     let a = Client::start(&[
         "tail",

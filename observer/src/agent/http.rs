@@ -16,6 +16,7 @@ use bytes::Bytes;
 
 use super::hub::{Hub, Request};
 use super::metrics::Metrics;
+use crate::k8s::Names;
 use crate::pipeline::Output;
 
 /// Metrics and health.
@@ -50,13 +51,23 @@ async fn readyz(State(m): State<Arc<Metrics>>) -> Response {
     }
 }
 
-/// The streaming API.
-pub fn api_router(hub: Arc<Hub>) -> Router {
+/// The streaming API, and the names the agent knows addresses by.
+pub fn api_router(hub: Arc<Hub>, names: Arc<Names>) -> Router {
+    let names_route = Router::new()
+        .route("/v1/names", get(serve_names))
+        .with_state(names);
     Router::new()
         .route("/v1/traces", get(traces))
         .route("/v1/drops", get(drops))
         .route("/healthz", get(|| async { "ok\n" }))
         .with_state(hub)
+        .merge(names_route)
+}
+
+async fn serve_names(State(names): State<Arc<Names>>) -> Response {
+    let mut body = names.to_json().to_string();
+    body.push('\n');
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 /// `filter`, `output`, `sample`, `count`, `timeout` of a request.

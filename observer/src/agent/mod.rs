@@ -93,16 +93,24 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let names = Arc::new(crate::k8s::Names::default());
+    names.refresh_services();
     rt.block_on(async {
         // Listening first: /healthz answers (and /readyz says not ready) while attaching.
-        serve(&opts, metrics.clone(), hub.clone()).await?;
+        serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
+        names.watch_pods(opts.node.clone());
         let mut probes = attach_probes(&layout, &FilterProgram::KEEP_ALL)?;
         let ring = probes.take_ring()?;
-        event_loop(&opts, probes, ring, pipelines, metrics, hub).await
+        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names).await
     })
 }
 
-async fn serve(opts: &AgentOptions, metrics: Arc<Metrics>, hub: Arc<Hub>) -> Result<()> {
+async fn serve(
+    opts: &AgentOptions,
+    metrics: Arc<Metrics>,
+    hub: Arc<Hub>,
+    names: Arc<crate::k8s::Names>,
+) -> Result<()> {
     let m = tokio::net::TcpListener::bind(&opts.metrics_addr)
         .await
         .with_context(|| {
@@ -133,7 +141,7 @@ async fn serve(opts: &AgentOptions, metrics: Arc<Metrics>, hub: Arc<Hub>) -> Res
     })?;
     std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} root-only", opts.socket.display()))?;
-    let api = http::api_router(hub);
+    let api = http::api_router(hub, names);
     let api2 = api.clone();
     tokio::spawn(async move {
         if let Err(e) = axum::serve(u, api2).await {
@@ -276,6 +284,7 @@ async fn event_loop(
     pipelines: Pipelines,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
+    names: &crate::k8s::Names,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipelines,
@@ -343,6 +352,8 @@ async fn event_loop(
                     && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
                 {
                     ruleset_changed = None;
+                    // kube-proxy's services change with its rules, plan or no plan.
+                    names.refresh_services();
                     if replan(&mut probes) {
                         agent.add_plans(&probes);
                         let to = now_ns();

@@ -66,7 +66,7 @@ impl PodNames {
             .iter()
             .map(|(a, p)| (*a, p.clone()))
             .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.sort_by_key(|e| e.0);
         v
     }
 

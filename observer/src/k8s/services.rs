@@ -37,6 +37,17 @@ impl ServiceNames {
         self.by.is_empty()
     }
 
+    /// Every entry: (address, protocol number, port, name), sorted.
+    pub fn entries(&self) -> Vec<(IpAddr, u8, u16, &str)> {
+        let mut v: Vec<_> = self
+            .by
+            .iter()
+            .map(|(&(a, p, port), n)| (a, p, port, n.as_str()))
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Adds what another source knows (iptables and nftables mode can both be present
     /// during a migration).
     pub fn extend(&mut self, other: ServiceNames) {
