@@ -181,6 +181,8 @@ struct Agent {
     hub: Arc<Hub>,
     lost_now: u64,
     unusable: u64,
+    /// Interfaces in the namespace, as last counted.
+    interfaces: u64,
 }
 
 impl Agent {
@@ -259,13 +261,14 @@ fn drain(
 }
 
 fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
+    // Interfaces are counted once a second (housekeeping), not on every tick.
     let k = probes.counters().unwrap_or_default();
     let flight = agent.hub.flight.lock().unwrap_or_else(|e| e.into_inner());
     agent.metrics.set_health(Health {
         records_lost: k.ringbuf_full,
         packets_seen: k.seen,
         netfilter_probes: probes.netfilter_links() as u64,
-        interfaces: crate::probes::interfaces().len() as u64,
+        interfaces: agent.interfaces,
         ruleset_generation: u64::from(probes.generation()),
         attach_failures: probes.attach_failures,
         unusable_records: agent.unusable,
@@ -292,6 +295,7 @@ async fn event_loop(
         hub,
         lost_now: 0,
         unusable: 0,
+        interfaces: crate::probes::interfaces().len() as u64,
     };
     agent.add_plans(&probes);
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
@@ -378,6 +382,7 @@ async fn event_loop(
                 if last_scan.elapsed() >= Duration::from_secs(1) {
                     last_scan = Instant::now();
                     let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
+                    agent.interfaces = crate::probes::interfaces().len() as u64;
                     if h.names_changed {
                         for p in agent.pipelines.all() {
                             p.forget_names();
