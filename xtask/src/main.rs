@@ -41,6 +41,9 @@ const PACKAGES: &[&str] = &[
     // kubernetes-validate (PyPI) lives in a venv; the image test reads the DaemonSet.
     "python3-venv",
     "python3-yaml",
+    // musl-gcc: C code in the agent's dependencies (ring, for the API server's TLS) built for
+    // the static musl binary.
+    "musl-tools",
 ];
 
 /// kubernetes-validate, from PyPI into a venv of its own (validates the manifests offline
@@ -391,6 +394,7 @@ fn image(tc: &str) -> Result<()> {
             "observer",
         ])
         .args(["--target", MUSL])
+        .env("CC_x86_64_unknown_linux_musl", "musl-gcc")
         .env("OBSERVER_EBPF_TOOLCHAIN", tc))?;
     let root = workspace_root();
     let ctx = root.join("target/image");
