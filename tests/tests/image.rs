@@ -112,6 +112,9 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     if sc["readOnlyRootFilesystem"] == true {
         cmd.arg("--read-only");
     }
+    if sc["seccompProfile"]["type"] == "Unconfined" {
+        cmd.args(["--security-opt", "seccomp=unconfined"]);
+    }
     if sc["allowPrivilegeEscalation"] == false {
         cmd.args(["--security-opt", "no-new-privileges"]);
     }
