@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{METRICS, http_get, sample, try_http_get};
+use observer_tests::agent::{METRICS, http_get, sample, try_http_get, unix_get};
 use observer_tests::lab::Lab;
 use observer_tests::{in_ci, privileged, run};
 use serde_json::Value;
@@ -127,6 +127,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         cmd.args(["-e", &format!("{}={v}", e["name"].as_str().unwrap())]);
     }
     let volumes = pod["volumes"].as_array().unwrap();
+    let mut empty_dirs = Vec::new();
     for m in c["volumeMounts"].as_array().unwrap() {
         let v = volumes.iter().find(|v| v["name"] == m["name"]).unwrap();
         let at = m["mountPath"].as_str().unwrap();
@@ -137,7 +138,16 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
             let ro = if m["readOnly"] == true { ":ro" } else { "" };
             cmd.args(["-v", &format!("{host}:{at}{ro}")]);
         } else {
-            cmd.args(["--tmpfs", at]);
+            // An emptyDir: a directory of the test's, so that it can reach the socket.
+            let dir = std::env::temp_dir().join(format!(
+                "{}-{}",
+                lab.prefix,
+                m["name"].as_str().unwrap()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            cmd.args(["-v", &format!("{}:{at}", dir.display())]);
+            empty_dirs.push((at.to_string(), dir));
         }
     }
     cmd.args(["--entrypoint", c["command"][0].as_str().unwrap()])
@@ -198,6 +208,24 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // The streaming API's socket, root-only, names kube-proxy's services (iptables-save in
+    // the image reads the lab's rules, ipset matches included).
+    let run_dir = &empty_dirs
+        .iter()
+        .find(|(at, _)| at == "/run/observer")
+        .unwrap()
+        .1;
+    let socket = run_dir.join("agent.sock");
+    let names: Value = serde_json::from_str(&unix_get(&socket, "/v1/names")).unwrap();
+    let services = names["services"].as_array().unwrap();
+    assert!(
+        services
+            .iter()
+            .any(|s| s["service"] == "kube-system/kube-dns:dns")
+            && services.iter().any(|s| s["addr"] == "10.10.10.2"),
+        "{names}\n{}",
+        container.logs()
+    );
     // Stopped as Kubernetes stops it (SIGTERM): exit 0.
     let t = Instant::now();
     run(&[
