@@ -208,6 +208,29 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // A datagram a socket on the node takes is delivered: the socket probe sits at the
+    // cgroup v2 root, which the container reaches through its /sys/fs/cgroup mount.
+    let sink = observer_tests::lab::udp_sink(&lab, "node", "198.51.100.1:5353");
+    lab.run_in("client", || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"to the node", "198.51.100.1:5353").unwrap();
+    });
+    sink.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sample(
+        &http_get(&lab, METRICS, "/metrics").1,
+        "observer_traversals_total",
+        &[("kind", "delivered")],
+    ) < 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no delivery seen: {}\n{}",
+            http_get(&lab, METRICS, "/metrics").1,
+            container.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     // The streaming API's socket, root-only, names kube-proxy's services (iptables-save in
     // the image reads the lab's rules, ipset matches included).
     let run_dir = &empty_dirs
