@@ -20,6 +20,11 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent on `lab`'s node and waits until its probes are attached.
     pub fn start(lab: &Lab) -> Self {
+        Self::start_with(lab, &[])
+    }
+
+    /// As [`Agent::start`], with extra arguments.
+    pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("{}-agent", lab.prefix));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("agent.sock");
@@ -38,6 +43,7 @@ impl Agent {
             .arg("--ready-file")
             .arg(&ready)
             .args(["--node-name", "lab-node", "--idle-ms", "1000"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -164,8 +170,12 @@ pub struct Client {
 
 impl Client {
     pub fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(observer_bin())
-            .args(args)
+        Self::start_cmd(Command::new(observer_bin()).args(args))
+    }
+
+    /// Any command, read the same way.
+    pub fn start_cmd(cmd: &mut Command) -> Self {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

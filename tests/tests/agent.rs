@@ -397,22 +397,26 @@ fn sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves() {
         })
     });
     assert!(node_rules(&lab) == rules, "the agent changed a rule");
-    // A restarted agent takes over the socket left behind and serves.
-    let agent = Agent::start(&lab);
+    // A restarted agent takes over the socket left behind and serves, on TCP too with
+    // --listen (in the node's namespace, where the client then runs).
+    let agent = Agent::start_with(&lab, &["--listen", "127.0.0.1:9967"]);
     assert_eq!(http_get(&lab, METRICS, "/readyz").0, 200);
-    let sock = agent.socket.to_str().unwrap().to_string();
-    let c = Client::start(&[
-        "tail",
-        "--agent",
-        &sock,
-        "--json",
-        "--filter",
-        "udp dst port 7010",
-        "--count",
-        "2",
-        "--timeout",
-        "20",
-    ]);
+    let bin = observer_tests::lab::observer_bin();
+    let node = lab.ns("node");
+    let c = Client::start_cmd(
+        Command::new("ip")
+            .args(["netns", "exec", &node])
+            .arg(&bin)
+            .args([
+                "tail",
+                "--agent",
+                "127.0.0.1:9967",
+                "--json",
+                "--filter",
+                "udp dst port 7010",
+            ])
+            .args(["--count", "2", "--timeout", "20"]),
+    );
     wait_for("the client subscribed", Duration::from_secs(10), || {
         sample(&scrape(&lab), "observer_subscribers", &[]) == 1.0
     });
@@ -420,4 +424,5 @@ fn sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves() {
     let (lines, err) = c.finish(Duration::from_secs(30));
     assert_eq!(lines.len(), 2, "{lines:#?} {err}");
     assert!(err.contains("ended by \"count\""), "{err}");
+    drop(agent);
 }

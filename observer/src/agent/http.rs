@@ -141,3 +141,42 @@ async fn drops(State(hub): State<Arc<Hub>>, Query(q): Query<HashMap<String, Stri
     let stream = futures_util::stream::iter(lines.into_iter().map(Ok::<Bytes, Infallible>));
     ndjson(Body::from_stream(stream))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn requests_are_read_and_bad_ones_say_why() {
+        let r = parse_request(&q(&[
+            ("filter", "udp port 53"),
+            ("output", "line"),
+            ("sample", "4"),
+            ("count", "10"),
+            ("timeout", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(r.output, Output::Line);
+        assert_eq!((r.program.sample, r.count), (4, Some(10)));
+        assert_eq!(r.timeout, Some(Duration::from_millis(2500)));
+        assert_ne!(r.program.enabled, 0);
+        let defaults = parse_request(&q(&[])).unwrap();
+        assert_eq!((defaults.output, defaults.count), (Output::Json, None));
+        for (bad, says) in [
+            (("output", "xml"), "json, tree or line"),
+            (("filter", "udp port"), "bad filter"),
+            (("count", "-1"), "whole number"),
+            (("timeout", "inf"), "out of range"),
+        ] {
+            let e = parse_request(&q(&[bad])).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+}
