@@ -96,7 +96,8 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let names = Arc::new(crate::k8s::Names::default());
     names.refresh_services();
     rt.block_on(async {
-        // Listening first: /healthz answers (and /readyz says not ready) while attaching.
+        // Listening first: connections made while the probes attach wait in the backlog and
+        // are answered once they are (the runtime has one thread); /readyz then says ready.
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
         let mut probes = attach_probes(&layout, &FilterProgram::KEEP_ALL)?;
