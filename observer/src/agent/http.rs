@@ -125,7 +125,16 @@ async fn traces(State(hub): State<Arc<Hub>>, Query(q): Query<HashMap<String, Str
         Ok(r) => r,
         Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
     };
-    let rx = hub.subscribe(req);
+    let Some(rx) = hub.subscribe(req) else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{} clients are streaming already (the most at once); try again when one ends\n",
+                super::hub::MAX_SUBSCRIBERS
+            ),
+        )
+            .into_response();
+    };
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
     });

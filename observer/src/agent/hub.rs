@@ -23,6 +23,8 @@ use observer_common::traversal::TraversalRecord;
 
 /// Messages queued for one subscriber at most; beyond, traversals are skipped and counted.
 pub const QUEUE: usize = 4096;
+/// Subscribers at once at most (each may queue [`QUEUE`] reports: memory stays bounded).
+pub const MAX_SUBSCRIBERS: usize = 32;
 
 /// What a subscriber asked for.
 #[derive(Clone, Debug)]
@@ -197,8 +199,16 @@ impl Hub {
         self.subs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A new subscriber; its stream is the receiver.
-    pub fn subscribe(&self, req: Request) -> mpsc::Receiver<Bytes> {
+    /// A new subscriber; its stream is the receiver. None when [`MAX_SUBSCRIBERS`] are
+    /// connected already.
+    pub fn subscribe(&self, req: Request) -> Option<mpsc::Receiver<Bytes>> {
+        {
+            let mut subs = self.subs();
+            subs.retain(|s| !s.tx.is_closed());
+            if subs.len() >= MAX_SUBSCRIBERS {
+                return None;
+            }
+        }
         let (tx, rx) = mpsc::channel(QUEUE);
         let deadline = req.timeout.map(|t| Instant::now() + t);
         let count_zero = req.count == Some(0);
@@ -217,7 +227,7 @@ impl Hub {
         } else {
             self.subs().push(sub);
         }
-        rx
+        Some(rx)
     }
 
     pub fn set_lost(&self, lost: u64) {
@@ -447,8 +457,12 @@ mod tests {
     #[test]
     fn each_subscriber_gets_exactly_what_its_filter_keeps() {
         let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
-        let mut a = hub.subscribe(request("tcp dst port 22", Output::Json, None));
-        let mut b = hub.subscribe(request("port 80", Output::Tree, None));
+        let mut a = hub
+            .subscribe(request("tcp dst port 22", Output::Json, None))
+            .unwrap();
+        let mut b = hub
+            .subscribe(request("port 80", Output::Tree, None))
+            .unwrap();
         for port in [22, 80, 22, 443] {
             hub.dispatch(&rec(port), &rendered(&port.to_string()));
         }
@@ -464,7 +478,7 @@ mod tests {
     #[tokio::test]
     async fn count_ends_the_stream_with_its_summary() {
         let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
-        let mut rx = hub.subscribe(request("", Output::Json, Some(2)));
+        let mut rx = hub.subscribe(request("", Output::Json, Some(2))).unwrap();
         for port in [1, 2, 3] {
             hub.dispatch(&rec(port), &rendered("x"));
         }
@@ -481,7 +495,7 @@ mod tests {
     #[test]
     fn a_slow_subscriber_is_told_how_many_it_missed() {
         let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
-        let mut rx = hub.subscribe(request("", Output::Json, None));
+        let mut rx = hub.subscribe(request("", Output::Json, None)).unwrap();
         for _ in 0..QUEUE + 5 {
             hub.dispatch(&rec(7), &rendered("x"));
         }
@@ -497,6 +511,17 @@ mod tests {
             .position(|l| l["agent"]["skipped"] == 5)
             .unwrap();
         assert_eq!(rest[notice + 1]["tag"], "y");
+    }
+
+    #[test]
+    fn subscribers_are_bounded_and_closed_ones_make_room() {
+        let hub = Hub::new(LAYOUT, FlightRecorder::new(1, 1 << 20));
+        let mut held: Vec<_> = (0..MAX_SUBSCRIBERS)
+            .map(|_| hub.subscribe(request("", Output::Json, None)).unwrap())
+            .collect();
+        assert!(hub.subscribe(request("", Output::Json, None)).is_none());
+        held.pop();
+        assert!(hub.subscribe(request("", Output::Json, None)).is_some());
     }
 
     #[test]
