@@ -426,3 +426,60 @@ fn sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves() {
     assert!(err.contains("ended by \"count\""), "{err}");
     drop(agent);
 }
+
+#[test]
+fn the_agent_follows_rule_and_interface_churn() {
+    if !privileged("the_agent_follows_rule_and_interface_churn") {
+        return;
+    }
+    let lab = Lab::up("ag4");
+    let node = lab.ns("node");
+    let _agent = Agent::start(&lab);
+    let first = scrape(&lab);
+    let generation = sample(&first, "observer_ruleset_generation", &[]);
+    let interfaces = sample(&first, "observer_interfaces", &[]);
+    // A base chain added while running, as kube-proxy's nftables mode or a restarted CNI
+    // would: bracketed, and its drops counted at its own place.
+    let rules = "table inet obsagent {\n chain late {\n  type filter hook forward priority -5; policy accept;\n  udp dport 7778 drop\n }\n}\n";
+    let file = std::env::temp_dir().join(format!("{}-fwd.nft", lab.prefix));
+    std::fs::write(&file, rules).unwrap();
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &node,
+        "nft",
+        "-f",
+        file.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_file(&file);
+    wait_for("the re-plan", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_ruleset_generation", &[]) > generation
+    });
+    send_udp(&lab, 7778, 4);
+    wait_for("the drops at prio:-5", Duration::from_secs(10), || {
+        sample(
+            &scrape(&lab),
+            "observer_drops_total",
+            &[("hook", "FORWARD"), ("table", "prio:-5")],
+        ) == 4.0
+    });
+    // Interfaces that come and go.
+    run(&[
+        "ip", "-n", &node, "link", "add", "agv0", "type", "veth", "peer", "name", "agv1",
+    ]);
+    wait_for("the new interfaces", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_interfaces", &[]) == interfaces + 2.0
+    });
+    run(&["ip", "-n", &node, "link", "del", "agv0"]);
+    wait_for("the interfaces gone", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_interfaces", &[]) == interfaces
+    });
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(&text, "observer_attach_failures_total", &[]),
+        0.0,
+        "{text}"
+    );
+    assert_eq!(sample(&text, "observer_ready", &[]), 1.0);
+}
