@@ -3,12 +3,14 @@
 //! and its traffic. The traversal type and its renderers are `observer-model`'s; the live
 //! node's rules are read by `observer-rules`' `live` module.
 
+pub mod agent;
 pub mod annotate;
 pub mod btf;
 pub mod correlate;
 pub mod decode;
 pub mod explain;
 pub mod filter;
+pub mod k8s;
 pub mod kallsyms;
 pub mod lab;
 /// Mark names live in the model, shared with explain.
@@ -28,3 +30,4 @@ pub mod report;
 pub mod rulenames;
 pub mod tail;
 pub mod traffic;
+pub mod upkeep;

@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::{explain, lab, replay, tail, traffic};
+use observer::{agent, explain, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -34,6 +34,11 @@ struct Cli {
 enum Command {
     /// Stream one report per packet traversal (human tree, or JSON lines with --json).
     Tail(TailArgs),
+    /// Run as the node's always-on agent: Prometheus metrics, health, a flight recorder of
+    /// recent drops and a streaming API for on-demand traces (docs/deploy.md).
+    Agent(AgentArgs),
+    /// Print the flight recorder of a running agent: its last dropped traversals.
+    Drops(DropsArgs),
     /// Print the reports of a `tail --record` file again: same output, no root, no eBPF,
     /// on any machine.
     Replay(ReplayArgs),
@@ -55,7 +60,16 @@ enum Command {
 }
 
 #[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    observer tail --netns obs-node --filter 'udp port 53'     # attach here, as root\n  \
+    observer tail --agent /run/observer/agent.sock --filter 'host 10.96.0.10'   # ask the agent\n  \
+    observer tail --agent 127.0.0.1:9966 --output line --count 100")]
 struct TailArgs {
+    /// Ask a running `observer agent` instead of attaching probes here: its unix socket
+    /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
+    /// by the agent for this client alone; the reports are the same.
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor"])]
+    agent: Option<String>,
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
     netns: Option<String>,
@@ -146,6 +160,75 @@ struct ReplayArgs {
     filter: Option<String>,
 }
 
+#[derive(clap::Args)]
+#[command(after_help = "Examples:\n  \
+    observer agent                                   # on a node, as root (the DaemonSet runs this)\n  \
+    observer agent --netns obs-node --metrics-addr 127.0.0.1:9965 --socket /tmp/obs.sock\n  \
+    curl -s 127.0.0.1:9965/metrics | grep observer_drops_total\n  \
+    curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n\n\
+Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, output, sample, \
+count, timeout as query parameters), /v1/drops and /v1/names (services and pods by address) on \
+the unix socket and on --listen. Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
+{\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \
+{\"agent\": {\"end\": ...}} line with what the stream carried. SIGTERM or SIGINT: the probes \
+are detached, the streams closed, exit 0.")]
+struct AgentArgs {
+    /// `ip netns` name to observe (default: the current namespace: the node's, with
+    /// hostNetwork). The TCP listeners bind there too.
+    #[arg(long)]
+    netns: Option<String>,
+    /// Where to serve /metrics, /healthz and /readyz (HTTP).
+    #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:9965")]
+    metrics_addr: String,
+    /// The streaming API's unix socket (created mode 0600: traces carry addresses).
+    #[arg(long, value_name = "PATH", default_value = agent::DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// Also serve the streaming API on TCP (unauthenticated: bind it to loopback, or reach
+    /// it through `kubectl port-forward`).
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: Option<String>,
+    /// TOML file naming mark bits (as `tail --marks`).
+    #[arg(long, value_name = "FILE")]
+    marks: Option<PathBuf>,
+    /// How many dropped traversals the flight recorder keeps (the newest).
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    flight_recorder: usize,
+    /// Memory the flight recorder may use at most, in MiB (older drops go first).
+    #[arg(long, value_name = "MIB", default_value_t = 16)]
+    flight_recorder_mib: usize,
+    /// The `node` label of every metric (the DaemonSet passes spec.nodeName).
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    node_name: Option<String>,
+    /// A packet followed this long without its end is reported as incomplete.
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    idle_ms: u64,
+    /// Write this file once the probes are attached (tests and scripts).
+    #[arg(long, value_name = "PATH")]
+    ready_file: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+#[command(
+    after_help = "Example:\n  observer drops --agent /run/observer/agent.sock --output line --filter 'tcp'"
+)]
+struct DropsArgs {
+    /// The agent's unix socket path, or HOST:PORT (its --listen).
+    #[arg(long, value_name = "ADDR", default_value = agent::DEFAULT_SOCKET)]
+    agent: String,
+    /// How to print each traversal.
+    #[arg(long, value_enum, default_value = "tree")]
+    output: tail::Output,
+    /// Same as --output json.
+    #[arg(long, conflicts_with = "output")]
+    json: bool,
+    /// Only the drops this pcap-filter subset keeps (docs/filter.md).
+    #[arg(long, value_name = "EXPR")]
+    filter: Option<String>,
+    /// Only the newest N.
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
+}
+
 /// `--timeout`: a finite, non-negative number of seconds, at most a year.
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
@@ -181,6 +264,59 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Tail(a) if a.agent.is_some() => {
+            let summary = agent::client::run(
+                &agent::client::ClientOptions {
+                    agent: a.agent.unwrap_or_default(),
+                    output: if a.json { tail::Output::Json } else { a.output },
+                    filter: a.filter,
+                    sample: a.sample,
+                    count: a.count,
+                    timeout: a.timeout,
+                },
+                "/v1/traces",
+                &mut std::io::stdout().lock(),
+            )?;
+            eprintln!("{summary}");
+            Ok(())
+        }
+        Command::Drops(a) => {
+            let summary = agent::client::run(
+                &agent::client::ClientOptions {
+                    agent: a.agent,
+                    output: if a.json { tail::Output::Json } else { a.output },
+                    filter: a.filter,
+                    sample: 1,
+                    count: a.count,
+                    timeout: None,
+                },
+                "/v1/drops",
+                &mut std::io::stdout().lock(),
+            )?;
+            eprintln!("{summary}");
+            Ok(())
+        }
+        Command::Agent(a) => {
+            let node = a.node_name.unwrap_or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_default()
+            });
+            let stopped_by = agent::run(agent::AgentOptions {
+                netns: a.netns,
+                metrics_addr: a.metrics_addr,
+                socket: a.socket,
+                listen: a.listen,
+                marks_file: a.marks,
+                flight_recorder: a.flight_recorder,
+                flight_recorder_bytes: a.flight_recorder_mib.saturating_mul(1 << 20),
+                node,
+                idle: Duration::from_millis(a.idle_ms),
+                ready_file: a.ready_file,
+            })?;
+            eprintln!("observer agent: stopped by {stopped_by}");
+            Ok(())
+        }
         Command::Tail(a) => {
             let summary = tail::run(tail::TailOptions {
                 netns: a.netns,

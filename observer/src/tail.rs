@@ -17,17 +17,17 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::btf::KernelLayout;
 use crate::decode::encode_record;
-use crate::marks::MarkDictionary;
-use crate::nf_link::{NfFamily, NfHook};
 use crate::nftwatch::NftWatch;
 use crate::output::Writer;
 use crate::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
 pub use crate::pipeline::Output;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
-use crate::plan::{base_chains, full_plan, legacy_users};
 use crate::probes::{KernelCounters, Probes};
 use crate::recording::{Header, Recorder};
 use crate::rulenames::RuleNamer;
+use crate::upkeep::{
+    RULESET_SETTLE, SOCKET_GRACE, attach_probes, legacy_tables, mark_dictionary, now_ns, read_live,
+};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 use observer_rules::LiveNode;
@@ -65,33 +65,6 @@ pub struct TailOptions {
 const BATCH: usize = 2048;
 /// At exit, how long the remaining records are still printed; the rest are counted.
 const FINAL_DRAIN: Duration = Duration::from_millis(80);
-
-/// The mark dictionary for this run: defaults, then the bits the live ruleset shows
-/// (KUBE-MARK-MASQ / KUBE-MARK-DROP, or nftables mode's mark-for-masquerade), then the
-/// user's file.
-fn mark_dictionary(live: &LiveNode, file: Option<&PathBuf>) -> Result<MarkDictionary> {
-    let mut d = MarkDictionary::default();
-    for (bit, name) in live.learn_marks(&mut d) {
-        info!("live ruleset: {name} is {bit:#x}");
-    }
-    if let Some(f) = file {
-        let text = std::fs::read_to_string(f)
-            .with_context(|| format!("reading marks file {}", f.display()))?;
-        d.apply_toml(&text)
-            .with_context(|| format!("in marks file {}", f.display()))?;
-    }
-    Ok(d)
-}
-
-/// Reads the node's rules, sets, routes and addresses, warning about every read that
-/// failed (rule naming then says undecidable where it needed what is missing).
-fn read_live() -> LiveNode {
-    let live = LiveNode::read();
-    for e in &live.failures {
-        warn!("reading the node: {e}");
-    }
-    live
-}
 
 /// What a tail run saw, in packets; printed on exit and written by `--stats`.
 #[derive(Debug, Default, Serialize)]
@@ -245,18 +218,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         None => FilterProgram::KEEP_ALL,
     };
     program.sample = opts.sample;
-    let mut probes = Probes::load(&layout, &program)?;
-    let users = hook_users(&live);
-    probes.attach_netfilter(full_plan(users.as_deref()))?;
-    let changes = probes.sync_interfaces()?;
-    for (name, e) in &changes.failed {
-        warn!("no probes on interface {name}: {e}");
-    }
-    info!(
-        "attached {} netfilter probes and tcx on {}",
-        probes.netfilter_links(),
-        changes.added.join(", ")
-    );
+    let mut probes = attach_probes(&layout, &program, &live)?;
     let ring = probes.take_ring()?;
     let pcap = match pcapng {
         Some(writer) => Some(Pcap {
@@ -279,36 +241,6 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
             .with_context(|| format!("writing stats file {}", path.display()))?;
     }
     Ok(summary)
-}
-
-/// What runs at each netfilter hook of the namespace: the base chains of its nf_tables
-/// ruleset (native and iptables-nft) and its legacy x_tables. `None` when the ruleset could
-/// not be read (the reader said why): then every standard table is bracketed.
-fn hook_users(live: &LiveNode) -> Option<Vec<(NfFamily, NfHook, i32)>> {
-    let Some(nft) = live.ruleset.nft.as_ref() else {
-        warn!("no nftables ruleset read: bracketing every standard table");
-        return None;
-    };
-    let mut users = base_chains(nft);
-    users.extend(legacy_tables().1);
-    Some(users)
-}
-
-/// The legacy x_tables of the namespace (the process is in it): their names as read, and
-/// where they run. No file: none loaded.
-fn legacy_tables() -> (String, Vec<(NfFamily, NfHook, i32)>) {
-    let mut names = String::new();
-    let mut users = Vec::new();
-    for (family, file) in [
-        (NfFamily::Ipv4, "/proc/net/ip_tables_names"),
-        (NfFamily::Ipv6, "/proc/net/ip6_tables_names"),
-    ] {
-        let text = std::fs::read_to_string(file).unwrap_or_default();
-        users.extend(legacy_users(family, &text));
-        names.push_str(&text);
-        names.push('/');
-    }
-    (names, users)
 }
 
 /// Packet bytes waiting for their traversal (`--pcapng`): at most this many (160 bytes each).
@@ -672,10 +604,6 @@ async fn event_loop(
     Ok(summary)
 }
 
-/// After an nf_tables change, how long to wait for more before re-planning (a restore
-/// comes as a burst of messages).
-const RULESET_SETTLE: Duration = Duration::from_millis(100);
-
 /// After a ruleset change (at `since`, ns) the node was read again (`live`): brackets the
 /// tables it has now, and names rules and mark bits from it from now on.
 fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNode) {
@@ -692,30 +620,13 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNod
         RuleNamer::new(live, generation)
     });
     printer.pipeline.ruleset_changed(marks, namer);
-    let users = hook_users(live);
-    match probes.replan(full_plan(users.as_deref())) {
-        Ok(changed) if changed.is_empty() => {}
-        Ok(changed) => {
-            let hooks: Vec<String> = changed
-                .iter()
-                .map(|(f, h)| format!("{}/{}", f.name(), h.name()))
-                .collect();
-            info!("ruleset changed: probes re-planned on {}", hooks.join(", "));
-            printer
-                .pipeline
-                .add_plans(probes.generation(), &probes.plans);
-            printer.pipeline.replanned(since, now_ns());
-        }
-        Err(e) => {
-            probes.attach_failures += 1;
-            warn!("re-planning the netfilter probes after a ruleset change failed: {e:#}");
-        }
+    if crate::upkeep::replan(probes, live) {
+        printer
+            .pipeline
+            .add_plans(probes.generation(), &probes.plans);
+        printer.pipeline.replanned(since, now_ns());
     }
 }
-
-/// A socket had the packet this long ago, and it was neither dropped nor freed since: it
-/// was delivered (queued, or freed by TCP without an event).
-const SOCKET_GRACE: Duration = Duration::from_millis(50);
 
 /// Prints the traversals the probes hand over: delivered to a socket, or idle.
 fn sweep(probes: &mut Probes, printer: &mut Printer, summary: &mut Summary, opts: &TailOptions) {
@@ -758,47 +669,9 @@ fn housekeeping(
     netns_file: Option<&std::path::Path>,
     netns_inode: u64,
 ) -> Option<&'static str> {
-    match probes.sync_interfaces() {
-        Ok(c) => {
-            if !c.added.is_empty() {
-                info!("tcx attached on new interfaces {}", c.added.join(", "));
-            }
-            for name in &c.removed {
-                info!("interface {name} is gone; its probes are released");
-            }
-            for (old, new) in &c.renamed {
-                info!("interface {old} is now called {new}");
-            }
-            for (name, e) in &c.failed {
-                warn!("no probes on interface {name}: {e}");
-            }
-            if !c.removed.is_empty() || !c.renamed.is_empty() {
-                printer.pipeline.forget_names();
-            }
-        }
-        Err(e) => warn!("scanning interfaces: {e:#}"),
+    let h = crate::upkeep::housekeeping(probes, netns_file, netns_inode);
+    if h.names_changed {
+        printer.pipeline.forget_names();
     }
-    if let Some(file) = netns_file {
-        use std::os::unix::fs::MetadataExt;
-        let same = std::fs::metadata(file).is_ok_and(|m| m.ino() == netns_inode);
-        if !same {
-            warn!(
-                "the observed namespace {} was deleted; stopping",
-                file.display()
-            );
-            return Some("namespace deleted");
-        }
-    }
-    None
-}
-
-/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` reads.
-fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    h.stop
 }

@@ -1,6 +1,7 @@
 //! Shared harness for the privileged integration tests: namespaces that remove themselves,
 //! running code inside a namespace, and the skip policy (loud skip locally, failure under CI).
 
+pub mod agent;
 pub mod lab;
 pub mod nft_shapes;
 pub mod raw;

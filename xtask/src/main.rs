@@ -6,6 +6,7 @@
 //! - `build`: release binary at target/release/observer with the probes embedded.
 //! - `demo`: the main job on the built-in lab: build, lab up, trace a few flows, lab down.
 //! - `test`: fmt, clippy, and every test (unit and privileged integration tests).
+//! - `image`: the agent's container image (Containerfile), built with buildah.
 //! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
 //! - `golden`: record the lab's demo flows again for the golden replay tests, or (with
 //!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
@@ -31,7 +32,25 @@ const PACKAGES: &[&str] = &[
     "kmod",
     // Reads back `tail --pcapng` files in the tests.
     "tshark",
+    // The agent's tests: a real Prometheus scrapes it, promtool lints its metrics.
+    "prometheus",
+    // `cargo xtask image` and its test: build the image (no registry), run it with runc.
+    "buildah",
+    "podman",
+    "runc",
+    // kubernetes-validate (PyPI) lives in a venv; the image test reads the DaemonSet.
+    "python3-venv",
+    "python3-yaml",
+    // musl-gcc: C code in the agent's dependencies (ring, for the API server's TLS) built for
+    // the static musl binary.
+    "musl-tools",
 ];
+
+/// kubernetes-validate, from PyPI into a venv of its own (validates the manifests offline
+/// against the Kubernetes 1.37 schemas it ships).
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+/// The image `cargo xtask image` builds and the image test runs.
+const IMAGE: &str = "localhost/observer:latest";
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "observer's developer tasks")]
@@ -67,6 +86,10 @@ enum Task {
         #[arg(long)]
         outputs_only: bool,
     },
+    /// The agent's container image (Containerfile): a static observer (musl) with the
+    /// iptables/nftables/ipset tools from this machine's Debian packages; built with
+    /// buildah, no registry pull.
+    Image,
     /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
     Bench {
         /// Seconds per iperf3 run.
@@ -86,6 +109,10 @@ fn main() -> Result<()> {
             build(&tc, true)
         }
         Task::Demo { mode } => demo(&mode),
+        Task::Image => {
+            let tc = setup()?;
+            image(&tc)
+        }
         Task::Test { args } => test(&args),
         Task::Golden { outputs_only } => golden(outputs_only),
         Task::Bench { seconds } => bench(seconds),
@@ -165,6 +192,7 @@ fn setup() -> Result<String> {
     install_packages()?;
     let tc = nightly_toolchain()?;
     install_bpf_linker(&tc)?;
+    install_kubernetes_validate()?;
     eprintln!(
         "xtask: setup complete in {:.1}s (probe toolchain {tc})",
         t0.elapsed().as_secs_f64()
@@ -313,6 +341,140 @@ fn install_bpf_linker(tc: &str) -> Result<()> {
     Ok(())
 }
 
+fn kubernetes_validate_bin() -> PathBuf {
+    home().join(".cache/observer/venv/bin/kubernetes-validate")
+}
+
+/// kubernetes-validate in `~/.cache/observer/venv` (idempotent).
+fn install_kubernetes_validate() -> Result<()> {
+    let venv = home().join(".cache/observer/venv");
+    let stamp = venv.join("observer-stamp");
+    if kubernetes_validate_bin().exists()
+        && std::fs::read_to_string(&stamp).is_ok_and(|s| s == KUBERNETES_VALIDATE)
+    {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: installing {KUBERNETES_VALIDATE} into {}",
+        venv.display()
+    );
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))
+        .context("creating a Python venv (Debian package python3-venv)")?;
+    run(Command::new(venv.join("bin/pip")).args(["install", "-q", KUBERNETES_VALIDATE]))?;
+    std::fs::write(&stamp, KUBERNETES_VALIDATE)?;
+    Ok(())
+}
+
+const MUSL: &str = "x86_64-unknown-linux-musl";
+
+/// Tools the agent reads rules with, as the Debian packages installed them: binaries and
+/// symlinks (copied with the shared libraries they load).
+const IMAGE_TOOLS: &[&str] = &[
+    "/usr/sbin/xtables-nft-multi",
+    "/usr/sbin/xtables-legacy-multi",
+    "/usr/sbin/nft",
+    "/usr/sbin/ipset",
+];
+
+/// `cargo xtask image`: the rootfs under target/image, then `buildah bud` with the
+/// Containerfile. Every step is cached: the musl build is incremental and buildah keeps the
+/// layer while the rootfs is unchanged.
+fn image(tc: &str) -> Result<()> {
+    let t0 = Instant::now();
+    run(Command::new("rustup").args(["target", "add", MUSL]))?;
+    run(Command::new("nice")
+        .args([
+            "-n",
+            "19",
+            "cargo",
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            "observer",
+        ])
+        .args(["--target", MUSL])
+        .env("CC_x86_64_unknown_linux_musl", "musl-gcc")
+        .env("OBSERVER_EBPF_TOOLCHAIN", tc))?;
+    let root = workspace_root();
+    let ctx = root.join("target/image");
+    let rootfs = ctx.join("rootfs");
+    let _ = std::fs::remove_dir_all(&rootfs);
+    std::fs::create_dir_all(rootfs.join("usr/bin"))?;
+    std::fs::copy(
+        root.join("target").join(MUSL).join("release/observer"),
+        rootfs.join("usr/bin/observer"),
+    )?;
+    let mut files: Vec<PathBuf> = IMAGE_TOOLS.iter().map(PathBuf::from).collect();
+    // iptables-save loads its match and target extensions at run time.
+    let xt = Path::new("/usr/lib/x86_64-linux-gnu/xtables");
+    for e in std::fs::read_dir(xt).with_context(|| format!("reading {}", xt.display()))? {
+        files.push(e?.path());
+    }
+    let mut libs = std::collections::BTreeSet::new();
+    for f in &files {
+        let out = output(Command::new("ldd").arg(f)).unwrap_or_default();
+        for l in out.lines() {
+            // "libx.so.1 => /lib/x86_64-linux-gnu/libx.so.1 (0x...)" or "/lib64/ld-linux... (0x...)"
+            let path = l
+                .split("=>")
+                .last()
+                .and_then(|r| r.split_whitespace().next())
+                .filter(|p| p.starts_with('/'));
+            if let Some(p) = path {
+                libs.insert(PathBuf::from(p));
+            }
+        }
+    }
+    for f in files.iter().chain(libs.iter()) {
+        copy_into(&rootfs, f)?;
+    }
+    for f in ["/etc/protocols", "/etc/services", "/etc/ethertypes"] {
+        if Path::new(f).exists() {
+            copy_into(&rootfs, Path::new(f))?;
+        }
+    }
+    // The names iptables and nft are called by, without Debian's alternatives.
+    for name in [
+        "iptables",
+        "iptables-save",
+        "ip6tables",
+        "ip6tables-save",
+        "iptables-nft",
+        "iptables-nft-save",
+        "ip6tables-nft-save",
+    ] {
+        std::os::unix::fs::symlink("xtables-nft-multi", rootfs.join("usr/sbin").join(name))?;
+    }
+    for name in ["iptables-legacy-save", "ip6tables-legacy-save"] {
+        std::os::unix::fs::symlink("xtables-legacy-multi", rootfs.join("usr/sbin").join(name))?;
+    }
+    for dir in ["run", "tmp", "proc", "sys", "dev", "etc"] {
+        std::fs::create_dir_all(rootfs.join(dir))?;
+    }
+    run(Command::new("nice")
+        .args(["-n", "19", "buildah", "bud", "--layers", "--quiet"])
+        .arg("-f")
+        .arg(root.join("Containerfile"))
+        .args(["-t", IMAGE])
+        .arg(&ctx))?;
+    eprintln!(
+        "xtask: image {IMAGE} built in {:.0}s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Copies `file` (following symlinks) to the same path under `rootfs`.
+fn copy_into(rootfs: &Path, file: &Path) -> Result<()> {
+    let dest = rootfs.join(file.strip_prefix("/").unwrap_or(file));
+    if let Some(d) = dest.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::copy(file, &dest).with_context(|| format!("copying {}", file.display()))?;
+    Ok(())
+}
+
 fn build(tc: &str, release: bool) -> Result<()> {
     let mut cmd = Command::new("cargo");
     cmd.args(["build", "--locked", "-p", "observer"])
@@ -446,9 +608,14 @@ fn test(extra: &[String]) -> Result<()> {
         ])
         .env("OBSERVER_EBPF_TOOLCHAIN", &tc))?;
     build(&tc, false)?;
+    // Built before the tests (cached: the musl build is incremental, buildah reuses the
+    // layer when the files did not change), run by the image test.
+    image(&tc)?;
     run(Command::new("cargo")
         .args(["test", "--locked", "--workspace", "--no-fail-fast"])
         .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
+        .env("OBSERVER_IMAGE", IMAGE)
+        .env("KUBERNETES_VALIDATE", kubernetes_validate_bin())
         .env("OBSERVER_BIN", observer_bin(false))
         .arg("--")
         .args(extra))?;

@@ -1,0 +1,191 @@
+//! The agent's HTTP endpoints (axum): metrics and health on `--metrics-addr`; the streaming
+//! API (`/v1/traces`, `/v1/drops`, NDJSON) on the unix socket and, when asked, on TCP.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bytes::Bytes;
+
+use super::hub::{Hub, Request};
+use super::metrics::Metrics;
+use crate::k8s::Names;
+use crate::pipeline::Output;
+
+/// Metrics and health.
+pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(serve_metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(metrics)
+}
+
+async fn serve_metrics(State(m): State<Arc<Metrics>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        m.render(),
+    )
+        .into_response()
+}
+
+async fn readyz(State(m): State<Arc<Metrics>>) -> Response {
+    if m.health().ready {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the probes are not attached yet\n",
+        )
+            .into_response()
+    }
+}
+
+/// The streaming API, and the names the agent knows addresses by.
+pub fn api_router(hub: Arc<Hub>, names: Arc<Names>) -> Router {
+    let names_route = Router::new()
+        .route("/v1/names", get(serve_names))
+        .with_state(names);
+    Router::new()
+        .route("/v1/traces", get(traces))
+        .route("/v1/drops", get(drops))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(hub)
+        .merge(names_route)
+}
+
+async fn serve_names(State(names): State<Arc<Names>>) -> Response {
+    let mut body = names.to_json().to_string();
+    body.push('\n');
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `filter`, `output`, `sample`, `count`, `timeout` of a request.
+pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
+    let output = match q.get("output").map(String::as_str) {
+        None | Some("json") => Output::Json,
+        Some("tree") => Output::Tree,
+        Some("line") => Output::Line,
+        Some(o) => return Err(format!("unknown output `{o}`: give json, tree or line")),
+    };
+    let mut program = match q.get("filter").filter(|f| !f.trim().is_empty()) {
+        // Interface names are those of the agent's namespace (the process is in it).
+        Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))
+            .map_err(|e| format!("bad filter: {e}"))?,
+        None => observer_common::filter::FilterProgram::KEEP_ALL,
+    };
+    if let Some(s) = q.get("sample") {
+        program.sample = s
+            .parse()
+            .map_err(|_| format!("sample `{s}` is not a whole number (keep one flow in N)"))?;
+    }
+    let count = match q.get("count") {
+        Some(c) => Some(
+            c.parse()
+                .map_err(|_| format!("count `{c}` is not a whole number"))?,
+        ),
+        None => None,
+    };
+    let timeout = match q.get("timeout") {
+        Some(t) => {
+            let secs: f64 = t
+                .parse()
+                .map_err(|_| format!("timeout `{t}` is not a number of seconds"))?;
+            if !secs.is_finite() || !(0.0..=365.0 * 86400.0).contains(&secs) {
+                return Err(format!("timeout `{t}` is out of range: give 0 to 31536000"));
+            }
+            Some(Duration::from_secs_f64(secs))
+        }
+        None => None,
+    };
+    Ok(Request {
+        program,
+        output,
+        count,
+        timeout,
+    })
+}
+
+fn ndjson(body: Body) -> Response {
+    ([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response()
+}
+
+async fn traces(State(hub): State<Arc<Hub>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    let req = match parse_request(&q) {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
+    };
+    let Some(rx) = hub.subscribe(req) else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{} clients are streaming already (the most at once); try again when one ends\n",
+                super::hub::MAX_SUBSCRIBERS
+            ),
+        )
+            .into_response();
+    };
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
+    });
+    ndjson(Body::from_stream(stream))
+}
+
+async fn drops(State(hub): State<Arc<Hub>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    let req = match parse_request(&q) {
+        Ok(r) => r,
+        Err(e) => return (StatusCode::BAD_REQUEST, e + "\n").into_response(),
+    };
+    let lines = hub.drops(&req);
+    let stream = futures_util::stream::iter(lines.into_iter().map(Ok::<Bytes, Infallible>));
+    ndjson(Body::from_stream(stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn requests_are_read_and_bad_ones_say_why() {
+        let r = parse_request(&q(&[
+            ("filter", "udp port 53"),
+            ("output", "line"),
+            ("sample", "4"),
+            ("count", "10"),
+            ("timeout", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(r.output, Output::Line);
+        assert_eq!((r.program.sample, r.count), (4, Some(10)));
+        assert_eq!(r.timeout, Some(Duration::from_millis(2500)));
+        assert_ne!(r.program.enabled, 0);
+        let defaults = parse_request(&q(&[])).unwrap();
+        assert_eq!((defaults.output, defaults.count), (Output::Json, None));
+        for (bad, says) in [
+            (("output", "xml"), "json, tree or line"),
+            (("filter", "udp port"), "bad filter"),
+            (("count", "-1"), "whole number"),
+            (("timeout", "inf"), "out of range"),
+        ] {
+            let e = parse_request(&q(&[bad])).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+}

@@ -1,0 +1,461 @@
+//! The agent's Prometheus metrics: counters per family, hook and table, kept from the
+//! traversals the pipeline reports, plus the agent's own health, written in the text
+//! exposition format.
+//!
+//! The input is swappable: today [`Metrics::observe`] takes a [`ReportView`] (the fields of a
+//! `tail --json` report the counters need); an in-kernel always-on mode can instead call
+//! [`Metrics::add`] with counts it read from the probes' maps. Labels are bounded: hook,
+//! table, family, reason, kind, source, node, and `mark` (a mark bit's name: at most 32
+//! values). No label holds an address. Each metric holds at most [`MAX_SERIES`] series; a
+//! count that would open one more is added to `observer_metrics_overflow_total` instead.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use serde::Deserialize;
+
+/// Series per metric at most (label sets are bounded by design; this is the backstop).
+pub const MAX_SERIES: usize = 4096;
+
+/// What the counters read of one report (schema 1 of `docs/json-schema.md`).
+#[derive(Debug, Default, Deserialize)]
+pub struct ReportView {
+    pub family: Option<String>,
+    #[serde(default)]
+    pub stages: Vec<StageView>,
+    pub fate: FateView,
+    #[serde(default)]
+    pub marks: Option<MarksView>,
+    #[serde(default)]
+    pub nat: Vec<NatView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StageView {
+    pub hook: String,
+    pub table: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct FateView {
+    pub kind: String,
+    pub hook: Option<String>,
+    pub table: Option<String>,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct MarksView {
+    #[serde(default)]
+    pub set: Vec<MarkView>,
+    #[serde(default)]
+    pub cleared: Vec<MarkView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct MarkView {
+    pub bit: String,
+    pub name: Option<String>,
+    pub hook: String,
+    pub table: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct NatView {
+    pub kind: String,
+    pub hook: String,
+    pub table: String,
+    pub source: String,
+}
+
+impl ReportView {
+    /// The view of one `tail --json` line.
+    pub fn from_json(line: &[u8]) -> serde_json::Result<Self> {
+        serde_json::from_slice(line)
+    }
+
+    pub fn is_drop(&self) -> bool {
+        self.fate.kind == "dropped"
+    }
+}
+
+/// One counter metric: its name, help and label names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Counter {
+    /// Packets that passed a table (per family, hook, table).
+    Packets,
+    /// Traversals by how they ended (per family, kind).
+    Traversals,
+    /// Mark bits set or cleared (per family, hook, table, kind, mark).
+    Marks,
+    /// Address translations (per family, hook, table, kind, source).
+    Nat,
+    /// Dropped packets (per family, hook, table, reason).
+    Drops,
+}
+
+impl Counter {
+    const ALL: [Self; 5] = [
+        Self::Packets,
+        Self::Traversals,
+        Self::Marks,
+        Self::Nat,
+        Self::Drops,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Packets => "observer_packets_total",
+            Self::Traversals => "observer_traversals_total",
+            Self::Marks => "observer_mark_changes_total",
+            Self::Nat => "observer_nat_total",
+            Self::Drops => "observer_drops_total",
+        }
+    }
+
+    fn help(self) -> &'static str {
+        match self {
+            Self::Packets => "Packets that passed a netfilter table (between its two probes).",
+            Self::Traversals => {
+                "Packet traversals by how they ended (forwarded, delivered, sent, dropped, \
+                 consumed, looped, reassembled, incomplete)."
+            }
+            Self::Marks => {
+                "skb mark bits set or cleared (kind), by the table that did it; mark is the \
+                 bit's name from the mark dictionary, or its hex value."
+            }
+            Self::Nat => {
+                "Address translations by kind (dnat, snat) and source (rules: the nat chains \
+                 ran; conntrack: the stored translation)."
+            }
+            Self::Drops => {
+                "Packets the kernel dropped, by the kernel's drop reason and place: hook, and \
+                 table when it dropped them inside one (none: after the hook's tables)."
+            }
+        }
+    }
+
+    fn labels(self) -> &'static [&'static str] {
+        match self {
+            Self::Packets => &["family", "hook", "table"],
+            Self::Traversals => &["family", "kind"],
+            Self::Marks => &["family", "hook", "table", "kind", "mark"],
+            Self::Nat => &["family", "hook", "table", "kind", "source"],
+            Self::Drops => &["family", "hook", "table", "reason"],
+        }
+    }
+}
+
+/// The agent's own state, as gauges and counters (read when scraped).
+#[derive(Clone, Debug, Default)]
+pub struct Health {
+    /// Packets the probes could not record (ring buffer full), since start.
+    pub records_lost: u64,
+    /// Packets that entered the observed namespace's hooks, since start.
+    pub packets_seen: u64,
+    pub netfilter_probes: u64,
+    pub interfaces: u64,
+    pub ruleset_generation: u64,
+    pub attach_failures: u64,
+    /// Records the pipeline could not turn into a report.
+    pub unusable_records: u64,
+    pub subscribers: u64,
+    /// Traversals a subscriber did not receive because it read too slowly (flagged in its
+    /// stream).
+    pub subscriber_skipped: u64,
+    pub flight_recorder_held: u64,
+    pub flight_recorder_capacity: u64,
+    pub ready: bool,
+}
+
+type Labels = Vec<String>;
+
+#[derive(Default)]
+struct Counters {
+    series: BTreeMap<Counter, BTreeMap<Labels, u64>>,
+    overflow: u64,
+}
+
+/// Counters shared between the event loop (writer) and the HTTP server (reader).
+pub struct Metrics {
+    node: String,
+    counters: Mutex<Counters>,
+    health: Mutex<Health>,
+}
+
+impl Metrics {
+    /// `node`: the value of the `node` label on every series (NODE_NAME in Kubernetes).
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_string(),
+            counters: Mutex::default(),
+            health: Mutex::default(),
+        }
+    }
+
+    /// Adds `n` to a counter. `labels` are the values of [`Counter::labels`], in order.
+    pub fn add(&self, counter: Counter, labels: &[&str], n: u64) {
+        debug_assert_eq!(labels.len(), counter.labels().len());
+        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        let series = c.series.entry(counter).or_default();
+        let key: Labels = labels.iter().map(|s| s.to_string()).collect();
+        if let Some(v) = series.get_mut(&key) {
+            *v += n;
+        } else if series.len() < MAX_SERIES {
+            series.insert(key, n);
+        } else {
+            c.overflow += n;
+        }
+    }
+
+    /// Counts one traversal.
+    pub fn observe(&self, r: &ReportView) {
+        let family = r.family.as_deref().unwrap_or("other");
+        for s in &r.stages {
+            self.add(Counter::Packets, &[family, &s.hook, &s.table], 1);
+        }
+        self.add(Counter::Traversals, &[family, &r.fate.kind], 1);
+        if let Some(m) = &r.marks {
+            for (kind, list) in [("set", &m.set), ("cleared", &m.cleared)] {
+                for b in list {
+                    let name = b.name.as_deref().unwrap_or(&b.bit);
+                    self.add(Counter::Marks, &[family, &b.hook, &b.table, kind, name], 1);
+                }
+            }
+        }
+        for n in &r.nat {
+            self.add(
+                Counter::Nat,
+                &[family, &n.hook, &n.table, &n.kind, &n.source],
+                1,
+            );
+        }
+        if r.is_drop() {
+            self.add(
+                Counter::Drops,
+                &[
+                    family,
+                    r.fate.hook.as_deref().unwrap_or("none"),
+                    r.fate.table.as_deref().unwrap_or("none"),
+                    r.fate.reason.as_deref().unwrap_or("unknown"),
+                ],
+                1,
+            );
+        }
+    }
+
+    /// The current value of one series (tests, and the lead's in-kernel mode's checks).
+    pub fn get(&self, counter: Counter, labels: &[&str]) -> u64 {
+        let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        let key: Labels = labels.iter().map(|s| s.to_string()).collect();
+        c.series
+            .get(&counter)
+            .and_then(|s| s.get(&key))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    pub fn set_health(&self, h: Health) {
+        *self.health.lock().unwrap_or_else(|e| e.into_inner()) = h;
+    }
+
+    pub fn health(&self) -> Health {
+        self.health
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Everything, in the Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        let node = escape(&self.node);
+        let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        for counter in Counter::ALL {
+            let name = counter.name();
+            let _ = writeln!(out, "# HELP {name} {}", counter.help());
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for (labels, v) in c.series.get(&counter).into_iter().flatten() {
+                let _ = write!(out, "{name}{{node=\"{node}\"");
+                for (k, l) in counter.labels().iter().zip(labels) {
+                    let _ = write!(out, ",{k}=\"{}\"", escape(l));
+                }
+                let _ = writeln!(out, "}} {v}");
+            }
+        }
+        let overflow = c.overflow;
+        drop(c);
+        let h = self.health();
+        let mut one = |name: &str, kind: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            let _ = writeln!(out, "{name}{{node=\"{node}\"}} {v}");
+        };
+        one(
+            "observer_metrics_overflow_total",
+            "counter",
+            "Counts not kept because a metric already had its maximum number of series.",
+            overflow,
+        );
+        one(
+            "observer_records_lost_total",
+            "counter",
+            "Packets the probes could not record because the ring buffer was full: their \
+             traversals are missing from every metric above and from the streams.",
+            h.records_lost,
+        );
+        one(
+            "observer_packets_seen_total",
+            "counter",
+            "Packets that entered the observed namespace's hooks.",
+            h.packets_seen,
+        );
+        one(
+            "observer_unusable_records_total",
+            "counter",
+            "Records the agent could not turn into a report (logged).",
+            h.unusable_records,
+        );
+        one(
+            "observer_attach_failures_total",
+            "counter",
+            "Probe attachments that failed (interfaces left without tcx probes, failed re-plans).",
+            h.attach_failures,
+        );
+        one(
+            "observer_subscriber_skipped_total",
+            "counter",
+            "Traversals a streaming client did not receive because it read too slowly (its \
+             stream says how many).",
+            h.subscriber_skipped,
+        );
+        one(
+            "observer_probes_attached",
+            "gauge",
+            "Netfilter probes attached.",
+            h.netfilter_probes,
+        );
+        one(
+            "observer_interfaces",
+            "gauge",
+            "Interfaces with tcx probes.",
+            h.interfaces,
+        );
+        one(
+            "observer_ruleset_generation",
+            "gauge",
+            "Probe plan generation: grows when a ruleset change re-plans the probes.",
+            h.ruleset_generation,
+        );
+        one(
+            "observer_subscribers",
+            "gauge",
+            "Streaming clients connected.",
+            h.subscribers,
+        );
+        one(
+            "observer_flight_recorder_drops",
+            "gauge",
+            "Dropped traversals held by the flight recorder.",
+            h.flight_recorder_held,
+        );
+        one(
+            "observer_flight_recorder_capacity",
+            "gauge",
+            "How many dropped traversals the flight recorder holds at most.",
+            h.flight_recorder_capacity,
+        );
+        one(
+            "observer_ready",
+            "gauge",
+            "1 once the probes are attached.",
+            u64::from(h.ready),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP observer_build_info The observer's version.\n# TYPE observer_build_info \
+             gauge\nobserver_build_info{{node=\"{node}\",version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        out
+    }
+}
+
+/// A label value, escaped as the exposition format says.
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOLDEN: &str = include_str!("../../tests/golden/lab-flows.json");
+
+    #[test]
+    fn counts_from_real_reports() {
+        let m = Metrics::new("node-1");
+        for line in GOLDEN.lines() {
+            m.observe(&ReportView::from_json(line.as_bytes()).unwrap());
+        }
+        let dropped = GOLDEN
+            .lines()
+            .filter(|l| l.contains("\"kind\":\"dropped\""))
+            .count() as u64;
+        let t = m.render();
+        assert!(dropped > 0);
+        assert_eq!(
+            m.get(Counter::Drops, &["ipv4", "INPUT", "none", "NO_SOCKET"]),
+            1,
+            "{t}"
+        );
+        assert_eq!(
+            m.get(
+                Counter::Marks,
+                &["ipv4", "PREROUTING", "nat", "set", "kube-proxy:masquerade"]
+            ),
+            1
+        );
+        assert!(m.get(Counter::Packets, &["ipv4", "FORWARD", "filter"]) > 0);
+        assert!(
+            m.get(
+                Counter::Nat,
+                &["ipv4", "PREROUTING", "nat", "dnat", "rules"]
+            ) > 0,
+            "{t}"
+        );
+        assert!(t.contains("observer_drops_total{node=\"node-1\",family=\"ipv4\",hook=\"INPUT\",table=\"none\",reason=\"NO_SOCKET\"} 1"), "{t}");
+        // Bounded labels only: no address anywhere.
+        for line in t.lines().filter(|l| !l.starts_with('#')) {
+            assert!(!line.contains("198.51.100"), "{line}");
+            assert!(
+                !line.contains(':') || line.contains("kube-proxy:") || line.contains("calico:"),
+                "{line}"
+            );
+        }
+    }
+
+    #[test]
+    fn series_are_bounded() {
+        let m = Metrics::new("n");
+        for i in 0..MAX_SERIES + 10 {
+            m.add(
+                Counter::Drops,
+                &["ipv4", "INPUT", "none", &format!("R{i}")],
+                1,
+            );
+        }
+        assert!(
+            m.render()
+                .contains("observer_metrics_overflow_total{node=\"n\"} 10")
+        );
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

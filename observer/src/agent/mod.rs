@@ -1,0 +1,434 @@
+//! `observer agent`: the always-on node agent. Attaches the probes once (as `tail` does,
+//! through [`crate::upkeep`]) and keeps them right through rule and interface churn; every
+//! record goes through the one [`Pipeline`] and then to the metrics, the flight recorder of
+//! recent drops, and the streaming API's subscribers ([`hub`]).
+//!
+//! Endpoints: `/metrics`, `/healthz`, `/readyz` on `--metrics-addr`; `/v1/traces` and
+//! `/v1/drops` (NDJSON) on the unix socket `--socket` (mode 0600: traces carry addresses)
+//! and on `--listen` when given. SIGTERM or SIGINT: detach, close the streams, exit 0.
+
+pub mod client;
+pub mod http;
+pub mod hub;
+pub mod metrics;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use log::{info, warn};
+use tokio::io::unix::AsyncFd;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::btf::KernelLayout;
+use crate::decode::{decode, encode_record};
+use crate::nftwatch::NftWatch;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
+use crate::probes::Probes;
+use crate::upkeep::{
+    RULESET_SETTLE, SOCKET_GRACE, attach_probes, housekeeping, legacy_tables, mark_dictionary,
+    now_ns, read_live, replan,
+};
+use hub::{FlightRecorder, Held, Hub, Rendered};
+use metrics::{Health, Metrics, ReportView};
+use observer_common::filter::FilterProgram;
+use observer_common::traversal::{TraversalRecord, end};
+
+/// The agent's default unix socket.
+pub const DEFAULT_SOCKET: &str = "/run/observer/agent.sock";
+
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    pub netns: Option<String>,
+    /// Metrics and health (HTTP).
+    pub metrics_addr: String,
+    /// The streaming API's unix socket.
+    pub socket: PathBuf,
+    /// The streaming API on TCP too.
+    pub listen: Option<String>,
+    pub marks_file: Option<PathBuf>,
+    /// Dropped traversals the flight recorder holds at most.
+    pub flight_recorder: usize,
+    /// Memory the flight recorder may use at most, bytes.
+    pub flight_recorder_bytes: usize,
+    /// The `node` label (NODE_NAME, else the host name).
+    pub node: String,
+    pub idle: Duration,
+    pub ready_file: Option<PathBuf>,
+}
+
+/// Records handled before the event loop looks at signals, timers and clients again.
+const BATCH: usize = 1024;
+
+/// Runs the agent until SIGTERM/SIGINT. Must be called before any other thread exists: it
+/// moves the process into the target namespace, where the probes attach and the TCP
+/// listeners bind.
+pub fn run(opts: AgentOptions) -> Result<&'static str> {
+    if let Some(ns) = &opts.netns {
+        crate::netns::enter(ns)?;
+    }
+    let layout = KernelLayout::from_kernel()?;
+    let live = read_live();
+    let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
+    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    let ctx = |output| PipelineContext {
+        output,
+        netns: netns.clone(),
+        tuple: layout.tuple,
+        drop_reasons: layout.drop_reasons.clone(),
+        marks: marks.clone(),
+        // Not yet: streams and metrics carry no rule names (see docs/deploy.md).
+        namer: None,
+    };
+    let pipelines = Pipelines {
+        json: Pipeline::new(ctx(Output::Json), Box::new(LiveNames::load())),
+        tree: Pipeline::new(ctx(Output::Tree), Box::new(LiveNames::load())),
+        line: Pipeline::new(ctx(Output::Line), Box::new(LiveNames::load())),
+    };
+    let metrics = Arc::new(Metrics::new(&opts.node));
+    let hub = Arc::new(Hub::new(
+        layout.tuple,
+        FlightRecorder::new(opts.flight_recorder, opts.flight_recorder_bytes),
+    ));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let names = Arc::new(crate::k8s::Names::default());
+    names.refresh_services();
+    rt.block_on(async {
+        // Listening first: connections made while the probes attach wait in the backlog and
+        // are answered once they are (the runtime has one thread); /readyz then says ready.
+        serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
+        names.watch_pods(opts.node.clone());
+        let mut probes = attach_probes(&layout, &FilterProgram::KEEP_ALL, &live)?;
+        let ring = probes.take_ring()?;
+        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names).await
+    })
+}
+
+async fn serve(
+    opts: &AgentOptions,
+    metrics: Arc<Metrics>,
+    hub: Arc<Hub>,
+    names: Arc<crate::k8s::Names>,
+) -> Result<()> {
+    let m = tokio::net::TcpListener::bind(&opts.metrics_addr)
+        .await
+        .with_context(|| {
+            format!(
+                "listening on --metrics-addr {}: is another agent running, or give another \
+                 address",
+                opts.metrics_addr
+            )
+        })?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(m, http::metrics_router(metrics)).await {
+            warn!("metrics server stopped: {e}");
+        }
+    });
+    if let Some(dir) = opts.socket.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating {} for the agent's socket", dir.display()))?;
+    }
+    // A socket left by an agent that was killed: nobody answers on it any more.
+    if std::os::unix::net::UnixStream::connect(&opts.socket).is_err() {
+        let _ = std::fs::remove_file(&opts.socket);
+    }
+    let u = tokio::net::UnixListener::bind(&opts.socket).with_context(|| {
+        format!(
+            "listening on --socket {}: is another agent running? (stop it, or give another path)",
+            opts.socket.display()
+        )
+    })?;
+    std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} root-only", opts.socket.display()))?;
+    let api = http::api_router(hub, names);
+    let api2 = api.clone();
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(u, api2).await {
+            warn!("streaming API (unix socket) stopped: {e}");
+        }
+    });
+    if let Some(addr) = &opts.listen {
+        let t = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening on --listen {addr}"))?;
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(t, api).await {
+                warn!("streaming API (TCP) stopped: {e}");
+            }
+        });
+    }
+    Ok(())
+}
+
+/// One pipeline per output mode (tree and line render only what someone wants).
+struct Pipelines {
+    json: Pipeline,
+    tree: Pipeline,
+    line: Pipeline,
+}
+
+impl Pipelines {
+    fn all(&mut self) -> [&mut Pipeline; 3] {
+        [&mut self.json, &mut self.tree, &mut self.line]
+    }
+}
+
+/// Turns records into reports and hands them on.
+struct Agent {
+    pipelines: Pipelines,
+    metrics: Arc<Metrics>,
+    hub: Arc<Hub>,
+    lost_now: u64,
+    unusable: u64,
+    /// Interfaces in the namespace, as last counted.
+    interfaces: u64,
+}
+
+impl Agent {
+    fn handle(&mut self, raw: &[u8]) {
+        let rec = match decode(raw) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("undecodable record: {e}");
+                self.unusable += 1;
+                return;
+            }
+        };
+        let json = match self.pipelines.json.handle(raw, self.lost_now) {
+            Outcome::Report { bytes, .. } => Bytes::from(bytes),
+            other => {
+                crate::pipeline::warn_unusable(&other);
+                self.unusable += 1;
+                return;
+            }
+        };
+        let dropped = match ReportView::from_json(&json) {
+            Ok(v) => {
+                self.metrics.observe(&v);
+                v.is_drop()
+            }
+            Err(e) => {
+                warn!("a report the metrics cannot read: {e}");
+                false
+            }
+        };
+        let (mut tree, mut line) = self.hub.wanted(&rec);
+        tree |= dropped;
+        line |= dropped;
+        let render = |p: &mut Pipeline| match p.handle(raw, self.lost_now) {
+            Outcome::Report { bytes, .. } => Some(Bytes::from(bytes)),
+            _ => None,
+        };
+        let rendered = Rendered {
+            json,
+            tree: tree.then(|| render(&mut self.pipelines.tree)).flatten(),
+            line: line.then(|| render(&mut self.pipelines.line)).flatten(),
+        };
+        self.hub.dispatch(&rec, &rendered);
+        if dropped {
+            self.hub
+                .flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Held { rec, rendered });
+        }
+    }
+
+    fn handle_record(&mut self, rec: &TraversalRecord) {
+        self.handle(&encode_record(rec));
+    }
+
+    fn add_plans(&mut self, probes: &Probes) {
+        for p in self.pipelines.all() {
+            p.add_plans(probes.generation(), &probes.plans);
+        }
+    }
+}
+
+fn drain(
+    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
+    agent: &mut Agent,
+    max: usize,
+) -> usize {
+    let mut n = 0;
+    while n < max {
+        let Some(item) = ring.next() else { break };
+        n += 1;
+        agent.handle(&item);
+    }
+    n
+}
+
+fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
+    // Interfaces are counted once a second (housekeeping), not on every tick.
+    let k = probes.counters().unwrap_or_default();
+    let flight = agent.hub.flight.lock().unwrap_or_else(|e| e.into_inner());
+    agent.metrics.set_health(Health {
+        records_lost: k.ringbuf_full,
+        packets_seen: k.seen,
+        netfilter_probes: probes.netfilter_links() as u64,
+        interfaces: agent.interfaces,
+        ruleset_generation: u64::from(probes.generation()),
+        attach_failures: probes.attach_failures,
+        unusable_records: agent.unusable,
+        subscribers: agent.hub.subscribers() as u64,
+        subscriber_skipped: agent.hub.skipped_total(),
+        flight_recorder_held: flight.len() as u64,
+        flight_recorder_capacity: flight.capacity as u64,
+        ready,
+    });
+}
+
+async fn event_loop(
+    opts: &AgentOptions,
+    mut probes: Probes,
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    pipelines: Pipelines,
+    metrics: Arc<Metrics>,
+    hub: Arc<Hub>,
+    names: &crate::k8s::Names,
+) -> Result<&'static str> {
+    let mut agent = Agent {
+        pipelines,
+        metrics,
+        hub,
+        lost_now: 0,
+        unusable: 0,
+        interfaces: crate::probes::interfaces().len() as u64,
+    };
+    agent.add_plans(&probes);
+    // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
+    let mut ring = unsafe { AsyncFd::register(ring) }
+        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    update_health(&probes, &agent, true);
+    info!(
+        "agent ready: {} netfilter probes; metrics on {}, streaming API on {}{}",
+        probes.netfilter_links(),
+        opts.metrics_addr,
+        opts.socket.display(),
+        opts.listen
+            .as_ref()
+            .map(|l| format!(" and {l}"))
+            .unwrap_or_default()
+    );
+    if let Some(path) = &opts.ready_file {
+        std::fs::write(path, format!("{}\n", std::process::id()))
+            .with_context(|| format!("writing ready file {}", path.display()))?;
+    }
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
+    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let netns_file = opts
+        .netns
+        .as_ref()
+        .map(|n| PathBuf::from("/run/netns").join(n));
+    let netns_inode = crate::probes::current_netns_inode()?;
+    let mut legacy_names = legacy_tables().0;
+    let mut last_scan = Instant::now();
+    // SAFETY: the watch owns its fd and outlives the registration (both live here).
+    let watch = match NftWatch::open().and_then(|w| {
+        unsafe { AsyncFd::register(w) }.map_err(|e| std::io::Error::other(e.to_string()))
+    }) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            warn!("cannot watch nf_tables changes ({e}); chains added later are not bracketed");
+            None
+        }
+    };
+    let mut ruleset_changed: Option<u64> = None;
+    let stopped_by: &'static str = loop {
+        tokio::select! {
+            biased;
+            _ = sigint.recv() => break "SIGINT",
+            _ = sigterm.recv() => break "SIGTERM",
+            guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
+                let mut guard = guard?;
+                if guard.get_inner().drain() {
+                    ruleset_changed.get_or_insert_with(now_ns);
+                }
+                guard.clear_ready();
+            }
+            _ = tick.tick() => {
+                if let Some(since) = ruleset_changed
+                    && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
+                {
+                    ruleset_changed = None;
+                    // kube-proxy's services change with its rules, plan or no plan.
+                    names.refresh_services();
+                    if replan(&mut probes, &read_live()) {
+                        agent.add_plans(&probes);
+                        let to = now_ns();
+                        for p in agent.pipelines.all() {
+                            p.replanned(since, to);
+                        }
+                    }
+                }
+                agent.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(agent.lost_now);
+                agent.hub.set_lost(agent.lost_now);
+                let now = now_ns();
+                match probes.sweep(
+                    now.saturating_sub(SOCKET_GRACE.as_nanos() as u64),
+                    now.saturating_sub(opts.idle.as_nanos() as u64),
+                    end::IDLE,
+                ) {
+                    Ok(recs) => recs.iter().for_each(|r| agent.handle_record(r)),
+                    Err(e) => warn!("reading the probes' fallback map: {e:#}"),
+                }
+                agent.hub.tick();
+                update_health(&probes, &agent, true);
+                if last_scan.elapsed() >= Duration::from_secs(1) {
+                    last_scan = Instant::now();
+                    let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
+                    agent.interfaces = crate::probes::interfaces().len() as u64;
+                    if h.names_changed {
+                        for p in agent.pipelines.all() {
+                            p.forget_names();
+                        }
+                    }
+                    if let Some(why) = h.stop {
+                        break why;
+                    }
+                    let legacy = legacy_tables().0;
+                    if legacy != legacy_names {
+                        legacy_names = legacy;
+                        ruleset_changed.get_or_insert_with(now_ns);
+                    }
+                }
+            }
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                if drain(guard.get_inner_mut(), &mut agent, BATCH) < BATCH {
+                    guard.clear_ready();
+                }
+            }
+            _ = drain_tick.tick() => {
+                drain(ring.get_mut(), &mut agent, BATCH);
+            }
+        }
+    };
+    // As tail stops: every probe told at once, then detached (released in the background).
+    let stopping = Instant::now();
+    update_health(&probes, &agent, false);
+    if let Err(e) = probes.set_floor(true) {
+        warn!("stopping the probes: {e:#}");
+    }
+    let releasing = probes.detach();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // What the probes wrote before they stopped goes out still, within a bound.
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until && drain(ring.get_mut(), &mut agent, 256) > 0 {}
+    agent.hub.close_all();
+    let _ = std::fs::remove_file(&opts.socket);
+    // The streams' closing lines, written by the connections' tasks.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _ = releasing.join();
+    info!("agent stopped by {stopped_by} in {:?}", stopping.elapsed());
+    Ok(stopped_by)
+}

@@ -1,0 +1,245 @@
+//! `observer agent` in the lab for the end-to-end tests: started on the lab's node with its
+//! own socket, killed on drop; HTTP from inside the node namespace; its streaming clients.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::lab::{Lab, observer_bin};
+
+/// Where the agent serves metrics, inside the lab's node namespace.
+pub const METRICS: &str = "127.0.0.1:9965";
+
+pub struct Agent {
+    pub child: Option<Child>,
+    pub socket: PathBuf,
+    pub ready: PathBuf,
+}
+
+impl Agent {
+    /// Starts the agent on `lab`'s node and waits until its probes are attached.
+    pub fn start(lab: &Lab) -> Self {
+        Self::start_with(lab, &[])
+    }
+
+    /// As [`Agent::start`], with extra arguments.
+    pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
+        let dir = std::env::temp_dir().join(format!("{}-agent", lab.prefix));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("agent.sock");
+        let ready = dir.join("ready");
+        let _ = std::fs::remove_file(&ready);
+        let child = Command::new(observer_bin())
+            .args([
+                "agent",
+                "--netns",
+                &lab.ns("node"),
+                "--metrics-addr",
+                METRICS,
+            ])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--ready-file")
+            .arg(&ready)
+            .args(["--node-name", "lab-node", "--idle-ms", "1000"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn observer agent");
+        let mut agent = Self {
+            child: Some(child),
+            socket,
+            ready,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !agent.ready.exists() {
+            if let Some(status) = agent.child.as_mut().unwrap().try_wait().unwrap() {
+                let mut err = String::new();
+                let _ = agent
+                    .child
+                    .take()
+                    .unwrap()
+                    .stderr
+                    .unwrap()
+                    .read_to_string(&mut err);
+                panic!("observer agent exited before ready ({status}): {err}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "observer agent not ready in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        agent
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends `signal` and waits for the exit; returns (status, stderr, time to exit).
+    pub fn stop(mut self, signal: &str) -> (std::process::ExitStatus, String, Duration) {
+        let mut child = self.child.take().unwrap();
+        let t = Instant::now();
+        crate::run(&["kill", &format!("-{signal}"), &child.id().to_string()]);
+        let status = child.wait().expect("agent exits");
+        let took = t.elapsed();
+        let mut err = String::new();
+        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+        (status, err, took)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `GET path` on `addr` from inside the lab's node namespace: (status, body).
+pub fn http_get(lab: &Lab, addr: &'static str, path: &str) -> (u16, String) {
+    try_http_get(lab, addr, path).unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"))
+}
+
+/// As [`http_get`], with the error (nothing listens yet, ...).
+pub fn try_http_get(
+    lab: &Lab,
+    addr: &'static str,
+    path: &str,
+) -> Result<(u16, String), std::io::Error> {
+    let path = path.to_string();
+    lab.run_in("node", move || {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf)?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        Ok((status, body.to_string()))
+    })
+}
+
+/// Percent-encodes a query parameter.
+pub fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The value of the first sample of `metric` (a name with labels, as it appears) in a
+/// scrape; 0 when absent.
+pub fn sample(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+/// `observer tail --agent` (or `drops --agent`) as a child; its output read as it comes.
+pub struct Client {
+    child: Child,
+    out: std::thread::JoinHandle<Vec<u8>>,
+    err: std::thread::JoinHandle<Vec<u8>>,
+}
+
+impl Client {
+    pub fn start(args: &[&str]) -> Self {
+        Self::start_cmd(Command::new(observer_bin()).args(args))
+    }
+
+    /// Any command, read the same way.
+    pub fn start_cmd(cmd: &mut Command) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn observer client");
+        let mut o = child.stdout.take().unwrap();
+        let mut e = child.stderr.take().unwrap();
+        let out = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = o.read_to_end(&mut b);
+            b
+        });
+        let err = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = e.read_to_end(&mut b);
+            b
+        });
+        Self { child, out, err }
+    }
+
+    /// Waits for the exit (within `within`); returns (stdout lines, stderr).
+    pub fn finish(mut self, within: Duration) -> (Vec<String>, String) {
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "client did not finish within {within:?}: {}",
+                    String::from_utf8_lossy(&self.err.join().unwrap())
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let stdout = self.out.join().unwrap();
+        let stderr = String::from_utf8_lossy(&self.err.join().unwrap()).into_owned();
+        assert!(status.success(), "client failed ({status}): {stderr}");
+        (
+            String::from_utf8_lossy(&stdout)
+                .lines()
+                .map(str::to_string)
+                .collect(),
+            stderr,
+        )
+    }
+}
+
+/// `GET path` on the agent's unix socket: the body.
+pub fn unix_get(socket: &std::path::Path, path: &str) -> String {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).unwrap();
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}

@@ -1,0 +1,485 @@
+//! `observer agent` end to end in the lab: its metrics read by a real Prometheus and checked
+//! by promtool, two streaming clients with their own filters at once, the flight recorder,
+//! SIGTERM and SIGKILL.
+
+use std::net::UdpSocket;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use observer_tests::agent::{
+    Agent, Client, METRICS, encode, http_get, sample, try_http_get, unix_get,
+};
+use observer_tests::lab::Lab;
+use observer_tests::{privileged, run};
+use serde_json::Value;
+
+/// Drops UDP to 172.17.0.5:`port` in the node's FORWARD/filter (as flows.rs does).
+fn drop_udp_port(lab: &Lab, port: u16) {
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "iptables",
+        "-I",
+        "FORWARD",
+        "-p",
+        "udp",
+        "--dport",
+        &port.to_string(),
+        "-j",
+        "DROP",
+    ]);
+}
+
+/// Sends `n` datagrams from the lab's client to the pod's `port`.
+fn send_udp(lab: &Lab, port: u16, n: usize) {
+    lab.run_in("client", move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..n {
+            s.send_to(b"agent test", format!("172.17.0.5:{port}"))
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+}
+
+fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn scrape(lab: &Lab) -> String {
+    let (status, body) = http_get(lab, METRICS, "/metrics");
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// Prometheus (Debian's), in the lab's node namespace on loopback, scraping the agent
+/// every second; killed and its data removed on drop.
+struct Prometheus {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Prometheus {
+    const ADDR: &str = "127.0.0.1:9966";
+
+    fn start(lab: &Lab) -> Self {
+        let dir = std::env::temp_dir().join(format!("{}-prometheus", lab.prefix));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  \
+                 - job_name: observer\n    static_configs:\n      - targets: ['{METRICS}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &lab.ns("node"), "prometheus"])
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={}", Self::ADDR))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package `prometheus`: cargo xtask setup installs it)");
+        Self { child, dir }
+    }
+
+    /// The value of an instant query's single result (None: no result yet).
+    fn query(&self, lab: &Lab, q: &str) -> Option<f64> {
+        let (status, body) = try_http_get(
+            lab,
+            Self::ADDR,
+            &format!("/api/v1/query?query={}", encode(q)),
+        )
+        .ok()?;
+        if status != 200 {
+            return None;
+        }
+        let v: Value = serde_json::from_str(&body).ok()?;
+        let r = v["data"]["result"].as_array()?;
+        r.first()?["value"][1].as_str()?.parse().ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn prometheus_sees_every_forward_drop_and_promtool_accepts_the_metrics() {
+    if !privileged("prometheus_sees_every_forward_drop_and_promtool_accepts_the_metrics") {
+        return;
+    }
+    let lab = Lab::up("ag1");
+    drop_udp_port(&lab, 7777);
+    let agent = Agent::start(&lab);
+    assert_eq!(http_get(&lab, METRICS, "/healthz").0, 200);
+    let (ready, body) = http_get(&lab, METRICS, "/readyz");
+    assert_eq!(ready, 200, "{body}");
+    let first = scrape(&lab);
+    assert!(
+        sample(&first, "observer_probes_attached", &[]) > 0.0,
+        "{first}"
+    );
+    assert_eq!(
+        sample(&first, "observer_ready", &[("node", "lab-node")]),
+        1.0
+    );
+
+    let prom = Prometheus::start(&lab);
+    let q = "sum(observer_drops_total{hook=\"FORWARD\",table=\"filter\"}) or vector(0)";
+    // Scraped at least once (the target is up) before the packets.
+    wait_for("Prometheus' first scrape", Duration::from_secs(60), || {
+        prom.query(&lab, "up{job=\"observer\"}") == Some(1.0)
+    });
+    let before = prom.query(&lab, q).expect("a value");
+    const N: usize = 7;
+    send_udp(&lab, 7777, N);
+    wait_for("the drops in Prometheus", Duration::from_secs(30), || {
+        prom.query(&lab, q).is_some_and(|v| v >= before + N as f64)
+    });
+    // Exactly N: a few more scrapes change nothing.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(prom.query(&lab, q), Some(before + N as f64));
+
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(
+            &text,
+            "observer_drops_total",
+            &[
+                ("hook", "FORWARD"),
+                ("table", "filter"),
+                ("reason", "NETFILTER_DROP")
+            ]
+        ),
+        before + N as f64,
+        "{text}"
+    );
+    assert!(
+        sample(
+            &text,
+            "observer_packets_total",
+            &[("hook", "FORWARD"), ("table", "filter")]
+        ) >= N as f64
+    );
+    assert!(!text.contains("198.51.100.10"), "no address in any label");
+    // promtool's own linter accepts the exposition.
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`)");
+    std::io::Write::write_all(p.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(p.stdin.take());
+    let out = p.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(prom);
+
+    // SIGTERM: detached, exit 0, within 2 s.
+    let socket = agent.socket.clone();
+    let (status, stderr, took) = agent.stop("TERM");
+    assert!(status.success(), "{stderr}");
+    assert!(took < Duration::from_secs(2), "exit took {took:?}");
+    assert!(!socket.exists(), "the socket is removed at exit");
+}
+
+fn dst_port(r: &Value) -> u64 {
+    let dst = r["stages"][0]["before"]["dst"].as_str().unwrap_or("");
+    dst.rsplit(':').next().unwrap_or("0").parse().unwrap_or(0)
+}
+
+#[test]
+fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
+    if !privileged("two_clients_with_their_own_filters_each_get_exactly_their_flows") {
+        return;
+    }
+    let lab = Lab::up("ag2");
+    drop_udp_port(&lab, 7003);
+    let agent = Agent::start(&lab);
+    // The socket is root-only: traces carry addresses.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&agent.socket)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // Service names from kube-proxy's rules in the lab (iptables mode).
+    let names: Value = serde_json::from_str(&unix_get(&agent.socket, "/v1/names")).unwrap();
+    assert!(
+        names["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["addr"] == "10.10.10.2"
+                && s["proto"] == "tcp"
+                && s["port"] == 22
+                && s["service"] == "default/registry:ssh"),
+        "{names}"
+    );
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let a = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp dst port 7001",
+        "--timeout",
+        "12",
+    ]);
+    let b = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--output",
+        "line",
+        "--filter",
+        "udp and dst port 7002",
+        "--timeout",
+        "12",
+    ]);
+    wait_for("both clients subscribed", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_subscribers", &[]) == 2.0
+    });
+    send_udp(&lab, 7001, 5);
+    send_udp(&lab, 7002, 3);
+    send_udp(&lab, 7003, 4);
+    let (a_lines, a_err) = a.finish(Duration::from_secs(30));
+    let (b_lines, b_err) = b.finish(Duration::from_secs(30));
+    let reports: Vec<Value> = a_lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(reports.len(), 5, "{a_lines:#?} {a_err}");
+    assert!(reports.iter().all(|r| dst_port(r) == 7001), "{a_lines:#?}");
+    assert!(a_err.contains("0 skipped"), "{a_err}");
+    assert_eq!(b_lines.len(), 3, "{b_lines:#?} {b_err}");
+    assert!(b_lines.iter().all(|l| l.contains(":7002")), "{b_lines:#?}");
+
+    // The flight recorder holds the drops to 7003, and only drops.
+    let (lines, err) =
+        Client::start(&["drops", "--agent", &sock, "--json"]).finish(Duration::from_secs(10));
+    let drops: Vec<Value> = lines
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        drops.iter().all(|r| r["fate"]["kind"] == "dropped"),
+        "{lines:#?}"
+    );
+    assert_eq!(
+        drops.iter().filter(|r| dst_port(r) == 7003).count(),
+        4,
+        "{lines:#?} {err}"
+    );
+    let (tree, _) = Client::start(&[
+        "drops",
+        "--agent",
+        &sock,
+        "--filter",
+        "udp dst port 7003",
+        "--count",
+        "1",
+    ])
+    .finish(Duration::from_secs(10));
+    assert!(
+        tree.iter().any(|l| l.contains("DROPPED in FORWARD/filter")),
+        "{tree:#?}"
+    );
+    // A bad filter is refused with the reason.
+    let out = Command::new(observer_tests::lab::observer_bin())
+        .args(["tail", "--agent", &sock, "--filter", "udp port"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("bad filter"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Link and program ids the process holds (from its fds' fdinfo).
+fn bpf_ids(pid: u32) -> (Vec<u64>, Vec<u64>) {
+    let mut links = Vec::new();
+    let mut progs = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .flatten()
+    {
+        let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+        for l in text.lines() {
+            if let Some(v) = l.strip_prefix("link_id:") {
+                links.push(v.trim().parse().unwrap());
+            }
+            if let Some(v) = l.strip_prefix("prog_id:") {
+                progs.push(v.trim().parse().unwrap());
+            }
+        }
+    }
+    (links, progs)
+}
+
+fn node_rules(lab: &Lab) -> String {
+    let node = lab.ns("node");
+    let ipt = run(&["ip", "netns", "exec", &node, "iptables-save"]);
+    // Stateless: without the counters, which traffic changes.
+    let nft = run(&["ip", "netns", "exec", &node, "nft", "-s", "list", "ruleset"]);
+    let strip = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            // A chain's policy counters: `:INPUT ACCEPT [0:0]`.
+            .map(|l| match l.rfind(" [") {
+                Some(i) if l.starts_with(':') => &l[..i],
+                _ => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    format!("{}\n{}", strip(&ipt.stdout), strip(&nft.stdout))
+}
+
+#[test]
+fn sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves() {
+    if !privileged("sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves") {
+        return;
+    }
+    let lab = Lab::up("ag3");
+    let rules = node_rules(&lab);
+    let agent = Agent::start(&lab);
+    let (links, progs) = bpf_ids(agent.pid());
+    assert!(links.len() > 5, "the agent holds its links: {links:?}");
+    let (status, _, _) = agent.stop("KILL");
+    assert!(!status.success());
+    let live_links =
+        || String::from_utf8_lossy(&run(&["bpftool", "link", "show", "-j"]).stdout).into_owned();
+    wait_for("the links to go", Duration::from_secs(10), || {
+        let v: Value = serde_json::from_str(&live_links()).unwrap_or(Value::Null);
+        let ids: Vec<u64> = v
+            .as_array()
+            .map(|a| a.iter().filter_map(|l| l["id"].as_u64()).collect())
+            .unwrap_or_default();
+        !links.iter().any(|l| ids.contains(l))
+    });
+    wait_for("the programs to go", Duration::from_secs(10), || {
+        progs.iter().all(|p| {
+            !Command::new("bpftool")
+                .args(["prog", "show", "id", &p.to_string()])
+                .output()
+                .unwrap()
+                .status
+                .success()
+        })
+    });
+    assert!(node_rules(&lab) == rules, "the agent changed a rule");
+    // A restarted agent takes over the socket left behind and serves, on TCP too with
+    // --listen (in the node's namespace, where the client then runs).
+    let agent = Agent::start_with(&lab, &["--listen", "127.0.0.1:9967"]);
+    assert_eq!(http_get(&lab, METRICS, "/readyz").0, 200);
+    let bin = observer_tests::lab::observer_bin();
+    let node = lab.ns("node");
+    let c = Client::start_cmd(
+        Command::new("ip")
+            .args(["netns", "exec", &node])
+            .arg(&bin)
+            .args([
+                "tail",
+                "--agent",
+                "127.0.0.1:9967",
+                "--json",
+                "--filter",
+                "udp dst port 7010",
+            ])
+            .args(["--count", "2", "--timeout", "20"]),
+    );
+    wait_for("the client subscribed", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_subscribers", &[]) == 1.0
+    });
+    send_udp(&lab, 7010, 2);
+    let (lines, err) = c.finish(Duration::from_secs(30));
+    assert_eq!(lines.len(), 2, "{lines:#?} {err}");
+    assert!(err.contains("ended by \"count\""), "{err}");
+    drop(agent);
+}
+
+#[test]
+fn the_agent_follows_rule_and_interface_churn() {
+    if !privileged("the_agent_follows_rule_and_interface_churn") {
+        return;
+    }
+    let lab = Lab::up("ag4");
+    let node = lab.ns("node");
+    let _agent = Agent::start(&lab);
+    let first = scrape(&lab);
+    let generation = sample(&first, "observer_ruleset_generation", &[]);
+    let interfaces = sample(&first, "observer_interfaces", &[]);
+    // A base chain added while running, as kube-proxy's nftables mode or a restarted CNI
+    // would: bracketed, and its drops counted at its own place.
+    let rules = "table inet obsagent {\n chain late {\n  type filter hook forward priority -5; policy accept;\n  udp dport 7778 drop\n }\n}\n";
+    let file = std::env::temp_dir().join(format!("{}-fwd.nft", lab.prefix));
+    std::fs::write(&file, rules).unwrap();
+    run(&[
+        "ip",
+        "netns",
+        "exec",
+        &node,
+        "nft",
+        "-f",
+        file.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_file(&file);
+    wait_for("the re-plan", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_ruleset_generation", &[]) > generation
+    });
+    send_udp(&lab, 7778, 4);
+    wait_for("the drops at prio:-5", Duration::from_secs(10), || {
+        sample(
+            &scrape(&lab),
+            "observer_drops_total",
+            &[("hook", "FORWARD"), ("table", "prio:-5")],
+        ) == 4.0
+    });
+    // Interfaces that come and go.
+    run(&[
+        "ip", "-n", &node, "link", "add", "agv0", "type", "veth", "peer", "name", "agv1",
+    ]);
+    wait_for("the new interfaces", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_interfaces", &[]) == interfaces + 2.0
+    });
+    run(&["ip", "-n", &node, "link", "del", "agv0"]);
+    wait_for("the interfaces gone", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_interfaces", &[]) == interfaces
+    });
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(&text, "observer_attach_failures_total", &[]),
+        0.0,
+        "{text}"
+    );
+    assert_eq!(sample(&text, "observer_ready", &[]), 1.0);
+}
