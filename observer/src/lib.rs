@@ -1,33 +1,24 @@
-//! observer's library: everything the binary does, one module per stage of the data flow
-//! (probes -> ring buffer -> decode -> correlate -> report, with rule naming) plus the lab
-//! and its traffic. The traversal type and its renderers are `observer-model`'s; the live
-//! node's rules are read by `observer-rules`' `live` module.
+//! observer's library, by layer (docs/architecture.md):
+//! - [`kernel`]: BTF offsets, the probe plan, loading and attaching the probes, keeping them
+//!   attached;
+//! - [`pipeline`]: ring-buffer bytes -> decode -> correlate -> report (annotate, name the
+//!   rules) -> rendered, one record at a time;
+//! - [`output`]: stdout's writer, recordings, pcap-ng;
+//! - [`commands`]: tail, replay, explain, lab, agent; [`k8s`]: names for the agent.
+//!
+//! The traversal type and its renderers are `observer-model`'s; the live node's rules are
+//! read by `observer-rules`' `live` module. The flat paths below (`observer::tail`,
+//! `observer::report`, ...) name the same modules.
 
-pub mod agent;
-pub mod annotate;
-pub mod btf;
-pub mod correlate;
-pub mod decode;
-pub mod explain;
-pub mod filter;
+pub mod commands;
 pub mod k8s;
-pub mod kallsyms;
-pub mod lab;
+pub mod kernel;
+pub mod output;
+pub mod pipeline;
+
+pub use commands::{agent, explain, lab, replay, tail, traffic};
+pub use kernel::{btf, filter, kallsyms, netns, nf_link, nftwatch, plan, probes, upkeep};
 /// Mark names live in the model, shared with explain.
 pub use observer_model::marks;
-pub mod netns;
-pub mod nf_link;
-pub mod nftwatch;
-pub mod output;
-pub mod pcapng;
-pub mod pipeline;
-pub mod plan;
-pub mod probes;
-pub mod recording;
-pub mod render_cache;
-pub mod replay;
-pub mod report;
-pub mod rulenames;
-pub mod tail;
-pub mod traffic;
-pub mod upkeep;
+pub use output::{pcapng, recording};
+pub use pipeline::{annotate, correlate, decode, render_cache, report, rulenames};

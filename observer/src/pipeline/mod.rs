@@ -7,6 +7,13 @@
 //! With a [`Recorder`] attached, every record handled is saved with whatever context it
 //! needed that the file does not hold yet (docs/recording.md).
 
+pub mod annotate;
+pub mod correlate;
+pub mod decode;
+pub mod render_cache;
+pub mod report;
+pub mod rulenames;
+
 use std::collections::HashMap;
 use std::io::Write;
 
@@ -21,7 +28,6 @@ use crate::marks::MarkDictionary;
 use crate::plan::HookPlan;
 use crate::recording::{Meta, Recorder};
 use crate::render_cache::{Outcome as Counts, RenderCache};
-use crate::report;
 use crate::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
 

@@ -91,10 +91,7 @@ pub struct Context<'a> {
     pub rules: Option<&'a crate::rulenames::RuleNamer>,
 }
 
-/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
-pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
-    observer_model::endpoint(e.addr, has_port.then_some(e.port))
-}
+pub use crate::annotate::endpoint;
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
     Some(Snapshot::new(
@@ -668,8 +665,8 @@ mod tests {
     /// A rule namer over the lab node's rules and sets (cali1a2b masquerades to the
     /// synthetic traversal's node address).
     fn lab_namer() -> crate::rulenames::RuleNamer {
-        let v4 = observer_rules::parse_save(include_str!("../../lab/node.rules")).unwrap();
-        let sets = observer_rules::parse_ipsets(include_str!("../../lab/node.ipsets")).unwrap();
+        let v4 = observer_rules::parse_save(include_str!("../../../lab/node.rules")).unwrap();
+        let sets = observer_rules::parse_ipsets(include_str!("../../../lab/node.ipsets")).unwrap();
         let mut sim =
             observer_rules::Simulator::owned(v4, Default::default(), sets, Default::default());
         sim.iface_addrs
@@ -812,13 +809,13 @@ mod tests {
             )
             .unwrap()
         };
-        let lab = include_str!("../../lab/node.rules");
+        let lab = include_str!("../../../lab/node.rules");
         let routes = r#"[{"dst":"default","dev":"eth1","flags":[]},
             {"dst":"10.201.0.0/24","dev":"calir0","flags":[]}]"#;
         let reqs = [
             observer_rules::ExplainRequest {
                 iptables_save: Some(lab.into()),
-                ipset_save: Some(include_str!("../../lab/node.ipsets").into()),
+                ipset_save: Some(include_str!("../../../lab/node.ipsets").into()),
                 packet: "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 out cali1a2b".into(),
                 ..Default::default()
             },
@@ -851,7 +848,7 @@ mod tests {
 
     #[test]
     fn documented_schema_matches() {
-        let doc = include_str!("../../docs/json-schema.md");
+        let doc = include_str!("../../../docs/json-schema.md");
         let documented = documented_traversals(doc);
         assert_eq!(documented.len(), 2, "an observed and a predicted example");
         let (t, plans) = forwarded();

@@ -393,7 +393,7 @@ fn escape(v: &str) -> String {
 mod tests {
     use super::*;
 
-    const GOLDEN: &str = include_str!("../../tests/golden/lab-flows.json");
+    const GOLDEN: &str = include_str!("../../../tests/golden/lab-flows.json");
 
     #[test]
     fn counts_from_real_reports() {

@@ -12,9 +12,13 @@ use observer_model::{
 };
 
 use crate::correlate::{Closed, Traversal};
-use crate::decode::{Conntrack, Observation, Point, Tuple};
+use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
 use crate::nf_link::NfHook;
-use crate::report::endpoint;
+
+/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
+pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
+    observer_model::endpoint(e.addr, has_port.then_some(e.port))
+}
 
 /// `IPS_CONFIRMED`: the entry is in the conntrack table; nat rules are no longer consulted.
 const IPS_CONFIRMED: u64 = 1 << 3;

@@ -15,10 +15,10 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-pub const RULES: &str = include_str!("../../lab/node.rules");
-pub const IPSETS: &str = include_str!("../../lab/node.ipsets");
-pub const RULES6: &str = include_str!("../../lab/node6.rules");
-pub const KUBE_PROXY_NFT: &str = include_str!("../../lab/node-kube-proxy.nft");
+pub const RULES: &str = include_str!("../../../lab/node.rules");
+pub const IPSETS: &str = include_str!("../../../lab/node.ipsets");
+pub const RULES6: &str = include_str!("../../../lab/node6.rules");
+pub const KUBE_PROXY_NFT: &str = include_str!("../../../lab/node-kube-proxy.nft");
 
 /// How kube-proxy programs the lab node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

@@ -1,0 +1,13 @@
+//! Kernel-facing: struct offsets from BTF, where the probes go, loading and attaching them
+//! (Aya for TC, observer's own loader for netfilter programs), keeping them attached while
+//! rules and interfaces change, and the kernel's symbols and namespaces.
+
+pub mod btf;
+pub mod filter;
+pub mod kallsyms;
+pub mod netns;
+pub mod nf_link;
+pub mod nftwatch;
+pub mod plan;
+pub mod probes;
+pub mod upkeep;
