@@ -24,7 +24,7 @@ pub use error::ParseError;
 pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
-pub use live::{LiveError, LiveNode};
+pub use live::{LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};

@@ -51,9 +51,24 @@ impl LiveError {
     }
 }
 
+/// What the commands printed, raw: [`LiveNode::parse`] makes a node of it, and a recording
+/// keeps it so that `observer replay` names the rules as the tail did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LiveTexts {
+    pub iptables: Option<String>,
+    pub ip6tables: Option<String>,
+    pub nft: Option<String>,
+    pub ipset: Option<String>,
+    /// `ip -j -4` and `-6 route show table all`, those read.
+    pub routes: Vec<String>,
+    pub addrs: Option<String>,
+}
+
 /// The node as read at one moment.
 #[derive(Debug, Default)]
 pub struct LiveNode {
+    /// What it was made of.
+    pub texts: LiveTexts,
     pub ruleset: Ruleset,
     pub ipsets: Ipsets,
     pub routes: Routes,
@@ -91,75 +106,84 @@ impl LiveNode {
     /// Reads the node (the calling thread's network namespace). Never fails as a whole:
     /// see [`LiveNode::failures`].
     pub fn read() -> Self {
-        let mut node = LiveNode::default();
-        let keep = |r: Result<String, LiveError>, failures: &mut Vec<LiveError>| match r {
+        let mut failures = Vec::new();
+        let mut keep = |r: Result<String, LiveError>| match r {
             Ok(t) => Some(t),
             Err(e) => {
                 failures.push(e);
                 None
             }
         };
+        let texts = LiveTexts {
+            iptables: keep(run("iptables-save", &["-c"], "iptables")),
+            ip6tables: keep(run("ip6tables-save", &["-c"], "iptables")),
+            nft: keep(run("nft", &["-j", "list", "ruleset"], "nftables")),
+            ipset: keep(run("ipset", &["save"], "ipset")),
+            routes: ["-4", "-6"]
+                .iter()
+                .filter_map(|v| {
+                    keep(run(
+                        "ip",
+                        &["-j", v, "route", "show", "table", "all"],
+                        "iproute2",
+                    ))
+                })
+                .collect(),
+            addrs: keep(run("ip", &["-j", "addr", "show"], "iproute2")),
+        };
+        let mut node = Self::parse(texts);
+        failures.append(&mut node.failures);
+        node.failures = failures;
+        node
+    }
+
+    /// Makes a node of what the commands printed (`read`, or a recording's copy); what does
+    /// not parse is in [`LiveNode::failures`].
+    pub fn parse(texts: LiveTexts) -> Self {
+        let mut node = LiveNode::default();
         let mut failures = Vec::new();
         let unreadable = |cmd: &str, e: &dyn std::fmt::Display| LiveError::Unreadable {
             cmd: cmd.into(),
             message: e.to_string(),
         };
-        if let Some(t) = keep(run("iptables-save", &["-c"], "iptables"), &mut failures) {
-            match parse_save_family(&t, Dialect::V4) {
+        if let Some(t) = &texts.iptables {
+            match parse_save_family(t, Dialect::V4) {
                 Ok(f) => node.ruleset.ipv4 = f,
                 Err(e) => failures.push(unreadable("iptables-save -c", &e)),
             }
-            node.iptables_text = t;
+            node.iptables_text = t.clone();
         }
-        if let Some(t) = keep(run("ip6tables-save", &["-c"], "iptables"), &mut failures) {
-            match parse_save_family(&t, Dialect::V6) {
+        if let Some(t) = &texts.ip6tables {
+            match parse_save_family(t, Dialect::V6) {
                 Ok(f) => node.ruleset.ipv6 = f,
                 Err(e) => failures.push(unreadable("ip6tables-save -c", &e)),
             }
         }
-        if let Some(t) = keep(
-            run("nft", &["-j", "list", "ruleset"], "nftables"),
-            &mut failures,
-        ) {
-            match parse_nft_json(&t) {
+        if let Some(t) = &texts.nft {
+            match parse_nft_json(t) {
                 Ok(n) => node.ruleset.nft = Some(n),
                 Err(e) => failures.push(unreadable("nft -j list ruleset", &e)),
             }
         }
-        if let Some(t) = keep(run("ipset", &["save"], "ipset"), &mut failures) {
-            match parse_ipsets(&t) {
+        if let Some(t) = &texts.ipset {
+            match parse_ipsets(t) {
                 Ok(s) => node.ipsets = s,
                 Err(e) => failures.push(unreadable("ipset save", &e)),
             }
         }
-        let mut routes = Vec::new();
-        for v in ["-4", "-6"] {
-            if let Some(t) = keep(
-                run(
-                    "ip",
-                    &["-j", v, "route", "show", "table", "all"],
-                    "iproute2",
-                ),
-                &mut failures,
-            ) {
-                routes.push(t);
-            }
-        }
-        let texts: Vec<&str> = routes.iter().map(String::as_str).collect();
-        match Routes::parse_json(&texts) {
+        let routes: Vec<&str> = texts.routes.iter().map(String::as_str).collect();
+        match Routes::parse_json(&routes) {
             Ok(r) => node.routes = r,
             Err(e) => failures.push(unreadable("ip -j route show table all", &e)),
         }
-        if let Some(t) = keep(
-            run("ip", &["-j", "addr", "show"], "iproute2"),
-            &mut failures,
-        ) {
-            match parse_addrs(&t) {
+        if let Some(t) = &texts.addrs {
+            match parse_addrs(t) {
                 Some(a) => node.iface_addrs = a,
                 None => failures.push(unreadable("ip -j addr show", &"not a list of links")),
             }
         }
         node.failures = failures;
+        node.texts = texts;
         node
     }
 

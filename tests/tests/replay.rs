@@ -35,8 +35,9 @@ fn recorded_lab_flows_replay_as_printed_live() {
     let dir = std::env::temp_dir().join(format!("{}-rec", lab.prefix));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("lab-flows.obsrec");
-    // Replay names no rules yet (a recording holds no ruleset): compared without them.
-    let tail = Tail::start_with(&lab, &["--no-rules", "--record", file.to_str().unwrap()]);
+    // With rule naming on: the recording holds the ruleset the tail read, and replay names
+    // the same rules from it.
+    let tail = Tail::start_with(&lab, &["--record", file.to_str().unwrap()]);
     let sent = Command::new(observer_bin())
         .args(["lab", "traffic", "--prefix", &lab.prefix])
         .output()
@@ -70,6 +71,16 @@ fn recorded_lab_flows_replay_as_printed_live() {
     for (i, (l, r)) in live.iter().zip(&replayed).enumerate() {
         assert_eq!(l, r, "report {i} differs between live and replay");
     }
+    let named = |r: &Value| {
+        r["stages"].as_array().is_some_and(|st| {
+            st.iter()
+                .any(|s| s["rules"].as_array().is_some_and(|a| !a.is_empty()))
+        })
+    };
+    assert!(
+        replayed.iter().any(named),
+        "replay names the rules the tail named: {json}"
+    );
     // Tree and line print one header line per traversal, in the same order.
     let tree = replay(&file, "tree");
     let line = replay(&file, "line");

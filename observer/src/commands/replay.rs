@@ -139,6 +139,18 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
                 pipeline.add_plans(generation, &plans);
             }
             Frame::Meta(Meta::Replan { from, to }) => pipeline.replanned(from, to),
+            Frame::Meta(Meta::Ruleset {
+                generation,
+                texts,
+                marks,
+            }) => {
+                // Rules named as the tail named them, from the ruleset it read.
+                let live = observer_rules::LiveNode::parse(texts);
+                pipeline.ruleset_changed(
+                    Some(MarkDictionary::from_entries(&marks)),
+                    Some(crate::rulenames::RuleNamer::new(&live, generation)),
+                );
+            }
             Frame::Meta(Meta::Names { ifnames, symbols }) => {
                 let mut n = names.borrow_mut();
                 let renamed = ifnames

@@ -210,6 +210,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     );
     if let Some(r) = recorder {
         pipeline.record_to(r);
+        pipeline.record_ruleset(&live.texts);
     }
     pipeline.packet_info = pcapng.is_some();
     // Interface names in the filter are those of the observed namespace, entered above.
@@ -620,6 +621,7 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNod
         RuleNamer::new(live, generation)
     });
     printer.pipeline.ruleset_changed(marks, namer);
+    printer.pipeline.record_ruleset(&live.texts);
     if crate::upkeep::replan(probes, live) {
         printer
             .pipeline

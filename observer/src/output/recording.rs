@@ -280,6 +280,14 @@ pub enum Meta {
         ifnames: Vec<(u32, String)>,
         symbols: Vec<(u64, String)>,
     },
+    /// The node's ruleset as the tail read it (at start, and after each change), and the
+    /// mark names it gave: replay names rules from it as the tail did. `generation` is the
+    /// rule namer's (it keys its cache).
+    Ruleset {
+        generation: u64,
+        texts: observer_rules::LiveTexts,
+        marks: Vec<(u32, String)>,
+    },
 }
 
 impl Meta {

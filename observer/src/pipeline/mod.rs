@@ -253,6 +253,19 @@ impl Pipeline {
         self.clear_caches();
     }
 
+    /// Notes in the recording the ruleset rules are now named from (with `--record`).
+    pub fn record_ruleset(&mut self, texts: &observer_rules::LiveTexts) {
+        let generation = self.ctx.namer.as_ref().map_or(0, |n| n.generation);
+        let marks = self.ctx.marks.entries();
+        if let (Some(r), true) = (&mut self.recorder, self.ctx.namer.is_some()) {
+            r.meta(&Meta::Ruleset {
+                generation,
+                texts: texts.clone(),
+                marks,
+            });
+        }
+    }
+
     fn clear_caches(&mut self) {
         self.cache.clear();
         self.line_cache.clear();
