@@ -324,4 +324,5 @@ mod pod {
     unsafe impl aya::Pod for super::traversal::TraversalRecord {}
 }
 pub mod filter;
+pub mod parse;
 pub mod traversal;

@@ -16,9 +16,8 @@ use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::ctl;
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, count, decide, direct, field, filtering, is_icmp_error, now, parse_inner,
-    parse_inner_ports, parse_l3, parse_l4, read, read_ct, read_into, scratch, skip_ipv6_ext,
-    windows,
+    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, decide, direct, field, filtering, now,
+    parse_headers, read, read_ct, read_into, scratch, windows,
 };
 
 /// `struct bpf_nf_ctx`: the program's context.
@@ -299,36 +298,34 @@ fn read_headers(
     // The IP header and the first 16 bytes after a 20/40-byte header, in one read.
     read_into(l3, 0, &mut w.pkt)?;
     let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
-    if let Some(ihl) = parse_l3(hdr, ev) {
-        let ihl = if ev.packet.ip_version == 6 {
-            skip_ipv6_ext(ev, ihl, |at| read::<[u8; 4]>(l3, at as u64).ok()).ok_or(())?
-        } else {
-            ihl
-        };
-        if ev.header.flags & flags::NO_L4 == 0 {
-            let l4 = match field::<16>(&w.pkt, ihl as u64, 0) {
-                Ok(l4) => Ok(l4),
-                // IPv4 options push L4 beyond the first read.
-                Err(()) => read::<[u8; 16]>(l3, ihl as u64),
-            };
-            match l4 {
-                Ok(l4) => parse_l4(&l4, ev),
-                Err(()) => ev.header.flags |= flags::NO_L4,
-            }
-            if is_icmp_error(ev) {
-                // The quoted packet starts after the 8-byte ICMP header.
-                let at = l3 + ihl as u64 + 8;
-                if let Ok(inner) = read::<[u8; 40]>(at, 0) {
-                    if let Some(inner_ihl) = parse_inner(&inner, ev) {
-                        if let Ok(ports) = read::<[u8; 4]>(at, inner_ihl as u64) {
-                            parse_inner_ports(&ports, ev);
-                        }
-                    }
-                }
-            }
-        }
-    }
+    parse_headers(&Window { l3, win: &w.pkt }, hdr, ev).ok_or(())?;
     Ok(())
+}
+
+/// The packet from its network header (`l3`, a kernel address): its first bytes as read
+/// into `win`, the rest read when asked.
+struct Window<'a> {
+    l3: u64,
+    win: &'a [u8; PKT_WINDOW_BYTES],
+}
+
+impl PacketReader for Window<'_> {
+    #[inline(always)]
+    fn bytes<const N: usize>(&self, off: usize) -> Option<[u8; N]> {
+        if off + N > PKT_WINDOW_BYTES {
+            // IPv4 options or extension headers push it beyond the first read.
+            return read::<[u8; N]>(self.l3, off as u64).ok();
+        }
+        let mut out = [0u8; N];
+        let mut i = 0;
+        while i < N {
+            // Masked: an index the verifier can bound whatever the compiler did to the
+            // check above (which keeps it inside the window).
+            out[i] = self.win[(off + i) & (PKT_WINDOW_BYTES - 1)];
+            i += 1;
+        }
+        Some(out)
+    }
 }
 
 #[inline(always)]

@@ -5,12 +5,13 @@
 #![no_main]
 
 use aya_ebpf::{macros::classifier, programs::TcContext};
+use observer_common::parse::ip_header_at;
 use observer_common::traversal::{add_reading, decision, end, missing};
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{Found, Place, begin, close_stale, find, finish, opaque};
 use observer_ebpf::{
-    Decide, cfg, count, decide, is_icmp_error, nfct_of, now, parse_inner, parse_inner_ports,
-    parse_l3, parse_l4, read_ct, read_skb_window, scratch, skip_ipv6_ext, windows,
+    Decide, PacketReader, cfg, count, decide, nfct_of, now, parse_headers, read_ct,
+    read_skb_window, scratch, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -129,35 +130,13 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0. Loads
     // are fixed-size (the verifier refuses a length that might be zero) and no longer
     // than the smallest packet of their kind, or they fail on short packets.
-    let (l3, hdr) = load_l3(ctx, 14).or_else(|| load_l3(ctx, 0))?;
-    if let Some(ihl) = parse_l3(&hdr, ev) {
-        let ihl = if ev.packet.ip_version == 6 {
-            skip_ipv6_ext(ev, ihl, |at| ctx.load::<[u8; 4]>(l3 + at).ok())?
-        } else {
-            ihl
-        };
-        let mut l4 = [0u8; 16];
-        let loaded = if ev.packet.l4proto == 6 {
-            ctx.load::<[u8; 16]>(l3 + ihl).map(|b| l4 = b)
-        } else {
-            ctx.load::<[u8; 8]>(l3 + ihl)
-                .map(|b| l4[..8].copy_from_slice(&b))
-        };
-        match loaded {
-            Ok(()) => parse_l4(&l4, ev),
-            Err(_) => ev.header.flags |= flags::NO_L4,
-        }
-        if is_icmp_error(ev) {
-            let at = l3 + ihl + 8;
-            if let Some((_, inner)) = load_l3(ctx, at) {
-                if let Some(inner_ihl) = parse_inner(&inner, ev) {
-                    if let Ok(ports) = ctx.load::<[u8; 4]>(at + inner_ihl) {
-                        parse_inner_ports(&ports, ev);
-                    }
-                }
-            }
-        }
-    }
+    let eth = At { ctx, base: 14 };
+    let raw = At { ctx, base: 0 };
+    let (pkt, hdr) = match ip_header_at(&eth, 0) {
+        Some(h) => (eth, h),
+        None => (raw, ip_header_at(&raw, 0)?),
+    };
+    parse_headers(&pkt, &hdr, ev)?;
     // The context pointer is the kernel's sk_buff: its conntrack entry (set at egress) lets
     // the filter follow NATed packets and shows the connection as it leaves. At ingress a
     // packet has none yet (crossing into a namespace clears it), or, looped back on this
@@ -175,18 +154,17 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     Some(())
 }
 
-/// The IP header at `at`: 20 bytes for IPv4, 40 for IPv6 (zero-padded to 40).
-#[inline(always)]
-fn load_l3(ctx: &TcContext, at: usize) -> Option<(usize, [u8; 40])> {
-    let v4: [u8; 20] = ctx.load(at).ok()?;
-    let mut hdr = [0u8; 40];
-    match v4[0] >> 4 {
-        4 => {
-            hdr[..20].copy_from_slice(&v4);
-            Some((at, hdr))
-        }
-        6 => Some((at, ctx.load(at).ok()?)),
-        _ => None,
+/// The packet as the TC hook has it, from `base` (where its IP header starts).
+#[derive(Clone, Copy)]
+struct At<'a> {
+    ctx: &'a TcContext,
+    base: usize,
+}
+
+impl PacketReader for At<'_> {
+    #[inline(always)]
+    fn bytes<const N: usize>(&self, off: usize) -> Option<[u8; N]> {
+        self.ctx.load::<[u8; N]>(self.base + off).ok()
     }
 }
 
