@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 use crate::btf::TupleLayout;
 use crate::marks::MarkDictionary;
 use crate::nf_link::{NfFamily, NfHook};
-use crate::pipeline::Learned;
 use crate::plan::{HookPlan, Table};
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
 
@@ -297,6 +296,13 @@ impl Meta {
             plans: plans.iter().map(PlanDto::from).collect(),
         }
     }
+}
+
+/// Names a report used: (ifindex, name) and (address, symbol).
+#[derive(Default)]
+pub struct Learned {
+    pub ifnames: Vec<(u32, String)>,
+    pub symbols: Vec<(u64, String)>,
 }
 
 /// Writes a recording as records come. A write that fails stops the recording (said once)

@@ -398,12 +398,7 @@ struct Logged<'a> {
     log: Option<std::cell::RefCell<Learned>>,
 }
 
-/// Names a report used: (ifindex, name) and (address, symbol).
-#[derive(Default)]
-pub struct Learned {
-    pub ifnames: Vec<(u32, String)>,
-    pub symbols: Vec<(u64, String)>,
-}
+pub use crate::recording::Learned;
 
 impl Logged<'_> {
     fn ifname(&self, index: u32) -> String {
