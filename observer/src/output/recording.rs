@@ -16,9 +16,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::btf::TupleLayout;
 use crate::marks::MarkDictionary;
-use crate::nf_link::{NfFamily, NfHook};
 use crate::plan::{HookPlan, Table};
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
+use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub const MAGIC: [u8; 8] = *b"OBSVREC\n";
 /// The format this observer writes and the only one it reads.

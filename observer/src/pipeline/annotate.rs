@@ -13,7 +13,7 @@ use observer_model::{
 
 use crate::correlate::{Closed, Traversal};
 use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
-use crate::nf_link::NfHook;
+use observer_model::Hook as NfHook;
 
 /// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
 pub fn endpoint(e: &Endpoint, has_port: bool) -> String {

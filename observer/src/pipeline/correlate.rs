@@ -14,8 +14,8 @@ use observer_common::{flags, hook};
 
 use crate::btf::TupleLayout;
 use crate::decode::{Conntrack, Endpoint, Observation, Point, addr, tuple};
-use crate::nf_link::{NfFamily, NfHook};
 use crate::plan::HookPlan;
+use observer_model::{Family as NfFamily, Hook as NfHook};
 
 /// Why a traversal ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

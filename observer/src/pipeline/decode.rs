@@ -7,7 +7,7 @@ use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord}
 use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
 
 use crate::btf::TupleLayout;
-use crate::nf_link::{NfFamily, NfHook};
+use observer_model::{Family as NfFamily, Hook as NfHook};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {

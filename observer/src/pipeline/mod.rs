@@ -581,8 +581,8 @@ mod tests {
                 live.add_plans(
                     1,
                     &full_plan(Some(&[(
-                        crate::nf_link::NfFamily::Ipv4,
-                        crate::nf_link::NfHook::Forward,
+                        observer_model::Family::Ipv4,
+                        observer_model::Hook::Forward,
                         -10,
                     )])),
                 );

@@ -15,9 +15,9 @@ use crate::annotate::{self, EndPoint, Names, ObservedStage};
 use crate::correlate::{Closed, Plans, Traversal, missing_text};
 use crate::decode::{Endpoint, Observation, Point};
 use crate::marks::MarkDictionary;
-use crate::nf_link::{NfFamily, NfHook};
 use observer_common::NF_SLOTS;
 use observer_model::ConntrackView;
+use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub use crate::correlate::index_plans;
 

@@ -25,7 +25,7 @@ use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict
 use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
 
 use crate::decode::{Conntrack, Endpoint, Observation};
-use crate::nf_link::NfHook;
+use observer_model::Hook as NfHook;
 
 /// `IPS_SRC_NAT`, `IPS_DST_NAT`, `IPS_CONFIRMED` (`enum ip_conntrack_status`).
 const IPS_SRC_NAT: u64 = 1 << 4;
