@@ -17,7 +17,6 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::btf::KernelLayout;
 use crate::decode::encode_record;
-use crate::nftwatch::NftWatch;
 use crate::output::Writer;
 use crate::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
 pub use crate::pipeline::Output;
@@ -26,7 +25,8 @@ use crate::probes::{KernelCounters, Probes};
 use crate::recording::{Header, Recorder};
 use crate::rulenames::RuleNamer;
 use crate::upkeep::{
-    RULESET_SETTLE, SOCKET_GRACE, attach_probes, legacy_tables, mark_dictionary, now_ns, read_live,
+    RulesetReader, SOCKET_GRACE, attach_probes, legacy_tables, mark_dictionary, now_ns, read_live,
+    watch_ruleset,
 };
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
@@ -417,18 +417,8 @@ async fn event_loop(
     let mut summary = Summary::default();
     let mut last_scan = Instant::now();
     // nf_tables changes: new base chains are bracketed within a second of appearing.
-    // SAFETY: the watch owns its fd and outlives the registration (both live here).
-    let watch = match NftWatch::open().and_then(|w| {
-        unsafe { AsyncFd::register(w) }.map_err(|e| std::io::Error::other(e.to_string()))
-    }) {
-        Ok(w) => Some(w),
-        Err(e) => {
-            warn!("cannot watch nf_tables changes ({e}); chains added later are not bracketed");
-            None
-        }
-    };
-    let mut ruleset_changed: Option<u64> = None;
-    let mut reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)> = None;
+    let watch = watch_ruleset();
+    let mut ruleset = RulesetReader::default();
     let stopped_by: &'static str = loop {
         if opts.count == Some(0) {
             break "--count";
@@ -444,38 +434,14 @@ async fn event_loop(
             guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
                 let mut guard = guard?;
                 if guard.get_inner().drain() {
-                    ruleset_changed.get_or_insert_with(now_ns);
+                    ruleset.changed();
                 }
                 guard.clear_ready();
             }
             _ = tick.tick() => {
                 printer.flush_files();
-                // The node is read on a thread of its own (several commands, a few hundred
-                // ms on a large ruleset): the loop keeps draining meanwhile. The thread is in
-                // the observed namespace, as every thread started after `netns::enter`.
-                if reading.is_none()
-                    && let Some(since) = ruleset_changed
-                    && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
-                {
-                    ruleset_changed = None;
-                    let (tx, rx) = std::sync::mpsc::channel();
-                    std::thread::spawn(move || {
-                        let _ = tx.send(read_live());
-                    });
-                    reading = Some((since, rx));
-                }
-                if let Some((since, rx)) = &reading {
-                    match rx.try_recv() {
-                        Ok(live) => {
-                            replan(&mut probes, &mut printer, *since, &live);
-                            reading = None;
-                        }
-                        Err(std::sync::mpsc::TryRecvError::Empty) => {}
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                            warn!("reading the node after a ruleset change failed: its thread ended early");
-                            reading = None;
-                        }
-                    }
+                if let Some((since, live)) = ruleset.poll() {
+                    replan(&mut probes, &mut printer, since, &live);
                 }
                 printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
                 sweep(&mut probes, &mut printer, &mut summary, opts);
@@ -488,7 +454,7 @@ async fn event_loop(
                     let legacy = legacy_tables().0;
                     if legacy != legacy_names {
                         legacy_names = legacy;
-                        ruleset_changed.get_or_insert_with(now_ns);
+                        ruleset.changed();
                     }
                 }
             }

@@ -185,3 +185,68 @@ pub fn now_ns() -> u64 {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
+
+/// Watches the namespace's nf_tables changes; `None` (said once) when it cannot, and then
+/// chains added later are not bracketed.
+pub fn watch_ruleset() -> Option<tokio::io::unix::AsyncFd<crate::nftwatch::NftWatch>> {
+    // SAFETY: the watch owns its fd and outlives the registration (both are returned).
+    match crate::nftwatch::NftWatch::open().and_then(|w| {
+        unsafe { tokio::io::unix::AsyncFd::register(w) }
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            warn!("cannot watch nf_tables changes ({e}); chains added later are not bracketed");
+            None
+        }
+    }
+}
+
+/// Reads the node again after a ruleset change, once the change has settled
+/// ([`RULESET_SETTLE`]), on a thread of its own (several commands, a few hundred ms on a
+/// large ruleset): the caller's event loop keeps draining meanwhile. The thread is in the
+/// observed namespace, as every thread started after `netns::enter`.
+#[derive(Default)]
+pub struct RulesetReader {
+    /// When the first change not read yet happened (ns).
+    changed: Option<u64>,
+    /// A read under way, and the change it is for.
+    reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)>,
+}
+
+impl RulesetReader {
+    /// The ruleset changed (now).
+    pub fn changed(&mut self) {
+        self.changed.get_or_insert_with(now_ns);
+    }
+
+    /// Once per tick: starts a read when a change has settled; returns the node as read,
+    /// with when the change happened (ns), once the read is done.
+    pub fn poll(&mut self) -> Option<(u64, LiveNode)> {
+        if self.reading.is_none()
+            && let Some(since) = self.changed
+            && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
+        {
+            self.changed = None;
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(read_live());
+            });
+            self.reading = Some((since, rx));
+        }
+        let (since, rx) = self.reading.as_ref()?;
+        match rx.try_recv() {
+            Ok(live) => {
+                let since = *since;
+                self.reading = None;
+                Some((since, live))
+            }
+            Err(std::sync::mpsc::TryRecvError::Empty) => None,
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                warn!("reading the node after a ruleset change failed: its thread ended early");
+                self.reading = None;
+                None
+            }
+        }
+    }
+}

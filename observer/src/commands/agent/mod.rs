@@ -25,12 +25,11 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::btf::KernelLayout;
 use crate::decode::{decode, encode_record};
-use crate::nftwatch::NftWatch;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use crate::probes::Probes;
 use crate::upkeep::{
-    RULESET_SETTLE, SOCKET_GRACE, attach_probes, housekeeping, legacy_tables, mark_dictionary,
-    now_ns, read_live, replan,
+    RulesetReader, SOCKET_GRACE, attach_probes, housekeeping, legacy_tables, mark_dictionary,
+    now_ns, read_live, replan, watch_ruleset,
 };
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use metrics::{Health, Metrics, ReportView};
@@ -332,17 +331,9 @@ async fn event_loop(
     let netns_inode = crate::probes::current_netns_inode()?;
     let mut legacy_names = legacy_tables().0;
     let mut last_scan = Instant::now();
-    // SAFETY: the watch owns its fd and outlives the registration (both live here).
-    let watch = match NftWatch::open().and_then(|w| {
-        unsafe { AsyncFd::register(w) }.map_err(|e| std::io::Error::other(e.to_string()))
-    }) {
-        Ok(w) => Some(w),
-        Err(e) => {
-            warn!("cannot watch nf_tables changes ({e}); chains added later are not bracketed");
-            None
-        }
-    };
-    let mut ruleset_changed: Option<u64> = None;
+    let watch = watch_ruleset();
+    // The node is read again off the event loop: clients and the ring buffer keep going.
+    let mut ruleset = RulesetReader::default();
     let stopped_by: &'static str = loop {
         tokio::select! {
             biased;
@@ -351,18 +342,15 @@ async fn event_loop(
             guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
                 let mut guard = guard?;
                 if guard.get_inner().drain() {
-                    ruleset_changed.get_or_insert_with(now_ns);
+                    ruleset.changed();
                 }
                 guard.clear_ready();
             }
             _ = tick.tick() => {
-                if let Some(since) = ruleset_changed
-                    && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
-                {
-                    ruleset_changed = None;
+                if let Some((since, live)) = ruleset.poll() {
                     // kube-proxy's services change with its rules, plan or no plan.
                     names.refresh_services();
-                    if replan(&mut probes, &read_live()) {
+                    if replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
                         for p in agent.pipelines.all() {
@@ -398,7 +386,7 @@ async fn event_loop(
                     let legacy = legacy_tables().0;
                     if legacy != legacy_names {
                         legacy_names = legacy;
-                        ruleset_changed.get_or_insert_with(now_ns);
+                        ruleset.changed();
                     }
                 }
             }
