@@ -149,7 +149,16 @@ pub mod config {
     /// custom base chain). The others take them from the record's last step, unless they
     /// open a hook's visit.
     pub const READ_HEADERS: u32 = 32;
-    pub const COUNT: u32 = 40;
+    /// Non-zero: the netfilter probes and the drop tracepoint keep the always-on counters
+    /// ([`super::counts`]).
+    pub const COUNTING: u32 = 37;
+    /// Non-zero: counting only; the probes assemble no traversal and the drop tracepoint
+    /// writes what it knows of a dropped packet (`observer agent`'s always-on mode).
+    pub const COUNT_ONLY: u32 = 38;
+    /// Per hook (`NAT_AFTER + hook`), a bitmask of the probe programs right after the nat
+    /// table: where the counters look at the connection's NAT status.
+    pub const NAT_AFTER: u32 = 40;
+    pub const COUNT: u32 = 48;
 }
 
 /// Kernel struct fields the netfilter probes load with one instruction from the typed
@@ -323,6 +332,7 @@ mod pod {
     unsafe impl aya::Pod for super::InnerInfo {}
     unsafe impl aya::Pod for super::traversal::TraversalRecord {}
 }
+pub mod counts;
 pub mod filter;
 pub mod parse;
 pub mod traversal;

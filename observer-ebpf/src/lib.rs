@@ -22,6 +22,7 @@ use observer_common::{
     config, counter, flags,
 };
 
+pub mod counts;
 pub mod inflight;
 pub mod packet_bytes;
 
@@ -357,6 +358,32 @@ pub struct Windows {
 
 /// An IP header (20 or 40 bytes) and the first 16 bytes after it.
 pub const PKT_WINDOW_BYTES: usize = 64;
+
+/// A packet from its network header (`l3`, a kernel address): its first bytes as read
+/// into `win`, the rest read when asked.
+pub struct KernelWindow<'a> {
+    pub l3: u64,
+    pub win: &'a [u8; PKT_WINDOW_BYTES],
+}
+
+impl PacketReader for KernelWindow<'_> {
+    #[inline(always)]
+    fn bytes<const N: usize>(&self, off: usize) -> Option<[u8; N]> {
+        if off + N > PKT_WINDOW_BYTES {
+            // IPv4 options or extension headers push it beyond the first read.
+            return read::<[u8; N]>(self.l3, off as u64).ok();
+        }
+        let mut out = [0u8; N];
+        let mut i = 0;
+        while i < N {
+            // Masked: an index the verifier can bound whatever the compiler did to the
+            // check above (which keeps it inside the window).
+            out[i] = self.win[(off + i) & (PKT_WINDOW_BYTES - 1)];
+            i += 1;
+        }
+        Some(out)
+    }
+}
 
 #[map]
 pub static WINDOWS: PerCpuArray<Windows> = PerCpuArray::with_max_entries(1, 0);

@@ -205,6 +205,9 @@ struct AgentArgs {
     /// Write this file once the probes are attached (tests and scripts).
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
+    /// What the probes do while nobody streams traces.
+    #[arg(long, value_enum, default_value = "counters")]
+    mode: agent::AgentMode,
 }
 
 #[derive(clap::Args)]
@@ -313,6 +316,7 @@ fn run(cli: Cli) -> Result<()> {
                 node,
                 idle: Duration::from_millis(a.idle_ms),
                 ready_file: a.ready_file,
+                mode: a.mode,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

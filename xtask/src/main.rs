@@ -503,10 +503,15 @@ fn need_root(what: &str) -> Result<()> {
 
 /// Starts `observer tail` and waits for its ready file.
 fn start_tail(bin: &Path, args: &[&str], stdout: Stdio) -> Result<Child> {
+    start_observer(bin, "tail", args, stdout)
+}
+
+/// Starts `observer <command>` (tail or agent) and waits for its ready file.
+fn start_observer(bin: &Path, command: &str, args: &[&str], stdout: Stdio) -> Result<Child> {
     let ready = std::env::temp_dir().join(format!("observer-ready-{}", std::process::id()));
     let _ = std::fs::remove_file(&ready);
     let mut child = Command::new(bin)
-        .arg("tail")
+        .arg(command)
         .args(args)
         .arg("--ready-file")
         .arg(&ready)
@@ -515,11 +520,11 @@ fn start_tail(bin: &Path, args: &[&str], stdout: Stdio) -> Result<Child> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !ready.exists() {
         if let Some(status) = child.try_wait()? {
-            bail!("observer tail exited before it was ready: {status}");
+            bail!("observer {command} exited before it was ready: {status}");
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            bail!("observer tail was not ready after 30 s");
+            bail!("observer {command} was not ready after 30 s");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -690,24 +695,35 @@ struct Phase {
     label: &'static str,
     /// None: no observer.
     args: Option<&'static [&'static str]>,
+    /// `agent` (always-on mode, nobody streaming) instead of `tail`.
+    agent: bool,
 }
 
-const PHASES: [Phase; 4] = [
+const PHASES: [Phase; 5] = [
     Phase {
         label: "baseline (no observer)",
         args: None,
+        agent: false,
     },
     Phase {
         label: "floor (probes return at once)",
         args: Some(&["--floor"]),
+        agent: false,
     },
     Phase {
         label: "observer, filter matching nothing",
         args: Some(&["--filter", "host 192.0.2.99"]),
+        agent: false,
     },
     Phase {
         label: "observer tracing everything",
         args: Some(&[]),
+        agent: false,
+    },
+    Phase {
+        label: "agent, always-on (counters)",
+        args: Some(&[]),
+        agent: true,
     },
 ];
 
@@ -725,8 +741,24 @@ fn bench(seconds: u32) -> Result<()> {
         for round in 0..rounds {
             for (i, phase) in PHASES.iter().enumerate() {
                 eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
+                let socket = std::env::temp_dir()
+                    .join(format!("observer-bench-{}.sock", std::process::id()));
+                let socket = socket.to_string_lossy().into_owned();
                 let mut tail = match phase.args {
                     None => None,
+                    Some(_) if phase.agent => Some(start_observer(
+                        bin,
+                        "agent",
+                        &[
+                            "--netns",
+                            node.as_str(),
+                            "--metrics-addr",
+                            "127.0.0.1:19966",
+                            "--socket",
+                            &socket,
+                        ],
+                        Stdio::null(),
+                    )?),
                     Some(args) => {
                         let mut all = vec!["--netns", node.as_str(), "--json", "--stats"];
                         let path = stats_file.to_string_lossy().into_owned();
@@ -738,7 +770,9 @@ fn bench(seconds: u32) -> Result<()> {
                 let r = tcp_rate(prefix, seconds).and_then(|t| Ok((t, udp_rate(prefix, seconds)?)));
                 if let Some(t) = tail.as_mut() {
                     stop(t)?;
-                    if let Ok(text) = std::fs::read_to_string(&stats_file) {
+                    if phase.agent {
+                        // The agent prints no --stats: its counters are in /metrics.
+                    } else if let Ok(text) = std::fs::read_to_string(&stats_file) {
                         let v: serde_json::Value = serde_json::from_str(&text)?;
                         let n = |k: &str| v[k].as_u64().unwrap_or(0);
                         stats[i].0 += n("seen");
@@ -776,7 +810,7 @@ fn bench(seconds: u32) -> Result<()> {
     for (i, phase) in PHASES.iter().enumerate() {
         let (seen, printed, lost) = stats[i];
         let cell = |v: u64| {
-            if phase.args.is_some() {
+            if phase.args.is_some() && !phase.agent {
                 v.to_string()
             } else {
                 "-".into()
@@ -799,7 +833,8 @@ fn bench(seconds: u32) -> Result<()> {
     println!(
         "  (ratio: against the baseline; /floor: against the probes that return at once, the \
          hooks' own price; seen/printed/lost: packets, summed over the rounds, from the \
-         observer's --stats; the floor and the filter print nothing by design)"
+         observer's --stats; the floor and the filter print nothing by design; the agent \
+         counts in the kernel and records only drops, its figures are in its /metrics)"
     );
     println!("\ncollector, synthetic records (observer/examples/collector_bench.rs):");
     run(Command::new("cargo").args([

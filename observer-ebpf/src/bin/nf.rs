@@ -13,12 +13,12 @@ use observer_common::traversal::{
     add_reading, copy_words, decision, end, last_hook, missing, reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
-use observer_ebpf::ctl;
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
-    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, decide, direct, field, filtering, now,
-    parse_headers, read, read_ct, read_into, scratch, windows,
+    Decide, KernelWindow, cfg, count, decide, direct, filtering, now, parse_headers, read_ct,
+    read_into, scratch, windows,
 };
+use observer_ebpf::{counts, ctl};
 
 /// `struct bpf_nf_ctx`: the program's context.
 #[repr(C)]
@@ -84,6 +84,12 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
     // SAFETY: the netfilter context is `struct bpf_nf_ctx`, readable by the program.
     let (state_p, skb_p) = unsafe { ((*ctx).state as *const u8, (*ctx).skb as *const u8) };
     let skb = opaque(skb_p as usize) as u64;
+    if counts::counting() {
+        counts::at_point(state_p, skb_p, skb, program);
+        if counts::count_only() {
+            return;
+        }
+    }
     let _ = try_observe(state_p, skb_p, skb, program);
 }
 
@@ -298,34 +304,8 @@ fn read_headers(
     // The IP header and the first 16 bytes after a 20/40-byte header, in one read.
     read_into(l3, 0, &mut w.pkt)?;
     let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
-    parse_headers(&Window { l3, win: &w.pkt }, hdr, ev).ok_or(())?;
+    parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).ok_or(())?;
     Ok(())
-}
-
-/// The packet from its network header (`l3`, a kernel address): its first bytes as read
-/// into `win`, the rest read when asked.
-struct Window<'a> {
-    l3: u64,
-    win: &'a [u8; PKT_WINDOW_BYTES],
-}
-
-impl PacketReader for Window<'_> {
-    #[inline(always)]
-    fn bytes<const N: usize>(&self, off: usize) -> Option<[u8; N]> {
-        if off + N > PKT_WINDOW_BYTES {
-            // IPv4 options or extension headers push it beyond the first read.
-            return read::<[u8; N]>(self.l3, off as u64).ok();
-        }
-        let mut out = [0u8; N];
-        let mut i = 0;
-        while i < N {
-            // Masked: an index the verifier can bound whatever the compiler did to the
-            // check above (which keeps it inside the window).
-            out[i] = self.win[(off + i) & (PKT_WINDOW_BYTES - 1)];
-            i += 1;
-        }
-        Some(out)
-    }
 }
 
 #[inline(always)]

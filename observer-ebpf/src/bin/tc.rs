@@ -10,7 +10,7 @@ use observer_common::traversal::{add_reading, decision, end, missing};
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{Found, Place, begin, close_stale, find, finish, opaque};
 use observer_ebpf::{
-    Decide, PacketReader, cfg, count, decide, nfct_of, now, parse_headers, read_ct,
+    Decide, PacketReader, cfg, count, counts, decide, nfct_of, now, parse_headers, read_ct,
     read_skb_window, scratch, windows,
 };
 
@@ -35,7 +35,8 @@ pub fn observer_tc_egress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn observe(ctx: &TcContext, at: u8) {
-    if cfg(config::FLOOR).is_some_and(|f| f != 0) {
+    // The floor, or counting only: tcx links are being released.
+    if cfg(config::FLOOR).is_some_and(|f| f != 0) || counts::count_only() {
         return;
     }
     if cfg(config::READY).is_none() {

@@ -115,6 +115,31 @@ impl HookPlan {
         mask
     }
 
+    /// Programs (bits) whose point comes right after the nat table: where the always-on
+    /// counters look at the NAT the kernel applied (observer_common::counts).
+    pub fn after_nat(&self) -> u64 {
+        let mut mask = 0;
+        for i in 1..self.points.len() {
+            if self.table_before(i).is_some_and(|t| &*t.name == "nat") {
+                mask |= 1 << self.programs[i];
+            }
+        }
+        mask
+    }
+
+    /// The table between point `i - 1` and point `i` (none before the first point).
+    pub fn table_before(&self, i: usize) -> Option<&Table> {
+        let (lo, hi) = (*self.points.get(i.checked_sub(1)?)?, *self.points.get(i)?);
+        self.tables
+            .iter()
+            .find(|t| t.priority > lo && t.priority < hi)
+    }
+
+    /// The table between point `i` and point `i + 1` (none after the last point).
+    pub fn table_after(&self, i: usize) -> Option<&Table> {
+        self.table_before(i + 1)
+    }
+
     /// Position of the point where program `program` is attached.
     pub fn point_of(&self, program: usize) -> Option<usize> {
         self.programs.iter().position(|&p| p == program)

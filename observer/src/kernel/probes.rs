@@ -16,7 +16,7 @@ use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
-use observer_common::{config, counter, pending_count};
+use observer_common::{config, counter, counts, pending_count};
 use std::path::PathBuf;
 
 use crate::btf::KernelLayout;
@@ -27,7 +27,7 @@ static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
-const MAPS: [&str; 15] = [
+const MAPS: [&str; 18] = [
     "EVENTS",
     "CTL",
     "INDEX",
@@ -43,6 +43,9 @@ const MAPS: [&str; 15] = [
     "OUT",
     "PACKETS",
     "PACKETS_LOST",
+    "COUNTS",
+    "COUNT_LAST",
+    "DROP_COUNTS",
 ];
 /// Size of the packet-bytes ring buffer with `--pcapng` (about 26,000 packets of 160 bytes).
 const PACKETS_BYTES: u32 = 4 * 1024 * 1024;
@@ -163,6 +166,9 @@ pub struct Probes {
     generation: u8,
     /// Records the collector took out of the fallback map (`pending_count::COLLECTED`).
     collected: u64,
+    /// Whether traversals are recorded (else the probes only count: [`Probes::load_counting`]):
+    /// the tcx, consume_skb and socket probes are attached only then.
+    tracing: bool,
 }
 
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
@@ -175,9 +181,28 @@ fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
 }
 
 impl Probes {
-    /// Loads both objects and configures them with `layout` and the packet `filter`.
-    /// Only the kfree_skb tracepoint is attached yet.
+    /// Loads both objects and configures them with `layout` and the packet `filter`, to
+    /// record traversals. The end probes (tracepoints, sockets) are attached; netfilter
+    /// and tcx are attached by [`Probes::attach_netfilter`] and [`Probes::sync_interfaces`].
     pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
+        Self::load_as(layout, filter, true)
+    }
+
+    /// Loads both objects to keep the always-on counters only (`observer agent`): the
+    /// netfilter probes count and the drop tracepoint counts drops (and records what it
+    /// knows of each dropped packet); nothing else is attached until
+    /// [`Probes::start_tracing`].
+    pub fn load_counting(layout: &KernelLayout) -> Result<Self> {
+        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false)?;
+        let mut config: Array<_, u64> =
+            Array::try_from(probes.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::COUNTING, 1, 0)?;
+        config.set(config::COUNT_ONLY, 1, 0)?;
+        probes.tracing = false;
+        Ok(probes)
+    }
+
+    fn load_as(layout: &KernelLayout, filter: &FilterProgram, tracing: bool) -> Result<Self> {
         if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
             bail!(
                 "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
@@ -230,16 +255,14 @@ impl Probes {
         let btf =
             Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
         for (prog, tp) in END_TRACEPOINTS {
-            let p: &mut BtfTracePoint = ebpf
-                .program_mut(prog)
-                .with_context(|| format!("probe object has no program {prog}"))?
-                .try_into()?;
-            p.load(tp, &btf)
-                .with_context(|| format!("loading the {tp} tracepoint program"))?;
-            p.attach()
-                .with_context(|| format!("attaching to the {tp} tracepoint"))?;
+            // Counting needs the drops only.
+            if tracing || tp == "kfree_skb" {
+                attach_tracepoint(&mut ebpf, &btf, prog, tp)?;
+            }
         }
-        attach_socket_probe(&mut ebpf)?;
+        if tracing {
+            attach_socket_probe(&mut ebpf)?;
+        }
         let fds: HashMap<String, RawFd> = MAPS
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
@@ -255,7 +278,143 @@ impl Probes {
             plans: Vec::new(),
             generation: 0,
             collected: 0,
+            tracing,
         })
+    }
+
+    /// Whether traversals are being recorded (see [`Probes::start_tracing`]).
+    pub fn tracing(&self) -> bool {
+        self.tracing
+    }
+
+    /// From counting only to recording traversals too (a subscriber wants them): attaches
+    /// the end probes, then lets the probes record; tcx follows at the next
+    /// [`Probes::sync_interfaces`] (called here). Whatever an earlier tracing period left in
+    /// the in-flight maps is cleared first: nobody was listening when it ended.
+    pub fn start_tracing(&mut self, filter: &FilterProgram) -> Result<()> {
+        if self.tracing {
+            return Ok(());
+        }
+        self.clear_in_flight()?;
+        {
+            let mut map: Array<_, FilterProgram> =
+                Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
+            map.set(0, filter, 0)?;
+        }
+        let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
+        let (prog, tp) = END_TRACEPOINTS[1];
+        attach_tracepoint(&mut self.ebpf, &btf, prog, tp)?;
+        attach_socket_probe(&mut self.ebpf)?;
+        self.tracing = true;
+        let changes = self.sync_interfaces()?;
+        for (name, e) in &changes.failed {
+            log::warn!("no probes on interface {name}: {e}");
+        }
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::COUNT_ONLY, 0, 0)?;
+        info!("recording traversals: tcx on {}", changes.added.join(", "));
+        Ok(())
+    }
+
+    /// Back to counting only: the probes stop recording at once; the tcx, consume_skb and
+    /// socket probes are released (tcx in the background: each detach waits for RCU).
+    pub fn stop_tracing(&mut self) -> Result<()> {
+        if !self.tracing {
+            return Ok(());
+        }
+        {
+            let mut config: Array<_, u64> =
+                Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+            config.set(config::COUNT_ONLY, 1, 0)?;
+        }
+        self.tracing = false;
+        let taken = self.take_tc_links();
+        std::thread::spawn(move || drop(taken));
+        self.unload_program(END_TRACEPOINTS[1].0);
+        self.unload_program("observer_sock_ingress");
+        info!("counting only: traversals are no longer recorded");
+        Ok(())
+    }
+
+    fn unload_program(&mut self, name: &str) {
+        if let Some(p) = self.ebpf.program_mut(name) {
+            let r = match p {
+                aya::programs::Program::BtfTracePoint(p) => p.unload(),
+                aya::programs::Program::CgroupSkb(p) => p.unload(),
+                _ => Ok(()),
+            };
+            if let Err(e) = r {
+                log::warn!("releasing probe {name}: {e}");
+            }
+        }
+    }
+
+    /// Empties the per-CPU slots and the fallback map (no probe may be using them).
+    fn clear_in_flight(&mut self) -> Result<()> {
+        {
+            let mut slots: PerCpuArray<_, [TraversalRecord; SLOTS_PER_CPU]> =
+                PerCpuArray::try_from(self.ebpf.map_mut("SLOTS").context("no SLOTS map")?)?;
+            let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+            // SAFETY: TraversalRecord is plain data; all zero is a free slot.
+            let empty: [TraversalRecord; SLOTS_PER_CPU] = unsafe { std::mem::zeroed() };
+            slots.set(0, aya::maps::PerCpuValues::try_from(vec![empty; cpus])?, 0)?;
+        }
+        let mut map: BpfHashMap<_, u64, TraversalRecord> =
+            BpfHashMap::try_from(self.ebpf.map_mut("PENDING").context("no PENDING map")?)?;
+        let keys: Vec<u64> = map.keys().filter_map(Result::ok).collect();
+        let mut removed = 0;
+        for k in keys {
+            if map.remove(&k).is_ok() {
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            self.collected += removed;
+            let mut count: Array<_, u64> = Array::try_from(
+                self.ebpf
+                    .map_mut("PENDING_COUNT")
+                    .context("no PENDING_COUNT map")?,
+            )?;
+            count.set(pending_count::COLLECTED, self.collected, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The always-on counters of the points in `points` (rows of
+    /// [`observer_common::counts`]), summed over CPUs.
+    pub fn point_counts(&self, points: &[usize]) -> Result<Vec<(usize, [u64; counts::ROW])>> {
+        let arr: PerCpuArray<_, [u64; counts::ROW]> =
+            PerCpuArray::try_from(self.ebpf.map("COUNTS").context("no COUNTS map")?)?;
+        let mut out = Vec::with_capacity(points.len());
+        for &p in points {
+            let mut sum = [0u64; counts::ROW];
+            for cpu in arr.get(&(p as u32), 0)?.iter() {
+                for (s, v) in sum.iter_mut().zip(cpu) {
+                    *s += v;
+                }
+            }
+            out.push((p, sum));
+        }
+        Ok(out)
+    }
+
+    /// Drops by place (points in `places`, and [`counts::UNKNOWN_PLACE`]) and reason,
+    /// summed over CPUs.
+    pub fn drop_counts(&self, places: &[usize]) -> Result<Vec<(usize, [u64; counts::REASONS])>> {
+        let arr: PerCpuArray<_, [u64; counts::REASONS]> =
+            PerCpuArray::try_from(self.ebpf.map("DROP_COUNTS").context("no DROP_COUNTS map")?)?;
+        let mut out = Vec::with_capacity(places.len() + 1);
+        for &p in places.iter().chain([counts::UNKNOWN_PLACE].iter()) {
+            let mut sum = [0u64; counts::REASONS];
+            for cpu in arr.get(&(p as u32), 0)?.iter() {
+                for (s, v) in sum.iter_mut().zip(cpu) {
+                    *s += v;
+                }
+            }
+            out.push((p, sum));
+        }
+        Ok(out)
     }
 
     /// Attaches a netfilter probe at every point of every plan. A point whose priority is
@@ -274,13 +433,16 @@ impl Probes {
     /// [`HookPlan::header_readers`]); both families' programs share one mask per hook.
     fn set_header_readers(&mut self) -> Result<()> {
         let mut masks = [0u64; 5];
+        let mut nat = [0u64; 5];
         for p in &self.plans {
             masks[p.hook as usize] |= p.header_readers();
+            nat[p.hook as usize] |= p.after_nat();
         }
         let mut config: Array<_, u64> =
             Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         for (hook, mask) in masks.into_iter().enumerate() {
             config.set(config::READ_HEADERS + hook as u32, mask, 0)?;
+            config.set(config::NAT_AFTER + hook as u32, nat[hook], 0)?;
         }
         Ok(())
     }
@@ -377,6 +539,10 @@ impl Probes {
     /// releases the links of those that are gone, and notes renames. An interface where
     /// attaching fails is reported (once) and counted, never skipped silently.
     pub fn sync_interfaces(&mut self) -> Result<InterfaceChanges> {
+        if !self.tracing {
+            // Counting only: no tcx (see `start_tracing`).
+            return Ok(InterfaceChanges::default());
+        }
         let now: HashMap<u32, String> = interfaces().into_iter().collect();
         let mut changes = InterfaceChanges::default();
         let gone: Vec<u32> = self
@@ -516,19 +682,7 @@ impl Probes {
         self.links.clear();
         // Each tcx detach waits for an RCU grace period under the RTNL lock (~10 ms, more
         // under load, one after another): see `release_in_background`.
-        let mut taken = Vec::new();
-        for (_, a) in self.tc.drain() {
-            for (prog, id) in a.links {
-                if let Some(Ok(p)) = self
-                    .ebpf
-                    .program_mut(prog)
-                    .map(<&mut SchedClassifier>::try_from)
-                    && let Ok(link) = p.take_link(id)
-                {
-                    taken.push(link);
-                }
-            }
-        }
+        let taken = self.take_tc_links();
         debug!("detach: netfilter links released after {:?}", t.elapsed());
         for (prog, _) in END_TRACEPOINTS {
             if let Some(Ok(p)) = self
@@ -547,6 +701,24 @@ impl Probes {
             let _ = p.unload();
         }
         release_in_background(taken)
+    }
+
+    /// The tcx links, taken out of the programs so that whoever drops them detaches them.
+    fn take_tc_links(&mut self) -> Vec<aya::programs::tc::SchedClassifierLink> {
+        let mut taken = Vec::new();
+        for (_, a) in self.tc.drain() {
+            for (prog, id) in a.links {
+                if let Some(Ok(p)) = self
+                    .ebpf
+                    .program_mut(prog)
+                    .map(<&mut SchedClassifier>::try_from)
+                    && let Ok(link) = p.take_link(id)
+                {
+                    taken.push(link);
+                }
+            }
+        }
+        taken
     }
 
     /// Traversals the probes still hold (per-CPU slots and the fallback map).
@@ -643,6 +815,21 @@ impl Probes {
     }
 }
 
+/// Loads (when not loaded) and attaches one of the end tracepoints.
+fn attach_tracepoint(ebpf: &mut Ebpf, btf: &Btf, prog: &str, tp: &str) -> Result<()> {
+    let p: &mut BtfTracePoint = ebpf
+        .program_mut(prog)
+        .with_context(|| format!("probe object has no program {prog}"))?
+        .try_into()?;
+    if p.fd().is_err() {
+        p.load(tp, btf)
+            .with_context(|| format!("loading the {tp} tracepoint program"))?;
+    }
+    p.attach()
+        .with_context(|| format!("attaching to the {tp} tracepoint"))?;
+    Ok(())
+}
+
 /// cgroup/skb ingress at the root of the cgroup v2 hierarchy: where a socket takes a packet
 /// (`observer-ebpf/src/bin/tc/ends.rs`). Allows every packet.
 fn attach_socket_probe(ebpf: &mut Ebpf) -> Result<()> {
@@ -654,7 +841,9 @@ fn attach_socket_probe(ebpf: &mut Ebpf) -> Result<()> {
         .program_mut("observer_sock_ingress")
         .context("probe object has no program observer_sock_ingress")?
         .try_into()?;
-    p.load().context("loading the cgroup/skb socket probe")?;
+    if p.fd().is_err() {
+        p.load().context("loading the cgroup/skb socket probe")?;
+    }
     // As a BPF link, which coexists with other programs there; `Single` only means that
     // no attach flags are passed, which links refuse.
     p.attach(

@@ -75,6 +75,19 @@ pub fn attach_probes(
     Ok(probes)
 }
 
+/// Loads the probes to keep the always-on counters (`observer agent`) and attaches them to
+/// every hook user of the current namespace; no tcx until traversals are wanted.
+pub fn attach_counting(layout: &KernelLayout, live: &LiveNode) -> Result<Probes> {
+    let mut probes = Probes::load_counting(layout)?;
+    let users = hook_users(live);
+    probes.attach_netfilter(full_plan(users.as_deref()))?;
+    info!(
+        "attached {} netfilter probes, counting",
+        probes.netfilter_links()
+    );
+    Ok(probes)
+}
+
 /// What runs at each netfilter hook of the namespace: the base chains of its nf_tables
 /// ruleset (native and iptables-nft) and its legacy x_tables. `None` when the ruleset could
 /// not be read (the reader said why): then every standard table is bracketed.

@@ -12,10 +12,13 @@ use aya_ebpf::{
     macros::{btf_tracepoint, cgroup_skb},
     programs::{BtfTracePointContext, SkBuffContext},
 };
-use observer_common::config;
-use observer_common::traversal::{end, status};
-use observer_ebpf::inflight::{Found, find, finish, socket_took};
-use observer_ebpf::{cfg, read};
+use observer_common::traversal::{add_reading, end, missing, status};
+use observer_common::{config, flags, kind};
+use observer_ebpf::inflight::{Found, Place, begin, find, finish, socket_took};
+use observer_ebpf::{
+    KernelWindow, cfg, counts, field, nfct_of, now, parse_headers, read, read_ct, read_into,
+    read_skb_window, scratch, windows,
+};
 
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
 #[btf_tracepoint(function = "kfree_skb")]
@@ -28,6 +31,21 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
         arg(ctx.as_ptr(), 1),
         arg(ctx.as_ptr(), 2),
     );
+    // Counted only when the packet is known to be in the observed namespace: the counting
+    // state outlives a packet that left it (a veth hands the same skb to its peer).
+    if counts::counting() && observed_netns(skb) == Some(true) {
+        let last = counts::last_point_of(skb);
+        counts::drop_at(
+            last.map_or(observer_common::counts::UNKNOWN_PLACE, |p| p as usize),
+            reason,
+        );
+        if counts::count_only() {
+            if let Some(p) = last {
+                let _ = record_drop(skb, p, location, reason);
+            }
+            return 0;
+        }
+    }
     if let Some(f) = ours(skb) {
         f.rec.reason = reason as u32;
         f.rec.location = location;
@@ -36,12 +54,63 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
     0
 }
 
+/// Always-on mode: a dropped packet's record, with what is known at its end: the packet as
+/// it died (read now), the last point it passed, the reason and place. Its earlier path was
+/// not recorded (the probes only counted), which the record says.
+#[inline(always)]
+fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), ()> {
+    let (family, hook, program) = observer_common::counts::point_parts(point as usize);
+    let ev = scratch().ok_or(())?;
+    let w = windows().ok_or(())?;
+    ev.header.kind = kind::PACKET;
+    ev.header.family = if family == 0 {
+        observer_common::family::IPV4
+    } else {
+        observer_common::family::IPV6
+    };
+    ev.header.hook = hook as u8;
+    ev.header.skb = skb;
+    ev.header.ts_ns = now();
+    let start = read_skb_window(skb, w)?;
+    let word = |slot: u32| cfg(slot).ok_or(());
+    ev.packet.mark = u32::from_ne_bytes(field(&w.skb, word(config::SKB_MARK)?, start)?);
+    ev.packet.len = u32::from_ne_bytes(field(&w.skb, word(config::SKB_LEN)?, start)?);
+    let head = u64::from_ne_bytes(field(&w.skb, word(config::SKB_HEAD)?, start)?);
+    let nh = u16::from_ne_bytes(field(&w.skb, word(config::SKB_NETWORK_HEADER)?, start)?);
+    let nfct = nfct_of(w, start)?;
+    let mut read_ok = false;
+    let l3 = head + u64::from(nh);
+    if read_into(l3, 0, &mut w.pkt).is_ok() {
+        let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
+        read_ok = parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).is_some();
+    }
+    if read_ct(nfct, &mut ev.ct, w, true) == Ok(true) {
+        ev.header.flags |= flags::CT;
+    }
+    let rec = begin(skb, ev.header.ts_ns).ok_or(())?;
+    rec.incomplete |= missing::START;
+    if !read_ok {
+        rec.incomplete |= missing::READ;
+    }
+    add_reading(rec, ev, program as u8);
+    rec.reason = reason as u32;
+    rec.location = location;
+    finish(
+        Found {
+            rec,
+            place: Place::Slot,
+        },
+        end::DROPPED,
+    );
+    Ok(())
+}
+
 /// The kernel freed a packet without calling it a drop: `consume_skb(skb, location)`.
 /// A fragment merged by defragmentation is freed this way too, on whatever CPU frees the
 /// datagram it became part of: its record waits in the fallback map for that.
 #[btf_tracepoint(function = "consume_skb")]
 pub fn observer_consume_skb(ctx: BtfTracePointContext) -> i32 {
-    if floor() {
+    if floor() || counts::count_only() {
         return 0;
     }
     let (skb, location) = (arg(ctx.as_ptr(), 0), arg(ctx.as_ptr(), 1));
@@ -88,7 +157,7 @@ fn ours(skb: u64) -> Option<Found> {
 /// Always returns 1: the packet is allowed, as it would be without us.
 #[cgroup_skb]
 pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
-    if floor() {
+    if floor() || counts::count_only() {
         return 1;
     }
     let skb = ctx.skb.skb as u64;
@@ -101,16 +170,23 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
 /// True unless the skb's device (or socket) is known to live in another namespace.
 #[inline(always)]
 fn in_observed_netns(skb: u64) -> bool {
+    observed_netns(skb) != Some(false)
+}
+
+/// Whether the skb's device (or, without one, its socket) lives in the observed namespace;
+/// `None` when neither says.
+#[inline(always)]
+fn observed_netns(skb: u64) -> Option<bool> {
     let (Some(want), Some(dev_off), Some(net_off), Some(inum_off)) = (
         cfg(config::OBSERVED_NETNS),
         cfg(config::SKB_DEV),
         cfg(config::NETDEV_NET),
         cfg(config::NET_INUM),
     ) else {
-        return true;
+        return None;
     };
     let Ok(dev) = read::<u64>(skb, dev_off) else {
-        return true;
+        return None;
     };
     // Without a device (some locally generated packets), the socket names the namespace.
     let net = if dev != 0 {
@@ -119,13 +195,12 @@ fn in_observed_netns(skb: u64) -> bool {
         match (cfg(config::SKB_SK), cfg(config::SOCK_NET)) {
             (Some(sk_off), Some(sknet_off)) => match read::<u64>(skb, sk_off) {
                 Ok(sk) if sk != 0 => read::<u64>(sk, sknet_off),
-                _ => return true,
+                _ => return None,
             },
-            _ => return true,
+            _ => return None,
         }
     };
-    match net.and_then(|net| read::<u32>(net, inum_off)) {
-        Ok(inum) => u64::from(inum) == want,
-        Err(()) => true,
-    }
+    net.and_then(|net| read::<u32>(net, inum_off))
+        .ok()
+        .map(|inum| u64::from(inum) == want)
 }

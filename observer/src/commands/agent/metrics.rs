@@ -167,6 +167,12 @@ pub struct Health {
     pub flight_recorder_held: u64,
     pub flight_recorder_capacity: u64,
     pub ready: bool,
+    /// Always-on mode: packets whose earlier mark changes could not be attributed to a
+    /// table (they waited or changed CPU between two probes).
+    pub unattributed: u64,
+    /// Whether traversals are being recorded (always in `--mode trace`; in the always-on
+    /// mode while a streaming client is connected).
+    pub tracing: bool,
 }
 
 type Labels = Vec<String>;
@@ -365,6 +371,18 @@ impl Metrics {
             "gauge",
             "How many dropped traversals the flight recorder holds at most.",
             h.flight_recorder_capacity,
+        );
+        one(
+            "observer_mark_changes_unattributed_total",
+            "counter",
+            "Packets whose mark changes before some probe point could not be attributed to a              table (they waited in a queue or changed CPU between two probes): those changes              are missing from observer_mark_changes_total.",
+            h.unattributed,
+        );
+        one(
+            "observer_tracing",
+            "gauge",
+            "1 while whole traversals are recorded (--mode trace, or a streaming client is              connected); 0 while the probes only count.",
+            u64::from(h.tracing),
         );
         one(
             "observer_ready",

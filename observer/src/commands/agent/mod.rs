@@ -10,6 +10,7 @@
 pub mod client;
 pub mod http;
 pub mod hub;
+pub mod kcounts;
 pub mod metrics;
 
 use std::os::unix::fs::PermissionsExt;
@@ -28,10 +29,11 @@ use crate::decode::{decode, encode_record};
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use crate::probes::Probes;
 use crate::upkeep::{
-    RulesetReader, SOCKET_GRACE, attach_probes, housekeeping, legacy_tables, mark_dictionary,
-    now_ns, read_live, replan, watch_ruleset,
+    RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
+    mark_dictionary, now_ns, read_live, replan, watch_ruleset,
 };
 use hub::{FlightRecorder, Held, Hub, Rendered};
+use kcounts::{KernelCounts, Naming};
 use metrics::{Health, Metrics, ReportView};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
@@ -57,7 +59,26 @@ pub struct AgentOptions {
     pub node: String,
     pub idle: Duration,
     pub ready_file: Option<PathBuf>,
+    pub mode: AgentMode,
 }
+
+/// What the probes do while no streaming client wants traces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AgentMode {
+    /// Always-on: the probes keep counters in the kernel (per family, hook and table:
+    /// packets, mark bits set and cleared, NAT by kind and source, drops by reason and
+    /// place) and record each dropped packet as it died, for the flight recorder. Whole
+    /// traversals are recorded only while a streaming client is connected (tcx and the
+    /// socket probes are attached for that time).
+    Counters,
+    /// Record every traversal, all the time (the metrics are taken from them, as `tail`
+    /// sees them; costs what `tail` costs).
+    Trace,
+}
+
+/// How long the always-on mode keeps recording traversals after the last streaming client
+/// left (a client that reconnects does not pay the attach again).
+const TRACING_LINGER: Duration = Duration::from_secs(5);
 
 /// Records handled before the event loop looks at signals, timers and clients again.
 const BATCH: usize = 1024;
@@ -102,9 +123,13 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // are answered once they are (the runtime has one thread); /readyz then says ready.
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
-        let mut probes = attach_probes(&layout, &FilterProgram::KEEP_ALL, &live)?;
+        let mut probes = match opts.mode {
+            AgentMode::Trace => attach_probes(&layout, &FilterProgram::KEEP_ALL, &live)?,
+            AgentMode::Counters => attach_counting(&layout, &live)?,
+        };
         let ring = probes.take_ring()?;
-        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names).await
+        let naming = (marks, layout.drop_reasons.clone());
+        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
     })
 }
 
@@ -186,6 +211,11 @@ struct Agent {
     unusable: u64,
     /// Interfaces in the namespace, as last counted.
     interfaces: u64,
+    mode: AgentMode,
+    /// The always-on mode's counters, as last read.
+    kernel: KernelCounts,
+    marks: crate::marks::MarkDictionary,
+    reasons: std::collections::HashMap<u32, String>,
 }
 
 impl Agent {
@@ -208,7 +238,10 @@ impl Agent {
         };
         let dropped = match ReportView::from_json(&json) {
             Ok(v) => {
-                self.metrics.observe(&v);
+                // In the always-on mode the kernel counts every packet itself.
+                if self.mode == AgentMode::Trace {
+                    self.metrics.observe(&v);
+                }
                 v.is_drop()
             }
             Err(e) => {
@@ -242,6 +275,28 @@ impl Agent {
         self.handle(&encode_record(rec));
     }
 
+    /// Always-on mode: adds what the kernel's counters gained to the metrics.
+    fn read_counts(&mut self, probes: &Probes) {
+        if self.mode != AgentMode::Counters {
+            return;
+        }
+        let points = KernelCounts::points(&probes.plans);
+        let read = probes
+            .point_counts(&points)
+            .and_then(|rows| Ok((rows, probes.drop_counts(&points)?)));
+        match read {
+            Ok((rows, drops)) => {
+                let names = Naming {
+                    marks: &self.marks,
+                    reasons: &self.reasons,
+                };
+                self.kernel
+                    .apply(&probes.plans, &rows, &drops, &names, &self.metrics);
+            }
+            Err(e) => warn!("reading the probes' counters: {e:#}"),
+        }
+    }
+
     fn add_plans(&mut self, probes: &Probes) {
         for p in self.pipelines.all() {
             p.add_plans(probes.generation(), &probes.plans);
@@ -269,7 +324,11 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
     let flight = agent.hub.flight.lock().unwrap_or_else(|e| e.into_inner());
     agent.metrics.set_health(Health {
         records_lost: k.ringbuf_full,
-        packets_seen: k.seen,
+        packets_seen: if agent.mode == AgentMode::Counters {
+            agent.kernel.seen
+        } else {
+            k.seen
+        },
         netfilter_probes: probes.netfilter_links() as u64,
         interfaces: agent.interfaces,
         ruleset_generation: u64::from(probes.generation()),
@@ -280,9 +339,34 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
         flight_recorder_held: flight.len() as u64,
         flight_recorder_capacity: flight.capacity as u64,
         ready,
+        unattributed: agent.kernel.unattributed,
+        tracing: probes.tracing(),
     });
 }
 
+/// Always-on mode: records traversals while a streaming client is connected, and goes back
+/// to counting only [`TRACING_LINGER`] after the last one left.
+fn follow_subscribers(probes: &mut Probes, agent: &Agent, unwatched_since: &mut Option<Instant>) {
+    let watched = agent.hub.subscribers() > 0;
+    if watched {
+        *unwatched_since = None;
+        if !probes.tracing()
+            && let Err(e) = probes.start_tracing(&FilterProgram::KEEP_ALL)
+        {
+            warn!("recording traversals for a streaming client: {e:#}");
+        }
+    } else if probes.tracing() {
+        let since = *unwatched_since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= TRACING_LINGER {
+            *unwatched_since = None;
+            if let Err(e) = probes.stop_tracing() {
+                warn!("back to counting only: {e:#}");
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn event_loop(
     opts: &AgentOptions,
     mut probes: Probes,
@@ -291,6 +375,10 @@ async fn event_loop(
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     names: &crate::k8s::Names,
+    naming: (
+        crate::marks::MarkDictionary,
+        std::collections::HashMap<u32, String>,
+    ),
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipelines,
@@ -299,7 +387,13 @@ async fn event_loop(
         lost_now: 0,
         unusable: 0,
         interfaces: crate::probes::interfaces().len() as u64,
+        mode: opts.mode,
+        kernel: KernelCounts::default(),
+        marks: naming.0,
+        reasons: naming.1,
     };
+    // Always-on mode: when the last streaming client left.
+    let mut unwatched_since: Option<Instant> = None;
     agent.add_plans(&probes);
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
@@ -350,6 +444,8 @@ async fn event_loop(
                 if let Some((since, live)) = ruleset.poll() {
                     // kube-proxy's services change with its rules, plan or no plan.
                     names.refresh_services();
+                    // Counted under the plan in force: labelled before it changes.
+                    agent.read_counts(&probes);
                     if replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
@@ -370,9 +466,13 @@ async fn event_loop(
                     Err(e) => warn!("reading the probes' fallback map: {e:#}"),
                 }
                 agent.hub.tick();
+                if opts.mode == AgentMode::Counters {
+                    follow_subscribers(&mut probes, &agent, &mut unwatched_since);
+                }
                 update_health(&probes, &agent, true);
                 if last_scan.elapsed() >= Duration::from_secs(1) {
                     last_scan = Instant::now();
+                    agent.read_counts(&probes);
                     let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
                     agent.interfaces = crate::probes::interfaces().len() as u64;
                     if h.names_changed {
@@ -412,6 +512,8 @@ async fn event_loop(
     // What the probes wrote before they stopped goes out still, within a bound.
     let until = Instant::now() + Duration::from_millis(300);
     while Instant::now() < until && drain(ring.get_mut(), &mut agent, 256) > 0 {}
+    agent.read_counts(&probes);
+    update_health(&probes, &agent, false);
     agent.hub.close_all();
     let _ = std::fs::remove_file(&opts.socket);
     // The streams' closing lines, written by the connections' tasks.

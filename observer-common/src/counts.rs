@@ -1,0 +1,165 @@
+//! The always-on counters (`observer agent`'s default mode): kept by the netfilter probes
+//! and the drop tracepoint in per-CPU arrays, summed by userspace, without assembling any
+//! traversal. docs/wire-format.md describes them.
+//!
+//! A *point* is one netfilter probe: (family, hook, program). Each has a row of
+//! [`ROW`] counters for what happened between the packet's previous point and this one (on
+//! the plan, that is the table just before this point): packets that reached it, mark bits
+//! set and cleared, NAT applied. Drops have their own rows, by the last point the packet
+//! passed and the kernel's drop reason.
+
+use crate::NF_SLOTS;
+
+/// Families counted: IPv4 (0) and IPv6 (1).
+pub const FAMILIES: usize = 2;
+/// Netfilter hooks 0..=4.
+pub const HOOKS: usize = 5;
+/// Rows of [`ROW`] counters: one per (family, hook, program).
+pub const POINTS: usize = FAMILIES * HOOKS * NF_SLOTS;
+
+/// Index in a point's row: packets that reached the point.
+pub const PACKETS: usize = 0;
+/// Mark bit `b` set since the packet's previous point: `MARK_SET + b`.
+pub const MARK_SET: usize = 1;
+/// Mark bit `b` cleared since the packet's previous point: `MARK_CLEARED + b`.
+pub const MARK_CLEARED: usize = 33;
+/// NAT the kernel applied to the packet before this point (a point right after the nat
+/// table): destination or source, by the nat chains (the connection's first packet) or
+/// by conntrack's stored translation.
+pub const DNAT_RULES: usize = 65;
+pub const DNAT_CONNTRACK: usize = 66;
+pub const SNAT_RULES: usize = 67;
+pub const SNAT_CONNTRACK: usize = 68;
+/// Packets whose previous point on this CPU was not known (they waited in a queue or
+/// changed CPU, or another packet took their place): mark changes before this point were
+/// not counted for them.
+pub const UNATTRIBUTED: usize = 69;
+pub const ROW: usize = 72;
+
+/// Drop places: every point (the last one the packet passed), and one more for dropped
+/// packets of the observed namespace whose last point is not known.
+pub const DROP_PLACES: usize = POINTS + 1;
+pub const UNKNOWN_PLACE: usize = POINTS;
+/// Drop reasons counted one by one; higher ones count in the last.
+pub const REASONS: usize = 128;
+
+/// The family's index, for `nf_hook_state.pf`.
+#[inline(always)]
+pub fn family_index(pf: u8) -> Option<usize> {
+    match pf {
+        crate::family::IPV4 => Some(0),
+        crate::family::IPV6 => Some(1),
+        _ => None,
+    }
+}
+
+/// The row of a point.
+#[inline(always)]
+pub fn point(family: usize, hook: usize, program: usize) -> usize {
+    (family * HOOKS + hook) * NF_SLOTS + program
+}
+
+/// The (family index, hook, program) of a row: the inverse of [`point`].
+pub fn point_parts(row: usize) -> (usize, usize, usize) {
+    (
+        row / (HOOKS * NF_SLOTS),
+        (row / NF_SLOTS) % HOOKS,
+        row % NF_SLOTS,
+    )
+}
+
+/// What the counting probes remember of a packet between its points, per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LastPoint {
+    /// Kernel address of the `sk_buff` (0: free).
+    pub skb: u64,
+    pub mark: u32,
+    /// Its last point ([`point`]).
+    pub point: u32,
+}
+
+/// Packets remembered per CPU: one being handled, and one that a nested one interrupted.
+pub const LAST_POINTS: usize = 2;
+
+/// `IPS_*` bits of `nf_conn.status` the NAT counters use.
+pub const IPS_CONFIRMED: u64 = 1 << 3;
+pub const IPS_SRC_NAT: u64 = 1 << 4;
+pub const IPS_DST_NAT: u64 = 1 << 5;
+/// `IP_CT_IS_REPLY`: ctinfo values from here on are replies.
+pub const IP_CT_IS_REPLY: u64 = 3;
+
+/// The NAT counter a packet at a point right after the nat table adds to, if the kernel
+/// translated it there: PREROUTING and OUTPUT rewrite destinations, INPUT and POSTROUTING
+/// sources; a reply gets the other direction's translation undone (as `nf_nat_packet`
+/// does). The nat chains ran when the connection was not confirmed yet.
+#[inline(always)]
+pub fn nat_counter(hook: usize, ctinfo: u64, status: u64) -> Option<usize> {
+    let dst_manip =
+        hook == crate::hook::PRE_ROUTING as usize || hook == crate::hook::LOCAL_OUT as usize;
+    let reply = ctinfo >= IP_CT_IS_REPLY;
+    let bit = if dst_manip != reply {
+        IPS_DST_NAT
+    } else {
+        IPS_SRC_NAT
+    };
+    if status & bit == 0 {
+        return None;
+    }
+    let rules = status & IPS_CONFIRMED == 0;
+    Some(match (dst_manip, rules) {
+        (true, true) => DNAT_RULES,
+        (true, false) => DNAT_CONNTRACK,
+        (false, true) => SNAT_RULES,
+        (false, false) => SNAT_CONNTRACK,
+    })
+}
+
+const _: () = assert!(core::mem::size_of::<LastPoint>() == 16);
+const _: () = assert!(UNATTRIBUTED < ROW);
+const _: () = assert!(MARK_CLEARED + 32 <= DNAT_RULES);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hook;
+
+    #[test]
+    fn points_round_trip() {
+        for f in 0..FAMILIES {
+            for h in 0..HOOKS {
+                for p in 0..NF_SLOTS {
+                    assert_eq!(point_parts(point(f, h, p)), (f, h, p));
+                    assert!(point(f, h, p) < POINTS);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nat_follows_the_kernels_manip_rules() {
+        let pre = hook::PRE_ROUTING as usize;
+        let post = hook::POST_ROUTING as usize;
+        // First packet of a DNATed connection at PREROUTING: the rules did it.
+        assert_eq!(nat_counter(pre, 2, IPS_DST_NAT), Some(DNAT_RULES));
+        // Later packets: conntrack did.
+        assert_eq!(
+            nat_counter(pre, 0, IPS_DST_NAT | IPS_CONFIRMED),
+            Some(DNAT_CONNTRACK)
+        );
+        // A DNATed connection's packets are not SNATed at POSTROUTING...
+        assert_eq!(nat_counter(post, 0, IPS_DST_NAT | IPS_CONFIRMED), None);
+        // ...but its replies get their source rewritten back there.
+        assert_eq!(
+            nat_counter(post, 3, IPS_DST_NAT | IPS_CONFIRMED),
+            Some(SNAT_CONNTRACK)
+        );
+        // Masquerade: source at POSTROUTING, and the reply's destination at PREROUTING.
+        assert_eq!(nat_counter(post, 2, IPS_SRC_NAT), Some(SNAT_RULES));
+        assert_eq!(
+            nat_counter(pre, 3, IPS_SRC_NAT | IPS_CONFIRMED),
+            Some(DNAT_CONNTRACK)
+        );
+        assert_eq!(nat_counter(pre, 0, IPS_CONFIRMED), None);
+    }
+}
