@@ -483,3 +483,106 @@ fn the_agent_follows_rule_and_interface_churn() {
     );
     assert_eq!(sample(&text, "observer_ready", &[]), 1.0);
 }
+
+/// The always-on mode (the agent's default) counts in the kernel what the seeds explain:
+/// only a connection's first packet walks the nat chains (the rules DNAT it, KUBE-MARK-MASQ
+/// sets 0x4000, MASQUERADE rewrites its source); every later packet is translated by
+/// conntrack. Checked against the kernel's own rule counters.
+#[test]
+fn always_on_counters_agree_with_the_kernels_rule_counters() {
+    if !privileged("always_on_counters_agree_with_the_kernels_rule_counters") {
+        return;
+    }
+    let lab = Lab::up("ag4");
+    const N: usize = 20;
+    // Something listens at the pod, so no ICMP error comes back through the node.
+    let sink = lab.serve("pod", |ready| {
+        let s = UdpSocket::bind("172.17.0.5:53").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        ready.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        for _ in 0..N {
+            if s.recv(&mut buf).is_err() {
+                break;
+            }
+        }
+    });
+    let agent = Agent::start(&lab);
+    let before = scrape(&lab);
+    assert_eq!(sample(&before, "observer_tracing", &[]), 0.0, "{before}");
+    lab.reset_counters();
+    lab.run_in("client", || {
+        // One flow: one socket, one destination (kube-dns' ClusterIP).
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..N {
+            s.send_to(b"counted", "10.10.10.10:53").unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    sink.join().unwrap();
+    // The agent reads the counters once a second.
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = scrape(&lab);
+    let grew = |name: &str, labels: &[(&str, &str)]| {
+        let mut l = vec![("family", "ipv4")];
+        l.extend_from_slice(labels);
+        sample(&after, name, &l) - sample(&before, name, &l)
+    };
+    let nat = |hook, kind, source| {
+        grew(
+            "observer_nat_total",
+            &[
+                ("hook", hook),
+                ("table", "nat"),
+                ("kind", kind),
+                ("source", source),
+            ],
+        )
+    };
+    let n = N as f64;
+    assert_eq!(nat("PREROUTING", "dnat", "rules"), 1.0, "{after}");
+    assert_eq!(nat("PREROUTING", "dnat", "conntrack"), n - 1.0, "{after}");
+    assert_eq!(nat("POSTROUTING", "snat", "rules"), 1.0, "{after}");
+    assert_eq!(nat("POSTROUTING", "snat", "conntrack"), n - 1.0, "{after}");
+    assert_eq!(
+        grew(
+            "observer_packets_total",
+            &[("hook", "FORWARD"), ("table", "filter")]
+        ),
+        n,
+        "{after}"
+    );
+    // KUBE-MARK-MASQ ran for the first packet only, as its rule counter says.
+    let masq_rule = lab
+        .iptables_counters(Some("nat"))
+        .into_iter()
+        .find(|l| l.contains("-A KUBE-MARK-MASQ "))
+        .expect("the KUBE-MARK-MASQ rule");
+    let kernel: f64 = masq_rule[1..masq_rule.find(':').unwrap()].parse().unwrap();
+    assert_eq!(kernel, 1.0, "{masq_rule}");
+    let set_0x4000 = |text: &str| {
+        text.lines()
+            .filter(|l| {
+                l.starts_with("observer_mark_changes_total{")
+                    && l.contains("hook=\"PREROUTING\"")
+                    && l.contains("table=\"nat\"")
+                    && l.contains("kind=\"set\"")
+                    && (l.contains("mark=\"0x4000\"") || l.contains("masquerade"))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    assert_eq!(set_0x4000(&after) - set_0x4000(&before), kernel, "{after}");
+    // None of the flow's packets was dropped on its way through the node (the scrapes' own
+    // loopback connections may be: QUEUE_PURGE at INPUT), and nothing was recorded whole.
+    for hook in ["PREROUTING", "FORWARD", "POSTROUTING"] {
+        assert_eq!(
+            grew("observer_drops_total", &[("hook", hook)]),
+            0.0,
+            "{after}"
+        );
+    }
+    assert_eq!(sample(&after, "observer_tracing", &[]), 0.0);
+    let (status, _, _) = agent.stop("TERM");
+    assert!(status.success());
+}

@@ -97,9 +97,10 @@ impl KernelCounts {
             let Some(at) = places.get(row) else { continue };
             let d = |i: usize| now[i].saturating_sub(prev[i]);
             let (f, h, t) = (at.family, at.hook, at.before.as_str());
-            // Packets at a hook's first point passed no table yet.
-            if t != "none" && d(PACKETS) > 0 {
-                metrics.add(Counter::Packets, &[f, h, t], d(PACKETS));
+            // A packet at a point goes into the table after it (none after the last point):
+            // a packet that table drops is one it had.
+            if at.after != "none" && d(PACKETS) > 0 {
+                metrics.add(Counter::Packets, &[f, h, &at.after], d(PACKETS));
             }
             for b in 0..32 {
                 for (kind, base) in [("set", MARK_SET), ("cleared", MARK_CLEARED)] {
@@ -210,8 +211,9 @@ mod tests {
         let drops = vec![(row_at(fwd, 0), d)];
         k.apply(&plans, &rows, &drops, &names, &metrics);
         let get = |c, l: &[&str]| metrics.get(c, l);
-        assert_eq!(get(Counter::Packets, &["ipv4", "PREROUTING", "nat"]), 10);
-        assert_eq!(get(Counter::Packets, &["ipv4", "FORWARD", "none"]), 0);
+        // Counted into the table after a point: none after PREROUTING's last one.
+        assert_eq!(get(Counter::Packets, &["ipv4", "PREROUTING", "nat"]), 0);
+        assert_eq!(get(Counter::Packets, &["ipv4", "FORWARD", "filter"]), 10);
         assert_eq!(k.seen, 0, "no packets at PREROUTING's first point yet");
         let name = marks.name(0x4000).unwrap_or("0x4000");
         assert_eq!(
@@ -237,9 +239,9 @@ mod tests {
             4
         );
         // Read again with more: only the growth is added.
-        r[PACKETS] = 15;
+        first[PACKETS] = 15;
         d[2] = 5;
-        let rows = vec![(row_at(pre, last), r)];
+        let rows = vec![(row_at(fwd, 0), first)];
         let drops = vec![
             (row_at(fwd, 0), d),
             (counts::UNKNOWN_PLACE, {
@@ -249,7 +251,7 @@ mod tests {
             }),
         ];
         k.apply(&plans, &rows, &drops, &names, &metrics);
-        assert_eq!(get(Counter::Packets, &["ipv4", "PREROUTING", "nat"]), 15);
+        assert_eq!(get(Counter::Packets, &["ipv4", "FORWARD", "filter"]), 15);
         assert_eq!(
             get(Counter::Drops, &["ipv4", "FORWARD", "filter", "NO_SOCKET"]),
             5

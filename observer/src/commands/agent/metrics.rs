@@ -116,7 +116,10 @@ impl Counter {
 
     fn help(self) -> &'static str {
         match self {
-            Self::Packets => "Packets that passed a netfilter table (between its two probes).",
+            Self::Packets => {
+                "Packets that went into a netfilter table (reached the probe just before it; \
+                 those it dropped included)."
+            }
             Self::Traversals => {
                 "Packet traversals by how they ended (forwarded, delivered, sent, dropped, \
                  consumed, looped, reassembled, incomplete)."
