@@ -208,6 +208,10 @@ struct AgentArgs {
     /// What the probes do while nobody streams traces.
     #[arg(long, value_enum, default_value = "counters")]
     mode: agent::AgentMode,
+    /// Benchmarks only: attach the probes of --mode but let each return at once (the
+    /// hooks' own cost).
+    #[arg(long, hide = true)]
+    floor: bool,
 }
 
 #[derive(clap::Args)]
@@ -317,6 +321,7 @@ fn run(cli: Cli) -> Result<()> {
                 idle: Duration::from_millis(a.idle_ms),
                 ready_file: a.ready_file,
                 mode: a.mode,
+                floor: a.floor,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

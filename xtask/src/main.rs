@@ -699,7 +699,7 @@ struct Phase {
     agent: bool,
 }
 
-const PHASES: [Phase; 5] = [
+const PHASES: [Phase; 6] = [
     Phase {
         label: "baseline (no observer)",
         args: None,
@@ -719,6 +719,11 @@ const PHASES: [Phase; 5] = [
         label: "observer tracing everything",
         args: Some(&[]),
         agent: false,
+    },
+    Phase {
+        label: "agent floor (its probes return)",
+        args: Some(&["--floor"]),
+        agent: true,
     },
     Phase {
         label: "agent, always-on (counters)",
@@ -746,19 +751,18 @@ fn bench(seconds: u32) -> Result<()> {
                 let socket = socket.to_string_lossy().into_owned();
                 let mut tail = match phase.args {
                     None => None,
-                    Some(_) if phase.agent => Some(start_observer(
-                        bin,
-                        "agent",
-                        &[
+                    Some(extra) if phase.agent => {
+                        let mut all = vec![
                             "--netns",
                             node.as_str(),
                             "--metrics-addr",
                             "127.0.0.1:19966",
                             "--socket",
                             &socket,
-                        ],
-                        Stdio::null(),
-                    )?),
+                        ];
+                        all.extend_from_slice(extra);
+                        Some(start_observer(bin, "agent", &all, Stdio::null())?)
+                    }
                     Some(args) => {
                         let mut all = vec!["--netns", node.as_str(), "--json", "--stats"];
                         let path = stats_file.to_string_lossy().into_owned();

@@ -60,6 +60,8 @@ pub struct AgentOptions {
     pub idle: Duration,
     pub ready_file: Option<PathBuf>,
     pub mode: AgentMode,
+    /// Benchmarks only: the probes return at once.
+    pub floor: bool,
 }
 
 /// What the probes do while no streaming client wants traces.
@@ -127,6 +129,9 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             AgentMode::Trace => attach_probes(&layout, &FilterProgram::KEEP_ALL, &live)?,
             AgentMode::Counters => attach_counting(&layout, &live)?,
         };
+        if opts.floor {
+            probes.set_floor(true)?;
+        }
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
         event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
