@@ -262,8 +262,11 @@ fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
         "--timeout",
         "12",
     ]);
+    // The always-on agent records whole traversals while a client is connected.
     wait_for("both clients subscribed", Duration::from_secs(10), || {
-        sample(&scrape(&lab), "observer_subscribers", &[]) == 2.0
+        let text = scrape(&lab);
+        sample(&text, "observer_subscribers", &[]) == 2.0
+            && sample(&text, "observer_tracing", &[]) == 1.0
     });
     send_udp(&lab, 7001, 5);
     send_udp(&lab, 7002, 3);
@@ -276,6 +279,15 @@ fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
         .collect();
     assert_eq!(reports.len(), 5, "{a_lines:#?} {a_err}");
     assert!(reports.iter().all(|r| dst_port(r) == 7001), "{a_lines:#?}");
+    // The same reports as tail's: every stage's rules are named.
+    assert!(
+        reports.iter().all(|r| r["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["rules"].as_array().is_some_and(|a| !a.is_empty()))),
+        "{a_lines:#?}"
+    );
     assert!(a_err.contains("0 skipped"), "{a_err}");
     assert_eq!(b_lines.len(), 3, "{b_lines:#?} {b_err}");
     assert!(b_lines.iter().all(|l| l.contains(":7002")), "{b_lines:#?}");
@@ -321,6 +333,10 @@ fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // With no client left, the always-on agent goes back to counting only (after 5 s).
+    wait_for("counting only again", Duration::from_secs(20), || {
+        sample(&scrape(&lab), "observer_tracing", &[]) == 0.0
+    });
 }
 
 /// Link and program ids the process holds (from its fds' fdinfo).

@@ -28,6 +28,7 @@ use crate::btf::KernelLayout;
 use crate::decode::{decode, encode_record};
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use crate::probes::Probes;
+use crate::rulenames::RuleNamer;
 use crate::upkeep::{
     RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
     mark_dictionary, now_ns, read_live, replan, watch_ruleset,
@@ -102,8 +103,8 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         tuple: layout.tuple,
         drop_reasons: layout.drop_reasons.clone(),
         marks: marks.clone(),
-        // Not yet: streams and metrics carry no rule names (see docs/deploy.md).
-        namer: None,
+        // The streams' reports name the rules of every stage, as tail's do.
+        namer: Some(RuleNamer::new(&live, 0)),
     };
     let pipelines = Pipelines {
         json: Pipeline::new(ctx(Output::Json), Box::new(LiveNames::load())),
@@ -280,6 +281,24 @@ impl Agent {
         self.handle(&encode_record(rec));
     }
 
+    /// After a ruleset change: rules and mark bits are named from the node as read again.
+    fn rules_changed(&mut self, live: &observer_rules::LiveNode, marks_file: Option<&PathBuf>) {
+        let marks = match mark_dictionary(live, marks_file) {
+            Ok(m) => {
+                self.marks = m.clone();
+                Some(m)
+            }
+            Err(e) => {
+                warn!("mark names not updated after the ruleset change: {e:#}");
+                None
+            }
+        };
+        for p in self.pipelines.all() {
+            let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
+            p.ruleset_changed(marks.clone(), Some(RuleNamer::new(live, generation)));
+        }
+    }
+
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
     fn read_counts(&mut self, probes: &Probes) {
         if self.mode != AgentMode::Counters {
@@ -451,6 +470,7 @@ async fn event_loop(
                     names.refresh_services();
                     // Counted under the plan in force: labelled before it changes.
                     agent.read_counts(&probes);
+                    agent.rules_changed(&live, opts.marks_file.as_ref());
                     if replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
