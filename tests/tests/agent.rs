@@ -308,6 +308,15 @@ fn two_clients_with_their_own_filters_each_get_exactly_their_flows() {
         4,
         "{lines:#?} {err}"
     );
+    // The probes kept only what a client wanted (the kernel filter serves both clients):
+    // drops of other flows were recorded as they died, not whole.
+    assert!(
+        drops
+            .iter()
+            .filter(|r| dst_port(r) == 7003)
+            .all(|r| r["incomplete"] == true && r["fate"]["hook"] == "FORWARD"),
+        "{lines:#?}"
+    );
     let (tree, _) = Client::start(&[
         "drops",
         "--agent",

@@ -296,11 +296,7 @@ impl Probes {
             return Ok(());
         }
         self.clear_in_flight()?;
-        {
-            let mut map: Array<_, FilterProgram> =
-                Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
-            map.set(0, filter, 0)?;
-        }
+        self.set_filter(filter)?;
         let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
         let (prog, tp) = END_TRACEPOINTS[1];
         attach_tracepoint(&mut self.ebpf, &btf, prog, tp)?;
@@ -314,6 +310,14 @@ impl Probes {
             Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::COUNT_ONLY, 0, 0)?;
         info!("recording traversals: tcx on {}", changes.added.join(", "));
+        Ok(())
+    }
+
+    /// Replaces the probes' filter (packets already decided keep their decision).
+    pub fn set_filter(&mut self, filter: &FilterProgram) -> Result<()> {
+        let mut map: Array<_, FilterProgram> =
+            Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
+        map.set(0, filter, 0)?;
         Ok(())
     }
 

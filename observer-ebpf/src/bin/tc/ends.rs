@@ -12,7 +12,7 @@ use aya_ebpf::{
     macros::{btf_tracepoint, cgroup_skb},
     programs::{BtfTracePointContext, SkBuffContext},
 };
-use observer_common::traversal::{add_reading, end, missing, status};
+use observer_common::traversal::{add_reading, decision, end, missing, status};
 use observer_common::{config, flags, kind};
 use observer_ebpf::inflight::{Found, Place, begin, find, finish, socket_took};
 use observer_ebpf::{
@@ -47,9 +47,19 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
         }
     }
     if let Some(f) = ours(skb) {
+        let left_out = f.rec.decision != decision::KEEP;
         f.rec.reason = reason as u32;
         f.rec.location = location;
         finish(f, end::DROPPED);
+        // The agent records every drop for its flight recorder, also while the filter
+        // serves its streaming clients: one the filter left out is written as it died.
+        if left_out
+            && counts::counting()
+            && observed_netns(skb) == Some(true)
+            && let Some(p) = counts::last_point_of(skb)
+        {
+            let _ = record_drop(skb, p, location, reason);
+        }
     }
     0
 }

@@ -78,6 +78,7 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
         Some("line") => Output::Line,
         Some(o) => return Err(format!("unknown output `{o}`: give json, tree or line")),
     };
+    let expr = q.get("filter").filter(|f| !f.trim().is_empty()).cloned();
     let mut program = match q.get("filter").filter(|f| !f.trim().is_empty()) {
         // Interface names are those of the agent's namespace (the process is in it).
         Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))
@@ -110,6 +111,7 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
     };
     Ok(Request {
         program,
+        expr,
         output,
         count,
         timeout,

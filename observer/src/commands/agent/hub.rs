@@ -30,6 +30,9 @@ pub const MAX_SUBSCRIBERS: usize = 32;
 #[derive(Clone, Debug)]
 pub struct Request {
     pub program: FilterProgram,
+    /// The filter as given (None: everything), for the kernel's filter that serves every
+    /// subscriber at once ([`Hub::kernel_filter`]).
+    pub expr: Option<String>,
     pub output: Output,
     pub count: Option<u64>,
     pub timeout: Option<Duration>,
@@ -243,6 +246,29 @@ impl Hub {
         self.subs().len()
     }
 
+    /// The filter the probes need to serve every subscriber: what any of them keeps (each
+    /// still gets only its own matches). None: everything (a subscriber without a filter,
+    /// or none at all).
+    pub fn kernel_filter(&self) -> Option<String> {
+        let subs = self.subs();
+        if subs.is_empty() {
+            return None;
+        }
+        let mut exprs: Vec<&str> = Vec::with_capacity(subs.len());
+        for s in subs.iter() {
+            exprs.push(s.req.expr.as_deref()?);
+        }
+        exprs.sort_unstable();
+        exprs.dedup();
+        Some(
+            exprs
+                .iter()
+                .map(|e| format!("({e})"))
+                .collect::<Vec<_>>()
+                .join(" or "),
+        )
+    }
+
     pub fn skipped_total(&self) -> u64 {
         self.skipped_total
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -440,6 +466,7 @@ mod tests {
     fn request(filter: &str, output: Output, count: Option<u64>) -> Request {
         Request {
             program: crate::filter::compile(filter, &|_| None).unwrap(),
+            expr: (!filter.trim().is_empty()).then(|| filter.to_string()),
             output,
             count,
             timeout: None,
@@ -473,6 +500,35 @@ mod tests {
         assert_eq!(b, vec![serde_json::json!({"text": "tree 80\n"})]);
         assert_eq!(hub.wanted(&rec(80)), (true, false));
         assert_eq!(hub.wanted(&rec(22)), (false, false));
+    }
+
+    #[test]
+    fn the_kernel_filter_keeps_what_any_subscriber_wants() {
+        let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
+        assert_eq!(hub.kernel_filter(), None, "nobody: everything");
+        let _a = hub
+            .subscribe(request("tcp dst port 22", Output::Json, None))
+            .unwrap();
+        let _b = hub
+            .subscribe(request("port 80", Output::Json, None))
+            .unwrap();
+        let _c = hub
+            .subscribe(request("port 80", Output::Line, None))
+            .unwrap();
+        let union = hub.kernel_filter().expect("both filtered");
+        assert_eq!(union, "(port 80) or (tcp dst port 22)");
+        // The union compiles, and keeps exactly what either keeps.
+        let program = crate::filter::compile(&union, &|_| None).unwrap();
+        for (port, kept) in [(22, true), (80, true), (443, false)] {
+            assert_eq!(
+                crate::replay::keeps(&program, &rec(port), &LAYOUT),
+                kept,
+                "port {port}"
+            );
+        }
+        // One subscriber without a filter: everything.
+        let _d = hub.subscribe(request("", Output::Json, None)).unwrap();
+        assert_eq!(hub.kernel_filter(), None);
     }
 
     #[tokio::test]

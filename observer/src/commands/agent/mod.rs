@@ -370,15 +370,41 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
 
 /// Always-on mode: records traversals while a streaming client is connected, and goes back
 /// to counting only [`TRACING_LINGER`] after the last one left.
-fn follow_subscribers(probes: &mut Probes, agent: &Agent, unwatched_since: &mut Option<Instant>) {
+fn follow_subscribers(
+    probes: &mut Probes,
+    agent: &Agent,
+    unwatched_since: &mut Option<Instant>,
+    kernel_filter: &mut Option<String>,
+) {
     let watched = agent.hub.subscribers() > 0;
     if watched {
         *unwatched_since = None;
-        if !probes.tracing()
-            && let Err(e) = probes.start_tracing(&FilterProgram::KEEP_ALL)
-        {
-            warn!("recording traversals for a streaming client: {e:#}");
+        // The probes keep what any subscriber wants; the hub then gives each its own.
+        let wanted = agent.hub.kernel_filter();
+        let changed = !probes.tracing() || wanted != *kernel_filter;
+        let program = match &wanted {
+            Some(expr) if changed => crate::filter::compile(expr, &|name| {
+                crate::probes::ifindex(name)
+            })
+            .unwrap_or_else(|e| {
+                // Each filter compiled alone; together they may be too complex.
+                info!(
+                    "the subscribers' filters together do not compile ({e}): keeping every packet"
+                );
+                FilterProgram::KEEP_ALL
+            }),
+            _ => FilterProgram::KEEP_ALL,
+        };
+        if !probes.tracing() {
+            if let Err(e) = probes.start_tracing(&program) {
+                warn!("recording traversals for a streaming client: {e:#}");
+                return;
+            }
+        } else if changed && let Err(e) = probes.set_filter(&program) {
+            warn!("setting the probes' filter for the streaming clients: {e:#}");
+            return;
         }
+        *kernel_filter = wanted;
     } else if probes.tracing() {
         let since = *unwatched_since.get_or_insert_with(Instant::now);
         if since.elapsed() >= TRACING_LINGER {
@@ -418,6 +444,8 @@ async fn event_loop(
     };
     // Always-on mode: when the last streaming client left.
     let mut unwatched_since: Option<Instant> = None;
+    // The probes' filter while recording for subscribers (None: every packet).
+    let mut kernel_filter: Option<String> = None;
     agent.add_plans(&probes);
     // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
     let mut ring = unsafe { AsyncFd::register(ring) }
@@ -492,7 +520,7 @@ async fn event_loop(
                 }
                 agent.hub.tick();
                 if opts.mode == AgentMode::Counters {
-                    follow_subscribers(&mut probes, &agent, &mut unwatched_since);
+                    follow_subscribers(&mut probes, &agent, &mut unwatched_since, &mut kernel_filter);
                 }
                 update_health(&probes, &agent, true);
                 if last_scan.elapsed() >= Duration::from_secs(1) {
