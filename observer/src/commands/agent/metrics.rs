@@ -348,7 +348,7 @@ impl Metrics {
         one(
             "observer_interfaces",
             "gauge",
-            "Interfaces with tcx probes.",
+            "Interfaces in the namespace (each with tcx probes while traversals are recorded).",
             h.interfaces,
         );
         one(
