@@ -11,11 +11,12 @@
 //! - [`vocab`]: families, hooks and their tables, protocol names, endpoints.
 //! - [`traversal`]: the [`Traversal`] type (JSON schema 2), with serde enums for every
 //!   closed set of words (fate kind, verdict, NAT kind and source, route, check result).
-//! - [`render`]: the tree and one-line renderers.
+//! - [`render`]: the tree and one-line renderers; [`json`]: the JSON line, written by hand.
 //! - [`compare`]: observed against predicted.
 //! - [`marks`]: mark bit names.
 
 pub mod compare;
+pub mod json;
 pub mod marks;
 pub mod render;
 pub mod traversal;

@@ -281,6 +281,13 @@ impl Snapshot {
     }
 }
 
+impl Snapshot {
+    /// Its JSON object, as printed.
+    pub(crate) fn json(&self) -> &str {
+        self.json.get()
+    }
+}
+
 impl Serialize for Snapshot {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.json.serialize(s)
@@ -579,12 +586,17 @@ pub enum CheckResult {
 }
 
 impl Traversal {
+    /// The JSON line (no newline): the same bytes as `serde_json::to_string(self)`.
     pub fn to_json_line(&self) -> String {
-        serde_json::to_string(self).expect("a traversal serialises")
+        let mut out = Vec::with_capacity(4096);
+        self.write_json(&mut out)
+            .expect("writing into memory cannot fail");
+        String::from_utf8(out).expect("JSON written from strings is UTF-8")
     }
 
-    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
-    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
-        serde_json::to_writer(out, self).map_err(std::io::Error::from)
+    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string
+    /// (the same bytes as `serde_json::to_writer`, see [`crate::json`]).
+    pub fn write_json<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
+        crate::json::write_traversal(&mut out, self)
     }
 }

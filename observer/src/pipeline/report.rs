@@ -801,6 +801,13 @@ mod tests {
     /// Kubernetes and Calico meanings, an undecidable match, native nftables chains and
     /// rules with random branches, iptables-nft rules.
     fn predictions() -> Vec<serde_json::Value> {
+        prediction_models()
+            .iter()
+            .map(|t| serde_json::to_value(t).unwrap())
+            .collect()
+    }
+
+    fn prediction_models() -> Vec<Report> {
         let fixtures = |name: &str| {
             std::fs::read_to_string(
                 std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -841,7 +848,7 @@ mod tests {
         reqs.iter()
             .map(|r| {
                 let e = observer_rules::explain(r).unwrap();
-                serde_json::to_value(e.to_model(&MarkDictionary::default(), None)).unwrap()
+                e.to_model(&MarkDictionary::default(), None)
             })
             .collect()
     }
@@ -895,6 +902,17 @@ mod tests {
                 doc.contains(&format!("`{leaf}`")) || doc.contains(&format!(".{leaf}`")),
                 "docs/json-schema.md does not explain `{leaf}`"
             );
+        }
+    }
+
+    #[test]
+    fn json_lines_are_what_serde_prints_for_both_producers() {
+        let (t, plans) = forwarded();
+        let mut all = prediction_models();
+        all.push(report(&t, &plans, 3));
+        all.push(named_report(&t, &plans, &lab_namer()));
+        for r in all {
+            assert_eq!(r.to_json_line(), serde_json::to_string(&r).unwrap());
         }
     }
 
