@@ -10,9 +10,11 @@
 pub mod annotate;
 pub mod correlate;
 pub mod decode;
+pub mod keys;
 pub mod render_cache;
 pub mod report;
 pub mod rulenames;
+pub mod snapshots;
 
 use std::collections::HashMap;
 use std::io::Write;
