@@ -40,7 +40,7 @@ pub fn mark_changes(stages: &[Stage], dict: &MarkDictionary) -> Marks {
         for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
             let change = MarkChange {
                 bit,
-                name: dict.name(bit).map(str::to_string),
+                name: dict.shared_name(bit),
                 hook: s.hook,
                 table: Arc::clone(&s.table),
             };

@@ -356,7 +356,7 @@ impl Fate {
 pub struct MarkChange {
     #[serde(serialize_with = "hex")]
     pub bit: u32,
-    pub name: Option<String>,
+    pub name: Option<Arc<str>>,
     pub hook: Hook,
     pub table: Arc<str>,
 }

@@ -177,7 +177,7 @@ pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
         for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
             let change = MarkChange {
                 bit,
-                name: dict.name(bit).map(str::to_string),
+                name: dict.shared_name(bit),
                 hook: s.stage.hook,
                 table: s.stage.table.clone(),
             };

@@ -189,7 +189,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         lost,
         flow: first_l3
             .and_then(|i| snapshots.of(i))
-            .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
+            .map_or_else(|| "?".into(), |s| [&*s.src, " -> ", &*s.dst].concat()),
     }
 }
 
