@@ -11,11 +11,12 @@
 //! - [`vocab`]: families, hooks and their tables, protocol names, endpoints.
 //! - [`traversal`]: the [`Traversal`] type (JSON schema 2), with serde enums for every
 //!   closed set of words (fate kind, verdict, NAT kind and source, route, check result).
-//! - [`render`]: the tree and one-line renderers.
+//! - [`render`]: the tree and one-line renderers; [`json`]: the JSON line, written by hand.
 //! - [`compare`]: observed against predicted.
 //! - [`marks`]: mark bit names.
 
 pub mod compare;
+pub mod json;
 pub mod marks;
 pub mod render;
 pub mod traversal;
@@ -39,7 +40,7 @@ pub fn mark_changes(stages: &[Stage], dict: &MarkDictionary) -> Marks {
         for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
             let change = MarkChange {
                 bit,
-                name: dict.name(bit).map(str::to_string),
+                name: dict.shared_name(bit),
                 hook: s.hook,
                 table: Arc::clone(&s.table),
             };

@@ -5,6 +5,7 @@
 //! not support.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MarkError {
@@ -21,7 +22,8 @@ pub enum MarkError {
 /// Mark bit -> name. A multi-bit field (e.g. Calico's endpoint block) names each of its bits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MarkDictionary {
-    names: BTreeMap<u32, String>,
+    /// Shared with the mark changes of every report that names the bit.
+    names: BTreeMap<u32, Arc<str>>,
 }
 
 fn parse_value(s: &str) -> Option<u32> {
@@ -56,7 +58,7 @@ impl MarkDictionary {
     /// Names every bit of `mask` `name`.
     pub fn set(&mut self, mask: u32, name: &str) {
         for bit in (0..32).map(|i| 1u32 << i).filter(|b| mask & b != 0) {
-            self.names.insert(bit, name.to_string());
+            self.names.insert(bit, name.into());
         }
     }
 
@@ -84,19 +86,30 @@ impl MarkDictionary {
 
     /// Every named bit, lowest first (what a recording saves).
     pub fn entries(&self) -> Vec<(u32, String)> {
-        self.names.iter().map(|(b, n)| (*b, n.clone())).collect()
+        self.names
+            .iter()
+            .map(|(b, n)| (*b, n.to_string()))
+            .collect()
     }
 
     /// A dictionary of exactly these bits (a recording's).
     pub fn from_entries(entries: &[(u32, String)]) -> Self {
         Self {
-            names: entries.iter().cloned().collect(),
+            names: entries
+                .iter()
+                .map(|(b, n)| (*b, n.as_str().into()))
+                .collect(),
         }
     }
 
     /// The name of one bit, if known.
     pub fn name(&self, bit: u32) -> Option<&str> {
-        self.names.get(&bit).map(String::as_str)
+        self.names.get(&bit).map(|n| &**n)
+    }
+
+    /// The name of one bit, if known, shared (no copy of the text).
+    pub fn shared_name(&self, bit: u32) -> Option<Arc<str>> {
+        self.names.get(&bit).cloned()
     }
 
     /// Applies a TOML file over the current names: an optional top-level
@@ -130,7 +143,7 @@ impl MarkDictionary {
     /// Names `bits` `name`, which the live ruleset shows is this meaning's bit: the default
     /// bit for the meaning is forgotten first.
     pub fn learn(&mut self, bits: u32, name: &str) {
-        self.names.retain(|_, n| n != name);
+        self.names.retain(|_, n| &**n != name);
         self.set(bits, name);
     }
 

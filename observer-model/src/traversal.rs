@@ -226,8 +226,9 @@ pub struct ChainRef {
 /// same few, and escaping their strings again for each was most of the collector's work.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
-    pub src: String,
-    pub dst: String,
+    /// Shared with the NAT entries that show the same endpoint.
+    pub src: Arc<str>,
+    pub dst: Arc<str>,
     pub mark: u32,
     /// `skb->len` (observed only): a GSO/GRO aggregate is one packet of many MTUs; a
     /// reassembled packet grows at defragmentation.
@@ -255,8 +256,8 @@ fn hex_ref<S: Serializer>(v: &&u32, s: S) -> Result<S::Ok, S::Error> {
 
 impl Snapshot {
     pub fn new(
-        src: String,
-        dst: String,
+        src: Arc<str>,
+        dst: Arc<str>,
         mark: u32,
         len: Option<u32>,
         inner: Option<Quoted>,
@@ -278,6 +279,13 @@ impl Snapshot {
             inner,
             json,
         }
+    }
+}
+
+impl Snapshot {
+    /// Its JSON object, as printed.
+    pub(crate) fn json(&self) -> &str {
+        self.json.get()
     }
 }
 
@@ -348,7 +356,7 @@ impl Fate {
 pub struct MarkChange {
     #[serde(serialize_with = "hex")]
     pub bit: u32,
-    pub name: Option<String>,
+    pub name: Option<Arc<str>>,
     pub hook: Hook,
     pub table: Arc<str>,
 }
@@ -364,8 +372,9 @@ pub struct Nat {
     pub kind: NatKind,
     pub hook: Hook,
     pub table: Arc<str>,
-    pub from: String,
-    pub to: String,
+    /// Endpoint text, shared with the snapshots that show it.
+    pub from: Arc<str>,
+    pub to: Arc<str>,
     pub source: NatSource,
 }
 
@@ -426,34 +435,29 @@ impl RuleId {
 }
 
 /// The rules of a stage, with their JSON rendered once: a flow's packets name the same
-/// rules, and escaping their text again for every report would be most of its cost.
-#[derive(Debug, Clone)]
-pub struct Rules {
-    items: Arc<[Rule]>,
-    json: Arc<serde_json::value::RawValue>,
+/// rules, and escaping their text again for every report would be most of its cost. No
+/// rules (most stages) is no allocation and nothing to count references of.
+#[derive(Debug, Clone, Default)]
+pub struct Rules(Option<Arc<RuleList>>);
+
+#[derive(Debug)]
+struct RuleList {
+    items: Vec<Rule>,
+    json: Box<serde_json::value::RawValue>,
 }
 
 impl Rules {
     /// Their JSON, as it is printed.
     pub fn json(&self) -> &str {
-        self.json.get()
+        self.0.as_ref().map_or("[]", |r| r.json.get())
     }
 
     pub fn new(items: Vec<Rule>) -> Self {
-        let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
-        Self {
-            items: items.into(),
-            json: json.into(),
+        if items.is_empty() {
+            return Self(None);
         }
-    }
-}
-
-/// No rules: made once and shared (most stages of a report without rule naming).
-static NO_RULES: std::sync::LazyLock<Rules> = std::sync::LazyLock::new(|| Rules::new(Vec::new()));
-
-impl Default for Rules {
-    fn default() -> Self {
-        NO_RULES.clone()
+        let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
+        Self(Some(Arc::new(RuleList { items, json })))
     }
 }
 
@@ -466,19 +470,22 @@ impl FromIterator<Rule> for Rules {
 impl std::ops::Deref for Rules {
     type Target = [Rule];
     fn deref(&self) -> &[Rule] {
-        &self.items
+        self.0.as_ref().map_or(&[], |r| &r.items)
     }
 }
 
 impl PartialEq for Rules {
     fn eq(&self, o: &Self) -> bool {
-        self.items == o.items
+        **self == **o
     }
 }
 
 impl Serialize for Rules {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
+        match &self.0 {
+            Some(r) => r.json.serialize(s),
+            None => s.collect_seq(std::iter::empty::<Rule>()),
+        }
     }
 }
 
@@ -579,12 +586,17 @@ pub enum CheckResult {
 }
 
 impl Traversal {
+    /// The JSON line (no newline): the same bytes as `serde_json::to_string(self)`.
     pub fn to_json_line(&self) -> String {
-        serde_json::to_string(self).expect("a traversal serialises")
+        let mut out = Vec::with_capacity(4096);
+        self.write_json(&mut out)
+            .expect("writing into memory cannot fail");
+        String::from_utf8(out).expect("JSON written from strings is UTF-8")
     }
 
-    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string.
-    pub fn write_json<W: std::io::Write>(&self, out: W) -> std::io::Result<()> {
-        serde_json::to_writer(out, self).map_err(std::io::Error::from)
+    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string
+    /// (the same bytes as `serde_json::to_writer`, see [`crate::json`]).
+    pub fn write_json<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
+        crate::json::write_traversal(&mut out, self)
     }
 }

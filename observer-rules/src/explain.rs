@@ -298,8 +298,8 @@ pub fn model_rule(m: &MatchedRule) -> Rule {
 
 fn model_snapshot(s: &Snapshot) -> Arc<model::Snapshot> {
     Arc::new(model::Snapshot::new(
-        s.src.clone(),
-        s.dst.clone(),
+        s.src.as_str().into(),
+        s.dst.as_str().into(),
         s.mark,
         None,
         None,
@@ -418,13 +418,13 @@ fn predicted_conntrack(p: &PacketSpec, stages: &[model::Stage]) -> Option<Arc<Co
         state: ct.state.to_string(),
         mark: ct.mark,
         original: TupleView {
-            src: first.src.clone(),
-            dst: first.dst.clone(),
+            src: first.src.to_string(),
+            dst: first.dst.to_string(),
             proto: proto.clone(),
         },
         reply: TupleView {
-            src: last.dst.clone(),
-            dst: last.src.clone(),
+            src: last.dst.to_string(),
+            dst: last.src.to_string(),
             proto,
         },
     }))

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use observer_model::{
     ConntrackView, Fate, FateKind, MarkChange, MarkDictionary, Marks, Nat, NatKind, NatSource,
-    Route, TupleView,
+    Route, Snapshot, Stage, TupleView,
 };
 
 use crate::correlate::{Closed, Traversal};
@@ -23,10 +23,10 @@ pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
 /// `IPS_CONFIRMED`: the entry is in the conntrack table; nat rules are no longer consulted.
 const IPS_CONFIRMED: u64 = 1 << 3;
 
-/// One stage as observed: the records just before and after a table.
+/// One stage as observed: the records just before and after a table, and the stage as the
+/// report shows it (its snapshots' endpoint text is what a NAT entry shows too).
 pub struct ObservedStage<'a> {
-    pub hook: NfHook,
-    pub table: Arc<str>,
+    pub stage: &'a Stage,
     pub before: &'a Observation,
     pub after: Option<&'a Observation>,
 }
@@ -177,9 +177,9 @@ pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
         for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
             let change = MarkChange {
                 bit,
-                name: dict.name(bit).map(str::to_string),
-                hook: s.hook,
-                table: s.table.clone(),
+                name: dict.shared_name(bit),
+                hook: s.stage.hook,
+                table: s.stage.table.clone(),
             };
             if a & bit != 0 {
                 out.set.push(change);
@@ -211,14 +211,25 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
             None => NatSource::Rules,
         };
         let ports = after.has_ports;
-        for (kind, from, to) in [(NatKind::Dnat, bd, ad), (NatKind::Snat, bs, a_s)] {
+        // The snapshots' text where the report shows them (the same endpoints, formatted
+        // alike: the ports are the same on both sides).
+        let text = |e: &Endpoint, shown: Option<&Arc<Snapshot>>, dst: bool| match shown {
+            Some(s) if dst => s.dst.clone(),
+            Some(s) => s.src.clone(),
+            None => endpoint(e, ports).into(),
+        };
+        let (b, a) = (s.stage.before.as_ref(), s.stage.after.as_ref());
+        for (kind, from, to, dst) in [
+            (NatKind::Dnat, bd, ad, true),
+            (NatKind::Snat, bs, a_s, false),
+        ] {
             if from != to {
                 out.push(Nat {
                     kind,
-                    hook: s.hook,
-                    table: s.table.clone(),
-                    from: endpoint(&from, ports),
-                    to: endpoint(&to, ports),
+                    hook: s.stage.hook,
+                    table: s.stage.table.clone(),
+                    from: text(&from, b, dst),
+                    to: text(&to, a, dst),
                     source,
                 });
             }

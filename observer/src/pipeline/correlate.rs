@@ -13,7 +13,7 @@ use observer_common::traversal::{
 use observer_common::{flags, hook};
 
 use crate::btf::TupleLayout;
-use crate::decode::{Conntrack, Endpoint, Observation, Point, addr, tuple};
+use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple, addr, tuple};
 use crate::plan::HookPlan;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
@@ -158,13 +158,34 @@ struct State {
     inner: Option<Step>,
 }
 
+/// The record's connection tuples (original, reply), decoded once per address family a
+/// step reads them with: every point after conntrack shows the same entry.
+struct CtTuples<'a> {
+    rec: &'a TraversalRecord,
+    layout: &'a TupleLayout,
+    /// By `v4`: [IPv6, IPv4].
+    decoded: [Option<(Tuple, Tuple)>; 2],
+}
+
+impl CtTuples<'_> {
+    fn get(&mut self, v4: bool) -> (Tuple, Tuple) {
+        let (rec, layout) = (self.rec, self.layout);
+        *self.decoded[usize::from(v4)].get_or_insert_with(|| {
+            (
+                tuple(&rec.ct_orig, layout, v4),
+                tuple(&rec.ct_reply, layout, v4),
+            )
+        })
+    }
+}
+
 fn observation(
     s: &State,
     point: Point,
     rec: &TraversalRecord,
     family: Option<NfFamily>,
     ifindex: (u32, u32),
-    layout: &TupleLayout,
+    tuples: &mut CtTuples,
 ) -> Observation {
     let o = &s.outer;
     let v4 = o.ip_version == 4;
@@ -176,12 +197,15 @@ fn observation(
         port: if has_ports { port } else { 0 },
     };
     let ct_v4 = family != Some(NfFamily::Ipv6) && v4;
-    let ct = (o.flags & flags::CT != 0).then(|| Conntrack {
-        info: u32::from(o.ctinfo),
-        mark: o.ct_mark,
-        status: u64::from(o.ct_status),
-        original: tuple(&rec.ct_orig, layout, ct_v4),
-        reply: tuple(&rec.ct_reply, layout, ct_v4),
+    let ct = (o.flags & flags::CT != 0).then(|| {
+        let (original, reply) = tuples.get(ct_v4);
+        Conntrack {
+            info: u32::from(o.ctinfo),
+            mark: o.ct_mark,
+            status: u64::from(o.ct_status),
+            original,
+            reply,
+        }
     });
     Observation {
         point,
@@ -233,19 +257,32 @@ pub fn assemble(
             position(point_of(v.hook, s.program, family, plans)?),
         ))
     };
-    let mut records = Vec::with_capacity(16);
+    let visits = &rec.visits[..(rec.nvisits as usize).min(MAX_VISITS)];
+    let mut records = Vec::with_capacity(
+        visits
+            .iter()
+            .map(|v| v.programs.count_ones() as usize)
+            .sum(),
+    );
+    let mut tuples = CtTuples {
+        rec,
+        layout,
+        decoded: [None, None],
+    };
     let mut state: Option<State> = None;
     let mut next = 0;
-    for (vi, v) in rec.visits[..(rec.nvisits as usize).min(MAX_VISITS)]
-        .iter()
-        .enumerate()
-    {
-        let mut points: Vec<Point> = (0..32u8)
-            .filter(|p| v.programs & (1 << p) != 0)
-            .map(|p| point_of(v.hook, p, family, plans).ok_or(CorrelateError::UnknownHook(v.hook)))
-            .collect::<Result<_, _>>()?;
+    for (vi, v) in visits.iter().enumerate() {
+        // The visit's points in the order the packet passed them (at most one per program).
+        let mut points = [Point::TcIngress; 32];
+        let mut n = 0;
+        for p in (0..32u8).filter(|p| v.programs & (1 << p) != 0) {
+            points[n] =
+                point_of(v.hook, p, family, plans).ok_or(CorrelateError::UnknownHook(v.hook))?;
+            n += 1;
+        }
+        let points = &mut points[..n];
         points.sort_by_key(|p| position(*p));
-        for point in points {
+        for &point in &*points {
             let here = (vi, position(point));
             while let Some(s) = steps.get(next) {
                 match step_at(s) {
@@ -271,7 +308,7 @@ pub fn assemble(
                     rec,
                     family,
                     (v.ifindex_in, v.ifindex_out),
-                    layout,
+                    &mut tuples,
                 ));
             }
         }

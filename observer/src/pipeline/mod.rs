@@ -10,9 +10,11 @@
 pub mod annotate;
 pub mod correlate;
 pub mod decode;
+pub mod keys;
 pub mod render_cache;
 pub mod report;
 pub mod rulenames;
+pub mod snapshots;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -112,7 +114,8 @@ pub enum Outcome {
     /// The report, formatted as the output mode says, and whether it is flagged incomplete;
     /// with [`Pipeline::packet_info`], what `--pcapng` needs of the traversal.
     Report {
-        bytes: Vec<u8>,
+        /// Shared with the render cache when they come from it (no copy).
+        bytes: bytes::Bytes,
         incomplete: bool,
         /// Some stage's named rules disagree with the kernel / could not be decided.
         rules_disagree: bool,
@@ -341,6 +344,7 @@ impl Pipeline {
                 &names,
                 lost,
             )
+            .map(|(bytes, counts)| (bytes.into(), counts))
         };
         let packet = match &result {
             Ok((bytes, _)) if self.packet_info && !bytes.is_empty() => {

@@ -45,7 +45,8 @@ impl Hasher for FnvHasher {
 
 pub struct Rendered {
     key: Vec<u8>,
-    pub bytes: Vec<u8>,
+    /// Handed on without a copy (a reference count): the writer copies them once.
+    pub bytes: bytes::Bytes,
     pub outcome: Outcome,
 }
 
@@ -136,7 +137,7 @@ impl RenderCache {
                 h,
                 Rendered {
                     key: key.to_vec(),
-                    bytes,
+                    bytes: bytes.into(),
                     outcome,
                 },
             );
@@ -175,9 +176,18 @@ mod tests {
             calls.set(calls.get() + 1);
             (format!("mark {m}\n").into_bytes(), Outcome::default())
         };
-        assert_eq!(c.get_or_render(&rec(1, 5), || render(5)).bytes, b"mark 5\n");
-        assert_eq!(c.get_or_render(&rec(2, 5), || render(5)).bytes, b"mark 5\n");
-        assert_eq!(c.get_or_render(&rec(3, 6), || render(6)).bytes, b"mark 6\n");
+        assert_eq!(
+            c.get_or_render(&rec(1, 5), || render(5)).bytes,
+            &b"mark 5\n"[..]
+        );
+        assert_eq!(
+            c.get_or_render(&rec(2, 5), || render(5)).bytes,
+            &b"mark 5\n"[..]
+        );
+        assert_eq!(
+            c.get_or_render(&rec(3, 6), || render(6)).bytes,
+            &b"mark 6\n"[..]
+        );
         assert_eq!(calls.get(), 2);
         assert_eq!(c.hits, 1);
         c.clear();

@@ -5,78 +5,19 @@
 //!
 //! [`RuleNamer`]: crate::rulenames::RuleNamer
 
-use std::sync::Arc;
-
-use observer_model::{
-    CtView, FateKind, Iface, Quoted, SCHEMA, Snapshot, Source, Stage, Traversal as Report, Verdict,
-};
+use observer_model::{FateKind, Iface, SCHEMA, Source, Stage, Traversal as Report, Verdict};
 
 use crate::annotate::{self, EndPoint, Names, ObservedStage};
 use crate::correlate::{Closed, Plans, Traversal, missing_text};
-use crate::decode::{Endpoint, Observation, Point};
+use crate::decode::Point;
 use crate::marks::MarkDictionary;
 use observer_common::NF_SLOTS;
-use observer_model::ConntrackView;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub use crate::correlate::index_plans;
 
-/// Snapshots made for earlier traversals, by what they show: a flow's packets show the same
-/// few, and formatting them is most of a report's cost. Bounded; starts over when full.
-#[derive(Default)]
-pub struct SnapshotCache {
-    map: std::cell::RefCell<
-        std::collections::HashMap<SnapKey, Arc<Snapshot>, crate::render_cache::Fnv>,
-    >,
-    cts: std::cell::RefCell<
-        std::collections::HashMap<CtKey, Arc<ConntrackView>, crate::render_cache::Fnv>,
-    >,
-}
-
-type CtKey = (u32, u32, crate::decode::Tuple, crate::decode::Tuple);
-
-type SnapKey = (
-    Option<Endpoint>,
-    Option<Endpoint>,
-    bool,
-    u32,
-    u32,
-    Option<(Endpoint, Endpoint, u8)>,
-);
-
-impl SnapshotCache {
-    const ENTRIES: usize = 65536;
-
-    /// The connection view of `t`, shared with earlier reports of the same connection state.
-    fn conntrack(&self, t: &Traversal) -> Option<Arc<ConntrackView>> {
-        let ct = *t.records.iter().rev().find_map(|r| r.ct.as_ref())?;
-        let key = (ct.info, ct.mark, ct.original, ct.reply);
-        if let Some(v) = self.cts.borrow().get(&key) {
-            return Some(v.clone());
-        }
-        let v = Arc::new(annotate::conntrack(t)?);
-        let mut map = self.cts.borrow_mut();
-        if map.len() >= Self::ENTRIES {
-            map.clear();
-        }
-        map.insert(key, v.clone());
-        Some(v)
-    }
-
-    fn get(&self, o: &Observation) -> Option<Arc<Snapshot>> {
-        let key = (o.src, o.dst, o.has_ports, o.mark, o.len, o.inner);
-        if let Some(s) = self.map.borrow().get(&key) {
-            return Some(s.clone());
-        }
-        let s = Arc::new(snapshot(o)?);
-        let mut map = self.map.borrow_mut();
-        if map.len() >= Self::ENTRIES {
-            map.clear();
-        }
-        map.insert(key, s.clone());
-        Some(s)
-    }
-}
+pub use crate::pipeline::snapshots::SnapshotCache;
+use crate::pipeline::snapshots::Snapshots;
 
 /// What building a report needs besides the traversal.
 pub struct Context<'a> {
@@ -93,70 +34,9 @@ pub struct Context<'a> {
 
 pub use crate::annotate::endpoint;
 
-fn snapshot(o: &Observation) -> Option<Snapshot> {
-    Some(Snapshot::new(
-        endpoint(&o.src?, o.has_ports),
-        endpoint(&o.dst?, o.has_ports),
-        o.mark,
-        Some(o.len),
-        o.inner.map(|(s, d, p)| {
-            let ports = observer_model::has_ports(p);
-            Quoted {
-                src: endpoint(&s, ports),
-                dst: endpoint(&d, ports),
-                proto: observer_model::proto_name(p),
-            }
-        }),
-    ))
-}
-
-/// Snapshots already made for this traversal: most records of a packet look alike, and
-/// formatting addresses is the costly part of a report.
-struct Snapshots<'a> {
-    made: Vec<(&'a Observation, Arc<Snapshot>)>,
-    cts: Vec<(u32, u32, Arc<CtView>)>,
-    shared: &'a SnapshotCache,
-}
-
-impl<'a> Snapshots<'a> {
-    /// The conntrack view of `c`, shared between the stages that show the same one.
-    fn ct(&mut self, c: &crate::decode::Conntrack) -> Arc<CtView> {
-        if let Some((_, _, v)) = self
-            .cts
-            .iter()
-            .find(|(i, m, _)| *i == c.info && *m == c.mark)
-        {
-            return v.clone();
-        }
-        let v = Arc::new(CtView {
-            state: c.state(),
-            mark: Some(c.mark),
-        });
-        self.cts.push((c.info, c.mark, v.clone()));
-        v
-    }
-
-    fn of(&mut self, o: &'a Observation) -> Option<Arc<Snapshot>> {
-        let same = |a: &Observation| {
-            a.src == o.src
-                && a.dst == o.dst
-                && a.has_ports == o.has_ports
-                && a.mark == o.mark
-                && a.len == o.len
-                && a.inner == o.inner
-        };
-        if let Some((_, s)) = self.made.iter().find(|(a, _)| same(a)) {
-            return Some(s.clone());
-        }
-        let s = self.shared.get(o)?;
-        self.made.push((o, s.clone()));
-        Some(s)
-    }
-}
-
 /// Builds the report of one traversal.
 pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
-    let first_l3 = t.records.iter().find(|r| r.src.is_some());
+    let first_l3 = t.records.iter().position(|r| r.src.is_some());
     let family = t.records.iter().find_map(|r| r.family);
     let ifname = ctx.ifname;
     let ingress = t
@@ -175,24 +55,20 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             iface: ifname(r.ifindex_out),
         });
 
-    // Netfilter records grouped by hook, hooks in the order the packet met them.
-    let mut hooks: Vec<(NfHook, [Option<&Observation>; NF_SLOTS])> = Vec::new();
-    for r in &t.records {
+    // Netfilter records (by index) grouped by hook, hooks in the order the packet met them.
+    let mut hooks: Vec<(NfHook, [Option<u16>; NF_SLOTS])> = Vec::with_capacity(4);
+    for (i, r) in t.records.iter().enumerate() {
         if let Point::Netfilter(h, slot) = r.point {
             if hooks.last().map(|(lh, _)| *lh) != Some(h) {
                 hooks.push((h, [None; NF_SLOTS]));
             }
             let seen = &mut hooks.last_mut().expect("pushed").1;
             if let Some(s @ None) = seen.get_mut(slot) {
-                *s = Some(r);
+                *s = u16::try_from(i).ok();
             }
         }
     }
-    let mut snapshots = Snapshots {
-        made: Vec::with_capacity(8),
-        cts: Vec::new(),
-        shared: ctx.snapshots,
-    };
+    let mut snapshots = Snapshots::new(t, ctx.snapshots);
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
     if annotate::reassembled(t) {
         hooks.clear();
@@ -200,8 +76,9 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     // Conntrack is a stage only where it runs: some record of the packet has an entry.
     let first_ct = t.records.iter().find_map(|r| r.ct);
     let tracked = first_ct.is_some();
-    let mut observed: Vec<ObservedStage> = Vec::new();
-    let mut stages = Vec::new();
+    // The observations before and after each stage.
+    let mut observed = Vec::with_capacity(16);
+    let mut stages = Vec::with_capacity(16);
     'hooks: for (i, (hook, seen)) in hooks.iter().enumerate() {
         let Some(plan) = family.and_then(|f| ctx.plans.get(&(f, *hook))) else {
             continue;
@@ -212,10 +89,11 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 continue;
             }
             let (b, a) = plan.bracket(table);
-            let Some(before) = b.and_then(|s| seen.get(s).copied().flatten()) else {
+            let Some(bi) = b.and_then(|s| seen.get(s).copied().flatten()) else {
                 continue;
             };
-            let after = a.and_then(|s| seen.get(s).copied().flatten());
+            let ai = a.and_then(|s| seen.get(s).copied().flatten());
+            let (before, after) = (&t.records[bi as usize], ai.map(|i| &t.records[i as usize]));
             let seen_later =
                 later_hooks || a.is_some_and(|a| seen.iter().skip(a + 1).any(Option::is_some));
             // The packet's last table: what ended it there decides the verdict.
@@ -232,8 +110,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 table: table.name.clone(),
                 priority: table.priority,
                 chain: None,
-                before: snapshots.of(before),
-                after: after.and_then(|o| snapshots.of(o)),
+                before: snapshots.of(bi.into()),
+                after: ai.and_then(|i| snapshots.of(i.into())),
                 ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
                 rules: Default::default(),
@@ -261,17 +139,26 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 stage.rules = named.rules.clone();
                 stage.check = named.check.clone();
             }
-            observed.push(ObservedStage {
-                hook: *hook,
-                table: table.name.clone(),
-                before,
-                after,
-            });
+            observed.push((before, after));
             if ended_here {
                 break 'hooks;
             }
         }
     }
+    let observed: Vec<ObservedStage> = stages
+        .iter()
+        .zip(observed)
+        .map(|(stage, (before, after))| ObservedStage {
+            stage,
+            before,
+            after,
+        })
+        .collect();
+    let (marks, nat) = (
+        annotate::marks(&observed, ctx.marks),
+        annotate::nat(&observed),
+    );
+    drop(observed);
     let route = annotate::route(t);
     let fate = annotate::fate(t, &end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
@@ -283,23 +170,26 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         source: Source::Observed,
         netns: Some(ctx.netns.to_string()),
         family,
-        proto: first_l3.map_or_else(|| "unknown".into(), |r| observer_model::proto_name(r.proto)),
+        proto: first_l3.map_or_else(
+            || "unknown".into(),
+            |i| observer_model::proto_name(t.records[i].proto),
+        ),
         ingress,
         egress,
         route,
         incomplete: !reasons.is_empty(),
         incomplete_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
         fate,
-        marks: annotate::marks(&observed, ctx.marks),
-        nat: annotate::nat(&observed),
+        marks,
+        nat,
         conntrack: ctx.snapshots.conntrack(t),
         stages,
         branches: Vec::new(),
         notes: Vec::new(),
         lost,
         flow: first_l3
-            .and_then(|o| snapshots.of(o))
-            .map_or_else(|| "?".into(), |s| format!("{} -> {}", s.src, s.dst)),
+            .and_then(|i| snapshots.of(i))
+            .map_or_else(|| "?".into(), |s| [&*s.src, " -> ", &*s.dst].concat()),
     }
 }
 
@@ -354,7 +244,7 @@ mod tests {
     use crate::correlate::assemble;
     use crate::correlate::tests::record_of;
     use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::decode::{decode, encode_record};
+    use crate::decode::{Endpoint, decode, encode_record};
     use crate::plan::full_plan;
     use observer_common::hook;
     use observer_common::traversal::end;
@@ -481,12 +371,15 @@ mod tests {
         );
         let nat = &r.stages[3];
         assert_eq!(nat.priority, -100);
-        assert_eq!(nat.before.as_ref().unwrap().dst, "10.10.10.2:22");
-        assert_eq!(nat.after.as_ref().unwrap().dst, "172.17.0.5:22");
+        assert_eq!(nat.before.as_ref().unwrap().dst.as_ref(), "10.10.10.2:22");
+        assert_eq!(nat.after.as_ref().unwrap().dst.as_ref(), "172.17.0.5:22");
         assert_eq!(nat.after.as_ref().unwrap().mark, 0x4000);
         assert_eq!(nat.ct.as_ref().unwrap().state, "new");
         let snat = &r.stages[8];
-        assert_eq!(snat.after.as_ref().unwrap().src, "172.17.0.1:40000");
+        assert_eq!(
+            snat.after.as_ref().unwrap().src.as_ref(),
+            "172.17.0.1:40000"
+        );
         assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         // No conntrack entry before the conntrack table runs.
         assert!(r.stages[0].ct.is_none());
@@ -801,6 +694,13 @@ mod tests {
     /// Kubernetes and Calico meanings, an undecidable match, native nftables chains and
     /// rules with random branches, iptables-nft rules.
     fn predictions() -> Vec<serde_json::Value> {
+        prediction_models()
+            .iter()
+            .map(|t| serde_json::to_value(t).unwrap())
+            .collect()
+    }
+
+    fn prediction_models() -> Vec<Report> {
         let fixtures = |name: &str| {
             std::fs::read_to_string(
                 std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -841,7 +741,7 @@ mod tests {
         reqs.iter()
             .map(|r| {
                 let e = observer_rules::explain(r).unwrap();
-                serde_json::to_value(e.to_model(&MarkDictionary::default(), None)).unwrap()
+                e.to_model(&MarkDictionary::default(), None)
             })
             .collect()
     }
@@ -895,6 +795,17 @@ mod tests {
                 doc.contains(&format!("`{leaf}`")) || doc.contains(&format!(".{leaf}`")),
                 "docs/json-schema.md does not explain `{leaf}`"
             );
+        }
+    }
+
+    #[test]
+    fn json_lines_are_what_serde_prints_for_both_producers() {
+        let (t, plans) = forwarded();
+        let mut all = prediction_models();
+        all.push(report(&t, &plans, 3));
+        all.push(named_report(&t, &plans, &lab_namer()));
+        for r in all {
+            assert_eq!(r.to_json_line(), serde_json::to_string(&r).unwrap());
         }
     }
 

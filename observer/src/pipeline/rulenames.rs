@@ -17,14 +17,13 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
-use std::net::IpAddr;
 use std::sync::Arc;
 
 use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
 use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
 
-use crate::decode::{Conntrack, Endpoint, Observation};
+use crate::decode::{Conntrack, Observation};
+use crate::pipeline::keys::{Prehashed, Words, addr_words};
 use observer_model::Hook as NfHook;
 
 /// `IPS_SRC_NAT`, `IPS_DST_NAT`, `IPS_CONFIRMED` (`enum ip_conntrack_status`).
@@ -38,7 +37,7 @@ const ENTRIES: usize = 65536;
 /// Distinct rule lists kept for sharing.
 const SHARED: usize = 16384;
 
-type Map<V> = HashMap<Key, V, BuildHasherDefault<Passthrough>>;
+type Map<V> = HashMap<Key, V, Prehashed>;
 
 /// A bounded cache that does not thrash: when the current generation is full it becomes
 /// the old one (the one before is dropped); an entry found in the old generation moves to
@@ -69,111 +68,59 @@ impl TwoGenerations {
 }
 
 /// What the cache is keyed by: everything of the packet the rules may look at, where the
-/// stage is, and what the kernel made of it, packed into words (compared word for word,
-/// never trusted to the hash alone; hashed in one pass).
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Key([u64; 15]);
+/// stage is, and what the kernel made of it, packed into words.
+type Key = Words<15>;
 
-impl std::hash::Hash for Key {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        // Multiply-xorshift over the words, then murmur3's finaliser: the words differ
-        // mostly in a few bits (ports), which must reach every bit of the hash.
-        let mut h: u64 = 0;
-        for w in self.0 {
-            h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            h ^= h >> 32;
-        }
-        h ^= h >> 33;
-        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        h ^= h >> 33;
-        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        h ^= h >> 33;
-        state.write_u64(h);
-    }
-}
-
-/// An address as two words (IPv4 as its IPv6-mapped form; the family is in the key too).
-fn addr_words(a: Option<Endpoint>) -> (u64, u64, u16) {
-    let Some(e) = a else {
-        return (u64::MAX, u64::MAX, 0);
-    };
-    let v = match e.addr {
-        IpAddr::V4(v4) => u128::from(v4.to_ipv6_mapped()),
-        IpAddr::V6(v6) => u128::from(v6),
-    };
-    ((v >> 64) as u64, v as u64, e.port)
-}
-
-impl Key {
-    fn new(
-        hook: NfHook,
-        window: (i32, i32),
-        b: &Observation,
-        ct: Option<Conntrack>,
-        after: Option<&Observation>,
-        went_on: bool,
-    ) -> Self {
-        let (s0, s1, sp) = addr_words(b.src);
-        let (d0, d1, dp) = addr_words(b.dst);
-        let (as0, as1, asp) = addr_words(after.and_then(|a| a.src));
-        let (ad0, ad1, adp) = addr_words(after.and_then(|a| a.dst));
-        let (ic, icmp) = b
-            .icmp
-            .map_or((0, 0), |(t, c)| (1, u64::from(t) << 8 | u64::from(c)));
-        let v6 = b.src.is_some_and(|e| e.addr.is_ipv6());
-        let w0 = hook as u64
-            | u64::from(b.proto) << 8
-            | u64::from(b.has_ports) << 16
-            | u64::from(b.tcp_flags) << 17
-            | u64::from(went_on) << 25
-            | ic << 26
-            | icmp << 27
-            | u64::from(after.is_some()) << 43
-            | u64::from(ct.is_some()) << 44
-            | u64::from(v6) << 45;
-        let (info, ctmark, status) = ct.map_or((0, 0, 0), |c| {
-            (
-                c.info,
-                c.mark,
-                c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
-            )
-        });
-        Key([
-            w0,
-            u64::from(window.0 as u32) << 32 | u64::from(window.1 as u32),
-            s0,
-            s1,
-            d0,
-            d1,
-            u64::from(sp) << 48 | u64::from(dp) << 32 | u64::from(b.mark),
-            u64::from(info) << 32 | u64::from(ctmark),
-            status << 32 | u64::from(b.ifindex_in),
-            u64::from(b.ifindex_out) << 32 | u64::from(after.map_or(0, |a| a.mark)),
-            as0,
-            as1,
-            ad0,
-            ad1,
-            u64::from(asp) << 16 | u64::from(adp),
-        ])
-    }
-}
-
-/// Takes the key's own hash as it is.
-#[derive(Default)]
-struct Passthrough(u64);
-
-impl std::hash::Hasher for Passthrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
+fn key(
+    hook: NfHook,
+    window: (i32, i32),
+    b: &Observation,
+    ct: Option<Conntrack>,
+    after: Option<&Observation>,
+    went_on: bool,
+) -> Key {
+    let (s0, s1, sp) = addr_words(b.src);
+    let (d0, d1, dp) = addr_words(b.dst);
+    let (as0, as1, asp) = addr_words(after.and_then(|a| a.src));
+    let (ad0, ad1, adp) = addr_words(after.and_then(|a| a.dst));
+    let (ic, icmp) = b
+        .icmp
+        .map_or((0, 0), |(t, c)| (1, u64::from(t) << 8 | u64::from(c)));
+    let v6 = b.src.is_some_and(|e| e.addr.is_ipv6());
+    let w0 = hook as u64
+        | u64::from(b.proto) << 8
+        | u64::from(b.has_ports) << 16
+        | u64::from(b.tcp_flags) << 17
+        | u64::from(went_on) << 25
+        | ic << 26
+        | icmp << 27
+        | u64::from(after.is_some()) << 43
+        | u64::from(ct.is_some()) << 44
+        | u64::from(v6) << 45;
+    let (info, ctmark, status) = ct.map_or((0, 0, 0), |c| {
+        (
+            c.info,
+            c.mark,
+            c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
+        )
+    });
+    Words::new([
+        w0,
+        u64::from(window.0 as u32) << 32 | u64::from(window.1 as u32),
+        s0,
+        s1,
+        d0,
+        d1,
+        u64::from(sp) << 48 | u64::from(dp) << 32 | u64::from(b.mark),
+        u64::from(info) << 32 | u64::from(ctmark),
+        status << 32 | u64::from(b.ifindex_in),
+        u64::from(b.ifindex_out) << 32 | u64::from(after.map_or(0, |a| a.mark)),
+        as0,
+        as1,
+        ad0,
+        ad1,
+        u64::from(asp) << 16 | u64::from(adp),
+    ])
 }
 
 /// The rules of one stage and how they compare with the kernel.
@@ -229,7 +176,7 @@ impl RuleNamer {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
         let went_on = s.stage.verdict == Verdict::Accept;
-        let key = Key::new(s.hook, s.window, b, ct, s.after, went_on);
+        let key = key(s.hook, s.window, b, ct, s.after, went_on);
         if let Some(n) = self.cache.borrow_mut().get(&key) {
             return n;
         }
@@ -379,9 +326,9 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
             // when the rule asks for a random one (`fully-random`, `--random`) or the tuple
             // is taken. The address is the rules'; the port is the kernel's choice.
             let natted = br.stages.iter().any(|st| st.nat.is_some());
-            let port_of_kernel = |p: &String, o: Option<&String>| match o {
+            let port_of_kernel = |p: &String, o: Option<&Arc<str>>| match o {
                 Some(o) if natted && same_address(p, o) => o.clone(),
-                _ => p.clone(),
+                _ => p.as_str().into(),
             };
             Some(Arc::new(Snapshot::new(
                 port_of_kernel(&l.after.src, o.map(|o| &o.src)),
@@ -419,7 +366,7 @@ mod tests {
         let key = |i: u64| {
             let mut k = [0u64; 15];
             k[0] = i;
-            Key(k)
+            Words::new(k)
         };
         let named = || {
             Arc::new(Named {

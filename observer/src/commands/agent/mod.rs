@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use bytes::Bytes;
 use log::{info, warn};
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
@@ -235,7 +234,7 @@ impl Agent {
             }
         };
         let json = match self.pipelines.json.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => Bytes::from(bytes),
+            Outcome::Report { bytes, .. } => bytes,
             other => {
                 crate::pipeline::warn_unusable(&other);
                 self.unusable += 1;
@@ -259,7 +258,7 @@ impl Agent {
         tree |= dropped;
         line |= dropped;
         let render = |p: &mut Pipeline| match p.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => Some(Bytes::from(bytes)),
+            Outcome::Report { bytes, .. } => Some(bytes),
             _ => None,
         };
         let rendered = Rendered {
