@@ -14,7 +14,7 @@ use aya::programs::{
 };
 use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
-use observer_common::filter::FilterProgram;
+use observer_common::filter::{FilterNets, FilterProgram};
 use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
 use observer_common::{config, counter, pending_count};
 use std::path::PathBuf;
@@ -27,7 +27,7 @@ static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
-const MAPS: [&str; 15] = [
+const MAPS: [&str; 16] = [
     "EVENTS",
     "CTL",
     "INDEX",
@@ -35,6 +35,7 @@ const MAPS: [&str; 15] = [
     "COUNTERS",
     "SCRATCH",
     "FILTER",
+    "FILTER_NETS",
     "FILTER_INPUTS",
     "WINDOWS",
     "SLOTS",
@@ -218,6 +219,11 @@ impl Probes {
                     .context("probe object has no FILTER map")?,
             )?;
             map.set(0, filter, 0)?;
+            let mut nets: Array<_, FilterNets> = Array::try_from(
+                ebpf.map_mut("FILTER_NETS")
+                    .context("probe object has no FILTER_NETS map")?,
+            )?;
+            nets.set(0, FilterNets::of(filter), 0)?;
         }
         for (name, _) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = ebpf
