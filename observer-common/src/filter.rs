@@ -161,6 +161,107 @@ const _: () = assert!(core::mem::size_of::<FilterInput>() == 52);
 // A BPF array map value must stay well below the 32 KiB a verifier-friendly lookup allows.
 const _: () = assert!(core::mem::size_of::<FilterProgram>() < 4096);
 
+/// Networks the filter can match a packet only with an address in (its source or its
+/// destination): one from each term, taken from an address condition the term requires.
+/// The probes check a packet left out where it entered against them before deciding again
+/// from its connection's tuples (or before reading a whole packet at TC ingress): an
+/// address outside all of them cannot pass, whatever else the packet holds, so most
+/// packets are left out after a few word compares. Written beside the program.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilterNets {
+    /// Networks in use; 0: no such list (no filter, or a term without an address
+    /// condition, or more distinct networks than fit), and then nothing is skipped.
+    pub n: u32,
+    pub _pad: u32,
+    /// Network addresses (already masked) and masks, as native-endian words of the
+    /// 16-byte address (IPv4: the first word, the others zero).
+    pub nets: [[u32; 4]; MAX_NETS],
+    pub masks: [[u32; 4]; MAX_NETS],
+}
+
+/// Networks a [`FilterNets`] holds.
+pub const MAX_NETS: usize = 4;
+
+const _: () = assert!(core::mem::size_of::<FilterNets>() == 8 + 32 * MAX_NETS);
+
+impl FilterNets {
+    /// No list: nothing is skipped.
+    pub const NONE: Self = Self {
+        n: 0,
+        _pad: 0,
+        nets: [[0; 4]; MAX_NETS],
+        masks: [[0; 4]; MAX_NETS],
+    };
+
+    /// The networks of `prog`: from each term in use, its first address condition that is
+    /// not negated (whatever its direction, so a source or destination address of a
+    /// matching input lies in it). [`Self::NONE`] when some term has none.
+    pub fn of(prog: &FilterProgram) -> Self {
+        let mut out = Self::NONE;
+        if prog.enabled == 0 || prog.n_terms == 0 {
+            return out;
+        }
+        let words = |b: &[u8; 16]| {
+            let mut w = [0u32; 4];
+            let mut i = 0;
+            while i < 4 {
+                w[i] = u32::from_ne_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+                i += 1;
+            }
+            w
+        };
+        for t in prog.terms.iter().take(prog.n_terms as usize) {
+            let Some(at) = t
+                .atoms
+                .iter()
+                .take(t.n_atoms as usize)
+                .find(|a| a.kind == atom::ADDR && a.negate == 0)
+            else {
+                return Self::NONE;
+            };
+            let (net, mask) = (words(&at.addr), words(&at.mask));
+            let n = out.n as usize;
+            let known = (0..n).any(|i| out.nets[i] == net && out.masks[i] == mask);
+            if known {
+                continue;
+            }
+            if n == MAX_NETS {
+                return Self::NONE;
+            }
+            out.nets[n] = net;
+            out.masks[n] = mask;
+            out.n += 1;
+        }
+        out
+    }
+
+    /// Whether the address `a` (words as in [`Self::nets`]) lies in one of the networks;
+    /// true when there is no list.
+    #[inline(always)]
+    pub fn holds(&self, a: &[u32; 4]) -> bool {
+        let n = self.n as usize;
+        if n == 0 {
+            return true;
+        }
+        // Iterated, not indexed: no bounds check (a panic path the probes cannot have).
+        for (i, (net, mask)) in self.nets.iter().zip(&self.masks).enumerate() {
+            if i >= n {
+                break;
+            }
+            // One compare for all four words: one path for the verifier.
+            let d = ((a[0] & mask[0]) ^ net[0])
+                | ((a[1] & mask[1]) ^ net[1])
+                | ((a[2] & mask[2]) ^ net[2])
+                | ((a[3] & mask[3]) ^ net[3]);
+            if d == 0 {
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// `a & mask == net`, four 32-bit words at a time.
 #[inline(always)]
 fn masked_eq(a: &[u8; 16], net: &[u8; 16], mask: &[u8; 16]) -> bool {
@@ -358,6 +459,7 @@ mod pod {
     unsafe impl aya::Pod for super::Term {}
     unsafe impl aya::Pod for super::FilterProgram {}
     unsafe impl aya::Pod for super::FilterInput {}
+    unsafe impl aya::Pod for super::FilterNets {}
 }
 
 #[cfg(test)]
@@ -544,6 +646,53 @@ mod tests {
         assert!(!eval_any_from(&own, &only_pkt, 1, 3));
         assert!(eval_any_from(&pod, &only_pkt, 1, 3));
         assert!(!eval_any_from(&pod, &only_pkt, 3, 3));
+    }
+
+    /// Words of an IPv4 address as the probes compare them.
+    fn w4(a: [u8; 4]) -> [u32; 4] {
+        [u32::from_ne_bytes(a), 0, 0, 0]
+    }
+
+    #[test]
+    fn nets_hold_every_address_a_matching_input_can_have() {
+        let host = |d, a| net4(d, a, [255; 4]);
+        let tcp = at(atom::PROTO, 0, 6, 0);
+        // One term, one address: only packets with that address can match.
+        let p = prog(&[&[tcp, host(dir::EITHER, [192, 0, 2, 99])]]);
+        let nets = FilterNets::of(&p);
+        assert_eq!(nets.n, 1);
+        assert!(nets.holds(&w4([192, 0, 2, 99])));
+        assert!(!nets.holds(&w4([192, 0, 2, 98])));
+        // Every input the program matches has an address in the nets.
+        let x = tcp4([10, 0, 0, 1], 1, [192, 0, 2, 99], 2);
+        assert!(eval(&p, &x) && nets.holds(&w4([192, 0, 2, 99])));
+        // A direction still gives the net (src in it implies "an address in it").
+        let p = prog(&[
+            &[host(dir::SRC, [10, 0, 0, 1])],
+            &[net4(dir::DST, [172, 16, 0, 0], [255, 240, 0, 0]), tcp],
+            &[host(dir::SRC, [10, 0, 0, 1])],
+        ]);
+        let nets = FilterNets::of(&p);
+        assert_eq!(nets.n, 2, "the same net once");
+        assert!(nets.holds(&w4([172, 17, 0, 5])));
+        assert!(!nets.holds(&w4([172, 32, 0, 5])));
+        // A term without a (non-negated) address: no list, nothing skipped.
+        for p in [
+            prog(&[&[host(dir::SRC, [10, 0, 0, 1])], &[tcp]]),
+            prog(&[&[not(host(dir::SRC, [10, 0, 0, 1]))]]),
+            FilterProgram::KEEP_ALL,
+            prog(&[]),
+        ] {
+            let nets = FilterNets::of(&p);
+            assert_eq!(nets, FilterNets::NONE);
+            assert!(nets.holds(&w4([1, 2, 3, 4])));
+        }
+        // More distinct networks than fit: no list.
+        let terms: std::vec::Vec<[Atom; 1]> = (0..=MAX_NETS as u8)
+            .map(|i| [host(dir::EITHER, [10, 0, 0, i])])
+            .collect();
+        let refs: std::vec::Vec<&[Atom]> = terms.iter().map(|t| &t[..]).collect();
+        assert_eq!(FilterNets::of(&prog(&refs)), FilterNets::NONE);
     }
 
     #[test]

@@ -15,7 +15,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, PerCpuArray, RingBuf},
 };
-use observer_common::filter::{self, FilterInput, FilterProgram};
+use observer_common::filter::{self, FilterInput, FilterNets, FilterProgram};
 use observer_common::traversal::{copy_words, decision};
 use observer_common::{
     CT_TUPLE_BYTES, CT_WINDOW_BYTES, CtInfo, PacketEvent, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES,
@@ -213,6 +213,66 @@ pub fn decide(ev: &PacketEvent, how: Decide) -> u8 {
     }
 }
 
+/// Networks outside which `--filter` matches nothing ([`FilterNets`]), written beside it.
+#[map]
+pub static FILTER_NETS: Array<FilterNets> = Array::with_max_entries(1, 0);
+
+/// The filter's networks, when there is such a list (a filter is in force and every term
+/// needs an address in one of them).
+#[inline(always)]
+pub fn filter_nets() -> Option<&'static FilterNets> {
+    FILTER_NETS.get(0).filter(|nets| nets.n != 0)
+}
+
+/// Whether the connection in the conntrack window `win` (read at struct offset `start`)
+/// has an address in one of `nets` in either tuple: if not, no tuple of it can pass the
+/// filter, and a packet decided again from them alone ([`Decide::WithConntrack`] without
+/// its headers) stays left out. `None` when the tuples' layout is not one this takes
+/// (the caller then decides the long way).
+#[inline(always)]
+pub fn conntrack_may_match(
+    nets: &FilterNets,
+    win: &[u8; CT_WINDOW_BYTES],
+    start: u64,
+) -> Option<bool> {
+    let at = |slot| cfg(slot).map(|v| v as usize);
+    let start = start as usize;
+    let orig = at(config::CT_TUPLE_ORIG)?.checked_sub(start)?;
+    let reply = at(config::CT_TUPLE_REPLY)?.checked_sub(start)?;
+    let (sa, da) = (at(config::TUPLE_SRC_ADDR)?, at(config::TUPLE_DST_ADDR)?);
+    // What `read_ct` copies whole, and aligned address words.
+    if orig + CT_TUPLE_BYTES > CT_WINDOW_BYTES
+        || reply + CT_TUPLE_BYTES > CT_WINDOW_BYTES
+        || sa > CT_TUPLE_BYTES - 16
+        || da > CT_TUPLE_BYTES - 16
+        || (orig | reply | sa | da) & 3 != 0
+    {
+        return None;
+    }
+    let addr = |off: usize| {
+        [
+            win_word(win, off),
+            win_word(win, off + 4),
+            win_word(win, off + 8),
+            win_word(win, off + 12),
+        ]
+    };
+    let any = nets.holds(&addr(orig + sa))
+        || nets.holds(&addr(orig + da))
+        || nets.holds(&addr(reply + sa))
+        || nets.holds(&addr(reply + da));
+    Some(any)
+}
+
+/// The aligned word at `at` (a multiple of 4) of a window, in one load.
+#[inline(always)]
+fn win_word(win: &[u8; CT_WINDOW_BYTES], at: usize) -> u32 {
+    let at = at.min(CT_WINDOW_BYTES - 4) & !3;
+    // SAFETY: inside the window (clamped above); `Windows` is 8-byte aligned and the
+    // conntrack window starts at a multiple of 8 in it, so the word is aligned.
+    unsafe { (win.as_ptr().add(at) as *const u32).read() }
+}
+
 #[inline(always)]
 fn verdict_of(matched: bool, sampled: bool) -> u8 {
     match (matched, sampled) {
@@ -346,8 +406,9 @@ pub use observer_common::parse::{
 };
 
 /// Per-CPU buffers for the struct windows a probe reads in one `bpf_probe_read_kernel`
-/// each, instead of one call per field (the calls dominate a probe's cost).
-#[repr(C)]
+/// each, instead of one call per field (the calls dominate a probe's cost). Aligned, so
+/// that words of a window can be loaded whole.
+#[repr(C, align(8))]
 pub struct Windows {
     pub state: [u8; STATE_WINDOW_BYTES],
     pub skb: [u8; SKB_WINDOW_BYTES],
@@ -384,6 +445,8 @@ impl PacketReader for KernelWindow<'_> {
         Some(out)
     }
 }
+
+const _: () = assert!(core::mem::offset_of!(Windows, ct) % 8 == 0);
 
 #[map]
 pub static WINDOWS: PerCpuArray<Windows> = PerCpuArray::with_max_entries(1, 0);

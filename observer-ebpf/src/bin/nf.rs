@@ -15,8 +15,8 @@ use observer_common::traversal::{
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
-    Decide, KernelWindow, cfg, count, decide, direct, filtering, now, parse_headers, read_ct,
-    read_into, scratch, windows,
+    Decide, KernelWindow, cfg, conntrack_may_match, count, decide, direct, field, filter_nets,
+    filtering, now, parse_headers, read_ct, read_into, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -96,6 +96,10 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
 #[inline(always)]
 fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> Result<(), ()> {
     let w = windows().ok_or(())?;
+    // Before anything else, so that every way out of it meets the long way in one state.
+    if program == 2 && still_left_out(state_p, skb_p, skb, program, w) {
+        return Ok(());
+    }
     // Program 0 is where a packet enters PREROUTING or OUTPUT, program 2 is just after
     // conntrack there; the plan attaches them nowhere else (see observer's plan), so the
     // program says it all, and a packet the filter left out costs a probe the lookup below.
@@ -235,6 +239,58 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
         }
     }
     Ok(())
+}
+
+/// Program 2's second look at a packet the filter left out, the short way: the long way
+/// decides again from its connection's tuples alone (`Decide::WithConntrack` without the
+/// packet's headers), and no tuple can pass when none of its addresses lies in the
+/// filter's networks ([`observer_common::filter::FilterNets`]). True when that settles it
+/// (left out, the record as the long way leaves it); false when the long way must decide.
+#[inline(always)]
+fn still_left_out(
+    state_p: *const u8,
+    skb_p: *const u8,
+    skb: u64,
+    program: u8,
+    w: &mut observer_ebpf::Windows,
+) -> bool {
+    let Some(nets) = filter_nets() else {
+        return false;
+    };
+    // A record not kept: decided where it entered (program 2 is no entry point).
+    let Some(f) = find(skb) else {
+        return false;
+    };
+    if f.rec.decision == decision::KEEP {
+        return false;
+    }
+    let rec = f.rec;
+    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
+    let conn = nfct & !7;
+    if conn == 0 || nfct & 7 == 7 {
+        return false;
+    }
+    let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
+    // Where a table before this probe may rewrite the headers, the long way reads them
+    // and decides from them too.
+    if cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0) {
+        return false;
+    }
+    let Some(start) = cfg(config::CT_WINDOW) else {
+        return false;
+    };
+    if read_into(conn, start, &mut w.ct).is_err() {
+        // The long way would have no connection to match: left out, the read flagged.
+        rec.incomplete |= missing::READ;
+        rec.decision = decision::FILTERED_OUT;
+        return true;
+    }
+    let may = conntrack_may_match(nets, &w.ct, start);
+    if opaque(usize::from(may == Some(false))) == 0 {
+        return false;
+    }
+    rec.decision = decision::FILTERED_OUT;
+    true
 }
 
 /// How the filter decides at this probe.

@@ -14,7 +14,7 @@ use aya::programs::{
 };
 use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
-use observer_common::filter::FilterProgram;
+use observer_common::filter::{FilterNets, FilterProgram};
 use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
 use observer_common::{config, counter, counts, pending_count};
 use std::path::PathBuf;
@@ -27,7 +27,7 @@ static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
-const MAPS: [&str; 18] = [
+const MAPS: [&str; 19] = [
     "EVENTS",
     "CTL",
     "INDEX",
@@ -35,6 +35,7 @@ const MAPS: [&str; 18] = [
     "COUNTERS",
     "SCRATCH",
     "FILTER",
+    "FILTER_NETS",
     "FILTER_INPUTS",
     "WINDOWS",
     "SLOTS",
@@ -243,6 +244,11 @@ impl Probes {
                     .context("probe object has no FILTER map")?,
             )?;
             map.set(0, filter, 0)?;
+            let mut nets: Array<_, FilterNets> = Array::try_from(
+                ebpf.map_mut("FILTER_NETS")
+                    .context("probe object has no FILTER_NETS map")?,
+            )?;
+            nets.set(0, FilterNets::of(filter), 0)?;
         }
         for (name, _) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = ebpf
@@ -315,10 +321,21 @@ impl Probes {
 
     /// Replaces the probes' filter (packets already decided keep their decision).
     pub fn set_filter(&mut self, filter: &FilterProgram) -> Result<()> {
-        let mut map: Array<_, FilterProgram> =
-            Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
-        map.set(0, filter, 0)?;
-        Ok(())
+        // The networks' shortcut is cleared first (none: nothing skipped), so that no probe
+        // skips by the old filter's networks a packet the new one keeps.
+        let set_nets = |ebpf: &mut Ebpf, nets: FilterNets| -> Result<()> {
+            let mut map: Array<_, FilterNets> =
+                Array::try_from(ebpf.map_mut("FILTER_NETS").context("no FILTER_NETS map")?)?;
+            map.set(0, nets, 0)?;
+            Ok(())
+        };
+        set_nets(&mut self.ebpf, FilterNets::of(&FilterProgram::KEEP_ALL))?;
+        {
+            let mut map: Array<_, FilterProgram> =
+                Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
+            map.set(0, filter, 0)?;
+        }
+        set_nets(&mut self.ebpf, FilterNets::of(filter))
     }
 
     /// Back to counting only: the probes stop recording at once; the tcx, consume_skb and
