@@ -95,6 +95,10 @@ enum Task {
         /// Seconds per iperf3 run.
         #[arg(long, default_value_t = 5)]
         seconds: u32,
+        /// Alternating rounds of every phase (medians are printed); this VM's rates move by
+        /// up to a tenth between runs, so fewer than 5 say little.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
     },
 }
 
@@ -115,7 +119,7 @@ fn main() -> Result<()> {
         }
         Task::Test { args } => test(&args),
         Task::Golden { outputs_only } => golden(outputs_only),
-        Task::Bench { seconds } => bench(seconds),
+        Task::Bench { seconds, rounds } => bench(seconds, rounds),
     }
 }
 
@@ -732,10 +736,9 @@ const PHASES: [Phase; 6] = [
     },
 ];
 
-fn bench(seconds: u32) -> Result<()> {
+fn bench(seconds: u32, rounds: u32) -> Result<()> {
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
-    let rounds = 3;
     // Per phase: TCP bit/s, UDP packets/s, and the observer's (seen, printed, lost).
     let mut tcp = vec![Vec::new(); PHASES.len()];
     let mut udp = vec![Vec::new(); PHASES.len()];
