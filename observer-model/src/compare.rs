@@ -184,6 +184,7 @@ mod tests {
             marks: Default::default(),
             nat: Vec::new(),
             conntrack: None,
+            names: Vec::new(),
             branches: Vec::new(),
             notes: Vec::new(),
             lost: 0,

@@ -300,6 +300,18 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
     outcome(out, &t.stages, &t.fate, &t.marks, &t.nat)?;
     out.write_all(b",\"conntrack\":")?;
     opt(out, t.conntrack.as_deref(), conntrack)?;
+    if !t.names.is_empty() {
+        out.write_all(b",\"names\":")?;
+        list(out, &t.names, |out, n| {
+            out.write_all(b"{\"endpoint\":")?;
+            string(out, &n.endpoint)?;
+            out.write_all(b",\"kind\":")?;
+            word(out, n.kind)?;
+            out.write_all(b",\"name\":")?;
+            string(out, &n.name)?;
+            out.write_all(b"}")
+        })?;
+    }
     if !t.branches.is_empty() {
         out.write_all(b",\"branches\":")?;
         list(out, &t.branches, branch)?;
@@ -324,7 +336,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::traversal::{K8s, Quoted, Rule, RuleId, Rules};
+    use crate::traversal::{EndpointName, K8s, Quoted, Rule, RuleId, Rules};
     use crate::{Family, FateKind, Hook, Route, Verdict};
 
     /// The writer and serde's derive print the same bytes for `t`.
@@ -549,6 +561,18 @@ mod tests {
                     proto: "58".into(),
                 },
             })),
+            names: vec![
+                EndpointName {
+                    endpoint: "10.10.10.10:53".into(),
+                    kind: "service",
+                    name: "kube-system/kube-dns:dns".into(),
+                },
+                EndpointName {
+                    endpoint: AWKWARD.into(),
+                    kind: "pod",
+                    name: AWKWARD.into(),
+                },
+            ],
             branches: Vec::new(),
             notes: vec![AWKWARD.into(), "plain".into()],
             lost: u64::MAX,
@@ -575,6 +599,7 @@ mod tests {
             marks: Marks::default(),
             nat: Vec::new(),
             conntrack: None,
+            names: Vec::new(),
             notes: Vec::new(),
             lost: 0,
             incomplete: false,

@@ -303,6 +303,14 @@ impl Traversal {
                 ct.state, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
             );
         }
+        if !self.names.is_empty() {
+            let names: Vec<String> = self
+                .names
+                .iter()
+                .map(|n| format!("{} = {} {}", n.endpoint, n.kind, n.name))
+                .collect();
+            let _ = writeln!(out, "  names: {}", names.join(", "));
+        }
         out
     }
 
@@ -468,6 +476,7 @@ mod tests {
             stages,
             fate: Fate::new(FateKind::Forwarded),
             conntrack: None,
+            names: Vec::new(),
             branches: Vec::new(),
             notes: Vec::new(),
             lost: 0,

@@ -159,6 +159,10 @@ pub struct Traversal {
     pub marks: Marks,
     pub nat: Vec<Nat>,
     pub conntrack: Option<Arc<ConntrackView>>,
+    /// Kubernetes names of the endpoints shown (`observer agent`: services from kube-proxy's
+    /// rules, this node's pods from the API server). Absent when none is known.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<EndpointName>,
     /// Predicted with random choices (`numgen`, `statistic`): every outcome, with its
     /// probability; the top-level stages are the first. Absent otherwise.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -383,6 +387,17 @@ pub struct TupleView {
     pub src: String,
     pub dst: String,
     pub proto: Cow<'static, str>,
+}
+
+/// What Kubernetes calls an endpoint of the traversal.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct EndpointName {
+    /// As the stages and conntrack show it: `10.10.10.10:53`, `172.17.0.5`.
+    pub endpoint: Arc<str>,
+    /// `service` (a ClusterIP port) or `pod`.
+    pub kind: &'static str,
+    /// `namespace/name:port` for a service, `namespace/name` for a pod.
+    pub name: String,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]

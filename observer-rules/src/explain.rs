@@ -515,6 +515,7 @@ impl Explanation {
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
             conntrack: predicted_conntrack(p, &stages),
+            names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),
             nat: main.map(|b| b.nat.clone()).unwrap_or_default(),
             stages,

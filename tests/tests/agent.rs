@@ -608,6 +608,40 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
         );
     }
     assert_eq!(sample(&after, "observer_tracing", &[]), 0.0);
+
+    // A streaming client: whole traversals again, with the service's name (from
+    // kube-proxy's rule comments) beside its ClusterIP.
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let client = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp dst port 53",
+        "--count",
+        "1",
+        "--timeout",
+        "20",
+    ]);
+    wait_for("traversals recorded", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_tracing", &[]) == 1.0
+    });
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"named", "10.10.10.10:53").unwrap();
+    });
+    let (lines, err) = client.finish(Duration::from_secs(30));
+    assert_eq!(lines.len(), 1, "{lines:#?} {err}");
+    let report: Value = serde_json::from_str(&lines[0]).unwrap();
+    assert!(
+        report["names"].as_array().is_some_and(|n| n
+            .iter()
+            .any(|n| n["endpoint"] == "10.10.10.10:53"
+                && n["kind"] == "service"
+                && n["name"] == "kube-system/kube-dns:dns")),
+        "{report:#}"
+    );
     let (status, _, _) = agent.stop("TERM");
     assert!(status.success());
 }

@@ -56,6 +56,28 @@ impl Names {
         }
     }
 
+    /// The name of an endpoint: the service at (address, protocol, port), else the pod at
+    /// the address.
+    pub fn name_of(
+        &self,
+        addr: std::net::IpAddr,
+        proto: u8,
+        port: Option<u16>,
+    ) -> Option<(&'static str, String)> {
+        if let Some(port) = port
+            && let Some(s) = self
+                .services
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .lookup(addr, proto, port)
+        {
+            return Some(("service", s.to_string()));
+        }
+        self.pods
+            .lookup(addr)
+            .map(|p| ("pod", format!("{}/{}", p.namespace, p.name)))
+    }
+
     /// Everything, as `/v1/names` serves it.
     pub fn to_json(&self) -> serde_json::Value {
         let services: Vec<serde_json::Value> = self

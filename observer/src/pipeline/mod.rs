@@ -32,6 +32,7 @@ use crate::recording::{Meta, Recorder};
 use crate::render_cache::{Outcome as Counts, RenderCache};
 use crate::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
+use observer_model::EndpointName;
 
 /// How each traversal is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -52,19 +53,38 @@ pub trait NameSource {
     fn symbol(&self, addr: u64) -> String;
     /// Forgets cached names (interfaces were renamed or removed).
     fn forget(&self) {}
+    /// What Kubernetes calls an address (and port, for `proto`): `("service",
+    /// "namespace/name:port")` or `("pod", "namespace/name")`. None by default.
+    fn k8s(
+        &self,
+        _addr: std::net::IpAddr,
+        _proto: u8,
+        _port: Option<u16>,
+    ) -> Option<(&'static str, String)> {
+        None
+    }
 }
 
 /// Names from this host: `if_indextoname` (cached) and `/proc/kallsyms`.
 pub struct LiveNames {
     names: std::cell::RefCell<HashMap<u32, String>>,
     symbols: Symbols,
+    /// Kubernetes names (the agent's), when known.
+    k8s: Option<std::sync::Arc<crate::k8s::Names>>,
 }
 
 impl LiveNames {
+    /// With Kubernetes names (the agent's).
+    pub fn with_k8s(mut self, names: std::sync::Arc<crate::k8s::Names>) -> Self {
+        self.k8s = Some(names);
+        self
+    }
+
     pub fn load() -> Self {
         Self {
             names: Default::default(),
             symbols: Symbols::load(),
+            k8s: None,
         }
     }
 }
@@ -79,6 +99,14 @@ impl NameSource for LiveNames {
     }
     fn symbol(&self, addr: u64) -> String {
         self.symbols.name(addr)
+    }
+    fn k8s(
+        &self,
+        addr: std::net::IpAddr,
+        proto: u8,
+        port: Option<u16>,
+    ) -> Option<(&'static str, String)> {
+        self.k8s.as_ref()?.name_of(addr, proto, port)
     }
     fn forget(&self) {
         self.names.borrow_mut().clear();
@@ -446,7 +474,8 @@ fn render(
         ifname: &ifname,
         rules: ctx.namer.as_ref(),
     };
-    let r = report::build(&t, &rctx, lost);
+    let mut r = report::build(&t, &rctx, lost);
+    r.names = endpoint_names(&r, names.inner);
     let mut buf = Vec::with_capacity(4096);
     // Writing into a Vec cannot fail.
     let _ = match output {
@@ -455,6 +484,55 @@ fn render(
         Output::Line => writeln!(buf, "{}", r.render_line()),
     };
     Ok((buf, Counts::of(&r)))
+}
+
+/// The Kubernetes names of the endpoints a report shows (its stages' and its
+/// connection's), each once, in the order they first appear.
+fn endpoint_names(r: &observer_model::Traversal, names: &dyn NameSource) -> Vec<EndpointName> {
+    let proto = match &*r.proto {
+        "tcp" => 6,
+        "udp" => 17,
+        "sctp" => 132,
+        _ => 0,
+    };
+    let mut shown: Vec<&str> = Vec::new();
+    for s in &r.stages {
+        for snap in [&s.before, &s.after].into_iter().flatten() {
+            shown.push(&snap.src);
+            shown.push(&snap.dst);
+        }
+    }
+    if let Some(ct) = &r.conntrack {
+        for t in [&ct.original, &ct.reply] {
+            shown.push(&t.src);
+            shown.push(&t.dst);
+        }
+    }
+    let mut out: Vec<EndpointName> = Vec::new();
+    for text in shown {
+        if out.iter().any(|n| &*n.endpoint == text) {
+            continue;
+        }
+        let Some((addr, port)) = parse_endpoint(text) else {
+            continue;
+        };
+        if let Some((kind, name)) = names.k8s(addr, proto, port) {
+            out.push(EndpointName {
+                endpoint: text.into(),
+                kind,
+                name,
+            });
+        }
+    }
+    out
+}
+
+/// `10.0.0.1:53`, `10.0.0.1`, `[fd00::1]:53`, `fd00::1`: the address and port.
+fn parse_endpoint(text: &str) -> Option<(std::net::IpAddr, Option<u16>)> {
+    if let Ok(sa) = text.parse::<std::net::SocketAddr>() {
+        return Some((sa.ip(), Some(sa.port())));
+    }
+    text.parse().ok().map(|a| (a, None))
 }
 
 /// Logs an unusable record the way tail always has.
@@ -769,6 +847,87 @@ mod tests {
         assert!(
             err.is_err(),
             "an interface the recording never named is an error"
+        );
+    }
+
+    struct K8sNames;
+    impl NameSource for K8sNames {
+        fn ifname(&self, index: u32) -> String {
+            format!("if{index}")
+        }
+        fn symbol(&self, addr: u64) -> String {
+            format!("{addr:#x}")
+        }
+        fn k8s(
+            &self,
+            addr: std::net::IpAddr,
+            proto: u8,
+            port: Option<u16>,
+        ) -> Option<(&'static str, String)> {
+            match (addr.to_string().as_str(), proto, port) {
+                ("10.10.10.2", 6, Some(22)) => Some(("service", "default/registry:ssh".into())),
+                ("172.17.0.5", _, _) => Some(("pod", "default/registry-0".into())),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn endpoints_are_named_once_each_in_order() {
+        assert_eq!(
+            parse_endpoint("[fd00::1]:53"),
+            Some(("fd00::1".parse().unwrap(), Some(53)))
+        );
+        assert_eq!(
+            parse_endpoint("10.0.0.1"),
+            Some(("10.0.0.1".parse().unwrap(), None))
+        );
+        assert_eq!(parse_endpoint("-"), None);
+        use observer_model::{ConntrackView, Fate, FateKind, Marks, Source, TupleView};
+        let tuple = |src: &str, dst: &str| TupleView {
+            src: src.into(),
+            dst: dst.into(),
+            proto: "tcp".into(),
+        };
+        let mut t = observer_model::Traversal {
+            schema: observer_model::SCHEMA,
+            source: Source::Observed,
+            netns: None,
+            family: None,
+            proto: "tcp".into(),
+            ingress: None,
+            egress: None,
+            route: None,
+            stages: Vec::new(),
+            fate: Fate::new(FateKind::Forwarded),
+            marks: Marks::default(),
+            nat: Vec::new(),
+            conntrack: Some(std::sync::Arc::new(ConntrackView {
+                state: "new".into(),
+                mark: None,
+                original: tuple("198.51.100.10:40000", "10.10.10.2:22"),
+                reply: tuple("172.17.0.5:22", "198.51.100.10:40000"),
+            })),
+            names: Vec::new(),
+            branches: Vec::new(),
+            notes: Vec::new(),
+            lost: 0,
+            incomplete: false,
+            incomplete_reason: None,
+            flow: String::new(),
+        };
+        t.names = endpoint_names(&t, &K8sNames);
+        let got: Vec<(&str, &str, &str)> = t
+            .names
+            .iter()
+            .map(|n| (&*n.endpoint, n.kind, n.name.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("10.10.10.2:22", "service", "default/registry:ssh"),
+                ("172.17.0.5:22", "pod", "default/registry-0"),
+            ]
         );
     }
 }

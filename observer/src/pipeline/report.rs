@@ -183,6 +183,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         marks,
         nat,
         conntrack: ctx.snapshots.conntrack(t),
+        names: Vec::new(),
         stages,
         branches: Vec::new(),
         notes: Vec::new(),

@@ -105,10 +105,14 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // The streams' reports name the rules of every stage, as tail's do.
         namer: Some(RuleNamer::new(&live, 0)),
     };
+    // Kubernetes names: served at /v1/names and shown in the reports.
+    let names = Arc::new(crate::k8s::Names::default());
+    names.refresh_services();
+    let live_names = || Box::new(LiveNames::load().with_k8s(names.clone()));
     let pipelines = Pipelines {
-        json: Pipeline::new(ctx(Output::Json), Box::new(LiveNames::load())),
-        tree: Pipeline::new(ctx(Output::Tree), Box::new(LiveNames::load())),
-        line: Pipeline::new(ctx(Output::Line), Box::new(LiveNames::load())),
+        json: Pipeline::new(ctx(Output::Json), live_names()),
+        tree: Pipeline::new(ctx(Output::Tree), live_names()),
+        line: Pipeline::new(ctx(Output::Line), live_names()),
     };
     let metrics = Arc::new(Metrics::new(&opts.node));
     let hub = Arc::new(Hub::new(
@@ -118,8 +122,6 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let names = Arc::new(crate::k8s::Names::default());
-    names.refresh_services();
     rt.block_on(async {
         // Listening first: connections made while the probes attach wait in the backlog and
         // are answered once they are (the runtime has one thread); /readyz then says ready.
