@@ -737,6 +737,30 @@ const PHASES: [Phase; 6] = [
 ];
 
 fn bench(seconds: u32, rounds: u32) -> Result<()> {
+    // The one-core benches first: after the lab is removed, the kernel cleans its
+    // namespaces up in the background for a while, which would take their CPU.
+    println!("collector, synthetic records (observer/examples/collector_bench.rs):");
+    run(Command::new("cargo").args([
+        "run",
+        "--locked",
+        "--release",
+        "-q",
+        "-p",
+        "observer",
+        "--example",
+        "collector_bench",
+    ]))?;
+    println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
+    run(Command::new("cargo").args([
+        "run",
+        "--locked",
+        "--release",
+        "-q",
+        "-p",
+        "observer-rules",
+        "--example",
+        "bench_rules",
+    ]))?;
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
     // Per phase: TCP bit/s, UDP packets/s, and the observer's (seen, printed, lost).
@@ -798,7 +822,7 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
     let tcp: Vec<f64> = tcp.iter_mut().map(|v| median(v)).collect();
     let udp: Vec<f64> = udp.iter_mut().map(|v| median(v)).collect();
     println!(
-        "Through the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
+        "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
          workload, {rounds} alternating rounds, medians; ratios against the baseline:"
     );
     println!(
@@ -843,27 +867,5 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
          observer's --stats; the floor and the filter print nothing by design; the agent \
          counts in the kernel and records only drops, its figures are in its /metrics)"
     );
-    println!("\ncollector, synthetic records (observer/examples/collector_bench.rs):");
-    run(Command::new("cargo").args([
-        "run",
-        "--locked",
-        "--release",
-        "-q",
-        "-p",
-        "observer",
-        "--example",
-        "collector_bench",
-    ]))?;
-    println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
-    run(Command::new("cargo").args([
-        "run",
-        "--locked",
-        "--release",
-        "-q",
-        "-p",
-        "observer-rules",
-        "--example",
-        "bench_rules",
-    ]))?;
     Ok(())
 }
