@@ -208,37 +208,54 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    // A datagram a socket on the node takes is delivered: the socket probe sits at the
-    // cgroup v2 root, which the container reaches through its /sys/fs/cgroup mount.
-    let sink = observer_tests::lab::udp_sink(&lab, "node", "198.51.100.1:5353");
-    lab.run_in("client", || {
-        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.send_to(b"to the node", "198.51.100.1:5353").unwrap();
-    });
-    sink.join().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sample(
-        &http_get(&lab, METRICS, "/metrics").1,
-        "observer_traversals_total",
-        &[("kind", "delivered")],
-    ) < 1.0
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no delivery seen: {}\n{}",
-            http_get(&lab, METRICS, "/metrics").1,
-            container.logs()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    // The streaming API's socket, root-only, names kube-proxy's services (iptables-save in
-    // the image reads the lab's rules, ipset matches included).
     let run_dir = &empty_dirs
         .iter()
         .find(|(at, _)| at == "/run/observer")
         .unwrap()
         .1;
     let socket = run_dir.join("agent.sock");
+    // A streaming client makes the always-on agent record whole traversals: it attaches tcx
+    // and the socket probe from inside the container (the probe sits at the cgroup v2 root,
+    // which the container reaches through its /sys/fs/cgroup mount). A datagram a socket on
+    // the node takes is then delivered.
+    let client = observer_tests::agent::Client::start(&[
+        "tail",
+        "--agent",
+        socket.to_str().unwrap(),
+        "--json",
+        "--filter",
+        "udp dst port 5353",
+        "--count",
+        "1",
+        "--timeout",
+        "30",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sample(
+        &http_get(&lab, METRICS, "/metrics").1,
+        "observer_tracing",
+        &[],
+    ) < 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no tracing for the client: {}",
+            container.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let sink = observer_tests::lab::udp_sink(&lab, "node", "198.51.100.1:5353");
+    lab.run_in("client", || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.send_to(b"to the node", "198.51.100.1:5353").unwrap();
+    });
+    sink.join().unwrap();
+    let (lines, err) = client.finish(Duration::from_secs(40));
+    assert_eq!(lines.len(), 1, "{lines:#?} {err}\n{}", container.logs());
+    let report: Value = serde_json::from_str(&lines[0]).unwrap();
+    assert_eq!(report["fate"]["kind"], "delivered", "{report:#}");
+    // The streaming API's socket, root-only, names kube-proxy's services (iptables-save in
+    // the image reads the lab's rules, ipset matches included).
     let names: Value = serde_json::from_str(&unix_get(&socket, "/v1/names")).unwrap();
     let services = names["services"].as_array().unwrap();
     assert!(
