@@ -448,6 +448,16 @@ impl PacketReader for KernelWindow<'_> {
 
 const _: () = assert!(core::mem::offset_of!(Windows, ct) % 8 == 0);
 
+/// Reads the IP and transport headers of the packet whose network header is at `l3` (a
+/// kernel address) into `ev`: the header and the first 16 bytes after a 20/40-byte one in
+/// one read, the rest (options, extension headers) read when the parser asks.
+#[inline(always)]
+pub fn read_l3(l3: u64, w: &mut Windows, ev: &mut PacketEvent) -> Result<(), ()> {
+    read_into(l3, 0, &mut w.pkt)?;
+    let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
+    parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).ok_or(())
+}
+
 #[map]
 pub static WINDOWS: PerCpuArray<Windows> = PerCpuArray::with_max_entries(1, 0);
 

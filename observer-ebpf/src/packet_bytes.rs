@@ -12,7 +12,7 @@ use aya_ebpf::{
     maps::{PerCpuArray, RingBuf},
 };
 use observer_common::config;
-use observer_common::packet_bytes::{PACKET_BYTES, PacketBytes};
+use observer_common::packet_bytes::PacketBytes;
 
 use crate::{cfg, read};
 

@@ -15,8 +15,8 @@ use observer_common::traversal::{
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
 use observer_ebpf::{
-    Decide, KernelWindow, cfg, conntrack_may_match, count, decide, direct, field, filter_nets,
-    filtering, now, parse_headers, read_ct, read_into, scratch, windows,
+    Decide, cfg, conntrack_may_match, count, decide, direct, filter_nets, filtering, now, read_ct,
+    read_into, read_l3, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -356,12 +356,7 @@ fn read_headers(
 ) -> Result<(), ()> {
     let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
     let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
-    let l3 = head + nh as u64;
-    // The IP header and the first 16 bytes after a 20/40-byte header, in one read.
-    read_into(l3, 0, &mut w.pkt)?;
-    let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
-    parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).ok_or(())?;
-    Ok(())
+    read_l3(head + nh as u64, w, ev)
 }
 
 #[inline(always)]

@@ -199,7 +199,6 @@ impl Probes {
             Array::try_from(probes.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::COUNTING, 1, 0)?;
         config.set(config::COUNT_ONLY, 1, 0)?;
-        probes.tracing = false;
         Ok(probes)
     }
 
@@ -405,35 +404,36 @@ impl Probes {
     /// The always-on counters of the points in `points` (rows of
     /// [`observer_common::counts`]), summed over CPUs.
     pub fn point_counts(&self, points: &[usize]) -> Result<Vec<(usize, [u64; counts::ROW])>> {
-        let arr: PerCpuArray<_, [u64; counts::ROW]> =
-            PerCpuArray::try_from(self.ebpf.map("COUNTS").context("no COUNTS map")?)?;
-        let mut out = Vec::with_capacity(points.len());
-        for &p in points {
-            let mut sum = [0u64; counts::ROW];
-            for cpu in arr.get(&(p as u32), 0)?.iter() {
-                for (s, v) in sum.iter_mut().zip(cpu) {
-                    *s += v;
-                }
-            }
-            out.push((p, sum));
-        }
-        Ok(out)
+        self.summed_rows("COUNTS", points.iter().copied())
     }
 
     /// Drops by place (points in `places`, and [`counts::UNKNOWN_PLACE`]) and reason,
     /// summed over CPUs.
     pub fn drop_counts(&self, places: &[usize]) -> Result<Vec<(usize, [u64; counts::REASONS])>> {
-        let arr: PerCpuArray<_, [u64; counts::REASONS]> =
-            PerCpuArray::try_from(self.ebpf.map("DROP_COUNTS").context("no DROP_COUNTS map")?)?;
-        let mut out = Vec::with_capacity(places.len() + 1);
-        for &p in places.iter().chain([counts::UNKNOWN_PLACE].iter()) {
-            let mut sum = [0u64; counts::REASONS];
-            for cpu in arr.get(&(p as u32), 0)?.iter() {
+        let places = places.iter().copied().chain([counts::UNKNOWN_PLACE]);
+        self.summed_rows("DROP_COUNTS", places)
+    }
+
+    /// Rows `rows` of the per-CPU array `name`, each summed over CPUs.
+    fn summed_rows<const N: usize>(
+        &self,
+        name: &str,
+        rows: impl Iterator<Item = usize>,
+    ) -> Result<Vec<(usize, [u64; N])>> {
+        let arr: PerCpuArray<_, [u64; N]> = PerCpuArray::try_from(
+            self.ebpf
+                .map(name)
+                .with_context(|| format!("no {name} map"))?,
+        )?;
+        let mut out = Vec::new();
+        for row in rows {
+            let mut sum = [0u64; N];
+            for cpu in arr.get(&(row as u32), 0)?.iter() {
                 for (s, v) in sum.iter_mut().zip(cpu) {
                     *s += v;
                 }
             }
-            out.push((p, sum));
+            out.push((row, sum));
         }
         Ok(out)
     }

@@ -53,6 +53,11 @@ pub trait NameSource {
     fn symbol(&self, addr: u64) -> String;
     /// Forgets cached names (interfaces were renamed or removed).
     fn forget(&self) {}
+    /// Whether [`NameSource::k8s`] may name anything: reports look up their endpoints only
+    /// then (tail and replay know no Kubernetes names, and skip the work).
+    fn knows_k8s(&self) -> bool {
+        false
+    }
     /// What Kubernetes calls an address (and port, for `proto`): `("service",
     /// "namespace/name:port")` or `("pod", "namespace/name")`. None by default.
     fn k8s(
@@ -99,6 +104,9 @@ impl NameSource for LiveNames {
     }
     fn symbol(&self, addr: u64) -> String {
         self.symbols.name(addr)
+    }
+    fn knows_k8s(&self) -> bool {
+        self.k8s.is_some()
     }
     fn k8s(
         &self,
@@ -489,6 +497,9 @@ fn render(
 /// The Kubernetes names of the endpoints a report shows (its stages' and its
 /// connection's), each once, in the order they first appear.
 fn endpoint_names(r: &observer_model::Traversal, names: &dyn NameSource) -> Vec<EndpointName> {
+    if !names.knows_k8s() {
+        return Vec::new();
+    }
     let proto = match &*r.proto {
         "tcp" => 6,
         "udp" => 17,
@@ -857,6 +868,9 @@ mod tests {
         }
         fn symbol(&self, addr: u64) -> String {
             format!("{addr:#x}")
+        }
+        fn knows_k8s(&self) -> bool {
+            true
         }
         fn k8s(
             &self,

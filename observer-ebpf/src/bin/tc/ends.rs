@@ -16,8 +16,7 @@ use observer_common::traversal::{add_reading, decision, end, missing, status};
 use observer_common::{config, flags, kind};
 use observer_ebpf::inflight::{Found, Place, begin, find, finish, socket_took};
 use observer_ebpf::{
-    KernelWindow, cfg, counts, field, nfct_of, now, parse_headers, read, read_ct, read_into,
-    read_skb_window, scratch, windows,
+    cfg, counts, field, nfct_of, now, read, read_ct, read_l3, read_skb_window, scratch, windows,
 };
 
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
@@ -88,12 +87,7 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     let head = u64::from_ne_bytes(field(&w.skb, word(config::SKB_HEAD)?, start)?);
     let nh = u16::from_ne_bytes(field(&w.skb, word(config::SKB_NETWORK_HEADER)?, start)?);
     let nfct = nfct_of(w, start)?;
-    let mut read_ok = false;
-    let l3 = head + u64::from(nh);
-    if read_into(l3, 0, &mut w.pkt).is_ok() {
-        let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
-        read_ok = parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).is_some();
-    }
+    let read_ok = read_l3(head + u64::from(nh), w, ev).is_ok();
     if read_ct(nfct, &mut ev.ct, w, true) == Ok(true) {
         ev.header.flags |= flags::CT;
     }
