@@ -642,12 +642,12 @@ mod tests {
         }
     }
 
-    /// Runs records through a "live" pipeline that records, then replays the file.
-    fn live_and_replayed(output: Output) -> (Vec<u8>, Vec<u8>, crate::replay::ReplaySummary) {
+    /// A "live" pipeline for `output` that records into a file of a fresh directory (the
+    /// caller removes it): (directory, file, pipeline).
+    fn recording(output: Output, tag: &str) -> (std::path::PathBuf, std::path::PathBuf, Pipeline) {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("observer-pipeline-{}-{n}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("observer-{tag}-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join(format!("{output:?}.rec"));
         let ctx = context(output);
@@ -655,6 +655,22 @@ mod tests {
         let mut live = Pipeline::new(ctx, Box::new(Host));
         live.record_to(Recorder::create(&file, &header).unwrap());
         live.add_plans(0, &full_plan(None));
+        (dir, file, live)
+    }
+
+    /// Records every test record through a "live" pipeline; (directory, file).
+    fn recorded_all(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let (dir, file, mut live) = recording(Output::Line, tag);
+        for r in records() {
+            live.handle(&r, 0);
+        }
+        live.take_recorder().unwrap().finish();
+        (dir, file)
+    }
+
+    /// Runs records through a "live" pipeline that records, then replays the file.
+    fn live_and_replayed(output: Output) -> (Vec<u8>, Vec<u8>, crate::replay::ReplaySummary) {
+        let (dir, file, mut live) = recording(output, "pipeline");
         let mut printed = Vec::new();
         let recs = records();
         // Lost packets before the second report; then an undecodable record; then a
@@ -744,18 +760,7 @@ mod tests {
 
     #[test]
     fn replay_count_stops_early() {
-        let dir = std::env::temp_dir().join(format!("observer-count-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("c.rec");
-        let ctx = context(Output::Line);
-        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
-        let mut live = Pipeline::new(ctx, Box::new(Host));
-        live.record_to(Recorder::create(&file, &header).unwrap());
-        live.add_plans(0, &full_plan(None));
-        for r in records() {
-            live.handle(&r, 0);
-        }
-        live.take_recorder().unwrap().finish();
+        let (dir, file) = recorded_all("count");
         let mut out = Vec::new();
         let s = run(
             &ReplayOptions {
@@ -808,20 +813,7 @@ mod tests {
 
     #[test]
     fn replay_filters_as_the_probes_decide_after_conntrack() {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("observer-filter-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f.rec");
-        let ctx = context(Output::Line);
-        let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
-        let mut live = Pipeline::new(ctx, Box::new(Host));
-        live.record_to(Recorder::create(&file, &header).unwrap());
-        live.add_plans(0, &full_plan(None));
-        for r in records() {
-            live.handle(&r, 0);
-        }
-        live.take_recorder().unwrap().finish();
+        let (dir, file) = recorded_all("filter");
         let printed = |filter: &str| {
             let mut out = Vec::new();
             let s = run(

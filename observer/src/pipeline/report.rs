@@ -306,8 +306,19 @@ mod tests {
     }
 
     fn report(t: &Traversal, plans: &Plans, lost: u64) -> Report {
-        let marks = MarkDictionary::default();
         let reasons: HashMap<u32, String> = [(12, "NETFILTER_DROP".to_string())].into();
+        report_with(t, plans, lost, &reasons, None)
+    }
+
+    /// A report built with the test's names, `reasons` and rule namer.
+    fn report_with(
+        t: &Traversal,
+        plans: &Plans,
+        lost: u64,
+        reasons: &HashMap<u32, String>,
+        rules: Option<&crate::rulenames::RuleNamer>,
+    ) -> Report {
+        let marks = MarkDictionary::default();
         let symbol = |a: u64| format!("fn+{a:#x}");
         let shared = SnapshotCache::default();
         let ctx = Context {
@@ -316,11 +327,11 @@ mod tests {
             netns: "node",
             marks: &marks,
             names: Names {
-                drop_reasons: &reasons,
+                drop_reasons: reasons,
                 symbol: &symbol,
             },
             ifname: &names,
-            rules: None,
+            rules,
         };
         build(t, &ctx, lost)
     }
@@ -569,23 +580,7 @@ mod tests {
     }
 
     fn named_report(t: &Traversal, plans: &Plans, namer: &crate::rulenames::RuleNamer) -> Report {
-        let marks = MarkDictionary::default();
-        let reasons = HashMap::new();
-        let symbol = |a: u64| format!("fn+{a:#x}");
-        let shared = SnapshotCache::default();
-        let ctx = Context {
-            snapshots: &shared,
-            plans,
-            netns: "node",
-            marks: &marks,
-            names: Names {
-                drop_reasons: &reasons,
-                symbol: &symbol,
-            },
-            ifname: &names,
-            rules: Some(namer),
-        };
-        build(t, &ctx, 0)
+        report_with(t, plans, 0, &HashMap::new(), Some(namer))
     }
 
     #[test]
