@@ -331,6 +331,7 @@ mod pod {
     unsafe impl aya::Pod for super::PacketEvent {}
     unsafe impl aya::Pod for super::InnerInfo {}
     unsafe impl aya::Pod for super::traversal::TraversalRecord {}
+    unsafe impl aya::Pod for super::traversal::Slots {}
 }
 pub mod counts;
 pub mod filter;

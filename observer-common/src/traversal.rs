@@ -184,6 +184,107 @@ const _: () = assert!(core::mem::offset_of!(TraversalRecord, steps) % 8 == 0);
 const _: () = assert!(core::mem::size_of::<TraversalRecord>() == 272 + 64 * MAX_STEPS);
 const _: () = assert!(core::mem::align_of::<TraversalRecord>() == 8);
 
+/// Packets the filter left out where they entered (TC ingress) that one CPU follows at once.
+pub const LEFT_OUT_PER_CPU: usize = 4;
+
+/// This CPU's packets the filter left out at TC ingress: no record, only what ends them
+/// (counted as [`decision`] says) and what the probe after conntrack needs to decide again.
+/// Their addresses share one cache line: the first thing every later probe compares.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeftOut {
+    /// skb addresses (0: free). No clock is read for them (it costs a left-out packet
+    /// more than all its comparisons): one kept after all starts its record then.
+    pub skb: [u64; LEFT_OUT_PER_CPU],
+    /// [`decision::FILTERED_OUT`] or [`decision::SAMPLED_OUT`], plus [`left_out::ENTERED`].
+    pub flags: [u8; LEFT_OUT_PER_CPU],
+    /// The entry the next one goes to: entries are taken in turn, so the one there is the
+    /// oldest (or free).
+    pub next: u8,
+    pub _pad: [u8; 3],
+}
+
+impl LeftOut {
+    /// Where `skb` is, or [`LEFT_OUT_PER_CPU`] when it is not.
+    #[inline(always)]
+    pub fn position(&self, skb: u64) -> usize {
+        let mut i = 0;
+        while i < LEFT_OUT_PER_CPU {
+            if self.skb[i] == skb {
+                break;
+            }
+            i += 1;
+        }
+        i
+    }
+
+    /// Follows `skb` with decision `how`, in the next entry in turn: returns the flags of
+    /// the packet it displaced, if any (left out whatever happens to it later).
+    #[inline(always)]
+    pub fn put(&mut self, skb: u64, how: u8) -> Option<u8> {
+        let i = usize::from(self.next) % LEFT_OUT_PER_CPU;
+        let displaced = self.take(i);
+        if i < LEFT_OUT_PER_CPU {
+            self.skb[i] = skb;
+            self.flags[i] = how & left_out::DECISION;
+        }
+        self.next = ((i + 1) % LEFT_OUT_PER_CPU) as u8;
+        displaced
+    }
+
+    /// Forgets entry `i`: its flags, if it held a packet.
+    #[inline(always)]
+    pub fn take(&mut self, i: usize) -> Option<u8> {
+        if i >= LEFT_OUT_PER_CPU || self.skb[i] == 0 {
+            return None;
+        }
+        self.skb[i] = 0;
+        Some(self.flags[i])
+    }
+
+    /// Entry `i` passes an entry point (program 0): true the first time, false when it meets
+    /// one again (looped back as the same skb: another traversal).
+    #[inline(always)]
+    pub fn enter(&mut self, i: usize) -> bool {
+        if i >= LEFT_OUT_PER_CPU {
+            return false;
+        }
+        let first = self.flags[i] & left_out::ENTERED == 0;
+        self.flags[i] |= left_out::ENTERED;
+        first
+    }
+
+    /// Entry `i` is left out by the filter whatever its own decision was (sampled out, say).
+    #[inline(always)]
+    pub fn filter_out(&mut self, i: usize) {
+        if i < LEFT_OUT_PER_CPU {
+            self.flags[i] = (self.flags[i] & !left_out::DECISION) | decision::FILTERED_OUT;
+        }
+    }
+}
+
+/// [`LeftOut::flags`] bits above the decision.
+pub mod left_out {
+    /// The decision's bits.
+    pub const DECISION: u8 = 3;
+    /// It passed an entry point (program 0, the first PREROUTING probe): meeting one again,
+    /// it is another traversal (looped back as the same skb).
+    pub const ENTERED: u8 = 4;
+}
+
+/// What each CPU holds of its packets in flight (the `SLOTS` map's one value).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Slots {
+    pub left_out: LeftOut,
+    pub recs: [TraversalRecord; SLOTS_PER_CPU],
+}
+
+const _: () = assert!(core::mem::size_of::<LeftOut>() == 40);
+const _: () = assert!(core::mem::offset_of!(Slots, recs) % 8 == 0);
+const _: () = assert!(decision::SAMPLED_OUT & left_out::DECISION == decision::SAMPLED_OUT);
+const _: () = assert!(decision::KEEP & left_out::DECISION == decision::KEEP);
+
 impl TraversalRecord {
     /// Bytes to write: the head and the steps in use.
     #[inline(always)]
@@ -574,5 +675,57 @@ mod tests {
         assert_eq!(rec.nsteps, 3, "outer, quoted, quoted again");
         assert_eq!(rec.steps[1].flags, step::INNER_STATE);
         assert_eq!((rec.steps[2].program, rec.steps[2].dport), (2, 5353));
+    }
+    #[test]
+    fn left_out_entries_are_taken_in_turn_and_say_whom_they_displace() {
+        let mut lo = LeftOut::default();
+        assert_eq!(lo.position(0x100), LEFT_OUT_PER_CPU);
+        for n in 0..LEFT_OUT_PER_CPU as u64 {
+            let how = if n == 0 {
+                decision::SAMPLED_OUT
+            } else {
+                decision::FILTERED_OUT
+            };
+            assert_eq!(lo.put(0x100 + n, how), None, "room for {n}");
+        }
+        assert_eq!(lo.position(0x102), 2);
+        // Full: the oldest (sampled out) makes room, and says how it was left out.
+        assert_eq!(
+            lo.put(0x200, decision::FILTERED_OUT),
+            Some(decision::SAMPLED_OUT)
+        );
+        assert_eq!(lo.position(0x100), LEFT_OUT_PER_CPU);
+        assert_eq!(lo.position(0x200), 0);
+        // An ended packet's entry is free, and is the one taken when its turn comes.
+        assert_eq!(lo.take(lo.position(0x102)), Some(decision::FILTERED_OUT));
+        assert_eq!(lo.take(2), None, "taken once");
+        assert_eq!(
+            lo.put(0x201, decision::FILTERED_OUT),
+            Some(decision::FILTERED_OUT)
+        );
+        assert_eq!(lo.position(0x101), LEFT_OUT_PER_CPU);
+        assert_eq!(
+            lo.put(0x202, decision::FILTERED_OUT),
+            None,
+            "the freed entry"
+        );
+        assert_eq!(lo.position(0x202), 2);
+    }
+
+    #[test]
+    fn a_left_out_packet_enters_once_and_the_filter_overrides_sampling() {
+        let mut lo = LeftOut::default();
+        lo.put(0x100, decision::SAMPLED_OUT);
+        let i = lo.position(0x100);
+        assert!(lo.enter(i), "first entry point");
+        assert!(!lo.enter(i), "an entry point again is another traversal");
+        lo.filter_out(i);
+        assert_eq!(
+            lo.take(i).map(|f| f & left_out::DECISION),
+            Some(decision::FILTERED_OUT)
+        );
+        // Out-of-range positions (not found) change nothing.
+        assert!(!lo.enter(LEFT_OUT_PER_CPU));
+        assert_eq!(lo.take(LEFT_OUT_PER_CPU), None);
     }
 }

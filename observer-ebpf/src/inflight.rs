@@ -2,8 +2,9 @@
 //! and the event that ends it (docs/wire-format.md).
 //!
 //! A forwarded or received packet runs every hook in one softirq on one CPU, so its record
-//! sits in a per-CPU slot found by comparing a few skb addresses: no hashing on the hot path,
-//! and a packet the filter left out costs later probes that comparison only. A packet that
+//! sits in a per-CPU slot found by comparing a few skb addresses: no hashing on the hot path.
+//! A packet the filter left out at TC ingress has no record, only an entry in one cache line
+//! ([`LeftOut`]), which is all it costs later probes. A packet that
 //! waits (a queue, a neighbour lookup) or whose slot is needed moves to the bounded
 //! [`PENDING`] map, which later probes and the end events also consult. Nothing is dropped
 //! silently: a record that finds no room is written as partial and counted.
@@ -13,15 +14,13 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
 };
-use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, start, status};
-use observer_common::{config, counter, pending_count};
+use observer_common::traversal::{
+    LEFT_OUT_PER_CPU, LeftOut, SLOTS_PER_CPU, Slots, TraversalRecord, decision, end, left_out,
+    start, status,
+};
+use observer_common::{config, counter, hook, pending_count};
 
 use crate::{EVENTS, cfg, count, wakeup_flags};
-
-#[repr(C)]
-pub struct Slots {
-    pub recs: [TraversalRecord; SLOTS_PER_CPU],
-}
 
 #[map]
 pub static SLOTS: PerCpuArray<Slots> = PerCpuArray::with_max_entries(1, 0);
@@ -112,6 +111,102 @@ pub fn find(skb: u64) -> Option<Found> {
     find_slot(skb).or_else(|| find_pending(skb))
 }
 
+/// This CPU's packets left out at TC ingress (see [`LeftOut`]).
+#[inline(always)]
+fn left_out_entries() -> Option<&'static mut LeftOut> {
+    let slots = SLOTS.get_ptr_mut(0)?;
+    // SAFETY: as in `find_slot`.
+    Some(unsafe { &mut (*slots).left_out })
+}
+
+/// A packet the filter left out where it entered: entry `i` of this CPU's [`LeftOut`].
+pub struct LeftOutPacket {
+    entries: &'static mut LeftOut,
+    i: usize,
+}
+
+/// Whether `skb` is a packet this CPU follows as left out: one cache line compared, the
+/// whole cost of such a packet at most probes.
+#[inline(always)]
+pub fn find_left_out(skb: u64) -> Option<LeftOutPacket> {
+    let entries = left_out_entries()?;
+    let i = opaque(entries.position(skb));
+    (i < LEFT_OUT_PER_CPU).then_some(LeftOutPacket { entries, i })
+}
+
+/// Follows `skb`, left out by the filter (`how`: its decision) where it entered: counted
+/// as seen now and as `how` when it ends. The oldest entry makes room (counted as ended:
+/// it was left out whatever happens to it later).
+#[inline(always)]
+pub fn leave_out(skb: u64, how: u8) {
+    let Some(entries) = left_out_entries() else {
+        return;
+    };
+    if let Some(flags) = entries.put(skb, how) {
+        count_left_out(flags);
+    }
+    count(counter::SEEN);
+}
+
+#[inline(always)]
+fn count_left_out(flags: u8) {
+    if flags & left_out::DECISION == decision::SAMPLED_OUT {
+        count(counter::SAMPLED_OUT);
+    } else {
+        count(counter::FILTERED);
+    }
+}
+
+impl LeftOutPacket {
+    /// Its traversal ended (or its address came back as another packet's): counted as
+    /// left out, and forgotten.
+    #[inline(always)]
+    pub fn end(self) {
+        if let Some(flags) = self.entries.take(self.i) {
+            count_left_out(flags);
+        }
+    }
+
+    /// At an entry point (program 0): true the first time (the packet goes on), false when
+    /// it meets one again (looped back as the same skb: another traversal, which `end`
+    /// closes).
+    #[inline(always)]
+    pub fn enters(&mut self) -> bool {
+        self.entries.enter(self.i)
+    }
+
+    /// Left out by the filter whatever the packet's own decision was (sampled out, say):
+    /// no tuple of its connection can pass.
+    #[inline(always)]
+    pub fn filtered_out(&mut self) {
+        self.entries.filter_out(self.i);
+    }
+
+    /// Its record after all (the probe after conntrack must decide again, which needs
+    /// one): started now, as TC ingress would have started it, left out for now; `None`
+    /// when no slot could be had (it is then counted as left out).
+    #[inline(always)]
+    pub fn into_record(self) -> Option<&'static mut TraversalRecord> {
+        let i = self.i;
+        if i >= LEFT_OUT_PER_CPU {
+            return None;
+        }
+        let skb = self.entries.skb[i];
+        let how = self.entries.take(i)? & left_out::DECISION;
+        let ts = crate::now();
+        let Some(rec) = claim_slot(skb, ts) else {
+            count_left_out(how);
+            return None;
+        };
+        crate::packet_bytes::capture(skb, ts);
+        rec.decision = how;
+        rec.nvisits = 1;
+        rec.cur_visit = 0;
+        rec.visits[0].hook = hook::TC_INGRESS;
+        Some(rec)
+    }
+}
+
 /// The record of `skb` in this CPU's slots: where a packet being handled on this CPU is.
 /// The end events that fire for every packet of the machine (a socket taking it, a free)
 /// look only here, so that a packet not ours costs them no hash lookup.
@@ -153,9 +248,21 @@ fn find_pending(skb: u64) -> Option<Found> {
 }
 
 /// Starts a record for `skb` in a free slot of this CPU; the oldest slot's traversal moves
-/// to [`PENDING`] (or is written as partial when that is full) to make room.
+/// to [`PENDING`] (or is written as partial when that is full) to make room. The clock is
+/// read here, where the record moves to [`PENDING`], and where it is written: not at
+/// every point (a read costs a probe more than its comparisons).
 #[inline(always)]
-pub fn begin(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
+pub fn begin(skb: u64) -> Option<&'static mut TraversalRecord> {
+    let ts = crate::now();
+    let rec = claim_slot(skb, ts)?;
+    count(counter::SEEN);
+    crate::packet_bytes::capture(skb, ts);
+    Some(rec)
+}
+
+/// A slot for a record of `skb`, started at `ts` (see [`begin`]).
+#[inline(always)]
+fn claim_slot(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
     let slots = SLOTS.get_ptr_mut(0)?;
     // SAFETY: as in `find`.
     let slots = unsafe { &mut *slots };
@@ -179,8 +286,6 @@ pub fn begin(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
         evict(rec);
     }
     start(rec, skb, ts, cfg(config::PLAN_GEN).unwrap_or(0) as u8);
-    count(counter::SEEN);
-    crate::packet_bytes::capture(skb, ts);
     Some(rec)
 }
 
@@ -194,6 +299,8 @@ fn evict(rec: &mut TraversalRecord) {
     }
     if rec.decision == decision::KEEP {
         rec.status |= status::FALLBACK;
+        // Idle from now on, as far as the collector's sweep is concerned.
+        rec.ts_last = crate::now();
         // BPF_NOEXIST: an older record of the same skb address in the map is stale; keep
         // it and write this one.
         pending_in();
@@ -262,9 +369,9 @@ fn finish_pending(rec: &mut TraversalRecord, how: u8) {
     write(out);
 }
 
-/// Writes a finished record (or counts why it is not written).
+/// Writes a finished record (or counts why it is not written), stamped with its end time.
 #[inline(always)]
-fn write(rec: &TraversalRecord) {
+fn write(rec: &mut TraversalRecord) {
     match rec.decision {
         decision::KEEP => {}
         decision::SAMPLED_OUT => return count(counter::SAMPLED_OUT),
@@ -273,6 +380,7 @@ fn write(rec: &TraversalRecord) {
     if rec.end == end::NONE {
         return;
     }
+    rec.ts_last = crate::now();
     let len = rec.written_len();
     if len > core::mem::size_of::<TraversalRecord>() {
         return;
@@ -302,6 +410,8 @@ pub fn park(rec: &mut TraversalRecord) {
         return;
     }
     rec.status |= status::FALLBACK;
+    // Waiting from now on, as far as the collector's sweep is concerned.
+    rec.ts_last = crate::now();
     // BPF_ANY: a record of the same address already there is older, hence stale (replaced,
     // it stays counted: an overestimate).
     pending_in();

@@ -13,9 +13,9 @@ use observer_common::traversal::{
     add_reading, copy_words, decision, end, last_hook, missing, reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
-use observer_ebpf::inflight::{begin, close_stale, find, finish, opaque, park};
+use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, conntrack_may_match, count, decide, direct, filter_nets, filtering, now, read_ct,
+    Decide, cfg, conntrack_may_match, count, decide, direct, filter_nets, filtering, read_ct,
     read_into, read_l3, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
@@ -90,6 +90,17 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
             return;
         }
     }
+    // A packet the filter left out where it entered (TC ingress): at most probes, this
+    // comparison is all it costs.
+    if let Some(mut lo) = find_left_out(skb) {
+        match program {
+            0 if lo.enters() => return,
+            // An entry point again: looped back as the same skb, another traversal.
+            0 => lo.end(),
+            2 => {}
+            _ => return,
+        }
+    }
     let _ = try_observe(state_p, skb_p, skb, program);
 }
 
@@ -151,11 +162,8 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
     // Within a hook's visit the devices are known, and the headers only change where a
     // table may rewrite them (userspace marks those probes); the filter's probes always read.
     let same_visit = ctl::get(ctl::LAST_HOOK) == u32::from(hook_no);
-    // The clock is read once per visit: the record's last-seen time only orders slots for
-    // eviction and tells the collector a traversal is idle (0 here: left as it was).
-    if !same_visit {
-        ev.header.ts_ns = now();
-    }
+    // No clock here: a record's times are read where it starts, waits and ends (`begin`).
+    ev.header.ts_ns = 0;
     let must_read =
         cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
     // A packet the filter left out where it entered is decided again after conntrack from
@@ -211,7 +219,7 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
                     close_stale(f);
                 }
             }
-            let rec = begin(skb, ev.header.ts_ns).ok_or(())?;
+            let rec = begin(skb).ok_or(())?;
             if ctl::get(ctl::ENTRY) == 0 {
                 rec.incomplete |= missing::START;
                 count(counter::NO_START);
@@ -245,7 +253,8 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
 /// decides again from its connection's tuples alone (`Decide::WithConntrack` without the
 /// packet's headers), and no tuple can pass when none of its addresses lies in the
 /// filter's networks ([`observer_common::filter::FilterNets`]). True when that settles it
-/// (left out, the record as the long way leaves it); false when the long way must decide.
+/// (left out, as the long way leaves it); false when the long way must decide, from a
+/// record (a packet followed without one gets it now).
 #[inline(always)]
 fn still_left_out(
     state_p: *const u8,
@@ -254,43 +263,82 @@ fn still_left_out(
     program: u8,
     w: &mut observer_ebpf::Windows,
 ) -> bool {
-    let Some(nets) = filter_nets() else {
-        return false;
+    // Left out where it entered (program 2 is no entry point): followed without a record
+    // (TC ingress), or with one (the first PREROUTING or OUTPUT probe).
+    let mut entry = find_left_out(skb);
+    let rec = match entry {
+        Some(_) => None,
+        None => match find(skb) {
+            Some(f) if f.rec.decision != decision::KEEP => Some(f.rec),
+            _ => return false,
+        },
     };
-    // A record not kept: decided where it entered (program 2 is no entry point).
-    let Some(f) = find(skb) else {
-        return false;
-    };
-    if f.rec.decision == decision::KEEP {
-        return false;
+    match recheck(state_p, skb_p, program, w) {
+        Recheck::LongWay => {
+            // The long way decides from a record: the entry becomes one.
+            if let Some(lo) = entry {
+                return lo.into_record().is_none();
+            }
+            false
+        }
+        how => {
+            if let Some(lo) = &mut entry {
+                lo.filtered_out();
+            }
+            if let Some(rec) = rec {
+                if how == Recheck::Unread {
+                    rec.incomplete |= missing::READ;
+                }
+                rec.decision = decision::FILTERED_OUT;
+            }
+            true
+        }
     }
-    let rec = f.rec;
+}
+
+/// What program 2's short look at a left-out packet's connection says.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Recheck {
+    /// No tuple of the connection can pass.
+    LeftOut,
+    /// The connection could not be read: the long way would have none to match.
+    Unread,
+    /// The long way must decide.
+    LongWay,
+}
+
+#[inline(always)]
+fn recheck(
+    state_p: *const u8,
+    skb_p: *const u8,
+    program: u8,
+    w: &mut observer_ebpf::Windows,
+) -> Recheck {
+    let Some(nets) = filter_nets() else {
+        return Recheck::LongWay;
+    };
     let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
     let conn = nfct & !7;
     if conn == 0 || nfct & 7 == 7 {
-        return false;
+        return Recheck::LongWay;
     }
     let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
     // Where a table before this probe may rewrite the headers, the long way reads them
     // and decides from them too.
     if cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0) {
-        return false;
+        return Recheck::LongWay;
     }
     let Some(start) = cfg(config::CT_WINDOW) else {
-        return false;
+        return Recheck::LongWay;
     };
     if read_into(conn, start, &mut w.ct).is_err() {
-        // The long way would have no connection to match: left out, the read flagged.
-        rec.incomplete |= missing::READ;
-        rec.decision = decision::FILTERED_OUT;
-        return true;
+        return Recheck::Unread;
     }
     let may = conntrack_may_match(nets, &w.ct, start);
     if opaque(usize::from(may == Some(false))) == 0 {
-        return false;
+        return Recheck::LongWay;
     }
-    rec.decision = decision::FILTERED_OUT;
-    true
+    Recheck::LeftOut
 }
 
 /// How the filter decides at this probe.

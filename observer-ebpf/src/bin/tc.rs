@@ -8,10 +8,12 @@ use aya_ebpf::{macros::classifier, programs::TcContext};
 use observer_common::parse::ip_header_at;
 use observer_common::traversal::{add_reading, decision, end, missing};
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
-use observer_ebpf::inflight::{Found, Place, begin, close_stale, find, finish, opaque};
+use observer_ebpf::inflight::{
+    Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
+};
 use observer_ebpf::{
-    Decide, PacketReader, cfg, count, counts, decide, filter_nets, nfct_of, now, parse_headers,
-    read_ct, read_skb_window, scratch, windows,
+    Decide, PacketReader, cfg, count, counts, decide, filter_nets, nfct_of, parse_headers, read_ct,
+    read_skb_window, scratch, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -48,9 +50,13 @@ fn observe(ctx: &TcContext, at: u8) {
         return;
     }
     if at == hook::TC_EGRESS {
+        // Left out by the filter: counted, not read.
+        if let Some(lo) = find_left_out(skb) {
+            lo.end();
+            return;
+        }
         if let Some(f) = find(skb) {
             if f.rec.decision != decision::KEEP {
-                // Left out by the filter: counted, not read.
                 finish(f, end::EGRESS);
                 return;
             }
@@ -70,14 +76,16 @@ fn observe(ctx: &TcContext, at: u8) {
     if at == hook::TC_INGRESS {
         // Nothing arrives twice: a record under this address belongs to a packet that was
         // freed unseen.
-        if let Some(f) = found.take() {
-            close_stale(f);
+        close_stale_at_entry(skb, found.take());
+        if verdict != decision::KEEP {
+            leave_out(skb, verdict);
+            return;
         }
     }
     let f = match found {
         Some(f) => f,
         None => {
-            let Some(rec) = begin(skb, ev.header.ts_ns) else {
+            let Some(rec) = begin(skb) else {
                 return;
             };
             if at == hook::TC_EGRESS {
@@ -93,12 +101,6 @@ fn observe(ctx: &TcContext, at: u8) {
     };
     if f.rec.decision == decision::KEEP {
         add_reading(f.rec, ev, 0);
-    } else if at == hook::TC_INGRESS {
-        // Left out, but where it entered is still noted: the first PREROUTING probe then
-        // knows this record is the same packet's, not a stale one to close.
-        f.rec.nvisits = 1;
-        f.rec.cur_visit = 0;
-        f.rec.visits[0].hook = hook::TC_INGRESS;
     }
     if at == hook::TC_EGRESS {
         finish(f, end::EGRESS);
@@ -142,18 +144,22 @@ fn left_out_at_entry(ctx: &TcContext, skb: u64) -> bool {
     if opaque(usize::from(any)) != 0 {
         return false;
     }
-    // Left out: its record, as `observe` starts it for such a packet.
-    if let Some(f) = find(skb) {
+    // Left out: followed as `observe` follows such a packet.
+    close_stale_at_entry(skb, find(skb));
+    leave_out(skb, decision::FILTERED_OUT);
+    true
+}
+
+/// A packet entering under `skb`'s address: whatever this CPU still follows under it
+/// (`found`, or a packet left out) was freed unseen, and ends.
+#[inline(always)]
+fn close_stale_at_entry(skb: u64, found: Option<Found>) {
+    if let Some(f) = found {
         close_stale(f);
     }
-    let Some(rec) = begin(skb, now()) else {
-        return true;
-    };
-    rec.decision = decision::FILTERED_OUT;
-    rec.nvisits = 1;
-    rec.cur_visit = 0;
-    rec.visits[0].hook = hook::TC_INGRESS;
-    true
+    if let Some(lo) = find_left_out(skb) {
+        lo.end();
+    }
 }
 
 /// Reads the packet as the TC hook has it. `None` for anything but IP.
@@ -162,7 +168,8 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     let skb = ctx.skb.skb;
     ev.header.kind = kind::PACKET;
     ev.header.hook = at;
-    ev.header.ts_ns = now();
+    // No clock here: a record's times are read where it starts, waits and ends (`begin`).
+    ev.header.ts_ns = 0;
     // Privileged programs may read their context pointer: it is the kernel's sk_buff address,
     // the same identity the netfilter probes report.
     ev.header.skb = skb as u64;

@@ -15,7 +15,7 @@ use aya::programs::{
 use aya::{Btf, Ebpf, EbpfLoader};
 use log::{debug, info};
 use observer_common::filter::{FilterNets, FilterProgram};
-use observer_common::traversal::{SLOTS_PER_CPU, TraversalRecord, decision, end, status};
+use observer_common::traversal::{Slots, TraversalRecord, decision, end, status};
 use observer_common::{config, counter, counts, pending_count};
 use std::path::PathBuf;
 
@@ -373,11 +373,11 @@ impl Probes {
     /// Empties the per-CPU slots and the fallback map (no probe may be using them).
     fn clear_in_flight(&mut self) -> Result<()> {
         {
-            let mut slots: PerCpuArray<_, [TraversalRecord; SLOTS_PER_CPU]> =
+            let mut slots: PerCpuArray<_, Slots> =
                 PerCpuArray::try_from(self.ebpf.map_mut("SLOTS").context("no SLOTS map")?)?;
             let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
-            // SAFETY: TraversalRecord is plain data; all zero is a free slot.
-            let empty: [TraversalRecord; SLOTS_PER_CPU] = unsafe { std::mem::zeroed() };
+            // SAFETY: Slots is plain data; all zero is every slot and entry free.
+            let empty: Slots = unsafe { std::mem::zeroed() };
             slots.set(0, aya::maps::PerCpuValues::try_from(vec![empty; cpus])?, 0)?;
         }
         let mut map: BpfHashMap<_, u64, TraversalRecord> =
@@ -764,16 +764,20 @@ impl Probes {
                 n.left_out += 1;
             }
         };
-        let slots: PerCpuArray<_, [TraversalRecord; SLOTS_PER_CPU]> =
+        let slots: PerCpuArray<_, Slots> =
             PerCpuArray::try_from(self.ebpf.map("SLOTS").context("no SLOTS map")?)?;
+        // Packets left out at TC ingress, followed without a record.
+        let mut entries = 0;
         for cpu in slots.get(&0, 0)?.iter() {
-            cpu.iter().for_each(&mut add);
+            cpu.recs.iter().for_each(&mut add);
+            entries += cpu.left_out.skb.iter().filter(|&&skb| skb != 0).count() as u64;
         }
         let pending: BpfHashMap<_, u64, TraversalRecord> =
             BpfHashMap::try_from(self.ebpf.map("PENDING").context("no PENDING map")?)?;
         for (_, r) in pending.iter().filter_map(Result::ok) {
             add(&r);
         }
+        n.left_out += entries;
         Ok(n)
     }
 

@@ -14,9 +14,11 @@ use aya_ebpf::{
 };
 use observer_common::traversal::{add_reading, decision, end, missing, status};
 use observer_common::{config, flags, kind};
-use observer_ebpf::inflight::{Found, Place, begin, find, finish, socket_took};
+use observer_ebpf::inflight::{
+    Found, Place, begin, find, find_left_out, finish, opaque, socket_took,
+};
 use observer_ebpf::{
-    cfg, counts, field, nfct_of, now, read, read_ct, read_l3, read_skb_window, scratch, windows,
+    cfg, counts, field, nfct_of, read, read_ct, read_l3, read_skb_window, scratch, windows,
 };
 
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
@@ -45,20 +47,26 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
             return 0;
         }
     }
-    if let Some(f) = ours(skb) {
+    let left_out = if let Some(lo) = find_left_out(skb) {
+        lo.end();
+        true
+    } else if let Some(f) = ours(skb) {
         let left_out = f.rec.decision != decision::KEEP;
         f.rec.reason = reason as u32;
         f.rec.location = location;
         finish(f, end::DROPPED);
-        // The agent records every drop for its flight recorder, also while the filter
-        // serves its streaming clients: one the filter left out is written as it died.
-        if left_out
-            && counts::counting()
-            && observed_netns(skb) == Some(true)
-            && let Some(p) = counts::last_point_of(skb)
-        {
-            let _ = record_drop(skb, p, location, reason);
-        }
+        left_out
+    } else {
+        false
+    };
+    // The agent records every drop for its flight recorder, also while the filter serves
+    // its streaming clients: one the filter left out is written as it died.
+    if left_out
+        && counts::counting()
+        && observed_netns(skb) == Some(true)
+        && let Some(p) = counts::last_point_of(skb)
+    {
+        let _ = record_drop(skb, p, location, reason);
     }
     0
 }
@@ -79,7 +87,7 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     };
     ev.header.hook = hook as u8;
     ev.header.skb = skb;
-    ev.header.ts_ns = now();
+    ev.header.ts_ns = 0;
     let start = read_skb_window(skb, w)?;
     let word = |slot: u32| cfg(slot).ok_or(());
     ev.packet.mark = u32::from_ne_bytes(field(&w.skb, word(config::SKB_MARK)?, start)?);
@@ -91,7 +99,7 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     if read_ct(nfct, &mut ev.ct, w, true) == Ok(true) {
         ev.header.flags |= flags::CT;
     }
-    let rec = begin(skb, ev.header.ts_ns).ok_or(())?;
+    let rec = begin(skb).ok_or(())?;
     rec.incomplete |= missing::START;
     if !read_ok {
         rec.incomplete |= missing::READ;
@@ -117,8 +125,13 @@ pub fn observer_consume_skb(ctx: BtfTracePointContext) -> i32 {
     if floor() || counts::count_only() {
         return 0;
     }
-    let (skb, location) = (arg(ctx.as_ptr(), 0), arg(ctx.as_ptr(), 1));
+    let skb = arg(ctx.as_ptr(), 0);
+    if let Some(lo) = find_left_out(skb) {
+        lo.end();
+        return 0;
+    }
     if let Some(f) = ours(skb) {
+        let location = arg(ctx.as_ptr(), 1);
         f.rec.location = location;
         let how = if f.rec.status & status::SOCKET != 0 {
             end::DELIVERED
@@ -136,12 +149,15 @@ fn floor() -> bool {
     cfg(config::FLOOR).is_some_and(|f| f != 0)
 }
 
-/// Argument `n` of a tracing program, read as a plain number: loaded directly, a pointer
-/// argument is a typed kernel pointer on which the verifier forbids the arithmetic that BTF
-/// offsets need.
+/// Argument `n` of a tracing program, as a plain number: loaded from the context (one
+/// instruction; the verifier checks `n` against the tracepoint's prototype), then passed
+/// through map memory, since a pointer argument is a typed kernel pointer on which the
+/// verifier forbids the arithmetic that BTF offsets need.
 #[inline(always)]
-fn arg(ctx: *mut core::ffi::c_void, n: u64) -> u64 {
-    read::<u64>(ctx as u64, n * 8).unwrap_or(0)
+fn arg(ctx: *mut core::ffi::c_void, n: usize) -> u64 {
+    // SAFETY: a tracing program's context is its arguments, one u64 each.
+    let v = unsafe { core::ptr::read_volatile((ctx as *const u64).wrapping_add(n)) };
+    opaque(v as usize) as u64
 }
 
 /// The record of `skb`, unless the skb now lives in another namespace (its address was
@@ -165,7 +181,10 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
         return 1;
     }
     let skb = ctx.skb.skb as u64;
-    if let Some(f) = find(skb) {
+    // A packet left out has nothing to mark.
+    if find_left_out(skb).is_none()
+        && let Some(f) = find(skb)
+    {
         socket_took(f);
     }
     1
