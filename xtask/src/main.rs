@@ -736,9 +736,50 @@ const PHASES: [Phase; 6] = [
     },
 ];
 
+/// Waits (up to a minute) until the machine is idle: the share of CPU time busy over a
+/// second below a tenth. A lab removed just before (another bench, a test) leaves the
+/// kernel cleaning its namespaces up in the background, which would be measured too.
+fn wait_for_quiet() {
+    let sample = || -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal ...
+        let idle = cpu.get(3)? + cpu.get(4)?;
+        Some((cpu.iter().take(8).sum(), idle))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let Some((t0, i0)) = sample() else { return };
+        std::thread::sleep(Duration::from_secs(1));
+        let Some((t1, i1)) = sample() else { return };
+        let busy = 1.0 - (i1 - i0) as f64 / (t1 - t0).max(1) as f64;
+        if busy < 0.10 {
+            return;
+        }
+        if Instant::now() > deadline {
+            eprintln!(
+                "xtask bench: the machine is still {:.0}% busy; measuring anyway",
+                busy * 100.0
+            );
+            return;
+        }
+        eprintln!(
+            "xtask bench: waiting for a quiet machine ({:.0}% busy)",
+            busy * 100.0
+        );
+    }
+}
+
 fn bench(seconds: u32, rounds: u32) -> Result<()> {
     // The one-core benches first: after the lab is removed, the kernel cleans its
     // namespaces up in the background for a while, which would take their CPU.
+    wait_for_quiet();
     println!("collector, synthetic records (observer/examples/collector_bench.rs):");
     run(Command::new("cargo").args([
         "run",
@@ -819,11 +860,45 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
         Ok(())
     })?;
     let _ = std::fs::remove_file(&stats_file);
-    let tcp: Vec<f64> = tcp.iter_mut().map(|v| median(v)).collect();
-    let udp: Vec<f64> = udp.iter_mut().map(|v| median(v)).collect();
+    // Ratios are taken within each round (a phase against that round's baseline or floor,
+    // run a minute apart at most), then their median: this VM's rates drift by a tenth
+    // between minutes, which a ratio of medians taken across rounds would carry.
+    let paired = |v: &[Vec<f64>], i: usize, of: usize| -> Vec<f64> {
+        v[i].iter().zip(&v[of]).map(|(a, b)| a / b).collect()
+    };
+    let ratios = |v: &[Vec<f64>], of: usize| -> Vec<f64> {
+        (0..PHASES.len())
+            .map(|i| median(&mut paired(v, i, of)))
+            .collect()
+    };
+    let (tcp_base, tcp_floor) = (ratios(&tcp, 0), ratios(&tcp, 1));
+    let (udp_base, udp_floor) = (ratios(&udp, 0), ratios(&udp, 1));
+    let spread = |v: &[Vec<f64>], i: usize, of: usize| -> String {
+        paired(v, i, of)
+            .iter()
+            .map(|r| format!("{r:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let per_round: Vec<String> = PHASES
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, phase)| {
+            format!(
+                "  {:<36} TCP {}  UDP {}",
+                phase.label,
+                spread(&tcp, i, 1),
+                spread(&udp, i, 1)
+            )
+        })
+        .collect();
+    let tcp: Vec<f64> = tcp.iter().map(|v| median(&mut v.clone())).collect();
+    let udp: Vec<f64> = udp.iter().map(|v| median(&mut v.clone())).collect();
     println!(
         "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
-         workload, {rounds} alternating rounds, medians; ratios against the baseline:"
+         workload, {rounds} alternating rounds; rates are medians, ratios are medians of each \
+         round's ratio:"
     );
     println!(
         "  {:<36} {:>12} {:>7} {:>7} {:>14} {:>7} {:>7} {:>12} {:>12} {:>10}",
@@ -851,11 +926,11 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
             "  {:<36} {:>12.2} {:>7.3} {:>7.3} {:>14.0} {:>7.3} {:>7.3} {:>12} {:>12} {:>10}",
             phase.label,
             tcp[i] / 1e9,
-            tcp[i] / tcp[0],
-            tcp[i] / tcp[1],
+            tcp_base[i],
+            tcp_floor[i],
             udp[i],
-            udp[i] / udp[0],
-            udp[i] / udp[1],
+            udp_base[i],
+            udp_floor[i],
             cell(seen),
             cell(printed),
             cell(lost),
@@ -867,5 +942,9 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
          observer's --stats; the floor and the filter print nothing by design; the agent \
          counts in the kernel and records only drops, its figures are in its /metrics)"
     );
+    println!("\nEach round's ratio against its floor, in round order:");
+    for line in per_round {
+        println!("{line}");
+    }
     Ok(())
 }
