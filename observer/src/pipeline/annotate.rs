@@ -174,7 +174,11 @@ pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
     for s in stages {
         let Some(after) = s.after else { continue };
         let (b, a) = (s.before.mark, after.mark);
-        for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
+        // The changed bits, lowest first.
+        let mut changed = a ^ b;
+        while changed != 0 {
+            let bit = changed & changed.wrapping_neg();
+            changed &= !bit;
             let change = MarkChange {
                 bit,
                 name: dict.shared_name(bit),
@@ -200,7 +204,7 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
             continue;
         }
         let (Some(bs), Some(bd), Some(a_s), Some(ad)) =
-            (s.before.src, s.before.dst, after.src, after.dst)
+            (&s.before.src, &s.before.dst, &after.src, &after.dst)
         else {
             continue;
         };
@@ -228,8 +232,8 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
                     kind,
                     hook: s.stage.hook,
                     table: s.stage.table.clone(),
-                    from: text(&from, b, dst),
-                    to: text(&to, a, dst),
+                    from: text(from, b, dst),
+                    to: text(to, a, dst),
                     source,
                 });
             }
