@@ -85,64 +85,43 @@ pub struct Names<'a> {
     pub symbol: &'a dyn Fn(u64) -> String,
 }
 
-pub fn fate(t: &Traversal, at: &EndPoint, route: Option<Route>, names: &Names) -> Fate {
-    let location = t
-        .drop
-        .filter(|d| d.location != 0)
-        .map(|d| (names.symbol)(d.location));
-    let here = |kind, reason: Option<String>| Fate {
+/// Ended at a known place on its path, not inside a table.
+fn passed(kind: FateKind, hook: NfHook, after: Option<String>) -> Fate {
+    Fate {
         kind,
-        hook: at.hook,
-        table: at.table.clone(),
-        reason,
-        location: location.clone(),
-        after: at.after.clone(),
-        before: at.before.clone(),
-    };
-    let left = |hook: NfHook| Fate {
-        kind: if route == Some(Route::Output) {
-            FateKind::Sent
-        } else {
-            FateKind::Forwarded
-        },
         hook: Some(hook),
         table: None,
         reason: None,
         location: None,
-        after: at.after.clone(),
+        after,
         before: None,
-    };
+    }
+}
+
+/// How the traversal ended. Takes the end point's text rather than copying it.
+pub fn fate(t: &Traversal, at: EndPoint, route: Option<Route>, names: &Names) -> Fate {
+    let location = t
+        .drop
+        .filter(|d| d.location != 0)
+        .map(|d| (names.symbol)(d.location));
     if reassembled(t) {
         return Fate {
-            kind: FateKind::Reassembled,
-            hook: Some(NfHook::PreRouting),
             table: Some("defrag".into()),
-            reason: None,
             location,
-            after: at.after.clone(),
-            before: None,
+            ..passed(FateKind::Reassembled, NfHook::PreRouting, at.after)
         };
     }
-    match t.closed {
-        Closed::Delivered => Fate {
-            kind: FateKind::Delivered,
-            hook: Some(NfHook::LocalIn),
-            table: None,
-            reason: None,
-            location: None,
-            after: at.after.clone(),
-            before: None,
-        },
-        Closed::Egress => left(NfHook::PostRouting),
-        Closed::Looped => Fate {
-            kind: FateKind::Looped,
-            hook: Some(NfHook::PostRouting),
-            table: None,
-            reason: None,
-            location: None,
-            after: at.after.clone(),
-            before: None,
-        },
+    let (kind, reason) = match t.closed {
+        Closed::Delivered => return passed(FateKind::Delivered, NfHook::LocalIn, at.after),
+        Closed::Egress => {
+            let kind = if route == Some(Route::Output) {
+                FateKind::Sent
+            } else {
+                FateKind::Forwarded
+            };
+            return passed(kind, NfHook::PostRouting, at.after);
+        }
+        Closed::Looped => return passed(FateKind::Looped, NfHook::PostRouting, at.after),
         Closed::Dropped => {
             let reason = t.drop.map(|d| {
                 names
@@ -151,10 +130,10 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<Route>, names: &Names) -
                     .cloned()
                     .unwrap_or_else(|| format!("reason {}", d.reason))
             });
-            here(FateKind::Dropped, reason)
+            (FateKind::Dropped, reason)
         }
-        Closed::Consumed => here(FateKind::Consumed, None),
-        Closed::Reclaimed | Closed::Reused | Closed::Idle | Closed::InFlight => here(
+        Closed::Consumed => (FateKind::Consumed, None),
+        Closed::Reclaimed | Closed::Reused | Closed::Idle | Closed::InFlight => (
             FateKind::Incomplete,
             Some(
                 match t.closed {
@@ -166,6 +145,16 @@ pub fn fate(t: &Traversal, at: &EndPoint, route: Option<Route>, names: &Names) -
                 .into(),
             ),
         ),
+    };
+    // It ended at the end point: inside the table there, if any, or between its probes.
+    Fate {
+        kind,
+        hook: at.hook,
+        table: at.table,
+        reason,
+        location,
+        after: at.after,
+        before: at.before,
     }
 }
 
@@ -174,7 +163,11 @@ pub fn marks(stages: &[ObservedStage], dict: &MarkDictionary) -> Marks {
     for s in stages {
         let Some(after) = s.after else { continue };
         let (b, a) = (s.before.mark, after.mark);
-        for bit in (0..32).map(|i| 1u32 << i).filter(|bit| (a ^ b) & bit != 0) {
+        // The changed bits, lowest first.
+        let mut changed = a ^ b;
+        while changed != 0 {
+            let bit = changed & changed.wrapping_neg();
+            changed &= !bit;
             let change = MarkChange {
                 bit,
                 name: dict.shared_name(bit),
@@ -200,7 +193,7 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
             continue;
         }
         let (Some(bs), Some(bd), Some(a_s), Some(ad)) =
-            (s.before.src, s.before.dst, after.src, after.dst)
+            (&s.before.src, &s.before.dst, &after.src, &after.dst)
         else {
             continue;
         };
@@ -228,8 +221,8 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
                     kind,
                     hook: s.stage.hook,
                     table: s.stage.table.clone(),
-                    from: text(&from, b, dst),
-                    to: text(&to, a, dst),
+                    from: text(from, b, dst),
+                    to: text(to, a, dst),
                     source,
                 });
             }

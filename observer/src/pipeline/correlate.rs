@@ -249,14 +249,17 @@ pub fn assemble(
     };
     let nsteps = (rec.nsteps as usize).min(MAX_STEPS);
     let steps = &rec.steps[..nsteps];
-    // Each step's point as (visit, position), to merge with the points in order.
-    let step_at = |s: &Step| -> Option<(usize, usize)> {
-        let v = rec.visits.get(s.visit as usize)?;
-        Some((
-            s.visit as usize,
-            position(point_of(v.hook, s.program, family, plans)?),
-        ))
-    };
+    // Each step's point as (visit, position), to merge with the points in order: found once
+    // per step, not again for every point it is compared with.
+    let mut step_at = [None; MAX_STEPS];
+    for (s, at) in steps.iter().zip(&mut step_at) {
+        *at = rec.visits.get(s.visit as usize).and_then(|v| {
+            Some((
+                s.visit as usize,
+                position(point_of(v.hook, s.program, family, plans)?),
+            ))
+        });
+    }
     let visits = &rec.visits[..(rec.nvisits as usize).min(MAX_VISITS)];
     let mut records = Vec::with_capacity(
         visits
@@ -270,24 +273,32 @@ pub fn assemble(
         decoded: [None, None],
     };
     let mut state: Option<State> = None;
+    // The observation of the current state, made again only where a step changes it: most
+    // points see the packet as the point before did, and differ from it only in where they are.
+    let mut seen: Option<Observation> = None;
     let mut next = 0;
     for (vi, v) in visits.iter().enumerate() {
+        if v.programs == 0 {
+            continue;
+        }
         // The visit's points in the order the packet passed them (at most one per program).
-        let mut points = [Point::TcIngress; 32];
+        let at_point = VisitPoints::of(v.hook, family, plans)?;
+        let mut positions = [0usize; 32];
         let mut n = 0;
-        for p in (0..32u8).filter(|p| v.programs & (1 << p) != 0) {
-            points[n] =
-                point_of(v.hook, p, family, plans).ok_or(CorrelateError::UnknownHook(v.hook))?;
+        let mut programs = v.programs;
+        while programs != 0 {
+            positions[n] = at_point.position(programs.trailing_zeros() as usize);
+            programs &= programs - 1;
             n += 1;
         }
-        let points = &mut points[..n];
-        points.sort_by_key(|p| position(*p));
-        for &point in &*points {
+        let positions = &mut positions[..n];
+        positions.sort_unstable();
+        for &at in &*positions {
+            let point = at_point.point(at);
             let here = (vi, position(point));
             while let Some(s) = steps.get(next) {
-                match step_at(s) {
-                    Some(at) if at > here => break,
-                    _ => {}
+                if step_at[next].is_some_and(|at| at > here) {
+                    break;
                 }
                 let st = state.get_or_insert(State {
                     outer: *s,
@@ -298,19 +309,17 @@ pub fn assemble(
                 } else {
                     st.outer = *s;
                 }
+                seen = None;
                 next += 1;
             }
             // A point before any step: nothing was recorded for it (the record is partial).
-            if let Some(st) = &state {
-                records.push(observation(
-                    st,
-                    point,
-                    rec,
-                    family,
-                    (v.ifindex_in, v.ifindex_out),
-                    &mut tuples,
-                ));
-            }
+            let Some(st) = &state else { continue };
+            let ifindex = (v.ifindex_in, v.ifindex_out);
+            let o = seen
+                .get_or_insert_with(|| observation(st, point, rec, family, ifindex, &mut tuples));
+            o.point = point;
+            (o.ifindex_in, o.ifindex_out) = ifindex;
+            records.push(o.clone());
         }
     }
     let drop = match closed {
@@ -327,6 +336,43 @@ pub fn assemble(
         drop,
         missing: rec.incomplete,
     })
+}
+
+/// Where the programs of one visit are: its hook, and for netfilter the plan that maps each
+/// program to its point (looked up once per visit).
+enum VisitPoints<'a> {
+    TcIngress,
+    TcEgress,
+    Netfilter(NfHook, Option<&'a HookPlan>),
+}
+
+impl<'a> VisitPoints<'a> {
+    fn of(hook_no: u8, family: Option<NfFamily>, plans: &'a Plans) -> Result<Self, CorrelateError> {
+        Ok(match hook_no {
+            hook::TC_INGRESS => Self::TcIngress,
+            hook::TC_EGRESS => Self::TcEgress,
+            n => {
+                let h = NfHook::from_raw(n).ok_or(CorrelateError::UnknownHook(n))?;
+                Self::Netfilter(h, family.and_then(|f| plans.get(&(f, h))))
+            }
+        })
+    }
+
+    /// The position of program `program`'s point (as [`point_of`] finds it).
+    fn position(&self, program: usize) -> usize {
+        match self {
+            Self::TcIngress | Self::TcEgress => 0,
+            Self::Netfilter(_, plan) => plan.and_then(|p| p.point_of(program)).unwrap_or(program),
+        }
+    }
+
+    fn point(&self, position: usize) -> Point {
+        match self {
+            Self::TcIngress => Point::TcIngress,
+            Self::TcEgress => Point::TcEgress,
+            Self::Netfilter(h, _) => Point::Netfilter(*h, position),
+        }
+    }
 }
 
 /// Words for the bits of [`missing`], for the report.

@@ -160,7 +160,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
     );
     drop(observed);
     let route = annotate::route(t);
-    let fate = annotate::fate(t, &end_point(t, family, ctx.plans), route, &ctx.names);
+    let fate = annotate::fate(t, end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
     if fate.kind == FateKind::Incomplete {
         reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));

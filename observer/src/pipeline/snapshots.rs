@@ -94,8 +94,8 @@ fn v4(e: &Endpoint) -> Option<u64> {
 
 /// Everything of an observation its snapshot shows.
 fn snap_key(o: &Observation) -> SnapKey {
-    if let (Some(s), Some(d), None) = (o.src, o.dst, o.inner)
-        && let (Some(sa), Some(da)) = (v4(&s), v4(&d))
+    if let (Some(s), Some(d), None) = (&o.src, &o.dst, &o.inner)
+        && let (Some(sa), Some(da)) = (v4(s), v4(d))
     {
         return Key::V4(Words::new([
             sa << 32 | da,
