@@ -2,8 +2,9 @@
 //! packet), of its conntrack entry after each table and of its connection, made once and
 //! shared: a flow's packets show the same few, and formatting them is most of a report's
 //! cost. Shared across reports by keys packed into words ([`crate::pipeline::keys`]), and
-//! within one report by observation, so that a report hashes each distinct packet state it
-//! shows once.
+//! within one report by observation: an observation that shows the packet as the one just
+//! before it did reuses its snapshot without hashing (a state seen again later, after a
+//! change, is looked up again).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
