@@ -738,7 +738,8 @@ const PHASES: [Phase; 6] = [
 
 /// Waits (up to a minute) until the machine is idle: the share of CPU time busy over a
 /// second below a tenth. A lab removed just before (another bench, a test) leaves the
-/// kernel cleaning its namespaces up in the background, which would be measured too.
+/// kernel cleaning its namespaces up in the background, which would be measured too; so
+/// does an observer that just stopped or started.
 fn wait_for_quiet() {
     let sample = || -> Option<(u64, u64)> {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
@@ -839,6 +840,10 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
                         Some(start_tail(bin, &all, Stdio::null())?)
                     }
                 };
+                // Every phase starts on a settled machine: the previous observer's exit
+                // (tcx links released one RCU grace period at a time, programs freed) and
+                // this one's start (rules read after it is ready) are not the phase's price.
+                wait_for_quiet();
                 let r = tcp_rate(prefix, seconds).and_then(|t| Ok((t, udp_rate(prefix, seconds)?)));
                 if let Some(t) = tail.as_mut() {
                     stop(t)?;
