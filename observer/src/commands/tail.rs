@@ -221,7 +221,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         None => FilterProgram::KEEP_ALL,
     };
     program.sample = opts.sample;
-    let mut probes = attach_probes(&layout, &program, &live)?;
+    let mut probes = attach_probes(&layout, &program, &live, opts.floor)?;
     let ring = probes.take_ring()?;
     let pcap = match pcapng {
         Some(writer) => Some(Pcap {
@@ -232,9 +232,6 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         }),
         None => None,
     };
-    if opts.floor {
-        probes.set_floor(true)?;
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -59,8 +59,11 @@ pub fn attach_probes(
     layout: &KernelLayout,
     program: &FilterProgram,
     live: &LiveNode,
+    floor: bool,
 ) -> Result<Probes> {
     let mut probes = Probes::load(layout, program)?;
+    // Before anything is attached: the benchmark's floor records nothing at all.
+    probes.set_floor(floor)?;
     let users = hook_users(live);
     probes.attach_netfilter(full_plan(users.as_deref()))?;
     let changes = probes.sync_interfaces()?;
@@ -77,8 +80,9 @@ pub fn attach_probes(
 
 /// Loads the probes to keep the always-on counters (`observer agent`) and attaches them to
 /// every hook user of the current namespace; no tcx until traversals are wanted.
-pub fn attach_counting(layout: &KernelLayout, live: &LiveNode) -> Result<Probes> {
+pub fn attach_counting(layout: &KernelLayout, live: &LiveNode, floor: bool) -> Result<Probes> {
     let mut probes = Probes::load_counting(layout)?;
+    probes.set_floor(floor)?;
     let users = hook_users(live);
     probes.attach_netfilter(full_plan(users.as_deref()))?;
     info!(

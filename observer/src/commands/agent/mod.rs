@@ -128,12 +128,11 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
         let mut probes = match opts.mode {
-            AgentMode::Trace => attach_probes(&layout, &FilterProgram::KEEP_ALL, &live)?,
-            AgentMode::Counters => attach_counting(&layout, &live)?,
+            AgentMode::Trace => {
+                attach_probes(&layout, &FilterProgram::KEEP_ALL, &live, opts.floor)?
+            }
+            AgentMode::Counters => attach_counting(&layout, &live, opts.floor)?,
         };
-        if opts.floor {
-            probes.set_floor(true)?;
-        }
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
         event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
