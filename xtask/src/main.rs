@@ -781,28 +781,22 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
     // The one-core benches first: after the lab is removed, the kernel cleans its
     // namespaces up in the background for a while, which would take their CPU.
     wait_for_quiet();
+    let example = |package: &str, name: &str| {
+        run(Command::new("cargo").args([
+            "run",
+            "--locked",
+            "--release",
+            "-q",
+            "-p",
+            package,
+            "--example",
+            name,
+        ]))
+    };
     println!("collector, synthetic records (observer/examples/collector_bench.rs):");
-    run(Command::new("cargo").args([
-        "run",
-        "--locked",
-        "--release",
-        "-q",
-        "-p",
-        "observer",
-        "--example",
-        "collector_bench",
-    ]))?;
+    example("observer", "collector_bench")?;
     println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
-    run(Command::new("cargo").args([
-        "run",
-        "--locked",
-        "--release",
-        "-q",
-        "-p",
-        "observer-rules",
-        "--example",
-        "bench_rules",
-    ]))?;
+    example("observer-rules", "bench_rules")?;
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
     // Per phase: TCP bit/s, UDP packets/s, and the observer's (seen, printed, lost).

@@ -389,15 +389,22 @@ impl Probes {
                 removed += 1;
             }
         }
-        if removed > 0 {
-            self.collected += removed;
-            let mut count: Array<_, u64> = Array::try_from(
-                self.ebpf
-                    .map_mut("PENDING_COUNT")
-                    .context("no PENDING_COUNT map")?,
-            )?;
-            count.set(pending_count::COLLECTED, self.collected, 0)?;
+        self.collected_from_pending(removed)
+    }
+
+    /// Adds `n` records taken out of the fallback map to the probes' count of them (after
+    /// the removals: the count may only overestimate what the map holds).
+    fn collected_from_pending(&mut self, n: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
         }
+        self.collected += n;
+        let mut count: Array<_, u64> = Array::try_from(
+            self.ebpf
+                .map_mut("PENDING_COUNT")
+                .context("no PENDING_COUNT map")?,
+        )?;
+        count.set(pending_count::COLLECTED, self.collected, 0)?;
         Ok(())
     }
 
@@ -682,16 +689,7 @@ impl Probes {
                 out.push(rec);
             }
         }
-        if !out.is_empty() {
-            // After the removals: the probes' count may only overestimate.
-            self.collected += out.len() as u64;
-            let mut count: Array<_, u64> = Array::try_from(
-                self.ebpf
-                    .map_mut("PENDING_COUNT")
-                    .context("no PENDING_COUNT map")?,
-            )?;
-            count.set(pending_count::COLLECTED, self.collected, 0)?;
-        }
+        self.collected_from_pending(out.len() as u64)?;
         Ok(out)
     }
 
