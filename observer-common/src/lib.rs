@@ -147,8 +147,11 @@ pub mod config {
     /// Per hook (`READ_HEADERS + hook`), a bitmask of the probe programs that must read the
     /// packet's headers: those right after a table that may rewrite addresses (nat, a
     /// custom base chain). The others take them from the record's last step, unless they
-    /// open a hook's visit.
+    /// open a hook's visit. The same bits shifted by [`NAT_ONLY_SHIFT`] mark the programs
+    /// among them that follow nat alone: there a connection without NAT (its status has
+    /// neither `IPS_SRC_NAT` nor `IPS_DST_NAT`) keeps its headers.
     pub const READ_HEADERS: u32 = 32;
+    pub const NAT_ONLY_SHIFT: u32 = 32;
     /// Non-zero: the netfilter probes and the drop tracepoint keep the always-on counters
     /// ([`super::counts`]).
     pub const COUNTING: u32 = 37;
@@ -200,6 +203,19 @@ pub mod direct {
         super::config::SKB_NETWORK_HEADER,
         super::config::SKB_NFCT,
     ];
+}
+
+/// Calls the netfilter probes make to helper ids no helper has, which observer's netfilter
+/// loader rewrites for the running kernel (as libbpf resolves `__ksym` externs): where the
+/// kernel lets a program load untrusted kernel memory directly (Linux 6.16+,
+/// `BPF_FEAT_RDONLY_CAST_TO_VOID`), a struct window costs a few loads instead of one
+/// `bpf_probe_read_kernel` call. [`DIRECT_READS`] becomes `r0 = 1` there (`r0 = 0`
+/// elsewhere), which the verifier follows as a constant, so it never checks the path the
+/// kernel cannot take; [`UNTRUSTED`] becomes the kfunc `bpf_rdonly_cast(ptr, 0)`, which
+/// the verifier inlines (`r0 = r1`) and whose result it lets the program load from.
+pub mod kfunc {
+    pub const DIRECT_READS: i32 = 0x7f0f_0001;
+    pub const UNTRUSTED: i32 = 0x7f0f_0002;
 }
 
 /// Bytes of `nf_hook_state`, `sk_buff` and `nf_conn` a probe reads at once (from the

@@ -553,6 +553,61 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     }
 }
 
+/// What a probe between two tables reads of a packet when it need not read its headers
+/// (no table since the record's last step could rewrite them): the skb's mark and length
+/// and its conntrack entry's state, each one load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Glance {
+    /// One of [`crate::hook`].
+    pub hook: u8,
+    pub mark: u32,
+    pub len: u32,
+    /// The skb has a conntrack entry (then the three fields below are its state).
+    pub ct: bool,
+    pub ctinfo: u8,
+    pub ct_mark: u32,
+    /// The low word of the entry's status, as a step keeps it.
+    pub ct_status: u32,
+}
+
+/// The short way for a probe within its hook's visit (not the hook's first point), when the
+/// glance shows the packet as the record's last step has it: the point is added to the
+/// visit, which is all [`add_reading`] would do with the whole reading there (its headers
+/// taken from the record by [`reuse_headers`]), and true is returned. False, with the record
+/// untouched, whenever the long way must look: anything changed, another hook, this program
+/// already in the visit, a record without steps, an ICMP error's quoted packet.
+#[inline(always)]
+pub fn pass_unchanged(rec: &mut TraversalRecord, g: &Glance, program: u8) -> bool {
+    if rec.nsteps == 0 || rec.nvisits == 0 || rec.family == 0 {
+        return false;
+    }
+    let bit = 1u32 << (program as u32 & 31);
+    let cur = rec.cur_visit as usize;
+    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+        return false;
+    };
+    // The long way's reading carries the step's header flags and CT when there is an entry:
+    // the step must say the same, and nothing it records may differ.
+    let ct_flag = if g.ct { flags::CT } else { 0 };
+    let ct_differs =
+        g.ct && (s.ctinfo != g.ctinfo || s.ct_mark != g.ct_mark || s.ct_status != g.ct_status);
+    if s.flags & !(flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT) != ct_flag
+        || s.mark != g.mark
+        || s.len != g.len
+        || ct_differs
+    {
+        return false;
+    }
+    let Some(v) = rec.visits.get_mut(cur) else {
+        return false;
+    };
+    if v.hook != g.hook || v.programs & bit != 0 {
+        return false;
+    }
+    v.programs |= bit;
+    true
+}
+
 /// The last hook the record lists (one of [`crate::hook`]), if any.
 #[inline(always)]
 pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
@@ -566,6 +621,129 @@ pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
 mod tests {
     use super::*;
     use crate::{family, hook};
+
+    /// The glance a probe would take of `r` (the reading the long way would make there).
+    fn glance_of(r: &Reading) -> Glance {
+        let ct = r.header.flags & flags::CT != 0;
+        Glance {
+            hook: r.header.hook,
+            mark: r.packet.mark,
+            len: r.packet.len,
+            ct,
+            ctinfo: r.ct.ctinfo as u8,
+            ct_mark: r.ct.mark,
+            ct_status: r.ct.status as u32,
+        }
+    }
+
+    /// The long way at a probe that reads no headers: the reading's mark, length and
+    /// conntrack state, the rest from the record.
+    fn long_way(rec: &mut TraversalRecord, g: &Glance, program: u8) {
+        let mut r = Reading::default();
+        r.header.hook = g.hook;
+        r.header.family = family::IPV4;
+        r.packet.mark = g.mark;
+        r.packet.len = g.len;
+        if g.ct {
+            r.header.flags |= flags::CT;
+            r.ct.ctinfo = u32::from(g.ctinfo);
+            r.ct.mark = g.ct_mark;
+            r.ct.status = u64::from(g.ct_status) | (1 << 40);
+        }
+        reuse_headers(rec, &mut r);
+        add_reading(rec, &r, program);
+    }
+
+    #[test]
+    fn the_short_way_between_tables_is_the_long_way_when_nothing_changed() {
+        let mut first = reading(hook::PRE_ROUTING, 0, 80);
+        first.packet.len = 60;
+        first.header.flags |= flags::CT;
+        first.ct.ctinfo = 2;
+        first.ct.status = 8;
+        let mut rec = fresh();
+        add_reading(&mut rec, &first, 0);
+        let same = glance_of(&first);
+        let cases: [(&str, Glance, u8, bool); 8] = [
+            ("unchanged", same, 1, true),
+            (
+                "mark set",
+                Glance {
+                    mark: 0x4000,
+                    ..same
+                },
+                1,
+                false,
+            ),
+            ("length changed", Glance { len: 61, ..same }, 1, false),
+            (
+                "conntrack mark set",
+                Glance { ct_mark: 1, ..same },
+                1,
+                false,
+            ),
+            (
+                "entry confirmed",
+                Glance {
+                    ct_status: 8 | 4,
+                    ..same
+                },
+                1,
+                false,
+            ),
+            (
+                "entry gone",
+                Glance {
+                    ct: false,
+                    ctinfo: 0,
+                    ct_mark: 0,
+                    ct_status: 0,
+                    ..same
+                },
+                1,
+                false,
+            ),
+            (
+                "another hook",
+                Glance {
+                    hook: hook::FORWARD,
+                    ..same
+                },
+                1,
+                false,
+            ),
+            ("program already in the visit", same, 0, false),
+        ];
+        for (what, g, program, short) in cases {
+            let mut by_glance = rec;
+            let mut by_reading = rec;
+            assert_eq!(pass_unchanged(&mut by_glance, &g, program), short, "{what}");
+            if short {
+                long_way(&mut by_reading, &g, program);
+                assert_eq!(by_glance, by_reading, "{what}: the same record either way");
+                assert_eq!(
+                    by_glance.visits[0].programs, 0b11,
+                    "{what}: the point is listed"
+                );
+            } else {
+                assert_eq!(by_glance, rec, "{what}: untouched for the long way");
+            }
+        }
+        // No entry yet (before conntrack), and an ICMP error: the long way.
+        let mut plain = fresh();
+        add_reading(&mut plain, &reading(hook::PRE_ROUTING, 0, 80), 0);
+        let g = glance_of(&reading(hook::PRE_ROUTING, 0, 80));
+        let mut by_reading = plain;
+        assert!(pass_unchanged(&mut plain, &g, 1));
+        long_way(&mut by_reading, &g, 1);
+        assert_eq!(plain, by_reading);
+        let mut icmp = reading(hook::PRE_ROUTING, 0, 0);
+        icmp.header.flags |= flags::INNER;
+        let mut quoted = fresh();
+        add_reading(&mut quoted, &icmp, 0);
+        assert!(!pass_unchanged(&mut quoted, &glance_of(&icmp), 1));
+        assert!(!pass_unchanged(&mut fresh(), &g, 1), "no steps");
+    }
 
     fn reading(hook_no: u8, mark: u32, dport: u16) -> Reading {
         let mut r = Reading::default();

@@ -8,6 +8,9 @@
 // `atomic_xadd`: the BPF target has no atomic read-modify-write types, but LLVM emits BPF's
 // atomic add for the intrinsic (the toolchain is a pinned nightly).
 #![feature(core_intrinsics)]
+// `asm!`: the direct loads of untrusted kernel memory (`read_window`) must be exactly one
+// 8-byte load each, whatever the address's alignment.
+#![feature(asm_experimental_arch)]
 #![allow(internal_features)]
 
 use aya_ebpf::{
@@ -400,6 +403,90 @@ pub fn read_into(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
     })
 }
 
+/// Whether the running kernel lets this program load kernel memory directly (see
+/// [`observer_common::kfunc`]). Netfilter object only: the call is a placeholder that
+/// observer's netfilter loader rewrites, and Aya (which loads the TC object) does not.
+#[inline(always)]
+pub fn direct_reads() -> bool {
+    // SAFETY: the loader turns this call into `r0 = 0` or `r0 = 1`.
+    unsafe {
+        let f: unsafe extern "C" fn() -> u64 =
+            core::mem::transmute(observer_common::kfunc::DIRECT_READS as usize);
+        f() != 0
+    }
+}
+
+/// Copies `dst.len()` bytes (a multiple of 8) at `base + off` from kernel memory into `dst`
+/// (8-byte aligned): in the netfilter object (`NF`), with one load per word where the
+/// kernel allows it ([`observer_common::kfunc`]), else with `bpf_probe_read_kernel`.
+/// A direct load the kernel cannot complete reads zero; these windows are parts of a
+/// conntrack entry or of the packet an skb holds, which stay valid while a probe runs.
+#[inline(always)]
+pub fn read_window<const NF: bool>(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
+    if !NF || !direct_reads() {
+        return read_into(base, off, dst);
+    }
+    // Memory the verifier lets the program load from (faults are caught by the kernel
+    // and read zero).
+    let p = untrusted(base + off);
+    let words = dst.as_mut_ptr() as *mut u64;
+    let mut i = 0;
+    while i < dst.len() / 8 {
+        let v: u64;
+        // SAFETY: a load the verifier checks and the kernel guards (see above).
+        unsafe {
+            core::arch::asm!(
+                "{0} = *(u64 *)({1} + 0)",
+                out(reg) v,
+                in(reg) p + 8 * i as u64,
+                options(nostack, readonly, preserves_flags)
+            );
+            // In bounds (i < len / 8); `dst` is 8-byte aligned (the windows are).
+            words.add(i).write_volatile(v);
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+/// Memory at `addr` as the verifier lets a program load from it (see [`read_window`]).
+#[inline(always)]
+fn untrusted(addr: u64) -> u64 {
+    // SAFETY: the netfilter loader turns this call into the kfunc `bpf_rdonly_cast(addr, 0)`.
+    unsafe {
+        let f: unsafe extern "C" fn(u64, u32) -> u64 =
+            core::mem::transmute(observer_common::kfunc::UNTRUSTED as usize);
+        f(addr, 0)
+    }
+}
+
+/// A conntrack entry's mark and the low word of its status, loaded directly (netfilter
+/// object only, where [`direct_reads`]: `None` elsewhere, or without the offsets).
+#[inline(always)]
+pub fn ct_state(conn: u64) -> Option<(u32, u32)> {
+    if !direct_reads() {
+        return None;
+    }
+    let (mark_off, status_off) = (cfg(config::CT_MARK)?, cfg(config::CT_STATUS)?);
+    let (mark, status): (u32, u64);
+    // SAFETY: loads the verifier checks and the kernel guards (see `read_window`).
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u32 *)({1} + 0)",
+            out(reg) mark,
+            in(reg) untrusted(conn + mark_off),
+            options(nostack, readonly, preserves_flags)
+        );
+        core::arch::asm!(
+            "{0} = *(u64 *)({1} + 0)",
+            out(reg) status,
+            in(reg) untrusted(conn + status_off),
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    Some((mark, status as u32))
+}
+
 pub use observer_common::parse::{
     PacketReader, is_icmp_error, parse_headers, parse_inner, parse_inner_ports, parse_l3, parse_l4,
     skip_ipv6_ext,
@@ -452,8 +539,8 @@ const _: () = assert!(core::mem::offset_of!(Windows, ct) % 8 == 0);
 /// kernel address) into `ev`: the header and the first 16 bytes after a 20/40-byte one in
 /// one read, the rest (options, extension headers) read when the parser asks.
 #[inline(always)]
-pub fn read_l3(l3: u64, w: &mut Windows, ev: &mut PacketEvent) -> Result<(), ()> {
-    read_into(l3, 0, &mut w.pkt)?;
+pub fn read_l3<const NF: bool>(l3: u64, w: &mut Windows, ev: &mut PacketEvent) -> Result<(), ()> {
+    read_window::<NF>(l3, 0, &mut w.pkt)?;
     let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
     parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).ok_or(())
 }
@@ -505,7 +592,12 @@ pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
 /// `tuples` (they change only where conntrack or NAT runs). Returns false when the skb
 /// carries none (or the untracked marker).
 #[inline(always)]
-pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Result<bool, ()> {
+pub fn read_ct<const NF: bool>(
+    nfct: u64,
+    ct: &mut CtInfo,
+    w: &mut Windows,
+    tuples: bool,
+) -> Result<bool, ()> {
     let info = nfct & 7;
     let conn = nfct & !7;
     // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
@@ -513,7 +605,7 @@ pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Res
         return Ok(false);
     }
     let start = cfg(config::CT_WINDOW).ok_or(())?;
-    read_into(conn, start, &mut w.ct)?;
+    read_window::<NF>(conn, start, &mut w.ct)?;
     let off = |i| cfg(i).ok_or(());
     ct.ctinfo = info as u32;
     ct.mark = u32::from_ne_bytes(field(&w.ct, off(config::CT_MARK)?, start)?);

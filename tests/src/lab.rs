@@ -196,6 +196,11 @@ impl Tail {
 
     /// Starts the observer with extra `tail` arguments (e.g. a filter).
     pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
+        Self::start_with_env(lab, extra, &[])
+    }
+
+    /// Like [`Self::start_with`], with extra environment variables for the observer.
+    pub fn start_with_env(lab: &Lab, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let ready = std::env::temp_dir().join(format!("{}-ready", lab.prefix));
         let _ = std::fs::remove_file(&ready);
         let child = Command::new(observer_bin())
@@ -208,6 +213,7 @@ impl Tail {
                 &lab.ns("node"),
             ])
             .args(extra)
+            .envs(env.iter().copied())
             .arg("--ready-file")
             .arg(&ready)
             .stdout(Stdio::piped())

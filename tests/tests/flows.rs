@@ -202,6 +202,92 @@ fn later_packets_and_replies_use_conntrack_not_the_nat_rules() {
     assert_eq!(reply["egress"]["iface"], "eth0");
 }
 
+/// What a report says of a packet's path, without what differs between two runs of the
+/// same traffic (ports the client picks, times, packet ids).
+fn path_of(r: &Value) -> String {
+    let stages: Vec<String> = r["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            format!(
+                "{} {} mark {}->{} len {}->{} ct {} {} {}",
+                s["hook"],
+                s["table"],
+                s["before"]["mark"],
+                s["after"]["mark"],
+                s["before"]["len"],
+                s["after"]["len"],
+                s["ct"]["state"],
+                s["ct"]["mark"],
+                s["verdict"]
+            )
+        })
+        .collect();
+    let nat: Vec<String> = r["nat"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| format!("{} {} {} {}", n["kind"], n["hook"], n["table"], n["source"]))
+        .collect();
+    format!(
+        "{} | {} | {} | {} | marks {} | nat {} | stages {} | incomplete {}",
+        r["route"],
+        r["fate"]["kind"],
+        r["fate"]["hook"],
+        r["conntrack"]["state"],
+        r["marks"],
+        nat.join("; "),
+        stages.join("; "),
+        r["incomplete"]
+    )
+}
+
+/// The probes read conntrack entries and packets with plain loads where the kernel allows
+/// it (Linux 6.16+) and take short ways between tables with what those loads give; with
+/// `OBSERVER_DIRECT_READS=0` they read as on older kernels (`bpf_probe_read_kernel`, the
+/// long way everywhere). Both must tell the same story of the same traffic: the seeds'
+/// ClusterIP connection (DNAT, mark, masquerade; later packets and replies by conntrack).
+#[test]
+fn direct_and_helper_reads_report_the_same_paths() {
+    if !privileged("direct_and_helper_reads_report_the_same_paths") {
+        return;
+    }
+    let lab = Lab::up("f9");
+    let run = |env: &[(&str, &str)]| {
+        let echo = tcp_echo(&lab, "pod", "172.17.0.5:22", 1);
+        let tail = Tail::start_with_env(&lab, &[], env);
+        assert_eq!(
+            tcp_client(&lab, "client", "10.10.10.2:22").unwrap(),
+            b"ping"
+        );
+        echo.join().unwrap();
+        let (reports, _) = tail.stop();
+        let mut paths: Vec<String> = reports
+            .iter()
+            .filter(|r| r["conntrack"]["original"]["dst"] == "10.10.10.2:22")
+            .map(path_of)
+            .collect();
+        // Which side's last ACK closes the connection varies between runs: each kind of
+        // path once.
+        paths.sort();
+        paths.dedup();
+        paths
+    };
+    let direct = run(&[]);
+    let helper = run(&[("OBSERVER_DIRECT_READS", "0")]);
+    assert!(
+        direct.len() >= 4,
+        "a connection's packets both ways: {direct:#?}"
+    );
+    assert!(
+        direct.iter().any(|p| p.contains("\"rules\""))
+            && direct.iter().any(|p| p.contains("\"conntrack\"")),
+        "the first packet by the nat rules, later ones by conntrack: {direct:#?}"
+    );
+    assert_eq!(direct, helper);
+}
+
 #[test]
 fn traffic_to_the_node_itself_is_delivered() {
     if !privileged("traffic_to_the_node_itself_is_delivered") {

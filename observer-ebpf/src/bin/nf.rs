@@ -10,13 +10,14 @@
 #![no_main]
 
 use observer_common::traversal::{
-    add_reading, copy_words, decision, end, last_hook, missing, reuse_headers,
+    Glance, add_reading, copy_words, decision, end, last_hook, missing, pass_unchanged,
+    reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, conntrack_may_match, count, decide, direct, filter_nets, filtering, read_ct,
-    read_into, read_l3, scratch, windows,
+    Decide, cfg, conntrack_may_match, count, ct_state, decide, direct, filter_nets, filtering,
+    read_ct, read_l3, read_window, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -101,8 +102,61 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
             _ => return,
         }
     }
+    if program != 0 && program != 2 && glance_settles(state_p, skb_p, skb, program) {
+        return;
+    }
     let _ = try_observe(state_p, skb_p, skb, program);
 }
+
+/// The short way between tables ([`pass_unchanged`]): within a hook's visit, where no table
+/// since the record's last step could rewrite the headers, a packet whose mark, length and
+/// conntrack state are as that step has them only adds this point. True when that settles
+/// it; false when the long way must read (also where the conntrack state would cost a
+/// helper call: kernels before 6.16).
+#[inline(always)]
+fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> bool {
+    let Some(f) = find(skb) else {
+        return false;
+    };
+    if f.rec.decision != decision::KEEP {
+        return false;
+    }
+    let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
+    let readers = cfg(config::READ_HEADERS + u32::from(hook_no & 7)).unwrap_or(0);
+    let reads = (readers >> program) & 1 != 0;
+    // After a custom chain, the long way reads; after nat alone, unless the connection has
+    // no NAT (below).
+    if reads && (readers >> (config::NAT_ONLY_SHIFT + u32::from(program))) & 1 == 0 {
+        return false;
+    }
+    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
+    let ct = nfct & !7 != 0 && nfct & 7 != 7;
+    let (ct_mark, ct_status) = if ct {
+        match ct_state(nfct & !7) {
+            Some(state) => state,
+            None => return false,
+        }
+    } else {
+        (0, 0)
+    };
+    if reads && ct_status & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
+        return false;
+    }
+    let g = Glance {
+        hook: hook_no,
+        mark: direct::<u32, { config::SKB_MARK }>(skb_p),
+        len: direct::<u32, { config::SKB_LEN }>(skb_p),
+        ct,
+        ctinfo: if ct { (nfct & 7) as u8 } else { 0 },
+        ct_mark,
+        ct_status,
+    };
+    pass_unchanged(f.rec, &g, program)
+}
+
+/// `enum ip_conntrack_status` bits: NAT set up for the connection (source, destination).
+const IPS_SRC_NAT: u32 = 1 << 4;
+const IPS_DST_NAT: u32 = 1 << 5;
 
 #[inline(always)]
 fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> Result<(), ()> {
@@ -331,7 +385,7 @@ fn recheck(
     let Some(start) = cfg(config::CT_WINDOW) else {
         return Recheck::LongWay;
     };
-    if read_into(conn, start, &mut w.ct).is_err() {
+    if read_window::<true>(conn, start, &mut w.ct).is_err() {
         return Recheck::Unread;
     }
     let may = conntrack_may_match(nets, &w.ct, start);
@@ -404,7 +458,7 @@ fn read_headers(
 ) -> Result<(), ()> {
     let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
     let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
-    read_l3(head + nh as u64, w, ev)
+    read_l3::<true>(head + nh as u64, w, ev)
 }
 
 #[inline(always)]
@@ -414,7 +468,7 @@ fn read_conntrack(
     nfct: u64,
     tuples: bool,
 ) -> Result<(), ()> {
-    if read_ct(nfct, &mut ev.ct, w, tuples)? {
+    if read_ct::<true>(nfct, &mut ev.ct, w, tuples)? {
         ev.header.flags |= flags::CT;
     }
     Ok(())

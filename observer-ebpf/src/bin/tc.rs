@@ -208,7 +208,7 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     {
         let ct = read_skb_window(ev.header.skb, w)
             .and_then(|start| nfct_of(w, start))
-            .and_then(|nfct| read_ct(nfct, &mut ev.ct, w, true));
+            .and_then(|nfct| read_ct::<false>(nfct, &mut ev.ct, w, true));
         if ct == Ok(true) {
             ev.header.flags |= flags::CT;
         }

@@ -58,6 +58,10 @@ pub struct KernelLayout {
     pub tuple: TupleLayout,
     /// `enum skb_drop_reason` value -> name without the `SKB_DROP_REASON_` prefix.
     pub drop_reasons: HashMap<u32, String>,
+    /// BTF id of the kfunc `bpf_rdonly_cast` where the kernel lets a program load untrusted
+    /// memory through it (`BPF_FEAT_RDONLY_CAST_TO_VOID`, Linux 6.16+): the netfilter probes
+    /// then read conntrack entries and packets with plain loads (`observer_common::kfunc`).
+    pub rdonly_cast: Option<u32>,
 }
 
 struct Bytes(Vec<u8>);
@@ -238,8 +242,27 @@ impl KernelLayout {
             config,
             tuple,
             drop_reasons: drop_reasons(info),
+            rdonly_cast: rdonly_cast(info),
         })
     }
+}
+
+/// The BTF id of `bpf_rdonly_cast` if the kernel takes it with type id 0 (a cast to
+/// untrusted memory), which it announces in `enum bpf_features`.
+fn rdonly_cast(info: &TypeInformation) -> Option<u32> {
+    let features = info.id_of("bpf_features")?;
+    let Some(TypeVariant::Enum(e)) = info.from_id(features) else {
+        return None;
+    };
+    if !e
+        .named_value_list()
+        .iter()
+        .any(|v| v.name == "BPF_FEAT_RDONLY_CAST_TO_VOID")
+    {
+        return None;
+    }
+    let id = info.id_of("bpf_rdonly_cast")?;
+    matches!(info.from_id(id), Some(TypeVariant::Func(_))).then_some(id)
 }
 
 /// Names of `enum skb_drop_reason`, whose numbering changes between kernels.

@@ -86,11 +86,14 @@ pub struct NfObject {
 impl NfObject {
     /// Parses `elf`, points every map reference at the fd `maps` gives for that symbol, and
     /// puts the kernel's field offsets (`fields`: the config values, by slot) in place of the
-    /// probes' placeholders (see `observer_common::direct`).
+    /// probes' placeholders (see `observer_common::direct`). `rdonly_cast` is the BTF id of
+    /// the kfunc `bpf_rdonly_cast` where the kernel lets programs load untrusted memory with
+    /// it (see `observer_common::kfunc`); `None` keeps the probes on `bpf_probe_read_kernel`.
     pub fn parse(
         elf: &[u8],
         maps: &HashMap<String, RawFd>,
         fields: &[u64],
+        rdonly_cast: Option<u32>,
     ) -> Result<Self, NfError> {
         let file = object::File::parse(elf)?;
         let license = file
@@ -132,11 +135,13 @@ impl NfObject {
                     }
                 })?;
             }
-            patch_fields(&mut insns, fields).map_err(|(insn, what)| NfError::Placeholder {
-                prog: prog.to_string(),
-                insn,
-                what,
-            })?;
+            patch_fields(&mut insns, fields)
+                .and_then(|_| patch_calls(&mut insns, rdonly_cast))
+                .map_err(|(insn, what)| NfError::Placeholder {
+                    prog: prog.to_string(),
+                    insn,
+                    what,
+                })?;
             programs.insert(
                 prog.to_string(),
                 NfProgram {
@@ -195,6 +200,59 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
             && direct::slot_of(imm as usize).is_some_and(|s| direct::SLOTS.contains(&s))
         {
             return Err((i / INSN, format!("placeholder added in opcode {op:#04x}")));
+        }
+        i += INSN;
+    }
+    Ok(patched)
+}
+
+/// Rewrites the probes' placeholder calls (`observer_common::kfunc`) for this kernel: with
+/// `rdonly_cast` (the kfunc's BTF id), `DIRECT_READS` becomes `r0 = 1` and `UNTRUSTED` the
+/// kfunc call; without, `r0 = 0` and `r0 = r1` (code the verifier then never reaches).
+/// Returns how many calls were rewritten.
+fn patch_calls(insns: &mut [u8], rdonly_cast: Option<u32>) -> Result<usize, (usize, String)> {
+    use observer_common::kfunc;
+    const CALL: u8 = 0x85;
+    const MOV64_K: u8 = 0xb7;
+    const MOV64_X: u8 = 0xbf;
+    /// `src_reg` of a call to a kernel function (its BTF id in `imm`, `off` 0: vmlinux).
+    const PSEUDO_KFUNC_CALL: u8 = 2;
+    let mut patched = 0;
+    let mut i = 0;
+    while i + INSN <= insns.len() {
+        let insn = &mut insns[i..i + INSN];
+        if insn[0] == LD_IMM64 {
+            i += 2 * INSN;
+            continue;
+        }
+        let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
+        if insn[0] == CALL && (imm == kfunc::DIRECT_READS || imm == kfunc::UNTRUSTED) {
+            if insn[1] != 0 || insn[2..4] != [0, 0] {
+                return Err((i / INSN, "placeholder call with operands".into()));
+            }
+            let new: [u8; INSN] = match (imm, rdonly_cast) {
+                (kfunc::DIRECT_READS, cast) => {
+                    let on = i32::from(cast.is_some()).to_le_bytes();
+                    [MOV64_K, 0, 0, 0, on[0], on[1], on[2], on[3]]
+                }
+                (_, Some(id)) => {
+                    let id = id.to_le_bytes();
+                    [
+                        CALL,
+                        PSEUDO_KFUNC_CALL << 4,
+                        0,
+                        0,
+                        id[0],
+                        id[1],
+                        id[2],
+                        id[3],
+                    ]
+                }
+                // r0 = r1: dst r0 (low nibble), src r1 (high nibble).
+                (_, None) => [MOV64_X, 0x10, 0, 0, 0, 0, 0, 0],
+            };
+            insn.copy_from_slice(&new);
+            patched += 1;
         }
         i += INSN;
     }
@@ -382,6 +440,35 @@ mod tests {
     }
 
     #[test]
+    fn placeholder_calls_follow_the_kernel() {
+        use observer_common::kfunc;
+        let call = |imm: i32| {
+            let mut v = vec![0x85, 0, 0, 0];
+            v.extend(imm.to_le_bytes());
+            v
+        };
+        let program = || {
+            let mut p = call(kfunc::DIRECT_READS);
+            p.extend(call(kfunc::UNTRUSTED));
+            p.extend(call(14)); // bpf_get_current_pid_tgid: a helper, left alone
+            p
+        };
+        let mut with = program();
+        assert_eq!(patch_calls(&mut with, Some(65475)), Ok(2));
+        assert_eq!(&with[..8], &[0xb7, 0, 0, 0, 1, 0, 0, 0], "r0 = 1");
+        assert_eq!(with[8], 0x85);
+        assert_eq!(with[9], 0x20, "src_reg = BPF_PSEUDO_KFUNC_CALL");
+        assert_eq!(&with[12..16], &65475i32.to_le_bytes(), "the kfunc's BTF id");
+        assert_eq!(&with[16..], &call(14)[..]);
+        let mut without = program();
+        assert_eq!(patch_calls(&mut without, None), Ok(2));
+        assert_eq!(&without[..8], &[0xb7, 0, 0, 0, 0, 0, 0, 0], "r0 = 0");
+        assert_eq!(&without[8..16], &[0xbf, 0x10, 0, 0, 0, 0, 0, 0], "r0 = r1");
+        // Patched once, a second pass finds nothing.
+        assert_eq!(patch_calls(&mut without, None), Ok(0));
+    }
+
+    #[test]
     fn patches_ld_imm64_with_map_fd() {
         // r1 = 0 ll (ld_imm64, dst r1), then exit.
         let mut insns = vec![
@@ -404,7 +491,7 @@ mod tests {
     #[test]
     fn refuses_garbage_objects() {
         assert!(matches!(
-            NfObject::parse(b"not an elf", &HashMap::new(), &[]),
+            NfObject::parse(b"not an elf", &HashMap::new(), &[], None),
             Err(NfError::Elf(_))
         ));
     }

@@ -100,15 +100,26 @@ impl HookPlan {
     /// (nat, or a custom base chain, whose statements are unknown here): they read the
     /// headers again; the others take them from the record (observer-ebpf's nf probes).
     pub fn header_readers(&self) -> u64 {
+        self.readers(|t| &*t.name == "nat" || t.name.starts_with("prio:"))
+    }
+
+    /// Of [`Self::header_readers`], the programs whose only rewriting table before them is
+    /// nat: there the headers change only for a connection with NAT set up (conntrack's
+    /// status says so), which lets the probes skip the read for the others.
+    pub fn nat_only_readers(&self) -> u64 {
+        self.header_readers() & !self.readers(|t| t.name.starts_with("prio:"))
+    }
+
+    /// Programs (bits) whose point follows a table `rewrites` picks since the point before.
+    fn readers(&self, rewrites: impl Fn(&Table) -> bool) -> u64 {
         let mut mask = 0;
         for (i, &prio) in self.points.iter().enumerate().skip(1) {
             let lo = self.points[i - 1];
-            let rewrites = self.tables.iter().any(|t| {
-                t.priority > lo
-                    && t.priority < prio
-                    && (&*t.name == "nat" || t.name.starts_with("prio:"))
-            });
-            if rewrites {
+            if self
+                .tables
+                .iter()
+                .any(|t| t.priority > lo && t.priority < prio && rewrites(t))
+            {
                 mask |= 1 << self.programs[i];
             }
         }
@@ -358,9 +369,36 @@ mod tests {
         let p = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, None);
         // Points FIRST, -299, -199, -149, LAST: only LAST follows nat.
         assert_eq!(p.header_readers(), 1 << 4);
+        assert_eq!(
+            p.nat_only_readers(),
+            1 << 4,
+            "nat alone: NAT status decides"
+        );
         let f = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[-150, 0, 50, -5]));
         let after_custom = f.points.iter().position(|&x| x == -4).unwrap();
         assert_eq!(f.header_readers(), 1 << f.programs[after_custom]);
+        assert_eq!(
+            f.nat_only_readers(),
+            0,
+            "a custom chain may rewrite anything"
+        );
+        // A custom chain beside nat (between the same two points) is read after, always.
+        let both = HookPlan::new(NfFamily::Ipv4, NfHook::PostRouting, Some(&[100, 100]));
+        let mixed = HookPlan {
+            tables: vec![
+                Table {
+                    name: "nat".into(),
+                    priority: 100,
+                },
+                Table {
+                    name: "prio:100".into(),
+                    priority: 100,
+                },
+            ],
+            ..both
+        };
+        assert_ne!(mixed.header_readers(), 0);
+        assert_eq!(mixed.nat_only_readers(), 0);
     }
 
     #[test]

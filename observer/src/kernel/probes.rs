@@ -172,6 +172,16 @@ pub struct Probes {
     tracing: bool,
 }
 
+/// Whether the netfilter probes load conntrack entries and packets directly (the kernel's
+/// `bpf_rdonly_cast` id, see `observer_common::kfunc`), unless `OBSERVER_DIRECT_READS=0`
+/// keeps them on `bpf_probe_read_kernel` as on kernels before 6.16 (tests run both).
+fn direct_reads(layout: &KernelLayout) -> Option<u32> {
+    match std::env::var("OBSERVER_DIRECT_READS").as_deref() {
+        Ok("0") => None,
+        _ => layout.rdonly_cast,
+    }
+}
+
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
         Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m)) => m,
@@ -272,7 +282,7 @@ impl Probes {
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
             .collect::<Result<_>>()?;
-        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config)?;
+        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, direct_reads(layout))?;
         Ok(Self {
             ebpf,
             nf,
@@ -458,18 +468,28 @@ impl Probes {
     }
 
     /// Tells the probes which of them read the headers again (see
-    /// [`HookPlan::header_readers`]); both families' programs share one mask per hook.
+    /// [`HookPlan::header_readers`], and which of them for nat alone); both families'
+    /// programs share one mask per hook.
     fn set_header_readers(&mut self) -> Result<()> {
         let mut masks = [0u64; 5];
+        // Readers for a reason other than nat in either family.
+        let mut not_nat_only = [0u64; 5];
         let mut nat = [0u64; 5];
         for p in &self.plans {
-            masks[p.hook as usize] |= p.header_readers();
-            nat[p.hook as usize] |= p.after_nat();
+            let h = p.hook as usize;
+            masks[h] |= p.header_readers();
+            not_nat_only[h] |= p.header_readers() & !p.nat_only_readers();
+            nat[h] |= p.after_nat();
         }
         let mut config: Array<_, u64> =
             Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         for (hook, mask) in masks.into_iter().enumerate() {
-            config.set(config::READ_HEADERS + hook as u32, mask, 0)?;
+            let nat_only = mask & !not_nat_only[hook];
+            config.set(
+                config::READ_HEADERS + hook as u32,
+                mask | nat_only << config::NAT_ONLY_SHIFT,
+                0,
+            )?;
             config.set(config::NAT_AFTER + hook as u32, nat[hook], 0)?;
         }
         Ok(())
@@ -963,8 +983,8 @@ mod tests {
         }
         let fds: HashMap<String, RawFd> = MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
         let layout = crate::btf::KernelLayout::from_kernel().expect("kernel BTF");
-        let mut obj =
-            NfObject::parse(NF_OBJECT, &fds, &layout.config).expect("netfilter object parses");
+        let mut obj = NfObject::parse(NF_OBJECT, &fds, &layout.config, layout.rdonly_cast)
+            .expect("netfilter object parses");
         for slot in 0..NF_SLOTS {
             obj.program_mut(&format!("nf_slot_{slot}"))
                 .expect("slot program present");
@@ -972,7 +992,7 @@ mod tests {
         assert!(obj.program_mut(&format!("nf_slot_{NF_SLOTS}")).is_err());
         // Without the shared maps the object cannot be relocated.
         assert!(matches!(
-            NfObject::parse(NF_OBJECT, &HashMap::new(), &layout.config),
+            NfObject::parse(NF_OBJECT, &HashMap::new(), &layout.config, None),
             Err(NfError::UnsupportedRelocation { .. })
         ));
     }
