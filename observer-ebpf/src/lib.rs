@@ -267,6 +267,41 @@ pub fn conntrack_may_match(
     Some(any)
 }
 
+/// [`conntrack_may_match`] for the netfilter object where the kernel lets it load the
+/// entry `conn` directly ([`direct_reads`]): its four addresses, two loads each, and no
+/// window. `None` elsewhere (or without the offsets): the caller reads the window.
+#[inline(always)]
+pub fn conntrack_addresses_may_match(nets: &FilterNets, conn: u64) -> Option<bool> {
+    if !direct_reads() {
+        return None;
+    }
+    let (orig, reply) = (cfg(config::CT_TUPLE_ORIG)?, cfg(config::CT_TUPLE_REPLY)?);
+    let (sa, da) = (cfg(config::TUPLE_SRC_ADDR)?, cfg(config::TUPLE_DST_ADDR)?);
+    let addr = |off: u64| {
+        let p = untrusted(conn + off);
+        let (lo, hi): (u64, u64);
+        // SAFETY: loads the verifier checks and the kernel guards (see `read_window`).
+        unsafe {
+            core::arch::asm!(
+                "{0} = *(u64 *)({2} + 0)",
+                "{1} = *(u64 *)({2} + 8)",
+                out(reg) lo,
+                out(reg) hi,
+                in(reg) p,
+                options(nostack, readonly, preserves_flags)
+            );
+        }
+        // The address's bytes as native-endian words (little-endian: low half first).
+        [lo as u32, (lo >> 32) as u32, hi as u32, (hi >> 32) as u32]
+    };
+    Some(
+        nets.holds(&addr(orig + sa))
+            || nets.holds(&addr(orig + da))
+            || nets.holds(&addr(reply + sa))
+            || nets.holds(&addr(reply + da)),
+    )
+}
+
 /// The aligned word at `at` (a multiple of 4) of a window, in one load.
 #[inline(always)]
 fn win_word(win: &[u8; CT_WINDOW_BYTES], at: usize) -> u32 {

@@ -16,8 +16,8 @@ use observer_common::traversal::{
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, conntrack_may_match, count, ct_state, decide, direct, filter_nets, filtering,
-    read_ct, read_l3, read_window, scratch, windows,
+    Decide, cfg, conntrack_addresses_may_match, conntrack_may_match, count, ct_state, decide,
+    direct, filter_nets, filtering, read_ct, read_l3, read_window, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -382,13 +382,19 @@ fn recheck(
     if cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0) {
         return Recheck::LongWay;
     }
-    let Some(start) = cfg(config::CT_WINDOW) else {
-        return Recheck::LongWay;
+    // Where the kernel allows, its four addresses are loaded straight from the entry.
+    let may = match conntrack_addresses_may_match(nets, conn) {
+        Some(may) => Some(may),
+        None => {
+            let Some(start) = cfg(config::CT_WINDOW) else {
+                return Recheck::LongWay;
+            };
+            if read_window::<true>(conn, start, &mut w.ct).is_err() {
+                return Recheck::Unread;
+            }
+            conntrack_may_match(nets, &w.ct, start)
+        }
     };
-    if read_window::<true>(conn, start, &mut w.ct).is_err() {
-        return Recheck::Unread;
-    }
-    let may = conntrack_may_match(nets, &w.ct, start);
     if opaque(usize::from(may == Some(false))) == 0 {
         return Recheck::LongWay;
     }
