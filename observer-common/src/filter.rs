@@ -128,8 +128,9 @@ impl FilterProgram {
 }
 
 /// What the filter looks at, filled by the probe from the packet (and again from the
-/// conntrack tuples, see the NAT note in `docs/filter.md`).
-#[repr(C)]
+/// conntrack tuples, see the NAT note in `docs/filter.md`). Aligned to 8 bytes: the probe
+/// copies the addresses in as words.
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FilterInput {
     /// IPv4 uses the first 4 bytes, the rest zero.
@@ -152,12 +153,13 @@ pub struct FilterInput {
     /// non-first fragment).
     pub has_ports: u8,
     pub _pad: u8,
+    pub _pad2: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<Atom>() == 44);
 const _: () = assert!(core::mem::size_of::<Term>() == 44 * MAX_ATOMS + 4);
 const _: () = assert!(core::mem::size_of::<FilterProgram>() == 16 + 356 * MAX_TERMS);
-const _: () = assert!(core::mem::size_of::<FilterInput>() == 52);
+const _: () = assert!(core::mem::size_of::<FilterInput>() == 56);
 // A BPF array map value must stay well below the 32 KiB a verifier-friendly lookup allows.
 const _: () = assert!(core::mem::size_of::<FilterProgram>() < 4096);
 

@@ -336,6 +336,17 @@ const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
 const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
 const _: () = assert!(core::mem::size_of::<InnerInfo>() == 40);
 const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112 + 40);
+// The fields `traversal::copy_words` copies and compares as 8-byte words.
+const _: () = {
+    use core::mem::{align_of, offset_of};
+    assert!(align_of::<PacketEvent>() == 8);
+    assert!(offset_of!(PacketEvent, packet) % 8 == 0);
+    assert!(offset_of!(PacketEvent, ct) % 8 == 0);
+    assert!(offset_of!(PacketEvent, inner) % 8 == 0);
+    assert!(offset_of!(PacketInfo, saddr) % 8 == 0 && offset_of!(PacketInfo, daddr) % 8 == 0);
+    assert!(offset_of!(InnerInfo, saddr) % 8 == 0 && offset_of!(InnerInfo, daddr) % 8 == 0);
+    assert!(offset_of!(CtInfo, orig) % 8 == 0 && offset_of!(CtInfo, reply) % 8 == 0);
+};
 const _: () = assert!(core::mem::align_of::<PacketEvent>() == 8);
 
 #[cfg(feature = "user")]

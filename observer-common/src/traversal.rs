@@ -355,12 +355,18 @@ fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usiz
 /// so that the verifier sees one path whatever the bytes.
 #[inline(always)]
 fn diff16(a: &[u8; 16], b: &[u8; 16]) -> u64 {
-    // SAFETY: both are 16 readable bytes; unaligned reads are allowed on every target.
-    unsafe {
-        let (a, b) = (a.as_ptr() as *const u64, b.as_ptr() as *const u64);
-        (core::ptr::read_unaligned(a) ^ core::ptr::read_unaligned(b))
-            | (core::ptr::read_unaligned(a.add(1)) ^ core::ptr::read_unaligned(b.add(1)))
-    }
+    let (a, b) = (aligned_words(a), aligned_words(b));
+    // SAFETY: both are 16 readable, 8-byte aligned bytes (`aligned_words`).
+    unsafe { (a.read() ^ b.read()) | (a.add(1).read() ^ b.add(1).read()) }
+}
+
+/// `bytes` as 8-byte words. Every address, port and tuple field the probes copy or compare
+/// starts on an 8-byte boundary (asserted offsets, in 8-byte aligned records): read as
+/// such, a word is one load, where an unaligned read is eight on the BPF target.
+#[inline(always)]
+fn aligned_words<const B: usize>(bytes: &[u8; B]) -> *const u64 {
+    debug_assert!(bytes.as_ptr() as usize % 8 == 0, "an unaligned field");
+    bytes.as_ptr() as *const u64
 }
 
 /// Whether the outer state read in `r` differs from step `s` (conntrack fields count only
@@ -417,14 +423,16 @@ fn next_step(rec: &mut TraversalRecord, visit: usize, program: u8) -> Option<&mu
 }
 
 /// Copies `N` 8-byte words with volatile stores, which the compiler cannot merge into a
-/// `memcpy`/`memset` call (the netfilter loader supports none). `dst` is 8-byte aligned.
+/// `memcpy`/`memset` call (the netfilter loader supports none). Both are 8-byte aligned
+/// (see [`aligned_words`]).
 #[inline(always)]
 pub fn copy_words<const B: usize>(dst: &mut [u8; B], src: &[u8; B]) {
-    let (d, s) = (dst.as_mut_ptr() as *mut u64, src.as_ptr() as *const u64);
+    debug_assert!(dst.as_ptr() as usize % 8 == 0, "an unaligned field");
+    let (d, s) = (dst.as_mut_ptr() as *mut u64, aligned_words(src));
     let mut i = 0;
     while i < B / 8 {
-        // SAFETY: both hold B bytes; dst is aligned (asserted offsets), src is read unaligned.
-        unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_unaligned(s.add(i))) };
+        // SAFETY: both hold B bytes, 8-byte aligned.
+        unsafe { core::ptr::write_volatile(d.add(i), s.add(i).read()) };
         i += 1;
     }
 }

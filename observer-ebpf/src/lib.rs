@@ -136,7 +136,10 @@ fn fill_input(dst: &mut FilterInput, ev: &PacketEvent) {
         ev.header.flags & (flags::NO_L3 | flags::NO_L4) == 0 && matches!(p.l4proto, 6 | 17 | 132),
     );
     // SAFETY: a plain field (volatile: see above).
-    unsafe { core::ptr::write_volatile(&mut dst._pad, 0) };
+    unsafe {
+        core::ptr::write_volatile(&mut dst._pad, 0);
+        core::ptr::write_volatile(&mut dst._pad2, 0);
+    }
 }
 
 /// The filter program, when `--filter` or `--sample` is in force.

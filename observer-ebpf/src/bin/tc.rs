@@ -12,8 +12,8 @@ use observer_ebpf::inflight::{
     Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
-    Decide, PacketReader, cfg, count, counts, decide, filter_nets, nfct_of, parse_headers, read_ct,
-    read_skb_window, scratch, windows,
+    Decide, PacketReader, cfg, count, counts, decide, filter_nets, parse_headers, read, read_ct,
+    scratch, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -206,8 +206,10 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     if at == hook::TC_EGRESS
         && let Some(w) = windows()
     {
-        let ct = read_skb_window(ev.header.skb, w)
-            .and_then(|start| nfct_of(w, start))
+        // The entry pointer alone (8 bytes, not the skb's whole window).
+        let ct = cfg(config::SKB_NFCT)
+            .ok_or(())
+            .and_then(|off| read::<u64>(ev.header.skb, off))
             .and_then(|nfct| read_ct::<false>(nfct, &mut ev.ct, w, true));
         if ct == Ok(true) {
             ev.header.flags |= flags::CT;

@@ -242,6 +242,7 @@ pub fn keeps(prog: &FilterProgram, rec: &TraversalRecord, layout: &TupleLayout) 
         l4proto: s.l4proto,
         has_ports: u8::from(has_ports),
         _pad: 0,
+        _pad2: 0,
     };
     let mut inputs = [entry; MAX_INPUTS];
     let with_ct = rec.steps[..n]

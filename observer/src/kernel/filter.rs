@@ -1032,6 +1032,7 @@ mod tests {
             l4proto: rng.pick(&PROTOS),
             has_ports: u8::from(rng.chance(85)),
             _pad: 0,
+            _pad2: 0,
         }
     }
 
