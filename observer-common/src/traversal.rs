@@ -365,7 +365,10 @@ fn diff16(a: &[u8; 16], b: &[u8; 16]) -> u64 {
 /// such, a word is one load, where an unaligned read is eight on the BPF target.
 #[inline(always)]
 fn aligned_words<const B: usize>(bytes: &[u8; B]) -> *const u64 {
-    debug_assert!((bytes.as_ptr() as usize).is_multiple_of(8), "an unaligned field");
+    debug_assert!(
+        (bytes.as_ptr() as usize).is_multiple_of(8),
+        "an unaligned field"
+    );
     bytes.as_ptr() as *const u64
 }
 
@@ -427,7 +430,10 @@ fn next_step(rec: &mut TraversalRecord, visit: usize, program: u8) -> Option<&mu
 /// (see [`aligned_words`]).
 #[inline(always)]
 pub fn copy_words<const B: usize>(dst: &mut [u8; B], src: &[u8; B]) {
-    debug_assert!((dst.as_ptr() as usize).is_multiple_of(8), "an unaligned field");
+    debug_assert!(
+        (dst.as_ptr() as usize).is_multiple_of(8),
+        "an unaligned field"
+    );
     let (d, s) = (dst.as_mut_ptr() as *mut u64, aligned_words(src));
     let mut i = 0;
     while i < B / 8 {

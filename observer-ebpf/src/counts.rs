@@ -120,11 +120,18 @@ fn count_nat(row: &mut [u64; ROW], skb_p: *const u8, hook: usize) {
     if conn == 0 || ctinfo == 7 {
         return;
     }
-    let Some(off) = cfg(config::CT_STATUS) else {
-        return;
-    };
-    let Ok(status) = read::<u64>(conn, off) else {
-        return;
+    // Loaded directly where the kernel allows (its low word holds every bit counted).
+    let status = match crate::ct_state(conn) {
+        Some((_, status)) => u64::from(status),
+        None => {
+            let Some(off) = cfg(config::CT_STATUS) else {
+                return;
+            };
+            let Ok(status) = read::<u64>(conn, off) else {
+                return;
+            };
+            status
+        }
     };
     if let Some(i) = counts::nat_counter(hook, ctinfo, status) {
         row[i] += 1;
