@@ -270,8 +270,8 @@ pub fn conntrack_may_match(
     Some(any)
 }
 
-/// [`conntrack_may_match`] for the netfilter object where the kernel lets it load the
-/// entry `conn` directly ([`direct_reads`]): its four addresses, two loads each, and no
+/// [`conntrack_may_match`] where the kernel lets the probes load the entry `conn` directly
+/// ([`direct_reads`]): its four addresses, two loads each, and no
 /// window. `None` elsewhere (or without the offsets): the caller reads the window.
 #[inline(always)]
 pub fn conntrack_addresses_may_match(nets: &FilterNets, conn: u64) -> Option<bool> {
@@ -432,6 +432,26 @@ pub fn read<T>(base: u64, off: u64) -> Result<T, ()> {
     })
 }
 
+/// The 8-byte word at `base + off` of kernel memory: one load where [`direct_reads`], else
+/// [`read`].
+#[inline(always)]
+pub fn read_word(base: u64, off: u64) -> Result<u64, ()> {
+    if !direct_reads() {
+        return read::<u64>(base, off);
+    }
+    let v: u64;
+    // SAFETY: a load the verifier checks and the kernel guards (see `read_window`).
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u64 *)({1} + 0)",
+            out(reg) v,
+            in(reg) untrusted(base + off),
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    Ok(v)
+}
+
 /// Copies `dst.len()` bytes at `base + off` from kernel memory into `dst`.
 #[inline(always)]
 pub fn read_into(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
@@ -442,8 +462,8 @@ pub fn read_into(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
 }
 
 /// Whether the running kernel lets this program load kernel memory directly (see
-/// [`observer_common::kfunc`]). Netfilter object only: the call is a placeholder that
-/// observer's netfilter loader rewrites, and Aya (which loads the TC object) does not.
+/// [`observer_common::kfunc`]): the call is a placeholder that observer rewrites in both
+/// objects before they are loaded.
 #[inline(always)]
 pub fn direct_reads() -> bool {
     // SAFETY: the loader turns this call into `r0 = 0` or `r0 = 1`.
@@ -455,13 +475,13 @@ pub fn direct_reads() -> bool {
 }
 
 /// Copies `dst.len()` bytes (a multiple of 8) at `base + off` from kernel memory into `dst`
-/// (8-byte aligned): in the netfilter object (`NF`), with one load per word where the
-/// kernel allows it ([`observer_common::kfunc`]), else with `bpf_probe_read_kernel`.
+/// (8-byte aligned): with one load per word where the kernel allows it
+/// ([`observer_common::kfunc`]), else with `bpf_probe_read_kernel`.
 /// A direct load the kernel cannot complete reads zero; these windows are parts of a
 /// conntrack entry or of the packet an skb holds, which stay valid while a probe runs.
 #[inline(always)]
-pub fn read_window<const NF: bool>(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
-    if !NF || !direct_reads() {
+pub fn read_window(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
+    if !direct_reads() {
         return read_into(base, off, dst);
     }
     // Memory the verifier lets the program load from (faults are caught by the kernel
@@ -498,8 +518,8 @@ fn untrusted(addr: u64) -> u64 {
     }
 }
 
-/// A conntrack entry's mark and the low word of its status, loaded directly (netfilter
-/// object only, where [`direct_reads`]: `None` elsewhere, or without the offsets).
+/// A conntrack entry's mark and the low word of its status, loaded directly where
+/// [`direct_reads`] (`None` elsewhere, or without the offsets).
 #[inline(always)]
 pub fn ct_state(conn: u64) -> Option<(u32, u32)> {
     if !direct_reads() {
@@ -577,8 +597,8 @@ const _: () = assert!(core::mem::offset_of!(Windows, ct) % 8 == 0);
 /// kernel address) into `ev`: the header and the first 16 bytes after a 20/40-byte one in
 /// one read, the rest (options, extension headers) read when the parser asks.
 #[inline(always)]
-pub fn read_l3<const NF: bool>(l3: u64, w: &mut Windows, ev: &mut PacketEvent) -> Result<(), ()> {
-    read_window::<NF>(l3, 0, &mut w.pkt)?;
+pub fn read_l3(l3: u64, w: &mut Windows, ev: &mut PacketEvent) -> Result<(), ()> {
+    read_window(l3, 0, &mut w.pkt)?;
     let hdr: &[u8; 40] = w.pkt[..40].try_into().map_err(|_| ())?;
     parse_headers(&KernelWindow { l3, win: &w.pkt }, hdr, ev).ok_or(())
 }
@@ -622,7 +642,7 @@ pub fn copy_field<const N: usize>(
 #[inline(always)]
 pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
     let start = cfg(config::SKB_WINDOW).ok_or(())?;
-    read_into(skb, start, &mut w.skb)?;
+    read_window(skb, start, &mut w.skb)?;
     Ok(start)
 }
 
@@ -630,12 +650,7 @@ pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
 /// `tuples` (they change only where conntrack or NAT runs). Returns false when the skb
 /// carries none (or the untracked marker).
 #[inline(always)]
-pub fn read_ct<const NF: bool>(
-    nfct: u64,
-    ct: &mut CtInfo,
-    w: &mut Windows,
-    tuples: bool,
-) -> Result<bool, ()> {
+pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Result<bool, ()> {
     let info = nfct & 7;
     let conn = nfct & !7;
     // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
@@ -643,7 +658,7 @@ pub fn read_ct<const NF: bool>(
         return Ok(false);
     }
     let start = cfg(config::CT_WINDOW).ok_or(())?;
-    read_window::<NF>(conn, start, &mut w.ct)?;
+    read_window(conn, start, &mut w.ct)?;
     let off = |i| cfg(i).ok_or(());
     ct.ctinfo = info as u32;
     ct.mark = u32::from_ne_bytes(field(&w.ct, off(config::CT_MARK)?, start)?);

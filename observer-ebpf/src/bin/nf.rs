@@ -389,7 +389,7 @@ fn recheck(
             let Some(start) = cfg(config::CT_WINDOW) else {
                 return Recheck::LongWay;
             };
-            if read_window::<true>(conn, start, &mut w.ct).is_err() {
+            if read_window(conn, start, &mut w.ct).is_err() {
                 return Recheck::Unread;
             }
             conntrack_may_match(nets, &w.ct, start)
@@ -464,7 +464,7 @@ fn read_headers(
 ) -> Result<(), ()> {
     let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
     let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
-    read_l3::<true>(head + nh as u64, w, ev)
+    read_l3(head + nh as u64, w, ev)
 }
 
 #[inline(always)]
@@ -474,7 +474,7 @@ fn read_conntrack(
     nfct: u64,
     tuples: bool,
 ) -> Result<(), ()> {
-    if read_ct::<true>(nfct, &mut ev.ct, w, tuples)? {
+    if read_ct(nfct, &mut ev.ct, w, tuples)? {
         ev.header.flags |= flags::CT;
     }
     Ok(())

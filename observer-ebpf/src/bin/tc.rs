@@ -12,8 +12,8 @@ use observer_ebpf::inflight::{
     Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
-    Decide, PacketReader, cfg, count, counts, decide, filter_nets, parse_headers, read, read_ct,
-    scratch, windows,
+    Decide, PacketReader, cfg, count, counts, decide, filter_nets, parse_headers, read_ct,
+    read_word, scratch, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -209,8 +209,8 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
         // The entry pointer alone (8 bytes, not the skb's whole window).
         let ct = cfg(config::SKB_NFCT)
             .ok_or(())
-            .and_then(|off| read::<u64>(ev.header.skb, off))
-            .and_then(|nfct| read_ct::<false>(nfct, &mut ev.ct, w, true));
+            .and_then(|off| read_word(ev.header.skb, off))
+            .and_then(|nfct| read_ct(nfct, &mut ev.ct, w, true));
         if ct == Ok(true) {
             ev.header.flags |= flags::CT;
         }

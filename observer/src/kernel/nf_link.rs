@@ -206,6 +206,40 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
     Ok(patched)
 }
 
+/// A copy of the ELF object `elf` (the TC object, which Aya loads) with the placeholder
+/// calls of its code sections rewritten as [`patch_calls`] does for the netfilter object,
+/// so that its programs read as the netfilter probes do. Aya passes kfunc calls through.
+/// The copy is 8-byte aligned, as the ELF parser wants it.
+pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<Vec<u64>, NfError> {
+    let file = object::File::parse(elf)?;
+    let mut words = vec![0u64; elf.len().div_ceil(8)];
+    // SAFETY: `words` holds at least `elf.len()` bytes; u8 has no alignment needs.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, elf.len()) };
+    bytes.copy_from_slice(elf);
+    for section in file.sections() {
+        if section.kind() != object::SectionKind::Text {
+            continue;
+        }
+        let Some((start, len)) = section.file_range() else {
+            continue;
+        };
+        let (start, len) = (start as usize, len as usize);
+        let name = section.name().unwrap_or("?").to_string();
+        let code = bytes
+            .get_mut(start..start + len)
+            .ok_or_else(|| NfError::BadRelocation {
+                prog: name.clone(),
+                offset: start as u64,
+            })?;
+        patch_calls(code, rdonly_cast).map_err(|(insn, what)| NfError::Placeholder {
+            prog: name,
+            insn,
+            what,
+        })?;
+    }
+    Ok(words)
+}
+
 /// Rewrites the probes' placeholder calls (`observer_common::kfunc`) for this kernel: with
 /// `rdonly_cast` (the kfunc's BTF id), `DIRECT_READS` becomes `r0 = 1` and `UNTRUSTED` the
 /// kfunc call; without, `r0 = 0` and `r0 = r1` (code the verifier then never reaches).

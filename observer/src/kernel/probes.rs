@@ -20,7 +20,7 @@ use observer_common::{config, counter, counts, pending_count};
 use std::path::PathBuf;
 
 use crate::btf::KernelLayout;
-use crate::nf_link::{NfError, NfFamily, NfHook, NfLink, NfObject};
+use crate::nf_link::{NfError, NfFamily, NfHook, NfLink, NfObject, patch_object_calls};
 use crate::plan::HookPlan;
 
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
@@ -224,6 +224,11 @@ impl Probes {
             .config
             .get(config::CAPTURE_BYTES as usize)
             .is_some_and(|&v| v != config::UNSET && v != 0);
+        // Its placeholder calls rewritten for this kernel (see `observer_common::kfunc`).
+        let tc_object = patch_object_calls(TC_OBJECT, direct_reads(layout))?;
+        // SAFETY: the words hold the object's bytes (and up to 7 zero bytes after them).
+        let tc_object =
+            unsafe { std::slice::from_raw_parts(tc_object.as_ptr() as *const u8, TC_OBJECT.len()) };
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(
                 "PACKETS",
@@ -233,7 +238,7 @@ impl Probes {
                     min_ring_bytes()
                 },
             )
-            .load(TC_OBJECT)
+            .load(tc_object)
             .context(
                 "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
             )?;
@@ -995,6 +1000,42 @@ mod tests {
             NfObject::parse(NF_OBJECT, &HashMap::new(), &layout.config, None),
             Err(NfError::UnsupportedRelocation { .. })
         ));
+    }
+
+    /// The TC object's code calls the placeholders (`observer_common::kfunc`); patched, none
+    /// is left, whether the kernel takes direct reads or not, and nothing else changed size.
+    #[test]
+    fn the_tc_objects_placeholder_calls_are_all_rewritten() {
+        if TC_OBJECT.is_empty() {
+            eprintln!("!!! SKIPPED: built with OBSERVER_SKIP_EBPF=1");
+            assert!(!observer_tests_in_ci(), "CI builds the probes");
+            return;
+        }
+        let placeholders = |bytes: &[u8]| {
+            bytes
+                .chunks_exact(8)
+                .filter(|i| {
+                    i[0] == 0x85
+                        && [
+                            observer_common::kfunc::DIRECT_READS,
+                            observer_common::kfunc::UNTRUSTED,
+                        ]
+                        .contains(&i32::from_le_bytes([i[4], i[5], i[6], i[7]]))
+                })
+                .count()
+        };
+        assert!(
+            placeholders(TC_OBJECT) > 0,
+            "the TC probes read through them"
+        );
+        for cast in [Some(4242), None] {
+            let words = patch_object_calls(TC_OBJECT, cast).expect("patched");
+            // SAFETY: the words hold at least the object's bytes.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, TC_OBJECT.len()) };
+            assert_eq!(placeholders(bytes), 0, "{cast:?}");
+            assert!(object::File::parse(bytes).is_ok());
+        }
     }
 
     fn observer_tests_in_ci() -> bool {

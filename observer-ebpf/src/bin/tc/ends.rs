@@ -95,8 +95,8 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     let head = u64::from_ne_bytes(field(&w.skb, word(config::SKB_HEAD)?, start)?);
     let nh = u16::from_ne_bytes(field(&w.skb, word(config::SKB_NETWORK_HEADER)?, start)?);
     let nfct = nfct_of(w, start)?;
-    let read_ok = read_l3::<false>(head + u64::from(nh), w, ev).is_ok();
-    if read_ct::<false>(nfct, &mut ev.ct, w, true) == Ok(true) {
+    let read_ok = read_l3(head + u64::from(nh), w, ev).is_ok();
+    if read_ct(nfct, &mut ev.ct, w, true) == Ok(true) {
         ev.header.flags |= flags::CT;
     }
     let rec = begin(skb).ok_or(())?;
