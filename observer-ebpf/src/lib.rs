@@ -282,18 +282,7 @@ pub fn conntrack_addresses_may_match(nets: &FilterNets, conn: u64) -> Option<boo
     let (sa, da) = (cfg(config::TUPLE_SRC_ADDR)?, cfg(config::TUPLE_DST_ADDR)?);
     let addr = |off: u64| {
         let p = untrusted(conn + off);
-        let (lo, hi): (u64, u64);
-        // SAFETY: loads the verifier checks and the kernel guards (see `read_window`).
-        unsafe {
-            core::arch::asm!(
-                "{0} = *(u64 *)({2} + 0)",
-                "{1} = *(u64 *)({2} + 8)",
-                out(reg) lo,
-                out(reg) hi,
-                in(reg) p,
-                options(nostack, readonly, preserves_flags)
-            );
-        }
+        let (lo, hi) = (load_u64(p), load_u64(p + 8));
         // The address's bytes as native-endian words (little-endian: low half first).
         [lo as u32, (lo >> 32) as u32, hi as u32, (hi >> 32) as u32]
     };
@@ -439,17 +428,7 @@ pub fn read_word(base: u64, off: u64) -> Result<u64, ()> {
     if !direct_reads() {
         return read::<u64>(base, off);
     }
-    let v: u64;
-    // SAFETY: a load the verifier checks and the kernel guards (see `read_window`).
-    unsafe {
-        core::arch::asm!(
-            "{0} = *(u64 *)({1} + 0)",
-            out(reg) v,
-            in(reg) untrusted(base + off),
-            options(nostack, readonly, preserves_flags)
-        );
-    }
-    Ok(v)
+    Ok(load_u64(untrusted(base + off)))
 }
 
 /// Copies `dst.len()` bytes at `base + off` from kernel memory into `dst`.
@@ -490,18 +469,9 @@ pub fn read_window(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
     let words = dst.as_mut_ptr() as *mut u64;
     let mut i = 0;
     while i < dst.len() / 8 {
-        let v: u64;
-        // SAFETY: a load the verifier checks and the kernel guards (see above).
-        unsafe {
-            core::arch::asm!(
-                "{0} = *(u64 *)({1} + 0)",
-                out(reg) v,
-                in(reg) p + 8 * i as u64,
-                options(nostack, readonly, preserves_flags)
-            );
-            // In bounds (i < len / 8); `dst` is 8-byte aligned (the windows are).
-            words.add(i).write_volatile(v);
-        }
+        let v = load_u64(p + 8 * i as u64);
+        // SAFETY: in bounds (i < len / 8); `dst` is 8-byte aligned (the windows are).
+        unsafe { words.add(i).write_volatile(v) };
         i += 1;
     }
     Ok(())
@@ -510,12 +480,46 @@ pub fn read_window(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
 /// Memory at `addr` as the verifier lets a program load from it (see [`read_window`]).
 #[inline(always)]
 fn untrusted(addr: u64) -> u64 {
-    // SAFETY: the netfilter loader turns this call into the kfunc `bpf_rdonly_cast(addr, 0)`.
+    // SAFETY: observer rewrites this call into the kfunc `bpf_rdonly_cast(addr, 0)`.
     unsafe {
         let f: unsafe extern "C" fn(u64, u32) -> u64 =
             core::mem::transmute(observer_common::kfunc::UNTRUSTED as usize);
         f(addr, 0)
     }
+}
+
+/// One 8-byte load from `p`, memory [`untrusted`] returned: exactly one instruction
+/// (`asm!`, whatever the address's alignment), which the verifier checks and the kernel
+/// guards (a fault reads zero).
+#[inline(always)]
+fn load_u64(p: u64) -> u64 {
+    let v: u64;
+    // SAFETY: as above; nothing is written.
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u64 *)({1} + 0)",
+            out(reg) v,
+            in(reg) p,
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    v
+}
+
+/// Like [`load_u64`], four bytes.
+#[inline(always)]
+fn load_u32(p: u64) -> u32 {
+    let v: u32;
+    // SAFETY: as for `load_u64`.
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u32 *)({1} + 0)",
+            out(reg) v,
+            in(reg) p,
+            options(nostack, readonly, preserves_flags)
+        );
+    }
+    v
 }
 
 /// A conntrack entry's mark and the low word of its status, loaded directly where
@@ -526,22 +530,8 @@ pub fn ct_state(conn: u64) -> Option<(u32, u32)> {
         return None;
     }
     let (mark_off, status_off) = (cfg(config::CT_MARK)?, cfg(config::CT_STATUS)?);
-    let (mark, status): (u32, u64);
-    // SAFETY: loads the verifier checks and the kernel guards (see `read_window`).
-    unsafe {
-        core::arch::asm!(
-            "{0} = *(u32 *)({1} + 0)",
-            out(reg) mark,
-            in(reg) untrusted(conn + mark_off),
-            options(nostack, readonly, preserves_flags)
-        );
-        core::arch::asm!(
-            "{0} = *(u64 *)({1} + 0)",
-            out(reg) status,
-            in(reg) untrusted(conn + status_off),
-            options(nostack, readonly, preserves_flags)
-        );
-    }
+    let mark = load_u32(untrusted(conn + mark_off));
+    let status = load_u64(untrusted(conn + status_off));
     Some((mark, status as u32))
 }
 
