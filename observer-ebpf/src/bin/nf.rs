@@ -9,6 +9,7 @@
 #![no_std]
 #![no_main]
 
+use observer_common::counts::{IPS_DST_NAT, IPS_SRC_NAT};
 use observer_common::traversal::{
     Glance, add_reading, copy_words, decision, end, last_hook, missing, pass_unchanged,
     reuse_headers,
@@ -139,7 +140,7 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
     } else {
         (0, 0)
     };
-    if reads && ct_status & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
+    if reads && u64::from(ct_status) & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
         return false;
     }
     let g = Glance {
@@ -153,10 +154,6 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
     };
     pass_unchanged(f.rec, &g, program)
 }
-
-/// `enum ip_conntrack_status` bits: NAT set up for the connection (source, destination).
-const IPS_SRC_NAT: u32 = 1 << 4;
-const IPS_DST_NAT: u32 = 1 << 5;
 
 #[inline(always)]
 fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> Result<(), ()> {
