@@ -87,6 +87,16 @@ impl Lab {
         for role in Self::ROLES {
             run(&["ip", "netns", "add", &self.ns(role)])?;
             self.exec(role, &["ip", "link", "set", "lo", "up"])?;
+            // Interfaces created from here on send no IPv6 router solicitations (three, four
+            // seconds apart, from every host-like end): traffic nobody asked to see.
+            self.exec(
+                role,
+                &[
+                    "sysctl",
+                    "-qw",
+                    "net.ipv6.conf.default.router_solicitations=0",
+                ],
+            )?;
         }
         let (client, node, pod, pod2, ext) = (
             self.ns("client"),
