@@ -9,7 +9,7 @@ use observer_common::counts::{
     self, LAST_POINTS, LastPoint, MARK_CLEARED, MARK_SET, PACKETS, REASONS, ROW, UNATTRIBUTED,
 };
 
-use crate::{cfg, direct, read};
+use crate::{cfg, direct, entry_of, read_word};
 
 /// Counter rows, one per point ([`counts::point`]).
 #[map]
@@ -116,24 +116,16 @@ fn add_bits(row: &mut [u64; ROW], bits: u32, base: usize) {
 #[inline(always)]
 fn count_nat(row: &mut [u64; ROW], skb_p: *const u8, hook: usize) {
     let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
-    let (conn, ctinfo) = (nfct & !7, nfct & 7);
-    if conn == 0 || ctinfo == 7 {
+    let Some(conn) = entry_of(nfct) else {
         return;
-    }
-    // Loaded directly where the kernel allows (its low word holds every bit counted).
-    let status = match crate::ct_state(conn) {
-        Some((_, status)) => u64::from(status),
-        None => {
-            let Some(off) = cfg(config::CT_STATUS) else {
-                return;
-            };
-            let Ok(status) = read::<u64>(conn, off) else {
-                return;
-            };
-            status
-        }
     };
-    if let Some(i) = counts::nat_counter(hook, ctinfo, status) {
+    let Some(off) = cfg(config::CT_STATUS) else {
+        return;
+    };
+    let Ok(status) = read_word(conn, off) else {
+        return;
+    };
+    if let Some(i) = counts::nat_counter(hook, nfct & 7, status) {
         row[i] += 1;
     }
 }

@@ -636,17 +636,24 @@ pub fn read_skb_window(skb: u64, w: &mut Windows) -> Result<u64, ()> {
     Ok(start)
 }
 
+/// The conntrack entry an skb's `_nfct` points to: `None` without one (a zero pointer: no
+/// entry yet, before conntrack's hook) or with the untracked marker (info 7,
+/// `IP_CT_UNTRACKED`). The low three bits are its `enum ip_conntrack_info`.
+#[inline(always)]
+pub fn entry_of(nfct: u64) -> Option<u64> {
+    let conn = nfct & !7;
+    (conn != 0 && nfct & 7 != 7).then_some(conn)
+}
+
 /// Copies the conntrack entry `nfct` (the skb's `_nfct`) into `ct`, its tuples only when
 /// `tuples` (they change only where conntrack or NAT runs). Returns false when the skb
 /// carries none (or the untracked marker).
 #[inline(always)]
 pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Result<bool, ()> {
-    let info = nfct & 7;
-    let conn = nfct & !7;
-    // 7 is IP_CT_UNTRACKED; a zero pointer means no entry yet (before conntrack's hook).
-    if conn == 0 || info == 7 {
+    let Some(conn) = entry_of(nfct) else {
         return Ok(false);
-    }
+    };
+    let info = nfct & 7;
     let start = cfg(config::CT_WINDOW).ok_or(())?;
     read_window(conn, start, &mut w.ct)?;
     let off = |i| cfg(i).ok_or(());

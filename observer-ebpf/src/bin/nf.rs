@@ -18,7 +18,7 @@ use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
 use observer_ebpf::{
     Decide, cfg, conntrack_addresses_may_match, conntrack_may_match, count, ct_state, decide,
-    direct, filter_nets, filtering, read_ct, read_l3, read_window, scratch, windows,
+    direct, entry_of, filter_nets, filtering, read_ct, read_l3, read_window, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -123,7 +123,7 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
         return false;
     }
     let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
-    let readers = cfg(config::READ_HEADERS + u32::from(hook_no & 7)).unwrap_or(0);
+    let readers = header_readers(hook_no);
     let reads = (readers >> program) & 1 != 0;
     // After a custom chain, the long way reads; after nat alone, unless the connection has
     // no NAT (below).
@@ -131,14 +131,14 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
         return false;
     }
     let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
-    let ct = nfct & !7 != 0 && nfct & 7 != 7;
-    let (ct_mark, ct_status) = if ct {
-        match ct_state(nfct & !7) {
+    let entry = entry_of(nfct);
+    let ct = entry.is_some();
+    let (ct_mark, ct_status) = match entry {
+        Some(conn) => match ct_state(conn) {
             Some(state) => state,
             None => return false,
-        }
-    } else {
-        (0, 0)
+        },
+        None => (0, 0),
     };
     if reads && u64::from(ct_status) & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
         return false;
@@ -215,13 +215,12 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
     let same_visit = ctl::get(ctl::LAST_HOOK) == u32::from(hook_no);
     // No clock here: a record's times are read where it starts, waits and ends (`begin`).
     ev.header.ts_ns = 0;
-    let must_read =
-        cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0);
+    let must_read = (header_readers(hook_no) >> program) & 1 != 0;
     // A packet the filter left out where it entered is decided again after conntrack from
     // its connection's tuples alone: there, before any NAT, its addresses are one of them
     // (and were decided at entry). Its headers are read only if it is kept then.
     let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
-    let has_ct = nfct & !7 != 0 && nfct & 7 != 7;
+    let has_ct = entry_of(nfct).is_some();
     let lazy = with_ct && has_ct && ctl::get(ctl::REDECIDE) != 0;
     let headers = ((decides || !same_visit) && !lazy) || must_read;
     ctl::set(ctl::REUSE, u32::from(!headers));
@@ -368,15 +367,13 @@ fn recheck(
     let Some(nets) = filter_nets() else {
         return Recheck::LongWay;
     };
-    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
-    let conn = nfct & !7;
-    if conn == 0 || nfct & 7 == 7 {
+    let Some(conn) = entry_of(direct::<u64, { config::SKB_NFCT }>(skb_p)) else {
         return Recheck::LongWay;
-    }
+    };
     let hook_no: u8 = direct::<u8, { config::STATE_HOOK }>(state_p);
     // Where a table before this probe may rewrite the headers, the long way reads them
     // and decides from them too.
-    if cfg(config::READ_HEADERS + u32::from(hook_no & 7)).is_some_and(|m| (m >> program) & 1 != 0) {
+    if (header_readers(hook_no) >> program) & 1 != 0 {
         return Recheck::LongWay;
     }
     // Where the kernel allows, its four addresses are loaded straight from the entry.
@@ -396,6 +393,13 @@ fn recheck(
         return Recheck::LongWay;
     }
     Recheck::LeftOut
+}
+
+/// The programs (bits) that read the headers again at hook `hook_no`, and above
+/// [`config::NAT_ONLY_SHIFT`] those of them that follow nat alone (`config::READ_HEADERS`).
+#[inline(always)]
+fn header_readers(hook_no: u8) -> u64 {
+    cfg(config::READ_HEADERS + u32::from(hook_no & 7)).unwrap_or(0)
 }
 
 /// How the filter decides at this probe.

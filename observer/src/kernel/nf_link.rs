@@ -172,26 +172,20 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
     const ALU64_ADD_K: u8 = 0x07;
     const ALU_ADD_K: u8 = 0x04;
     let mut patched = 0;
-    let mut i = 0;
-    while i + INSN <= insns.len() {
-        let insn = &mut insns[i..i + INSN];
+    for_each_insn(insns, |i, insn| {
         let op = insn[0];
-        if op == LD_IMM64 {
-            i += 2 * INSN;
-            continue;
-        }
         let off = i16::from_le_bytes([insn[2], insn[3]]);
         let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
         if op & 0x07 == CLASS_LDX && op & 0xe0 == MODE_MEM && off > 0 {
             if let Some(slot) = direct::slot_of(off as usize) {
                 if !direct::SLOTS.contains(&slot) {
-                    return Err((i / INSN, format!("slot {slot} is not a direct field")));
+                    return Err((i, format!("slot {slot} is not a direct field")));
                 }
                 let real = fields
                     .get(slot as usize)
                     .copied()
                     .filter(|&v| v < direct::BASE as u64)
-                    .ok_or_else(|| (i / INSN, format!("no offset for slot {slot}")))?;
+                    .ok_or_else(|| (i, format!("no offset for slot {slot}")))?;
                 insn[2..4].copy_from_slice(&(real as i16).to_le_bytes());
                 patched += 1;
             }
@@ -199,23 +193,65 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
             && imm > 0
             && direct::slot_of(imm as usize).is_some_and(|s| direct::SLOTS.contains(&s))
         {
-            return Err((i / INSN, format!("placeholder added in opcode {op:#04x}")));
+            return Err((i, format!("placeholder added in opcode {op:#04x}")));
         }
-        i += INSN;
-    }
+        Ok(())
+    })?;
     Ok(patched)
+}
+
+/// Calls `f` with the index and bytes of every instruction of `insns` (the second half of
+/// an `ld_imm64` is not one); stops at its first error.
+fn for_each_insn(
+    insns: &mut [u8],
+    mut f: impl FnMut(usize, &mut [u8]) -> Result<(), (usize, String)>,
+) -> Result<(), (usize, String)> {
+    let mut i = 0;
+    while i + INSN <= insns.len() {
+        let insn = &mut insns[i..i + INSN];
+        let wide = insn[0] == LD_IMM64;
+        f(i / INSN, insn)?;
+        i += if wide { 2 * INSN } else { INSN };
+    }
+    Ok(())
+}
+
+/// An ELF object's bytes in 8-byte aligned memory, as the ELF parser wants them.
+pub struct AlignedObject {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl AlignedObject {
+    fn copy_of(elf: &[u8]) -> Self {
+        let mut words = vec![0u64; elf.len().div_ceil(8)];
+        // SAFETY: `words` holds at least `elf.len()` bytes; u8 has no alignment needs.
+        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, elf.len()) }
+            .copy_from_slice(elf);
+        Self {
+            words,
+            len: elf.len(),
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the words hold `len` bytes (and up to 7 zero bytes after them).
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+    }
 }
 
 /// A copy of the ELF object `elf` (the TC object, which Aya loads) with the placeholder
 /// calls of its code sections rewritten as [`patch_calls`] does for the netfilter object,
 /// so that its programs read as the netfilter probes do. Aya passes kfunc calls through.
-/// The copy is 8-byte aligned, as the ELF parser wants it.
-pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<Vec<u64>, NfError> {
+pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<AlignedObject, NfError> {
     let file = object::File::parse(elf)?;
-    let mut words = vec![0u64; elf.len().div_ceil(8)];
-    // SAFETY: `words` holds at least `elf.len()` bytes; u8 has no alignment needs.
-    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, elf.len()) };
-    bytes.copy_from_slice(elf);
+    let mut copy = AlignedObject::copy_of(elf);
+    let bytes = copy.bytes_mut();
     for section in file.sections() {
         if section.kind() != object::SectionKind::Text {
             continue;
@@ -237,7 +273,7 @@ pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<Vec<u6
             what,
         })?;
     }
-    Ok(words)
+    Ok(copy)
 }
 
 /// Rewrites the probes' placeholder calls (`observer_common::kfunc`) for this kernel: with
@@ -252,44 +288,39 @@ fn patch_calls(insns: &mut [u8], rdonly_cast: Option<u32>) -> Result<usize, (usi
     /// `src_reg` of a call to a kernel function (its BTF id in `imm`, `off` 0: vmlinux).
     const PSEUDO_KFUNC_CALL: u8 = 2;
     let mut patched = 0;
-    let mut i = 0;
-    while i + INSN <= insns.len() {
-        let insn = &mut insns[i..i + INSN];
-        if insn[0] == LD_IMM64 {
-            i += 2 * INSN;
-            continue;
-        }
+    for_each_insn(insns, |i, insn| {
         let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
-        if insn[0] == CALL && (imm == kfunc::DIRECT_READS || imm == kfunc::UNTRUSTED) {
-            if insn[1] != 0 || insn[2..4] != [0, 0] {
-                return Err((i / INSN, "placeholder call with operands".into()));
-            }
-            let new: [u8; INSN] = match (imm, rdonly_cast) {
-                (kfunc::DIRECT_READS, cast) => {
-                    let on = i32::from(cast.is_some()).to_le_bytes();
-                    [MOV64_K, 0, 0, 0, on[0], on[1], on[2], on[3]]
-                }
-                (_, Some(id)) => {
-                    let id = id.to_le_bytes();
-                    [
-                        CALL,
-                        PSEUDO_KFUNC_CALL << 4,
-                        0,
-                        0,
-                        id[0],
-                        id[1],
-                        id[2],
-                        id[3],
-                    ]
-                }
-                // r0 = r1: dst r0 (low nibble), src r1 (high nibble).
-                (_, None) => [MOV64_X, 0x10, 0, 0, 0, 0, 0, 0],
-            };
-            insn.copy_from_slice(&new);
-            patched += 1;
+        if insn[0] != CALL || (imm != kfunc::DIRECT_READS && imm != kfunc::UNTRUSTED) {
+            return Ok(());
         }
-        i += INSN;
-    }
+        if insn[1] != 0 || insn[2..4] != [0, 0] {
+            return Err((i, "placeholder call with operands".into()));
+        }
+        let new: [u8; INSN] = match (imm, rdonly_cast) {
+            (kfunc::DIRECT_READS, cast) => {
+                let on = i32::from(cast.is_some()).to_le_bytes();
+                [MOV64_K, 0, 0, 0, on[0], on[1], on[2], on[3]]
+            }
+            (_, Some(id)) => {
+                let id = id.to_le_bytes();
+                [
+                    CALL,
+                    PSEUDO_KFUNC_CALL << 4,
+                    0,
+                    0,
+                    id[0],
+                    id[1],
+                    id[2],
+                    id[3],
+                ]
+            }
+            // r0 = r1: dst r0 (low nibble), src r1 (high nibble).
+            (_, None) => [MOV64_X, 0x10, 0, 0, 0, 0, 0, 0],
+        };
+        insn.copy_from_slice(&new);
+        patched += 1;
+        Ok(())
+    })?;
     Ok(patched)
 }
 

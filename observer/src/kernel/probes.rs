@@ -224,11 +224,10 @@ impl Probes {
             .config
             .get(config::CAPTURE_BYTES as usize)
             .is_some_and(|&v| v != config::UNSET && v != 0);
-        // Its placeholder calls rewritten for this kernel (see `observer_common::kfunc`).
-        let tc_object = patch_object_calls(TC_OBJECT, direct_reads(layout))?;
-        // SAFETY: the words hold the object's bytes (and up to 7 zero bytes after them).
-        let tc_object =
-            unsafe { std::slice::from_raw_parts(tc_object.as_ptr() as *const u8, TC_OBJECT.len()) };
+        // Both objects' placeholder calls are rewritten for this kernel (see
+        // `observer_common::kfunc`).
+        let rdonly_cast = direct_reads(layout);
+        let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast)?;
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(
                 "PACKETS",
@@ -238,7 +237,7 @@ impl Probes {
                     min_ring_bytes()
                 },
             )
-            .load(tc_object)
+            .load(tc_object.bytes())
             .context(
                 "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
             )?;
@@ -287,7 +286,7 @@ impl Probes {
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
             .collect::<Result<_>>()?;
-        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, direct_reads(layout))?;
+        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, rdonly_cast)?;
         Ok(Self {
             ebpf,
             nf,
@@ -1029,10 +1028,8 @@ mod tests {
             "the TC probes read through them"
         );
         for cast in [Some(4242), None] {
-            let words = patch_object_calls(TC_OBJECT, cast).expect("patched");
-            // SAFETY: the words hold at least the object's bytes.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, TC_OBJECT.len()) };
+            let patched = patch_object_calls(TC_OBJECT, cast).expect("patched");
+            let bytes = patched.bytes();
             assert_eq!(placeholders(bytes), 0, "{cast:?}");
             assert!(object::File::parse(bytes).is_ok());
         }
