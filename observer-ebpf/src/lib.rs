@@ -465,16 +465,22 @@ pub fn read_window(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
     }
     // Memory the verifier lets the program load from (faults are caught by the kernel
     // and read zero).
-    let p = untrusted(base + off);
+    load_words(untrusted(base + off), dst);
+    Ok(())
+}
+
+/// Loads `dst.len() / 8` words from `p` ([`untrusted`] memory) into `dst` (8-byte aligned).
+#[inline(always)]
+fn load_words(p: u64, dst: &mut [u8]) {
+    debug_assert!((dst.as_ptr() as usize).is_multiple_of(8));
     let words = dst.as_mut_ptr() as *mut u64;
     let mut i = 0;
     while i < dst.len() / 8 {
         let v = load_u64(p + 8 * i as u64);
-        // SAFETY: in bounds (i < len / 8); `dst` is 8-byte aligned (the windows are).
+        // SAFETY: in bounds (i < len / 8); `dst` is 8-byte aligned (the callers' are).
         unsafe { words.add(i).write_volatile(v) };
         i += 1;
     }
-    Ok(())
 }
 
 /// Memory at `addr` as the verifier lets a program load from it (see [`read_window`]).
@@ -653,11 +659,23 @@ pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Res
     let Some(conn) = entry_of(nfct) else {
         return Ok(false);
     };
-    let info = nfct & 7;
+    ct.ctinfo = (nfct & 7) as u32;
+    let off = |i| cfg(i).ok_or(());
+    if direct_reads() {
+        // Each field loaded where it lies: no window, no copying out of it.
+        ct.mark = load_u32(untrusted(conn + off(config::CT_MARK)?));
+        ct.status = load_u64(untrusted(conn + off(config::CT_STATUS)?));
+        if tuples {
+            load_words(untrusted(conn + off(config::CT_TUPLE_ORIG)?), &mut ct.orig);
+            load_words(
+                untrusted(conn + off(config::CT_TUPLE_REPLY)?),
+                &mut ct.reply,
+            );
+        }
+        return Ok(true);
+    }
     let start = cfg(config::CT_WINDOW).ok_or(())?;
     read_window(conn, start, &mut w.ct)?;
-    let off = |i| cfg(i).ok_or(());
-    ct.ctinfo = info as u32;
     ct.mark = u32::from_ne_bytes(field(&w.ct, off(config::CT_MARK)?, start)?);
     ct.status = u64::from_ne_bytes(field(&w.ct, off(config::CT_STATUS)?, start)?);
     if tuples {

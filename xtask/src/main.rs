@@ -95,9 +95,10 @@ enum Task {
         /// Seconds per iperf3 run.
         #[arg(long, default_value_t = 5)]
         seconds: u32,
-        /// Alternating rounds of every phase (medians are printed); this VM's rates move by
-        /// up to a tenth between runs, so fewer than 5 say little.
-        #[arg(long, default_value_t = 5)]
+        /// Alternating rounds of every phase, every other one backwards (medians are
+        /// printed); this VM's rates move by up to a tenth between runs, so fewer than 7 say
+        /// little about a margin of a few hundredths.
+        #[arg(long, default_value_t = 7)]
         rounds: u32,
     },
 }
@@ -807,7 +808,15 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
         std::env::temp_dir().join(format!("observer-bench-{}.json", std::process::id()));
     in_lab("bench", prefix, "iptables", |bin| {
         for round in 0..rounds {
-            for (i, phase) in PHASES.iter().enumerate() {
+            // Every other round runs the phases backwards: the machine's speed drifts over
+            // a round, and a phase measured always after the baseline would carry the drift.
+            let order: Vec<usize> = if round % 2 == 0 {
+                (0..PHASES.len()).collect()
+            } else {
+                (0..PHASES.len()).rev().collect()
+            };
+            for i in order {
+                let phase = &PHASES[i];
                 eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
                 let socket = std::env::temp_dir()
                     .join(format!("observer-bench-{}.sock", std::process::id()));
@@ -879,24 +888,27 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let per_round: Vec<String> = PHASES
-        .iter()
-        .enumerate()
-        .skip(1)
-        .map(|(i, phase)| {
-            format!(
-                "  {:<36} TCP {}  UDP {}",
-                phase.label,
-                spread(&tcp, i, 1),
-                spread(&udp, i, 1)
-            )
-        })
-        .collect();
+    let per_round = |of: usize| -> Vec<String> {
+        PHASES
+            .iter()
+            .enumerate()
+            .skip(of + 1)
+            .map(|(i, phase)| {
+                format!(
+                    "  {:<36} TCP {}  UDP {}",
+                    phase.label,
+                    spread(&tcp, i, of),
+                    spread(&udp, i, of)
+                )
+            })
+            .collect()
+    };
+    let (per_round_base, per_round_floor) = (per_round(0), per_round(1));
     let tcp: Vec<f64> = tcp.iter().map(|v| median(&mut v.clone())).collect();
     let udp: Vec<f64> = udp.iter().map(|v| median(&mut v.clone())).collect();
     println!(
         "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
-         workload, {rounds} alternating rounds; rates are medians, ratios are medians of each \
+         workload, {rounds} rounds (every other one backwards); rates are medians, ratios are medians of each \
          round's ratio:"
     );
     println!(
@@ -941,8 +953,12 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
          observer's --stats; the floor and the filter print nothing by design; the agent \
          counts in the kernel and records only drops, its figures are in its /metrics)"
     );
+    println!("\nEach round's ratio against its baseline, in round order:");
+    for line in per_round_base {
+        println!("{line}");
+    }
     println!("\nEach round's ratio against its floor, in round order:");
-    for line in per_round {
+    for line in per_round_floor {
         println!("{line}");
     }
     Ok(())
