@@ -469,6 +469,15 @@ pub fn read_window(base: u64, off: u64, dst: &mut [u8]) -> Result<(), ()> {
     Ok(())
 }
 
+/// Copies `dst.len() / 8` words of a packet's linear data at `p` into `dst` (8-byte
+/// aligned), one load each: `p` is a packet pointer of a TC program whose caller checked
+/// `dst.len()` bytes from it against the data's end (the verifier holds it to that, and on
+/// machines with efficient unaligned loads takes any alignment). No helper call.
+#[inline(always)]
+pub fn packet_words(p: usize, dst: &mut [u8]) {
+    load_words(p as u64, dst);
+}
+
 /// Loads `dst.len() / 8` words from `p` ([`untrusted`] memory) into `dst` (8-byte aligned).
 #[inline(always)]
 fn load_words(p: u64, dst: &mut [u8]) {

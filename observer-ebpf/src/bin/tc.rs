@@ -12,8 +12,8 @@ use observer_ebpf::inflight::{
     Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
-    Decide, PacketReader, cfg, count, counts, decide, filter_nets, parse_headers, read_ct,
-    read_word, scratch, windows,
+    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, counts, decide, filter_nets, packet_words,
+    parse_headers, read_ct, read_word, scratch, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -191,9 +191,25 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     };
     // Ethernet-framed devices put the IP header after 14 bytes; L3 devices at 0. Loads
     // are fixed-size (the verifier refuses a length that might be zero) and no longer
-    // than the smallest packet of their kind, or they fail on short packets.
-    let eth = At { ctx, base: 14 };
-    let raw = At { ctx, base: 0 };
+    // than the smallest packet of their kind, or they fail on short packets. After an
+    // Ethernet header, the first 40 bytes (an IPv4 header and 20 bytes after it, or an
+    // IPv6 header) come straight from the linear data when it holds them.
+    let w = windows()?;
+    let ip = ctx.data() + 14;
+    let linear = ip + LINEAR_BYTES <= ctx.data_end();
+    if linear {
+        packet_words(ip, &mut w.pkt[..LINEAR_BYTES]);
+    }
+    let eth = At {
+        ctx,
+        base: 14,
+        win: if linear { Some(&w.pkt) } else { None },
+    };
+    let raw = At {
+        ctx,
+        base: 0,
+        win: None,
+    };
     let (pkt, hdr) = match ip_header_at(&eth, 0) {
         Some(h) => (eth, h),
         None => (raw, ip_header_at(&raw, 0)?),
@@ -203,9 +219,7 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     // the filter follow NATed packets and shows the connection as it leaves. At ingress a
     // packet has none yet (crossing into a namespace clears it), or, looped back on this
     // host, the one PREROUTING's first probe reads again: not read there.
-    if at == hook::TC_EGRESS
-        && let Some(w) = windows()
-    {
+    if at == hook::TC_EGRESS {
         // The entry pointer alone (8 bytes, not the skb's whole window).
         let ct = cfg(config::SKB_NFCT)
             .ok_or(())
@@ -218,16 +232,33 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     Some(())
 }
 
-/// The packet as the TC hook has it, from `base` (where its IP header starts).
+/// Bytes from the IP header that [`read_packet`] loads from the linear data in words.
+const LINEAR_BYTES: usize = 40;
+
+/// The packet as the TC hook has it, from `base` (where its IP header starts), and its
+/// first [`LINEAR_BYTES`] from there when they were loaded already (`win`).
 #[derive(Clone, Copy)]
 struct At<'a> {
     ctx: &'a TcContext,
     base: usize,
+    win: Option<&'a [u8; PKT_WINDOW_BYTES]>,
 }
 
 impl PacketReader for At<'_> {
     #[inline(always)]
     fn bytes<const N: usize>(&self, off: usize) -> Option<[u8; N]> {
+        if let Some(win) = self.win
+            && off + N <= LINEAR_BYTES
+        {
+            let mut out = [0u8; N];
+            let mut i = 0;
+            while i < N {
+                // Masked: an index the verifier can bound (the check above keeps it in).
+                out[i] = win[(off + i) & (PKT_WINDOW_BYTES - 1)];
+                i += 1;
+            }
+            return Some(out);
+        }
         self.ctx.load::<[u8; N]>(self.base + off).ok()
     }
 }
