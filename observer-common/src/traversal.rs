@@ -335,8 +335,25 @@ fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usiz
         rec.incomplete |= missing::VISITS;
         return None;
     }
-    let v = &mut rec.visits[n];
-    v.hook = r.header.hook;
+    open_visit(
+        rec,
+        r.header.hook,
+        r.header.ifindex_in,
+        r.header.ifindex_out,
+        bit,
+    );
+    Some(n)
+}
+
+/// Opens the record's next visit (the caller checked there is room): `hook`, the devices,
+/// and the program `bit`.
+#[inline(always)]
+fn open_visit(rec: &mut TraversalRecord, hook: u8, ifindex_in: u32, ifindex_out: u32, bit: u32) {
+    let n = rec.nvisits as usize;
+    let Some(v) = rec.visits.get_mut(n) else {
+        return;
+    };
+    v.hook = hook;
     // SAFETY: plain bytes of a live visit (volatile: a 3-byte fill becomes `memset`).
     unsafe {
         core::ptr::write_volatile(&mut v._pad[0], 0);
@@ -344,11 +361,10 @@ fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usiz
         core::ptr::write_volatile(&mut v._pad[2], 0);
     }
     v.programs = bit;
-    v.ifindex_in = r.header.ifindex_in;
-    v.ifindex_out = r.header.ifindex_out;
+    v.ifindex_in = ifindex_in;
+    v.ifindex_out = ifindex_out;
     rec.nvisits = (n + 1) as u8;
     rec.cur_visit = n as u8;
-    Some(n)
 }
 
 /// XOR of two 16-byte fields folded into one word: zero when they are equal. Branch-free,
@@ -602,13 +618,7 @@ pub fn pass_unchanged(rec: &mut TraversalRecord, g: &Glance, program: u8) -> boo
     };
     // The long way's reading carries the step's header flags and CT when there is an entry:
     // the step must say the same, and nothing it records may differ.
-    let ct_flag = if g.ct { flags::CT } else { 0 };
-    let ct_differs =
-        g.ct && (s.ctinfo != g.ctinfo || s.ct_mark != g.ct_mark || s.ct_status != g.ct_status);
-    if s.flags & !(flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT) != ct_flag
-        || s.mark != g.mark
-        || s.len != g.len
-        || ct_differs
+    if s.flags & !(flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT) != ct_flag(g) || !same_state(s, g)
     {
         return false;
     }
@@ -619,6 +629,77 @@ pub fn pass_unchanged(rec: &mut TraversalRecord, g: &Glance, program: u8) -> boo
         return false;
     }
     v.programs |= bit;
+    true
+}
+
+/// The step flag a glance's conntrack entry stands for.
+#[inline(always)]
+fn ct_flag(g: &Glance) -> u8 {
+    if g.ct { flags::CT } else { 0 }
+}
+
+/// Whether the glance shows the mark, length and conntrack state step `s` records.
+#[inline(always)]
+fn same_state(s: &Step, g: &Glance) -> bool {
+    let ct_differs =
+        g.ct && (s.ctinfo != g.ctinfo || s.ct_mark != g.ct_mark || s.ct_status != g.ct_status);
+    s.mark == g.mark && s.len == g.len && !ct_differs
+}
+
+/// The short way at a hook's first point, for an IPv4 TCP or UDP packet without options or
+/// fragmentation: the glance, the devices the hook has, and the packet's first `N` (24 or
+/// more) bytes from its network header (`l3`). When the record's last step has exactly the
+/// state, addresses, protocol and ports those bytes hold, the hook's visit is opened with
+/// this point, which is all [`add_reading`] would do with the whole reading there, and true
+/// is returned. False, with the record untouched, whenever the long way must read: anything
+/// differs, the same hook, no room for a visit, a step with header flags (fragment, no
+/// transport, a quoted packet) or of another protocol.
+#[inline(always)]
+pub fn enter_unchanged<const N: usize>(
+    rec: &mut TraversalRecord,
+    g: &Glance,
+    ifindex_in: u32,
+    ifindex_out: u32,
+    l3: &[u8; N],
+    program: u8,
+) -> bool {
+    const { assert!(N >= 24) };
+    if rec.nsteps == 0 || rec.family != crate::family::IPV4 {
+        return false;
+    }
+    let n = rec.nvisits as usize;
+    if n == 0 || n >= MAX_VISITS || last_hook(rec) == Some(g.hook) {
+        return false;
+    }
+    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+        return false;
+    };
+    if s.flags != ct_flag(g) || s.ip_version != 4 || !matches!(s.l4proto, 6 | 17) {
+        return false;
+    }
+    // A 20-byte header (no options), not a fragment, the step's protocol.
+    if l3[0] != 0x45 || u16::from_be_bytes([l3[6], l3[7]]) & 0x3fff != 0 || l3[9] != s.l4proto {
+        return false;
+    }
+    // The step's IPv4 addresses fill the first 4 bytes of 16, the rest zero.
+    let word = |a: usize| u64::from_ne_bytes([l3[a], l3[a + 1], l3[a + 2], l3[a + 3], 0, 0, 0, 0]);
+    let (sa, da) = (aligned_words(&s.saddr), aligned_words(&s.daddr));
+    // SAFETY: 16 readable, 8-byte aligned bytes each (`aligned_words`).
+    let addrs = unsafe {
+        (sa.read() ^ word(12)) | sa.add(1).read() | (da.read() ^ word(16)) | da.add(1).read()
+    };
+    let ports = (u16::from_be_bytes([l3[20], l3[21]]) ^ s.sport)
+        | (u16::from_be_bytes([l3[22], l3[23]]) ^ s.dport);
+    if addrs != 0 || ports != 0 || !same_state(s, g) {
+        return false;
+    }
+    open_visit(
+        rec,
+        g.hook,
+        ifindex_in,
+        ifindex_out,
+        1u32 << (program as u32 & 31),
+    );
     true
 }
 
@@ -757,6 +838,150 @@ mod tests {
         add_reading(&mut quoted, &icmp, 0);
         assert!(!pass_unchanged(&mut quoted, &glance_of(&icmp), 1));
         assert!(!pass_unchanged(&mut fresh(), &g, 1), "no steps");
+    }
+
+    /// An IPv4 packet's first 40 bytes: header (`ihl` words, flags/fragment word `frag`),
+    /// then the transport's ports 1234 -> `dport` and TCP's flags (SYN).
+    fn ipv4_bytes(ihl: u8, frag: u16, proto: u8, daddr: [u8; 4], dport: u16) -> [u8; 40] {
+        let mut b = [0u8; 40];
+        b[0] = 0x40 | ihl;
+        b[6..8].copy_from_slice(&frag.to_be_bytes());
+        b[8] = 64;
+        b[9] = proto;
+        b[12..16].copy_from_slice(&[10, 0, 0, 1]);
+        b[16..20].copy_from_slice(&daddr);
+        let l4 = usize::from(ihl) * 4;
+        b[l4..l4 + 2].copy_from_slice(&1234u16.to_be_bytes());
+        b[l4 + 2..l4 + 4].copy_from_slice(&dport.to_be_bytes());
+        b[l4 + 13] = 0x02;
+        b
+    }
+
+    /// The long way's whole reading at a hook: `bytes` parsed as the probes parse them, the
+    /// devices, and the glance's mark, length and conntrack state.
+    fn parsed(bytes: &[u8; 40], g: &Glance, dev_in: u32, dev_out: u32) -> Reading {
+        struct Bytes<'a>(&'a [u8; 40]);
+        impl crate::parse::PacketReader for Bytes<'_> {
+            fn bytes<const M: usize>(&self, off: usize) -> Option<[u8; M]> {
+                self.0.get(off..off + M)?.try_into().ok()
+            }
+        }
+        let mut r = Reading::default();
+        let hdr = crate::parse::ip_header_at(&Bytes(bytes), 0).expect("an IP header");
+        crate::parse::parse_headers(&Bytes(bytes), &hdr, &mut r).expect("parsed");
+        r.header.hook = g.hook;
+        r.header.family = family::IPV4;
+        r.header.ifindex_in = dev_in;
+        r.header.ifindex_out = dev_out;
+        r.packet.mark = g.mark;
+        r.packet.len = g.len;
+        if g.ct {
+            r.header.flags |= flags::CT;
+            r.ct.ctinfo = u32::from(g.ctinfo);
+            r.ct.mark = g.ct_mark;
+            r.ct.status = u64::from(g.ct_status);
+        }
+        r
+    }
+
+    #[test]
+    fn the_short_way_into_a_hook_is_the_long_way_when_nothing_changed() {
+        let pod = [172, 17, 0, 5];
+        let tcp = ipv4_bytes(5, 0x4000, 6, pod, 80);
+        let at_pre = Glance {
+            hook: hook::PRE_ROUTING,
+            mark: 0,
+            len: 60,
+            ct: true,
+            ctinfo: 2,
+            ct_mark: 0,
+            ct_status: 0x18a,
+        };
+        let mut rec = fresh();
+        add_reading(&mut rec, &parsed(&tcp, &at_pre, 3, 0), 0);
+        let fwd = Glance {
+            hook: hook::FORWARD,
+            ..at_pre
+        };
+        let cases: [(&str, [u8; 40], Glance, bool); 9] = [
+            ("unchanged", tcp, fwd, true),
+            (
+                "address rewritten",
+                ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
+                fwd,
+                false,
+            ),
+            (
+                "port rewritten",
+                ipv4_bytes(5, 0x4000, 6, pod, 8080),
+                fwd,
+                false,
+            ),
+            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80), fwd, false),
+            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80), fwd, false),
+            (
+                "another protocol",
+                ipv4_bytes(5, 0x4000, 17, pod, 80),
+                fwd,
+                false,
+            ),
+            (
+                "mark set",
+                tcp,
+                Glance {
+                    mark: 0x4000,
+                    ..fwd
+                },
+                false,
+            ),
+            ("entry gone", tcp, Glance { ct: false, ..fwd }, false),
+            ("the same hook", tcp, at_pre, false),
+        ];
+        for (what, bytes, g, short) in cases {
+            let mut by_glance = rec;
+            assert_eq!(
+                enter_unchanged(&mut by_glance, &g, 3, 4, &bytes, 1),
+                short,
+                "{what}"
+            );
+            if short {
+                let mut by_reading = rec;
+                add_reading(&mut by_reading, &parsed(&bytes, &g, 3, 4), 1);
+                assert_eq!(by_glance, by_reading, "{what}: the same record either way");
+                assert_eq!(by_glance.nvisits, 2, "{what}: the hook's visit is open");
+                assert_eq!(
+                    (
+                        by_glance.visits[1].ifindex_in,
+                        by_glance.visits[1].ifindex_out
+                    ),
+                    (3, 4)
+                );
+            } else {
+                assert_eq!(by_glance, rec, "{what}: untouched for the long way");
+            }
+        }
+        // UDP too; not ICMP (its "ports" are other fields), not a full record.
+        let udp = ipv4_bytes(5, 0, 17, pod, 53);
+        let mut plain = fresh();
+        add_reading(&mut plain, &parsed(&udp, &at_pre, 3, 0), 0);
+        let mut by_reading = plain;
+        assert!(enter_unchanged(&mut plain, &fwd, 3, 4, &udp, 1));
+        add_reading(&mut by_reading, &parsed(&udp, &fwd, 3, 4), 1);
+        assert_eq!(plain, by_reading);
+        let icmp = ipv4_bytes(5, 0, 1, pod, 0);
+        let mut ping = fresh();
+        add_reading(&mut ping, &parsed(&icmp, &at_pre, 3, 0), 0);
+        assert!(!enter_unchanged(&mut ping, &fwd, 3, 4, &icmp, 1));
+        let mut full = fresh();
+        add_reading(&mut full, &parsed(&tcp, &at_pre, 3, 0), 0);
+        full.nvisits = MAX_VISITS as u8;
+        let before = full;
+        assert!(!enter_unchanged(&mut full, &fwd, 3, 4, &tcp, 1), "no room");
+        assert_eq!(full, before);
+        assert!(
+            !enter_unchanged(&mut fresh(), &fwd, 3, 4, &tcp, 1),
+            "no steps"
+        );
     }
 
     fn reading(hook_no: u8, mark: u32, dport: u16) -> Reading {

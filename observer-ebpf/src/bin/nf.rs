@@ -11,8 +11,8 @@
 
 use observer_common::counts::{IPS_DST_NAT, IPS_SRC_NAT};
 use observer_common::traversal::{
-    Glance, add_reading, copy_words, decision, end, last_hook, missing, pass_unchanged,
-    reuse_headers,
+    Glance, add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing,
+    pass_unchanged, reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
@@ -111,9 +111,10 @@ fn observe(ctx: *const BpfNfCtx, program: u8) {
 
 /// The short way between tables ([`pass_unchanged`]): within a hook's visit, where no table
 /// since the record's last step could rewrite the headers, a packet whose mark, length and
-/// conntrack state are as that step has them only adds this point. True when that settles
-/// it; false when the long way must read (also where the conntrack state would cost a
-/// helper call: kernels before 6.16).
+/// conntrack state are as that step has them only adds this point; at a hook's first point
+/// ([`enter_unchanged`]) the headers' first words and the devices are read too, and the
+/// hook's visit is opened. True when that settles it; false when the long way must read
+/// (also where the conntrack state would cost a helper call: kernels before 6.16).
 #[inline(always)]
 fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> bool {
     let Some(f) = find(skb) else {
@@ -152,7 +153,40 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
         ct_mark,
         ct_status,
     };
-    pass_unchanged(f.rec, &g, program)
+    if last_hook(f.rec) == Some(hook_no) {
+        return pass_unchanged(f.rec, &g, program);
+    }
+    // A hook's first point, where the long way reads the devices and the headers: the
+    // devices, and the headers' first words, to compare with the record's last step.
+    let Some(w) = windows() else {
+        return false;
+    };
+    let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
+    let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
+    if read_window(head + nh as u64, 0, &mut w.pkt[..FIRST_WORDS]).is_err() {
+        return false;
+    }
+    let (dev_in, dev_out) = devices_of(state_p);
+    enter_unchanged(f.rec, &g, dev_in, dev_out, &w.pkt, program)
+}
+
+/// Bytes from the network header that a hook's first point reads for the short way: an
+/// IPv4 header without options and the ports after it.
+const FIRST_WORDS: usize = 24;
+
+/// The input and output devices' ifindexes the hook has (0: none).
+#[inline(always)]
+fn devices_of(state_p: *const u8) -> (u32, u32) {
+    let dev_in = direct::<*const u8, { config::STATE_IN }>(state_p);
+    let dev_out = direct::<*const u8, { config::STATE_OUT }>(state_p);
+    let ifindex = |dev: *const u8| {
+        if dev.is_null() {
+            0
+        } else {
+            direct::<u32, { config::NETDEV_IFINDEX }>(dev)
+        }
+    };
+    (ifindex(dev_in), ifindex(dev_out))
 }
 
 #[inline(always)]
@@ -421,14 +455,7 @@ fn read_packet(
 ) -> Result<(), ()> {
     ev.header.family = direct::<u8, { config::STATE_PF }>(state_p);
     if devices {
-        let dev_in = direct::<*const u8, { config::STATE_IN }>(state_p);
-        let dev_out = direct::<*const u8, { config::STATE_OUT }>(state_p);
-        if !dev_in.is_null() {
-            ev.header.ifindex_in = direct::<u32, { config::NETDEV_IFINDEX }>(dev_in);
-        }
-        if !dev_out.is_null() {
-            ev.header.ifindex_out = direct::<u32, { config::NETDEV_IFINDEX }>(dev_out);
-        }
+        (ev.header.ifindex_in, ev.header.ifindex_out) = devices_of(state_p);
     }
     ev.packet.mark = direct::<u32, { config::SKB_MARK }>(skb_p);
     ev.packet.len = direct::<u32, { config::SKB_LEN }>(skb_p);
