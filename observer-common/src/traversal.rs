@@ -735,16 +735,9 @@ mod tests {
     /// conntrack state, the rest from the record.
     fn long_way(rec: &mut TraversalRecord, g: &Glance, program: u8) {
         let mut r = Reading::default();
-        r.header.hook = g.hook;
-        r.header.family = family::IPV4;
-        r.packet.mark = g.mark;
-        r.packet.len = g.len;
-        if g.ct {
-            r.header.flags |= flags::CT;
-            r.ct.ctinfo = u32::from(g.ctinfo);
-            r.ct.mark = g.ct_mark;
-            r.ct.status = u64::from(g.ct_status) | (1 << 40);
-        }
+        with_glance(&mut r, g);
+        // Status bits above the low word, which a step does not keep.
+        r.ct.status |= u64::from(g.ct) << 40;
         reuse_headers(rec, &mut r);
         add_reading(rec, &r, program);
     }
@@ -869,10 +862,16 @@ mod tests {
         let mut r = Reading::default();
         let hdr = crate::parse::ip_header_at(&Bytes(bytes), 0).expect("an IP header");
         crate::parse::parse_headers(&Bytes(bytes), &hdr, &mut r).expect("parsed");
-        r.header.hook = g.hook;
-        r.header.family = family::IPV4;
+        with_glance(&mut r, g);
         r.header.ifindex_in = dev_in;
         r.header.ifindex_out = dev_out;
+        r
+    }
+
+    /// What the long way reads that a glance shows too: hook, mark, length, conntrack state.
+    fn with_glance(r: &mut Reading, g: &Glance) {
+        r.header.hook = g.hook;
+        r.header.family = family::IPV4;
         r.packet.mark = g.mark;
         r.packet.len = g.len;
         if g.ct {
@@ -881,7 +880,6 @@ mod tests {
             r.ct.mark = g.ct_mark;
             r.ct.status = u64::from(g.ct_status);
         }
-        r
     }
 
     #[test]
