@@ -544,10 +544,19 @@ pub fn ct_state(conn: u64) -> Option<(u32, u32)> {
     if !direct_reads() {
         return None;
     }
-    let (mark_off, status_off) = (cfg(config::CT_MARK)?, cfg(config::CT_STATUS)?);
-    let mark = load_u32(untrusted(conn + mark_off));
-    let status = load_u64(untrusted(conn + status_off));
+    let (mark, status) = load_ct_state(conn)?;
     Some((mark, status as u32))
+}
+
+/// A conntrack entry's mark and whole status, two loads (the caller checked
+/// [`direct_reads`]); `None` without the offsets.
+#[inline(always)]
+fn load_ct_state(conn: u64) -> Option<(u32, u64)> {
+    let (mark_off, status_off) = (cfg(config::CT_MARK)?, cfg(config::CT_STATUS)?);
+    Some((
+        load_u32(untrusted(conn + mark_off)),
+        load_u64(untrusted(conn + status_off)),
+    ))
 }
 
 pub use observer_common::parse::{
@@ -584,16 +593,22 @@ impl PacketReader for KernelWindow<'_> {
             // IPv4 options or extension headers push it beyond the first read.
             return read::<[u8; N]>(self.l3, off as u64).ok();
         }
-        let mut out = [0u8; N];
-        let mut i = 0;
-        while i < N {
-            // Masked: an index the verifier can bound whatever the compiler did to the
-            // check above (which keeps it inside the window).
-            out[i] = self.win[(off + i) & (PKT_WINDOW_BYTES - 1)];
-            i += 1;
-        }
-        Some(out)
+        Some(window_bytes(self.win, off))
     }
+}
+
+/// `N` bytes at `off` of a packet window, for a caller that checked `off + N` fits it.
+#[inline(always)]
+pub fn window_bytes<const N: usize>(win: &[u8; PKT_WINDOW_BYTES], off: usize) -> [u8; N] {
+    let mut out = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        // Masked: an index the verifier can bound whatever the compiler did to the
+        // caller's check (which keeps it inside the window).
+        out[i] = win[(off + i) & (PKT_WINDOW_BYTES - 1)];
+        i += 1;
+    }
+    out
 }
 
 const _: () = assert!(core::mem::offset_of!(Windows, ct) % 8 == 0);
@@ -672,8 +687,7 @@ pub fn read_ct(nfct: u64, ct: &mut CtInfo, w: &mut Windows, tuples: bool) -> Res
     let off = |i| cfg(i).ok_or(());
     if direct_reads() {
         // Each field loaded where it lies: no window, no copying out of it.
-        ct.mark = load_u32(untrusted(conn + off(config::CT_MARK)?));
-        ct.status = load_u64(untrusted(conn + off(config::CT_STATUS)?));
+        (ct.mark, ct.status) = load_ct_state(conn).ok_or(())?;
         if tuples {
             load_words(untrusted(conn + off(config::CT_TUPLE_ORIG)?), &mut ct.orig);
             load_words(

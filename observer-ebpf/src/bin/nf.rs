@@ -161,9 +161,7 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
     let Some(w) = windows() else {
         return false;
     };
-    let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
-    let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
-    if read_window(head + nh as u64, 0, &mut w.pkt[..FIRST_WORDS]).is_err() {
+    if read_window(network_header(skb_p), 0, &mut w.pkt[..FIRST_WORDS]).is_err() {
         return false;
     }
     let (dev_in, dev_out) = devices_of(state_p);
@@ -490,9 +488,15 @@ fn read_headers(
     skb_p: *const u8,
     w: &mut observer_ebpf::Windows,
 ) -> Result<(), ()> {
+    read_l3(network_header(skb_p), w, ev)
+}
+
+/// The kernel address of the skb's network header (`head + network_header`).
+#[inline(always)]
+fn network_header(skb_p: *const u8) -> u64 {
     let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
     let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
-    read_l3(head + nh as u64, w, ev)
+    head + u64::from(nh)
 }
 
 #[inline(always)]

@@ -13,7 +13,7 @@ use observer_ebpf::inflight::{
 };
 use observer_ebpf::{
     Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, counts, decide, filter_nets, packet_words,
-    parse_headers, read_ct, read_word, scratch, windows,
+    parse_headers, read_ct, read_word, scratch, window_bytes, windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -250,14 +250,7 @@ impl PacketReader for At<'_> {
         if let Some(win) = self.win
             && off + N <= LINEAR_BYTES
         {
-            let mut out = [0u8; N];
-            let mut i = 0;
-            while i < N {
-                // Masked: an index the verifier can bound (the check above keeps it in).
-                out[i] = win[(off + i) & (PKT_WINDOW_BYTES - 1)];
-                i += 1;
-            }
-            return Some(out);
+            return Some(window_bytes(win, off));
         }
         self.ctx.load::<[u8; N]>(self.base + off).ok()
     }
