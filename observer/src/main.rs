@@ -20,8 +20,9 @@ Only the first packet of a connection walks the nat table; later packets get con
 translation at the same place, which the reports show as well.\n\n\
 Needs root, Linux 6.4+ with BTF (/sys/kernel/btf/vmlinux) and BPF netfilter links.\n\n\
 Memory is bounded: the probes' ring buffer (16 MiB) and maps (per-CPU slots and a 4,096-entry \
-fallback map) are fixed in size, the collector keeps no per-packet state and drains in batches; \
-a packet that finds no room is counted as lost, never dropped silently.\n\n\
+fallback map) are fixed in size, the collector keeps no per-packet state and drains in batches, \
+and reports waiting for a slow reader of standard output are held to 8 MiB (the collector then \
+waits); a packet that finds no room is counted as lost, never dropped silently.\n\n\
 Try it:  observer lab up && observer tail --netns obs-node   (and `observer lab traffic` in \
 another terminal)"
 )]

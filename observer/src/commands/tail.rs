@@ -312,8 +312,7 @@ impl Printer<'_> {
                 if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
                     pcap.write(packet);
                 }
-                self.out.buf().extend_from_slice(&bytes);
-                self.out.done();
+                self.out.put(bytes);
                 self.formatted += 1;
                 summary.incomplete += u64::from(incomplete);
                 summary.rules_disagree += u64::from(rules_disagree);
@@ -374,6 +373,17 @@ fn drain(
     (n, done)
 }
 
+/// Standard output without the standard library's line buffer in the way: the writer
+/// hands whole reports to one `writev`, which a line-buffered `Stdout` would split.
+fn raw_stdout() -> Result<std::fs::File> {
+    use std::os::fd::AsFd;
+    let fd = std::io::stdout()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("duplicating standard output")?;
+    Ok(std::fs::File::from(fd))
+}
+
 async fn event_loop(
     opts: &TailOptions,
     mut probes: Probes,
@@ -386,7 +396,7 @@ async fn event_loop(
         opts,
         pipeline,
         pcap,
-        out: Writer::new(std::io::stdout()),
+        out: Writer::new(raw_stdout()?),
         formatted: 0,
         lost_now: 0,
     };

@@ -153,15 +153,19 @@ pub fn decode(bytes: &[u8]) -> Result<TraversalRecord, DecodeError> {
             want: RECORD_HEAD_BYTES,
         });
     }
-    // SAFETY: all-zero is a valid record (plain integers); the written prefix is copied over.
-    let mut rec: TraversalRecord = unsafe { std::mem::zeroed() };
-    // SAFETY: `bytes.len()` is within the record's size (checked above).
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            bytes.as_ptr(),
-            (&mut rec as *mut TraversalRecord).cast::<u8>(),
-            bytes.len(),
-        )
+    // The written prefix copied, the rest zeroed: every byte set once.
+    let mut rec = std::mem::MaybeUninit::<TraversalRecord>::uninit();
+    let dst = rec.as_mut_ptr().cast::<u8>();
+    // SAFETY: `bytes.len()` is within the record's size (checked above); all-zero bytes
+    // and any bytes are valid for its plain integers, so it is initialized after both.
+    let rec = unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
+        std::ptr::write_bytes(
+            dst.add(bytes.len()),
+            0,
+            size_of::<TraversalRecord>() - bytes.len(),
+        );
+        rec.assume_init()
     };
     if RECORD_HEAD_BYTES + rec.nsteps as usize * STEP_BYTES != bytes.len() {
         return Err(DecodeError::Steps {

@@ -314,7 +314,7 @@ impl Pipeline {
     /// packets so far; the report says how many were lost since the previous one.
     pub fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
         let outcome = match decode(raw) {
-            Ok(rec) => self.render_record(&rec, lost_now),
+            Ok(mut rec) => self.render_record(&mut rec, lost_now),
             Err(e) => Outcome::Undecodable(e),
         };
         if let Some(r) = &mut self.recorder {
@@ -323,7 +323,7 @@ impl Pipeline {
         outcome
     }
 
-    fn render_record(&mut self, rec: &TraversalRecord, lost_now: u64) -> Outcome {
+    fn render_record(&mut self, rec: &mut TraversalRecord, lost_now: u64) -> Outcome {
         let Some(plans) = self
             .plans
             .get(&rec.generation)
@@ -331,7 +331,6 @@ impl Pipeline {
         else {
             return Outcome::Unusable("no probe plan is known".into());
         };
-        let mut rec = *rec;
         if self
             .replans
             .iter()
@@ -349,9 +348,9 @@ impl Pipeline {
         };
         let result = if lost == 0 {
             let mut failed = None;
-            let r = self.cache.get_or_render(&rec, || {
+            let r = self.cache.get_or_render(rec, || {
                 match render(
-                    &rec,
+                    rec,
                     plans,
                     &self.ctx,
                     self.ctx.output,
@@ -372,7 +371,7 @@ impl Pipeline {
             }
         } else {
             render(
-                &rec,
+                rec,
                 plans,
                 &self.ctx,
                 self.ctx.output,
@@ -390,14 +389,14 @@ impl Pipeline {
                     let snapshots = &self.snapshots;
                     let ctx = &self.ctx;
                     self.line_cache
-                        .get_or_render(&rec, || {
-                            render(&rec, plans, ctx, Output::Line, snapshots, &names, 0)
+                        .get_or_render(rec, || {
+                            render(rec, plans, ctx, Output::Line, snapshots, &names, 0)
                                 .unwrap_or_default()
                         })
                         .bytes
                         .clone()
                 };
-                let iface = match entry_ifindex(&rec) {
+                let iface = match entry_ifindex(rec) {
                     0 => "local".to_string(),
                     i => names.ifname(i),
                 };
