@@ -93,8 +93,13 @@ enum Task {
     /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
     Bench {
         /// Seconds per iperf3 run.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 2)]
         seconds: u32,
+        /// Runs of each workload per phase and round, TCP and UDP taking turns; the
+        /// phase's rate in that round is their median (a dip of the VM's speed lasting a
+        /// few seconds then moves one run, not the round).
+        #[arg(long, default_value_t = 3)]
+        runs: u32,
         /// Alternating rounds of every phase, every other one backwards (medians are
         /// printed); this VM's rates move by up to a tenth between runs, so fewer than 7 say
         /// little about a margin of a few hundredths.
@@ -120,7 +125,11 @@ fn main() -> Result<()> {
         }
         Task::Test { args } => test(&args),
         Task::Golden { outputs_only } => golden(outputs_only),
-        Task::Bench { seconds, rounds } => bench(seconds, rounds),
+        Task::Bench {
+            seconds,
+            runs,
+            rounds,
+        } => bench(seconds, runs, rounds),
     }
 }
 
@@ -778,7 +787,8 @@ fn wait_for_quiet() {
     }
 }
 
-fn bench(seconds: u32, rounds: u32) -> Result<()> {
+fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
+    let runs = runs.max(1);
     // The one-core benches first: after the lab is removed, the kernel cleans its
     // namespaces up in the background for a while, which would take their CPU.
     wait_for_quiet();
@@ -847,7 +857,14 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
                 // (tcx links released one RCU grace period at a time, programs freed) and
                 // this one's start (rules read after it is ready) are not the phase's price.
                 wait_for_quiet();
-                let r = tcp_rate(prefix, seconds).and_then(|t| Ok((t, udp_rate(prefix, seconds)?)));
+                let r = (|| -> Result<(Vec<f64>, Vec<f64>)> {
+                    let (mut t, mut u) = (Vec::new(), Vec::new());
+                    for _ in 0..runs {
+                        t.push(tcp_rate(prefix, seconds)?);
+                        u.push(udp_rate(prefix, seconds)?);
+                    }
+                    Ok((t, u))
+                })();
                 if let Some(t) = tail.as_mut() {
                     stop(t)?;
                     if phase.agent {
@@ -860,9 +877,9 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
                         stats[i].2 += n("lost");
                     }
                 }
-                let (t, u) = r?;
-                tcp[i].push(t);
-                udp[i].push(u);
+                let (mut t, mut u) = r?;
+                tcp[i].push(median(&mut t));
+                udp[i].push(median(&mut u));
             }
         }
         Ok(())
@@ -907,9 +924,9 @@ fn bench(seconds: u32, rounds: u32) -> Result<()> {
     let tcp: Vec<f64> = tcp.iter().map(|v| median(&mut v.clone())).collect();
     let udp: Vec<f64> = udp.iter().map(|v| median(&mut v.clone())).collect();
     println!(
-        "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {seconds} s per \
-         workload, {rounds} rounds (every other one backwards); rates are medians, ratios are medians of each \
-         round's ratio:"
+        "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {runs} runs of {seconds} s per \
+         workload, phase and round (their median is the round's rate), {rounds} rounds (every other one backwards); \
+         rates are medians, ratios are medians of each round's ratio:"
     );
     println!(
         "  {:<36} {:>12} {:>7} {:>7} {:>14} {:>7} {:>7} {:>12} {:>12} {:>10}",
