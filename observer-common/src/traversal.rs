@@ -641,9 +641,15 @@ fn ct_flag(g: &Glance) -> u8 {
 /// Whether the glance shows the mark, length and conntrack state step `s` records.
 #[inline(always)]
 fn same_state(s: &Step, g: &Glance) -> bool {
+    s.len == g.len && same_mark_and_ct(s, g)
+}
+
+/// Whether the glance shows the mark and conntrack state step `s` records.
+#[inline(always)]
+fn same_mark_and_ct(s: &Step, g: &Glance) -> bool {
     let ct_differs =
         g.ct && (s.ctinfo != g.ctinfo || s.ct_mark != g.ct_mark || s.ct_status != g.ct_status);
-    s.mark == g.mark && s.len == g.len && !ct_differs
+    s.mark == g.mark && !ct_differs
 }
 
 /// The short way at a hook's first point, for an IPv4 TCP or UDP packet without options or
@@ -700,6 +706,87 @@ pub fn enter_unchanged<const N: usize>(
         ifindex_out,
         1u32 << (program as u32 & 31),
     );
+    true
+}
+
+/// The short way at TC egress, for an IPv4 TCP or UDP packet without options or
+/// fragmentation: the glance (mark, length as TC has it, conntrack state), the output
+/// device, and the packet's first `N` (34 or more) bytes from its IP header (`l3`). There the
+/// long way always appends a step, if only because TC's length counts the link-layer header.
+/// When the record's last step has the glance's mark and conntrack state and the addresses,
+/// protocol, ports and TCP flags those bytes hold, the egress visit is opened and a copy of
+/// that step with the new length appended, exactly what [`add_reading`] makes of the whole
+/// reading (the connection's tuples, unchanged with its state, stay), and true is returned.
+/// False, with the record untouched, whenever the long way must read: anything else
+/// differs, no room for a visit or a step, a step with header flags or of another protocol.
+#[inline(always)]
+pub fn leave_unchanged<const N: usize>(
+    rec: &mut TraversalRecord,
+    g: &Glance,
+    ifindex_out: u32,
+    l3: &[u8; N],
+) -> bool {
+    const { assert!(N >= 34) };
+    if rec.nsteps == 0 || rec.family != crate::family::IPV4 {
+        return false;
+    }
+    let (n, at, last) = (
+        rec.nvisits as usize,
+        rec.nsteps as usize,
+        rec.last_outer as usize,
+    );
+    if n == 0 || n >= MAX_VISITS || at >= MAX_STEPS {
+        return false;
+    }
+    if last_hook(rec) == Some(g.hook) {
+        return false;
+    }
+    let Some(s) = rec.steps.get(last) else {
+        return false;
+    };
+    // The same length too: the long way adds no step then (a device without a link-layer
+    // header), which is rare enough to leave to it.
+    if s.len == g.len {
+        return false;
+    }
+    if s.flags != ct_flag(g) || s.ip_version != 4 || !matches!(s.l4proto, 6 | 17) {
+        return false;
+    }
+    if l3[0] != 0x45 || u16::from_be_bytes([l3[6], l3[7]]) & 0x3fff != 0 || l3[9] != s.l4proto {
+        return false;
+    }
+    let word = |a: usize| u64::from_ne_bytes([l3[a], l3[a + 1], l3[a + 2], l3[a + 3], 0, 0, 0, 0]);
+    let (sa, da) = (aligned_words(&s.saddr), aligned_words(&s.daddr));
+    // SAFETY: 16 readable, 8-byte aligned bytes each (`aligned_words`).
+    let addrs = unsafe {
+        (sa.read() ^ word(12)) | sa.add(1).read() | (da.read() ^ word(16)) | da.add(1).read()
+    };
+    let ports = (u16::from_be_bytes([l3[20], l3[21]]) ^ s.sport)
+        | (u16::from_be_bytes([l3[22], l3[23]]) ^ s.dport);
+    // The long way reads TCP's flags from the packet; other transports have none.
+    let tcp_flags = if s.l4proto == 6 { l3[33] } else { 0 };
+    if addrs != 0 || ports != 0 || s.tcp_flags != tcp_flags || !same_mark_and_ct(s, g) {
+        return false;
+    }
+    open_visit(rec, g.hook, 0, ifindex_out, 1);
+    // The last step, word by word (volatile: no `memcpy`), then what differs.
+    let words = rec.steps.as_mut_ptr() as *mut u64;
+    const W: usize = STEP_BYTES / 8;
+    let mut i = 0;
+    while i < W {
+        // SAFETY: `last` and `at` are below MAX_STEPS (checked; `last` by `get`, a bound
+        // the verifier sees where `last < at` would not be), steps are 8-byte aligned
+        // (asserted) and `W` words long.
+        unsafe { core::ptr::write_volatile(words.add(at * W + i), words.add(last * W + i).read()) };
+        i += 1;
+    }
+    if let Some(step) = rec.steps.get_mut(at) {
+        step.visit = n as u8;
+        step.program = 0;
+        step.len = g.len;
+    }
+    rec.nsteps = (at + 1) as u8;
+    rec.last_outer = at as u8;
     true
 }
 
@@ -980,6 +1067,133 @@ mod tests {
             !enter_unchanged(&mut fresh(), &fwd, 3, 4, &tcp, 1),
             "no steps"
         );
+    }
+
+    #[test]
+    fn the_short_way_out_is_the_long_way_when_only_the_length_changed() {
+        let pod = [172, 17, 0, 5];
+        let tcp = ipv4_bytes(5, 0x4000, 6, pod, 80);
+        let at_post = Glance {
+            hook: hook::POST_ROUTING,
+            mark: 0x4000,
+            len: 60,
+            ct: true,
+            ctinfo: 2,
+            ct_mark: 0,
+            ct_status: 0x1b2,
+        };
+        let mut rec = fresh();
+        add_reading(&mut rec, &parsed(&tcp, &at_post, 3, 4), 0);
+        let out = Glance {
+            hook: hook::TC_EGRESS,
+            len: 74,
+            ..at_post
+        };
+        let mut other_flags = tcp;
+        other_flags[33] = 0x10;
+        let cases: [(&str, [u8; 40], Glance, bool); 12] = [
+            ("only the length", tcp, out, true),
+            (
+                "address rewritten",
+                ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
+                out,
+                false,
+            ),
+            (
+                "port rewritten",
+                ipv4_bytes(5, 0x4000, 6, pod, 8080),
+                out,
+                false,
+            ),
+            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80), out, false),
+            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80), out, false),
+            (
+                "another protocol",
+                ipv4_bytes(5, 0x4000, 17, pod, 80),
+                out,
+                false,
+            ),
+            ("other TCP flags", other_flags, out, false),
+            ("mark changed", tcp, Glance { mark: 0, ..out }, false),
+            (
+                "conntrack status changed (confirmed)",
+                tcp,
+                Glance {
+                    ct_status: 0x1b2 | 8,
+                    ..out
+                },
+                false,
+            ),
+            ("entry gone", tcp, Glance { ct: false, ..out }, false),
+            ("the same length", tcp, Glance { len: 60, ..out }, false),
+            (
+                "the same hook",
+                tcp,
+                Glance {
+                    hook: hook::POST_ROUTING,
+                    ..out
+                },
+                false,
+            ),
+        ];
+        for (what, bytes, g, short) in cases {
+            let mut by_glance = rec;
+            assert_eq!(
+                leave_unchanged(&mut by_glance, &g, 4, &bytes),
+                short,
+                "{what}"
+            );
+            if short {
+                let mut by_reading = rec;
+                add_reading(&mut by_reading, &parsed(&bytes, &g, 0, 4), 0);
+                assert_eq!(by_glance, by_reading, "{what}: the same record either way");
+                assert_eq!((by_glance.nvisits, by_glance.nsteps), (2, 2), "{what}");
+                assert_eq!(by_glance.steps[1].len, 74);
+            } else {
+                assert_eq!(by_glance, rec, "{what}: untouched for the long way");
+            }
+        }
+        // After more steps (the last one the packet's state), UDP, without conntrack.
+        let udp = ipv4_bytes(5, 0, 17, pod, 53);
+        let bare = Glance {
+            ct: false,
+            ctinfo: 0,
+            ct_status: 0,
+            ..at_post
+        };
+        let mut plain = fresh();
+        add_reading(
+            &mut plain,
+            &parsed(&udp, &Glance { mark: 0, ..bare }, 3, 0),
+            0,
+        );
+        add_reading(&mut plain, &parsed(&udp, &bare, 3, 4), 1);
+        let mut by_reading = plain;
+        let udp_out = Glance {
+            hook: hook::TC_EGRESS,
+            len: 74,
+            ..bare
+        };
+        assert!(leave_unchanged(&mut plain, &udp_out, 4, &udp));
+        add_reading(&mut by_reading, &parsed(&udp, &udp_out, 0, 4), 0);
+        assert_eq!(plain, by_reading);
+        // Not ICMP, not without room for a visit or a step, not a record without steps.
+        let icmp = ipv4_bytes(5, 0, 1, pod, 0);
+        let mut ping = fresh();
+        add_reading(&mut ping, &parsed(&icmp, &at_post, 3, 4), 0);
+        assert!(!leave_unchanged(&mut ping, &out, 4, &icmp));
+        for (what, full) in [("visits", true), ("steps", false)] {
+            let mut rec = rec;
+            if full {
+                rec.nvisits = MAX_VISITS as u8;
+            } else {
+                rec.nsteps = MAX_STEPS as u8;
+            }
+            let before = rec;
+            assert!(!leave_unchanged(&mut rec, &out, 4, &tcp), "no room: {what}");
+            assert_eq!(rec, before);
+        }
+        assert!(!leave_unchanged(&mut fresh(), &out, 4, &tcp), "no steps");
     }
 
     fn reading(hook_no: u8, mark: u32, dport: u16) -> Reading {

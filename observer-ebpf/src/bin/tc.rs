@@ -6,14 +6,17 @@
 
 use aya_ebpf::{macros::classifier, programs::TcContext};
 use observer_common::parse::ip_header_at;
-use observer_common::traversal::{add_reading, decision, end, missing};
+use observer_common::traversal::{
+    Glance, TraversalRecord, add_reading, decision, end, leave_unchanged, missing,
+};
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{
     Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
-    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, counts, decide, filter_nets, packet_words,
-    parse_headers, read_ct, read_word, scratch, window_bytes, windows,
+    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, counts, ct_state, decide, direct_reads,
+    entry_of, filter_nets, packet_words, parse_headers, read_ct, read_word, scratch, window_bytes,
+    windows,
 };
 
 /// The end events: drops, frees and sockets.
@@ -56,7 +59,7 @@ fn observe(ctx: &TcContext, at: u8) {
             return;
         }
         if let Some(f) = find(skb) {
-            if f.rec.decision != decision::KEEP {
+            if f.rec.decision != decision::KEEP || leaves_unchanged(ctx, f.rec) {
                 finish(f, end::EGRESS);
                 return;
             }
@@ -148,6 +151,57 @@ fn left_out_at_entry(ctx: &TcContext, skb: u64) -> bool {
     close_stale_at_entry(skb, find(skb));
     leave_out(skb, decision::FILTERED_OUT);
     true
+}
+
+/// The short way out ([`leave_unchanged`]): an IPv4 packet whose first [`LINEAR_BYTES`]
+/// after an Ethernet header lie in the linear data, seen by the glance (mark, length,
+/// conntrack state: loads) and those bytes, gets its egress visit and step without the long
+/// way's parse and conntrack read when only its length changed since the record's last step.
+/// False, the record untouched, where the long way must read (also where the conntrack
+/// state would cost helper calls: kernels before 6.16).
+#[inline(always)]
+fn leaves_unchanged(ctx: &TcContext, rec: &mut TraversalRecord) -> bool {
+    let skb = ctx.skb.skb;
+    // SAFETY: ctx fields of __sk_buff are rewritten by the verifier into safe loads.
+    let (ifindex, mark, len, proto) =
+        unsafe { ((*skb).ifindex, (*skb).mark, (*skb).len, (*skb).protocol) };
+    let ip = ctx.data() + 14;
+    if u16::from_be(proto as u16) != 0x0800 || ip + LINEAR_BYTES > ctx.data_end() {
+        return false;
+    }
+    if !direct_reads() {
+        return false;
+    }
+    let Some(off) = cfg(config::SKB_NFCT) else {
+        return false;
+    };
+    // The record's copy of the skb's address: a number (the context pointer itself is
+    // not one the verifier lets a program add to).
+    let Ok(nfct) = read_word(rec.skb, off) else {
+        return false;
+    };
+    let entry = entry_of(nfct);
+    let (ct_mark, ct_status) = match entry {
+        Some(conn) => match ct_state(conn) {
+            Some(state) => state,
+            None => return false,
+        },
+        None => (0, 0),
+    };
+    let g = Glance {
+        hook: hook::TC_EGRESS,
+        mark,
+        len,
+        ct: entry.is_some(),
+        ctinfo: if entry.is_some() { (nfct & 7) as u8 } else { 0 },
+        ct_mark,
+        ct_status,
+    };
+    let Some(w) = windows() else {
+        return false;
+    };
+    packet_words(ip, &mut w.pkt[..LINEAR_BYTES]);
+    leave_unchanged(rec, &g, ifindex, &w.pkt)
 }
 
 /// A packet entering under `skb`'s address: whatever this CPU still follows under it

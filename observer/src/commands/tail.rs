@@ -523,8 +523,9 @@ async fn event_loop(
         rest += 1;
     }
     summary.not_printed += rest;
-    // Then a moment for stdout's reader; what it has not taken by then is counted.
-    let (written, unwritten) = printer.out.finish(Duration::from_millis(40));
+    // Then a moment for stdout's reader (30 ms, and up to 20 more to end the report being
+    // written); what it has not taken by then is counted.
+    let (written, unwritten) = printer.out.finish(Duration::from_millis(30));
     summary.printed = written;
     summary.not_printed += unwritten;
     log::debug!("exit: output finished after {:?}", stopping.elapsed());

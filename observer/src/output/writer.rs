@@ -37,6 +37,9 @@ pub struct Writer {
     handed: u64,
     written: Arc<AtomicU64>,
     closed: Arc<AtomicBool>,
+    /// Set when the process is about to exit: the thread ends the report it is writing and
+    /// writes no other, so that what it wrote is what it counted.
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -46,19 +49,20 @@ impl Writer {
         let (tx, rx) = sync_channel::<Chunk>(CHUNKS);
         let written = Arc::new(AtomicU64::new(0));
         let closed = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (written, closed) = (written.clone(), closed.clone());
+            let (written, closed, stop) = (written.clone(), closed.clone(), stop.clone());
             std::thread::spawn(move || {
                 for chunk in rx {
-                    if write_all(&mut out, &chunk)
-                        .and_then(|()| out.flush())
-                        .is_err()
-                    {
-                        // A closed pipe (`| head`): nothing more can be shown.
-                        closed.store(true, Ordering::Relaxed);
-                        return;
+                    match write_all(&mut out, &chunk, &written, &stop) {
+                        Ok(true) => {}
+                        Ok(false) => return,
+                        Err(_) => {
+                            // A closed pipe (`| head`): nothing more can be shown.
+                            closed.store(true, Ordering::Relaxed);
+                            return;
+                        }
                     }
-                    written.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 }
             })
         };
@@ -70,6 +74,7 @@ impl Writer {
             handed: 0,
             written,
             closed,
+            stop,
             thread: Some(thread),
         }
     }
@@ -123,9 +128,10 @@ impl Writer {
         self.closed.load(Ordering::Relaxed)
     }
 
-    /// Hands over the rest and waits up to `limit` for it to be written. Returns
-    /// (written, not written) in traversals; what is still unwritten then is abandoned (the
-    /// process is about to exit).
+    /// Hands over the rest and waits up to `limit` for it to be written, then up to
+    /// [`STOP_GRACE`] more for the report being written to end. Returns (written, not
+    /// written) in traversals; what is still unwritten then is abandoned (the process is
+    /// about to exit).
     pub fn finish(mut self, limit: Duration) -> (u64, u64) {
         let deadline = Instant::now() + limit;
         while !self.push() && Instant::now() < deadline && !self.closed() {
@@ -140,6 +146,14 @@ impl Writer {
             while !t.is_finished() && Instant::now() < deadline && !self.closed() {
                 std::thread::sleep(Duration::from_millis(5));
             }
+            // Out of time: the report being written is finished, no other is begun. A
+            // reader that takes nothing leaves the thread in its write; then what that
+            // write holds is neither counted nor, while the reader stays away, shown.
+            self.stop.store(true, Ordering::Relaxed);
+            let grace = Instant::now() + STOP_GRACE;
+            while !t.is_finished() && Instant::now() < grace && !self.closed() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             if t.is_finished() {
                 let _ = t.join();
             }
@@ -149,22 +163,63 @@ impl Writer {
     }
 }
 
-/// Writes every report of `chunk`, [`IOV_MAX`] at a time (`write_vectored`; a writer
-/// without it takes the first buffer of each call).
-fn write_all(out: &mut impl Write, chunk: &[bytes::Bytes]) -> std::io::Result<()> {
+/// How long [`Writer::finish`] lets the thread end the report it is writing.
+const STOP_GRACE: Duration = Duration::from_millis(20);
+/// Bytes one write offers at most (a pipe's default capacity): a write blocked by a slow
+/// reader holds little, and ends soon after the reader takes its next part.
+const WRITE_BYTES: usize = 64 * 1024;
+
+/// Writes the reports of `chunk` with `write_vectored` (a writer without it takes the first
+/// buffer of each call), counting each into `written` once it is whole. Returns false when
+/// `stop` ended it early, at a report's end.
+fn write_all(
+    out: &mut impl Write,
+    chunk: &[bytes::Bytes],
+    written: &AtomicU64,
+    stop: &AtomicBool,
+) -> std::io::Result<bool> {
     let mut slices: Vec<IoSlice> = chunk.iter().map(|b| IoSlice::new(b)).collect();
-    let mut left = &mut slices[..];
-    IoSlice::advance_slices(&mut left, 0);
-    while !left.is_empty() {
-        let n = left.len().min(IOV_MAX);
-        match out.write_vectored(&left[..n]) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(written) => IoSlice::advance_slices(&mut left, written),
+    // Reports wholly written, and bytes written of the next.
+    let (mut whole, mut into) = (0usize, 0usize);
+    while whole < chunk.len() {
+        if into == 0 && stop.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        // From the report being written: at most IOV_MAX buffers, WRITE_BYTES bytes (but
+        // one buffer at least); told to stop, the rest of this report alone.
+        let more = !stop.load(Ordering::Relaxed);
+        let mut end = whole + 1;
+        let mut bytes = slices[whole].len();
+        while more
+            && end < chunk.len()
+            && end - whole < IOV_MAX
+            && bytes + chunk[end].len() <= WRITE_BYTES
+        {
+            bytes += chunk[end].len();
+            end += 1;
+        }
+        match out.write_vectored(&slices[whole..end]) {
+            Ok(0) if bytes > 0 => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(mut n) => {
+                // Whole reports first, then what was written of the next one.
+                let before = whole;
+                while whole < chunk.len() && n >= chunk[whole].len() - into {
+                    n -= chunk[whole].len() - into;
+                    into = 0;
+                    whole += 1;
+                }
+                into += n;
+                if into > 0 {
+                    slices[whole] = IoSlice::new(&chunk[whole][into..]);
+                }
+                written.fetch_add((whole - before) as u64, Ordering::Relaxed);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    out.flush()?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -254,10 +309,51 @@ mod tests {
                 seen: Vec::new(),
                 most_buffers: 0,
             };
-            write_all(&mut out, &chunk).unwrap();
+            let written = AtomicU64::new(0);
+            assert!(write_all(&mut out, &chunk, &written, &AtomicBool::new(false)).unwrap());
             assert_eq!(out.seen, whole, "at most {max} bytes per call");
             assert!(out.most_buffers <= IOV_MAX);
+            assert_eq!(written.load(Ordering::Relaxed), chunk.len() as u64);
         }
+    }
+
+    #[test]
+    fn told_to_stop_the_thread_ends_the_report_it_is_writing_and_counts_what_it_wrote() {
+        /// Takes 5 bytes per call, and says stop after its second call.
+        struct Slow<'a> {
+            seen: Vec<u8>,
+            calls: usize,
+            stop: &'a AtomicBool,
+        }
+        impl Write for Slow<'_> {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                let n = b.len().min(5);
+                self.seen.extend_from_slice(&b[..n]);
+                self.calls += 1;
+                if self.calls == 2 {
+                    self.stop.store(true, Ordering::Relaxed);
+                }
+                Ok(n)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let chunk: Vec<bytes::Bytes> = ["abc\n", "defghijk\n", "lmnop\n"]
+            .iter()
+            .map(|l| bytes::Bytes::from_static(l.as_bytes()))
+            .collect();
+        let stop = AtomicBool::new(false);
+        let written = AtomicU64::new(0);
+        let mut out = Slow {
+            seen: Vec::new(),
+            calls: 0,
+            stop: &stop,
+        };
+        assert!(!write_all(&mut out, &chunk, &written, &stop).unwrap());
+        // Stopped inside the second line: it was finished, the third never begun.
+        assert_eq!(out.seen, b"abc\ndefghijk\n");
+        assert_eq!(written.load(Ordering::Relaxed), 2);
     }
 
     #[test]
