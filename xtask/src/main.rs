@@ -100,8 +100,8 @@ enum Task {
         /// few seconds then moves one run, not the round).
         #[arg(long, default_value_t = 3)]
         runs: u32,
-        /// Alternating rounds of every phase, every other one backwards (medians are
-        /// printed); this VM's rates move by up to a tenth between runs, so fewer than 7 say
+        /// Alternating rounds of every phase, every other one backwards, with a baseline
+        /// before the first phase and after each (medians are printed); this VM's rates move by up to a tenth between runs, so fewer than 7 say
         /// little about a margin of a few hundredths.
         #[arg(long, default_value_t = 7)]
         rounds: u32,
@@ -810,84 +810,106 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
     example("observer-rules", "bench_rules")?;
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
-    // Per phase: TCP bit/s, UDP packets/s, and the observer's (seen, printed, lost).
+    // Per phase: TCP bit/s, UDP packets/s (one figure per round; the baseline's, every
+    // baseline measured), each round's ratio against the baselines measured just before
+    // and after it, and the observer's (seen, printed, lost).
     let mut tcp = vec![Vec::new(); PHASES.len()];
     let mut udp = vec![Vec::new(); PHASES.len()];
+    let mut tcp_ratio = vec![Vec::new(); PHASES.len()];
+    let mut udp_ratio = vec![Vec::new(); PHASES.len()];
     let mut stats = vec![(0u64, 0u64, 0u64); PHASES.len()];
     let stats_file =
         std::env::temp_dir().join(format!("observer-bench-{}.json", std::process::id()));
     in_lab("bench", prefix, "iptables", |bin| {
-        for round in 0..rounds {
-            // Every other round runs the phases backwards: the machine's speed drifts over
-            // a round, and a phase measured always after the baseline would carry the drift.
-            let order: Vec<usize> = if round % 2 == 0 {
-                (0..PHASES.len()).collect()
-            } else {
-                (0..PHASES.len()).rev().collect()
-            };
-            for i in order {
-                let phase = &PHASES[i];
-                eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
-                let socket = std::env::temp_dir()
-                    .join(format!("observer-bench-{}.sock", std::process::id()));
-                let socket = socket.to_string_lossy().into_owned();
-                let mut tail = match phase.args {
-                    None => None,
-                    Some(extra) if phase.agent => {
-                        let mut all = vec![
-                            "--netns",
-                            node.as_str(),
-                            "--metrics-addr",
-                            "127.0.0.1:19966",
-                            "--socket",
-                            &socket,
-                        ];
-                        all.extend_from_slice(extra);
-                        Some(start_observer(bin, "agent", &all, Stdio::null())?)
-                    }
-                    Some(args) => {
-                        let mut all = vec!["--netns", node.as_str(), "--json", "--stats"];
-                        let path = stats_file.to_string_lossy().into_owned();
-                        all.push(&path);
-                        all.extend_from_slice(args);
-                        Some(start_tail(bin, &all, Stdio::null())?)
-                    }
-                };
-                // Every phase starts on a settled machine: the previous observer's exit
-                // (tcx links released one RCU grace period at a time, programs freed) and
-                // this one's start (rules read after it is ready) are not the phase's price.
-                wait_for_quiet();
-                let r = (|| -> Result<(Vec<f64>, Vec<f64>)> {
-                    let (mut t, mut u) = (Vec::new(), Vec::new());
-                    for _ in 0..runs {
-                        t.push(tcp_rate(prefix, seconds)?);
-                        u.push(udp_rate(prefix, seconds)?);
-                    }
-                    Ok((t, u))
-                })();
-                if let Some(t) = tail.as_mut() {
-                    stop(t)?;
-                    if phase.agent {
-                        // The agent prints no --stats: its counters are in /metrics.
-                    } else if let Ok(text) = std::fs::read_to_string(&stats_file) {
-                        let v: serde_json::Value = serde_json::from_str(&text)?;
-                        let n = |k: &str| v[k].as_u64().unwrap_or(0);
-                        stats[i].0 += n("seen");
-                        stats[i].1 += n("printed");
-                        stats[i].2 += n("lost");
-                    }
+        // One phase's rates: its observer started, `runs` runs of each workload taking
+        // turns, their medians; the observer's figures added to `stats`.
+        let mut measure = |round: u32, i: usize| -> Result<(f64, f64)> {
+            let phase = &PHASES[i];
+            eprintln!("xtask bench: round {}/{rounds}, {}", round + 1, phase.label);
+            let socket =
+                std::env::temp_dir().join(format!("observer-bench-{}.sock", std::process::id()));
+            let socket = socket.to_string_lossy().into_owned();
+            let mut tail = match phase.args {
+                None => None,
+                Some(extra) if phase.agent => {
+                    let mut all = vec![
+                        "--netns",
+                        node.as_str(),
+                        "--metrics-addr",
+                        "127.0.0.1:19966",
+                        "--socket",
+                        &socket,
+                    ];
+                    all.extend_from_slice(extra);
+                    Some(start_observer(bin, "agent", &all, Stdio::null())?)
                 }
-                let (mut t, mut u) = r?;
-                tcp[i].push(median(&mut t));
-                udp[i].push(median(&mut u));
+                Some(args) => {
+                    let mut all = vec!["--netns", node.as_str(), "--json", "--stats"];
+                    let path = stats_file.to_string_lossy().into_owned();
+                    all.push(&path);
+                    all.extend_from_slice(args);
+                    Some(start_tail(bin, &all, Stdio::null())?)
+                }
+            };
+            // Every phase starts on a settled machine: the previous observer's exit (tcx
+            // links released one RCU grace period at a time, programs freed) and this one's
+            // start (rules read after it is ready) are not the phase's price.
+            wait_for_quiet();
+            let r = (|| -> Result<(Vec<f64>, Vec<f64>)> {
+                let (mut t, mut u) = (Vec::new(), Vec::new());
+                for _ in 0..runs {
+                    t.push(tcp_rate(prefix, seconds)?);
+                    u.push(udp_rate(prefix, seconds)?);
+                }
+                Ok((t, u))
+            })();
+            if let Some(t) = tail.as_mut() {
+                stop(t)?;
+                if phase.agent {
+                    // The agent prints no --stats: its counters are in /metrics.
+                } else if let Ok(text) = std::fs::read_to_string(&stats_file) {
+                    let v: serde_json::Value = serde_json::from_str(&text)?;
+                    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+                    stats[i].0 += n("seen");
+                    stats[i].1 += n("printed");
+                    stats[i].2 += n("lost");
+                }
+            }
+            let (mut t, mut u) = r?;
+            Ok((median(&mut t), median(&mut u)))
+        };
+        for round in 0..rounds {
+            // A baseline before the first phase and after each one: a phase's ratio is
+            // taken against the mean of the two around it, measured seconds before and
+            // after (this VM's speed drifts by a tenth from one minute to the next). Every
+            // other round runs the phases backwards.
+            let order: Vec<usize> = if round % 2 == 0 {
+                (1..PHASES.len()).collect()
+            } else {
+                (1..PHASES.len()).rev().collect()
+            };
+            let mut before = measure(round, 0)?;
+            tcp[0].push(before.0);
+            udp[0].push(before.1);
+            for i in order {
+                let (t, u) = measure(round, i)?;
+                let after = measure(round, 0)?;
+                tcp[0].push(after.0);
+                udp[0].push(after.1);
+                tcp[i].push(t);
+                udp[i].push(u);
+                tcp_ratio[i].push(2.0 * t / (before.0 + after.0));
+                udp_ratio[i].push(2.0 * u / (before.1 + after.1));
+                before = after;
             }
         }
         Ok(())
     })?;
     let _ = std::fs::remove_file(&stats_file);
-    // Ratios are taken within each round (a phase against that round's baseline or floor,
-    // run a minute apart at most), then their median: this VM's rates drift by a tenth
-    // between minutes, which a ratio of medians taken across rounds would carry.
+    // Ratios are taken within each round, then their median: against the baselines around
+    // the phase, and against the floor as the ratio of the two phases' ratios.
+    tcp_ratio[0] = vec![1.0; rounds as usize];
+    udp_ratio[0] = vec![1.0; rounds as usize];
     let paired = |v: &[Vec<f64>], i: usize, of: usize| -> Vec<f64> {
         v[i].iter().zip(&v[of]).map(|(a, b)| a / b).collect()
     };
@@ -896,8 +918,8 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
             .map(|i| median(&mut paired(v, i, of)))
             .collect()
     };
-    let (tcp_base, tcp_floor) = (ratios(&tcp, 0), ratios(&tcp, 1));
-    let (udp_base, udp_floor) = (ratios(&udp, 0), ratios(&udp, 1));
+    let (tcp_base, tcp_floor) = (ratios(&tcp_ratio, 0), ratios(&tcp_ratio, 1));
+    let (udp_base, udp_floor) = (ratios(&udp_ratio, 0), ratios(&udp_ratio, 1));
     let spread = |v: &[Vec<f64>], i: usize, of: usize| -> String {
         paired(v, i, of)
             .iter()
@@ -914,8 +936,8 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
                 format!(
                     "  {:<36} TCP {}  UDP {}",
                     phase.label,
-                    spread(&tcp, i, of),
-                    spread(&udp, i, of)
+                    spread(&tcp_ratio, i, of),
+                    spread(&udp_ratio, i, of)
                 )
             })
             .collect()
@@ -925,8 +947,9 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
     let udp: Vec<f64> = udp.iter().map(|v| median(&mut v.clone())).collect();
     println!(
         "\nThrough the lab node (client -> pod, forwarded with Calico's rules), {runs} runs of {seconds} s per \
-         workload, phase and round (their median is the round's rate), {rounds} rounds (every other one backwards); \
-         rates are medians, ratios are medians of each round's ratio:"
+         workload, phase and round (their median is the round's rate), {rounds} rounds (every other one backwards), \
+         a baseline before the first phase and after each; rates are medians, ratios are medians of each round's \
+         ratio:"
     );
     println!(
         "  {:<36} {:>12} {:>7} {:>7} {:>14} {:>7} {:>7} {:>12} {:>12} {:>10}",
@@ -965,12 +988,12 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
         );
     }
     println!(
-        "  (ratio: against the baseline; /floor: against the probes that return at once, the \
-         hooks' own price; seen/printed/lost: packets, summed over the rounds, from the \
+        "  (ratio: against the mean of the baselines measured just before and after the phase; \
+         /floor: that ratio over the floor's, the probes that return at once, the hooks' own price; seen/printed/lost: packets, summed over the rounds, from the \
          observer's --stats; the floor and the filter print nothing by design; the agent \
          counts in the kernel and records only drops, its figures are in its /metrics)"
     );
-    println!("\nEach round's ratio against its baseline, in round order:");
+    println!("\nEach round's ratio against the baselines around it, in round order:");
     for line in per_round_base {
         println!("{line}");
     }
