@@ -652,6 +652,30 @@ fn same_mark_and_ct(s: &Step, g: &Glance) -> bool {
     s.mark == g.mark && !ct_differs
 }
 
+/// Whether an IPv4 TCP or UDP packet's first 24 bytes (`l3`: a 20-byte header without
+/// options, not a fragment, and its ports) hold the addresses, protocol and ports of step
+/// `s`, a step with no header flags (only the conntrack flag the glance `g` implies).
+#[inline(always)]
+fn same_headers<const N: usize>(s: &Step, g: &Glance, l3: &[u8; N]) -> bool {
+    const { assert!(N >= 24) };
+    if s.flags != ct_flag(g) || s.ip_version != 4 || !matches!(s.l4proto, 6 | 17) {
+        return false;
+    }
+    if l3[0] != 0x45 || u16::from_be_bytes([l3[6], l3[7]]) & 0x3fff != 0 || l3[9] != s.l4proto {
+        return false;
+    }
+    // The step's IPv4 addresses fill the first 4 bytes of 16, the rest zero.
+    let word = |a: usize| u64::from_ne_bytes([l3[a], l3[a + 1], l3[a + 2], l3[a + 3], 0, 0, 0, 0]);
+    let (sa, da) = (aligned_words(&s.saddr), aligned_words(&s.daddr));
+    // SAFETY: 16 readable, 8-byte aligned bytes each (`aligned_words`).
+    let addrs = unsafe {
+        (sa.read() ^ word(12)) | sa.add(1).read() | (da.read() ^ word(16)) | da.add(1).read()
+    };
+    let ports = (u16::from_be_bytes([l3[20], l3[21]]) ^ s.sport)
+        | (u16::from_be_bytes([l3[22], l3[23]]) ^ s.dport);
+    addrs == 0 && ports == 0
+}
+
 /// The short way at a hook's first point, for an IPv4 TCP or UDP packet without options or
 /// fragmentation: the glance, the devices the hook has, and the packet's first `N` (24 or
 /// more) bytes from its network header (`l3`). When the record's last step has exactly the
@@ -680,23 +704,7 @@ pub fn enter_unchanged<const N: usize>(
     let Some(s) = rec.steps.get(rec.last_outer as usize) else {
         return false;
     };
-    if s.flags != ct_flag(g) || s.ip_version != 4 || !matches!(s.l4proto, 6 | 17) {
-        return false;
-    }
-    // A 20-byte header (no options), not a fragment, the step's protocol.
-    if l3[0] != 0x45 || u16::from_be_bytes([l3[6], l3[7]]) & 0x3fff != 0 || l3[9] != s.l4proto {
-        return false;
-    }
-    // The step's IPv4 addresses fill the first 4 bytes of 16, the rest zero.
-    let word = |a: usize| u64::from_ne_bytes([l3[a], l3[a + 1], l3[a + 2], l3[a + 3], 0, 0, 0, 0]);
-    let (sa, da) = (aligned_words(&s.saddr), aligned_words(&s.daddr));
-    // SAFETY: 16 readable, 8-byte aligned bytes each (`aligned_words`).
-    let addrs = unsafe {
-        (sa.read() ^ word(12)) | sa.add(1).read() | (da.read() ^ word(16)) | da.add(1).read()
-    };
-    let ports = (u16::from_be_bytes([l3[20], l3[21]]) ^ s.sport)
-        | (u16::from_be_bytes([l3[22], l3[23]]) ^ s.dport);
-    if addrs != 0 || ports != 0 || !same_state(s, g) {
+    if !same_headers(s, g, l3) || !same_state(s, g) {
         return false;
     }
     open_visit(
@@ -749,23 +757,9 @@ pub fn leave_unchanged<const N: usize>(
     if s.len == g.len {
         return false;
     }
-    if s.flags != ct_flag(g) || s.ip_version != 4 || !matches!(s.l4proto, 6 | 17) {
-        return false;
-    }
-    if l3[0] != 0x45 || u16::from_be_bytes([l3[6], l3[7]]) & 0x3fff != 0 || l3[9] != s.l4proto {
-        return false;
-    }
-    let word = |a: usize| u64::from_ne_bytes([l3[a], l3[a + 1], l3[a + 2], l3[a + 3], 0, 0, 0, 0]);
-    let (sa, da) = (aligned_words(&s.saddr), aligned_words(&s.daddr));
-    // SAFETY: 16 readable, 8-byte aligned bytes each (`aligned_words`).
-    let addrs = unsafe {
-        (sa.read() ^ word(12)) | sa.add(1).read() | (da.read() ^ word(16)) | da.add(1).read()
-    };
-    let ports = (u16::from_be_bytes([l3[20], l3[21]]) ^ s.sport)
-        | (u16::from_be_bytes([l3[22], l3[23]]) ^ s.dport);
     // The long way reads TCP's flags from the packet; other transports have none.
     let tcp_flags = if s.l4proto == 6 { l3[33] } else { 0 };
-    if addrs != 0 || ports != 0 || s.tcp_flags != tcp_flags || !same_mark_and_ct(s, g) {
+    if !same_headers(s, g, l3) || s.tcp_flags != tcp_flags || !same_mark_and_ct(s, g) {
         return false;
     }
     open_visit(rec, g.hook, 0, ifindex_out, 1);
@@ -801,8 +795,10 @@ pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
     use super::*;
     use crate::{family, hook};
+    use std::vec;
 
     /// The glance a probe would take of `r` (the reading the long way would make there).
     fn glance_of(r: &Reading) -> Glance {
@@ -937,6 +933,47 @@ mod tests {
         b
     }
 
+    const POD: [u8; 4] = [172, 17, 0, 5];
+
+    /// A record started by the long way at `hook_no` from a TCP packet to [`POD`]:80 of 60
+    /// bytes with a conntrack entry (`ct_status`), from device 3 to `dev_out`; the packet's
+    /// bytes and the glance that matches them.
+    fn started(
+        hook_no: u8,
+        mark: u32,
+        ct_status: u32,
+        dev_out: u32,
+    ) -> (TraversalRecord, [u8; 40], Glance) {
+        let tcp = ipv4_bytes(5, 0x4000, 6, POD, 80);
+        let g = Glance {
+            hook: hook_no,
+            mark,
+            len: 60,
+            ct: true,
+            ctinfo: 2,
+            ct_mark: 0,
+            ct_status,
+        };
+        let mut rec = fresh();
+        add_reading(&mut rec, &parsed(&tcp, &g, 3, dev_out), 0);
+        (rec, tcp, g)
+    }
+
+    /// A TCP packet to `pod`:80 with one thing changed each: what the short ways must
+    /// leave to the long way.
+    fn header_changes(pod: [u8; 4]) -> [(&'static str, [u8; 40]); 5] {
+        [
+            (
+                "address rewritten",
+                ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
+            ),
+            ("port rewritten", ipv4_bytes(5, 0x4000, 6, pod, 8080)),
+            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80)),
+            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80)),
+            ("another protocol", ipv4_bytes(5, 0x4000, 17, pod, 80)),
+        ]
+    }
+
     /// The long way's whole reading at a hook: `bytes` parsed as the probes parse them, the
     /// devices, and the glance's mark, length and conntrack state.
     fn parsed(bytes: &[u8; 40], g: &Glance, dev_in: u32, dev_out: u32) -> Reading {
@@ -971,45 +1008,15 @@ mod tests {
 
     #[test]
     fn the_short_way_into_a_hook_is_the_long_way_when_nothing_changed() {
-        let pod = [172, 17, 0, 5];
-        let tcp = ipv4_bytes(5, 0x4000, 6, pod, 80);
-        let at_pre = Glance {
-            hook: hook::PRE_ROUTING,
-            mark: 0,
-            len: 60,
-            ct: true,
-            ctinfo: 2,
-            ct_mark: 0,
-            ct_status: 0x18a,
-        };
-        let mut rec = fresh();
-        add_reading(&mut rec, &parsed(&tcp, &at_pre, 3, 0), 0);
+        let pod = POD;
+        let (rec, tcp, at_pre) = started(hook::PRE_ROUTING, 0, 0x18a, 0);
         let fwd = Glance {
             hook: hook::FORWARD,
             ..at_pre
         };
-        let cases: [(&str, [u8; 40], Glance, bool); 9] = [
-            ("unchanged", tcp, fwd, true),
-            (
-                "address rewritten",
-                ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
-                fwd,
-                false,
-            ),
-            (
-                "port rewritten",
-                ipv4_bytes(5, 0x4000, 6, pod, 8080),
-                fwd,
-                false,
-            ),
-            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80), fwd, false),
-            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80), fwd, false),
-            (
-                "another protocol",
-                ipv4_bytes(5, 0x4000, 17, pod, 80),
-                fwd,
-                false,
-            ),
+        let mut cases = vec![("unchanged", tcp, fwd, true)];
+        cases.extend(header_changes(pod).map(|(what, b)| (what, b, fwd, false)));
+        cases.extend([
             (
                 "mark set",
                 tcp,
@@ -1021,7 +1028,7 @@ mod tests {
             ),
             ("entry gone", tcp, Glance { ct: false, ..fwd }, false),
             ("the same hook", tcp, at_pre, false),
-        ];
+        ]);
         for (what, bytes, g, short) in cases {
             let mut by_glance = rec;
             assert_eq!(
@@ -1071,19 +1078,8 @@ mod tests {
 
     #[test]
     fn the_short_way_out_is_the_long_way_when_only_the_length_changed() {
-        let pod = [172, 17, 0, 5];
-        let tcp = ipv4_bytes(5, 0x4000, 6, pod, 80);
-        let at_post = Glance {
-            hook: hook::POST_ROUTING,
-            mark: 0x4000,
-            len: 60,
-            ct: true,
-            ctinfo: 2,
-            ct_mark: 0,
-            ct_status: 0x1b2,
-        };
-        let mut rec = fresh();
-        add_reading(&mut rec, &parsed(&tcp, &at_post, 3, 4), 0);
+        let pod = POD;
+        let (rec, tcp, at_post) = started(hook::POST_ROUTING, 0x4000, 0x1b2, 4);
         let out = Glance {
             hook: hook::TC_EGRESS,
             len: 74,
@@ -1091,28 +1087,9 @@ mod tests {
         };
         let mut other_flags = tcp;
         other_flags[33] = 0x10;
-        let cases: [(&str, [u8; 40], Glance, bool); 12] = [
-            ("only the length", tcp, out, true),
-            (
-                "address rewritten",
-                ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
-                out,
-                false,
-            ),
-            (
-                "port rewritten",
-                ipv4_bytes(5, 0x4000, 6, pod, 8080),
-                out,
-                false,
-            ),
-            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80), out, false),
-            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80), out, false),
-            (
-                "another protocol",
-                ipv4_bytes(5, 0x4000, 17, pod, 80),
-                out,
-                false,
-            ),
+        let mut cases = vec![("only the length", tcp, out, true)];
+        cases.extend(header_changes(pod).map(|(what, b)| (what, b, out, false)));
+        cases.extend([
             ("other TCP flags", other_flags, out, false),
             ("mark changed", tcp, Glance { mark: 0, ..out }, false),
             (
@@ -1135,7 +1112,7 @@ mod tests {
                 },
                 false,
             ),
-        ];
+        ]);
         for (what, bytes, g, short) in cases {
             let mut by_glance = rec;
             assert_eq!(
