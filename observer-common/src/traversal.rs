@@ -959,18 +959,18 @@ mod tests {
         (rec, tcp, g)
     }
 
-    /// A TCP packet to `pod`:80 with one thing changed each: what the short ways must
+    /// A TCP packet to [`POD`]:80 with one thing changed each: what the short ways must
     /// leave to the long way.
-    fn header_changes(pod: [u8; 4]) -> [(&'static str, [u8; 40]); 5] {
+    fn header_changes() -> [(&'static str, [u8; 40]); 5] {
         [
             (
                 "address rewritten",
                 ipv4_bytes(5, 0x4000, 6, [10, 0, 0, 9], 80),
             ),
-            ("port rewritten", ipv4_bytes(5, 0x4000, 6, pod, 8080)),
-            ("options", ipv4_bytes(6, 0x4000, 6, pod, 80)),
-            ("a fragment", ipv4_bytes(5, 0x2000, 6, pod, 80)),
-            ("another protocol", ipv4_bytes(5, 0x4000, 17, pod, 80)),
+            ("port rewritten", ipv4_bytes(5, 0x4000, 6, POD, 8080)),
+            ("options", ipv4_bytes(6, 0x4000, 6, POD, 80)),
+            ("a fragment", ipv4_bytes(5, 0x2000, 6, POD, 80)),
+            ("another protocol", ipv4_bytes(5, 0x4000, 17, POD, 80)),
         ]
     }
 
@@ -1008,14 +1008,13 @@ mod tests {
 
     #[test]
     fn the_short_way_into_a_hook_is_the_long_way_when_nothing_changed() {
-        let pod = POD;
         let (rec, tcp, at_pre) = started(hook::PRE_ROUTING, 0, 0x18a, 0);
         let fwd = Glance {
             hook: hook::FORWARD,
             ..at_pre
         };
         let mut cases = vec![("unchanged", tcp, fwd, true)];
-        cases.extend(header_changes(pod).map(|(what, b)| (what, b, fwd, false)));
+        cases.extend(header_changes().map(|(what, b)| (what, b, fwd, false)));
         cases.extend([
             (
                 "mark set",
@@ -1053,14 +1052,14 @@ mod tests {
             }
         }
         // UDP too; not ICMP (its "ports" are other fields), not a full record.
-        let udp = ipv4_bytes(5, 0, 17, pod, 53);
+        let udp = ipv4_bytes(5, 0, 17, POD, 53);
         let mut plain = fresh();
         add_reading(&mut plain, &parsed(&udp, &at_pre, 3, 0), 0);
         let mut by_reading = plain;
         assert!(enter_unchanged(&mut plain, &fwd, 3, 4, &udp, 1));
         add_reading(&mut by_reading, &parsed(&udp, &fwd, 3, 4), 1);
         assert_eq!(plain, by_reading);
-        let icmp = ipv4_bytes(5, 0, 1, pod, 0);
+        let icmp = ipv4_bytes(5, 0, 1, POD, 0);
         let mut ping = fresh();
         add_reading(&mut ping, &parsed(&icmp, &at_pre, 3, 0), 0);
         assert!(!enter_unchanged(&mut ping, &fwd, 3, 4, &icmp, 1));
@@ -1078,7 +1077,6 @@ mod tests {
 
     #[test]
     fn the_short_way_out_is_the_long_way_when_only_the_length_changed() {
-        let pod = POD;
         let (rec, tcp, at_post) = started(hook::POST_ROUTING, 0x4000, 0x1b2, 4);
         let out = Glance {
             hook: hook::TC_EGRESS,
@@ -1088,7 +1086,7 @@ mod tests {
         let mut other_flags = tcp;
         other_flags[33] = 0x10;
         let mut cases = vec![("only the length", tcp, out, true)];
-        cases.extend(header_changes(pod).map(|(what, b)| (what, b, out, false)));
+        cases.extend(header_changes().map(|(what, b)| (what, b, out, false)));
         cases.extend([
             ("other TCP flags", other_flags, out, false),
             ("mark changed", tcp, Glance { mark: 0, ..out }, false),
@@ -1131,7 +1129,7 @@ mod tests {
             }
         }
         // After more steps (the last one the packet's state), UDP, without conntrack.
-        let udp = ipv4_bytes(5, 0, 17, pod, 53);
+        let udp = ipv4_bytes(5, 0, 17, POD, 53);
         let bare = Glance {
             ct: false,
             ctinfo: 0,
@@ -1155,7 +1153,7 @@ mod tests {
         add_reading(&mut by_reading, &parsed(&udp, &udp_out, 0, 4), 0);
         assert_eq!(plain, by_reading);
         // Not ICMP, not without room for a visit or a step, not a record without steps.
-        let icmp = ipv4_bytes(5, 0, 1, pod, 0);
+        let icmp = ipv4_bytes(5, 0, 1, POD, 0);
         let mut ping = fresh();
         add_reading(&mut ping, &parsed(&icmp, &at_post, 3, 4), 0);
         assert!(!leave_unchanged(&mut ping, &out, 4, &icmp));

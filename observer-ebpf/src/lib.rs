@@ -19,7 +19,7 @@ use aya_ebpf::{
     maps::{Array, PerCpuArray, RingBuf},
 };
 use observer_common::filter::{self, FilterInput, FilterNets, FilterProgram};
-use observer_common::traversal::{copy_words, decision};
+use observer_common::traversal::{Glance, copy_words, decision};
 use observer_common::{
     CT_TUPLE_BYTES, CT_WINDOW_BYTES, CtInfo, PacketEvent, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES,
     config, counter, flags,
@@ -546,6 +546,29 @@ pub fn ct_state(conn: u64) -> Option<(u32, u32)> {
     }
     let (mark, status) = load_ct_state(conn)?;
     Some((mark, status as u32))
+}
+
+/// A packet at `hook` as the short ways glance at it: its mark and length, and the state of
+/// its conntrack entry (`nfct`, the skb's `_nfct`: pointer and ctinfo) loaded directly.
+/// `None` where the entry's state would cost helper calls (kernels before 6.16) or its
+/// offsets are unknown.
+#[inline(always)]
+pub fn glance(hook: u8, mark: u32, len: u32, nfct: u64) -> Option<Glance> {
+    let entry = entry_of(nfct);
+    let (ct_mark, ct_status) = match entry {
+        Some(conn) => ct_state(conn)?,
+        None => (0, 0),
+    };
+    let ct = entry.is_some();
+    Some(Glance {
+        hook,
+        mark,
+        len,
+        ct,
+        ctinfo: if ct { (nfct & 7) as u8 } else { 0 },
+        ct_mark,
+        ct_status,
+    })
 }
 
 /// A conntrack entry's mark and whole status, two loads (the caller checked

@@ -101,7 +101,8 @@ enum Task {
         #[arg(long, default_value_t = 3)]
         runs: u32,
         /// Alternating rounds of every phase, every other one backwards, with a baseline
-        /// before the first phase and after each (medians are printed); this VM's rates move by up to a tenth between runs, so fewer than 7 say
+        /// before the first phase and after each (medians are printed); this VM's rates
+        /// move by up to a tenth between runs, so fewer than 7 say
         /// little about a margin of a few hundredths.
         #[arg(long, default_value_t = 7)]
         rounds: u32,

@@ -11,14 +11,14 @@
 
 use observer_common::counts::{IPS_DST_NAT, IPS_SRC_NAT};
 use observer_common::traversal::{
-    Glance, add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing,
-    pass_unchanged, reuse_headers,
+    add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing, pass_unchanged,
+    reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
 use observer_ebpf::{
-    Decide, cfg, conntrack_addresses_may_match, conntrack_may_match, count, ct_state, decide,
-    direct, entry_of, filter_nets, filtering, read_ct, read_l3, read_window, scratch, windows,
+    Decide, cfg, conntrack_addresses_may_match, conntrack_may_match, count, decide, direct,
+    entry_of, filter_nets, filtering, glance, read_ct, read_l3, read_window, scratch, windows,
 };
 use observer_ebpf::{counts, ctl};
 
@@ -131,28 +131,17 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
     if reads && (readers >> (config::NAT_ONLY_SHIFT + u32::from(program))) & 1 == 0 {
         return false;
     }
-    let nfct = direct::<u64, { config::SKB_NFCT }>(skb_p);
-    let entry = entry_of(nfct);
-    let ct = entry.is_some();
-    let (ct_mark, ct_status) = match entry {
-        Some(conn) => match ct_state(conn) {
-            Some(state) => state,
-            None => return false,
-        },
-        None => (0, 0),
+    let Some(g) = glance(
+        hook_no,
+        direct::<u32, { config::SKB_MARK }>(skb_p),
+        direct::<u32, { config::SKB_LEN }>(skb_p),
+        direct::<u64, { config::SKB_NFCT }>(skb_p),
+    ) else {
+        return false;
     };
-    if reads && u64::from(ct_status) & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
+    if reads && u64::from(g.ct_status) & (IPS_SRC_NAT | IPS_DST_NAT) != 0 {
         return false;
     }
-    let g = Glance {
-        hook: hook_no,
-        mark: direct::<u32, { config::SKB_MARK }>(skb_p),
-        len: direct::<u32, { config::SKB_LEN }>(skb_p),
-        ct,
-        ctinfo: if ct { (nfct & 7) as u8 } else { 0 },
-        ct_mark,
-        ct_status,
-    };
     if last_hook(f.rec) == Some(hook_no) {
         return pass_unchanged(f.rec, &g, program);
     }

@@ -7,15 +7,15 @@
 use aya_ebpf::{macros::classifier, programs::TcContext};
 use observer_common::parse::ip_header_at;
 use observer_common::traversal::{
-    Glance, TraversalRecord, add_reading, decision, end, leave_unchanged, missing,
+    TraversalRecord, add_reading, decision, end, leave_unchanged, missing,
 };
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{
     Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
-    Decide, PKT_WINDOW_BYTES, PacketReader, cfg, count, counts, ct_state, decide, direct_reads,
-    entry_of, filter_nets, packet_words, parse_headers, read_ct, read_word, scratch, window_bytes,
+    Decide, PKT_WINDOW_BYTES, PacketReader, Windows, cfg, count, counts, decide, direct_reads,
+    filter_nets, glance, packet_words, parse_headers, read_ct, read_word, scratch, window_bytes,
     windows,
 };
 
@@ -165,11 +165,7 @@ fn leaves_unchanged(ctx: &TcContext, rec: &mut TraversalRecord) -> bool {
     // SAFETY: ctx fields of __sk_buff are rewritten by the verifier into safe loads.
     let (ifindex, mark, len, proto) =
         unsafe { ((*skb).ifindex, (*skb).mark, (*skb).len, (*skb).protocol) };
-    let ip = ctx.data() + 14;
-    if u16::from_be(proto as u16) != 0x0800 || ip + LINEAR_BYTES > ctx.data_end() {
-        return false;
-    }
-    if !direct_reads() {
+    if u16::from_be(proto as u16) != 0x0800 || !direct_reads() {
         return false;
     }
     let Some(off) = cfg(config::SKB_NFCT) else {
@@ -180,28 +176,25 @@ fn leaves_unchanged(ctx: &TcContext, rec: &mut TraversalRecord) -> bool {
     let Ok(nfct) = read_word(rec.skb, off) else {
         return false;
     };
-    let entry = entry_of(nfct);
-    let (ct_mark, ct_status) = match entry {
-        Some(conn) => match ct_state(conn) {
-            Some(state) => state,
-            None => return false,
-        },
-        None => (0, 0),
-    };
-    let g = Glance {
-        hook: hook::TC_EGRESS,
-        mark,
-        len,
-        ct: entry.is_some(),
-        ctinfo: if entry.is_some() { (nfct & 7) as u8 } else { 0 },
-        ct_mark,
-        ct_status,
+    let Some(g) = glance(hook::TC_EGRESS, mark, len, nfct) else {
+        return false;
     };
     let Some(w) = windows() else {
         return false;
     };
+    linear_words(ctx, w) && leave_unchanged(rec, &g, ifindex, &w.pkt)
+}
+
+/// Loads the first [`LINEAR_BYTES`] after an Ethernet header into `w.pkt` when the packet's
+/// linear data holds them (one load per word, no helper call); false when it does not.
+#[inline(always)]
+fn linear_words(ctx: &TcContext, w: &mut Windows) -> bool {
+    let ip = ctx.data() + 14;
+    if ip + LINEAR_BYTES > ctx.data_end() {
+        return false;
+    }
     packet_words(ip, &mut w.pkt[..LINEAR_BYTES]);
-    leave_unchanged(rec, &g, ifindex, &w.pkt)
+    true
 }
 
 /// A packet entering under `skb`'s address: whatever this CPU still follows under it
@@ -249,11 +242,7 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     // Ethernet header, the first 40 bytes (an IPv4 header and 20 bytes after it, or an
     // IPv6 header) come straight from the linear data when it holds them.
     let w = windows()?;
-    let ip = ctx.data() + 14;
-    let linear = ip + LINEAR_BYTES <= ctx.data_end();
-    if linear {
-        packet_words(ip, &mut w.pkt[..LINEAR_BYTES]);
-    }
+    let linear = linear_words(ctx, w);
     let eth = At {
         ctx,
         base: 14,

@@ -6,8 +6,9 @@
 //! [`CHUNK_BYTES`].
 //!
 //! A chunk holds the reports themselves (shared with the collector's cache of renderings,
-//! not copied) and is written with one `writev` per up to [`IOV_MAX`] reports: at line rate
-//! a report is kilobytes, and copying each into a buffer was a third of the collector's time.
+//! not copied) and is written with `writev`, up to [`IOV_MAX`] reports and 64 KiB per call:
+//! at line rate a report is kilobytes, and copying each into a buffer was a third of the
+//! collector's time.
 
 use std::io::{IoSlice, Write};
 use std::sync::Arc;
@@ -182,12 +183,13 @@ fn write_all(
     // Reports wholly written, and bytes written of the next.
     let (mut whole, mut into) = (0usize, 0usize);
     while whole < chunk.len() {
-        if into == 0 && stop.load(Ordering::Relaxed) {
+        let stopping = stop.load(Ordering::Relaxed);
+        if into == 0 && stopping {
             return Ok(false);
         }
         // From the report being written: at most IOV_MAX buffers, WRITE_BYTES bytes (but
         // one buffer at least); told to stop, the rest of this report alone.
-        let more = !stop.load(Ordering::Relaxed);
+        let more = !stopping;
         let mut end = whole + 1;
         let mut bytes = slices[whole].len();
         while more
