@@ -44,7 +44,10 @@ fn expectations() -> Vec<Expect> {
         let accept = match verdict {
             "accept" => true,
             "reject" => false,
-            v => panic!("expected.txt line {}: verdict `{v}` (accept or reject)", n + 1),
+            v => panic!(
+                "expected.txt line {}: verdict `{v}` (accept or reject)",
+                n + 1
+            ),
         };
         out.push(Expect {
             file: file.to_string(),
@@ -58,7 +61,10 @@ fn family_of(file: &str) -> Family {
     if file.ends_with(".v6.rules") {
         Family::V6
     } else {
-        assert!(file.ends_with(".v4.rules"), "{file}: name must end .v4.rules or .v6.rules");
+        assert!(
+            file.ends_with(".v4.rules"),
+            "{file}: name must end .v4.rules or .v6.rules"
+        );
         Family::V4
     }
 }
@@ -115,7 +121,12 @@ fn parser_acceptance_equals_iptables_restore_on_every_dump() {
 #[test]
 fn insert_lines_take_their_place() {
     let f = parse_save_family(&read("insert-lines.v4.rules"), Family::V4).unwrap();
-    let input: Vec<String> = f.table("filter").unwrap().chain("INPUT").unwrap().rules
+    let input: Vec<String> = f
+        .table("filter")
+        .unwrap()
+        .chain("INPUT")
+        .unwrap()
+        .rules
         .iter()
         .map(|r| r.text())
         .collect();
@@ -163,10 +174,16 @@ struct Pool {
 
 fn pool(file: &SaveFile, v6: bool) -> Pool {
     let mut addrs: Vec<IpAddr> = if v6 {
-        ["2001:db8:1::5", "2001:db8:1::77", "fd00:1::10", "2001:db8:ffff::1", "::1"]
-            .iter()
-            .map(|a| a.parse().unwrap())
-            .collect()
+        [
+            "2001:db8:1::5",
+            "2001:db8:1::77",
+            "fd00:1::10",
+            "2001:db8:ffff::1",
+            "::1",
+        ]
+        .iter()
+        .map(|a| a.parse().unwrap())
+        .collect()
     } else {
         [
             "203.0.113.5",
@@ -186,20 +203,33 @@ fn pool(file: &SaveFile, v6: bool) -> Pool {
         .map(|a| a.parse().unwrap())
         .collect()
     };
-    let mut ports = vec![22, 25, 53, 67, 68, 80, 123, 443, 500, 1194, 5432, 8080, 40000, 51820];
-    let mut ifaces: Vec<String> = ["eth0", "eth1", "lo"].iter().map(|s| s.to_string()).collect();
+    let mut ports = vec![
+        22, 25, 53, 67, 68, 80, 123, 443, 500, 1194, 5432, 8080, 40000, 51820,
+    ];
+    let mut ifaces: Vec<String> = ["eth0", "eth1", "lo"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     for t in &file.tables {
         for c in &t.chains {
             for r in &c.rules {
                 for item in &r.items {
                     match item {
-                        Item::Basic { kind: Basic::Src | Basic::Dst, value, .. } => {
+                        Item::Basic {
+                            kind: Basic::Src | Basic::Dst,
+                            value,
+                            ..
+                        } => {
                             let a = value.split('/').next().unwrap_or("");
                             if let Ok(a) = a.parse::<IpAddr>() {
                                 addrs.push(a);
                             }
                         }
-                        Item::Basic { kind: Basic::InIface | Basic::OutIface, value, .. } => {
+                        Item::Basic {
+                            kind: Basic::InIface | Basic::OutIface,
+                            value,
+                            ..
+                        } => {
                             let name = value.trim_end_matches('+');
                             if !name.is_empty() && !ifaces.iter().any(|i| i == name) {
                                 ifaces.push(name.to_string());
@@ -227,7 +257,11 @@ fn pool(file: &SaveFile, v6: bool) -> Pool {
     addrs.dedup();
     ports.sort_unstable();
     ports.dedup();
-    Pool { addrs, ports, ifaces }
+    Pool {
+        addrs,
+        ports,
+        ifaces,
+    }
 }
 
 fn random_packet(r: &mut Rng, p: &Pool, v6: bool) -> PacketSpec {
@@ -335,7 +369,10 @@ fn random_packets_are_decided_on_real_world_rulesets() {
                         .or_else(|| b.notes.last().cloned())
                         .unwrap_or_else(|| "?".into());
                     // Rule positions differ between packets; group by the reason itself.
-                    let key = why.split_once(": ").map_or(why.as_str(), |x| x.1).to_string();
+                    let key = why
+                        .split_once(": ")
+                        .map_or(why.as_str(), |x| x.1)
+                        .to_string();
                     *reasons.entry(format!("{}: {key}", e.file)).or_default() += 1;
                 }
             }

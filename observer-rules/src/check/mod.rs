@@ -79,6 +79,9 @@ impl<'a> Cols<'a> {
     }
 }
 
+/// iptables' own long options (`--append`, `--insert`, ...), for getopt's prefixes.
+pub(crate) const BASE_LONG_OPTIONS: &[&str] = BASE_LONG;
+
 /// Tables iptables-restore knows.
 pub const TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"];
 
@@ -143,6 +146,12 @@ enum Arg {
     LogLevel,
     /// LOG's prefix: no newline (an unterminated quote brings one).
     Prefix,
+    /// `--mac-source`: six `:`-separated hex bytes (see [`check_mac`]).
+    Mac,
+    /// time's `hh:mm[:ss]`.
+    DayTime,
+    /// time's `--weekdays`: names or numbers 1-7, comma separated.
+    Weekdays,
 }
 
 struct Spec {
@@ -227,6 +236,20 @@ fn spec(name: &str) -> Option<Spec> {
             ("validmark", Flag),
             ("accept-local", Flag),
             ("invert", Flag),
+        ],
+        "mac" => &[("mac-source", Mac)],
+        // iptables 1.8's options; the `--days`/`--time` of iptables 1.3 are refused as there.
+        "time" => &[
+            ("datestart", Any),
+            ("datestop", Any),
+            ("timestart", DayTime),
+            ("timestop", DayTime),
+            ("monthdays", Any),
+            ("weekdays", Weekdays),
+            ("localtz", Flag),
+            ("kerneltz", Flag),
+            ("utc", Flag),
+            ("contiguous", Flag),
         ],
         "physdev" => &[
             ("physdev-in", Iface),
@@ -568,6 +591,9 @@ fn check_args(
                 Ok(())
             }
         }
+        Arg::Mac => check_mac(a),
+        Arg::DayTime => check_daytime(a),
+        Arg::Weekdays => check_weekdays(a),
         Arg::LogLevel => {
             if strtoul0(a, 7).is_some() || LOG_LEVELS.contains(&a) {
                 Ok(())
@@ -605,6 +631,10 @@ fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
             Err("set: you must specify --match-set".into())
         }
         "physdev" if l.seen == 0 => Err("physdev: no physdev option specified".into()),
+        "mac" if !has("mac-source") => Err("mac: option `--mac-source` must be specified".into()),
+        "time" if has("contiguous") && !(has("timestart") && has("timestop")) => Err(
+            "time: --contiguous only makes sense when stoptime is smaller than starttime".into(),
+        ),
         "statistic" => {
             let mode = o.map(|o| o.args.first().map_or("", String::as_str));
             match mode {

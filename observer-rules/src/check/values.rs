@@ -336,6 +336,68 @@ pub(super) fn check_rate(s: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A MAC address as libxtables 1.8.9 reads it: six parts split at `:`, each at most two
+/// characters that `strtoul(.., 16)` reads whole (an empty part is 0). An anonymised
+/// `XX:XX:XX:XX:XX:XX` is refused, as by iptables-restore.
+pub(super) fn check_mac(s: &str) -> Result<(), String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let ok = parts.len() == 6
+        && parts.iter().all(|p| {
+            let digits = p.strip_prefix('+').unwrap_or(p);
+            p.len() <= 2
+                && (p.is_empty() || !digits.is_empty())
+                && digits.chars().all(|c| c.is_ascii_hexdigit())
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "invalid MAC address `{s}` (six hex bytes such as 14:56:e2:b5:a5:eb)"
+        ))
+    }
+}
+
+/// `hh:mm[:ss]` within a day.
+pub(super) fn check_daytime(s: &str) -> Result<(), String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let field = |p: &str, max: u64| {
+        !p.is_empty()
+            && p.chars().all(|c| c.is_ascii_digit())
+            && p.parse::<u64>().is_ok_and(|v| v <= max)
+    };
+    let ok = matches!(parts.len(), 2 | 3)
+        && field(parts[0], 23)
+        && field(parts[1], 59)
+        && parts.get(2).is_none_or(|p| field(p, 59));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("invalid time `{s}` (hh:mm[:ss])"))
+    }
+}
+
+/// `--weekdays`: `Mon`..`Sun` (or the full names) or 1-7, comma separated.
+pub(super) fn check_weekdays(s: &str) -> Result<(), String> {
+    const DAYS: &[&str] = &[
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    for d in s.split(',') {
+        let named = DAYS
+            .iter()
+            .any(|n| d == *n || (d.len() >= 2 && n.starts_with(d)));
+        if !named && strtoul0(d, 7).is_none_or(|n| n == 0) {
+            return Err(format!("`{d}` is not a valid day (Mon..Sun or 1-7)"));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn check_proto(p: &str) -> Result<(), String> {
     if strtoul0(p, 255).is_some()
         || PROTOCOLS.contains(&p)
