@@ -12,7 +12,7 @@ use std::net::IpAddr;
 
 use crate::compile::{
     Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
-    compile,
+    CtField, RecentCmd, compile,
 };
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
@@ -185,6 +185,20 @@ struct Pkt {
     ct_attached: bool,
     tcp_flags: u8,
     icmp: (u8, u8),
+    /// The connection's original tuple (src, dst, sport, dport) when the packet is the first
+    /// of its connection and no NAT happened before the walk; `--ctorig*` read it.
+    orig: Option<(IpAddr, IpAddr, Option<u16>, Option<u16>)>,
+    /// `-m recent --set` lists this walk has added the packet to: (name, rdest).
+    recent_set: Vec<(String, bool)>,
+    /// Assumptions stateful matches were answered under, for the branch's notes.
+    assumed: Vec<String>,
+}
+
+/// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
+#[derive(Default)]
+struct Effects {
+    recent_set: Vec<(String, bool)>,
+    assumed: Vec<String>,
 }
 
 impl Pkt {
@@ -346,6 +360,10 @@ impl<'a> Simulator<'a> {
                 ct_attached: false,
                 tcp_flags: input.tcp_flags,
                 icmp: input.icmp,
+                orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
+                    .then_some((input.src, input.dst, input.sport, input.dport)),
+                recent_set: Vec::new(),
+                assumed: Vec::new(),
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -425,6 +443,10 @@ impl<'a> Simulator<'a> {
             icmp: spec
                 .icmp
                 .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
+            orig: (spec.ct_state == CtState::New)
+                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
+            recent_set: Vec::new(),
+            assumed: Vec::new(),
         };
         let mut b = Branch {
             probability: 1.0,
@@ -658,6 +680,7 @@ impl<'a> Simulator<'a> {
             stage.verdict = verdict;
             stage.ct = pkt.ct_view();
             b.stages.push(stage);
+            b.notes.append(&mut pkt.assumed);
             if verdict != Verdict::Accept {
                 b.verdict = verdict;
                 return false;
@@ -703,7 +726,12 @@ impl<'a> Simulator<'a> {
             *pos += 1;
             let rule = &chain.rules[ri];
             let comp = &pt.compiled[ci][ri];
-            match self.eval(&comp.conds, hook, pkt, ch) {
+            let before = pkt.assumed.len();
+            let tri = self.eval(&comp.conds, hook, pkt, ch);
+            for a in &mut pkt.assumed[before..] {
+                *a = format!("assumed {a} ({} {}#{})", table.name, chain.name, ri + 1);
+            }
+            match tri {
                 Tri::No => continue,
                 Tri::Unknown(why) => {
                     let mut m = matched(table.name.as_str(), rule, ri, "undecidable".into());
@@ -955,7 +983,60 @@ impl<'a> Simulator<'a> {
             .map(|r| r.dst.addr)
     }
 
-    fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
+    /// The link-layer class xt_pkttype sees: `unicast` (PACKET_HOST), `broadcast` or
+    /// `multicast`. A received packet's is read off its IP destination, assuming the sender
+    /// addressed the frame the same way (stated); a locally sent unicast packet is
+    /// PACKET_HOST until it leaves.
+    fn pkt_type(&self, pkt: &Pkt) -> Option<(&'static str, Option<String>)> {
+        let broadcast = match pkt.dst {
+            IpAddr::V4(a) => {
+                a.is_broadcast()
+                    || self.routes.routes.iter().any(|r| {
+                        r.table == "local"
+                            && r.kind == "broadcast"
+                            && r.dst.len == 32
+                            && r.dst.addr == pkt.dst
+                    })
+            }
+            IpAddr::V6(_) => false,
+        };
+        let ty = if pkt.dst.is_multicast() {
+            "multicast"
+        } else if broadcast {
+            "broadcast"
+        } else {
+            "unicast"
+        };
+        if pkt.in_iface.is_none() {
+            return (ty == "unicast").then_some((ty, None));
+        }
+        Some((
+            ty,
+            Some(format!(
+                "pkttype: the frame was sent to a {ty} link-layer address, as its IP destination {} is",
+                pkt.dst
+            )),
+        ))
+    }
+
+    /// Evaluates a rule's matches in order, as the kernel does, and keeps what they left
+    /// behind (`recent --set`, assumptions) on the packet.
+    fn eval(&self, conds: &[Cond], hook: Hook, pkt: &mut Pkt, ch: &mut Chooser) -> Tri {
+        let mut fx = Effects::default();
+        let r = self.eval_conds(conds, hook, pkt, ch, &mut fx);
+        pkt.recent_set.append(&mut fx.recent_set);
+        pkt.assumed.append(&mut fx.assumed);
+        r
+    }
+
+    fn eval_conds(
+        &self,
+        conds: &[Cond],
+        hook: Hook,
+        pkt: &Pkt,
+        ch: &mut Chooser,
+        fx: &mut Effects,
+    ) -> Tri {
         // ip_output() hands the hook skb->dev as the input device, so a forwarded packet still
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
@@ -1097,6 +1178,69 @@ impl<'a> Simulator<'a> {
                 }
                 Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
                 Cond::Always(_) => Tri::Yes,
+                Cond::CtTuple {
+                    field,
+                    neg,
+                    with_state,
+                } => ct_tuple(pkt, field, *neg, *with_state),
+                Cond::Recent {
+                    cmd,
+                    name,
+                    rdest,
+                    hitcount,
+                    neg,
+                } => {
+                    let on_list = pkt.recent_set.iter().any(|(n, d)| n == name && d == rdest)
+                        || fx.recent_set.iter().any(|(n, d)| n == name && d == rdest);
+                    let whose = if *rdest { "destination" } else { "source" };
+                    let hit = match cmd {
+                        RecentCmd::Set => {
+                            fx.recent_set.push((name.clone(), *rdest));
+                            true
+                        }
+                        // Added by this walk: one packet on the list, seen just now.
+                        RecentCmd::Check | RecentCmd::Update | RecentCmd::Remove
+                            if on_list && hitcount.is_none_or(|h| h <= 1) =>
+                        {
+                            true
+                        }
+                        RecentCmd::Check | RecentCmd::Update if on_list => {
+                            fx.assumed.push(format!(
+                                "recent `{name}`: no earlier packet of this {whose} (fewer than {} hits)",
+                                hitcount.unwrap_or(0)
+                            ));
+                            false
+                        }
+                        _ => {
+                            fx.assumed.push(format!(
+                                "recent `{name}`: this {whose} is not on the list (no earlier packet put it there)"
+                            ));
+                            false
+                        }
+                    };
+                    tri(hit, *neg)
+                }
+                Cond::Assumed { answer, assumption } => {
+                    fx.assumed.push(assumption.clone());
+                    tri(*answer, false)
+                }
+                Cond::NoHeader(_) => Tri::No,
+                Cond::PktType(want, neg) => match self.pkt_type(pkt) {
+                    Some((ty, assumption)) => {
+                        if let Some(a) = assumption {
+                            fx.assumed.push(a);
+                        }
+                        let want = if want == "host" {
+                            "unicast"
+                        } else {
+                            want.as_str()
+                        };
+                        tri(ty == want, *neg)
+                    }
+                    None => Tri::Unknown(
+                        "pkttype of a locally sent multicast or broadcast packet".into(),
+                    ),
+                },
                 Cond::Unknown(t) => Tri::Unknown(format!("match not modelled: {t}")),
             };
             match r {
@@ -1124,6 +1268,49 @@ impl<'a> Simulator<'a> {
             }
         }
         Tri::Yes
+    }
+}
+
+/// `-m conntrack --ctproto/--ctorig*/--ctrepl*` as xt_conntrack answers them. Without a
+/// conntrack entry (raw, untracked, invalid) the match is false, unless it also had
+/// `--ctstate` (which then decided). The tuples are known for the first packet of a
+/// connection: the original one is the packet as conntrack first saw it, the reply one the
+/// packet's current addresses reversed (NAT rewrites it as it translates).
+fn ct_tuple(pkt: &Pkt, field: &CtField, neg: bool, with_state: bool) -> Tri {
+    if !pkt.has_ct() {
+        return if with_state { Tri::Yes } else { Tri::No };
+    }
+    if let CtField::Proto(p) = field {
+        return tri(pkt.proto == *p, neg);
+    }
+    let unknown = |why: &str| Tri::Unknown(format!("conntrack tuple match: {why}"));
+    if pkt.state != CtState::New {
+        return unknown(&format!(
+            "the tuples of an {} connection are not known (only a new connection's are)",
+            pkt.state.name()
+        ));
+    }
+    let reply_known = pkt.src_label.is_none() && pkt.dst_label.is_none();
+    let tuple = match field {
+        CtField::Addr { reply: false, .. } | CtField::Port { reply: false, .. } => pkt.orig,
+        _ if reply_known => Some((pkt.dst, pkt.src, pkt.dport, pkt.sport)),
+        _ => None,
+    };
+    let Some((src, dst, sport, dport)) = tuple else {
+        return unknown("the connection's addresses before NAT are not known");
+    };
+    match field {
+        CtField::Proto(_) => unreachable!("answered above"),
+        CtField::Addr { src: s, net, .. } => tri(net.contains(if *s { src } else { dst }), neg),
+        CtField::Port { src: s, lo, hi, .. } => {
+            if !matches!(pkt.proto, 6 | 17 | 33 | 132 | 136) {
+                return unknown("ports of a protocol without ports");
+            }
+            match if *s { sport } else { dport } {
+                Some(p) => tri(*lo <= p && p <= *hi, neg),
+                None => unknown("the packet's ports are not known"),
+            }
+        }
     }
 }
 

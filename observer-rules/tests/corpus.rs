@@ -303,7 +303,9 @@ fn random_packet(r: &mut Rng, p: &Pool, v6: bool) -> PacketSpec {
         out_iface: None,
         mark: if r.chance(10) { 0x10 } else { 0 },
         ct_state,
-        ct_mark: None,
+        // A connection's mark is part of its state, as `state established` is: given with it
+        // (a new connection's is 0).
+        ct_mark: (ct_state != CtState::New).then(|| if r.chance(20) { 0x10 } else { 0 }),
         tcp_flags: None,
         icmp: None,
         local: false,

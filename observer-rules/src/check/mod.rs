@@ -82,6 +82,14 @@ impl<'a> Cols<'a> {
 /// iptables' own long options (`--append`, `--insert`, ...), for getopt's prefixes.
 pub(crate) const BASE_LONG_OPTIONS: &[&str] = BASE_LONG;
 
+/// The port of a service name (`http` is 80), as iptables resolves `--dport http`.
+pub fn service_port(name: &str) -> Option<u16> {
+    SERVICE_PORTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|&(_, p)| p)
+}
+
 /// Tables iptables-restore knows.
 pub const TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"];
 
