@@ -1202,6 +1202,78 @@ mod tests {
         parse_save("*nat\n:X - [1:2] junk\nCOMMIT\n").unwrap();
     }
 
+    /// Each case was run through `iptables-restore --test` 1.8.9 (nft back end; `-I` past
+    /// the end also through the legacy one, which alone refuses it).
+    #[test]
+    fn insert_lines_mac_and_time_as_iptables_restore_reads_them() {
+        let rule = |r: &str| {
+            parse_save(&format!(
+                "*filter\n:c - [0:0]\n-A c -j RETURN\n{r}\nCOMMIT\n"
+            ))
+        };
+        for bad in [
+            // "Invalid MAC address specified."
+            "-A c -m mac --mac-source XX:XX:XX:XX:XX:XX",
+            "-A c -m mac --mac-source 14-56-e2-b5-a5-eb",
+            "-A c -m mac --mac-source 0014:56:e2:b5:a5:eb",
+            "-A c -m mac --mac-source 14:56:e2:b5:a5",
+            "-A c -m mac --mac-source 0x4:56:e2:b5:a5:eb",
+            // mac: option "--mac-source" must be specified
+            "-A c -m mac",
+            // unknown option "--days" / "--time"
+            "-A c -m time --timestart 22:00 --days Mon",
+            "-A c -m time --time 22:00",
+            // invalid time "25:00" / "08" / "60"
+            "-A c -m time --timestart 25:00",
+            "-A c -m time --timestart 08",
+            "-A c -m time --timestop 08:00:60",
+            "-A c -m time --weekdays Foo",
+            "-A c -m time --weekdays M",
+            "-A c -m time --weekdays mon",
+            "-A c -m time --weekdays 0",
+            "-A c -m time --monthdays 32",
+            // --contiguous only makes sense when stoptime is smaller than starttime
+            "-A c -m time --contiguous",
+            // option "--utc" cannot be used together with "--kerneltz"
+            "-A c -m time --kerneltz --utc",
+            "-A c -m time --utc --localtz",
+            "-A c -m time --timestart 08:00 --timestop 17:00 --contiguous",
+            // Invalid rule number `0' / `x'
+            "-I c 0 -j ACCEPT",
+            "-I c x -j ACCEPT",
+            // legacy: index of insertion too big (the chain has one rule)
+            "-I c 3 -j ACCEPT",
+        ] {
+            assert!(rule(bad).is_err(), "accepted: {bad}");
+        }
+        for ok in [
+            "-A c -m mac --mac-source 14:56:e2:b5:a5:eb",
+            "-A c -m mac ! --mac-source 14:56:E2:B5:A5:EB",
+            "-A c -m mac --mac-source 1:56:e2:b5:a5:eb",
+            "-A c -m mac --mac-source :56:e2:b5:a5:eb",
+            "-A c -m mac --mac 14:56:e2:b5:a5:eb",
+            "-A c -m time",
+            "-A c -m time --timestart 8:0 --timestop 23:59:59 --weekdays Mo,Tuesday,7,8",
+            "-A c -m time --timestart 22:00 --timestop 06:00 --contiguous --kerneltz",
+            "-A c -m time --timestop 06:00 --contiguous",
+            "-A c -m time --monthdays 1,31 --localtz --kerneltz",
+            "-I c -j ACCEPT",
+            "-I c 1 -j ACCEPT",
+            "-I c 2 -j ACCEPT",
+            "-I c 0x1 -j ACCEPT",
+            "--insert c -j ACCEPT",
+            "--ins c -j ACCEPT",
+        ] {
+            rule(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let f = rule("-I c 1 -p tcp -j ACCEPT").unwrap();
+        let c = f.table("filter").unwrap().chain("c").unwrap();
+        assert_eq!(c.rules[0].text(), "-A c -p tcp -j ACCEPT");
+        assert_eq!(c.rules[1].text(), "-A c -j RETURN");
+        let e = rule("-I c 3 -j ACCEPT").unwrap_err();
+        assert_eq!((e.line, e.column), (4, 6), "{e}");
+    }
+
     #[test]
     fn family_decides_addresses_and_extensions() {
         let v6 =

@@ -160,6 +160,8 @@ enum Arg {
     DayTime,
     /// time's `--weekdays`: names or numbers 1-7, comma separated.
     Weekdays,
+    /// time's `--monthdays`: 1-31, comma separated.
+    Monthdays,
 }
 
 struct Spec {
@@ -252,7 +254,7 @@ fn spec(name: &str) -> Option<Spec> {
             ("datestop", Any),
             ("timestart", DayTime),
             ("timestop", DayTime),
-            ("monthdays", Any),
+            ("monthdays", Monthdays),
             ("weekdays", Weekdays),
             ("localtz", Flag),
             ("kerneltz", Flag),
@@ -368,6 +370,8 @@ struct Loaded<'a> {
     seen: u32,
     /// statistic's `--mode`, which decides what else it needs.
     mode: Option<&'a Opt>,
+    /// time's `--timestart` and `--timestop`, in seconds into the day.
+    times: [Option<u32>; 2],
     /// Loaded by `-m` (not by `-p`), with the column of its name.
     explicit: Option<usize>,
 }
@@ -412,6 +416,7 @@ impl<'a> Getopt<'a> {
             spec: spec(name),
             seen: 0,
             mode: None,
+            times: [None; 2],
             explicit,
         });
         self.recent.retain(|&r| self.instances[r].name != name);
@@ -602,6 +607,7 @@ fn check_args(
         Arg::Mac => check_mac(a),
         Arg::DayTime => check_daytime(a),
         Arg::Weekdays => check_weekdays(a),
+        Arg::Monthdays => check_monthdays(a),
         Arg::LogLevel => {
             if strtoul0(a, 7).is_some() || LOG_LEVELS.contains(&a) {
                 Ok(())
@@ -640,7 +646,10 @@ fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
         }
         "physdev" if l.seen == 0 => Err("physdev: no physdev option specified".into()),
         "mac" if !has("mac-source") => Err("mac: option `--mac-source` must be specified".into()),
-        "time" if has("contiguous") && !(has("timestart") && has("timestop")) => Err(
+        "time" if has("utc") && any(&["localtz", "kerneltz"]) => {
+            Err("time: --utc cannot be used together with --kerneltz (or --localtz)".into())
+        }
+        "time" if has("contiguous") && !contiguous_ok(l) => Err(
             "time: --contiguous only makes sense when stoptime is smaller than starttime".into(),
         ),
         "statistic" => {
@@ -675,6 +684,16 @@ fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
         }
         "SNAT" if !has("to-source") => Err("SNAT: option `--to-source` must be specified".into()),
         _ => Ok(()),
+    }
+}
+
+/// `--contiguous` as iptables-restore 1.8.9 was seen to judge it: refused alone and when
+/// `--timestop` is after `--timestart`, accepted with only one of the two.
+fn contiguous_ok(l: &Loaded<'_>) -> bool {
+    match (l.saw("timestart"), l.saw("timestop"), l.times) {
+        (false, false, _) => false,
+        (true, true, [Some(start), Some(stop)]) => stop < start,
+        _ => true,
     }
 }
 
@@ -762,8 +781,13 @@ pub(crate) fn check_rule<'r>(
                     ));
                 }
                 inst.mark(full);
-                if full == "mode" {
-                    inst.mode = Some(o);
+                match full {
+                    "mode" => inst.mode = Some(o),
+                    "timestart" | "timestop" => {
+                        let at = usize::from(full == "timestop");
+                        inst.times[at] = o.args.first().and_then(|a| daytime_seconds(a));
+                    }
+                    _ => {}
                 }
                 check_args(&facts, owner, full, kind, o, (ncol, acols))?;
             }

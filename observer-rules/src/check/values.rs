@@ -391,11 +391,34 @@ pub(super) fn check_weekdays(s: &str) -> Result<(), String> {
         let named = DAYS
             .iter()
             .any(|n| d == *n || (d.len() >= 2 && n.starts_with(d)));
-        if !named && strtoul0(d, 7).is_none_or(|n| n == 0) {
+        // libxt_time refuses 0 ("the week does NOT begin with Sunday") but not 8 and up.
+        let number = !d.is_empty()
+            && d.chars().all(|c| c.is_ascii_digit())
+            && d.parse::<u32>().is_ok_and(|n| n > 0);
+        if !named && !number {
             return Err(format!("`{d}` is not a valid day (Mon..Sun or 1-7)"));
         }
     }
     Ok(())
+}
+
+/// `--monthdays`: days 1-31, comma separated.
+pub(super) fn check_monthdays(s: &str) -> Result<(), String> {
+    for d in s.split(',') {
+        if !d.chars().all(|c| c.is_ascii_digit())
+            || !d.parse::<u32>().is_ok_and(|n| (1..=31).contains(&n))
+        {
+            return Err(format!("`{d}` is not a valid day for --monthdays (1-31)"));
+        }
+    }
+    Ok(())
+}
+
+/// Seconds into the day of a valid `hh:mm[:ss]`.
+pub(super) fn daytime_seconds(s: &str) -> Option<u32> {
+    check_daytime(s).ok()?;
+    let mut it = s.split(':').map(|p| p.parse::<u32>().unwrap_or(0));
+    Some(it.next()? * 3600 + it.next()? * 60 + it.next().unwrap_or(0))
 }
 
 pub(super) fn check_proto(p: &str) -> Result<(), String> {
