@@ -729,7 +729,7 @@ impl<'a> Simulator<'a> {
             let before = pkt.assumed.len();
             let tri = self.eval(&comp.conds, hook, pkt, ch);
             for a in &mut pkt.assumed[before..] {
-                *a = format!("assumed {a} ({} {}#{})", table.name, chain.name, ri + 1);
+                *a = format!("assumed at {} {}#{}: {a}", table.name, chain.name, ri + 1);
             }
             match tri {
                 Tri::No => continue,
