@@ -1194,6 +1194,8 @@ mod tests {
             "-A c -p tcp --dport ssh",
             "-A c --pro tcp --dport 22 --j ACCEPT",
             "-A c -mcomment --comment x -ieth0",
+            // The newest extension owns a name two share: recent's `--set` is a flag.
+            "-A c -m set --match-set s src -m recent --set --name x",
         ] {
             rule(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
         }

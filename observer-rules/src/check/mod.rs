@@ -428,14 +428,17 @@ impl<'a> Getopt<'a> {
     fn resolve(&self, name: &str) -> Result<Resolved, String> {
         let mut prefix_hits: Vec<(usize, &'static str, Arg)> = Vec::new();
         for &i in self.recent.iter().rev() {
-            if let Some(s) = &self.instances[i].spec {
-                for &(n, a) in s.opts {
-                    if n == name {
-                        return Ok(Resolved::Known(i, n, a));
-                    }
-                    if n.starts_with(name) {
-                        prefix_hits.push((i, n, a));
-                    }
+            let Some(s) = &self.instances[i].spec else {
+                // A newer extension we do not list may own the name (`-m set ... -m recent
+                // --set`: recent's `--set` comes first in getopt's table).
+                return Ok(Resolved::Unchecked);
+            };
+            for &(n, a) in s.opts {
+                if n == name {
+                    return Ok(Resolved::Known(i, n, a));
+                }
+                if n.starts_with(name) {
+                    prefix_hits.push((i, n, a));
                 }
             }
         }
