@@ -642,7 +642,6 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
         };
         out.push(c);
     }
-    let _ = v6;
 }
 
 fn nat_addr(s: &str) -> (Option<IpAddr>, Option<u16>) {

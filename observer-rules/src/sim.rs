@@ -4,6 +4,7 @@
 //! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
 //! tables by priority, in the kernel's order.
 
+mod matches;
 mod nft_walk;
 
 use std::borrow::Cow;
@@ -12,7 +13,7 @@ use std::net::IpAddr;
 
 use crate::compile::{
     Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
-    CtField, RecentCmd, compile,
+    compile,
 };
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
@@ -21,6 +22,7 @@ use crate::nft::compile::compile as compile_nft;
 use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
+use matches::{ct_tuple, pkt_type, recent};
 use observer_model::endpoint_text as fmt_endpoint;
 
 /// Stop forking after this many branches; the explanation says when it was cut.
@@ -983,42 +985,6 @@ impl<'a> Simulator<'a> {
             .map(|r| r.dst.addr)
     }
 
-    /// The link-layer class xt_pkttype sees: `unicast` (PACKET_HOST), `broadcast` or
-    /// `multicast`. A received packet's is read off its IP destination, assuming the sender
-    /// addressed the frame the same way (stated); a locally sent unicast packet is
-    /// PACKET_HOST until it leaves.
-    fn pkt_type(&self, pkt: &Pkt) -> Option<(&'static str, Option<String>)> {
-        let broadcast = match pkt.dst {
-            IpAddr::V4(a) => {
-                a.is_broadcast()
-                    || self.routes.routes.iter().any(|r| {
-                        r.table == "local"
-                            && r.kind == "broadcast"
-                            && r.dst.len == 32
-                            && r.dst.addr == pkt.dst
-                    })
-            }
-            IpAddr::V6(_) => false,
-        };
-        let ty = if pkt.dst.is_multicast() {
-            "multicast"
-        } else if broadcast {
-            "broadcast"
-        } else {
-            "unicast"
-        };
-        if pkt.in_iface.is_none() {
-            return (ty == "unicast").then_some((ty, None));
-        }
-        Some((
-            ty,
-            Some(format!(
-                "pkttype: the frame was sent to a {ty} link-layer address, as its IP destination {} is",
-                pkt.dst
-            )),
-        ))
-    }
-
     /// Evaluates a rule's matches in order, as the kernel does, and keeps what they left
     /// behind (`recent --set`, assumptions) on the packet.
     fn eval(&self, conds: &[Cond], hook: Hook, pkt: &mut Pkt, ch: &mut Chooser) -> Tri {
@@ -1189,43 +1155,13 @@ impl<'a> Simulator<'a> {
                     rdest,
                     hitcount,
                     neg,
-                } => {
-                    let on_list = pkt.recent_set.iter().any(|(n, d)| n == name && d == rdest)
-                        || fx.recent_set.iter().any(|(n, d)| n == name && d == rdest);
-                    let whose = if *rdest { "destination" } else { "source" };
-                    let hit = match cmd {
-                        RecentCmd::Set => {
-                            fx.recent_set.push((name.clone(), *rdest));
-                            true
-                        }
-                        // Added by this walk: one packet on the list, seen just now.
-                        RecentCmd::Check | RecentCmd::Update | RecentCmd::Remove
-                            if on_list && hitcount.is_none_or(|h| h <= 1) =>
-                        {
-                            true
-                        }
-                        RecentCmd::Check | RecentCmd::Update if on_list => {
-                            fx.assumed.push(format!(
-                                "recent `{name}`: no earlier packet of this {whose} (fewer than {} hits)",
-                                hitcount.unwrap_or(0)
-                            ));
-                            false
-                        }
-                        _ => {
-                            fx.assumed.push(format!(
-                                "recent `{name}`: this {whose} is not on the list (no earlier packet put it there)"
-                            ));
-                            false
-                        }
-                    };
-                    tri(hit, *neg)
-                }
+                } => recent(pkt, fx, *cmd, name, *rdest, *hitcount, *neg),
                 Cond::Assumed { answer, assumption } => {
                     fx.assumed.push(assumption.clone());
                     tri(*answer, false)
                 }
                 Cond::NoHeader(_) => Tri::No,
-                Cond::PktType(want, neg) => match self.pkt_type(pkt) {
+                Cond::PktType(want, neg) => match pkt_type(&self.routes, pkt) {
                     Some((ty, assumption)) => {
                         if let Some(a) = assumption {
                             fx.assumed.push(a);
@@ -1268,49 +1204,6 @@ impl<'a> Simulator<'a> {
             }
         }
         Tri::Yes
-    }
-}
-
-/// `-m conntrack --ctproto/--ctorig*/--ctrepl*` as xt_conntrack answers them. Without a
-/// conntrack entry (raw, untracked, invalid) the match is false, unless it also had
-/// `--ctstate` (which then decided). The tuples are known for the first packet of a
-/// connection: the original one is the packet as conntrack first saw it, the reply one the
-/// packet's current addresses reversed (NAT rewrites it as it translates).
-fn ct_tuple(pkt: &Pkt, field: &CtField, neg: bool, with_state: bool) -> Tri {
-    if !pkt.has_ct() {
-        return if with_state { Tri::Yes } else { Tri::No };
-    }
-    if let CtField::Proto(p) = field {
-        return tri(pkt.proto == *p, neg);
-    }
-    let unknown = |why: &str| Tri::Unknown(format!("conntrack tuple match: {why}"));
-    if pkt.state != CtState::New {
-        return unknown(&format!(
-            "the tuples of an {} connection are not known (only a new connection's are)",
-            pkt.state.name()
-        ));
-    }
-    let reply_known = pkt.src_label.is_none() && pkt.dst_label.is_none();
-    let tuple = match field {
-        CtField::Addr { reply: false, .. } | CtField::Port { reply: false, .. } => pkt.orig,
-        _ if reply_known => Some((pkt.dst, pkt.src, pkt.dport, pkt.sport)),
-        _ => None,
-    };
-    let Some((src, dst, sport, dport)) = tuple else {
-        return unknown("the connection's addresses before NAT are not known");
-    };
-    match field {
-        CtField::Proto(_) => unreachable!("answered above"),
-        CtField::Addr { src: s, net, .. } => tri(net.contains(if *s { src } else { dst }), neg),
-        CtField::Port { src: s, lo, hi, .. } => {
-            if !matches!(pkt.proto, 6 | 17 | 33 | 132 | 136) {
-                return unknown("ports of a protocol without ports");
-            }
-            match if *s { sport } else { dport } {
-                Some(p) => tri(*lo <= p && p <= *hi, neg),
-                None => unknown("the packet's ports are not known"),
-            }
-        }
     }
 }
 
