@@ -8,6 +8,7 @@ mod matches;
 mod nft_walk;
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::IpAddr;
 
@@ -194,10 +195,13 @@ struct Pkt {
     recent_set: Vec<(String, bool)>,
     /// Assumptions stateful matches were answered under, for the branch's notes.
     assumed: Vec<String>,
+    /// Filled while one rule's matches are evaluated (which reads the packet only), then
+    /// taken by the walk.
+    fx: RefCell<Effects>,
 }
 
 /// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
-#[derive(Default)]
+#[derive(Debug, Clone, Default)]
 struct Effects {
     recent_set: Vec<(String, bool)>,
     assumed: Vec<String>,
@@ -366,6 +370,7 @@ impl<'a> Simulator<'a> {
                     .then_some((input.src, input.dst, input.sport, input.dport)),
                 recent_set: Vec::new(),
                 assumed: Vec::new(),
+                fx: RefCell::default(),
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -449,6 +454,7 @@ impl<'a> Simulator<'a> {
                 .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
             recent_set: Vec::new(),
             assumed: Vec::new(),
+            fx: RefCell::default(),
         };
         let mut b = Branch {
             probability: 1.0,
@@ -728,11 +734,15 @@ impl<'a> Simulator<'a> {
             *pos += 1;
             let rule = &chain.rules[ri];
             let comp = &pt.compiled[ci][ri];
-            let before = pkt.assumed.len();
             let tri = self.eval(&comp.conds, hook, pkt, ch);
-            for a in &mut pkt.assumed[before..] {
-                *a = format!("assumed at {} {}#{}: {a}", table.name, chain.name, ri + 1);
-            }
+            // What the matches left behind: `recent --set` lists, assumptions (named by rule).
+            let fx = pkt.fx.take();
+            pkt.recent_set.extend(fx.recent_set);
+            pkt.assumed.extend(
+                fx.assumed
+                    .into_iter()
+                    .map(|a| format!("assumed at {} {}#{}: {a}", table.name, chain.name, ri + 1)),
+            );
             match tri {
                 Tri::No => continue,
                 Tri::Unknown(why) => {
@@ -985,24 +995,7 @@ impl<'a> Simulator<'a> {
             .map(|r| r.dst.addr)
     }
 
-    /// Evaluates a rule's matches in order, as the kernel does, and keeps what they left
-    /// behind (`recent --set`, assumptions) on the packet.
-    fn eval(&self, conds: &[Cond], hook: Hook, pkt: &mut Pkt, ch: &mut Chooser) -> Tri {
-        let mut fx = Effects::default();
-        let r = self.eval_conds(conds, hook, pkt, ch, &mut fx);
-        pkt.recent_set.append(&mut fx.recent_set);
-        pkt.assumed.append(&mut fx.assumed);
-        r
-    }
-
-    fn eval_conds(
-        &self,
-        conds: &[Cond],
-        hook: Hook,
-        pkt: &Pkt,
-        ch: &mut Chooser,
-        fx: &mut Effects,
-    ) -> Tri {
+    fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
         // ip_output() hands the hook skb->dev as the input device, so a forwarded packet still
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
@@ -1155,16 +1148,16 @@ impl<'a> Simulator<'a> {
                     rdest,
                     hitcount,
                     neg,
-                } => recent(pkt, fx, *cmd, name, *rdest, *hitcount, *neg),
+                } => recent(pkt, *cmd, name, *rdest, *hitcount, *neg),
                 Cond::Assumed { answer, assumption } => {
-                    fx.assumed.push(assumption.clone());
+                    pkt.fx.borrow_mut().assumed.push(assumption.clone());
                     tri(*answer, false)
                 }
                 Cond::NoHeader(_) => Tri::No,
                 Cond::PktType(want, neg) => match pkt_type(&self.routes, pkt) {
                     Some((ty, assumption)) => {
                         if let Some(a) = assumption {
-                            fx.assumed.push(a);
+                            pkt.fx.borrow_mut().assumed.push(a);
                         }
                         let want = if want == "host" {
                             "unicast"

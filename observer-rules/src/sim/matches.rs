@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 
-use super::{Effects, Pkt, Tri, tri};
+use super::{Pkt, Tri, tri};
 use crate::compile::{CtField, RecentCmd};
 use crate::packet::CtState;
 use crate::route::Routes;
@@ -93,13 +93,13 @@ pub(super) fn pkt_type(routes: &Routes, pkt: &Pkt) -> Option<(&'static str, Opti
 /// else depends on earlier packets: answered as "not on the list" / "too few hits", stated.
 pub(super) fn recent(
     pkt: &Pkt,
-    fx: &mut Effects,
     cmd: RecentCmd,
     name: &str,
     rdest: bool,
     hitcount: Option<u32>,
     neg: bool,
 ) -> Tri {
+    let mut fx = pkt.fx.borrow_mut();
     let on_list = pkt
         .recent_set
         .iter()
