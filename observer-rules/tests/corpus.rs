@@ -206,10 +206,9 @@ fn pool(file: &SaveFile, v6: bool) -> Pool {
     let mut ports = vec![
         22, 25, 53, 67, 68, 80, 123, 443, 500, 1194, 5432, 8080, 40000, 51820,
     ];
-    let mut ifaces: Vec<String> = ["eth0", "eth1", "lo"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    // Not lo: what arrives there is the node's own packet looping back (sent, below, to a
+    // local or loopback address), which keeps the route it left with.
+    let mut ifaces: Vec<String> = ["eth0", "eth1"].iter().map(|s| s.to_string()).collect();
     for t in &file.tables {
         for c in &t.chains {
             for r in &c.rules {
@@ -231,7 +230,8 @@ fn pool(file: &SaveFile, v6: bool) -> Pool {
                             ..
                         } => {
                             let name = value.trim_end_matches('+');
-                            if !name.is_empty() && !ifaces.iter().any(|i| i == name) {
+                            if !name.is_empty() && name != "lo" && !ifaces.iter().any(|i| i == name)
+                            {
                                 ifaces.push(name.to_string());
                             }
                         }
@@ -287,6 +287,20 @@ fn random_packet(r: &mut Rng, p: &Pool, v6: bool) -> PacketSpec {
     };
     // A sixth are sent by the node itself (OUTPUT), the rest arrive on an interface.
     let in_iface = (!r.chance(16)).then(|| r.pick(&p.ifaces).clone());
+    // Addresses as traffic has them: loopback ones only as the destination of what the node
+    // sends (from outside they are martians the kernel drops unless route_localnet is set),
+    // multicast groups likewise (delivery of a received one depends on the groups its
+    // sockets joined, which are not among the inputs).
+    let local = in_iface.is_none();
+    let fits = |a: &IpAddr, dst: bool| (local && dst) || !(a.is_loopback() || a.is_multicast());
+    // Bounded: most of the pool fits, so a draw fits within a few tries.
+    let mut draw = |dst: bool| {
+        (0..1000)
+            .map(|_| *r.pick(&p.addrs))
+            .find(|a| fits(a, dst))
+            .expect("the address pool has addresses that fit")
+    };
+    let (src, dst) = (draw(false), draw(true));
     let ct_state = match r.below(100) {
         0..60 => CtState::New,
         60..90 => CtState::Established,
@@ -295,8 +309,8 @@ fn random_packet(r: &mut Rng, p: &Pool, v6: bool) -> PacketSpec {
     };
     PacketSpec {
         proto,
-        src: *r.pick(&p.addrs),
-        dst: *r.pick(&p.addrs),
+        src,
+        dst,
         sport: has_ports.then(|| port(r)),
         dport: has_ports.then(|| port(r)),
         in_iface,
@@ -366,8 +380,8 @@ fn random_packets_are_decided_on_real_world_rulesets() {
                     let why = b
                         .stages
                         .iter()
-                        .rev()
-                        .find_map(|s| s.note.clone())
+                        .find(|s| s.verdict == Verdict::Undecidable)
+                        .and_then(|s| s.note.clone())
                         .or_else(|| b.notes.last().cloned())
                         .unwrap_or_else(|| "?".into());
                     // Rule positions differ between packets; group by the reason itself.
