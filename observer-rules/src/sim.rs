@@ -27,6 +27,9 @@ use observer_model::endpoint_text as fmt_endpoint;
 const MAX_BRANCHES: usize = 256;
 /// The kernel limits jump depth too; a loop in a hand-written ruleset must not hang us.
 const MAX_DEPTH: usize = 64;
+/// Rules one walk may evaluate, at least: a `goto` loop never deepens the stack, so the
+/// depth guard cannot see it; this bound can (4 evaluations per rule of the ruleset, when more).
+const MIN_WALK_STEPS: usize = 10_000;
 
 /// Hooks and verdicts are the model's (`observer-model`), shared with the live tracer.
 pub use observer_model::{Hook, Verdict};
@@ -139,8 +142,29 @@ pub struct Simulator<'a> {
     nft: Option<Program>,
     /// Per family: iptables-nft tables come from iptables-save, so nft leaves them out.
     nft_skip_iptables: [bool; 2],
+    /// Rules one walk may evaluate (see [`MIN_WALK_STEPS`]).
+    step_limit: usize,
     /// (family, table, chain, 1-based index) of an iptables rule -> its iptables-nft handle.
     ipt_handles: HashMap<(usize, String, String, usize), u64>,
+}
+
+/// The walk budget: a valid ruleset's walk evaluates each rule about once (a chain jumped to
+/// from several places, a few times); [`MIN_WALK_STEPS`] covers small rulesets.
+fn step_limit(v4: &SaveFile, v6: &SaveFile, nft: Option<&NftRuleset>) -> usize {
+    let ipt: usize = [v4, v6]
+        .iter()
+        .flat_map(|f| &f.tables)
+        .flat_map(|t| &t.chains)
+        .map(|c| c.rules.len())
+        .sum();
+    let nft: usize = nft.map_or(0, |n| {
+        n.tables
+            .iter()
+            .flat_map(|t| &t.chains)
+            .map(|c| c.rules.len())
+            .sum()
+    });
+    MIN_WALK_STEPS.max((ipt + nft).saturating_mul(4))
 }
 
 fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
@@ -241,9 +265,35 @@ fn iface_match(pattern: &str, name: Option<&str>) -> bool {
 struct Chooser {
     prefix: Vec<bool>,
     log: Vec<(f64, bool)>,
+    /// Rules evaluated so far in this walk, and the most it may evaluate.
+    steps: usize,
+    limit: usize,
 }
 
 impl Chooser {
+    fn new(prefix: Vec<bool>, limit: usize) -> Self {
+        Self {
+            prefix,
+            log: Vec::new(),
+            steps: 0,
+            limit,
+        }
+    }
+
+    /// Counts one rule evaluation; false once the walk has used its budget.
+    fn step(&mut self) -> bool {
+        self.steps += 1;
+        self.steps <= self.limit
+    }
+
+    fn exceeded(&self) -> bool {
+        self.steps > self.limit
+    }
+
+    fn exceeded_why(&self) -> String {
+        format!("rule walk exceeded {} steps (loop?)", self.limit)
+    }
+
     fn choose(&mut self, p_true: f64) -> bool {
         let c = match self.prefix.get(self.log.len()) {
             Some(&c) => c,
@@ -262,6 +312,7 @@ enum TableResult {
 impl<'a> Simulator<'a> {
     pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
         Self {
+            step_limit: step_limit(v4, v6, None),
             tables: [prepare(v4, false), prepare(v6, true)],
             files: [Cow::Borrowed(v4), Cow::Borrowed(v6)],
             ipsets: Cow::Borrowed(ipsets),
@@ -277,6 +328,7 @@ impl<'a> Simulator<'a> {
     /// tracer keeps one per ruleset generation).
     pub fn owned(v4: SaveFile, v6: SaveFile, ipsets: Ipsets, routes: Routes) -> Simulator<'static> {
         Simulator {
+            step_limit: step_limit(&v4, &v6, None),
             tables: [prepare(&v4, false), prepare(&v6, true)],
             files: [Cow::Owned(v4), Cow::Owned(v6)],
             ipsets: Cow::Owned(ipsets),
@@ -309,7 +361,13 @@ impl<'a> Simulator<'a> {
             }
         }
         self.nft = Some(prog);
+        self.step_limit = step_limit(&self.files[0], &self.files[1], Some(rs));
         self
+    }
+
+    /// The most rules one walk evaluates before it answers undecidable (a loop guard).
+    pub fn step_limit(&self) -> usize {
+        self.step_limit
     }
 
     /// The compiled native ruleset, if any.
@@ -376,11 +434,23 @@ impl<'a> Simulator<'a> {
                 break;
             }
             let plen = prefix.len();
-            let mut ch = Chooser {
-                prefix,
-                log: Vec::new(),
-            };
+            let mut ch = Chooser::new(prefix, self.step_limit);
             let mut branch = walk(&mut ch);
+            if ch.exceeded() {
+                // The other draws of a looping walk loop too: list no more outcomes, so a
+                // loop costs one walk's budget, not one per random outcome.
+                branch.notes.push(format!(
+                    "{}: no further random outcome is listed",
+                    ch.exceeded_why()
+                ));
+                branch.probability = ch
+                    .log
+                    .iter()
+                    .map(|&(p, c)| if c { p } else { 1.0 - p })
+                    .product();
+                out.push(branch);
+                break;
+            }
             branch.probability = ch
                 .log
                 .iter()
@@ -396,6 +466,12 @@ impl<'a> Simulator<'a> {
                 }
             }
             out.push(branch);
+            // Outcomes deeper in the stack than the branch budget are never walked: keep the
+            // stack (and its prefixes) no larger than what is left, plus one to say so.
+            let room = MAX_BRANCHES.saturating_sub(out.len()) + 1;
+            if todo.len() > room {
+                todo.drain(..todo.len() - room);
+            }
         }
         out
     }
@@ -698,6 +774,9 @@ impl<'a> Simulator<'a> {
             if *pos >= chain.rules.len() {
                 stack.pop();
                 continue;
+            }
+            if !ch.step() {
+                return TableResult::Undecidable(ch.exceeded_why());
             }
             let ri = *pos;
             *pos += 1;

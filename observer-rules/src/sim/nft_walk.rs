@@ -95,6 +95,9 @@ impl Simulator<'_> {
                 stack.pop();
                 continue;
             }
+            if !ch.step() {
+                return TableResult::Undecidable(ch.exceeded_why());
+            }
             let ri = *pos;
             *pos += 1;
             let rule = &chain.rules[ri];
@@ -282,10 +285,7 @@ impl Simulator<'_> {
     /// True when one of the following matches fails whatever the random draws (no side effects).
     fn later_fails(&self, t: &PTable, rest: &[Stmt], hook: Hook, pkt: &Pkt) -> bool {
         let mut probe = pkt.clone();
-        let mut ch = super::Chooser {
-            prefix: Vec::new(),
-            log: Vec::new(),
-        };
+        let mut ch = super::Chooser::new(Vec::new(), usize::MAX);
         rest.iter()
             .take_while(|s| matches!(s, Stmt::Match { .. }))
             .any(|s| match s {
