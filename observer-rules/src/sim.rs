@@ -510,7 +510,13 @@ impl<'a> Simulator<'a> {
             verdict: Verdict::Accept,
             notes: Vec::new(),
         };
-        let hooks: Vec<Hook> = if spec.in_iface.is_some() {
+        let hooks: Vec<Hook> = if let Some(dev) = &spec.in_iface {
+            if let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev) {
+                b.route = "unroutable".into();
+                b.verdict = Verdict::Drop;
+                b.notes.push(why);
+                return b;
+            }
             vec![Hook::PreRouting]
         } else {
             // Locally generated: the route is chosen before OUTPUT.
@@ -567,9 +573,18 @@ impl<'a> Simulator<'a> {
                 .push("no routes given and no `out IFACE`: cannot tell INPUT from FORWARD".into());
             return None;
         } else {
-            match self.routes.lookup(pkt.dst) {
+            let decision = if spec.in_iface.is_some() {
+                self.routes.input(pkt.src, pkt.dst, pkt.proto)
+            } else {
+                self.routes.lookup(pkt.dst)
+            };
+            match decision {
                 RouteDecision::Local { .. } => true,
                 RouteDecision::Out { dev, .. } => {
+                    if !self.routes.has_local_table(pkt.v6) {
+                        // Not a guess made silently: a node address would be taken as remote.
+                        b.notes.push(Routes::missing_local_table(pkt.v6));
+                    }
                     pkt.out_iface = Some(dev);
                     false
                 }
@@ -577,6 +592,12 @@ impl<'a> Simulator<'a> {
                     b.route = "unroutable".into();
                     b.verdict = Verdict::Drop;
                     b.notes.push(format!("routing drops the packet: {why}"));
+                    return None;
+                }
+                RouteDecision::Unknown(why) => {
+                    b.route = "unknown".into();
+                    b.verdict = Verdict::Undecidable;
+                    b.notes.push(why);
                     return None;
                 }
             }
@@ -1005,6 +1026,9 @@ impl<'a> Simulator<'a> {
     }
 
     fn iface_addr(&self, dev: &str, v6: bool, masq: bool, dst: IpAddr) -> Option<IpAddr> {
+        if masq && let IpAddr::V6(d) = dst {
+            return self.masquerade_source6(dev, d).map(IpAddr::V6);
+        }
         if let Some(a) = self
             .iface_addrs
             .get(dev)
@@ -1032,6 +1056,63 @@ impl<'a> Simulator<'a> {
                     && r.dst.addr.is_ipv6() == v6
             })
             .map(|r| r.dst.addr)
+    }
+
+    /// The source IPv6 MASQUERADE picks: `ipv6_dev_get_saddr` over the node's addresses
+    /// (those given per interface and the local table's), ranked as RFC 6724 section 5 does:
+    /// appropriate scope first (a global address of another interface beats the outgoing
+    /// interface's link-local towards a global destination), then the outgoing interface,
+    /// matching label, longest common prefix. For a link-local or multicast destination only
+    /// the outgoing interface's addresses are candidates.
+    fn masquerade_source6(&self, dev: &str, dst: std::net::Ipv6Addr) -> Option<std::net::Ipv6Addr> {
+        use crate::net::{v6_label, v6_scope};
+        let mut cands: Vec<(&str, std::net::Ipv6Addr)> = Vec::new();
+        for (d, addrs) in &self.iface_addrs {
+            for a in addrs {
+                if let IpAddr::V6(a) = a {
+                    cands.push((d.as_str(), *a));
+                }
+            }
+        }
+        for r in &self.routes.routes {
+            if let (IpAddr::V6(a), "local", "local", 128, Some(d)) = (
+                r.dst.addr,
+                r.table.as_str(),
+                r.kind.as_str(),
+                r.dst.len,
+                r.dev.as_deref(),
+            ) {
+                cands.push((d, a));
+            }
+        }
+        let dst_scope = v6_scope(dst);
+        let own_link_only = dst.is_multicast() || dst_scope <= 2;
+        cands.retain(|(d, a)| {
+            !a.is_multicast() && !a.is_unspecified() && (!own_link_only || *d == dev)
+        });
+        let common = |a: std::net::Ipv6Addr| (u128::from(a) ^ u128::from(dst)).leading_zeros();
+        // Rule 2 as a sort key: adequate scopes (>= the destination's) first, smallest of
+        // them; then inadequate ones, largest first.
+        let scope_rank = |a: std::net::Ipv6Addr| {
+            let s = v6_scope(a);
+            if s >= dst_scope {
+                (0, s)
+            } else {
+                (1, u8::MAX - s)
+            }
+        };
+        cands
+            .iter()
+            .min_by_key(|(d, a)| {
+                (
+                    *a != dst, // rule 1: the same address
+                    scope_rank(*a),
+                    *d != dev,                     // rule 5: the outgoing interface
+                    v6_label(*a) != v6_label(dst), // rule 6: matching label
+                    std::cmp::Reverse(common(*a)), // rule 8: longest matching prefix
+                )
+            })
+            .map(|(_, a)| *a)
     }
 
     fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
@@ -1116,7 +1197,7 @@ impl<'a> Simulator<'a> {
                     } else {
                         self.routes
                             .addr_type(addr, dev)
-                            .map(|t| Ok(types.iter().any(|x| x == t)))
+                            .map(|t| t.map(|t| types.iter().any(|x| x == t)))
                     };
                     match answer {
                         Some(Ok(hit)) => tri(hit, *neg),
@@ -1169,7 +1250,7 @@ impl<'a> Simulator<'a> {
                         let valid = match self.routes.lookup(pkt.src) {
                             RouteDecision::Out { dev, .. } => *loose || Some(dev.as_str()) == in_if,
                             RouteDecision::Local { .. } => *accept_local,
-                            RouteDecision::Unroutable(_) => false,
+                            RouteDecision::Unroutable(_) | RouteDecision::Unknown(_) => false,
                         };
                         tri(valid, *invert)
                     }
