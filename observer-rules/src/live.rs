@@ -254,7 +254,7 @@ fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
         .filter(|t| t.name == "kube-proxy")
         .flat_map(|t| &t.chains)
         .find(|c| c.name == "mark-for-masquerade")?;
-    chain.rules.iter().find_map(|r| or_value(&r.expr))
+    chain.rules.iter().find_map(|r| or_value(&r.expr.value()))
 }
 
 /// The number in a `{"|": [{"meta": {"key": "mark"}}, N]}` anywhere in `v`.

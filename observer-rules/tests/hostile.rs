@@ -213,3 +213,137 @@ fn nft_two_chains_going_to_each_other_stop_at_the_bound() {
     );
     assert_loop_stopped(&nft(&doc));
 }
+
+#[test]
+fn nft_json_is_strict_about_policy_hook_and_type() {
+    let chain = |extra: &str| {
+        format!(
+            r#"{{"nftables":[{{"table":{{"family":"inet","name":"t","handle":1}}}},
+            {{"chain":{{"family":"inet","table":"t","name":"in","handle":2,{extra}}}}}]}}"#
+        )
+    };
+    for (extra, says) in [
+        (
+            r#""type":"filter","hook":"input","prio":0,"policy":"dorp""#,
+            "chain inet t in: `policy` \"dorp\" is neither accept nor drop",
+        ),
+        (
+            r#""type":"filter","hook":"inptu","prio":0,"policy":"drop""#,
+            "chain inet t in: `hook` \"inptu\" is not a netfilter hook",
+        ),
+        (
+            r#""type":"filtre","hook":"input","prio":0"#,
+            "chain inet t in: `type` \"filtre\" is not filter, nat or route",
+        ),
+    ] {
+        let e = observer_rules::parse_nft_json(&chain(extra))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{extra}: {e}");
+        assert!(e.contains("item 2"), "{e}");
+    }
+    assert!(
+        observer_rules::parse_nft_json(&chain(
+            r#""type":"filter","hook":"input","prio":0,"policy":"drop""#
+        ))
+        .is_ok()
+    );
+    // A field of the wrong kind is a JSON error with its line and column.
+    let e = observer_rules::parse_nft_json(r#"{"nftables":[{"table":{"family":"ip","name":7}}]}"#)
+        .unwrap_err();
+    assert!(e.message.contains("invalid type"), "{e}");
+    assert!(e.column > 1, "{e}");
+    let e = observer_rules::parse_nft_json(r#"{"nope":[]}"#).unwrap_err();
+    assert!(e.message.contains("nft -j list ruleset"), "{e}");
+}
+
+/// A kube-proxy-shaped nft dump of `n` services (about 700 bytes each).
+fn big_nft_dump(n: usize) -> String {
+    let mut items = vec![
+        r#"{"table":{"family":"ip","name":"kube-proxy","handle":1}}"#.to_string(),
+        r#"{"chain":{"family":"ip","table":"kube-proxy","name":"services","handle":2}}"#.into(),
+    ];
+    for i in 0..n {
+        let c = format!("service-{i:08x}-ns/svc{i}/tcp/p80");
+        let ip = format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255);
+        items.push(format!(
+            r#"{{"chain":{{"family":"ip","table":"kube-proxy","name":"{c}","handle":{}}}}}"#,
+            3 * i + 10
+        ));
+        items.push(format!(
+            r#"{{"rule":{{"family":"ip","table":"kube-proxy","chain":"services","handle":{},"expr":[{{"match":{{"op":"==","left":{{"payload":{{"protocol":"ip","field":"daddr"}}}},"right":"{ip}"}}}},{{"match":{{"op":"==","left":{{"payload":{{"protocol":"tcp","field":"dport"}}}},"right":80}}}},{{"counter":{{"packets":0,"bytes":0}}}},{{"goto":{{"target":"{c}"}}}}],"comment":"ns/svc{i}:http"}}}}"#,
+            3 * i + 11
+        ));
+        items.push(format!(
+            r#"{{"rule":{{"family":"ip","table":"kube-proxy","chain":"{c}","handle":{},"expr":[{{"mangle":{{"key":{{"meta":{{"key":"mark"}}}},"value":{{"|":[{{"meta":{{"key":"mark"}}}},16384]}}}}}},{{"dnat":{{"addr":"10.244.1.5","port":8080}}}}]}}}}"#,
+            3 * i + 12
+        ));
+    }
+    format!(r#"{{"nftables":[{}]}}"#, items.join(","))
+}
+
+/// The peak resident size of this process so far, from /proc (kB).
+fn peak_rss_kb() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Parsing an nft dump takes memory of the order of its size, not the ~30 times a generic
+/// JSON tree took. Measured in a child process of its own (this test binary, this test
+/// alone), so other tests running in parallel do not count.
+#[test]
+fn nft_json_parse_memory_is_of_the_order_of_the_file() {
+    const CHILD: &str = "OBSERVER_RULES_RSS_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let dump = big_nft_dump(40_000);
+        let before = peak_rss_kb();
+        let rs = observer_rules::parse_nft_json(&dump).unwrap();
+        let after = peak_rss_kb();
+        assert_eq!(rs.tables[0].chains.len(), 40_001);
+        println!(
+            "rss-probe size={} grew={}",
+            dump.len() / 1024,
+            after - before
+        );
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "nft_json_parse_memory_is_of_the_order_of_the_file",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .find_map(|l| l.find("rss-probe").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("no measurement in {text}"));
+    let num = |k: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (size, grew) = (num("size="), num("grew="));
+    eprintln!("{line}");
+    assert!(size > 20_000, "dump of {size} kB is too small to measure");
+    // A generic tree took ~30x; the typed model holds the rule text once, plus its index.
+    assert!(
+        grew < 4 * size,
+        "parsing a {size} kB dump grew the peak RSS by {grew} kB"
+    );
+}

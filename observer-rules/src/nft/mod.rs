@@ -9,9 +9,44 @@ pub mod value;
 
 use std::collections::HashMap;
 
+use serde::Deserialize;
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::error::ParseError;
+
+/// JSON kept as its text until it is compiled: a rule's `expr`, a set's `elem`. A generic
+/// tree of a whole dump takes ~30 times the file's size; the text takes its size, and each
+/// rule is read into a tree of its own only while it compiles.
+#[derive(Debug, Clone)]
+pub struct RawJson(Box<RawValue>);
+
+impl RawJson {
+    /// The text, exactly as in the dump (already checked to be JSON).
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The JSON as a tree (for one rule or set at a time).
+    pub fn value(&self) -> Value {
+        serde_json::from_str(self.0.get()).expect("checked to be JSON when the dump was read")
+    }
+
+    /// Parses `text` (tests and tools building a ruleset by hand).
+    pub fn parse(text: &str) -> Result<Self, serde_json::Error> {
+        RawValue::from_string(text.to_string()).map(Self)
+    }
+
+    fn is_array(&self) -> bool {
+        self.get().trim_start().starts_with('[')
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NftRuleset {
@@ -38,7 +73,7 @@ pub struct NftSet {
     pub map: Option<String>,
     pub flags: Vec<String>,
     /// `elem` verbatim; None when the dump lists no elements (an empty set).
-    pub elems: Option<Value>,
+    pub elems: Option<RawJson>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +92,7 @@ pub struct NftRule {
     pub handle: u64,
     pub comment: Option<String>,
     /// The rule's `expr` array, verbatim.
-    pub expr: Value,
+    pub expr: RawJson,
 }
 
 const IPTABLES_TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"];
@@ -123,115 +158,204 @@ fn strings(v: Option<&Value>) -> Vec<String> {
     }
 }
 
-/// Parses `nft -j list ruleset` output. Errors name the item (`item 12, rule ip t c`).
+/// One item of the `nftables` array, typed: what the simulator reads is taken, the rest
+/// (`metainfo`, `element`, `flowtable`, counters...) skipped without being kept.
+#[derive(Deserialize)]
+struct Doc {
+    nftables: Vec<Item>,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    table: Option<TableJ>,
+    chain: Option<ChainJ>,
+    rule: Option<RuleJ>,
+    set: Option<SetJ>,
+    map: Option<SetJ>,
+}
+
+#[derive(Deserialize)]
+struct TableJ {
+    family: String,
+    name: String,
+    handle: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct ChainJ {
+    family: String,
+    table: String,
+    name: String,
+    handle: Option<u64>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    hook: Option<String>,
+    prio: Option<Value>,
+    policy: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct RuleJ {
+    family: String,
+    table: String,
+    chain: String,
+    handle: Option<u64>,
+    comment: Option<String>,
+    expr: Option<Box<RawValue>>,
+}
+
+#[derive(Deserialize)]
+struct SetJ {
+    family: String,
+    table: String,
+    name: String,
+    handle: Option<u64>,
+    #[serde(rename = "type")]
+    key: Option<Value>,
+    map: Option<Value>,
+    flags: Option<Value>,
+    elem: Option<Box<RawValue>>,
+}
+
+/// The hooks nf_tables registers base chains on (every family's).
+const HOOKS: &[&str] = &[
+    "prerouting",
+    "input",
+    "forward",
+    "output",
+    "postrouting",
+    "ingress",
+    "egress",
+];
+
+/// Parses `nft -j list ruleset` output straight into the model (no generic tree of the
+/// whole dump). Errors name the item (`item 12, rule ip t c`), or the line and column where
+/// the JSON itself is wrong.
 pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
-    let mut v: Value = serde_json::from_str(text)
-        .map_err(|e| ParseError::new(e.line(), e.column(), format!("nft JSON: {e}")))?;
-    // Owned: rule expressions and set elements are moved out, not copied.
-    let items = v
-        .get_mut("nftables")
-        .and_then(Value::as_array_mut)
-        .ok_or_else(|| {
-            ParseError::new(
-                1,
-                1,
-                "nft JSON: expected {\"nftables\": [...]} (`nft -j list ruleset`)",
-            )
-        })?;
+    let doc: Doc = serde_json::from_str(text).map_err(|e| {
+        let hint = if e.is_data() && e.to_string().contains("missing field `nftables`") {
+            " (expected {\"nftables\": [...]}, `nft -j list ruleset`)"
+        } else {
+            ""
+        };
+        ParseError::new(e.line(), e.column(), format!("nft JSON: {e}{hint}"))
+    })?;
     let mut rs = NftRuleset::default();
     // Indices by name: a 5,000-service dump has 15,000 chains, so no linear searches per rule.
     let mut table_ix: HashMap<(String, String), usize> = HashMap::new();
     let mut chain_ix: Vec<HashMap<String, usize>> = Vec::new();
-    let s = |o: &Value, k: &str| o.get(k).and_then(Value::as_str).map(str::to_string);
-    let h = |o: &Value| o.get("handle").and_then(Value::as_u64).unwrap_or(0);
     let err =
         |i: usize, what: String| ParseError::new(1, 1, format!("nft JSON, item {}: {what}", i + 1));
-    for (i, item) in items.iter_mut().enumerate() {
-        if let Some(t) = item.get("table") {
-            let (family, name) = (
-                s(t, "family").unwrap_or_default(),
-                s(t, "name").unwrap_or_default(),
-            );
-            table_ix.insert((family, name), rs.tables.len());
+    let table_of =
+        |ix: &HashMap<(String, String), usize>, i: usize, kind: &str, fam: &str, tab: &str| {
+            ix.get(&(fam.to_string(), tab.to_string()))
+                .copied()
+                .ok_or_else(|| err(i, format!("{kind} in unknown table {fam} {tab}")))
+        };
+    for (i, item) in doc.nftables.into_iter().enumerate() {
+        if let Some(t) = item.table {
+            table_ix.insert((t.family.clone(), t.name.clone()), rs.tables.len());
             chain_ix.push(HashMap::new());
             rs.tables.push(NftTable {
-                family: s(t, "family").unwrap_or_default(),
-                name: s(t, "name").unwrap_or_default(),
-                handle: h(t),
+                family: t.family,
+                name: t.name,
+                handle: t.handle.unwrap_or(0),
                 chains: Vec::new(),
                 sets: Vec::new(),
             });
             continue;
         }
-        let Some(kind) = ["chain", "rule", "set", "map"]
-            .into_iter()
-            .find(|k| item.get(k).is_some())
-        else {
-            continue;
-        };
-        let o = &mut item[kind];
-        if !o.is_object() {
-            return Err(err(i, format!("{kind} is not an object")));
-        }
-        let (fam, tab) = (
-            s(o, "family").unwrap_or_default(),
-            s(o, "table").unwrap_or_default(),
-        );
-        let Some(&ti) = table_ix.get(&(fam.clone(), tab.clone())) else {
-            return Err(err(i, format!("{kind} in unknown table {fam} {tab}")));
-        };
-        let t = &mut rs.tables[ti];
-        match kind {
-            "chain" => {
-                let name = s(o, "name").unwrap_or_default();
-                chain_ix[ti].entry(name.clone()).or_insert(t.chains.len());
-                t.chains.push(NftChain {
-                    name,
-                    handle: h(o),
-                    kind: s(o, "type"),
-                    hook: s(o, "hook"),
-                    priority: prio(o.get("prio")),
-                    policy: s(o, "policy"),
-                    rules: Vec::new(),
-                });
+        if let Some(c) = item.chain {
+            let ti = table_of(&table_ix, i, "chain", &c.family, &c.table)?;
+            let place = format!("chain {} {} {}", c.family, c.table, c.name);
+            if let Some(h) = c.hook.as_deref()
+                && !HOOKS.contains(&h)
+            {
+                return Err(err(
+                    i,
+                    format!(
+                        "{place}: `hook` {h:?} is not a netfilter hook ({})",
+                        HOOKS.join(", ")
+                    ),
+                ));
             }
-            "rule" => {
-                let ch = s(o, "chain").unwrap_or_default();
-                let Some(c) = chain_ix[ti].get(&ch).map(|&ci| &mut t.chains[ci]) else {
-                    return Err(err(i, format!("rule in unknown chain {fam} {tab} {ch}")));
-                };
-                let expr = o.get_mut("expr").map(Value::take).unwrap_or(Value::Null);
-                if !expr.is_array() {
+            if let Some(p) = c.policy.as_deref()
+                && !matches!(p, "accept" | "drop")
+            {
+                return Err(err(
+                    i,
+                    format!("{place}: `policy` {p:?} is neither accept nor drop"),
+                ));
+            }
+            if let Some(k) = c.kind.as_deref()
+                && !matches!(k, "filter" | "nat" | "route")
+            {
+                return Err(err(
+                    i,
+                    format!("{place}: `type` {k:?} is not filter, nat or route"),
+                ));
+            }
+            let t = &mut rs.tables[ti];
+            chain_ix[ti].entry(c.name.clone()).or_insert(t.chains.len());
+            t.chains.push(NftChain {
+                name: c.name,
+                handle: c.handle.unwrap_or(0),
+                kind: c.kind,
+                hook: c.hook,
+                priority: prio(c.prio.as_ref()),
+                policy: c.policy,
+                rules: Vec::new(),
+            });
+            continue;
+        }
+        if let Some(r) = item.rule {
+            let ti = table_of(&table_ix, i, "rule", &r.family, &r.table)?;
+            let (fam, tab, ch) = (&r.family, &r.table, &r.chain);
+            let t = &mut rs.tables[ti];
+            let Some(c) = chain_ix[ti].get(ch).map(|&ci| &mut t.chains[ci]) else {
+                return Err(err(i, format!("rule in unknown chain {fam} {tab} {ch}")));
+            };
+            let handle = r.handle.unwrap_or(0);
+            let expr = match r.expr.map(RawJson) {
+                Some(e) if e.is_array() => e,
+                _ => {
                     return Err(err(
                         i,
-                        format!(
-                            "rule {fam} {tab} {ch} handle {}: `expr` is not a list",
-                            h(o)
-                        ),
+                        format!("rule {fam} {tab} {ch} handle {handle}: `expr` is not a list"),
                     ));
                 }
-                c.rules.push(NftRule {
-                    handle: h(o),
-                    comment: s(o, "comment"),
-                    expr,
-                });
-            }
-            _ => {
-                let name = s(o, "name").unwrap_or_default();
-                let key = strings(o.get("type"));
-                if key.is_empty() {
-                    return Err(err(i, format!("{kind} {fam} {tab} {name} has no `type`")));
-                }
-                t.sets.push(NftSet {
-                    name,
-                    handle: h(o),
-                    key,
-                    map: s(o, "map"),
-                    flags: strings(o.get("flags")),
-                    elems: o.get_mut("elem").map(Value::take),
-                });
-            }
+            };
+            c.rules.push(NftRule {
+                handle,
+                comment: r.comment,
+                expr,
+            });
+            continue;
         }
+        let (kind, set) = match (item.set, item.map) {
+            (Some(s), _) => ("set", s),
+            (None, Some(m)) => ("map", m),
+            (None, None) => continue,
+        };
+        let ti = table_of(&table_ix, i, kind, &set.family, &set.table)?;
+        let key = strings(set.key.as_ref());
+        if key.is_empty() {
+            return Err(err(
+                i,
+                format!(
+                    "{kind} {} {} {} has no `type`",
+                    set.family, set.table, set.name
+                ),
+            ));
+        }
+        rs.tables[ti].sets.push(NftSet {
+            name: set.name,
+            handle: set.handle.unwrap_or(0),
+            key,
+            map: set.map.as_ref().and_then(Value::as_str).map(str::to_string),
+            flags: strings(set.flags.as_ref()),
+            elems: set.elem.map(RawJson),
+        });
     }
     Ok(rs)
 }
