@@ -347,3 +347,47 @@ fn nft_json_parse_memory_is_of_the_order_of_the_file() {
         "parsing a {size} kB dump grew the peak RSS by {grew} kB"
     );
 }
+
+/// `tail` names the rules of each observed stage, and `replay` does so from a recording's
+/// ruleset, through `simulate_stage`: a loop there ends at the bound as well.
+#[test]
+fn observed_stage_on_a_looping_ruleset_is_bounded() {
+    let v4 = observer_rules::parse_save(
+        "*mangle\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n\
+         :OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:A - [0:0]\n:B - [0:0]\n\
+         -A PREROUTING -j A\n-A A -m statistic --mode random --probability 0.5 -g B\n\
+         -A A -g B\n-A B -g A\nCOMMIT\n",
+    )
+    .unwrap();
+    let (v6, sets, routes) = Default::default();
+    let sim = observer_rules::Simulator::new(&v4, &v6, &sets, &routes);
+    let input = observer_rules::StageInput {
+        hook: observer_rules::Hook::PreRouting,
+        window: (i32::MIN, i32::MAX),
+        proto: 6,
+        src: "198.51.100.7".parse().unwrap(),
+        dst: "10.0.0.2".parse().unwrap(),
+        sport: Some(40000),
+        dport: Some(22),
+        in_iface: Some("eth0".into()),
+        out_iface: None,
+        mark: 0,
+        ct_state: observer_rules::CtState::New,
+        ct_mark: Some(0),
+        dnat_done: false,
+        snat_done: false,
+        tcp_flags: 0x02,
+        icmp: (0, 0),
+    };
+    let t = Instant::now();
+    let branches = sim.simulate_stage(&input);
+    assert!(t.elapsed() < BOUND, "took {:?}", t.elapsed());
+    let b = &branches[0];
+    assert_eq!(b.verdict, Verdict::Undecidable);
+    let stage = b.stages.last().unwrap();
+    assert_eq!(
+        stage.note.as_deref(),
+        Some(format!("rule walk exceeded {} steps (loop?)", sim.step_limit()).as_str())
+    );
+    assert!(stage.rules.len() <= sim.step_limit());
+}
