@@ -355,7 +355,7 @@ impl Traversal {
             let names: Vec<String> = self
                 .names
                 .iter()
-                .map(|n| format!("{} = {} {}", e(&n.endpoint), e(&n.kind), e(&n.name)))
+                .map(|n| format!("{} = {} {}", e(&n.endpoint), n.kind, e(&n.name)))
                 .collect();
             let _ = writeln!(out, "  names: {}", names.join(", "));
         }
