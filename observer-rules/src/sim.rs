@@ -30,6 +30,8 @@ const MAX_DEPTH: usize = 64;
 /// Rules one walk may evaluate, at least: a `goto` loop never deepens the stack, so the
 /// depth guard cannot see it; this bound can (4 evaluations per rule of the ruleset, when more).
 const MIN_WALK_STEPS: usize = 10_000;
+/// Rules a stage lists when its walk ran out of steps.
+const LISTED_ON_LOOP: usize = 32;
 
 /// Hooks and verdicts are the model's (`observer-model`), shared with the live tracer.
 pub use observer_model::{Hook, Verdict};
@@ -294,6 +296,20 @@ impl Chooser {
         format!("rule walk exceeded {} steps (loop?)", self.limit)
     }
 
+    /// Ends a table walk that ran out of steps: the stage keeps the first rules it matched
+    /// (a loop repeats the same few thousands of times) and says how many there were.
+    fn out_of_steps(&self, stage: &mut Stage) -> TableResult {
+        let total = stage.rules.len();
+        let mut why = self.exceeded_why();
+        if total > LISTED_ON_LOOP {
+            stage.rules.truncate(LISTED_ON_LOOP);
+            why.push_str(&format!(
+                "; the first {LISTED_ON_LOOP} of the {total} rules it matched are listed"
+            ));
+        }
+        TableResult::Undecidable(why)
+    }
+
     fn choose(&mut self, p_true: f64) -> bool {
         let c = match self.prefix.get(self.log.len()) {
             Some(&c) => c,
@@ -439,10 +455,12 @@ impl<'a> Simulator<'a> {
             if ch.exceeded() {
                 // The other draws of a looping walk loop too: list no more outcomes, so a
                 // loop costs one walk's budget, not one per random outcome.
-                branch.notes.push(format!(
-                    "{}: no further random outcome is listed",
-                    ch.exceeded_why()
-                ));
+                if !ch.log.is_empty() || !todo.is_empty() {
+                    branch.notes.push(format!(
+                        "{}: no further random outcome is listed",
+                        ch.exceeded_why()
+                    ));
+                }
                 branch.probability = ch
                     .log
                     .iter()
@@ -797,7 +815,7 @@ impl<'a> Simulator<'a> {
                 continue;
             }
             if !ch.step() {
-                return TableResult::Undecidable(ch.exceeded_why());
+                return ch.out_of_steps(stage);
             }
             let ri = *pos;
             *pos += 1;

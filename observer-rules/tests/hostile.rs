@@ -50,7 +50,7 @@ fn assert_loop_stopped(e: &Explanation) {
     let last = b.stages.last().unwrap();
     let note = last.note.as_deref().unwrap_or_default();
     assert!(
-        note.starts_with("rule walk exceeded ") && note.ends_with(" steps (loop?)"),
+        note.starts_with("rule walk exceeded ") && note.contains(" steps (loop?)"),
         "{note}"
     );
     let n: usize = note
@@ -385,9 +385,13 @@ fn observed_stage_on_a_looping_ruleset_is_bounded() {
     let b = &branches[0];
     assert_eq!(b.verdict, Verdict::Undecidable);
     let stage = b.stages.last().unwrap();
-    assert_eq!(
-        stage.note.as_deref(),
-        Some(format!("rule walk exceeded {} steps (loop?)", sim.step_limit()).as_str())
+    let note = stage.note.as_deref().unwrap();
+    assert!(
+        note.starts_with(&format!(
+            "rule walk exceeded {} steps (loop?); the first 32 of the ",
+            sim.step_limit()
+        )),
+        "{note}"
     );
-    assert!(stage.rules.len() <= sim.step_limit());
+    assert_eq!(stage.rules.len(), 32);
 }

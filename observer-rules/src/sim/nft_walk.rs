@@ -96,7 +96,7 @@ impl Simulator<'_> {
                 continue;
             }
             if !ch.step() {
-                return TableResult::Undecidable(ch.exceeded_why());
+                return ch.out_of_steps(stage);
             }
             let ri = *pos;
             *pos += 1;
