@@ -3,8 +3,6 @@
 
 use std::net::IpAddr;
 
-use serde_json::Value;
-
 use crate::error::ParseError;
 use crate::net::Net;
 
@@ -54,18 +52,21 @@ fn v4_class(a: std::net::Ipv4Addr) -> (bool, bool, bool, bool) {
 }
 
 impl Routes {
-    /// Parses one or more `ip -j route` JSON arrays. Every entry must be an object with a
-    /// valid `dst` (a prefix or `default`); an entry that is not is an error naming it, never
-    /// skipped (a skipped route would change where packets go).
+    /// Parses one or more `ip -j route` JSON arrays, typed (no generic tree of the input).
+    /// Every entry must be an object with a valid `dst` (a prefix or `default`); an entry
+    /// that is not is an error naming it, never skipped (a skipped route would change where
+    /// packets go).
     pub fn parse_json(texts: &[&str]) -> Result<Routes, ParseError> {
         let mut routes = Vec::new();
         for text in texts {
-            let v: Value = serde_json::from_str(text)
-                .map_err(|e| ParseError::new(e.line(), e.column(), format!("route JSON: {e}")))?;
-            let arr = v.as_array().ok_or_else(|| {
-                ParseError::new(1, 1, "route JSON: expected an array (`ip -j route`)")
+            let entries: Vec<RouteJ> = serde_json::from_str(text).map_err(|e| {
+                ParseError::new(
+                    e.line(),
+                    e.column(),
+                    format!("route JSON: {e} (`ip -j route show table all` output expected)"),
+                )
             })?;
-            for (i, r) in arr.iter().enumerate() {
+            for (i, r) in entries.into_iter().enumerate() {
                 routes.push(parse_route(i, r)?);
             }
         }
@@ -289,8 +290,21 @@ impl Routes {
     }
 }
 
+/// One entry of `ip -j route`, as read: what the simulator uses; other fields are skipped.
+#[derive(serde::Deserialize)]
+struct RouteJ {
+    dst: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    table: Option<String>,
+    dev: Option<String>,
+    gateway: Option<String>,
+    prefsrc: Option<String>,
+    metric: Option<u64>,
+}
+
 /// One entry of `ip -j route`; errors name the entry (1-based) and the field.
-fn parse_route(i: usize, r: &Value) -> Result<Route, ParseError> {
+fn parse_route(i: usize, r: RouteJ) -> Result<Route, ParseError> {
     let err = |what: String| {
         ParseError::new(
             1,
@@ -301,32 +315,22 @@ fn parse_route(i: usize, r: &Value) -> Result<Route, ParseError> {
             ),
         )
     };
-    if !r.is_object() {
-        return Err(err("not an object".into()));
-    }
-    let text = |k: &str| -> Result<Option<&str>, ParseError> {
-        match r.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(other) => Err(err(format!("`{k}` is {other}, not a string"))),
-        }
-    };
-    let addr = |k: &str| -> Result<Option<IpAddr>, ParseError> {
-        text(k)?
+    let addr = |k: &str, v: &Option<String>| -> Result<Option<IpAddr>, ParseError> {
+        v.as_deref()
             .map(|a| {
                 a.parse::<IpAddr>()
                     .map_err(|_| err(format!("`{k}` {a:?} is not an address")))
             })
             .transpose()
     };
-    let gateway = addr("gateway")?;
-    let prefsrc = addr("prefsrc")?;
-    let Some(dst) = text("dst")? else {
+    let gateway = addr("gateway", &r.gateway)?;
+    let prefsrc = addr("prefsrc", &r.prefsrc)?;
+    let Some(dst) = r.dst.as_deref() else {
         return Err(err("no `dst`".into()));
     };
     let net = if dst == "default" {
         // The family of a default route shows in its gateway (or prefsrc); without either it
-        // is taken as IPv4 (`ip -j -6 route` prints IPv6 defaults with a gateway or `dev`).
+        // is taken as IPv4 (`ip -j -6 route` prints IPv6 defaults with a gateway).
         let v6 = gateway.or(prefsrc).is_some_and(|g| g.is_ipv6());
         Net {
             addr: if v6 {
@@ -344,20 +348,14 @@ fn parse_route(i: usize, r: &Value) -> Result<Route, ParseError> {
             return Err(err(format!("`{k}` is not of the family of `dst` {dst}")));
         }
     }
-    let metric = match r.get("metric") {
-        None | Some(Value::Null) => 0,
-        Some(m) => m
-            .as_u64()
-            .ok_or_else(|| err(format!("`metric` {m} is not a number")))?,
-    };
     Ok(Route {
         dst: net,
-        kind: text("type")?.unwrap_or("unicast").to_string(),
-        table: text("table")?.unwrap_or("main").to_string(),
-        dev: text("dev")?.map(str::to_string),
+        kind: r.kind.unwrap_or_else(|| "unicast".into()),
+        table: r.table.unwrap_or_else(|| "main".into()),
+        dev: r.dev,
         gateway,
         prefsrc,
-        metric,
+        metric: r.metric.unwrap_or(0),
     })
 }
 
@@ -528,8 +526,11 @@ mod tests {
             ),
             (r#"[{"dst":"10.0.0.0/33"}]"#, "entry 1: `dst`"),
             (r#"[{"dev":"eth0"}]"#, "entry 1: no `dst`"),
-            (r#"[{"dst":42}]"#, "entry 1: `dst` is 42"),
-            (r#"["10.0.0.0/8"]"#, "entry 1: not an object"),
+            (
+                r#"[{"dst":42}]"#,
+                "invalid type: integer `42`, expected a string",
+            ),
+            (r#"["10.0.0.0/8"]"#, "expected struct RouteJ"),
             (
                 r#"[{"dst":"default","gateway":"10.0.0.256"}]"#,
                 "`gateway` \"10.0.0.256\"",
@@ -538,7 +539,11 @@ mod tests {
                 r#"[{"dst":"10.0.0.0/8","prefsrc":"fd00::1"}]"#,
                 "`prefsrc` is not of the family",
             ),
-            (r#"[{"dst":"10.0.0.0/8","metric":"low"}]"#, "`metric`"),
+            (
+                r#"[{"dst":"10.0.0.0/8","metric":"low"}]"#,
+                "invalid type: string \"low\", expected u64",
+            ),
+            (r#"{"dst":"10.0.0.0/8"}"#, "expected a sequence"),
         ] {
             let e = Routes::parse_json(&[json]).unwrap_err().to_string();
             assert!(e.contains(says), "{json}: {e}");
