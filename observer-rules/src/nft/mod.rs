@@ -161,11 +161,6 @@ fn strings(v: Option<&Value>) -> Vec<String> {
 /// One item of the `nftables` array, typed: what the simulator reads is taken, the rest
 /// (`metainfo`, `element`, `flowtable`, counters...) skipped without being kept.
 #[derive(Deserialize)]
-struct Doc {
-    nftables: Vec<Item>,
-}
-
-#[derive(Deserialize)]
 struct Item {
     table: Option<TableJ>,
     chain: Option<ChainJ>,
@@ -228,50 +223,51 @@ const HOOKS: &[&str] = &[
     "egress",
 ];
 
-/// Parses `nft -j list ruleset` output straight into the model (no generic tree of the
-/// whole dump). Errors name the item (`item 12, rule ip t c`), or the line and column where
-/// the JSON itself is wrong.
-pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
-    let doc: Doc = serde_json::from_str(text).map_err(|e| {
-        let hint = if e.is_data() && e.to_string().contains("missing field `nftables`") {
-            " (expected {\"nftables\": [...]}, `nft -j list ruleset`)"
-        } else {
-            ""
-        };
-        ParseError::new(e.line(), e.column(), format!("nft JSON: {e}{hint}"))
-    })?;
-    let mut rs = NftRuleset::default();
+/// Builds the model one item at a time, as the parser reads them.
+#[derive(Default)]
+struct Builder {
+    rs: NftRuleset,
     // Indices by name: a 5,000-service dump has 15,000 chains, so no linear searches per rule.
-    let mut table_ix: HashMap<(String, String), usize> = HashMap::new();
-    let mut chain_ix: Vec<HashMap<String, usize>> = Vec::new();
-    let err =
-        |i: usize, what: String| ParseError::new(1, 1, format!("nft JSON, item {}: {what}", i + 1));
-    let table_of =
-        |ix: &HashMap<(String, String), usize>, i: usize, kind: &str, fam: &str, tab: &str| {
-            ix.get(&(fam.to_string(), tab.to_string()))
-                .copied()
-                .ok_or_else(|| err(i, format!("{kind} in unknown table {fam} {tab}")))
-        };
-    for (i, item) in doc.nftables.into_iter().enumerate() {
+    table_ix: HashMap<(String, String), usize>,
+    chain_ix: Vec<HashMap<String, usize>>,
+    items: usize,
+    /// The first error in the model (unknown table, bad policy...), said as is.
+    failed: Option<ParseError>,
+}
+
+fn item_err(i: usize, what: String) -> ParseError {
+    ParseError::new(1, 1, format!("nft JSON, item {}: {what}", i + 1))
+}
+
+impl Builder {
+    fn table_of(&self, i: usize, kind: &str, fam: &str, tab: &str) -> Result<usize, ParseError> {
+        self.table_ix
+            .get(&(fam.to_string(), tab.to_string()))
+            .copied()
+            .ok_or_else(|| item_err(i, format!("{kind} in unknown table {fam} {tab}")))
+    }
+
+    fn add(&mut self, i: usize, item: Item) -> Result<(), ParseError> {
         if let Some(t) = item.table {
-            table_ix.insert((t.family.clone(), t.name.clone()), rs.tables.len());
-            chain_ix.push(HashMap::new());
-            rs.tables.push(NftTable {
+            self.table_ix
+                .insert((t.family.clone(), t.name.clone()), self.rs.tables.len());
+            self.chain_ix.push(HashMap::new());
+            self.rs.tables.push(NftTable {
                 family: t.family,
                 name: t.name,
                 handle: t.handle.unwrap_or(0),
                 chains: Vec::new(),
                 sets: Vec::new(),
             });
-            continue;
+            return Ok(());
         }
         if let Some(c) = item.chain {
-            let ti = table_of(&table_ix, i, "chain", &c.family, &c.table)?;
+            let ti = self.table_of(i, "chain", &c.family, &c.table)?;
             let place = format!("chain {} {} {}", c.family, c.table, c.name);
             if let Some(h) = c.hook.as_deref()
                 && !HOOKS.contains(&h)
             {
-                return Err(err(
+                return Err(item_err(
                     i,
                     format!(
                         "{place}: `hook` {h:?} is not a netfilter hook ({})",
@@ -282,7 +278,7 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
             if let Some(p) = c.policy.as_deref()
                 && !matches!(p, "accept" | "drop")
             {
-                return Err(err(
+                return Err(item_err(
                     i,
                     format!("{place}: `policy` {p:?} is neither accept nor drop"),
                 ));
@@ -290,13 +286,15 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
             if let Some(k) = c.kind.as_deref()
                 && !matches!(k, "filter" | "nat" | "route")
             {
-                return Err(err(
+                return Err(item_err(
                     i,
                     format!("{place}: `type` {k:?} is not filter, nat or route"),
                 ));
             }
-            let t = &mut rs.tables[ti];
-            chain_ix[ti].entry(c.name.clone()).or_insert(t.chains.len());
+            let t = &mut self.rs.tables[ti];
+            self.chain_ix[ti]
+                .entry(c.name.clone())
+                .or_insert(t.chains.len());
             t.chains.push(NftChain {
                 name: c.name,
                 handle: c.handle.unwrap_or(0),
@@ -306,20 +304,23 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
                 policy: c.policy,
                 rules: Vec::new(),
             });
-            continue;
+            return Ok(());
         }
         if let Some(r) = item.rule {
-            let ti = table_of(&table_ix, i, "rule", &r.family, &r.table)?;
+            let ti = self.table_of(i, "rule", &r.family, &r.table)?;
             let (fam, tab, ch) = (&r.family, &r.table, &r.chain);
-            let t = &mut rs.tables[ti];
-            let Some(c) = chain_ix[ti].get(ch).map(|&ci| &mut t.chains[ci]) else {
-                return Err(err(i, format!("rule in unknown chain {fam} {tab} {ch}")));
+            let t = &mut self.rs.tables[ti];
+            let Some(c) = self.chain_ix[ti].get(ch).map(|&ci| &mut t.chains[ci]) else {
+                return Err(item_err(
+                    i,
+                    format!("rule in unknown chain {fam} {tab} {ch}"),
+                ));
             };
             let handle = r.handle.unwrap_or(0);
             let expr = match r.expr.map(RawJson) {
                 Some(e) if e.is_array() => e,
                 _ => {
-                    return Err(err(
+                    return Err(item_err(
                         i,
                         format!("rule {fam} {tab} {ch} handle {handle}: `expr` is not a list"),
                     ));
@@ -330,17 +331,17 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
                 comment: r.comment,
                 expr,
             });
-            continue;
+            return Ok(());
         }
         let (kind, set) = match (item.set, item.map) {
             (Some(s), _) => ("set", s),
             (None, Some(m)) => ("map", m),
-            (None, None) => continue,
+            (None, None) => return Ok(()),
         };
-        let ti = table_of(&table_ix, i, kind, &set.family, &set.table)?;
+        let ti = self.table_of(i, kind, &set.family, &set.table)?;
         let key = strings(set.key.as_ref());
         if key.is_empty() {
-            return Err(err(
+            return Err(item_err(
                 i,
                 format!(
                     "{kind} {} {} {} has no `type`",
@@ -348,7 +349,7 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
                 ),
             ));
         }
-        rs.tables[ti].sets.push(NftSet {
+        self.rs.tables[ti].sets.push(NftSet {
             name: set.name,
             handle: set.handle.unwrap_or(0),
             key,
@@ -356,8 +357,89 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
             flags: strings(set.flags.as_ref()),
             elems: set.elem.map(RawJson),
         });
+        Ok(())
     }
-    Ok(rs)
+}
+
+/// The `nftables` array, read item by item into the builder (no list of items is kept).
+struct Items<'b>(&'b mut Builder);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Items<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Items<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("the `nftables` list")
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(item) = seq.next_element::<Item>()? {
+            let i = self.0.items;
+            self.0.items += 1;
+            if let Err(e) = self.0.add(i, item) {
+                self.0.failed = Some(e);
+                return Err(serde::de::Error::custom("invalid item"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The document: `{"nftables": [...]}`; other keys are skipped.
+struct DocSeed<'b>(&'b mut Builder);
+
+impl<'de> serde::de::DeserializeSeed<'de> for DocSeed<'_> {
+    type Value = bool;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for DocSeed<'_> {
+    type Value = bool;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object {\"nftables\": [...]}")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+        let mut seen = false;
+        while let Some(k) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if k == "nftables" && !seen {
+                seen = true;
+                map.next_value_seed(Items(&mut *self.0))?;
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(seen)
+    }
+}
+
+/// Parses `nft -j list ruleset` output straight into the model, item by item (no generic
+/// tree of the whole dump, no list of its items). Errors name the item (`item 12, rule ip t
+/// c`), or the line and column where the JSON itself is wrong.
+pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
+    let mut b = Builder::default();
+    let mut de = serde_json::Deserializer::from_str(text);
+    let seen = serde::de::DeserializeSeed::deserialize(DocSeed(&mut b), &mut de)
+        .and_then(|seen| de.end().map(|()| seen));
+    match seen {
+        Err(_) if b.failed.is_some() => Err(b.failed.take().expect("checked")),
+        Err(e) => Err(ParseError::new(
+            e.line(),
+            e.column(),
+            format!("nft JSON: {e}"),
+        )),
+        Ok(false) => Err(ParseError::new(
+            1,
+            1,
+            "nft JSON: expected {\"nftables\": [...]} (`nft -j list ruleset`)",
+        )),
+        Ok(true) => Ok(b.rs),
+    }
 }
 
 #[cfg(test)]
