@@ -1350,15 +1350,16 @@ mod perf {
     }
 
     /// Parsing is linear in the length of a rule: 500,000 matches (a 9.5 MB line) once took
-    /// 243 s because every token recounted the columns before it. Under 1 s in a release
-    /// build (`cargo test --release`); a debug build is about 3x slower, so it gets 4 s, still
-    /// far below what a quadratic parser needs. The growth from 125k to 500k matches must look
-    /// linear (4x; quadratic would be 16x), which holds in both builds.
+    /// 243 s because every token recounted the columns before it. Under 1 s in a release build
+    /// on a quiet machine, ~1.5 s in a debug build; the bound is 30 s so that it holds on a
+    /// loaded 2-core machine (5.2 s was seen at load 15) and is still far below what a
+    /// quadratic parser needs. The growth from 125k to 500k matches must look linear (4x;
+    /// quadratic would be 16x).
     #[test]
     fn half_a_million_matches_parse_in_linear_time() {
         let small = (0..3).map(|_| parse_matches(125_000)).min().unwrap();
         let big = (0..2).map(|_| parse_matches(500_000)).min().unwrap();
-        let bound = Duration::from_secs(if cfg!(debug_assertions) { 4 } else { 1 });
+        let bound = Duration::from_secs(30);
         eprintln!("125,000 matches: {small:?}; 500,000 matches: {big:?} (bound {bound:?})");
         assert!(big < bound, "500,000 matches took {big:?}");
         assert!(
