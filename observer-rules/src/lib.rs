@@ -7,6 +7,7 @@
 //! a guess. `explain` is the entry point the CLI wires up.
 
 pub mod check;
+pub mod bridge;
 pub mod compile;
 pub mod error;
 pub mod explain;
@@ -19,6 +20,7 @@ pub mod packet;
 pub mod route;
 pub mod sim;
 
+pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
 pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
