@@ -23,7 +23,9 @@ pub mod sim;
 pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
-pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
+pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with,
+    explain_with_bridges,
+};
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
 pub use live::{LiveError, LiveNode, LiveTexts};
