@@ -213,6 +213,9 @@ struct Pkt {
     bridged: bool,
     /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
     bridge_family: Option<String>,
+    /// False when simulating one observed stage: whether br_netfilter holds the packet is
+    /// not part of what the probes hand us, so `physdev` stays undecidable there.
+    nf_bridge_known: bool,
 }
 
 impl Pkt {
@@ -379,6 +382,7 @@ impl<'a> Simulator<'a> {
                 nf_bridge: None,
                 bridged: false,
                 bridge_family: None,
+                nf_bridge_known: false,
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -461,6 +465,7 @@ impl<'a> Simulator<'a> {
             nf_bridge: None,
             bridged: false,
             bridge_family: None,
+            nf_bridge_known: true,
         };
         let mut b = Branch {
             probability: 1.0,

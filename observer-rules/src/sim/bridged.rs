@@ -42,6 +42,11 @@ impl Simulator<'_> {
                 "physdev needs the bridge ports (--bridge-links / --links, or --live)".into(),
             );
         }
+        if !pkt.nf_bridge_known {
+            return Tri::Unknown(
+                "physdev: the bridge ports this packet passed are not known here".into(),
+            );
+        }
         let Some(nb) = &pkt.nf_bridge else {
             let all_inverted = [p.is_bridged, p.is_in, p.is_out]
                 .iter()
