@@ -664,6 +664,7 @@ mod tests {
             Route::Input,
             Route::Forward,
             Route::Output,
+            Route::Bridged,
             Route::Unroutable,
             Route::Unknown,
         ];

@@ -39,6 +39,9 @@ pub enum Route {
     Input,
     Forward,
     Output,
+    /// Forwarded by a bridge from port to port (br_netfilter walked it through the IP hooks),
+    /// not routed.
+    Bridged,
     /// Predicted only: routing drops the packet.
     Unroutable,
     /// Predicted only: no routes to decide with.
@@ -51,6 +54,7 @@ impl Route {
             Route::Input => "input",
             Route::Forward => "forward",
             Route::Output => "output",
+            Route::Bridged => "bridged",
             Route::Unroutable => "unroutable",
             Route::Unknown => "unknown",
         }

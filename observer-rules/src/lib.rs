@@ -7,6 +7,7 @@
 //! a guess. `explain` is the entry point the CLI wires up.
 
 pub mod check;
+pub mod bridge;
 pub mod compile;
 pub mod error;
 pub mod explain;
@@ -19,9 +20,12 @@ pub mod packet;
 pub mod route;
 pub mod sim;
 
+pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
-pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
+pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with,
+    explain_with_bridges,
+};
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
 pub use live::{LiveError, LiveNode, LiveTexts};

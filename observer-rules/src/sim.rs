@@ -4,12 +4,14 @@
 //! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
 //! tables by priority, in the kernel's order.
 
+mod bridged;
 mod nft_walk;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use crate::bridge::Bridges;
 use crate::compile::{
     Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
     compile,
@@ -141,6 +143,9 @@ pub struct Simulator<'a> {
     nft_skip_iptables: [bool; 2],
     /// (family, table, chain, 1-based index) of an iptables rule -> its iptables-nft handle.
     ipt_handles: HashMap<(usize, String, String, usize), u64>,
+    /// Bridge ports and br_netfilter's switches; empty when not given (`physdev` is then
+    /// undecidable and a frame entering a port is walked as if routed).
+    pub bridges: Bridges,
 }
 
 fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
@@ -164,6 +169,23 @@ fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
         .collect()
 }
 
+/// The port a bridged frame leaves by, as br_netfilter records it (`physoutdev`).
+#[derive(Debug, Clone, PartialEq)]
+enum PhysOut {
+    /// Not set (before bridge FORWARD, or the frame was routed).
+    None,
+    Port(String),
+    /// Bridged, but the inputs do not say to which port (why).
+    Unknown(String),
+}
+
+/// br_netfilter's record of a frame that entered through a bridge port (`nf_bridge_info`).
+#[derive(Debug, Clone, PartialEq)]
+struct NfBridge {
+    physin: String,
+    physout: PhysOut,
+}
+
 #[derive(Debug, Clone)]
 struct Pkt {
     v6: bool,
@@ -185,6 +207,15 @@ struct Pkt {
     ct_attached: bool,
     tcp_flags: u8,
     icmp: (u8, u8),
+    /// Set for a frame br_netfilter handed to the IP hooks; None for routed-only packets.
+    nf_bridge: Option<NfBridge>,
+    /// A bridged frame's IP POSTROUTING runs without an input device (`br_nf_post_routing`).
+    bridged: bool,
+    /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
+    bridge_family: Option<String>,
+    /// False when simulating one observed stage: whether br_netfilter holds the packet is
+    /// not part of what the probes hand us, so `physdev` stays undecidable there.
+    nf_bridge_known: bool,
 }
 
 impl Pkt {
@@ -270,6 +301,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -285,6 +317,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -346,6 +379,10 @@ impl<'a> Simulator<'a> {
                 ct_attached: false,
                 tcp_flags: input.tcp_flags,
                 icmp: input.icmp,
+                nf_bridge: None,
+                bridged: false,
+                bridge_family: None,
+                nf_bridge_known: false,
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -425,6 +462,10 @@ impl<'a> Simulator<'a> {
             icmp: spec
                 .icmp
                 .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
+            nf_bridge: None,
+            bridged: false,
+            bridge_family: None,
+            nf_bridge_known: true,
         };
         let mut b = Branch {
             probability: 1.0,
@@ -434,6 +475,12 @@ impl<'a> Simulator<'a> {
             verdict: Verdict::Accept,
             notes: Vec::new(),
         };
+        if let Some(port) = spec.in_iface.as_deref()
+            && let Some(bridge) = self.bridges.bridge_of(port)
+        {
+            let (port, bridge) = (port.to_string(), bridge.to_string());
+            return self.walk_bridged(spec, pkt, b, ch, &port, &bridge);
+        }
         let hooks: Vec<Hook> = if spec.in_iface.is_some() {
             vec![Hook::PreRouting]
         } else {
@@ -960,6 +1007,7 @@ impl<'a> Simulator<'a> {
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
             Hook::LocalOut => None,
+            Hook::PostRouting if pkt.bridged => None,
             _ => pkt.in_iface.as_deref(),
         };
         let out_if = match hook {
@@ -1095,6 +1143,7 @@ impl<'a> Simulator<'a> {
                         tri(valid, *invert)
                     }
                 }
+                Cond::Physdev(p) => self.physdev(p, pkt),
                 Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
                 Cond::Always(_) => Tri::Yes,
                 Cond::Unknown(t) => Tri::Unknown(format!("match not modelled: {t}")),

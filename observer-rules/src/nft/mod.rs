@@ -95,9 +95,17 @@ impl NftRuleset {
     }
 }
 
-fn prio(v: Option<&Value>) -> Option<i64> {
+fn prio(v: Option<&Value>, family: &str) -> Option<i64> {
     match v? {
         Value::Number(n) => n.as_i64(),
+        // The bridge family names its own priorities (nft(8), "PRIORITY").
+        Value::String(s) if family == "bridge" => Some(match s.as_str() {
+            "dstnat" => -300,
+            "filter" => -200,
+            "out" => 100,
+            "srcnat" => 300,
+            _ => return None,
+        }),
         // Newer nft prints symbolic priorities, e.g. "filter" or {"base": ...}.
         Value::String(s) => Some(match s.as_str() {
             "raw" => -300,
@@ -190,7 +198,7 @@ pub fn parse_nft_json(text: &str) -> Result<NftRuleset, ParseError> {
                     handle: h(o),
                     kind: s(o, "type"),
                     hook: s(o, "hook"),
-                    priority: prio(o.get("prio")),
+                    priority: prio(o.get("prio"), &t.family),
                     policy: s(o, "policy"),
                     rules: Vec::new(),
                 });
