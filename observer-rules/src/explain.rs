@@ -177,14 +177,7 @@ pub fn explain_with(
     packet: &PacketSpec,
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
-    explain_with_bridges(
-        rs,
-        ipsets,
-        routes,
-        &Bridges::default(),
-        packet,
-        iface_addrs,
-    )
+    explain_with_bridges(rs, ipsets, routes, &Bridges::default(), packet, iface_addrs)
 }
 
 /// Simulates `packet` against already-loaded inputs (the `--live` path); a packet entering
@@ -593,6 +586,7 @@ impl Explanation {
             ingress: p.in_iface.as_ref().map(|i| Iface { iface: i.clone() }),
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
+            bridge: None,
             conntrack: predicted_conntrack(p, &stages),
             names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),

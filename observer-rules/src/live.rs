@@ -217,7 +217,11 @@ impl LiveNode {
         let mut bridges = Bridges::default();
         type Add = fn(&mut Bridges, &str) -> Result<(), crate::ParseError>;
         let inputs: [(&Option<String>, &str, Add); 4] = [
-            (&texts.links, "ip -j -d link show", Bridges::add_ip_link_json),
+            (
+                &texts.links,
+                "ip -j -d link show",
+                Bridges::add_ip_link_json,
+            ),
             (
                 &texts.bridge_links,
                 "bridge -j -d link show",
