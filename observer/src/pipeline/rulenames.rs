@@ -429,7 +429,7 @@ mod tests {
     fn the_cache_keeps_a_working_set_larger_than_one_generation() {
         let mut c = TwoGenerations::default();
         let key = |i: u64| {
-            let mut k = [0u64; 15];
+            let mut k = [0u64; 16];
             k[0] = i;
             Words::new(k)
         };
