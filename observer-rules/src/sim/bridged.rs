@@ -171,7 +171,7 @@ impl Simulator<'_> {
             return if self.bridges.bridge_of(out) == Some(bridge) {
                 Decision::Bridged {
                     out: PhysOut::Port(out.clone()),
-                    resolved: true,
+                    resolved: !dnat || self.bridges.neigh_usable(bridge, pkt.dst) != Some(false),
                 }
             } else {
                 Decision::Routed(out.clone())
