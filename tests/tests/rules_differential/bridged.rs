@@ -16,7 +16,88 @@ use observer_rules::packet::CtState;
 use observer_rules::{LiveNode, PacketSpec, Verdict};
 use observer_tests::{Netns, privileged, unique_prefix};
 
-use super::{Counts, delta, quiet_veth};
+use super::{Counts, Rng, delta, quiet_veth};
+
+/// Rulesets per family: the fixed rules plus this many seeded sets of random physdev rules.
+const RANDOM_RULESETS: usize = 3;
+
+/// One random `-m physdev` counting rule: options of every kind, `!` on any of them, names
+/// exact, wildcard, or of no port.
+fn gen_physdev(r: &mut Rng) -> String {
+    const NAMES: &[&str] = &["va", "vb", "v+", "eth0", "cni0", "x+"];
+    let neg = |r: &mut Rng| if r.chance(35) { "! " } else { "" };
+    let mut opts = Vec::new();
+    while opts.is_empty() {
+        if r.chance(35) {
+            opts.push(format!("{}--physdev-is-in", neg(r)));
+        }
+        if r.chance(35) {
+            opts.push(format!("{}--physdev-is-out", neg(r)));
+        }
+        if r.chance(35) {
+            opts.push(format!("{}--physdev-is-bridged", neg(r)));
+        }
+        if r.chance(45) {
+            opts.push(format!("{}--physdev-in {}", neg(r), r.pick(NAMES)));
+        }
+        if r.chance(45) {
+            opts.push(format!("{}--physdev-out {}", neg(r), r.pick(NAMES)));
+        }
+    }
+    format!("-p udp -m physdev {}", opts.join(" "))
+}
+
+/// `rules` with a chain of random physdev rules called first from mangle PREROUTING,
+/// FORWARD and POSTROUTING and from filter INPUT and FORWARD.
+fn with_random(rules: &str, r: &mut Rng) -> String {
+    let mut out = String::new();
+    let mut table = "";
+    for line in rules.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = if t == "mangle" || t == "filter" { t } else { "" };
+        }
+        if line == "COMMIT" && !table.is_empty() {
+            let hooks: &[&str] = if table == "mangle" {
+                &["PREROUTING", "FORWARD", "POSTROUTING"]
+            } else {
+                &["INPUT", "FORWARD"]
+            };
+            for h in hooks {
+                for _ in 0..4 {
+                    out.push_str(&format!("-A RND-{h} {}\n", gen_physdev(r)));
+                }
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+        if let Some(chain) = line.strip_prefix(':').and_then(|l| l.split_whitespace().next())
+            && !table.is_empty()
+            && matches!(
+                (table, chain),
+                ("mangle", "PREROUTING" | "FORWARD" | "POSTROUTING") | ("filter", "INPUT" | "FORWARD")
+            )
+        {
+            out.push_str(&format!(":RND-{chain} - [0:0]\n"));
+        }
+    }
+    // The jumps go first in their chains, after the declarations.
+    let mut lines: Vec<String> = out.lines().map(str::to_string).collect();
+    for (t, chains) in [
+        ("mangle", &["PREROUTING", "FORWARD", "POSTROUTING"][..]),
+        ("filter", &["INPUT", "FORWARD"][..]),
+    ] {
+        let start = lines.iter().position(|l| l == &format!("*{t}")).expect("table");
+        let first_rule = start
+            + lines[start..]
+                .iter()
+                .position(|l| l.starts_with("-A") || l == "COMMIT")
+                .expect("rules");
+        for c in chains.iter().rev() {
+            lines.insert(first_rule, format!("-A {c} -j RND-{c}"));
+        }
+    }
+    lines.join("\n") + "\n"
+}
 
 /// One family's addresses.
 struct Addrs {
@@ -308,10 +389,9 @@ fn flows(a: &Addrs) -> Vec<Flow> {
 }
 
 /// Runs every flow of one family; returns (flows compared, rule counter increments).
-fn run_family(n: &Node, a: &Addrs, sport: &mut u16) -> (usize, u64) {
-    let rules = ruleset(a);
+fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64) {
     let path = std::env::temp_dir().join(format!("{}-{}.rules", n.node.name, a.v6));
-    std::fs::write(&path, &rules).unwrap();
+    std::fs::write(&path, rules).unwrap();
     n.node.sh(&format!(
         "{} -w < {}",
         if a.v6 { "ip6tables-restore" } else { "iptables-restore" },
@@ -420,15 +500,43 @@ fn bridged_flows_kernel_counters_agree_with_explain() {
     if !privileged("rules_differential bridged") {
         return;
     }
+    let seed = std::env::var("OBSERVER_DIFF_SEED")
+        .ok()
+        .and_then(|s| {
+            s.strip_prefix("0x")
+                .map_or_else(|| s.parse().ok(), |h| u64::from_str_radix(h, 16).ok())
+        })
+        .unwrap_or(super::DEFAULT_SEED);
+    eprintln!("rules_differential bridged: seed {seed:#x} (set OBSERVER_DIFF_SEED to replay)");
+    let mut rng = Rng::new(seed ^ 0xb41d);
     let n = node();
     let mut sport = 41000;
-    let (c4, h4) = run_family(&n, &V4, &mut sport);
-    let (c6, h6) = run_family(&n, &V6, &mut sport);
+    let (mut c4, mut c6, mut hits) = (0, 0, 0);
+    for round in 0..=RANDOM_RULESETS {
+        for a in [&V4, &V6] {
+            let fixed = ruleset(a);
+            let rules = if round == 0 {
+                fixed
+            } else {
+                with_random(&fixed, &mut rng)
+            };
+            let (c, h) = run_family(&n, a, &rules, &mut sport);
+            if a.v6 {
+                c6 += c;
+            } else {
+                c4 += c;
+            }
+            hits += h;
+        }
+    }
     eprintln!(
-        "rules_differential bridged: {} flows agreed ({c4} IPv4, {c6} IPv6), {} counter increments",
+        "rules_differential bridged: {} flows agreed ({c4} IPv4, {c6} IPv6) over {} rulesets per family, {hits} counter increments",
         c4 + c6,
-        h4 + h6
+        RANDOM_RULESETS + 1
     );
-    assert_eq!(c4 + c6, flows(&V4).len() + flows(&V6).len());
-    assert!(h4 + h6 >= 5 * (c4 + c6) as u64, "too few rules matched");
+    assert_eq!(
+        c4 + c6,
+        (RANDOM_RULESETS + 1) * (flows(&V4).len() + flows(&V6).len())
+    );
+    assert!(hits >= 5 * (c4 + c6) as u64, "too few rules matched");
 }
