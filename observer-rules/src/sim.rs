@@ -520,6 +520,7 @@ impl<'a> Simulator<'a> {
                 return b;
             }
         }
+        self.leave_by_bridge(&mut pkt, &mut b, ch);
         b
     }
 

@@ -243,7 +243,8 @@ fn nft_bridge_tables_run_around_br_netfilter() {
       {"table":{"family":"bridge","name":"f","handle":1}},
       {"chain":{"family":"bridge","table":"f","name":"pre","handle":1,"type":"filter","hook":"prerouting","prio":-300,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd","handle":2,"type":"filter","hook":"forward","prio":-200,"policy":"accept"}},
-      {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"drop"}},
+      {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"accept"}},
+      {"chain":{"family":"bridge","table":"f","name":"fwd9","handle":6,"type":"filter","hook":"forward","prio":9,"policy":"accept"}},
       {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
       {"rule":{"family":"bridge","table":"f","chain":"fwd","handle":5,"expr":[{"match":{"op":"==","left":{"meta":{"key":"oifname"}},"right":"vethb"}},{"match":{"op":"==","left":{"payload":{"protocol":"udp","field":"dport"}},"right":9998}},{"drop":null}]}}
     ]}"#;
@@ -260,14 +261,16 @@ fn nft_bridge_tables_run_around_br_netfilter() {
             None => format!("{} {}", s.hook.name(), s.table),
         })
         .collect();
-    // The bridge chain at priority 0 on forward is skipped for IP frames (br_nf_hook_thresh).
+    // Bridge chains up to br_netfilter's priority (0) run before the IP hook, later ones after.
     assert_eq!(
         chains,
         [
             "PREROUTING bridge pre",
             "PREROUTING nat",
             "FORWARD bridge fwd",
+            "FORWARD bridge fwd0",
             "FORWARD filter",
+            "FORWARD bridge fwd9",
             "POSTROUTING nat",
         ]
     );

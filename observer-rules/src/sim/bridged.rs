@@ -29,8 +29,7 @@ enum Decision {
     Undecidable(String),
 }
 
-/// br_netfilter's own priorities on the bridge hooks (`NF_BR_PRI_BRNF`, and the forward
-/// hook's `NF_BR_PRI_BRNF - 1`).
+/// br_netfilter's own priority on the bridge hooks (`NF_BR_PRI_BRNF`).
 const BRNF: i32 = 0;
 
 impl Simulator<'_> {
@@ -207,6 +206,42 @@ impl Simulator<'_> {
         }
     }
 
+    /// A routed packet leaving by a bridge device is transmitted by the bridge (`br_dev_xmit`):
+    /// its bridge OUTPUT and POSTROUTING chains run, with the port the next hop is behind.
+    pub(super) fn leave_by_bridge(&self, pkt: &mut Pkt, b: &mut Branch, ch: &mut Chooser) {
+        let Some(bridge) = b.egress.clone().filter(|e| self.bridges.is_bridge(e)) else {
+            return;
+        };
+        let Some(prog) = &self.nft else { return };
+        let hooks = [Hook::LocalOut, Hook::PostRouting];
+        if hooks.iter().all(|h| prog.bridge_chains(*h).is_empty()) {
+            return;
+        }
+        let next_hop = match self.routes.lookup(pkt.dst) {
+            RouteDecision::Out {
+                gateway: Some(g), ..
+            } => g,
+            _ => pkt.dst,
+        };
+        let port = match self.bridges.port_for(&bridge, next_hop) {
+            Ok((port, _)) => port,
+            Err(why) => {
+                b.verdict = Verdict::Undecidable;
+                b.notes.push(format!(
+                    "the bridge {bridge}'s own chains run next, but the port is not known: {why}"
+                ));
+                return;
+            }
+        };
+        b.notes
+            .push(format!("sent through {bridge}: leaves by port {port}"));
+        for hook in hooks {
+            if !self.run_bridge_chains(hook, |_| true, pkt, b, ch, &bridge, (None, Some(&port))) {
+                return;
+            }
+        }
+    }
+
     /// The br_netfilter path of a frame entering `port` of `bridge`.
     pub(super) fn walk_bridged(
         &self,
@@ -328,9 +363,10 @@ impl Simulator<'_> {
                 b.egress = Some(dev);
                 for hook in [Hook::Forward, Hook::PostRouting] {
                     if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
-                        break;
+                        return b;
                     }
                 }
+                self.leave_by_bridge(&mut pkt, &mut b, ch);
                 b
             }
             Decision::Unroutable(why) => {
@@ -414,11 +450,12 @@ impl Simulator<'_> {
             }
         }
         let out_port = out_name.as_deref();
-        // Bridge FORWARD chains before br_nf_forward_ip (priority -1); the ones at 0 are
-        // skipped for IP frames by br_nf_hook_thresh, the ones above run after.
+        // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
+        // -1 on older ones; at equal priority a chain is taken as registered after the
+        // bridge, so it runs first: the kernel's counters agree), the ones above after it.
         if !self.run_bridge_chains(
             Hook::Forward,
-            |p| p < BRNF,
+            |p| p <= BRNF,
             &mut pkt,
             &mut b,
             ch,

@@ -303,6 +303,13 @@ fn node() -> Node {
          ip -6 neigh add fd00:50::1 lladdr {mn} dev eth0 nud permanent
          iptables -t raw -A PREROUTING -j DROP; ip6tables -t raw -A PREROUTING -j DROP"
     ));
+    // A bridge-family table around br_netfilter's hooks: before and after it on prerouting,
+    // before it on forward (priority 0 is skipped for IP frames by br_nf_hook_thresh), on
+    // input, output and postrouting. Every rule counts UDP only.
+    let path = std::env::temp_dir().join(format!("{}.nft", node.name));
+    std::fs::write(&path, BRIDGE_NFT).unwrap();
+    node.sh(&format!("nft -f {}", path.display()));
+    let _ = std::fs::remove_file(&path);
     // The node answers nothing: a socket on every port we send to it.
     node.run(|| {
         let s = std::net::UdpSocket::bind(("::", 53)).expect("bind udp");
@@ -318,7 +325,71 @@ fn node() -> Node {
     }
 }
 
+const BRIDGE_NFT: &str = r#"table bridge obsb {
+  chain pre {
+    type filter hook prerouting priority -300; policy accept;
+    meta l4proto udp iifname "va" counter
+    meta l4proto udp iifname "v*" counter
+    meta l4proto udp iifname "vb" udp dport 7001 counter
+  }
+  chain pre2 {
+    type filter hook prerouting priority 100; policy accept;
+    meta l4proto udp iifname "va" counter
+  }
+  chain forw {
+    type filter hook forward priority -200; policy accept;
+    meta l4proto udp oifname "vb" counter
+    meta l4proto udp oifname != "va" iifname "va" counter
+    meta l4proto udp udp dport 9998 counter drop
+  }
+  chain forw0 {
+    type filter hook forward priority 0; policy accept;
+    meta l4proto udp counter
+    meta l4proto udp udp dport 9997 counter drop
+  }
+  chain forw1 {
+    type filter hook forward priority 10; policy accept;
+    meta l4proto udp oifname "va" counter
+  }
+  chain inp {
+    type filter hook input priority -200; policy accept;
+    meta l4proto udp iifname "va" counter
+  }
+  chain outp {
+    type filter hook output priority 100; policy accept;
+    meta l4proto udp oifname "vb" counter
+  }
+  chain post {
+    type filter hook postrouting priority 100; policy accept;
+    meta l4proto udp oifname "vb" counter
+    meta l4proto udp iifname != "va" counter
+  }
+}
+"#;
+
+/// Per-rule packet counters of the iptables tables and of the bridge table (keyed
+/// `bridge obsb`, chain, handle).
 fn counters(node: &Netns, v6: bool) -> Counts {
+    let mut out = ipt_counters(node, v6);
+    let text = node.sh("nft -j list table bridge obsb");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("nft JSON");
+    for o in v["nftables"].as_array().expect("nftables array") {
+        let Some(r) = o.get("rule") else { continue };
+        let packets = r["expr"]
+            .as_array()
+            .expect("expr")
+            .iter()
+            .find_map(|e| e.get("counter").and_then(|c| c["packets"].as_u64()));
+        if let Some(p) = packets {
+            let chain = r["chain"].as_str().expect("chain").to_string();
+            let handle = r["handle"].as_u64().expect("handle") as usize;
+            out.insert(("bridge obsb".into(), chain, handle), p);
+        }
+    }
+    out
+}
+
+fn ipt_counters(node: &Netns, v6: bool) -> Counts {
     let text = node.sh(if v6 {
         "ip6tables-save -c"
     } else {
@@ -372,6 +443,9 @@ fn flows(a: &Addrs) -> Vec<Flow> {
         f("pod to pod", From::A, a.pod_b, 7000, "bridged", Verdict::Accept),
         f("pod to pod, back", From::B, a.pod_a, 7001, "bridged", Verdict::Accept),
         f("FORWARD physdev drop", From::A, a.pod_b, 9999, "bridged", Verdict::Drop),
+        f("bridge forward drop", From::A, a.pod_b, 9998, "bridged", Verdict::Drop),
+        // At br_netfilter's own priority: before the IP FORWARD hook, or its rules would count.
+        f("bridge forward drop at priority 0", From::A, a.pod_b, 9997, "bridged", Verdict::Drop),
         f("service on the same bridge", From::A, a.svc_same, 80, "bridged", Verdict::Accept),
         f("hairpin", From::B, a.svc_same, 80, "bridged", Verdict::Accept),
         f("service outside", From::A, a.svc_out, 80, "forward", Verdict::Accept),
@@ -458,9 +532,15 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
         let mut want = Counts::new();
         for s in &b.stages {
             for r in &s.rules {
-                *want
-                    .entry((r.table.clone(), r.chain.clone(), r.index))
-                    .or_default() += 1;
+                let key = match &r.nft {
+                    Some(n) if n.native => (
+                        format!("{} {}", n.family, r.table),
+                        r.chain.clone(),
+                        n.handle as usize,
+                    ),
+                    _ => (r.table.clone(), r.chain.clone(), r.index),
+                };
+                *want.entry(key).or_default() += 1;
             }
         }
         let before = counters(&n.node, a.v6);
