@@ -180,7 +180,8 @@ impl Bridges {
         let v = parse(text, what)?;
         self.have_fdb = true;
         for e in json_array(&v, what)? {
-            let (Some(mac), Some(port), Some(master)) = (s(e, "mac"), s(e, "ifname"), s(e, "master"))
+            let (Some(mac), Some(port), Some(master)) =
+                (s(e, "mac"), s(e, "ifname"), s(e, "master"))
             else {
                 continue;
             };
@@ -192,8 +193,10 @@ impl Bridges {
             if own {
                 continue;
             }
-            self.fdb
-                .insert((master.to_string(), mac.to_ascii_lowercase()), port.to_string());
+            self.fdb.insert(
+                (master.to_string(), mac.to_ascii_lowercase()),
+                port.to_string(),
+            );
         }
         Ok(())
     }
@@ -320,10 +323,12 @@ mod tests {
             {"dst":"10.244.0.7","dev":"cni0","state":["INCOMPLETE"]}]"#)
             .unwrap();
         assert!(b.port_for("cni0", a).unwrap_err().contains("--fdb"));
-        b.add_fdb_json(r#"[{"mac":"aa:bb:cc:00:00:05","ifname":"vc","master":"cni0","state":""},
+        b.add_fdb_json(
+            r#"[{"mac":"aa:bb:cc:00:00:05","ifname":"vc","master":"cni0","state":""},
             {"mac":"aa:bb:cc:00:00:06","ifname":"va","master":"cni0","state":""},
-            {"mac":"33:33:00:00:00:01","ifname":"va","flags":["self"],"state":"permanent"}]"#)
-            .unwrap();
+            {"mac":"33:33:00:00:00:01","ifname":"va","flags":["self"],"state":"permanent"}]"#,
+        )
+        .unwrap();
         assert_eq!(b.port_for("cni0", a), Ok(("vc".into(), true)));
         assert_eq!(
             b.port_for("cni0", "10.244.0.6".parse().unwrap()),
@@ -347,6 +352,11 @@ mod tests {
         let e = b.add_bridge_link_json("[{\"ifname\": }]").unwrap_err();
         assert_eq!(e.line, 1);
         assert!(e.message.contains("bridge -j link"), "{e}");
-        assert!(b.add_ip_link_json("{}").unwrap_err().message.contains("array"));
+        assert!(
+            b.add_ip_link_json("{}")
+                .unwrap_err()
+                .message
+                .contains("array")
+        );
     }
 }

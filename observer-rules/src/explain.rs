@@ -177,14 +177,7 @@ pub fn explain_with(
     packet: &PacketSpec,
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
-    explain_with_bridges(
-        rs,
-        ipsets,
-        routes,
-        &Bridges::default(),
-        packet,
-        iface_addrs,
-    )
+    explain_with_bridges(rs, ipsets, routes, &Bridges::default(), packet, iface_addrs)
 }
 
 /// Simulates `packet` against already-loaded inputs (the `--live` path); a packet entering

@@ -93,7 +93,11 @@ fn pod_to_pod_on_the_bridge_is_bridged_with_both_ports() {
         ]
     );
     assert!(e.notes.is_empty(), "{:?}", e.notes);
-    assert!(b.notes.iter().any(|n| n.contains("in port vetha, out port vethb")));
+    assert!(
+        b.notes
+            .iter()
+            .any(|n| n.contains("in port vetha, out port vethb"))
+    );
     let j = e.to_json();
     assert_eq!(j["route"], "bridged");
     assert_eq!(j["egress"]["iface"], "vethb");
@@ -162,7 +166,10 @@ fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin()
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Drop);
     assert!(
-        e.branches[0].notes.iter().any(|n| n.contains("hairpin mode off")),
+        e.branches[0]
+            .notes
+            .iter()
+            .any(|n| n.contains("hairpin mode off")),
         "{:?}",
         e.branches[0].notes
     );
@@ -200,7 +207,11 @@ fn physdev_without_bridge_ports_stays_undecidable() {
     r.bridge_links_json = None;
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
-    assert!(e.notes.iter().any(|n| n.contains("physdev")), "{:?}", e.notes);
+    assert!(
+        e.notes.iter().any(|n| n.contains("physdev")),
+        "{:?}",
+        e.notes
+    );
     // A packet that never met a bridge, with the ports known: no nf_bridge, only inverted
     // options match (`! --physdev-in vetha`).
     let e = explain(&req("udp 192.168.0.7:5000 -> 8.8.4.4:53 in eth0")).unwrap();
@@ -274,7 +285,11 @@ fn nft_bridge_tables_run_around_br_netfilter() {
             "POSTROUTING nat",
         ]
     );
-    assert_eq!(b.stages[0].rules.len(), 1, "iifname vetha and ibrname cni0 match");
+    assert_eq!(
+        b.stages[0].rules.len(),
+        1,
+        "iifname vetha and ibrname cni0 match"
+    );
     r.packet = "udp 10.244.0.2:5000 -> 10.244.0.3:9998 in vetha".into();
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Drop);

@@ -354,9 +354,7 @@ pub fn key_types(e: &Expr) -> Vec<Ty> {
             MetaKey::L4Proto => Ty::Proto,
             MetaKey::NfProto => Ty::NfProto,
             MetaKey::Protocol => Ty::EtherType,
-            MetaKey::IifName | MetaKey::OifName | MetaKey::IbrName | MetaKey::ObrName => {
-                Ty::Iface
-            }
+            MetaKey::IifName | MetaKey::OifName | MetaKey::IbrName | MetaKey::ObrName => Ty::Iface,
         }],
         Expr::Ct(k) => vec![match k {
             CtKey::State => Ty::CtState,

@@ -19,7 +19,10 @@ use crate::route::RouteDecision;
 enum Decision {
     /// Forwarded by the bridge to a port; `resolved` false when the neighbour of a DNAT
     /// target must be resolved first.
-    Bridged { out: PhysOut, resolved: bool },
+    Bridged {
+        out: PhysOut,
+        resolved: bool,
+    },
     /// Up to the bridge device and delivered locally.
     Local,
     /// Up to the bridge device and routed out of `dev`.
@@ -430,9 +433,9 @@ impl Simulator<'_> {
         // br_forward: a frame goes back out of its in port only with hairpin mode.
         if out_name.as_deref() == Some(port) {
             match self.bridges.ports.get(port).and_then(|p| p.hairpin) {
-                Some(true) => b
-                    .notes
-                    .push(format!("hairpin: {port} has hairpin mode on, the frame goes back out of it")),
+                Some(true) => b.notes.push(format!(
+                    "hairpin: {port} has hairpin mode on, the frame goes back out of it"
+                )),
                 Some(false) => {
                     b.verdict = Verdict::Drop;
                     b.notes.push(format!(

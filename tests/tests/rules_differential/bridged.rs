@@ -54,7 +54,11 @@ fn with_random(rules: &str, r: &mut Rng) -> String {
     let mut table = "";
     for line in rules.lines() {
         if let Some(t) = line.strip_prefix('*') {
-            table = if t == "mangle" || t == "filter" { t } else { "" };
+            table = if t == "mangle" || t == "filter" {
+                t
+            } else {
+                ""
+            };
         }
         if line == "COMMIT" && !table.is_empty() {
             let hooks: &[&str] = if table == "mangle" {
@@ -70,11 +74,14 @@ fn with_random(rules: &str, r: &mut Rng) -> String {
         }
         out.push_str(line);
         out.push('\n');
-        if let Some(chain) = line.strip_prefix(':').and_then(|l| l.split_whitespace().next())
+        if let Some(chain) = line
+            .strip_prefix(':')
+            .and_then(|l| l.split_whitespace().next())
             && !table.is_empty()
             && matches!(
                 (table, chain),
-                ("mangle", "PREROUTING" | "FORWARD" | "POSTROUTING") | ("filter", "INPUT" | "FORWARD")
+                ("mangle", "PREROUTING" | "FORWARD" | "POSTROUTING")
+                    | ("filter", "INPUT" | "FORWARD")
             )
         {
             out.push_str(&format!(":RND-{chain} - [0:0]\n"));
@@ -86,7 +93,10 @@ fn with_random(rules: &str, r: &mut Rng) -> String {
         ("mangle", &["PREROUTING", "FORWARD", "POSTROUTING"][..]),
         ("filter", &["INPUT", "FORWARD"][..]),
     ] {
-        let start = lines.iter().position(|l| l == &format!("*{t}")).expect("table");
+        let start = lines
+            .iter()
+            .position(|l| l == &format!("*{t}"))
+            .expect("table");
         let first_rule = start
             + lines[start..]
                 .iter()
@@ -268,7 +278,9 @@ fn node() -> Node {
     quiet_veth(&node, "eth0", &ext, "eth0");
     let (ma, mb) = (mac(&pod_a, "eth0"), mac(&pod_b, "eth0"));
     let (mn, mx) = (mac(&node, "eth0"), mac(&ext, "eth0"));
-    node.sh("for v in va vb; do ip link set $v master cni0; bridge link set dev $v hairpin on; done");
+    node.sh(
+        "for v in va vb; do ip link set $v master cni0; bridge link set dev $v hairpin on; done",
+    );
     // The bridge takes a port's MAC when the first one joins: read it after.
     let mbr = mac(&node, "cni0");
     node.sh(&format!(
@@ -283,10 +295,7 @@ fn node() -> Node {
          ip neigh add 192.168.50.2 lladdr {mx} dev eth0 nud permanent
          ip neigh add fd00:50::2 lladdr {mx} dev eth0 nud permanent"
     ));
-    for (pod, me, other, other_mac) in [
-        (&pod_a, "2", "3", &mb),
-        (&pod_b, "3", "2", &ma),
-    ] {
+    for (pod, me, other, other_mac) in [(&pod_a, "2", "3", &mb), (&pod_b, "3", "2", &ma)] {
         pod.sh(&format!(
             "ip addr add 10.244.0.{me}/24 dev eth0; ip route add default via 10.244.0.1
              ip -6 addr add fd00:244::{me}/64 dev eth0 nodad; ip -6 route add default via fd00:244::1
@@ -440,23 +449,100 @@ fn flows(a: &Addrs) -> Vec<Flow> {
         flush_b: false,
     };
     let mut v = vec![
-        f("pod to pod", From::A, a.pod_b, 7000, "bridged", Verdict::Accept),
-        f("pod to pod, back", From::B, a.pod_a, 7001, "bridged", Verdict::Accept),
-        f("FORWARD physdev drop", From::A, a.pod_b, 9999, "bridged", Verdict::Drop),
-        f("bridge forward drop", From::A, a.pod_b, 9998, "bridged", Verdict::Drop),
+        f(
+            "pod to pod",
+            From::A,
+            a.pod_b,
+            7000,
+            "bridged",
+            Verdict::Accept,
+        ),
+        f(
+            "pod to pod, back",
+            From::B,
+            a.pod_a,
+            7001,
+            "bridged",
+            Verdict::Accept,
+        ),
+        f(
+            "FORWARD physdev drop",
+            From::A,
+            a.pod_b,
+            9999,
+            "bridged",
+            Verdict::Drop,
+        ),
+        f(
+            "bridge forward drop",
+            From::A,
+            a.pod_b,
+            9998,
+            "bridged",
+            Verdict::Drop,
+        ),
         // At br_netfilter's own priority: before the IP FORWARD hook, or its rules would count.
-        f("bridge forward drop at priority 0", From::A, a.pod_b, 9997, "bridged", Verdict::Drop),
-        f("service on the same bridge", From::A, a.svc_same, 80, "bridged", Verdict::Accept),
-        f("hairpin", From::B, a.svc_same, 80, "bridged", Verdict::Accept),
-        f("service outside", From::A, a.svc_out, 80, "forward", Verdict::Accept),
+        f(
+            "bridge forward drop at priority 0",
+            From::A,
+            a.pod_b,
+            9997,
+            "bridged",
+            Verdict::Drop,
+        ),
+        f(
+            "service on the same bridge",
+            From::A,
+            a.svc_same,
+            80,
+            "bridged",
+            Verdict::Accept,
+        ),
+        f(
+            "hairpin",
+            From::B,
+            a.svc_same,
+            80,
+            "bridged",
+            Verdict::Accept,
+        ),
+        f(
+            "service outside",
+            From::A,
+            a.svc_out,
+            80,
+            "forward",
+            Verdict::Accept,
+        ),
         f("pod to node", From::A, a.gw, 53, "input", Verdict::Accept),
-        f("pod to outside", From::A, a.outside, 7002, "forward", Verdict::Accept),
-        f("node to pod", From::Node, a.pod_b, 7003, "output", Verdict::Accept),
+        f(
+            "pod to outside",
+            From::A,
+            a.outside,
+            7002,
+            "forward",
+            Verdict::Accept,
+        ),
+        f(
+            "node to pod",
+            From::Node,
+            a.pod_b,
+            7003,
+            "output",
+            Verdict::Accept,
+        ),
     ];
     if !a.v6 {
         v.push(Flow {
             flush_b: true,
-            ..f("service on the same bridge, first packet", From::A, a.svc_same, 80, "bridged", Verdict::Accept)
+            ..f(
+                "service on the same bridge, first packet",
+                From::A,
+                a.svc_same,
+                80,
+                "bridged",
+                Verdict::Accept,
+            )
         });
     }
     v
@@ -468,7 +554,11 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
     std::fs::write(&path, rules).unwrap();
     n.node.sh(&format!(
         "{} -w < {}",
-        if a.v6 { "ip6tables-restore" } else { "iptables-restore" },
+        if a.v6 {
+            "ip6tables-restore"
+        } else {
+            "iptables-restore"
+        },
         path.display()
     ));
     let _ = std::fs::remove_file(&path);
@@ -479,7 +569,11 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
         }
         // Read as `explain --live` does, after the change the flow depends on.
         let live = n.node.run(LiveNode::read);
-        assert!(live.failures.is_empty(), "reading the node: {:?}", live.failures);
+        assert!(
+            live.failures.is_empty(),
+            "reading the node: {:?}",
+            live.failures
+        );
         let sim = live.simulator();
         *sport += 1;
         let (src, in_iface, sender) = match flow.from {
@@ -507,7 +601,11 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             // until the user names the port (`out vb`).
             let b = &sim.simulate(&spec)[0];
             assert_eq!(b.verdict, Verdict::Undecidable, "{:?}", b.notes);
-            assert!(b.notes.iter().any(|n| n.contains("no neighbour entry")), "{:?}", b.notes);
+            assert!(
+                b.notes.iter().any(|n| n.contains("no neighbour entry")),
+                "{:?}",
+                b.notes
+            );
             spec.out_iface = Some("vb".into());
         }
         let branches = sim.simulate(&spec);
@@ -521,7 +619,11 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             a.ep(&flow.dst, flow.dport)
         );
         assert_eq!(b.route, flow.route, "{what}: route; notes {:?}", b.notes);
-        assert_eq!(b.verdict, flow.verdict, "{what}: verdict; notes {:?}", b.notes);
+        assert_eq!(
+            b.verdict, flow.verdict,
+            "{what}: verdict; notes {:?}",
+            b.notes
+        );
         if flow.flush_b {
             assert!(
                 b.notes.iter().any(|n| n.contains("not resolved")),
@@ -562,7 +664,10 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             got = delta(&before, &counters(&n.node, a.v6));
         }
         if std::env::var_os("OBSERVER_DIFF_VERBOSE").is_some() {
-            eprintln!("{what}: route {} notes {:?}\n  kernel {got:?}", b.route, b.notes);
+            eprintln!(
+                "{what}: route {} notes {:?}\n  kernel {got:?}",
+                b.route, b.notes
+            );
         }
         assert_eq!(
             got, want,
