@@ -265,6 +265,14 @@ impl Traversal {
         if let Some(r) = self.route {
             let _ = write!(out, "  route {}", r.name());
         }
+        if let Some(b) = &self.bridge {
+            let _ = match (&b.physdev_in, &b.physdev_out) {
+                (Some(i), Some(o)) => write!(out, "  bridge {} {i} -> {o}", b.name),
+                (Some(i), None) => write!(out, "  bridge {} from {i}", b.name),
+                (None, Some(o)) => write!(out, "  bridge {} to {o}", b.name),
+                (None, None) => write!(out, "  bridge {}", b.name),
+            };
+        }
         if self.source == crate::Source::Predicted {
             out.push_str("  (predicted from the rules)");
         }
@@ -464,6 +472,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: Some(crate::Route::Forward),
+            bridge: None,
             marks: crate::mark_changes(&stages, &crate::MarkDictionary::default()),
             nat: vec![Nat {
                 kind: NatKind::Dnat,

@@ -112,6 +112,21 @@ pub struct StageInput {
     pub tcp_flags: u8,
     /// ICMP type and code.
     pub icmp: (u8, u8),
+    /// br_netfilter's record of the packet, as observed where it was (tail): the bridge
+    /// ports decide `physdev` without the node's bridge facts.
+    pub ports: SeenPorts,
+}
+
+/// What an observer saw of the bridge ports a packet passed ([`StageInput::ports`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum SeenPorts {
+    /// Not known: `physdev` is decided from the simulator's bridge facts, or undecidable.
+    #[default]
+    Unknown,
+    /// It did not enter through a bridge port (br_netfilter has no record of it).
+    NoBridge,
+    /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
+    Port { physin: String, physout: PhysOut },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -122,6 +137,9 @@ pub struct Branch {
     pub stages: Vec<Stage>,
     pub verdict: Verdict,
     pub notes: Vec<String>,
+    /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
+    /// passed none (routed in from elsewhere, or routed out of another device).
+    pub bridge: Option<(String, Option<String>, Option<String>)>,
 }
 
 struct PTable {
@@ -170,8 +188,8 @@ fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
 }
 
 /// The port a bridged frame leaves by, as br_netfilter records it (`physoutdev`).
-#[derive(Debug, Clone, PartialEq)]
-enum PhysOut {
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PhysOut {
     /// Not set (before bridge FORWARD, or the frame was routed).
     None,
     Port(String),
@@ -216,6 +234,8 @@ struct Pkt {
     /// False when simulating one observed stage: whether br_netfilter holds the packet is
     /// not part of what the probes hand us, so `physdev` stays undecidable there.
     nf_bridge_known: bool,
+    /// `nf_bridge` was observed (tail), not derived from bridge facts.
+    nf_bridge_observed: bool,
 }
 
 impl Pkt {
@@ -379,10 +399,23 @@ impl<'a> Simulator<'a> {
                 ct_attached: false,
                 tcp_flags: input.tcp_flags,
                 icmp: input.icmp,
-                nf_bridge: None,
-                bridged: false,
+                nf_bridge: match &input.ports {
+                    SeenPorts::Port { physin, physout } => Some(NfBridge {
+                        physin: physin.clone(),
+                        physout: physout.clone(),
+                    }),
+                    SeenPorts::Unknown | SeenPorts::NoBridge => None,
+                },
+                bridged: matches!(
+                    &input.ports,
+                    SeenPorts::Port {
+                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
+                        ..
+                    }
+                ),
                 bridge_family: None,
-                nf_bridge_known: false,
+                nf_bridge_known: input.ports != SeenPorts::Unknown,
+                nf_bridge_observed: input.ports != SeenPorts::Unknown,
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -391,6 +424,7 @@ impl<'a> Simulator<'a> {
                 stages: Vec::new(),
                 verdict: Verdict::Accept,
                 notes: Vec::new(),
+                bridge: None,
             };
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
@@ -466,6 +500,7 @@ impl<'a> Simulator<'a> {
             bridged: false,
             bridge_family: None,
             nf_bridge_known: true,
+            nf_bridge_observed: false,
         };
         let mut b = Branch {
             probability: 1.0,
@@ -474,6 +509,7 @@ impl<'a> Simulator<'a> {
             stages: Vec::new(),
             verdict: Verdict::Accept,
             notes: Vec::new(),
+            bridge: None,
         };
         if let Some(port) = spec.in_iface.as_deref()
             && let Some(bridge) = self.bridges.bridge_of(port)

@@ -102,6 +102,9 @@ fn pod_to_pod_on_the_bridge_is_bridged_with_both_ports() {
     assert_eq!(j["route"], "bridged");
     assert_eq!(j["egress"]["iface"], "vethb");
     assert_eq!(j["fate"]["kind"], "forwarded");
+    assert_eq!(j["bridge"]["name"], "cni0");
+    assert_eq!(j["bridge"]["physdev_in"], "vetha");
+    assert_eq!(j["bridge"]["physdev_out"], "vethb");
 }
 
 #[test]
@@ -196,6 +199,15 @@ fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
             "POSTROUTING nat KUBE-POST#1",
         ]
     );
+    let j = e.to_json();
+    assert_eq!(j["bridge"]["physdev_in"], "vetha");
+    assert!(j["bridge"]["physdev_out"].is_null());
+    // Sent by the node through the bridge: out port from the neighbour and fdb.
+    let e = explain(&req("udp 10.244.0.1:5000 -> 10.244.0.3:53")).unwrap();
+    assert_eq!(e.branches[0].route, "output");
+    let j = e.to_json();
+    assert!(j["bridge"]["physdev_in"].is_null());
+    assert_eq!(j["bridge"]["physdev_out"], "vethb");
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.244.0.1:53 in vetha")).unwrap();
     assert_eq!(e.branches[0].route, "input");
     assert!(rules(&e).contains(&"INPUT filter INPUT#1".to_string()));

@@ -39,7 +39,7 @@ impl Simulator<'_> {
     /// `xt_physdev`'s match: without br_netfilter's record only inverted options match; in
     /// PREROUTING no out port is known yet (`--physdev-is-bridged` fails there).
     pub(super) fn physdev(&self, p: &Physdev, pkt: &Pkt) -> Tri {
-        if !self.bridges.is_known() {
+        if !self.bridges.is_known() && !pkt.nf_bridge_observed {
             return Tri::Unknown(
                 "physdev needs the bridge ports (--bridge-links / --links, or --live)".into(),
             );
@@ -215,18 +215,25 @@ impl Simulator<'_> {
         let Some(bridge) = b.egress.clone().filter(|e| self.bridges.is_bridge(e)) else {
             return;
         };
-        let Some(prog) = &self.nft else { return };
-        let hooks = [Hook::LocalOut, Hook::PostRouting];
-        if hooks.iter().all(|h| prog.bridge_chains(*h).is_empty()) {
-            return;
-        }
         let next_hop = match self.routes.lookup(pkt.dst) {
             RouteDecision::Out {
                 gateway: Some(g), ..
             } => g,
             _ => pkt.dst,
         };
-        let port = match self.bridges.port_for(&bridge, next_hop) {
+        let port = self.bridges.port_for(&bridge, next_hop);
+        let port_in = b.bridge.as_ref().and_then(|(_, i, _)| i.clone());
+        b.bridge = Some((
+            bridge.clone(),
+            port_in,
+            port.as_ref().ok().map(|p| p.0.clone()),
+        ));
+        let hooks = [Hook::LocalOut, Hook::PostRouting];
+        let Some(prog) = &self.nft else { return };
+        if hooks.iter().all(|h| prog.bridge_chains(*h).is_empty()) {
+            return;
+        }
+        let port = match port {
             Ok((port, _)) => port,
             Err(why) => {
                 b.verdict = Verdict::Undecidable;
@@ -256,6 +263,7 @@ impl Simulator<'_> {
         bridge: &str,
     ) -> Branch {
         let fam = usize::from(pkt.v6);
+        b.bridge = Some((bridge.to_string(), Some(port.to_string()), None));
         let (calls, assumed) = self.bridges.calls_ip_hooks(bridge, pkt.v6);
         let sysctl = if pkt.v6 {
             "net.bridge.bridge-nf-call-ip6tables"
@@ -453,6 +461,7 @@ impl Simulator<'_> {
             }
         }
         let out_port = out_name.as_deref();
+        b.bridge = Some((bridge.to_string(), Some(port.to_string()), out_name.clone()));
         // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
         // -1 on older ones; at equal priority a chain is taken as registered after the
         // bridge, so it runs first: the kernel's counters agree), the ones above after it.

@@ -50,6 +50,83 @@ pub fn route(t: &Traversal) -> Option<Route> {
     }
 }
 
+/// The bridge a packet crossed, by interface index: a port it entered through and one it
+/// left through. br_netfilter hands the IP hooks the bridge as device, where TC saw the
+/// port: a TC ingress device that is not the netfilter hooks' input device is a port of
+/// that bridge, and a last TC egress device that is not their last output device likewise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BridgePorts {
+    pub bridge: u32,
+    pub physdev_in: Option<u32>,
+    pub physdev_out: Option<u32>,
+    /// Forwarded by the bridge from port to port (IP FORWARD with the bridge as both
+    /// devices), not routed.
+    pub bridged: bool,
+}
+
+pub fn bridge_ports(t: &Traversal) -> Option<BridgePorts> {
+    let nf = || {
+        t.records
+            .iter()
+            .filter(|r| matches!(r.point, Point::Netfilter(..)))
+    };
+    let tc_in = t
+        .records
+        .iter()
+        .find(|r| r.point == Point::TcIngress)
+        .map(|r| r.ifindex_in);
+    let nf_in = nf().find(|r| r.ifindex_in != 0).map(|r| r.ifindex_in);
+    let tc_out = t
+        .records
+        .iter()
+        .rev()
+        .find(|r| r.point == Point::TcEgress)
+        .map(|r| r.ifindex_out);
+    let nf_out = nf()
+        .rev()
+        .find(|r| r.ifindex_out != 0)
+        .map(|r| r.ifindex_out);
+    let port = |tc: Option<u32>, nf: Option<u32>| match (tc, nf) {
+        (Some(p), Some(b)) if p != 0 && p != b => Some((p, b)),
+        _ => None,
+    };
+    let (pin, pout) = (port(tc_in, nf_in), port(tc_out, nf_out));
+    let bridge = pin.or(pout)?.1;
+    let (physdev_in, physdev_out) = (
+        pin.filter(|p| p.1 == bridge).map(|p| p.0),
+        pout.filter(|p| p.1 == bridge).map(|p| p.0),
+    );
+    let bridged = physdev_in.is_some()
+        && nf().any(|r| {
+            matches!(r.point, Point::Netfilter(NfHook::Forward, _))
+                && r.ifindex_in == bridge
+                && r.ifindex_out == bridge
+        });
+    Some(BridgePorts {
+        bridge,
+        physdev_in,
+        physdev_out,
+        bridged,
+    })
+}
+
+/// Whether the packet entered where no bridge port was involved: at TC ingress of the device
+/// the IP hooks saw it come in by, or from a local socket (OUTPUT first). False where its
+/// start was not seen.
+pub fn entered_without_port(t: &Traversal) -> bool {
+    let first_nf = t
+        .records
+        .iter()
+        .find(|r| matches!(r.point, Point::Netfilter(..)));
+    match t.records.first().map(|r| r.point) {
+        Some(Point::TcIngress) => {
+            first_nf.is_none_or(|n| n.ifindex_in == 0 || n.ifindex_in == t.records[0].ifindex_in)
+        }
+        Some(Point::Netfilter(NfHook::LocalOut, _)) => true,
+        _ => false,
+    }
+}
+
 /// A fragment that conntrack's defragmentation (priority -400, before raw) merged into the
 /// fragment that completed the packet: it is seen by the first PREROUTING probe only, and
 /// the kernel consumes it (or it waits until its record is reused or idle).

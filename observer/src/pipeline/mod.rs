@@ -903,6 +903,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: None,
+            bridge: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Forwarded),
             marks: Marks::default(),
