@@ -226,6 +226,16 @@ impl Bridges {
         }
     }
 
+    /// Whether the node can send to `addr` on `bridge` now (a usable neighbour entry); None
+    /// when no neighbour table was given.
+    pub fn neigh_usable(&self, bridge: &str, addr: IpAddr) -> Option<bool> {
+        self.have_neigh.then(|| {
+            self.neigh
+                .get(&addr)
+                .is_some_and(|n| n.dev == bridge && n.usable)
+        })
+    }
+
     /// The port a frame to `addr` on `bridge` leaves by: the neighbour's MAC, then the fdb.
     /// `Err` says why it is not known; `Ok((port, resolved))` with `resolved` false when the
     /// neighbour entry is not usable yet (the first packet waits for resolution).

@@ -552,6 +552,7 @@ impl Explanation {
             })
             .collect();
         let main = branches.first();
+        let main_branch = self.branches.first();
         let mut notes = self.notes.clone();
         if let Some(b) = main {
             notes.extend(b.notes.iter().cloned());
@@ -586,7 +587,13 @@ impl Explanation {
             ingress: p.in_iface.as_ref().map(|i| Iface { iface: i.clone() }),
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
-            bridge: None,
+            bridge: main_branch
+                .and_then(|b| b.bridge.as_ref())
+                .map(|(name, i, o)| model::BridgeCrossing {
+                    name: name.clone(),
+                    physdev_in: i.clone(),
+                    physdev_out: o.clone(),
+                }),
             conntrack: predicted_conntrack(p, &stages),
             names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),

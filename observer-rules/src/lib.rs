@@ -28,7 +28,7 @@ pub use explain::{
 };
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
-pub use live::{LiveError, LiveNode, LiveTexts};
+pub use live::{BridgeTexts, LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};

@@ -63,6 +63,15 @@ pub struct LiveTexts {
     /// `ip -j -4` and `-6 route show table all`, those read.
     pub routes: Vec<String>,
     pub addrs: Option<String>,
+    /// Bridge ports, neighbours, fdb and br_netfilter's switches (boxed: recordings carry
+    /// these texts in a frame that stays small).
+    #[serde(default)]
+    pub bridge: Box<BridgeTexts>,
+}
+
+/// What the bridge commands printed, raw.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BridgeTexts {
     /// `bridge -j -d link show`: bridge ports and their hairpin mode.
     #[serde(default)]
     pub bridge_links: Option<String>,
@@ -149,18 +158,20 @@ impl LiveNode {
                 })
                 .collect(),
             addrs: keep(run("ip", &["-j", "addr", "show"], "iproute2")),
-            bridge_links: keep(run("bridge", &["-j", "-d", "link", "show"], "iproute2")),
-            links: keep(run("ip", &["-j", "-d", "link", "show"], "iproute2")),
-            neigh: keep(run("ip", &["-j", "neigh", "show"], "iproute2")),
-            fdb: keep(run("bridge", &["-j", "fdb", "show"], "iproute2")),
-            bridge_nf_call: ["iptables", "ip6tables"].map(|f| {
-                // /proc/sys/net is the reading thread's namespace; absent: no br_netfilter.
-                let path = format!("/proc/sys/net/bridge/bridge-nf-call-{f}");
-                match std::fs::read_to_string(&path) {
-                    Ok(v) => Some(v.trim() != "0"),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(false),
-                    Err(_) => None,
-                }
+            bridge: Box::new(BridgeTexts {
+                bridge_links: keep(run("bridge", &["-j", "-d", "link", "show"], "iproute2")),
+                links: keep(run("ip", &["-j", "-d", "link", "show"], "iproute2")),
+                neigh: keep(run("ip", &["-j", "neigh", "show"], "iproute2")),
+                fdb: keep(run("bridge", &["-j", "fdb", "show"], "iproute2")),
+                bridge_nf_call: ["iptables", "ip6tables"].map(|f| {
+                    // /proc/sys/net is the reading thread's namespace; absent: no br_netfilter.
+                    let path = format!("/proc/sys/net/bridge/bridge-nf-call-{f}");
+                    match std::fs::read_to_string(&path) {
+                        Ok(v) => Some(v.trim() != "0"),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(false),
+                        Err(_) => None,
+                    }
+                }),
             }),
         };
         let mut node = Self::parse(texts);
@@ -216,19 +227,16 @@ impl LiveNode {
         }
         let mut bridges = Bridges::default();
         type Add = fn(&mut Bridges, &str) -> Result<(), crate::ParseError>;
+        let bt = &texts.bridge;
         let inputs: [(&Option<String>, &str, Add); 4] = [
+            (&bt.links, "ip -j -d link show", Bridges::add_ip_link_json),
             (
-                &texts.links,
-                "ip -j -d link show",
-                Bridges::add_ip_link_json,
-            ),
-            (
-                &texts.bridge_links,
+                &bt.bridge_links,
                 "bridge -j -d link show",
                 Bridges::add_bridge_link_json,
             ),
-            (&texts.neigh, "ip -j neigh show", Bridges::add_neigh_json),
-            (&texts.fdb, "bridge -j fdb show", Bridges::add_fdb_json),
+            (&bt.neigh, "ip -j neigh show", Bridges::add_neigh_json),
+            (&bt.fdb, "bridge -j fdb show", Bridges::add_fdb_json),
         ];
         for (text, cmd, add) in inputs {
             if let Some(t) = text
@@ -237,7 +245,7 @@ impl LiveNode {
                 failures.push(unreadable(cmd, &e));
             }
         }
-        bridges.call_tables = texts.bridge_nf_call;
+        bridges.call_tables = bt.bridge_nf_call;
         node.bridges = bridges;
         node.failures = failures;
         node.texts = texts;

@@ -137,6 +137,9 @@ pub struct Branch {
     pub stages: Vec<Stage>,
     pub verdict: Verdict,
     pub notes: Vec<String>,
+    /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
+    /// passed none (routed in from elsewhere, or routed out of another device).
+    pub bridge: Option<(String, Option<String>, Option<String>)>,
 }
 
 struct PTable {
@@ -421,6 +424,7 @@ impl<'a> Simulator<'a> {
                 stages: Vec::new(),
                 verdict: Verdict::Accept,
                 notes: Vec::new(),
+                bridge: None,
             };
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
@@ -505,6 +509,7 @@ impl<'a> Simulator<'a> {
             stages: Vec::new(),
             verdict: Verdict::Accept,
             notes: Vec::new(),
+            bridge: None,
         };
         if let Some(port) = spec.in_iface.as_deref()
             && let Some(bridge) = self.bridges.bridge_of(port)
@@ -551,6 +556,7 @@ impl<'a> Simulator<'a> {
                 return b;
             }
         }
+        self.leave_by_bridge(&mut pkt, &mut b, ch);
         b
     }
 

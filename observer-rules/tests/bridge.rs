@@ -102,6 +102,9 @@ fn pod_to_pod_on_the_bridge_is_bridged_with_both_ports() {
     assert_eq!(j["route"], "bridged");
     assert_eq!(j["egress"]["iface"], "vethb");
     assert_eq!(j["fate"]["kind"], "forwarded");
+    assert_eq!(j["bridge"]["name"], "cni0");
+    assert_eq!(j["bridge"]["physdev_in"], "vetha");
+    assert_eq!(j["bridge"]["physdev_out"], "vethb");
 }
 
 #[test]
@@ -196,6 +199,15 @@ fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
             "POSTROUTING nat KUBE-POST#1",
         ]
     );
+    let j = e.to_json();
+    assert_eq!(j["bridge"]["physdev_in"], "vetha");
+    assert!(j["bridge"]["physdev_out"].is_null());
+    // Sent by the node through the bridge: out port from the neighbour and fdb.
+    let e = explain(&req("udp 10.244.0.1:5000 -> 10.244.0.3:53")).unwrap();
+    assert_eq!(e.branches[0].route, "output");
+    let j = e.to_json();
+    assert!(j["bridge"]["physdev_in"].is_null());
+    assert_eq!(j["bridge"]["physdev_out"], "vethb");
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.244.0.1:53 in vetha")).unwrap();
     assert_eq!(e.branches[0].route, "input");
     assert!(rules(&e).contains(&"INPUT filter INPUT#1".to_string()));
@@ -254,7 +266,8 @@ fn nft_bridge_tables_run_around_br_netfilter() {
       {"table":{"family":"bridge","name":"f","handle":1}},
       {"chain":{"family":"bridge","table":"f","name":"pre","handle":1,"type":"filter","hook":"prerouting","prio":-300,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd","handle":2,"type":"filter","hook":"forward","prio":-200,"policy":"accept"}},
-      {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"drop"}},
+      {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"accept"}},
+      {"chain":{"family":"bridge","table":"f","name":"fwd9","handle":6,"type":"filter","hook":"forward","prio":9,"policy":"accept"}},
       {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
       {"rule":{"family":"bridge","table":"f","chain":"fwd","handle":5,"expr":[{"match":{"op":"==","left":{"meta":{"key":"oifname"}},"right":"vethb"}},{"match":{"op":"==","left":{"payload":{"protocol":"udp","field":"dport"}},"right":9998}},{"drop":null}]}}
     ]}"#;
@@ -271,14 +284,16 @@ fn nft_bridge_tables_run_around_br_netfilter() {
             None => format!("{} {}", s.hook.name(), s.table),
         })
         .collect();
-    // The bridge chain at priority 0 on forward is skipped for IP frames (br_nf_hook_thresh).
+    // Bridge chains up to br_netfilter's priority (0) run before the IP hook, later ones after.
     assert_eq!(
         chains,
         [
             "PREROUTING bridge pre",
             "PREROUTING nat",
             "FORWARD bridge fwd",
+            "FORWARD bridge fwd0",
             "FORWARD filter",
+            "FORWARD bridge fwd9",
             "POSTROUTING nat",
         ]
     );

@@ -32,8 +32,7 @@ enum Decision {
     Undecidable(String),
 }
 
-/// br_netfilter's own priorities on the bridge hooks (`NF_BR_PRI_BRNF`, and the forward
-/// hook's `NF_BR_PRI_BRNF - 1`).
+/// br_netfilter's own priority on the bridge hooks (`NF_BR_PRI_BRNF`).
 const BRNF: i32 = 0;
 
 impl Simulator<'_> {
@@ -174,7 +173,7 @@ impl Simulator<'_> {
             return if self.bridges.bridge_of(out) == Some(bridge) {
                 Decision::Bridged {
                     out: PhysOut::Port(out.clone()),
-                    resolved: true,
+                    resolved: !dnat || self.bridges.neigh_usable(bridge, pkt.dst) != Some(false),
                 }
             } else {
                 Decision::Routed(out.clone())
@@ -210,6 +209,49 @@ impl Simulator<'_> {
         }
     }
 
+    /// A routed packet leaving by a bridge device is transmitted by the bridge (`br_dev_xmit`):
+    /// its bridge OUTPUT and POSTROUTING chains run, with the port the next hop is behind.
+    pub(super) fn leave_by_bridge(&self, pkt: &mut Pkt, b: &mut Branch, ch: &mut Chooser) {
+        let Some(bridge) = b.egress.clone().filter(|e| self.bridges.is_bridge(e)) else {
+            return;
+        };
+        let next_hop = match self.routes.lookup(pkt.dst) {
+            RouteDecision::Out {
+                gateway: Some(g), ..
+            } => g,
+            _ => pkt.dst,
+        };
+        let port = self.bridges.port_for(&bridge, next_hop);
+        let port_in = b.bridge.as_ref().and_then(|(_, i, _)| i.clone());
+        b.bridge = Some((
+            bridge.clone(),
+            port_in,
+            port.as_ref().ok().map(|p| p.0.clone()),
+        ));
+        let hooks = [Hook::LocalOut, Hook::PostRouting];
+        let Some(prog) = &self.nft else { return };
+        if hooks.iter().all(|h| prog.bridge_chains(*h).is_empty()) {
+            return;
+        }
+        let port = match port {
+            Ok((port, _)) => port,
+            Err(why) => {
+                b.verdict = Verdict::Undecidable;
+                b.notes.push(format!(
+                    "the bridge {bridge}'s own chains run next, but the port is not known: {why}"
+                ));
+                return;
+            }
+        };
+        b.notes
+            .push(format!("sent through {bridge}: leaves by port {port}"));
+        for hook in hooks {
+            if !self.run_bridge_chains(hook, |_| true, pkt, b, ch, &bridge, (None, Some(&port))) {
+                return;
+            }
+        }
+    }
+
     /// The br_netfilter path of a frame entering `port` of `bridge`.
     pub(super) fn walk_bridged(
         &self,
@@ -221,6 +263,7 @@ impl Simulator<'_> {
         bridge: &str,
     ) -> Branch {
         let fam = usize::from(pkt.v6);
+        b.bridge = Some((bridge.to_string(), Some(port.to_string()), None));
         let (calls, assumed) = self.bridges.calls_ip_hooks(bridge, pkt.v6);
         let sysctl = if pkt.v6 {
             "net.bridge.bridge-nf-call-ip6tables"
@@ -331,9 +374,10 @@ impl Simulator<'_> {
                 b.egress = Some(dev);
                 for hook in [Hook::Forward, Hook::PostRouting] {
                     if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
-                        break;
+                        return b;
                     }
                 }
+                self.leave_by_bridge(&mut pkt, &mut b, ch);
                 b
             }
             Decision::Unroutable(why) => {
@@ -417,11 +461,13 @@ impl Simulator<'_> {
             }
         }
         let out_port = out_name.as_deref();
-        // Bridge FORWARD chains before br_nf_forward_ip (priority -1); the ones at 0 are
-        // skipped for IP frames by br_nf_hook_thresh, the ones above run after.
+        b.bridge = Some((bridge.to_string(), Some(port.to_string()), out_name.clone()));
+        // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
+        // -1 on older ones; at equal priority a chain is taken as registered after the
+        // bridge, so it runs first: the kernel's counters agree), the ones above after it.
         if !self.run_bridge_chains(
             Hook::Forward,
-            |p| p < BRNF,
+            |p| p <= BRNF,
             &mut pkt,
             &mut b,
             ch,
