@@ -476,6 +476,13 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
     assert_eq!(svc["route"], "bridged", "{svc:#}");
     assert_eq!(bridge(svc), ("cni0", POD2_PORT, POD_PORT));
     assert_eq!(nat(svc, "dnat").expect("DNAT")["to"], "[fd00:10:244::5]:22");
+    assert!(
+        svc["notes"].as_array().is_some_and(|n| n.iter().any(|n| n
+            .as_str()
+            .unwrap()
+            .starts_with("sent through cni0's own transmit"))),
+        "the first packet, the node's neighbour flushed, goes through cni0's transmit: {svc:#}"
+    );
     let hairpin = first(&reports, "[fd00:10:244::5]", "[fd00:96::2]:22");
     assert_eq!(bridge(hairpin), ("cni0", POD_PORT, POD_PORT));
     assert!(
