@@ -313,6 +313,14 @@ impl Traversal {
         if let Some(r) = self.route {
             let _ = write!(out, "  route {}", r.name());
         }
+        if let Some(b) = &self.bridge {
+            let _ = match (&b.physdev_in, &b.physdev_out) {
+                (Some(i), Some(o)) => write!(out, "  bridge {} {i} -> {o}", b.name),
+                (Some(i), None) => write!(out, "  bridge {} from {i}", b.name),
+                (None, Some(o)) => write!(out, "  bridge {} to {o}", b.name),
+                (None, None) => write!(out, "  bridge {}", b.name),
+            };
+        }
         if self.source == crate::Source::Predicted {
             out.push_str("  (predicted from the rules)");
         }
@@ -386,6 +394,9 @@ impl Traversal {
             self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.route.map_or("-", |r| r.name()),
         )];
+        if let Some(b) = &self.bridge {
+            parts.push(format!("via {}", b.name));
+        }
         let nat: Vec<String> = self
             .nat
             .iter()
@@ -517,6 +528,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: Some(crate::Route::Forward),
+            bridge: None,
             marks: crate::mark_changes(&stages, &crate::MarkDictionary::default()),
             nat: vec![Nat {
                 kind: NatKind::Dnat,
@@ -558,6 +570,29 @@ mod tests {
             t.render_line()
                 .contains("DNAT 10.10.10.2:22->172.17.0.5:22@PREROUTING/kube-proxy(rules)")
         );
+        // A bridged frame names the bridge and its ports in the header, the bridge in a line.
+        let mut b = t.clone();
+        b.route = Some(crate::Route::Bridged);
+        b.bridge = Some(crate::BridgeCrossing {
+            name: "cni0".into(),
+            physdev_in: Some("veth2c3d4e5f".into()),
+            physdev_out: Some("veth1a2b3c4d".into()),
+        });
+        let tree = b.render_tree();
+        assert!(
+            tree.lines()
+                .next()
+                .unwrap()
+                .contains("  route bridged  bridge cni0 veth2c3d4e5f -> veth1a2b3c4d  (predicted"),
+            "{tree}"
+        );
+        assert!(
+            b.render_line().contains("] bridged | via cni0"),
+            "{}",
+            b.render_line()
+        );
+        b.bridge.as_mut().unwrap().physdev_out = None;
+        assert!(b.render_tree().contains("  bridge cni0 from veth2c3d4e5f"));
     }
 
     #[test]
@@ -595,6 +630,7 @@ mod tests {
             }),
             egress: None,
             route: None,
+            bridge: None,
             marks: Default::default(),
             nat: Vec::new(),
             stages: vec![st],

@@ -89,6 +89,9 @@ pub enum Cond {
         every: u32,
         neg: bool,
     },
+    /// `-m physdev`: the bridge ports br_netfilter recorded (`xt_physdev`). Each option is
+    /// present with its `!`; names may end in `+`.
+    Physdev(Physdev),
     /// Matches every packet (comment) or is assumed to (limit under its burst); text explains.
     Always(Option<String>),
     /// A field of the connection's tuples (`-m conntrack --ctproto/--ctorig*/--ctrepl*`).
@@ -146,6 +149,16 @@ pub enum RecentCmd {
     Check,
     Update,
     Remove,
+}
+
+/// The options of one `-m physdev` match, each `(value, negated)`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Physdev {
+    pub physin: Option<(String, bool)>,
+    pub physout: Option<(String, bool)>,
+    pub is_in: Option<bool>,
+    pub is_out: Option<bool>,
+    pub is_bridged: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -494,6 +507,24 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
         out.push(Cond::NoHeader(format!(
             "-m {name}: the packet has no IPv6 {what} header"
         )));
+        return;
+    }
+    if name == "physdev" {
+        let mut p = Physdev::default();
+        for o in opts {
+            match o.name.as_str() {
+                "physdev-in" => p.physin = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-out" => p.physout = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-is-in" => p.is_in = Some(o.neg),
+                "physdev-is-out" => p.is_out = Some(o.neg),
+                "physdev-is-bridged" => p.is_bridged = Some(o.neg),
+                _ => {
+                    out.push(unknown(name, o));
+                    return;
+                }
+            }
+        }
+        out.push(Cond::Physdev(p));
         return;
     }
     if name == "statistic" {
@@ -953,8 +984,13 @@ mod tests {
         let s = c("-A X -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-A");
         assert!(matches!(s.conds[0], Cond::StatRandom { neg: false, .. }));
         assert!(matches!(
-            c("-A X -m physdev --physdev-is-bridged").conds[0],
-            Cond::Unknown(_)
+            c("-A X -m physdev --physdev-is-bridged ! --physdev-in veth+").conds[0],
+            Cond::Physdev(Physdev {
+                is_bridged: Some(false),
+                physin: Some((ref n, true)),
+                physout: None,
+                ..
+            }) if n == "veth+"
         ));
         assert!(
             matches!(c("-A X -m set ! --match-set s src,dst").conds[0], Cond::Set { neg: true, ref dirs, .. } if *dirs == vec![true, false])

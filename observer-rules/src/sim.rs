@@ -4,6 +4,7 @@
 //! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
 //! tables by priority, in the kernel's order.
 
+mod bridged;
 mod matches;
 mod nft_walk;
 
@@ -12,6 +13,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use crate::bridge::Bridges;
 use crate::compile::{
     Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
     compile,
@@ -118,6 +120,21 @@ pub struct StageInput {
     pub tcp_flags: u8,
     /// ICMP type and code.
     pub icmp: (u8, u8),
+    /// br_netfilter's record of the packet, as observed where it was (tail): the bridge
+    /// ports decide `physdev` without the node's bridge facts.
+    pub ports: SeenPorts,
+}
+
+/// What an observer saw of the bridge ports a packet passed ([`StageInput::ports`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum SeenPorts {
+    /// Not known: `physdev` is decided from the simulator's bridge facts, or undecidable.
+    #[default]
+    Unknown,
+    /// It did not enter through a bridge port (br_netfilter has no record of it).
+    NoBridge,
+    /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
+    Port { physin: String, physout: PhysOut },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +145,9 @@ pub struct Branch {
     pub stages: Vec<Stage>,
     pub verdict: Verdict,
     pub notes: Vec<String>,
+    /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
+    /// passed none (routed in from elsewhere, or routed out of another device).
+    pub bridge: Option<(String, Option<String>, Option<String>)>,
 }
 
 struct PTable {
@@ -151,6 +171,9 @@ pub struct Simulator<'a> {
     step_limit: usize,
     /// (family, table, chain, 1-based index) of an iptables rule -> its iptables-nft handle.
     ipt_handles: HashMap<(usize, String, String, usize), u64>,
+    /// Bridge ports and br_netfilter's switches; empty when not given (`physdev` is then
+    /// undecidable and a frame entering a port is walked as if routed).
+    pub bridges: Bridges,
 }
 
 /// The walk budget: a valid ruleset's walk evaluates each rule about once (a chain jumped to
@@ -193,6 +216,23 @@ fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
         .collect()
 }
 
+/// The port a bridged frame leaves by, as br_netfilter records it (`physoutdev`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PhysOut {
+    /// Not set (before bridge FORWARD, or the frame was routed).
+    None,
+    Port(String),
+    /// Bridged, but the inputs do not say to which port (why).
+    Unknown(String),
+}
+
+/// br_netfilter's record of a frame that entered through a bridge port (`nf_bridge_info`).
+#[derive(Debug, Clone, PartialEq)]
+struct NfBridge {
+    physin: String,
+    physout: PhysOut,
+}
+
 #[derive(Debug, Clone)]
 struct Pkt {
     v6: bool,
@@ -224,6 +264,17 @@ struct Pkt {
     /// Filled while one rule's matches are evaluated (which reads the packet only), then
     /// taken by the walk.
     fx: RefCell<Effects>,
+    /// Set for a frame br_netfilter handed to the IP hooks; None for routed-only packets.
+    nf_bridge: Option<NfBridge>,
+    /// A bridged frame's IP POSTROUTING runs without an input device (`br_nf_post_routing`).
+    bridged: bool,
+    /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
+    bridge_family: Option<String>,
+    /// False when simulating one observed stage: whether br_netfilter holds the packet is
+    /// not part of what the probes hand us, so `physdev` stays undecidable there.
+    nf_bridge_known: bool,
+    /// `nf_bridge` was observed (tail), not derived from bridge facts.
+    nf_bridge_observed: bool,
 }
 
 /// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
@@ -357,6 +408,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -373,6 +425,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -445,6 +498,23 @@ impl<'a> Simulator<'a> {
                 recent_set: Vec::new(),
                 assumed: Vec::new(),
                 fx: RefCell::default(),
+                nf_bridge: match &input.ports {
+                    SeenPorts::Port { physin, physout } => Some(NfBridge {
+                        physin: physin.clone(),
+                        physout: physout.clone(),
+                    }),
+                    SeenPorts::Unknown | SeenPorts::NoBridge => None,
+                },
+                bridged: matches!(
+                    &input.ports,
+                    SeenPorts::Port {
+                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
+                        ..
+                    }
+                ),
+                bridge_family: None,
+                nf_bridge_known: input.ports != SeenPorts::Unknown,
+                nf_bridge_observed: input.ports != SeenPorts::Unknown,
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -453,6 +523,7 @@ impl<'a> Simulator<'a> {
                 stages: Vec::new(),
                 verdict: Verdict::Accept,
                 notes: Vec::new(),
+                bridge: None,
             };
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
@@ -549,6 +620,11 @@ impl<'a> Simulator<'a> {
             recent_set: Vec::new(),
             assumed: Vec::new(),
             fx: RefCell::default(),
+            nf_bridge: None,
+            bridged: false,
+            bridge_family: None,
+            nf_bridge_known: true,
+            nf_bridge_observed: false,
         };
         let mut b = Branch {
             probability: 1.0,
@@ -557,14 +633,23 @@ impl<'a> Simulator<'a> {
             stages: Vec::new(),
             verdict: Verdict::Accept,
             notes: Vec::new(),
+            bridge: None,
         };
-        let hooks: Vec<Hook> = if let Some(dev) = &spec.in_iface {
-            if let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev) {
-                b.route = "unroutable".into();
-                b.verdict = Verdict::Drop;
-                b.notes.push(why);
-                return b;
-            }
+        if let Some(dev) = &spec.in_iface
+            && let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev)
+        {
+            b.route = "unroutable".into();
+            b.verdict = Verdict::Drop;
+            b.notes.push(why);
+            return b;
+        }
+        if let Some(port) = spec.in_iface.as_deref()
+            && let Some(bridge) = self.bridges.bridge_of(port)
+        {
+            let (port, bridge) = (port.to_string(), bridge.to_string());
+            return self.walk_bridged(spec, pkt, b, ch, &port, &bridge);
+        }
+        let hooks: Vec<Hook> = if spec.in_iface.is_some() {
             vec![Hook::PreRouting]
         } else {
             // Locally generated: the route is chosen before OUTPUT.
@@ -603,6 +688,7 @@ impl<'a> Simulator<'a> {
                 return b;
             }
         }
+        self.leave_by_bridge(&mut pkt, &mut b, ch);
         b
     }
 
@@ -1178,6 +1264,7 @@ impl<'a> Simulator<'a> {
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
             Hook::LocalOut => None,
+            Hook::PostRouting if pkt.bridged => None,
             _ => pkt.in_iface.as_deref(),
         };
         let out_if = match hook {
@@ -1313,6 +1400,7 @@ impl<'a> Simulator<'a> {
                         tri(valid, *invert)
                     }
                 }
+                Cond::Physdev(p) => self.physdev(p, pkt),
                 Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
                 Cond::Always(_) => Tri::Yes,
                 Cond::CtTuple {

@@ -22,6 +22,10 @@ use observer_rules::packet::CtState;
 use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_ipsets};
 use observer_tests::{Netns, privileged, unique_prefix, veth};
 
+/// Bridged flows (br_netfilter, `-m physdev`) on a node of their own.
+#[path = "rules_differential/bridged.rs"]
+mod bridged;
+
 const LAB: &str = include_str!("../../lab/rules/lab.rules");
 const DEFAULT_SEED: u64 = 0x0b5e_4e12_2026_0001;
 const PORTS: &[u16] = &[22, 53, 80, 443, 8080, 30080];

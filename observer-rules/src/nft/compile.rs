@@ -243,6 +243,8 @@ fn expr(cx: &Cx<'_>, v: &Value) -> Expr {
             "protocol" => MetaKey::Protocol,
             "iifname" | "iif" => MetaKey::IifName,
             "oifname" | "oif" => MetaKey::OifName,
+            "ibrname" | "ibriport" => MetaKey::IbrName,
+            "obrname" | "obriport" => MetaKey::ObrName,
             _ => return Expr::Unknown(format!("meta {k} not modelled")),
         });
     }
@@ -355,7 +357,7 @@ pub fn key_types(e: &Expr) -> Vec<Ty> {
             MetaKey::L4Proto => Ty::Proto,
             MetaKey::NfProto => Ty::NfProto,
             MetaKey::Protocol => Ty::EtherType,
-            MetaKey::IifName | MetaKey::OifName => Ty::Iface,
+            MetaKey::IifName | MetaKey::OifName | MetaKey::IbrName | MetaKey::ObrName => Ty::Iface,
         }],
         Expr::Ct(k) => vec![match k {
             CtKey::State => Ty::CtState,

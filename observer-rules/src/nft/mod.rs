@@ -130,9 +130,17 @@ impl NftRuleset {
     }
 }
 
-fn prio(v: Option<&Value>) -> Option<i64> {
+fn prio(v: Option<&Value>, family: &str) -> Option<i64> {
     match v? {
         Value::Number(n) => n.as_i64(),
+        // The bridge family names its own priorities (nft(8), "PRIORITY").
+        Value::String(s) if family == "bridge" => Some(match s.as_str() {
+            "dstnat" => -300,
+            "filter" => -200,
+            "out" => 100,
+            "srcnat" => 300,
+            _ => return None,
+        }),
         // Newer nft prints symbolic priorities, e.g. "filter" or {"base": ...}.
         Value::String(s) => Some(match s.as_str() {
             "raw" => -300,
@@ -300,7 +308,7 @@ impl Builder {
                 handle: c.handle.unwrap_or(0),
                 kind: c.kind,
                 hook: c.hook,
-                priority: prio(c.prio.as_ref()),
+                priority: prio(c.prio.as_ref(), &t.family),
                 policy: c.policy,
                 rules: Vec::new(),
             });

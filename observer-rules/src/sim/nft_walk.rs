@@ -422,7 +422,24 @@ impl Simulator<'_> {
                 MetaKey::Protocol => n(if pkt.v6 { 0x86dd } else { 0x0800 }),
                 MetaKey::IifName => Ev::Val(Atom::S(in_if(hook, pkt).unwrap_or("").to_string())),
                 MetaKey::OifName => Ev::Val(Atom::S(out_if(hook, pkt).unwrap_or("").to_string())),
+                // nft_meta_bridge: the bridge of the port, "" without one.
+                MetaKey::IbrName | MetaKey::ObrName if t.family == "bridge" => {
+                    let port = if *k == MetaKey::IbrName {
+                        in_if(hook, pkt)
+                    } else {
+                        out_if(hook, pkt)
+                    };
+                    let br = port.and_then(|p| self.bridges.bridge_of(p));
+                    Ev::Val(Atom::S(br.unwrap_or("").to_string()))
+                }
+                MetaKey::IbrName | MetaKey::ObrName => Ev::Unknown(
+                    "meta ibrname/obrname outside a bridge table (the kernel only has them there)"
+                        .into(),
+                ),
             },
+            Expr::Ct(_) if pkt.bridge_family.is_some() => {
+                Ev::Unknown("ct in a bridge table is not modelled".into())
+            }
             Expr::Ct(k) => self.ct_value(*k, pkt),
             Expr::Fib {
                 saddr,
@@ -587,6 +604,7 @@ fn tri(b: bool) -> Tri {
 fn in_if(hook: Hook, pkt: &Pkt) -> Option<&str> {
     match hook {
         Hook::LocalOut => None,
+        Hook::PostRouting if pkt.bridged => None,
         _ => pkt.in_iface.as_deref(),
     }
 }

@@ -67,6 +67,14 @@ const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_egress", TcAttachType::Egress),
 ];
 
+/// The TC programs of a bridge device, attached there instead of [`TC_PROGRAMS`]: a frame
+/// passed up from a port goes on, and nothing ends at the bridge's own transmit (it hands
+/// the skb on to a port).
+const TC_BRIDGE_PROGRAMS: [(&str, TcAttachType); 2] = [
+    ("observer_tc_bridge_ingress", TcAttachType::Ingress),
+    ("observer_tc_bridge_egress", TcAttachType::Egress),
+];
+
 /// Releases `links` without making the caller wait for the kernel. A child process shares
 /// their file descriptors and waits until this process has exited (its end of a pipe then
 /// reads EOF); the last descriptor, and with it the detach, is then the child's. The probes
@@ -263,7 +271,7 @@ impl Probes {
             )?;
             nets.set(0, FilterNets::of(filter), 0)?;
         }
-        for (name, _) in TC_PROGRAMS {
+        for (name, _) in TC_PROGRAMS.into_iter().chain(TC_BRIDGE_PROGRAMS) {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .with_context(|| format!("probe object has no program {name}"))?
@@ -631,7 +639,12 @@ impl Probes {
             }
             let mut links = Vec::new();
             let mut failed = None;
-            for (prog, at) in TC_PROGRAMS {
+            let programs = if is_bridge(name) {
+                TC_BRIDGE_PROGRAMS
+            } else {
+                TC_PROGRAMS
+            };
+            for (prog, at) in programs {
                 let p: &mut SchedClassifier = self
                     .ebpf
                     .program_mut(prog)
@@ -944,6 +957,62 @@ pub fn interfaces() -> Vec<(u32, String)> {
         libc::if_freenameindex(list);
     }
     out
+}
+
+/// Whether interface `name` of the current namespace is a Linux bridge: its driver, as
+/// ethtool reports it (`ETHTOOL_GDRVINFO`), is "bridge". Read once per new interface; the
+/// sysfs view (`/sys/class/net/NAME/bridge`) would be the mounting namespace's, not ours.
+pub fn is_bridge(name: &str) -> bool {
+    driver(name).is_some_and(|d| d == "bridge")
+}
+
+/// The driver of interface `name` (`ETHTOOL_GDRVINFO`), None where the ioctl fails.
+fn driver(name: &str) -> Option<String> {
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    /// `struct ethtool_drvinfo` (linux/ethtool.h): the driver name comes first.
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 160],
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IF_NAMESIZE],
+        data: *mut DrvInfo,
+        _pad: [u8; 16],
+    }
+    if name.len() >= libc::IF_NAMESIZE {
+        return None;
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 160],
+    };
+    let mut req = IfReq {
+        name: [0; libc::IF_NAMESIZE],
+        data: &mut info,
+        _pad: [0; 16],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: a datagram socket of the current namespace, closed below; SIOCETHTOOL reads
+    // the ifreq (a NUL-terminated name and a pointer to a drvinfo the kernel fills, both
+    // alive for the call).
+    let ok = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut req as *mut IfReq);
+        libc::close(fd);
+        r == 0
+    };
+    if !ok {
+        return None;
+    }
+    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
 }
 
 /// Index of interface `name` in the current namespace.
