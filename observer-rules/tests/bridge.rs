@@ -268,7 +268,7 @@ fn nft_bridge_tables_run_around_br_netfilter() {
       {"chain":{"family":"bridge","table":"f","name":"fwd","handle":2,"type":"filter","hook":"forward","prio":-200,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd9","handle":6,"type":"filter","hook":"forward","prio":9,"policy":"accept"}},
-      {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
+      {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"payload":{"protocol":"ether","field":"type"}},"right":"ip"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
       {"rule":{"family":"bridge","table":"f","chain":"fwd","handle":5,"expr":[{"match":{"op":"==","left":{"meta":{"key":"oifname"}},"right":"vethb"}},{"match":{"op":"==","left":{"payload":{"protocol":"udp","field":"dport"}},"right":9998}},{"drop":null}]}}
     ]}"#;
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");

@@ -319,6 +319,14 @@ fn node() -> Node {
     std::fs::write(&path, BRIDGE_NFT).unwrap();
     node.sh(&format!("nft -f {}", path.display()));
     let _ = std::fs::remove_file(&path);
+    // ebtables (ebtables-nft: `bridge filter` / `bridge nat` tables). IPv4 only: without
+    // `--ip6-proto` (an `xt` match, undecidable) an IPv6 rule would count neighbour discovery.
+    node.sh("ebtables -t filter -A FORWARD -p IPv4 -i va -o vb
+         ebtables -t filter -A FORWARD -p IPv4 -o va
+         ebtables -t filter -A INPUT -p IPv4 -i va
+         ebtables -t filter -A OUTPUT -p IPv4 -o vb
+         ebtables -t nat -A PREROUTING -p IPv4 -i vb
+         ebtables -t nat -A POSTROUTING -p IPv4 -o vb");
     // The node answers nothing: a socket on every port we send to it.
     node.run(|| {
         let s = std::net::UdpSocket::bind(("::", 53)).expect("bind udp");
@@ -376,11 +384,11 @@ const BRIDGE_NFT: &str = r#"table bridge obsb {
 }
 "#;
 
-/// Per-rule packet counters of the iptables tables and of the bridge table (keyed
-/// `bridge obsb`, chain, handle).
+/// Per-rule packet counters of the iptables tables and of the bridge tables (keyed
+/// `bridge TABLE`, chain, handle).
 fn counters(node: &Netns, v6: bool) -> Counts {
     let mut out = ipt_counters(node, v6);
-    let text = node.sh("nft -j list table bridge obsb");
+    let text = node.sh("nft -j list ruleset bridge");
     let v: serde_json::Value = serde_json::from_str(&text).expect("nft JSON");
     for o in v["nftables"].as_array().expect("nftables array") {
         let Some(r) = o.get("rule") else { continue };
@@ -392,7 +400,8 @@ fn counters(node: &Netns, v6: bool) -> Counts {
         if let Some(p) = packets {
             let chain = r["chain"].as_str().expect("chain").to_string();
             let handle = r["handle"].as_u64().expect("handle") as usize;
-            out.insert(("bridge obsb".into(), chain, handle), p);
+            let table = r["table"].as_str().expect("table");
+            out.insert((format!("bridge {table}"), chain, handle), p);
         }
     }
     out
