@@ -445,6 +445,11 @@ struct Flow {
     verdict: Verdict,
     /// Delete the node's neighbour entry of pod B first (IPv4: ARP resolves it again).
     flush_b: bool,
+    /// Hairpin mode off on `vb` for this flow (the bridge drops a frame back out of it).
+    hairpin_off: bool,
+    /// `bridge-nf-call-iptables` (`-ip6tables`) 0 for this flow: bridged frames skip the IP
+    /// hooks.
+    nf_call_off: bool,
 }
 
 fn flows(a: &Addrs) -> Vec<Flow> {
@@ -456,6 +461,8 @@ fn flows(a: &Addrs) -> Vec<Flow> {
         route,
         verdict,
         flush_b: false,
+        hairpin_off: false,
+        nf_call_off: false,
     };
     let mut v = vec![
         f(
@@ -541,6 +548,28 @@ fn flows(a: &Addrs) -> Vec<Flow> {
             Verdict::Accept,
         ),
     ];
+    v.push(Flow {
+        hairpin_off: true,
+        ..f(
+            "hairpin with hairpin mode off",
+            From::B,
+            a.svc_same,
+            80,
+            "bridged",
+            Verdict::Drop,
+        )
+    });
+    v.push(Flow {
+        nf_call_off: true,
+        ..f(
+            "pod to pod, br_netfilter off (the FORWARD drop does not apply)",
+            From::A,
+            a.pod_b,
+            9999,
+            "bridged",
+            Verdict::Accept,
+        )
+    });
     if !a.v6 {
         v.push(Flow {
             flush_b: true,
@@ -573,8 +602,19 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
     let _ = std::fs::remove_file(&path);
     let (mut compared, mut hits) = (0, 0);
     for flow in flows(a) {
+        let sysctl = if a.v6 {
+            "net.bridge.bridge-nf-call-ip6tables"
+        } else {
+            "net.bridge.bridge-nf-call-iptables"
+        };
         if flow.flush_b {
             n.node.sh(&format!("ip neigh del {} dev cni0", a.pod_b));
+        }
+        if flow.hairpin_off {
+            n.node.sh("bridge link set dev vb hairpin off");
+        }
+        if flow.nf_call_off {
+            n.node.sh(&format!("sysctl -qw {sysctl}=0"));
         }
         // Read as `explain --live` does, after the change the flow depends on.
         let live = n.node.run(LiveNode::read);
@@ -683,6 +723,12 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             "{what}: kernel counters (left) and explain (right) disagree\nnotes: {:?}\nrules:\n{rules}",
             b.notes
         );
+        if flow.hairpin_off {
+            n.node.sh("bridge link set dev vb hairpin on");
+        }
+        if flow.nf_call_off {
+            n.node.sh(&format!("sysctl -qw {sysctl}=1"));
+        }
         compared += 1;
         hits += want.values().sum::<u64>();
     }
