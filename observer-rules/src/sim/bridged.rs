@@ -322,8 +322,20 @@ impl Simulator<'_> {
                 self.bridged(pkt, b, ch, port, bridge, out, (dnat, resolved), calls)
             }
             Decision::Local | Decision::Routed(_) if !calls => {
-                // Up to the bridge device: an ordinary received packet of the bridge, its
-                // PREROUTING included (no br_netfilter record, nothing sabotaged).
+                // Up to the bridge device (bridge `input` chains first): an ordinary received
+                // packet of the bridge, its PREROUTING included (no br_netfilter record,
+                // nothing sabotaged).
+                if !self.run_bridge_chains(
+                    Hook::LocalIn,
+                    |_| true,
+                    &mut pkt,
+                    &mut b,
+                    ch,
+                    bridge,
+                    (Some(port), None),
+                ) {
+                    return b;
+                }
                 let mut spec = spec.clone();
                 spec.in_iface = Some(bridge.to_string());
                 b.notes.push(format!(

@@ -570,6 +570,17 @@ fn flows(a: &Addrs) -> Vec<Flow> {
             Verdict::Accept,
         )
     });
+    v.push(Flow {
+        nf_call_off: true,
+        ..f(
+            "pod to node, br_netfilter off (routed as the bridge's own packet)",
+            From::A,
+            a.gw,
+            53,
+            "input",
+            Verdict::Accept,
+        )
+    });
     if !a.v6 {
         v.push(Flow {
             flush_b: true,
