@@ -1345,4 +1345,19 @@ mod tests {
         assert!(!lo.enter(LEFT_OUT_PER_CPU));
         assert_eq!(lo.take(LEFT_OUT_PER_CPU), None);
     }
+
+    #[test]
+    fn a_frame_passed_up_to_a_bridge_continues_only_after_its_entry() {
+        let mut rec = fresh();
+        assert!(!continues_into_bridge(&rec), "nothing seen yet");
+        add_reading(&mut rec, &reading(hook::TC_INGRESS, 0, 60), 0);
+        assert!(continues_into_bridge(&rec));
+        add_reading(&mut rec, &reading(hook::PRE_ROUTING, 1, 60), 1);
+        assert!(continues_into_bridge(&rec));
+        add_reading(&mut rec, &reading(hook::FORWARD, 1, 60), 1);
+        assert!(
+            !continues_into_bridge(&rec),
+            "a record past PREROUTING is stale"
+        );
+    }
 }

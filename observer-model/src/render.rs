@@ -341,6 +341,9 @@ impl Traversal {
             self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.route.map_or("-", |r| r.name()),
         )];
+        if let Some(b) = &self.bridge {
+            parts.push(format!("via {}", b.name));
+        }
         let nat: Vec<String> = self
             .nat
             .iter()
@@ -514,5 +517,28 @@ mod tests {
             t.render_line()
                 .contains("DNAT 10.10.10.2:22->172.17.0.5:22@PREROUTING/kube-proxy(rules)")
         );
+        // A bridged frame names the bridge and its ports in the header, the bridge in a line.
+        let mut b = t.clone();
+        b.route = Some(crate::Route::Bridged);
+        b.bridge = Some(crate::BridgeCrossing {
+            name: "cni0".into(),
+            physdev_in: Some("veth2c3d4e5f".into()),
+            physdev_out: Some("veth1a2b3c4d".into()),
+        });
+        let tree = b.render_tree();
+        assert!(
+            tree.lines()
+                .next()
+                .unwrap()
+                .contains("  route bridged  bridge cni0 veth2c3d4e5f -> veth1a2b3c4d  (predicted"),
+            "{tree}"
+        );
+        assert!(
+            b.render_line().contains("] bridged | via cni0"),
+            "{}",
+            b.render_line()
+        );
+        b.bridge.as_mut().unwrap().physdev_out = None;
+        assert!(b.render_tree().contains("  bridge cni0 from veth2c3d4e5f"));
     }
 }

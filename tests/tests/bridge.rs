@@ -297,6 +297,24 @@ fn bridged_ipv4_flows_are_whole_with_their_ports_and_the_kernels_rules() {
     );
     assert_eq!(nat(svc, "dnat").expect("DNAT")["to"], "10.244.0.5:22");
     assert_eq!(svc["fate"]["kind"], "forwarded");
+    assert!(
+        svc["notes"].as_array().is_some_and(|n| n.iter().any(|n| n
+            .as_str()
+            .unwrap()
+            .starts_with("sent through cni0's own transmit"))),
+        "the path through the bridge's own transmit is shown: {svc:#}"
+    );
+    // Its later packets, the neighbour known, are bridged straight away.
+    let later = reports
+        .iter()
+        .find(|r| {
+            src(r).starts_with("10.244.0.6")
+                && dst(r) == "10.96.0.2:22"
+                && r["conntrack"]["state"] == "established"
+        })
+        .expect("a later packet to the ClusterIP");
+    assert_eq!(bridge(later), ("cni0", POD2_PORT, POD_PORT));
+    assert!(later["notes"].is_null(), "{later:#}");
 
     // Hairpin: the pod to a service that picks itself, masqueraded to the bridge's address.
     let hairpin = first(&reports, "10.244.0.5", "10.96.0.2:22");
@@ -458,6 +476,13 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
     assert_eq!(svc["route"], "bridged", "{svc:#}");
     assert_eq!(bridge(svc), ("cni0", POD2_PORT, POD_PORT));
     assert_eq!(nat(svc, "dnat").expect("DNAT")["to"], "[fd00:10:244::5]:22");
+    assert!(
+        svc["notes"].as_array().is_some_and(|n| n.iter().any(|n| n
+            .as_str()
+            .unwrap()
+            .starts_with("sent through cni0's own transmit"))),
+        "the first packet, the node's neighbour flushed, goes through cni0's transmit: {svc:#}"
+    );
     let hairpin = first(&reports, "[fd00:10:244::5]", "[fd00:96::2]:22");
     assert_eq!(bridge(hairpin), ("cni0", POD_PORT, POD_PORT));
     assert!(

@@ -145,7 +145,7 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
                 marks,
             }) => {
                 // Rules named as the tail named them, from the ruleset it read.
-                let live = observer_rules::LiveNode::parse(texts);
+                let live = observer_rules::LiveNode::parse(*texts);
                 pipeline.ruleset_changed(
                     Some(MarkDictionary::from_entries(&marks)),
                     Some(crate::rulenames::RuleNamer::new(&live, generation)),

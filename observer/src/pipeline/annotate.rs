@@ -331,3 +331,114 @@ pub fn conntrack(t: &Traversal) -> Option<ConntrackView> {
         reply: tuple_view(&ct.reply),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use observer_model::Family as NfFamily;
+
+    const PORT1: u32 = 7;
+    const PORT2: u32 = 8;
+    const BR: u32 = 5;
+    const ETH2: u32 = 3;
+
+    fn at(point: Point, ifindex_in: u32, ifindex_out: u32) -> Observation {
+        Observation {
+            point,
+            family: Some(NfFamily::Ipv4),
+            ts_ns: 0,
+            skb: 1,
+            ifindex_in,
+            ifindex_out,
+            src: None,
+            dst: None,
+            proto: 6,
+            has_ports: true,
+            tcp_flags: 0,
+            len: 60,
+            mark: 0,
+            ct: None,
+            inner: None,
+            fragment: false,
+            icmp: None,
+        }
+    }
+
+    fn traversal(records: Vec<Observation>) -> Traversal {
+        Traversal {
+            skb: 1,
+            records,
+            closed: Closed::Egress,
+            drop: None,
+            missing: 0,
+        }
+    }
+
+    fn nf(h: NfHook, i: u32, o: u32) -> Observation {
+        at(Point::Netfilter(h, 0), i, o)
+    }
+
+    #[test]
+    fn a_frame_bridged_between_two_ports_names_both() {
+        // The DNAT to the same bridge sent through the bridge's own transmit on its way.
+        let t = traversal(vec![
+            at(Point::TcIngress, PORT2, 0),
+            nf(NfHook::PreRouting, BR, 0),
+            at(Point::TcEgress, 0, BR),
+            nf(NfHook::Forward, BR, BR),
+            nf(NfHook::PostRouting, 0, BR),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        let p = bridge_ports(&t).expect("crossed a bridge");
+        assert_eq!(
+            p,
+            BridgePorts {
+                bridge: BR,
+                physdev_in: Some(PORT2),
+                physdev_out: Some(PORT1),
+                bridged: true
+            }
+        );
+        assert!(!entered_without_port(&t));
+    }
+
+    #[test]
+    fn routed_out_of_another_device_and_sent_by_the_node() {
+        // In by a port, up to the bridge, routed out of eth2: not bridged, no out port.
+        let routed = traversal(vec![
+            at(Point::TcIngress, PORT2, 0),
+            nf(NfHook::PreRouting, BR, 0),
+            at(Point::TcIngress, BR, 0),
+            nf(NfHook::Forward, BR, ETH2),
+            nf(NfHook::PostRouting, 0, ETH2),
+            at(Point::TcEgress, 0, ETH2),
+        ]);
+        let p = bridge_ports(&routed).unwrap();
+        assert_eq!(
+            (p.physdev_in, p.physdev_out, p.bridged),
+            (Some(PORT2), None, false)
+        );
+        // Sent by the node through the bridge to a port: br_netfilter keeps no record.
+        let sent = traversal(vec![
+            nf(NfHook::LocalOut, 0, BR),
+            nf(NfHook::PostRouting, 0, BR),
+            at(Point::TcEgress, 0, BR),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        let p = bridge_ports(&sent).unwrap();
+        assert_eq!(
+            (p.physdev_in, p.physdev_out, p.bridged),
+            (None, Some(PORT1), false)
+        );
+        assert!(entered_without_port(&sent));
+        // No bridge at all: the hooks saw the devices TC saw.
+        let plain = traversal(vec![
+            at(Point::TcIngress, ETH2, 0),
+            nf(NfHook::PreRouting, ETH2, 0),
+            nf(NfHook::Forward, ETH2, PORT1),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        assert_eq!(bridge_ports(&plain), None);
+        assert!(entered_without_port(&plain));
+    }
+}

@@ -299,7 +299,7 @@ impl Pipeline {
         if let (Some(r), true) = (&mut self.recorder, self.ctx.namer.is_some()) {
             r.meta(&Meta::Ruleset {
                 generation,
-                texts: texts.clone(),
+                texts: Box::new(texts.clone()),
                 marks,
             });
         }

@@ -200,11 +200,43 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         names: Vec::new(),
         stages,
         branches: Vec::new(),
-        notes: Vec::new(),
+        notes: bridge_notes(t, ports, ifname),
         lost,
         flow: first_l3
             .and_then(|i| snapshots.of(i))
             .map_or_else(|| "?".into(), |s| [&*s.src, " -> ", &*s.dst].concat()),
+    }
+}
+
+/// What the path through a bridge did that its stages do not show: a frame DNATed to a
+/// pod on the same bridge before the node knew the pod's neighbour entry is sent through
+/// the bridge device's own transmit (`br_nf_pre_routing_finish_bridge` hands it to the
+/// neighbour's output, TC egress of the bridge sees it) and bridged from there.
+fn bridge_notes(
+    t: &Traversal,
+    ports: Option<annotate::BridgePorts>,
+    ifname: &dyn Fn(u32) -> String,
+) -> Vec<String> {
+    let Some(p) = ports.filter(|p| p.bridged) else {
+        return Vec::new();
+    };
+    let through_bridge_xmit = t
+        .records
+        .iter()
+        .position(|r| r.point == Point::TcEgress && r.ifindex_out == p.bridge);
+    let forward = t
+        .records
+        .iter()
+        .position(|r| matches!(r.point, Point::Netfilter(NfHook::Forward, _)));
+    match (through_bridge_xmit, forward) {
+        (Some(x), Some(f)) if x < f => vec![format!(
+            "sent through {}'s own transmit while the node resolved the neighbour of its new              destination (DNAT to the same bridge), then bridged{}",
+            ifname(p.bridge),
+            p.physdev_out
+                .map(|o| format!(" to {}", ifname(o)))
+                .unwrap_or_default()
+        )],
+        _ => Vec::new(),
     }
 }
 
