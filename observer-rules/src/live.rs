@@ -29,11 +29,12 @@ use crate::sim::Simulator;
 /// One read of the node that did not give us what we need.
 #[derive(Debug, Error)]
 pub enum LiveError {
-    #[error("cannot run `{cmd}`: {source} (install {package}; `cargo xtask setup` does)")]
+    // `error`, not `source`: the message already says it, and a source would print twice.
+    #[error("cannot run `{cmd}`: {error} (install {package}; `cargo xtask setup` does)")]
     Spawn {
         cmd: String,
         package: &'static str,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("`{cmd}` failed: {stderr} (run as root, in the namespace to read)")]
     Failed { cmd: String, stderr: String },
@@ -113,10 +114,10 @@ fn run(cmd: &str, args: &[&str], package: &'static str) -> Result<String, LiveEr
     let out = Command::new(cmd)
         .args(args)
         .output()
-        .map_err(|source| LiveError::Spawn {
+        .map_err(|error| LiveError::Spawn {
             cmd: full.clone(),
             package,
-            source,
+            error,
         })?;
     if !out.status.success() {
         return Err(LiveError::Failed {
@@ -320,7 +321,7 @@ fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
         .filter(|t| t.name == "kube-proxy")
         .flat_map(|t| &t.chains)
         .find(|c| c.name == "mark-for-masquerade")?;
-    chain.rules.iter().find_map(|r| or_value(&r.expr))
+    chain.rules.iter().find_map(|r| or_value(&r.expr.value()))
 }
 
 /// The number in a `{"|": [{"meta": {"key": "mark"}}, N]}` anywhere in `v`.

@@ -72,7 +72,9 @@ fn compile_table(t: &NftTable) -> PTable {
                 .rules
                 .iter()
                 .map(|r| {
-                    let list = r.expr.as_array().map(Vec::as_slice).unwrap_or_default();
+                    // One rule's tree at a time (see RawJson).
+                    let expr = r.expr.value();
+                    let list = expr.as_array().map(Vec::as_slice).unwrap_or_default();
                     PRule {
                         handle: r.handle,
                         text: rule_text(list, r.comment.as_deref()),
@@ -95,7 +97,8 @@ fn compile_table(t: &NftTable) -> PTable {
 
 fn compile_named_set(cx: &Cx<'_>, s: &NftSet) -> PSet {
     let key: Vec<Ty> = s.key.iter().map(|k| Ty::from_nft(k)).collect();
-    let elems = match &s.elems {
+    let elems = s.elems.as_ref().map(|e| e.value());
+    let elems = match &elems {
         Some(Value::Array(a)) => a.as_slice(),
         _ => &[],
     };

@@ -206,6 +206,7 @@ impl Simulator<'_> {
             }
             RouteDecision::Out { dev, .. } => Decision::Routed(dev),
             RouteDecision::Unroutable(why) => Decision::Unroutable(why),
+            RouteDecision::Unknown(why) => Decision::Undecidable(why),
         }
     }
 

@@ -95,6 +95,9 @@ impl Simulator<'_> {
                 stack.pop();
                 continue;
             }
+            if !ch.step() {
+                return ch.out_of_steps(stage);
+            }
             let ri = *pos;
             *pos += 1;
             let rule = &chain.rules[ri];
@@ -282,10 +285,7 @@ impl Simulator<'_> {
     /// True when one of the following matches fails whatever the random draws (no side effects).
     fn later_fails(&self, t: &PTable, rest: &[Stmt], hook: Hook, pkt: &Pkt) -> bool {
         let mut probe = pkt.clone();
-        let mut ch = super::Chooser {
-            prefix: Vec::new(),
-            log: Vec::new(),
-        };
+        let mut ch = super::Chooser::new(Vec::new(), usize::MAX);
         rest.iter()
             .take_while(|s| matches!(s, Stmt::Match { .. }))
             .any(|s| match s {
@@ -565,7 +565,8 @@ impl Simulator<'_> {
         };
         match result {
             FibResult::Type => match self.routes.addr_type(addr, dev) {
-                Some(t) => Ev::Val(Atom::N(fib_type_num(t))),
+                Some(Ok(t)) => Ev::Val(Atom::N(fib_type_num(t))),
+                Some(Err(why)) => Ev::Unknown(format!("fib type: {why}")),
                 None => Ev::Unknown("fib type needs routes of this family".into()),
             },
             // The interface the route to `addr` leaves by; with `iif` only when that is the
@@ -583,7 +584,9 @@ impl Simulator<'_> {
                 RouteDecision::Unroutable(why) if why.starts_with("no route") => {
                     Ev::Val(Atom::S(String::new()))
                 }
-                RouteDecision::Unroutable(why) => Ev::Unknown(format!("fib oif through a {why}")),
+                RouteDecision::Unroutable(why) | RouteDecision::Unknown(why) => {
+                    Ev::Unknown(format!("fib oif through a {why}"))
+                }
             },
         }
     }

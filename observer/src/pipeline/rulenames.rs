@@ -339,6 +339,7 @@ impl RuleNamer {
             .position(|(_, c)| c.result == CheckResult::Agrees)
             .unwrap_or(0);
         let (p, check) = judged.into_iter().nth(pick).expect("one branch at least");
+        let check = weigh_assumptions(check, &branches[pick].notes);
         Named {
             rules: p.rules,
             check: Some(Arc::new(check)),
@@ -352,6 +353,25 @@ fn undecidable(why: &str) -> Check {
         disagreements: Vec::new(),
         reason: Some(why.into()),
     }
+}
+
+/// A prediction that rests on an assumption (`assumed ...` notes: a `recent` list, a
+/// `hashlimit` rate, a MAC address) and differs from what the kernel did is undecidable, not
+/// a disagreement: the kernel's state may simply not be the assumed one. Both are said.
+fn weigh_assumptions(check: Check, notes: &[String]) -> Check {
+    let assumed: Vec<&str> = notes
+        .iter()
+        .filter(|n| n.starts_with("assumed"))
+        .map(String::as_str)
+        .collect();
+    if check.result != CheckResult::Disagrees || assumed.is_empty() {
+        return check;
+    }
+    undecidable(&format!(
+        "{}; but the rules were answered under an assumption the kernel's state may not share: {}",
+        check.disagreements.join("; "),
+        assumed.join("; ")
+    ))
 }
 
 /// `a.b.c.d:port` / `[v6]:port` without the port.
@@ -458,6 +478,35 @@ mod tests {
         }
         assert!(c.get(&key(0)).is_none());
         assert!(c.current.len() + c.old.len() <= 2 * ENTRIES);
+    }
+
+    #[test]
+    fn a_disagreement_under_an_assumption_is_undecidable() {
+        let disagrees = || Check {
+            result: CheckResult::Disagrees,
+            disagreements: vec!["rules predict accept, the kernel dropped the packet".into()],
+            reason: None,
+        };
+        let note = "assumed at filter ufw-user-input#2: recent `DEFAULT`: no earlier packet of this source (fewer than 6 hits)".to_string();
+        let c = weigh_assumptions(disagrees(), std::slice::from_ref(&note));
+        assert_eq!(c.result, CheckResult::Undecidable);
+        let why = c.reason.unwrap();
+        assert!(why.starts_with("rules predict accept"), "{why}");
+        assert!(why.contains("recent `DEFAULT`"), "{why}");
+        // Without an assumption a disagreement stays one; an agreement stays one.
+        assert_eq!(
+            weigh_assumptions(disagrees(), &[]).result,
+            CheckResult::Disagrees
+        );
+        let agrees = Check {
+            result: CheckResult::Agrees,
+            disagreements: Vec::new(),
+            reason: None,
+        };
+        assert_eq!(
+            weigh_assumptions(agrees, &[note]).result,
+            CheckResult::Agrees
+        );
     }
 
     #[test]
