@@ -126,6 +126,16 @@ pub enum Cond {
     Unknown(String),
 }
 
+/// The options of one `-m physdev` match, each `(value, negated)`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Physdev {
+    pub physin: Option<(String, bool)>,
+    pub physout: Option<(String, bool)>,
+    pub is_in: Option<bool>,
+    pub is_out: Option<bool>,
+    pub is_bridged: Option<bool>,
+}
+
 /// One field of a conntrack entry's tuples; `reply` selects the reply tuple, `src` the source.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CtField {
@@ -149,16 +159,6 @@ pub enum RecentCmd {
     Check,
     Update,
     Remove,
-}
-
-/// The options of one `-m physdev` match, each `(value, negated)`.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Physdev {
-    pub physin: Option<(String, bool)>,
-    pub physout: Option<(String, bool)>,
-    pub is_in: Option<bool>,
-    pub is_out: Option<bool>,
-    pub is_bridged: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -384,6 +384,24 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
         }
         return;
     }
+    if name == "physdev" {
+        let mut p = Physdev::default();
+        for o in opts {
+            match o.name.as_str() {
+                "physdev-in" => p.physin = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-out" => p.physout = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-is-in" => p.is_in = Some(o.neg),
+                "physdev-is-out" => p.is_out = Some(o.neg),
+                "physdev-is-bridged" => p.is_bridged = Some(o.neg),
+                _ => {
+                    out.push(unknown(name, o));
+                    return;
+                }
+            }
+        }
+        out.push(Cond::Physdev(p));
+        return;
+    }
     if name == "conntrack" {
         let with_state = opts.iter().any(|o| o.name == "ctstate");
         for o in opts {
@@ -507,24 +525,6 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
         out.push(Cond::NoHeader(format!(
             "-m {name}: the packet has no IPv6 {what} header"
         )));
-        return;
-    }
-    if name == "physdev" {
-        let mut p = Physdev::default();
-        for o in opts {
-            match o.name.as_str() {
-                "physdev-in" => p.physin = Some((first_arg(o).to_string(), o.neg)),
-                "physdev-out" => p.physout = Some((first_arg(o).to_string(), o.neg)),
-                "physdev-is-in" => p.is_in = Some(o.neg),
-                "physdev-is-out" => p.is_out = Some(o.neg),
-                "physdev-is-bridged" => p.is_bridged = Some(o.neg),
-                _ => {
-                    out.push(unknown(name, o));
-                    return;
-                }
-            }
-        }
-        out.push(Cond::Physdev(p));
         return;
     }
     if name == "statistic" {

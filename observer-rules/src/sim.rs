@@ -254,16 +254,6 @@ struct Pkt {
     ct_attached: bool,
     tcp_flags: u8,
     icmp: (u8, u8),
-    /// The connection's original tuple (src, dst, sport, dport) when the packet is the first
-    /// of its connection and no NAT happened before the walk; `--ctorig*` read it.
-    orig: Option<(IpAddr, IpAddr, Option<u16>, Option<u16>)>,
-    /// `-m recent --set` lists this walk has added the packet to: (name, rdest).
-    recent_set: Vec<(String, bool)>,
-    /// Assumptions stateful matches were answered under, for the branch's notes.
-    assumed: Vec<String>,
-    /// Filled while one rule's matches are evaluated (which reads the packet only), then
-    /// taken by the walk.
-    fx: RefCell<Effects>,
     /// Set for a frame br_netfilter handed to the IP hooks; None for routed-only packets.
     nf_bridge: Option<NfBridge>,
     /// A bridged frame's IP POSTROUTING runs without an input device (`br_nf_post_routing`).
@@ -275,6 +265,16 @@ struct Pkt {
     nf_bridge_known: bool,
     /// `nf_bridge` was observed (tail), not derived from bridge facts.
     nf_bridge_observed: bool,
+    /// The connection's original tuple (src, dst, sport, dport) when the packet is the first
+    /// of its connection and no NAT happened before the walk; `--ctorig*` read it.
+    orig: Option<(IpAddr, IpAddr, Option<u16>, Option<u16>)>,
+    /// `-m recent --set` lists this walk has added the packet to: (name, rdest).
+    recent_set: Vec<(String, bool)>,
+    /// Assumptions stateful matches were answered under, for the branch's notes.
+    assumed: Vec<String>,
+    /// Filled while one rule's matches are evaluated (which reads the packet only), then
+    /// taken by the walk.
+    fx: RefCell<Effects>,
 }
 
 /// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
@@ -493,11 +493,6 @@ impl<'a> Simulator<'a> {
                 ct_attached: false,
                 tcp_flags: input.tcp_flags,
                 icmp: input.icmp,
-                orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
-                    .then_some((input.src, input.dst, input.sport, input.dport)),
-                recent_set: Vec::new(),
-                assumed: Vec::new(),
-                fx: RefCell::default(),
                 nf_bridge: match &input.ports {
                     SeenPorts::Port { physin, physout } => Some(NfBridge {
                         physin: physin.clone(),
@@ -515,6 +510,11 @@ impl<'a> Simulator<'a> {
                 bridge_family: None,
                 nf_bridge_known: input.ports != SeenPorts::Unknown,
                 nf_bridge_observed: input.ports != SeenPorts::Unknown,
+                orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
+                    .then_some((input.src, input.dst, input.sport, input.dport)),
+                recent_set: Vec::new(),
+                assumed: Vec::new(),
+                fx: RefCell::default(),
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -615,16 +615,16 @@ impl<'a> Simulator<'a> {
             icmp: spec
                 .icmp
                 .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
-            orig: (spec.ct_state == CtState::New)
-                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
-            recent_set: Vec::new(),
-            assumed: Vec::new(),
-            fx: RefCell::default(),
             nf_bridge: None,
             bridged: false,
             bridge_family: None,
             nf_bridge_known: true,
             nf_bridge_observed: false,
+            orig: (spec.ct_state == CtState::New)
+                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
+            recent_set: Vec::new(),
+            assumed: Vec::new(),
+            fx: RefCell::default(),
         };
         let mut b = Branch {
             probability: 1.0,

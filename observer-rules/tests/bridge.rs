@@ -245,6 +245,27 @@ fn the_out_port_unknown_makes_physdev_out_undecidable() {
     let e = explain(&r).unwrap();
     assert_eq!(e.branches[0].route, "bridged");
     assert_eq!(e.verdict(), Verdict::Undecidable);
+    // `--physdev-is-bridged` needs only that there is an out port, not its name: FORWARD#1
+    // fails on its port (9999) whatever the out port, FORWARD#2 stops at its out name.
+    let fwd = e.branches[0].stages.last().unwrap();
+    let named: Vec<(usize, bool)> = fwd
+        .rules
+        .iter()
+        .map(|r| (r.index, r.undecidable.is_some()))
+        .collect();
+    assert_eq!(named, [(2, true)], "{:?}", fwd.rules);
+    assert!(
+        fwd.rules[0]
+            .undecidable
+            .as_deref()
+            .is_some_and(|w| w.contains("--fdb")),
+        "{:?}",
+        fwd.rules[0]
+    );
+    let only_bridged = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n-A FORWARD -m physdev --physdev-is-bridged --physdev-is-out -j DROP\nCOMMIT\n";
+    let mut r2 = r.clone();
+    r2.iptables_save = Some(only_bridged.into());
+    assert_eq!(explain(&r2).unwrap().verdict(), Verdict::Drop);
     // Named in the packet, the port decides.
     r.packet = "udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha out vethb".into();
     assert_eq!(explain(&r).unwrap().verdict(), Verdict::Accept);
@@ -268,7 +289,7 @@ fn nft_bridge_tables_run_around_br_netfilter() {
       {"chain":{"family":"bridge","table":"f","name":"fwd","handle":2,"type":"filter","hook":"forward","prio":-200,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd0","handle":3,"type":"filter","hook":"forward","prio":0,"policy":"accept"}},
       {"chain":{"family":"bridge","table":"f","name":"fwd9","handle":6,"type":"filter","hook":"forward","prio":9,"policy":"accept"}},
-      {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
+      {"rule":{"family":"bridge","table":"f","chain":"pre","handle":4,"expr":[{"match":{"op":"==","left":{"meta":{"key":"iifname"}},"right":"vetha"}},{"match":{"op":"==","left":{"payload":{"protocol":"ether","field":"type"}},"right":"ip"}},{"match":{"op":"==","left":{"meta":{"key":"ibrname"}},"right":"cni0"}},{"counter":{"packets":0,"bytes":0}}]}},
       {"rule":{"family":"bridge","table":"f","chain":"fwd","handle":5,"expr":[{"match":{"op":"==","left":{"meta":{"key":"oifname"}},"right":"vethb"}},{"match":{"op":"==","left":{"payload":{"protocol":"udp","field":"dport"}},"right":9998}},{"drop":null}]}}
     ]}"#;
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");

@@ -385,7 +385,7 @@ fn observed_stage_on_a_looping_ruleset_is_bounded() {
         snat_done: false,
         tcp_flags: 0x02,
         icmp: (0, 0),
-        ports: observer_rules::SeenPorts::Unknown,
+        ports: Default::default(),
     };
     let t = Instant::now();
     let branches = sim.simulate_stage(&input);

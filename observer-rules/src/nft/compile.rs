@@ -227,6 +227,7 @@ fn expr(cx: &Cx<'_>, v: &Value) -> Expr {
             ("th", "sport") => Field::Sport(None),
             ("th", "dport") => Field::Dport(None),
             ("tcp", "flags") => Field::TcpFlags,
+            ("ether", "type") => Field::EtherType,
             ("icmp", "type") => Field::IcmpType(1),
             ("icmp", "code") => Field::IcmpCode(1),
             ("icmpv6", "type") => Field::IcmpType(58),
@@ -351,6 +352,7 @@ pub fn key_types(e: &Expr) -> Vec<Ty> {
             Field::IcmpType(_) => Ty::IcmpType,
             Field::IcmpCode(_) => Ty::Int,
             Field::TcpFlags => Ty::TcpFlags,
+            Field::EtherType => Ty::EtherType,
         }],
         Expr::Meta(k) => vec![match k {
             MetaKey::Mark => Ty::Int,

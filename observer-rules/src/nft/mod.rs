@@ -308,7 +308,7 @@ impl Builder {
                 handle: c.handle.unwrap_or(0),
                 kind: c.kind,
                 hook: c.hook,
-                priority: prio(c.prio.as_ref(), &t.family),
+                priority: prio(c.prio.as_ref(), &c.family),
                 policy: c.policy,
                 rules: Vec::new(),
             });

@@ -22,6 +22,8 @@ pub enum Field {
     IcmpType(u8),
     IcmpCode(u8),
     TcpFlags,
+    /// `ether type` (bridge tables, ebtables-nft's `-p IPv4`).
+    EtherType,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -59,15 +59,14 @@ impl Simulator<'_> {
                     .all(|o| o.as_ref().is_none_or(|(_, neg)| *neg));
             return if all_inverted { Tri::Yes } else { Tri::No };
         };
-        let uses_out = p.physout.is_some() || p.is_out.is_some() || p.is_bridged.is_some();
-        let outdev = match &nb.physout {
-            PhysOut::None => None,
-            PhysOut::Port(o) => Some(o.as_str()),
-            PhysOut::Unknown(why) if uses_out => return Tri::Unknown(why.clone()),
-            PhysOut::Unknown(_) => None,
+        // Bridged to a port not named: that there is one is known, which one is not.
+        let (out_present, outdev) = match &nb.physout {
+            PhysOut::None => (false, Ok(None)),
+            PhysOut::Port(o) => (true, Ok(Some(o.as_str()))),
+            PhysOut::Unknown(why) => (true, Err(why)),
         };
         if let Some(neg) = p.is_bridged
-            && outdev.is_some() == neg
+            && out_present == neg
         {
             return Tri::No;
         }
@@ -76,7 +75,7 @@ impl Simulator<'_> {
             return Tri::No;
         }
         if let Some(neg) = p.is_out
-            && outdev.is_none() != neg
+            && out_present == neg
         {
             return Tri::No;
         }
@@ -87,8 +86,9 @@ impl Simulator<'_> {
         }
         match (&p.physout, outdev) {
             (None, _) => Tri::Yes,
-            (Some(_), None) => Tri::No,
-            (Some((name, neg)), Some(o)) => {
+            (Some(_), Err(why)) => Tri::Unknown(why.clone()),
+            (Some(_), Ok(None)) => Tri::No,
+            (Some((name, neg)), Ok(Some(o))) => {
                 if iface_match(name, Some(o)) != *neg {
                     Tri::Yes
                 } else {
@@ -323,8 +323,20 @@ impl Simulator<'_> {
                 self.bridged(pkt, b, ch, port, bridge, out, (dnat, resolved), calls)
             }
             Decision::Local | Decision::Routed(_) if !calls => {
-                // Up to the bridge device: an ordinary received packet of the bridge, its
-                // PREROUTING included (no br_netfilter record, nothing sabotaged).
+                // Up to the bridge device (bridge `input` chains first): an ordinary received
+                // packet of the bridge, its PREROUTING included (no br_netfilter record,
+                // nothing sabotaged).
+                if !self.run_bridge_chains(
+                    Hook::LocalIn,
+                    |_| true,
+                    &mut pkt,
+                    &mut b,
+                    ch,
+                    bridge,
+                    (Some(port), None),
+                ) {
+                    return b;
+                }
                 let mut spec = spec.clone();
                 spec.in_iface = Some(bridge.to_string());
                 b.notes.push(format!(

@@ -414,6 +414,11 @@ impl Simulator<'_> {
                 Field::IcmpCode(_) => n(u128::from(pkt.icmp.1)),
                 Field::TcpFlags if pkt.proto != 6 => Ev::Break,
                 Field::TcpFlags => n(u128::from(pkt.tcp_flags)),
+                // The frame's own type: only bridge (and netdev) tables see an Ethernet header.
+                Field::EtherType if pkt.bridge_family.is_some() => {
+                    n(if pkt.v6 { 0x86dd } else { 0x0800 })
+                }
+                Field::EtherType => Ev::Unknown("ether type outside a bridge table".into()),
             },
             Expr::Meta(k) => match k {
                 MetaKey::Mark => n(u128::from(pkt.mark)),

@@ -319,6 +319,14 @@ fn node() -> Node {
     std::fs::write(&path, BRIDGE_NFT).unwrap();
     node.sh(&format!("nft -f {}", path.display()));
     let _ = std::fs::remove_file(&path);
+    // ebtables (ebtables-nft: `bridge filter` / `bridge nat` tables). IPv4 only: without
+    // `--ip6-proto` (an `xt` match, undecidable) an IPv6 rule would count neighbour discovery.
+    node.sh("ebtables -t filter -A FORWARD -p IPv4 -i va -o vb
+         ebtables -t filter -A FORWARD -p IPv4 -o va
+         ebtables -t filter -A INPUT -p IPv4 -i va
+         ebtables -t filter -A OUTPUT -p IPv4 -o vb
+         ebtables -t nat -A PREROUTING -p IPv4 -i vb
+         ebtables -t nat -A POSTROUTING -p IPv4 -o vb");
     // The node answers nothing: a socket on every port we send to it.
     node.run(|| {
         let s = std::net::UdpSocket::bind(("::", 53)).expect("bind udp");
@@ -376,11 +384,11 @@ const BRIDGE_NFT: &str = r#"table bridge obsb {
 }
 "#;
 
-/// Per-rule packet counters of the iptables tables and of the bridge table (keyed
-/// `bridge obsb`, chain, handle).
+/// Per-rule packet counters of the iptables tables and of the bridge tables (keyed
+/// `bridge TABLE`, chain, handle).
 fn counters(node: &Netns, v6: bool) -> Counts {
     let mut out = ipt_counters(node, v6);
-    let text = node.sh("nft -j list table bridge obsb");
+    let text = node.sh("nft -j list ruleset bridge");
     let v: serde_json::Value = serde_json::from_str(&text).expect("nft JSON");
     for o in v["nftables"].as_array().expect("nftables array") {
         let Some(r) = o.get("rule") else { continue };
@@ -392,7 +400,8 @@ fn counters(node: &Netns, v6: bool) -> Counts {
         if let Some(p) = packets {
             let chain = r["chain"].as_str().expect("chain").to_string();
             let handle = r["handle"].as_u64().expect("handle") as usize;
-            out.insert(("bridge obsb".into(), chain, handle), p);
+            let table = r["table"].as_str().expect("table");
+            out.insert((format!("bridge {table}"), chain, handle), p);
         }
     }
     out
@@ -436,6 +445,11 @@ struct Flow {
     verdict: Verdict,
     /// Delete the node's neighbour entry of pod B first (IPv4: ARP resolves it again).
     flush_b: bool,
+    /// Hairpin mode off on `vb` for this flow (the bridge drops a frame back out of it).
+    hairpin_off: bool,
+    /// `bridge-nf-call-iptables` (`-ip6tables`) 0 for this flow: bridged frames skip the IP
+    /// hooks.
+    nf_call_off: bool,
 }
 
 fn flows(a: &Addrs) -> Vec<Flow> {
@@ -447,6 +461,8 @@ fn flows(a: &Addrs) -> Vec<Flow> {
         route,
         verdict,
         flush_b: false,
+        hairpin_off: false,
+        nf_call_off: false,
     };
     let mut v = vec![
         f(
@@ -532,6 +548,39 @@ fn flows(a: &Addrs) -> Vec<Flow> {
             Verdict::Accept,
         ),
     ];
+    v.push(Flow {
+        hairpin_off: true,
+        ..f(
+            "hairpin with hairpin mode off",
+            From::B,
+            a.svc_same,
+            80,
+            "bridged",
+            Verdict::Drop,
+        )
+    });
+    v.push(Flow {
+        nf_call_off: true,
+        ..f(
+            "pod to pod, br_netfilter off (the FORWARD drop does not apply)",
+            From::A,
+            a.pod_b,
+            9999,
+            "bridged",
+            Verdict::Accept,
+        )
+    });
+    v.push(Flow {
+        nf_call_off: true,
+        ..f(
+            "pod to node, br_netfilter off (routed as the bridge's own packet)",
+            From::A,
+            a.gw,
+            53,
+            "input",
+            Verdict::Accept,
+        )
+    });
     if !a.v6 {
         v.push(Flow {
             flush_b: true,
@@ -564,8 +613,19 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
     let _ = std::fs::remove_file(&path);
     let (mut compared, mut hits) = (0, 0);
     for flow in flows(a) {
+        let sysctl = if a.v6 {
+            "net.bridge.bridge-nf-call-ip6tables"
+        } else {
+            "net.bridge.bridge-nf-call-iptables"
+        };
         if flow.flush_b {
             n.node.sh(&format!("ip neigh del {} dev cni0", a.pod_b));
+        }
+        if flow.hairpin_off {
+            n.node.sh("bridge link set dev vb hairpin off");
+        }
+        if flow.nf_call_off {
+            n.node.sh(&format!("sysctl -qw {sysctl}=0"));
         }
         // Read as `explain --live` does, after the change the flow depends on.
         let live = n.node.run(LiveNode::read);
@@ -674,6 +734,12 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             "{what}: kernel counters (left) and explain (right) disagree\nnotes: {:?}\nrules:\n{rules}",
             b.notes
         );
+        if flow.hairpin_off {
+            n.node.sh("bridge link set dev vb hairpin on");
+        }
+        if flow.nf_call_off {
+            n.node.sh(&format!("sysctl -qw {sysctl}=1"));
+        }
         compared += 1;
         hits += want.values().sum::<u64>();
     }
