@@ -70,8 +70,8 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
         if s.ct.as_deref() != last_ct {
             if let Some(ct) = &s.ct {
                 what.push(match ct.mark {
-                    Some(m) => format!("ct {} (ctmark {m:#x})", ct.state),
-                    None => format!("ct {}", ct.state),
+                    Some(m) => format!("ct {} (ctmark {m:#x})", ct.state.name()),
+                    None => format!("ct {}", ct.state.name()),
                 });
             }
             last_ct = s.ct.as_deref();
@@ -253,8 +253,8 @@ impl Traversal {
             out,
             "{} {} {}",
             self.family.map_or("?", |f| f.name()),
-            self.proto,
-            self.flow
+            self.proto_text(),
+            self.flow()
         );
         if let Some(i) = &self.ingress {
             let _ = write!(out, "  in {}", i.iface);
@@ -300,18 +300,29 @@ impl Traversal {
             let _ = writeln!(
                 out,
                 "  conntrack: {}{mark}, original {} -> {}, reply {} -> {}",
-                ct.state, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
+                ct.state_text(),
+                ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
             );
         }
         if !self.names.is_empty() {
             let names: Vec<String> = self
                 .names
                 .iter()
-                .map(|n| format!("{} = {} {}", n.endpoint, n.kind, n.name))
+                .map(|n| format!("{} = {} {}", n.endpoint, n.kind.name(), n.name))
                 .collect();
             let _ = writeln!(out, "  names: {}", names.join(", "));
         }
         out
+    }
+
+    /// `src -> dst` as first seen (`?` when no IP header was read).
+    pub fn flow(&self) -> String {
+        self.packet.as_ref().map_or_else(|| "?".into(), |p| p.flow())
+    }
+
+    /// The protocol's name (`unknown` when no IP header was read).
+    pub fn proto_text(&self) -> std::borrow::Cow<'static, str> {
+        self.proto.map_or("unknown".into(), |p| p.name())
     }
 
     pub fn fate_text(&self) -> String {
@@ -327,8 +338,8 @@ impl Traversal {
         let mut parts = vec![format!(
             "{} {} {} [{} -> {}] {}",
             self.family.map_or("?", |f| f.name()),
-            self.proto,
-            self.flow,
+            self.proto_text(),
+            self.flow(),
             self.ingress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.route.map_or("-", |r| r.name()),
@@ -383,10 +394,15 @@ mod tests {
     use crate::{Hook, NatKind};
     use std::sync::Arc;
 
+    fn ep(text: &str) -> crate::Endpoint {
+        let sa: std::net::SocketAddr = text.parse().unwrap();
+        crate::Endpoint::new(sa.ip(), Some(sa.port()))
+    }
+
     fn snap(dst: &str, mark: u32) -> Option<Arc<Snapshot>> {
         Some(Arc::new(Snapshot::new(
-            "10.201.0.7:40000".into(),
-            dst.into(),
+            ep("10.201.0.7:40000"),
+            ep(dst),
             mark,
             None,
             None,
@@ -460,7 +476,17 @@ mod tests {
             source: Source::Predicted,
             netns: None,
             family: Some(crate::Family::Ipv4),
-            proto: "tcp".into(),
+            proto: Some(crate::Protocol::Tcp),
+            packet: Some(crate::Packet {
+                family: crate::Family::Ipv4,
+                proto: crate::Protocol::Tcp,
+                first: crate::Headers {
+                    src: ep("10.201.0.7:40000"),
+                    dst: ep("10.10.10.2:22"),
+                    icmp: None,
+                },
+                last: None,
+            }),
             ingress: None,
             egress: None,
             route: Some(crate::Route::Forward),
@@ -469,8 +495,8 @@ mod tests {
                 kind: NatKind::Dnat,
                 hook: Hook::PreRouting,
                 table: "kube-proxy".into(),
-                from: "10.10.10.2:22".into(),
-                to: "172.17.0.5:22".into(),
+                from: ep("10.10.10.2:22"),
+                to: ep("172.17.0.5:22"),
                 source: NatSource::Rules,
             }],
             stages,
@@ -482,11 +508,14 @@ mod tests {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow: "10.201.0.7:40000 -> 10.10.10.2:22".into(),
         };
         let tree = t.render_tree();
         let lines: Vec<&str> = tree.lines().collect();
-        assert!(lines[0].ends_with("(predicted from the rules)"), "{tree}");
+        assert!(
+            lines[0].starts_with("ipv4 tcp 10.201.0.7:40000 -> 10.10.10.2:22")
+                && lines[0].ends_with("(predicted from the rules)"),
+            "{tree}"
+        );
         assert!(
             lines[1].contains("filter-prerouting-pre-dnat") && lines[1].ends_with(" -"),
             "{tree}"
