@@ -26,8 +26,8 @@ pub mod vocab;
 
 pub use compare::{compare, compare_stage};
 pub use marks::MarkDictionary;
-pub use traversal::*;
 pub use packet::{CtState, Endpoint, Headers, Host, Icmp, Packet, Protocol};
+pub use traversal::*;
 pub use vocab::{Family, Hook, has_ports, proto_name};
 
 use std::sync::Arc;

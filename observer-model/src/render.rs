@@ -301,7 +301,10 @@ impl Traversal {
                 out,
                 "  conntrack: {}{mark}, original {} -> {}, reply {} -> {}",
                 ct.state_text(),
-                ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
+                ct.original.src,
+                ct.original.dst,
+                ct.reply.src,
+                ct.reply.dst
             );
         }
         if !self.names.is_empty() {
@@ -317,7 +320,9 @@ impl Traversal {
 
     /// `src -> dst` as first seen (`?` when no IP header was read).
     pub fn flow(&self) -> String {
-        self.packet.as_ref().map_or_else(|| "?".into(), |p| p.flow())
+        self.packet
+            .as_ref()
+            .map_or_else(|| "?".into(), |p| p.flow())
     }
 
     /// The protocol's name (`unknown` when no IP header was read).

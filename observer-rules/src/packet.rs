@@ -7,27 +7,8 @@ use thiserror::Error;
 
 use crate::net::parse_u32;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CtState {
-    New,
-    Established,
-    Related,
-    Invalid,
-    /// Set by `CT --notrack` / `NOTRACK` in raw; never given by the user.
-    Untracked,
-}
-
-impl CtState {
-    pub fn name(self) -> &'static str {
-        match self {
-            CtState::New => "new",
-            CtState::Established => "established",
-            CtState::Related => "related",
-            CtState::Invalid => "invalid",
-            CtState::Untracked => "untracked",
-        }
-    }
-}
+/// Conntrack states are the model's, shared with the live tracer.
+pub use observer_model::CtState;
 
 /// A packet to explain. `in_iface` absent means the packet is sent by this host (OUTPUT).
 #[derive(Debug, Clone, PartialEq)]
