@@ -63,7 +63,7 @@ impl Names {
         addr: std::net::IpAddr,
         proto: u8,
         port: Option<u16>,
-    ) -> Option<(&'static str, String)> {
+    ) -> Option<(observer_model::NameKind, String)> {
         if let Some(port) = port
             && let Some(s) = self
                 .services
@@ -71,11 +71,14 @@ impl Names {
                 .unwrap_or_else(|e| e.into_inner())
                 .lookup(addr, proto, port)
         {
-            return Some(("service", s.to_string()));
+            return Some((observer_model::NameKind::Service, s.to_string()));
         }
-        self.pods
-            .lookup(addr)
-            .map(|p| ("pod", format!("{}/{}", p.namespace, p.name)))
+        self.pods.lookup(addr).map(|p| {
+            (
+                observer_model::NameKind::Pod,
+                format!("{}/{}", p.namespace, p.name),
+            )
+        })
     }
 
     /// Everything, as `/v1/names` serves it.

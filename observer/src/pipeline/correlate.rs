@@ -232,6 +232,7 @@ fn observation(
         }),
         fragment: o.flags & flags::FRAGMENT != 0,
         icmp: crate::decode::icmp_of(o.l4proto, o.dport),
+        icmp_id: crate::decode::icmp_id_of(o.l4proto, o.sport, o.dport),
     }
 }
 

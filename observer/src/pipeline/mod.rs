@@ -32,14 +32,14 @@ use crate::recording::{Meta, Recorder};
 use crate::render_cache::{Outcome as Counts, RenderCache};
 use crate::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
-use observer_model::EndpointName;
+use observer_model::{Endpoint, EndpointName, NameKind, Protocol};
 
 /// How each traversal is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
     /// A header line and one line per table, with what it changed and why.
     Tree,
-    /// One JSON object per line (schema 2, docs/json-schema.md).
+    /// One JSON object per line (schema 3, docs/json-schema.md).
     Json,
     /// One line per packet, for busy nodes.
     Line,
@@ -58,14 +58,14 @@ pub trait NameSource {
     fn knows_k8s(&self) -> bool {
         false
     }
-    /// What Kubernetes calls an address (and port, for `proto`): `("service",
-    /// "namespace/name:port")` or `("pod", "namespace/name")`. None by default.
+    /// What Kubernetes calls an address (and port, for `proto`): `(Service,
+    /// "namespace/name:port")` or `(Pod, "namespace/name")`. None by default.
     fn k8s(
         &self,
         _addr: std::net::IpAddr,
         _proto: u8,
         _port: Option<u16>,
-    ) -> Option<(&'static str, String)> {
+    ) -> Option<(NameKind, String)> {
         None
     }
 }
@@ -113,7 +113,7 @@ impl NameSource for LiveNames {
         addr: std::net::IpAddr,
         proto: u8,
         port: Option<u16>,
-    ) -> Option<(&'static str, String)> {
+    ) -> Option<(NameKind, String)> {
         self.k8s.as_ref()?.name_of(addr, proto, port)
     }
     fn forget(&self) {
@@ -499,13 +499,11 @@ fn endpoint_names(r: &observer_model::Traversal, names: &dyn NameSource) -> Vec<
     if !names.knows_k8s() {
         return Vec::new();
     }
-    let proto = match &*r.proto {
-        "tcp" => 6,
-        "udp" => 17,
-        "sctp" => 132,
+    let proto = match r.proto {
+        Some(p @ (Protocol::Tcp | Protocol::Udp | Protocol::Sctp)) => p.number(),
         _ => 0,
     };
-    let mut shown: Vec<&str> = Vec::new();
+    let mut shown: Vec<&Endpoint> = Vec::new();
     for s in &r.stages {
         for snap in [&s.before, &s.after].into_iter().flatten() {
             shown.push(&snap.src);
@@ -519,30 +517,22 @@ fn endpoint_names(r: &observer_model::Traversal, names: &dyn NameSource) -> Vec<
         }
     }
     let mut out: Vec<EndpointName> = Vec::new();
-    for text in shown {
-        if out.iter().any(|n| &*n.endpoint == text) {
+    for e in shown {
+        if out.iter().any(|n| n.endpoint == *e) {
             continue;
         }
-        let Some((addr, port)) = parse_endpoint(text) else {
+        let Some(addr) = e.host.ip() else {
             continue;
         };
-        if let Some((kind, name)) = names.k8s(addr, proto, port) {
+        if let Some((kind, name)) = names.k8s(addr, proto, e.port) {
             out.push(EndpointName {
-                endpoint: text.into(),
+                endpoint: e.clone(),
                 kind,
                 name,
             });
         }
     }
     out
-}
-
-/// `10.0.0.1:53`, `10.0.0.1`, `[fd00::1]:53`, `fd00::1`: the address and port.
-fn parse_endpoint(text: &str) -> Option<(std::net::IpAddr, Option<u16>)> {
-    if let Ok(sa) = text.parse::<std::net::SocketAddr>() {
-        return Some((sa.ip(), Some(sa.port())));
-    }
-    text.parse().ok().map(|a| (a, None))
 }
 
 /// Logs an unusable record the way tail always has.
@@ -868,10 +858,12 @@ mod tests {
             addr: std::net::IpAddr,
             proto: u8,
             port: Option<u16>,
-        ) -> Option<(&'static str, String)> {
+        ) -> Option<(NameKind, String)> {
             match (addr.to_string().as_str(), proto, port) {
-                ("10.10.10.2", 6, Some(22)) => Some(("service", "default/registry:ssh".into())),
-                ("172.17.0.5", _, _) => Some(("pod", "default/registry-0".into())),
+                ("10.10.10.2", 6, Some(22)) => {
+                    Some((NameKind::Service, "default/registry:ssh".into()))
+                }
+                ("172.17.0.5", _, _) => Some((NameKind::Pod, "default/registry-0".into())),
                 _ => None,
             }
         }
@@ -879,27 +871,23 @@ mod tests {
 
     #[test]
     fn endpoints_are_named_once_each_in_order() {
-        assert_eq!(
-            parse_endpoint("[fd00::1]:53"),
-            Some(("fd00::1".parse().unwrap(), Some(53)))
-        );
-        assert_eq!(
-            parse_endpoint("10.0.0.1"),
-            Some(("10.0.0.1".parse().unwrap(), None))
-        );
-        assert_eq!(parse_endpoint("-"), None);
-        use observer_model::{ConntrackView, Fate, FateKind, Marks, Source, TupleView};
+        use observer_model::{ConntrackView, CtState, Fate, FateKind, Marks, Source, TupleView};
+        let ep = |text: &str| {
+            let sa: std::net::SocketAddr = text.parse().unwrap();
+            Endpoint::new(sa.ip(), Some(sa.port()))
+        };
         let tuple = |src: &str, dst: &str| TupleView {
-            src: src.into(),
-            dst: dst.into(),
-            proto: "tcp".into(),
+            src: ep(src),
+            dst: ep(dst),
+            proto: Protocol::Tcp,
         };
         let mut t = observer_model::Traversal {
             schema: observer_model::SCHEMA,
             source: Source::Observed,
             netns: None,
             family: None,
-            proto: "tcp".into(),
+            proto: Some(Protocol::Tcp),
+            packet: None,
             ingress: None,
             egress: None,
             route: None,
@@ -908,7 +896,7 @@ mod tests {
             marks: Marks::default(),
             nat: Vec::new(),
             conntrack: Some(std::sync::Arc::new(ConntrackView {
-                state: "new".into(),
+                state: (CtState::New, false),
                 mark: None,
                 original: tuple("198.51.100.10:40000", "10.10.10.2:22"),
                 reply: tuple("172.17.0.5:22", "198.51.100.10:40000"),
@@ -919,19 +907,18 @@ mod tests {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow: String::new(),
         };
         t.names = endpoint_names(&t, &K8sNames);
-        let got: Vec<(&str, &str, &str)> = t
+        let got: Vec<(String, &str, &str)> = t
             .names
             .iter()
-            .map(|n| (&*n.endpoint, n.kind, n.name.as_str()))
+            .map(|n| (n.endpoint.to_string(), n.kind.name(), n.name.as_str()))
             .collect();
         assert_eq!(
             got,
             vec![
-                ("10.10.10.2:22", "service", "default/registry:ssh"),
-                ("172.17.0.5:22", "pod", "default/registry-0"),
+                ("10.10.10.2:22".into(), "service", "default/registry:ssh"),
+                ("172.17.0.5:22".into(), "pod", "default/registry-0"),
             ]
         );
     }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use observer_model::{ConntrackView, CtView, Quoted, Snapshot};
+use observer_model::{ConntrackView, CtView, Protocol, Quoted, Snapshot};
 
 use crate::annotate::{self, endpoint};
 use crate::correlate::Traversal;
@@ -180,16 +180,16 @@ fn ct_key(c: &Conntrack) -> CtKey {
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
     Some(Snapshot::new(
-        endpoint(&o.src?, o.has_ports).into(),
-        endpoint(&o.dst?, o.has_ports).into(),
+        endpoint(&o.src?, o.has_ports),
+        endpoint(&o.dst?, o.has_ports),
         o.mark,
         Some(o.len),
         o.inner.map(|(s, d, p)| {
-            let ports = observer_model::has_ports(p);
+            let proto = Protocol::from_number(p);
             Quoted {
-                src: endpoint(&s, ports),
-                dst: endpoint(&d, ports),
-                proto: observer_model::proto_name(p),
+                src: endpoint(&s, proto.has_ports()),
+                dst: endpoint(&d, proto.has_ports()),
+                proto,
             }
         }),
     ))
