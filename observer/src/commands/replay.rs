@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::kernel::btf::TupleLayout;
 use crate::output::recording::{Frame, Meta, Reader};
 use crate::pipeline::decode::decode;
-use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames};
+use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames, Report};
 use observer_model::marks::MarkDictionary;
 
 #[derive(Clone, Debug)]
@@ -84,6 +84,19 @@ impl NameSource for Shared {
 
 /// Prints the recording's reports to `out`.
 pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
+    let summary = each(opts, &mut |report| {
+        out.write_all(&report.render(opts.output))
+            .context("writing the reports to stdout")
+    })?;
+    out.flush().context("writing the reports to stdout")?;
+    Ok(summary)
+}
+
+/// Hands each of the recording's reports (as `opts` keeps them) to `sink`.
+pub fn each(
+    opts: &ReplayOptions,
+    sink: &mut dyn FnMut(&Report) -> Result<()>,
+) -> Result<ReplaySummary> {
     let mut reader = Reader::open(&opts.file)?;
     let h = reader.header.clone();
     let names = Rc::new(RefCell::new(RecordedNames::default()));
@@ -179,10 +192,9 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
                 }
                 match pipeline.handle(&bytes, lost_now) {
                     Outcome::Report {
-                        bytes, incomplete, ..
+                        report, incomplete, ..
                     } => {
-                        out.write_all(&bytes)
-                            .context("writing the reports to stdout")?;
+                        sink(&report)?;
                         summary.printed += 1;
                         summary.incomplete += u64::from(incomplete);
                     }
@@ -194,7 +206,6 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
             }
         }
     }
-    out.flush().context("writing the reports to stdout")?;
     Ok(summary)
 }
 

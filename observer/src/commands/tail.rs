@@ -304,6 +304,7 @@ impl Printer<'_> {
         match self.pipeline.handle(raw, self.lost_now) {
             Outcome::Report {
                 bytes,
+                report: _,
                 incomplete,
                 rules_disagree,
                 rules_undecidable,

@@ -34,7 +34,7 @@ use crate::pipeline::rulenames::RuleNamer;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
-use metrics::{Health, Metrics, ReportView};
+use metrics::{Health, Metrics};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 
@@ -96,8 +96,10 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let live = read_live();
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
-    let ctx = |output| PipelineContext {
-        output,
+    let ctx = PipelineContext {
+        // The streams' JSON is the one rendering every record gets (the flight recorder
+        // and most subscribers want it); trees and lines only where someone wants them.
+        output: Output::Json,
         netns: netns.clone(),
         tuple: layout.tuple,
         drop_reasons: layout.drop_reasons.clone(),
@@ -108,12 +110,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     // Kubernetes names: served at /v1/names and shown in the reports.
     let names = Arc::new(crate::k8s::Names::default());
     names.refresh_services();
-    let live_names = || Box::new(LiveNames::load().with_k8s(names.clone()));
-    let pipelines = Pipelines {
-        json: Pipeline::new(ctx(Output::Json), live_names()),
-        tree: Pipeline::new(ctx(Output::Tree), live_names()),
-        line: Pipeline::new(ctx(Output::Line), live_names()),
-    };
+    let pipeline = Pipeline::new(ctx, Box::new(LiveNames::load().with_k8s(names.clone())));
     let metrics = Arc::new(Metrics::new(&opts.node));
     let hub = Arc::new(Hub::new(
         layout.tuple,
@@ -135,7 +132,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         };
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
-        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
+        event_loop(&opts, probes, ring, pipeline, metrics, hub, &names, naming).await
     })
 }
 
@@ -195,22 +192,10 @@ async fn serve(
     Ok(())
 }
 
-/// One pipeline per output mode (tree and line render only what someone wants).
-struct Pipelines {
-    json: Pipeline,
-    tree: Pipeline,
-    line: Pipeline,
-}
-
-impl Pipelines {
-    fn all(&mut self) -> [&mut Pipeline; 3] {
-        [&mut self.json, &mut self.tree, &mut self.line]
-    }
-}
-
-/// Turns records into reports and hands them on.
+/// Turns each record into one typed traversal and hands it to the sinks: metrics, the
+/// flight recorder, the subscribers (each rendering made once, for whoever wants it).
 struct Agent {
-    pipelines: Pipelines,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     lost_now: u64,
@@ -226,7 +211,7 @@ struct Agent {
 
 impl Agent {
     fn handle(&mut self, raw: &[u8]) {
-        let rec = match decode(raw) {
+        let mut rec = match decode(raw) {
             Ok(r) => r,
             Err(e) => {
                 warn!("undecodable record: {e}");
@@ -234,38 +219,25 @@ impl Agent {
                 return;
             }
         };
-        let json = match self.pipelines.json.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => bytes,
+        let (report, json) = match self.pipeline.handle_decoded(raw, &mut rec, self.lost_now) {
+            Outcome::Report { report, bytes, .. } => (report, bytes),
             other => {
                 crate::pipeline::warn_unusable(&other);
                 self.unusable += 1;
                 return;
             }
         };
-        let dropped = match ReportView::from_json(&json) {
-            Ok(v) => {
-                // In the always-on mode the kernel counts every packet itself.
-                if self.mode == AgentMode::Trace {
-                    self.metrics.observe(&v);
-                }
-                v.is_drop()
-            }
-            Err(e) => {
-                warn!("a report the metrics cannot read: {e}");
-                false
-            }
-        };
-        let (mut tree, mut line) = self.hub.wanted(&rec);
-        tree |= dropped;
-        line |= dropped;
-        let render = |p: &mut Pipeline| match p.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => Some(bytes),
-            _ => None,
-        };
+        let t = report.traversal();
+        // In the always-on mode the kernel counts every packet itself.
+        if self.mode == AgentMode::Trace {
+            self.metrics.observe(t);
+        }
+        let dropped = t.fate.kind == observer_model::FateKind::Dropped;
+        let (tree, line) = self.hub.wanted(&rec);
         let rendered = Rendered {
             json,
-            tree: tree.then(|| render(&mut self.pipelines.tree)).flatten(),
-            line: line.then(|| render(&mut self.pipelines.line)).flatten(),
+            tree: (tree || dropped).then(|| self.pipeline.render(&report, Output::Tree)),
+            line: (line || dropped).then(|| self.pipeline.render(&report, Output::Line)),
         };
         self.hub.dispatch(&rec, &rendered);
         if dropped {
@@ -293,10 +265,9 @@ impl Agent {
                 None
             }
         };
-        for p in self.pipelines.all() {
-            let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
-            p.ruleset_changed(marks.clone(), Some(RuleNamer::new(live, generation)));
-        }
+        let p = &mut self.pipeline;
+        let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
+        p.ruleset_changed(marks, Some(RuleNamer::new(live, generation)));
     }
 
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
@@ -322,9 +293,7 @@ impl Agent {
     }
 
     fn add_plans(&mut self, probes: &Probes) {
-        for p in self.pipelines.all() {
-            p.add_plans(probes.generation(), &probes.plans);
-        }
+        self.pipeline.add_plans(probes.generation(), &probes.plans);
     }
 }
 
@@ -421,7 +390,7 @@ async fn event_loop(
     opts: &AgentOptions,
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    pipelines: Pipelines,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     names: &crate::k8s::Names,
@@ -431,7 +400,7 @@ async fn event_loop(
     ),
 ) -> Result<&'static str> {
     let mut agent = Agent {
-        pipelines,
+        pipeline,
         metrics,
         hub,
         lost_now: 0,
@@ -502,9 +471,7 @@ async fn event_loop(
                     if replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
-                        for p in agent.pipelines.all() {
-                            p.replanned(since, to);
-                        }
+                        agent.pipeline.replanned(since, to);
                     }
                 }
                 agent.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(agent.lost_now);
@@ -529,9 +496,7 @@ async fn event_loop(
                     let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
                     agent.interfaces = crate::kernel::netns::interfaces().len() as u64;
                     if h.names_changed {
-                        for p in agent.pipelines.all() {
-                            p.forget_names();
-                        }
+                        agent.pipeline.forget_names();
                     }
                     if let Some(why) = h.stop {
                         break why;
