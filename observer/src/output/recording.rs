@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::btf::TupleLayout;
-use crate::marks::MarkDictionary;
-use crate::plan::{HookPlan, Table};
+use crate::kernel::btf::TupleLayout;
+use crate::kernel::plan::{HookPlan, Table};
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
+use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub const MAGIC: [u8; 8] = *b"OBSVREC\n";
@@ -637,7 +637,7 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
 
     fn header() -> Header {
         let tuple = TupleLayout {

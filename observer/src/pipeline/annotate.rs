@@ -11,8 +11,8 @@ use observer_model::{
     NatSource, Packet, Protocol, Route, Stage, TupleView,
 };
 
-use crate::correlate::{Closed, Traversal};
-use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
+use crate::pipeline::correlate::{Closed, Traversal};
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
 use observer_model::Hook as NfHook;
 
 /// The model's endpoint: the address, and the port for protocols with ports.

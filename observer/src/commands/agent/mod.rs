@@ -1,5 +1,5 @@
 //! `observer agent`: the always-on node agent. Attaches the probes once (as `tail` does,
-//! through [`crate::upkeep`]) and keeps them right through rule and interface churn; every
+//! through [`crate::kernel::upkeep`]) and keeps them right through rule and interface churn; every
 //! record goes through the one [`Pipeline`] and then to the metrics, the flight recorder of
 //! recent drops, and the streaming API's subscribers ([`hub`]).
 //!
@@ -23,18 +23,18 @@ use log::{info, warn};
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::btf::KernelLayout;
-use crate::decode::{decode, encode_record};
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
-use crate::probes::Probes;
-use crate::rulenames::RuleNamer;
-use crate::upkeep::{
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::probes::Probes;
+use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
     mark_dictionary, now_ns, read_live, replan, watch_ruleset,
 };
+use crate::pipeline::decode::{decode, encode_record};
+use crate::pipeline::rulenames::RuleNamer;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
-use metrics::{Health, Metrics, ReportView};
+use metrics::{Health, Metrics};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 
@@ -90,14 +90,16 @@ const BATCH: usize = 1024;
 /// listeners bind.
 pub fn run(opts: AgentOptions) -> Result<&'static str> {
     if let Some(ns) = &opts.netns {
-        crate::netns::enter(ns)?;
+        crate::kernel::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
     let live = read_live();
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
-    let ctx = |output| PipelineContext {
-        output,
+    let ctx = PipelineContext {
+        // The streams' JSON is the one rendering every record gets (the flight recorder
+        // and most subscribers want it); trees and lines only where someone wants them.
+        output: Output::Json,
         netns: netns.clone(),
         tuple: layout.tuple,
         drop_reasons: layout.drop_reasons.clone(),
@@ -108,12 +110,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     // Kubernetes names: served at /v1/names and shown in the reports.
     let names = Arc::new(crate::k8s::Names::default());
     names.refresh_services();
-    let live_names = || Box::new(LiveNames::load().with_k8s(names.clone()));
-    let pipelines = Pipelines {
-        json: Pipeline::new(ctx(Output::Json), live_names()),
-        tree: Pipeline::new(ctx(Output::Tree), live_names()),
-        line: Pipeline::new(ctx(Output::Line), live_names()),
-    };
+    let pipeline = Pipeline::new(ctx, Box::new(LiveNames::load().with_k8s(names.clone())));
     let metrics = Arc::new(Metrics::new(&opts.node));
     let hub = Arc::new(Hub::new(
         layout.tuple,
@@ -135,7 +132,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         };
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
-        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
+        event_loop(&opts, probes, ring, pipeline, metrics, hub, &names, naming).await
     })
 }
 
@@ -195,22 +192,10 @@ async fn serve(
     Ok(())
 }
 
-/// One pipeline per output mode (tree and line render only what someone wants).
-struct Pipelines {
-    json: Pipeline,
-    tree: Pipeline,
-    line: Pipeline,
-}
-
-impl Pipelines {
-    fn all(&mut self) -> [&mut Pipeline; 3] {
-        [&mut self.json, &mut self.tree, &mut self.line]
-    }
-}
-
-/// Turns records into reports and hands them on.
+/// Turns each record into one typed traversal and hands it to the sinks: metrics, the
+/// flight recorder, the subscribers (each rendering made once, for whoever wants it).
 struct Agent {
-    pipelines: Pipelines,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     lost_now: u64,
@@ -220,13 +205,13 @@ struct Agent {
     mode: AgentMode,
     /// The always-on mode's counters, as last read.
     kernel: KernelCounts,
-    marks: crate::marks::MarkDictionary,
+    marks: observer_model::marks::MarkDictionary,
     reasons: std::collections::HashMap<u32, String>,
 }
 
 impl Agent {
     fn handle(&mut self, raw: &[u8]) {
-        let rec = match decode(raw) {
+        let mut rec = match decode(raw) {
             Ok(r) => r,
             Err(e) => {
                 warn!("undecodable record: {e}");
@@ -234,38 +219,25 @@ impl Agent {
                 return;
             }
         };
-        let json = match self.pipelines.json.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => bytes,
+        let (report, json) = match self.pipeline.handle_decoded(raw, &mut rec, self.lost_now) {
+            Outcome::Report { report, bytes, .. } => (report, bytes),
             other => {
                 crate::pipeline::warn_unusable(&other);
                 self.unusable += 1;
                 return;
             }
         };
-        let dropped = match ReportView::from_json(&json) {
-            Ok(v) => {
-                // In the always-on mode the kernel counts every packet itself.
-                if self.mode == AgentMode::Trace {
-                    self.metrics.observe(&v);
-                }
-                v.is_drop()
-            }
-            Err(e) => {
-                warn!("a report the metrics cannot read: {e}");
-                false
-            }
-        };
-        let (mut tree, mut line) = self.hub.wanted(&rec);
-        tree |= dropped;
-        line |= dropped;
-        let render = |p: &mut Pipeline| match p.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => Some(bytes),
-            _ => None,
-        };
+        let t = report.traversal();
+        // In the always-on mode the kernel counts every packet itself.
+        if self.mode == AgentMode::Trace {
+            self.metrics.observe(t);
+        }
+        let dropped = t.fate.kind == observer_model::FateKind::Dropped;
+        let (tree, line) = self.hub.wanted(&rec);
         let rendered = Rendered {
             json,
-            tree: tree.then(|| render(&mut self.pipelines.tree)).flatten(),
-            line: line.then(|| render(&mut self.pipelines.line)).flatten(),
+            tree: (tree || dropped).then(|| self.pipeline.render(&report, Output::Tree)),
+            line: (line || dropped).then(|| self.pipeline.render(&report, Output::Line)),
         };
         self.hub.dispatch(&rec, &rendered);
         if dropped {
@@ -293,10 +265,9 @@ impl Agent {
                 None
             }
         };
-        for p in self.pipelines.all() {
-            let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
-            p.ruleset_changed(marks.clone(), Some(RuleNamer::new(live, generation)));
-        }
+        let p = &mut self.pipeline;
+        let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
+        p.ruleset_changed(marks, Some(RuleNamer::new(live, generation)));
     }
 
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
@@ -322,9 +293,7 @@ impl Agent {
     }
 
     fn add_plans(&mut self, probes: &Probes) {
-        for p in self.pipelines.all() {
-            p.add_plans(probes.generation(), &probes.plans);
-        }
+        self.pipeline.add_plans(probes.generation(), &probes.plans);
     }
 }
 
@@ -384,7 +353,7 @@ fn follow_subscribers(
         let changed = !probes.tracing() || wanted != *kernel_filter;
         let program = match &wanted {
             Some(expr) if changed => crate::filter::compile(expr, &|name| {
-                crate::probes::ifindex(name)
+                crate::kernel::netns::ifindex(name)
             })
             .unwrap_or_else(|e| {
                 // Each filter compiled alone; together they may be too complex.
@@ -421,22 +390,22 @@ async fn event_loop(
     opts: &AgentOptions,
     mut probes: Probes,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
-    pipelines: Pipelines,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     names: &crate::k8s::Names,
     naming: (
-        crate::marks::MarkDictionary,
+        observer_model::marks::MarkDictionary,
         std::collections::HashMap<u32, String>,
     ),
 ) -> Result<&'static str> {
     let mut agent = Agent {
-        pipelines,
+        pipeline,
         metrics,
         hub,
         lost_now: 0,
         unusable: 0,
-        interfaces: crate::probes::interfaces().len() as u64,
+        interfaces: crate::kernel::netns::interfaces().len() as u64,
         mode: opts.mode,
         kernel: KernelCounts::default(),
         marks: naming.0,
@@ -474,7 +443,7 @@ async fn event_loop(
         .netns
         .as_ref()
         .map(|n| PathBuf::from("/run/netns").join(n));
-    let netns_inode = crate::probes::current_netns_inode()?;
+    let netns_inode = crate::kernel::netns::current_netns_inode()?;
     let mut legacy_names = legacy_tables().0;
     let mut last_scan = Instant::now();
     let watch = watch_ruleset();
@@ -502,9 +471,7 @@ async fn event_loop(
                     if replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
-                        for p in agent.pipelines.all() {
-                            p.replanned(since, to);
-                        }
+                        agent.pipeline.replanned(since, to);
                     }
                 }
                 agent.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(agent.lost_now);
@@ -527,11 +494,9 @@ async fn event_loop(
                     last_scan = Instant::now();
                     agent.read_counts(&probes);
                     let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
-                    agent.interfaces = crate::probes::interfaces().len() as u64;
+                    agent.interfaces = crate::kernel::netns::interfaces().len() as u64;
                     if h.names_changed {
-                        for p in agent.pipelines.all() {
-                            p.forget_names();
-                        }
+                        agent.pipeline.forget_names();
                     }
                     if let Some(why) = h.stop {
                         break why;
