@@ -77,7 +77,7 @@ struct TailArgs {
     /// How to print each traversal.
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
@@ -148,7 +148,7 @@ struct ReplayArgs {
     /// How to print each traversal (the recording holds records, not a format: any works).
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Stop after printing N traversals.

@@ -37,7 +37,7 @@ pub struct ExplainArgs {
     /// With --live: the `ip netns` name whose rules to read.
     #[arg(long, requires = "live")]
     pub netns: Option<String>,
-    /// One JSON object (schema 2, docs/json-schema.md: the live tracer's shape).
+    /// One JSON object (schema 3, docs/json-schema.md: the live tracer's shape).
     #[arg(long)]
     pub json: bool,
     /// TOML file naming mark bits, as for `observer tail --marks`.
