@@ -198,6 +198,17 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     let j = e.to_json();
     assert_eq!(j["schema"], 3);
     assert_eq!(j["source"], "predicted");
+    // Which packet: as asked, and as it leaves (DNAT to the pod, masqueraded to an address
+    // the dumps do not give).
+    assert_eq!(
+        j["packet"],
+        serde_json::json!({
+            "family": "ipv4", "proto": "tcp", "src": "198.51.100.10", "dst": "10.10.10.2",
+            "sport": 40000, "dport": 22, "icmp": null,
+            "last": {"src": "<address of cali1a2b>", "dst": "172.17.0.5", "sport": 40000,
+                     "dport": 22, "icmp": null}
+        })
+    );
     assert_eq!(j["family"], "ipv4");
     assert_eq!(j["route"], "forward");
     assert_eq!(j["egress"]["iface"], "cali1a2b");
@@ -783,4 +794,23 @@ fn every_accepted_cut_of_the_lab_dumps_round_trips() {
         }
     }
     assert!(accepted > 100, "{accepted}");
+}
+
+#[test]
+fn a_predicted_icmp_packet_carries_its_type_and_code() {
+    let e = explain(&req("icmp 198.51.100.10 -> 192.0.2.2 in eth0 type 8/0")).unwrap();
+    let p = &e.to_json()["packet"];
+    assert_eq!(
+        (&p["proto"], &p["sport"]),
+        (&"icmp".into(), &serde_json::Value::Null)
+    );
+    // The identifier of an echo is the kernel's to read: a prediction does not know it.
+    assert_eq!(
+        p["icmp"],
+        serde_json::json!({"type": 8, "code": 0, "id": null})
+    );
+    assert_eq!(
+        e.to_model(&Default::default(), None).flow(),
+        "198.51.100.10 -> 192.0.2.2"
+    );
 }
