@@ -28,7 +28,7 @@ pub use compare::{compare, compare_stage};
 pub use marks::MarkDictionary;
 pub use packet::{CtState, Endpoint, Headers, Host, Icmp, Packet, Protocol};
 pub use traversal::*;
-pub use vocab::{Family, Hook, has_ports, proto_name};
+pub use vocab::{Family, Hook};
 
 use std::sync::Arc;
 

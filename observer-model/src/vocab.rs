@@ -121,16 +121,6 @@ impl Serialize for Hook {
     }
 }
 
-/// IANA protocol name as the reports print it, or the number.
-pub fn proto_name(p: u8) -> std::borrow::Cow<'static, str> {
-    crate::packet::Protocol::from_number(p).name()
-}
-
-/// The protocols whose packets carry ports (tcp, udp, sctp, udplite).
-pub fn has_ports(p: u8) -> bool {
-    crate::packet::Protocol::from_number(p).has_ports()
-}
-
 /// A mark as the reports print it.
 pub fn hex(v: u32) -> String {
     format!("{v:#x}")
@@ -139,15 +129,6 @@ pub fn hex(v: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn one_protocol_vocabulary() {
-        assert_eq!(proto_name(0), "hopopt");
-        assert_eq!(proto_name(136), "udplite");
-        assert_eq!(proto_name(58), "icmpv6");
-        assert_eq!(proto_name(250), "250");
-        assert!(has_ports(136) && !has_ports(1));
-    }
 
     #[test]
     fn hooks_and_tables() {

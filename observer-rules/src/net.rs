@@ -104,7 +104,6 @@ pub fn parse_mark_mask(s: &str) -> Option<(u32, u32)> {
     }
 }
 
-/// Endpoint text is the model's, shared with the live tracer.
 /// `addr:port`, `[v6]:port` (`v6` brackets it when a port follows), or the bare address:
 /// the text of an endpoint named in a rule or chain name.
 pub fn fmt_endpoint(addr: &str, v6: bool, port: Option<u16>) -> String {

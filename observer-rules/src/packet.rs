@@ -81,9 +81,6 @@ pub fn proto_number(name: &str) -> Option<u8> {
     })
 }
 
-/// Protocol names are the model's, shared with the live tracer.
-pub use observer_model::proto_name;
-
 fn parse_endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
     if let Some(rest) = s.strip_prefix('[') {
         let (a, tail) = rest.split_once(']')?;
