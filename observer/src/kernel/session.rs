@@ -248,12 +248,15 @@ impl Session {
     ) -> Option<&'static str> {
         match self.probes.sweep(before.0, before.1, idle_end) {
             Ok(recs) => {
+                // Taken out of the map: every one is handed over (a consumer that has
+                // stopped counts them), whatever the first one's answer.
+                let mut stop = None;
                 for r in &recs {
                     if let Next::Stop(why) = c.on_record(&encode_record(r), self.lost_now) {
-                        return Some(why);
+                        stop.get_or_insert(why);
                     }
                 }
-                None
+                stop
             }
             Err(e) => {
                 warn!("reading the probes' fallback map: {e:#}");
