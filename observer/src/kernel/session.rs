@@ -23,7 +23,6 @@ use crate::kernel::probes::Probes;
 use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, housekeeping, legacy_tables, now_ns, replan, watch_ruleset,
 };
-use crate::pipeline::decode::encode_record;
 use observer_common::traversal::end;
 use observer_rules::LiveNode;
 
@@ -252,7 +251,7 @@ impl Session {
                 // stopped counts them), whatever the first one's answer.
                 let mut stop = None;
                 for r in &recs {
-                    if let Next::Stop(why) = c.on_record(&encode_record(r), self.lost_now) {
+                    if let Next::Stop(why) = c.on_record(r.written_bytes(), self.lost_now) {
                         stop.get_or_insert(why);
                     }
                 }
