@@ -309,7 +309,7 @@ pub struct Learned {
 /// and every record after it is counted as not recorded.
 pub struct Recorder {
     path: PathBuf,
-    out: Option<BufWriter<Box<dyn Write + Send>>>,
+    out: super::StoppingFile,
     ifnames: HashMap<u32, String>,
     symbols: HashMap<u64, String>,
     /// Records written.
@@ -408,24 +408,12 @@ impl Recorder {
     /// Hands what is buffered to the file, so that a tail killed outright leaves a
     /// recording of everything up to about now (a write that fails stops it, as above).
     pub fn flush(&mut self) {
-        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
-            log::warn!(
-                "writing the recording {} failed ({e}); recording stops here",
-                self.path.display()
-            );
-            self.out = None;
-        }
+        super::flush_or_stop(&mut self.out, "the recording", &self.path);
     }
 
     /// Flushes the file; false if the last buffered records were not written.
     pub fn finish(&mut self) -> bool {
-        match self.out.take().map(|mut o| o.flush()) {
-            Some(Err(e)) => {
-                log::warn!("writing the recording {}: {e}", self.path.display());
-                false
-            }
-            _ => true,
-        }
+        super::finish_file(&mut self.out, "the recording", &self.path)
     }
 
     pub fn path(&self) -> &Path {

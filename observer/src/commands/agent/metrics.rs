@@ -114,6 +114,8 @@ pub struct Health {
     /// Whether traversals are being recorded (always in `--mode trace`; in the always-on
     /// mode while a streaming client is connected).
     pub tracing: bool,
+    /// Reads of the node's rules or of the API server's pods that failed, for names.
+    pub name_read_failures: u64,
 }
 
 type Labels = Vec<String>;
@@ -293,6 +295,13 @@ impl Metrics {
             "Traversals a streaming client did not receive because it read too slowly (its \
              stream says how many).",
             h.subscriber_skipped,
+        );
+        one(
+            "observer_name_read_failures_total",
+            "counter",
+            "Reads that Kubernetes names come from that failed (the node's rules for services, \
+             the API server's watch for pods; each logged): names may be missing or stale.",
+            h.name_read_failures,
         );
         one(
             "observer_probes_attached",
