@@ -60,8 +60,8 @@ fn snapshot_diff(predicted: &Snapshot, observed: &Snapshot, d: &mut Vec<String>)
         ("source", &predicted.src, &observed.src),
         ("destination", &predicted.dst, &observed.dst),
     ] {
-        // A symbolic address (`<address of eth0>`) is what the rules could not resolve.
-        if p != o && !p.starts_with('<') {
+        // An unknown address (`<address of eth0>`) is what the rules could not resolve.
+        if p != o && !matches!(p.host, crate::Host::AddressOf(_)) {
             d.push(format!("rules predict {what} {p}, the kernel made it {o}"));
         }
     }
@@ -108,6 +108,16 @@ mod tests {
     use crate::vocab::Hook;
     use std::sync::Arc;
 
+    fn ep(text: &str) -> crate::Endpoint {
+        match text.parse::<std::net::SocketAddr>() {
+            Ok(sa) => crate::Endpoint::new(sa.ip(), Some(sa.port())),
+            Err(_) => crate::Endpoint {
+                host: crate::Host::AddressOf(text.into()),
+                port: None,
+            },
+        }
+    }
+
     fn stage(after_mark: u32, dst: &str, verdict: Verdict) -> Stage {
         Stage {
             hook: Hook::PreRouting,
@@ -115,15 +125,15 @@ mod tests {
             priority: -100,
             chain: None,
             before: Some(Arc::new(Snapshot::new(
-                "1.1.1.1:1".into(),
-                "10.10.10.2:22".into(),
+                ep("1.1.1.1:1"),
+                ep("10.10.10.2:22"),
                 0,
                 None,
                 None,
             ))),
             after: Some(Arc::new(Snapshot::new(
-                "1.1.1.1:1".into(),
-                dst.into(),
+                ep("1.1.1.1:1"),
+                ep(dst),
                 after_mark,
                 None,
                 None,
@@ -175,7 +185,8 @@ mod tests {
             source: crate::Source::Observed,
             netns: None,
             family: None,
-            proto: "tcp".into(),
+            proto: Some(crate::Protocol::Tcp),
+            packet: None,
             ingress: None,
             egress: None,
             route: None,
@@ -191,7 +202,6 @@ mod tests {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow: String::new(),
         };
         let mut extra = stage(0, "172.17.0.5:22", Verdict::Accept);
         extra.hook = Hook::Forward;

@@ -1,6 +1,7 @@
 //! The JSON line of a [`Traversal`], written by hand into one writer: keys and punctuation
-//! as literals, strings escaped only when they need it, snapshots and rules copied from the
-//! JSON they rendered once. serde's derive on the types is the schema's definition (and
+//! as literals, strings escaped only when they need it, addresses written without an
+//! intermediate string, snapshots and rules rendered once and copied from then on (they
+//! are shared by the reports of a flow). serde's derive on the types is the schema's definition (and
 //! what `serde_json::to_value` uses); this writer prints the same bytes, held to it by the
 //! tests below, because escaping every key again for every packet was most of the
 //! collector's cost of a JSON line.
@@ -9,9 +10,10 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
+use crate::packet::{Endpoint, Headers, Host, Icmp, Packet};
 use crate::traversal::{
     Branch, ChainRef, Check, CheckResult, ConntrackView, CtView, Fate, Iface, MarkChange, Marks,
-    Nat, NatKind, NatSource, Snapshot, Source, Stage, Traversal, TupleView,
+    Nat, NatKind, NatSource, Snapshot, Source, Stage, Traversal, TupleView, ct_state_text,
 };
 
 /// A leaf value as serde_json writes it (numbers, and strings that need escaping).
@@ -95,7 +97,81 @@ fn source(s: Source) -> &'static str {
 }
 
 fn snapshot<W: Write>(out: &mut W, s: Option<&Snapshot>) -> io::Result<()> {
-    opt(out, s, |out, s| out.write_all(s.json().as_bytes()))
+    opt(out, s, |out, s| {
+        let json = s.json_cache().get_or_init(|| {
+            serde_json::to_string(&s.fields())
+                .expect("a snapshot serialises")
+                .into_boxed_str()
+        });
+        out.write_all(json.as_bytes())
+    })
+}
+
+/// An endpoint as a JSON string (`"10.0.0.1:53"`), written straight into `out`.
+fn endpoint<W: Write>(out: &mut W, e: &Endpoint) -> io::Result<()> {
+    if e.plain() {
+        out.write_all(b"\"")?;
+        e.write_text(out)?;
+        out.write_all(b"\"")
+    } else {
+        string(out, &e.to_string())
+    }
+}
+
+/// An address alone as a JSON string.
+fn host<W: Write>(out: &mut W, h: &Host) -> io::Result<()> {
+    match h {
+        Host::Ip(_) => {
+            out.write_all(b"\"")?;
+            h.write_text(out)?;
+            out.write_all(b"\"")
+        }
+        Host::AddressOf(_) => string(out, &h.to_string()),
+    }
+}
+
+fn port<W: Write>(out: &mut W, p: Option<u16>) -> io::Result<()> {
+    opt(out, p, |out, p| serde(out, &p))
+}
+
+fn icmp<W: Write>(out: &mut W, i: &Icmp) -> io::Result<()> {
+    out.write_all(b"{\"type\":")?;
+    serde(out, &i.kind)?;
+    out.write_all(b",\"code\":")?;
+    serde(out, &i.code)?;
+    out.write_all(b",\"id\":")?;
+    port(out, i.id)?;
+    out.write_all(b"}")
+}
+
+/// The keys of one set of headers, without braces.
+fn header_keys<W: Write>(out: &mut W, h: &Headers) -> io::Result<()> {
+    out.write_all(b"\"src\":")?;
+    host(out, &h.src.host)?;
+    out.write_all(b",\"dst\":")?;
+    host(out, &h.dst.host)?;
+    out.write_all(b",\"sport\":")?;
+    port(out, h.src.port)?;
+    out.write_all(b",\"dport\":")?;
+    port(out, h.dst.port)?;
+    out.write_all(b",\"icmp\":")?;
+    opt(out, h.icmp.as_ref(), icmp)
+}
+
+fn packet<W: Write>(out: &mut W, p: &Packet) -> io::Result<()> {
+    out.write_all(b"{\"family\":")?;
+    word(out, p.family.name())?;
+    out.write_all(b",\"proto\":")?;
+    string(out, &p.proto.name())?;
+    out.write_all(b",")?;
+    header_keys(out, &p.first)?;
+    out.write_all(b",\"last\":")?;
+    opt(out, p.last.as_ref(), |out, h| {
+        out.write_all(b"{")?;
+        header_keys(out, h)?;
+        out.write_all(b"}")
+    })?;
+    out.write_all(b"}")
 }
 
 fn chain<W: Write>(out: &mut W, c: &ChainRef) -> io::Result<()> {
@@ -108,7 +184,7 @@ fn chain<W: Write>(out: &mut W, c: &ChainRef) -> io::Result<()> {
 
 fn ct<W: Write>(out: &mut W, c: &CtView) -> io::Result<()> {
     out.write_all(b"{\"state\":")?;
-    string(out, c.state)?;
+    word(out, c.state.name())?;
     out.write_all(b",\"mark\":")?;
     opt(out, c.mark, hex)?;
     out.write_all(b"}")
@@ -214,9 +290,9 @@ fn nat<W: Write>(out: &mut W, n: &Nat) -> io::Result<()> {
     out.write_all(b",\"table\":")?;
     string(out, &n.table)?;
     out.write_all(b",\"from\":")?;
-    string(out, &n.from)?;
+    endpoint(out, &n.from)?;
     out.write_all(b",\"to\":")?;
-    string(out, &n.to)?;
+    endpoint(out, &n.to)?;
     out.write_all(match n.source {
         NatSource::Rules => b",\"source\":\"rules\"}",
         NatSource::Conntrack => b",\"source\":\"conntrack\"}",
@@ -225,17 +301,17 @@ fn nat<W: Write>(out: &mut W, n: &Nat) -> io::Result<()> {
 
 fn tuple<W: Write>(out: &mut W, t: &TupleView) -> io::Result<()> {
     out.write_all(b"{\"src\":")?;
-    string(out, &t.src)?;
+    endpoint(out, &t.src)?;
     out.write_all(b",\"dst\":")?;
-    string(out, &t.dst)?;
+    endpoint(out, &t.dst)?;
     out.write_all(b",\"proto\":")?;
-    string(out, &t.proto)?;
+    string(out, &t.proto.name())?;
     out.write_all(b"}")
 }
 
 fn conntrack<W: Write>(out: &mut W, c: &ConntrackView) -> io::Result<()> {
     out.write_all(b"{\"state\":")?;
-    string(out, &c.state)?;
+    word(out, &ct_state_text(c.state))?;
     out.write_all(b",\"mark\":")?;
     opt(out, c.mark, hex)?;
     out.write_all(b",\"original\":")?;
@@ -291,7 +367,9 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
     out.write_all(b",\"family\":")?;
     opt(out, t.family, |out, f| word(out, f.name()))?;
     out.write_all(b",\"proto\":")?;
-    string(out, &t.proto)?;
+    opt(out, t.proto, |out, p| string(out, &p.name()))?;
+    out.write_all(b",\"packet\":")?;
+    opt(out, t.packet.as_ref(), packet)?;
     out.write_all(b",\"ingress\":")?;
     opt(out, t.ingress.as_ref(), iface)?;
     out.write_all(b",\"egress\":")?;
@@ -313,9 +391,9 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
         out.write_all(b",\"names\":")?;
         list(out, &t.names, |out, n| {
             out.write_all(b"{\"endpoint\":")?;
-            string(out, &n.endpoint)?;
+            endpoint(out, &n.endpoint)?;
             out.write_all(b",\"kind\":")?;
-            word(out, n.kind)?;
+            word(out, n.kind.name())?;
             out.write_all(b",\"name\":")?;
             string(out, &n.name)?;
             out.write_all(b"}")
@@ -345,8 +423,23 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::traversal::{EndpointName, K8s, Quoted, Rule, RuleId, Rules};
-    use crate::{Family, FateKind, Hook, Route, Verdict};
+    use crate::traversal::{EndpointName, K8s, NameKind, Quoted, Rule, RuleId, Rules};
+    use crate::{CtState, Family, FateKind, Hook, Protocol, Route, Verdict};
+
+    /// `a.b.c.d[:port]`, `[v6]:port` or a bare v6 address; anything else is an unknown
+    /// address named by that text.
+    fn ep(text: &str) -> Endpoint {
+        if let Ok(sa) = text.parse::<std::net::SocketAddr>() {
+            return Endpoint::new(sa.ip(), Some(sa.port()));
+        }
+        if let Ok(a) = text.parse() {
+            return Endpoint::new(a, None);
+        }
+        Endpoint {
+            host: Host::AddressOf(text.into()),
+            port: Some(7),
+        }
+    }
 
     /// The writer and serde's derive print the same bytes for `t`.
     fn same(t: &Traversal) {
@@ -363,14 +456,14 @@ mod tests {
 
     fn snap(src: &str, dst: &str, mark: u32, len: Option<u32>, inner: bool) -> Arc<Snapshot> {
         Arc::new(Snapshot::new(
-            src.into(),
-            dst.into(),
+            ep(src),
+            ep(dst),
             mark,
             len,
             inner.then(|| Quoted {
-                src: "10.0.0.1:53".into(),
-                dst: "10.0.0.2:40000".into(),
-                proto: "udp".into(),
+                src: ep("10.0.0.1:53"),
+                dst: ep("10.0.0.2:40000"),
+                proto: Protocol::Udp,
             }),
         ))
     }
@@ -443,7 +536,7 @@ mod tests {
                 before: Some(snap("[2001:db8::1]:80", "fe80::1", u32::MAX, None, true)),
                 after: None,
                 ct: Some(Arc::new(CtView {
-                    state: "established",
+                    state: CtState::Established,
                     mark: Some(0xdead_beef),
                 })),
                 verdict: Verdict::Undecidable,
@@ -464,7 +557,7 @@ mod tests {
                 before: None,
                 after: Some(snap("1.2.3.4", "5.6.7.8", 0x10, Some(0), false)),
                 ct: Some(Arc::new(CtView {
-                    state: "invalid",
+                    state: CtState::Invalid,
                     mark: None,
                 })),
                 verdict: Verdict::Stolen,
@@ -523,16 +616,16 @@ mod tests {
                 kind: NatKind::Dnat,
                 hook: Hook::PreRouting,
                 table: "nat".into(),
-                from: "10.10.10.2:22".into(),
-                to: AWKWARD.into(),
+                from: ep("10.10.10.2:22"),
+                to: ep(AWKWARD),
                 source: NatSource::Rules,
             },
             Nat {
                 kind: NatKind::Snat,
                 hook: Hook::PostRouting,
                 table: "nat".into(),
-                from: "[2001:db8::1]:80".into(),
-                to: "172.17.0.1:40000".into(),
+                from: ep("[2001:db8::1]:80"),
+                to: ep("172.17.0.1:40000"),
                 source: NatSource::Conntrack,
             },
         ]
@@ -544,7 +637,29 @@ mod tests {
             source: Source::Observed,
             netns: Some(AWKWARD.into()),
             family: Some(Family::Ipv6),
-            proto: "253".into(),
+            proto: Some(Protocol::Other(253)),
+            packet: Some(Packet {
+                family: Family::Ipv6,
+                proto: Protocol::Icmpv6,
+                first: Headers {
+                    src: ep("2001:db8::1"),
+                    dst: ep("ff02::1"),
+                    icmp: Some(Icmp {
+                        kind: 128,
+                        code: 0,
+                        id: Some(65535),
+                    }),
+                },
+                last: Some(Headers {
+                    src: ep(AWKWARD),
+                    dst: ep("[2001:db8::2]:0"),
+                    icmp: Some(Icmp {
+                        kind: 1,
+                        code: 4,
+                        id: None,
+                    }),
+                }),
+            }),
             ingress: Some(Iface {
                 iface: "eth0".into(),
             }),
@@ -562,28 +677,28 @@ mod tests {
             marks: marks(),
             nat: nat(),
             conntrack: Some(Arc::new(ConntrackView {
-                state: "established reply".into(),
+                state: (CtState::Established, true),
                 mark: Some(0),
                 original: TupleView {
-                    src: "198.51.100.10:40000".into(),
-                    dst: "10.10.10.2:22".into(),
-                    proto: "tcp".into(),
+                    src: ep("198.51.100.10:40000"),
+                    dst: ep("10.10.10.2:22"),
+                    proto: Protocol::Tcp,
                 },
                 reply: TupleView {
-                    src: AWKWARD.into(),
-                    dst: "fe80::1".into(),
-                    proto: "58".into(),
+                    src: ep(AWKWARD),
+                    dst: ep("fe80::1"),
+                    proto: Protocol::Other(58),
                 },
             })),
             names: vec![
                 EndpointName {
-                    endpoint: "10.10.10.10:53".into(),
-                    kind: "service",
+                    endpoint: ep("10.10.10.10:53"),
+                    kind: NameKind::Service,
                     name: "kube-system/kube-dns:dns".into(),
                 },
                 EndpointName {
-                    endpoint: AWKWARD.into(),
-                    kind: "pod",
+                    endpoint: ep(AWKWARD),
+                    kind: NameKind::Pod,
                     name: AWKWARD.into(),
                 },
             ],
@@ -592,7 +707,6 @@ mod tests {
             lost: u64::MAX,
             incomplete: true,
             incomplete_reason: Some(AWKWARD.into()),
-            flow: "not printed".into(),
         }
     }
 
@@ -605,6 +719,8 @@ mod tests {
             source: Source::Predicted,
             netns: None,
             family: None,
+            proto: None,
+            packet: None,
             ingress: None,
             egress: None,
             route: None,
@@ -641,6 +757,7 @@ mod tests {
                     },
                     marks: if i == 2 { marks() } else { Marks::default() },
                     nat: if i == 3 { nat() } else { Vec::new() },
+                    bridge: None,
                     notes: if i == 4 {
                         vec![AWKWARD.into()]
                     } else {

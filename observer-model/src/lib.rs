@@ -4,12 +4,13 @@
 //! Why a crate of its own: `observer-rules` (no root, no eBPF) and `observer` (the
 //! collector) both produce traversals, and `observer` depends on `observer-rules`; the type
 //! both produce, the vocabulary both speak (families, hooks, the tables of each hook,
-//! protocol names, endpoint text, mark names) and the renderers cannot live in either
+//! protocols, addresses, mark names) and the renderers cannot live in either
 //! without the other importing its whole world. This crate holds only those: pure types
 //! and functions, no I/O.
 //!
-//! - [`vocab`]: families, hooks and their tables, protocol names, endpoints.
-//! - [`traversal`]: the [`Traversal`] type (JSON schema 2), with serde enums for every
+//! - [`vocab`]: families, hooks and their tables.
+//! - [`packet`]: protocols, endpoints, conntrack states and a packet's identity, as values.
+//! - [`traversal`]: the [`Traversal`] type (JSON schema 3), with serde enums for every
 //!   closed set of words (fate kind, verdict, NAT kind and source, route, check result).
 //! - [`render`]: the tree and one-line renderers; [`json`]: the JSON line, written by hand.
 //! - [`compare`]: observed against predicted.
@@ -18,14 +19,16 @@
 pub mod compare;
 pub mod json;
 pub mod marks;
+pub mod packet;
 pub mod render;
 pub mod traversal;
 pub mod vocab;
 
 pub use compare::{compare, compare_stage};
 pub use marks::MarkDictionary;
+pub use packet::{CtState, Endpoint, Headers, Host, Icmp, Packet, Protocol};
 pub use traversal::*;
-pub use vocab::{Family, Hook, endpoint, endpoint_text, has_ports, proto_name};
+pub use vocab::{Family, Hook};
 
 use std::sync::Arc;
 

@@ -109,8 +109,8 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
         if s.ct.as_deref() != last_ct {
             if let Some(ct) = &s.ct {
                 what.push(match ct.mark {
-                    Some(m) => format!("ct {} (ctmark {m:#x})", ct.state),
-                    None => format!("ct {}", ct.state),
+                    Some(m) => format!("ct {} (ctmark {m:#x})", ct.state.name()),
+                    None => format!("ct {}", ct.state.name()),
                 });
             }
             last_ct = s.ct.as_deref();
@@ -301,8 +301,8 @@ impl Traversal {
             out,
             "{} {} {}",
             self.family.map_or("?", |f| f.name()),
-            self.proto,
-            e(&self.flow)
+            self.proto_text(),
+            e(&self.flow())
         );
         if let Some(i) = &self.ingress {
             let _ = write!(out, "  in {}", e(&i.iface));
@@ -356,18 +356,41 @@ impl Traversal {
             let _ = writeln!(
                 out,
                 "  conntrack: {}{mark}, original {} -> {}, reply {} -> {}",
-                ct.state, ct.original.src, ct.original.dst, ct.reply.src, ct.reply.dst
+                ct.state_text(),
+                ct.original.src,
+                ct.original.dst,
+                ct.reply.src,
+                ct.reply.dst
             );
         }
         if !self.names.is_empty() {
             let names: Vec<String> = self
                 .names
                 .iter()
-                .map(|n| format!("{} = {} {}", e(&n.endpoint), n.kind, e(&n.name)))
+                .map(|n| {
+                    format!(
+                        "{} = {} {}",
+                        e(&n.endpoint.to_string()),
+                        n.kind.name(),
+                        e(&n.name)
+                    )
+                })
                 .collect();
             let _ = writeln!(out, "  names: {}", names.join(", "));
         }
         out
+    }
+
+    /// `src -> dst` as first seen (`?` when no IP header was read).
+    pub fn flow(&self) -> String {
+        self.packet
+            .as_ref()
+            .map_or_else(|| "?".into(), |p| p.flow())
+    }
+
+    /// The protocol's name (`unknown` when no IP header was read).
+    pub fn proto_text(&self) -> std::borrow::Cow<'static, str> {
+        self.proto.map_or("unknown".into(), |p| p.name())
     }
 
     pub fn fate_text(&self) -> String {
@@ -388,8 +411,8 @@ impl Traversal {
         let mut parts = vec![format!(
             "{} {} {} [{} -> {}] {}",
             self.family.map_or("?", |f| f.name()),
-            self.proto,
-            self.flow,
+            self.proto_text(),
+            self.flow(),
             self.ingress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.route.map_or("-", |r| r.name()),
@@ -447,10 +470,15 @@ mod tests {
     use crate::{Hook, NatKind};
     use std::sync::Arc;
 
+    fn ep(text: &str) -> crate::Endpoint {
+        let sa: std::net::SocketAddr = text.parse().unwrap();
+        crate::Endpoint::new(sa.ip(), Some(sa.port()))
+    }
+
     fn snap(dst: &str, mark: u32) -> Option<Arc<Snapshot>> {
         Some(Arc::new(Snapshot::new(
-            "10.201.0.7:40000".into(),
-            dst.into(),
+            ep("10.201.0.7:40000"),
+            ep(dst),
             mark,
             None,
             None,
@@ -524,7 +552,17 @@ mod tests {
             source: Source::Predicted,
             netns: None,
             family: Some(crate::Family::Ipv4),
-            proto: "tcp".into(),
+            proto: Some(crate::Protocol::Tcp),
+            packet: Some(crate::Packet {
+                family: crate::Family::Ipv4,
+                proto: crate::Protocol::Tcp,
+                first: crate::Headers {
+                    src: ep("10.201.0.7:40000"),
+                    dst: ep("10.10.10.2:22"),
+                    icmp: None,
+                },
+                last: None,
+            }),
             ingress: None,
             egress: None,
             route: Some(crate::Route::Forward),
@@ -534,8 +572,8 @@ mod tests {
                 kind: NatKind::Dnat,
                 hook: Hook::PreRouting,
                 table: "kube-proxy".into(),
-                from: "10.10.10.2:22".into(),
-                to: "172.17.0.5:22".into(),
+                from: ep("10.10.10.2:22"),
+                to: ep("172.17.0.5:22"),
                 source: NatSource::Rules,
             }],
             stages,
@@ -547,11 +585,14 @@ mod tests {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow: "10.201.0.7:40000 -> 10.10.10.2:22".into(),
         };
         let tree = t.render_tree();
         let lines: Vec<&str> = tree.lines().collect();
-        assert!(lines[0].ends_with("(predicted from the rules)"), "{tree}");
+        assert!(
+            lines[0].starts_with("ipv4 tcp 10.201.0.7:40000 -> 10.10.10.2:22")
+                && lines[0].ends_with("(predicted from the rules)"),
+            "{tree}"
+        );
         assert!(
             lines[1].contains("filter-prerouting-pre-dnat") && lines[1].ends_with(" -"),
             "{tree}"
@@ -624,7 +665,17 @@ mod tests {
             source: Source::Predicted,
             netns: None,
             family: Some(crate::Family::Ipv4),
-            proto: "tcp".into(),
+            proto: Some(crate::Protocol::Tcp),
+            packet: Some(crate::Packet {
+                family: crate::Family::Ipv4,
+                proto: crate::Protocol::Tcp,
+                first: crate::Headers {
+                    src: ep("10.0.0.9:1"),
+                    dst: ep("10.0.0.1:80"),
+                    icmp: None,
+                },
+                last: None,
+            }),
             ingress: Some(crate::traversal::Iface {
                 iface: "eth0\x1b[31m".into(),
             }),
@@ -642,7 +693,6 @@ mod tests {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow: "10.0.0.9:1 -> 10.0.0.1:80".into(),
         };
         for out in [t.render_tree(), t.render_line()] {
             assert!(!out.chars().any(|c| c != '\n' && is_unsafe(c)), "{out:?}");

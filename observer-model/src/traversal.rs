@@ -1,17 +1,20 @@
 //! A packet's traversal through netfilter, observed by the probes or predicted from the
-//! rules: one type for both, serialized as JSON schema 2 (`docs/json-schema.md`). Enums
-//! serialize to the schema's words; marks are numbers here and hex text in JSON.
+//! rules: one type for both, serialized as JSON schema 3 (`docs/json-schema.md`). Values are
+//! typed (addresses, ports, protocols, conntrack states, routes); enums serialize to the
+//! schema's words; marks are numbers here and hex text in JSON. The text of snapshots and
+//! rules is rendered once by the JSON writer and kept beside them (they are shared by many
+//! reports), never made by whoever builds the traversal.
 
-use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
+use crate::packet::{CtState, Endpoint, Packet, Protocol};
 use crate::vocab::{Family, Hook};
 
 /// The layout version written in every object's `schema` key.
-pub const SCHEMA: u32 = 2;
+pub const SCHEMA: u32 = 3;
 
 fn hex<S: Serializer>(v: &u32, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&format!("{v:#x}"))
@@ -154,7 +157,11 @@ pub struct Traversal {
     /// The observed (or read) namespace: the `--netns` name, `current`, or null for files.
     pub netns: Option<String>,
     pub family: Option<Family>,
-    pub proto: Cow<'static, str>,
+    /// Null when no IP header was read.
+    pub proto: Option<Protocol>,
+    /// Which packet this is: its headers as first seen, and as last seen when NAT changed
+    /// them. Null only when no IP header was read.
+    pub packet: Option<Packet>,
     pub ingress: Option<Iface>,
     pub egress: Option<Iface>,
     pub route: Option<Route>,
@@ -183,9 +190,6 @@ pub struct Traversal {
     /// all of it. Never printed as complete.
     pub incomplete: bool,
     pub incomplete_reason: Option<String>,
-    /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
-    #[serde(skip)]
-    pub flow: String,
 }
 
 /// A bridge a packet crossed: its device and the ports (the host ends of the pods'
@@ -212,6 +216,10 @@ pub struct Branch {
     pub marks: Marks,
     pub nat: Vec<Nat>,
     pub notes: Vec<String>,
+    /// The bridge this outcome crossed; the traversal carries its main outcome's (`bridge`),
+    /// so a branch does not print it again.
+    #[serde(skip)]
+    pub bridge: Option<BridgeCrossing>,
 }
 
 /// One table (or nftables base chain) the packet passed.
@@ -246,27 +254,26 @@ pub struct ChainRef {
     pub name: String,
 }
 
-/// The packet just before or after a table. Serialized from a JSON rendering made once
-/// and shared by every stage showing the same snapshot: most stages of a packet show the
-/// same few, and escaping their strings again for each was most of the collector's work.
+/// The packet just before or after a table. Most stages of a packet show the same few, and
+/// reports of one flow share them: the JSON writer renders each once and keeps the text
+/// here ([`Snapshot::json_cache`]).
 #[derive(Debug, Clone)]
 pub struct Snapshot {
-    /// Shared with the NAT entries that show the same endpoint.
-    pub src: Arc<str>,
-    pub dst: Arc<str>,
+    pub src: Endpoint,
+    pub dst: Endpoint,
     pub mark: u32,
     /// `skb->len` (observed only): a GSO/GRO aggregate is one packet of many MTUs; a
     /// reassembled packet grows at defragmentation.
     pub len: Option<u32>,
     /// ICMP errors only: the packet the error quotes, which conntrack translates too.
     pub inner: Option<Quoted>,
-    json: Box<serde_json::value::RawValue>,
+    json: OnceLock<Box<str>>,
 }
 
 #[derive(Serialize)]
-struct SnapshotJson<'a> {
-    src: &'a str,
-    dst: &'a str,
+pub(crate) struct SnapshotJson<'a> {
+    src: &'a Endpoint,
+    dst: &'a Endpoint,
     #[serde(serialize_with = "hex_ref")]
     mark: &'a u32,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -281,42 +288,41 @@ fn hex_ref<S: Serializer>(v: &&u32, s: S) -> Result<S::Ok, S::Error> {
 
 impl Snapshot {
     pub fn new(
-        src: Arc<str>,
-        dst: Arc<str>,
+        src: Endpoint,
+        dst: Endpoint,
         mark: u32,
         len: Option<u32>,
         inner: Option<Quoted>,
     ) -> Self {
-        // Rendered without a parse back (`from_string` would validate what we just wrote).
-        let json = serde_json::value::to_raw_value(&SnapshotJson {
-            src: &src,
-            dst: &dst,
-            mark: &mark,
-            len,
-            inner: inner.as_ref(),
-        })
-        .expect("a snapshot serialises");
         Self {
             src,
             dst,
             mark,
             len,
             inner,
-            json,
+            json: OnceLock::new(),
         }
     }
-}
 
-impl Snapshot {
-    /// Its JSON object, as printed.
-    pub(crate) fn json(&self) -> &str {
-        self.json.get()
+    pub(crate) fn fields(&self) -> SnapshotJson<'_> {
+        SnapshotJson {
+            src: &self.src,
+            dst: &self.dst,
+            mark: &self.mark,
+            len: self.len,
+            inner: self.inner.as_ref(),
+        }
+    }
+
+    /// The JSON writer's rendering of this snapshot, made on first use.
+    pub(crate) fn json_cache(&self) -> &OnceLock<Box<str>> {
+        &self.json
     }
 }
 
 impl Serialize for Snapshot {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.json.serialize(s)
+        self.fields().serialize(s)
     }
 }
 
@@ -330,16 +336,16 @@ impl PartialEq for Snapshot {
 /// The packet an ICMP error quotes.
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct Quoted {
-    pub src: String,
-    pub dst: String,
-    pub proto: Cow<'static, str>,
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    pub proto: Protocol,
 }
 
 /// The conntrack entry attached to the packet after a table.
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct CtView {
-    /// `new`, `established`, `related`, `untracked` (`invalid`: predicted only).
-    pub state: &'static str,
+    /// `invalid`: predicted only.
+    pub state: CtState,
     /// The ct mark; null when a prediction does not know it.
     #[serde(serialize_with = "opt_hex")]
     pub mark: Option<u32>,
@@ -397,38 +403,75 @@ pub struct Nat {
     pub kind: NatKind,
     pub hook: Hook,
     pub table: Arc<str>,
-    /// Endpoint text, shared with the snapshots that show it.
-    pub from: Arc<str>,
-    pub to: Arc<str>,
+    pub from: Endpoint,
+    pub to: Endpoint,
     pub source: NatSource,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct TupleView {
-    pub src: String,
-    pub dst: String,
-    pub proto: Cow<'static, str>,
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    pub proto: Protocol,
 }
 
 /// What Kubernetes calls an endpoint of the traversal.
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct EndpointName {
     /// As the stages and conntrack show it: `10.10.10.10:53`, `172.17.0.5`.
-    pub endpoint: Arc<str>,
-    /// `service` (a ClusterIP port) or `pod`.
-    pub kind: &'static str,
+    pub endpoint: Endpoint,
+    pub kind: NameKind,
     /// `namespace/name:port` for a service, `namespace/name` for a pod.
     pub name: String,
 }
 
+/// What Kubernetes object an endpoint is.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NameKind {
+    /// A ClusterIP port (from kube-proxy's rules).
+    Service,
+    /// One of this node's pods (from the API server).
+    Pod,
+}
+
+impl NameKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            NameKind::Service => "service",
+            NameKind::Pod => "pod",
+        }
+    }
+}
+
 #[derive(Serialize, Debug, Clone, PartialEq, Eq)]
 pub struct ConntrackView {
-    /// `new`, `established`, ... with ` reply` for reply-direction packets.
-    pub state: String,
+    /// Printed with ` reply` for reply-direction packets (`established reply`).
+    #[serde(serialize_with = "ct_state", rename = "state")]
+    pub state: (CtState, bool),
     #[serde(serialize_with = "opt_hex")]
     pub mark: Option<u32>,
     pub original: TupleView,
     pub reply: TupleView,
+}
+
+impl ConntrackView {
+    /// `established`, `established reply`, ...
+    pub fn state_text(&self) -> String {
+        ct_state_text(self.state)
+    }
+}
+
+pub(crate) fn ct_state_text((state, reply): (CtState, bool)) -> String {
+    if reply {
+        format!("{} reply", state.name())
+    } else {
+        state.name().to_string()
+    }
+}
+
+fn ct_state<S: Serializer>(v: &(CtState, bool), s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&ct_state_text(*v))
 }
 
 /// Which rule: an iptables rule by its chain and 1-based position, or a native nftables
@@ -479,21 +522,30 @@ pub struct Rules(Option<Arc<RuleList>>);
 #[derive(Debug)]
 struct RuleList {
     items: Vec<Rule>,
-    json: Box<serde_json::value::RawValue>,
+    /// Their JSON, rendered on first use.
+    json: OnceLock<Box<str>>,
 }
 
 impl Rules {
-    /// Their JSON, as it is printed.
+    /// Their JSON, as it is printed (rendered once, then kept with them).
     pub fn json(&self) -> &str {
-        self.0.as_ref().map_or("[]", |r| r.json.get())
+        self.0.as_ref().map_or("[]", |r| {
+            r.json.get_or_init(|| {
+                serde_json::to_string(&r.items)
+                    .expect("rules serialise")
+                    .into_boxed_str()
+            })
+        })
     }
 
     pub fn new(items: Vec<Rule>) -> Self {
         if items.is_empty() {
             return Self(None);
         }
-        let json = serde_json::value::to_raw_value(&items).expect("rules serialise");
-        Self(Some(Arc::new(RuleList { items, json })))
+        Self(Some(Arc::new(RuleList {
+            items,
+            json: OnceLock::new(),
+        })))
     }
 }
 
@@ -519,7 +571,7 @@ impl PartialEq for Rules {
 impl Serialize for Rules {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match &self.0 {
-            Some(r) => r.json.serialize(s),
+            Some(r) => r.items.serialize(s),
             None => s.collect_seq(std::iter::empty::<Rule>()),
         }
     }

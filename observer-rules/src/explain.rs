@@ -1,5 +1,5 @@
 //! `observer explain`: turns dumps (or the live node) plus a packet description into an
-//! [`Explanation`], and that into the model's predicted [`Traversal`] (JSON schema 2: the
+//! [`Explanation`], and that into the model's predicted [`Traversal`] (JSON schema 3: the
 //! live tracer's shape, printed by the same renderers).
 
 use std::collections::HashMap;
@@ -8,8 +8,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use observer_model::{
-    self as model, ChainRef, ConntrackView, CtView, Fate, FateKind, Iface, K8s, MarkDictionary,
-    Nat, NatKind, NatSource, Route, Rule, RuleId, Traversal, TupleView,
+    self as model, ConntrackView, CtState, Endpoint, Fate, FateKind, Headers, Icmp, Iface, K8s,
+    MarkDictionary, Packet, Protocol, Rule, RuleId, Traversal, TupleView,
 };
 use serde_json::Value;
 use thiserror::Error;
@@ -20,9 +20,9 @@ use crate::error::ParseError;
 use crate::ipset::{Ipsets, parse_ipsets};
 use crate::iptables::{SaveFile, parse_save_family};
 use crate::nft::{NftRuleset, parse_nft_json};
-use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec, proto_name};
+use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
-use crate::sim::{Branch, MatchedRule, Simulator, Snapshot, Stage, Verdict};
+use crate::sim::{Branch, MatchedRule, Simulator, Verdict, verdict_of};
 
 /// Everything `explain` needs, as text, so the CLI only reads files or runs commands.
 #[derive(Debug, Clone, Default)]
@@ -367,139 +367,69 @@ pub fn model_rule(m: &MatchedRule) -> Rule {
     }
 }
 
-fn model_snapshot(s: &Snapshot) -> Arc<model::Snapshot> {
-    Arc::new(model::Snapshot::new(
-        s.src.as_str().into(),
-        s.dst.as_str().into(),
-        s.mark,
-        None,
-        None,
-    ))
-}
-
-/// A simulated stage in the model's words.
-pub fn model_stage(s: &Stage) -> model::Stage {
-    model::Stage {
-        hook: s.hook,
-        table: s.table.as_str().into(),
-        priority: s.priority,
-        chain: s.nft_chain.as_ref().map(|(family, name)| ChainRef {
-            family: family.clone(),
-            name: name.clone(),
-        }),
-        before: Some(model_snapshot(&s.before)),
-        after: Some(model_snapshot(&s.after)),
-        ct: s.ct.map(|(state, mark)| {
-            Arc::new(CtView {
-                state: state.name(),
-                mark,
-            })
-        }),
-        verdict: s.verdict,
-        rules: s.rules.iter().map(model_rule).collect(),
-        policy: s.policy.clone(),
-        note: s.note.clone(),
-        check: None,
-    }
-}
-
-fn route_of(r: &str) -> Option<Route> {
-    Some(match r {
-        "input" => Route::Input,
-        "forward" => Route::Forward,
-        "output" => Route::Output,
-        "unroutable" => Route::Unroutable,
-        "bridged" => Route::Bridged,
-        "unknown" => Route::Unknown,
-        _ => return None,
-    })
-}
-
-/// Where and why a predicted path ends.
-fn predicted_fate(b: &Branch) -> Fate {
-    let last = b.stages.last();
-    let mut f = Fate::new(match (b.verdict, route_of(&b.route)) {
-        (Verdict::Accept, Some(Route::Input)) => FateKind::Delivered,
-        (Verdict::Accept, Some(Route::Output)) => FateKind::Sent,
-        (Verdict::Accept, _) => FateKind::Forwarded,
-        (Verdict::Reject, _) => FateKind::Rejected,
-        (Verdict::Undecidable, _) => FateKind::Undecidable,
-        _ => FateKind::Dropped,
-    });
-    f.hook = last.map(|s| s.hook);
-    if let Some(s) = last.filter(|s| s.verdict != Verdict::Accept) {
-        f.table = Some(s.table.as_str().into());
-        f.reason = match (&s.policy, s.rules.last()) {
-            _ if s.verdict == Verdict::Undecidable => s.note.clone(),
-            (Some(p), _) => Some(format!("policy {p} of {}", s.hook.name())),
-            (None, Some(r)) => Some(format!(
-                "rule {}",
-                match &r.nft {
-                    Some(n) if n.native => format!("{} handle {}", r.chain, n.handle),
-                    _ => format!("{}#{}", r.chain, r.index),
-                }
-            )),
-            (None, None) => None,
-        };
-    } else if b.verdict != Verdict::Accept {
-        // Routing ended it (or had nothing to decide with).
-        f.reason = b.notes.last().cloned();
-    }
-    f
-}
-
-/// Address translations between a stage's before and after.
-fn predicted_nat(stages: &[model::Stage]) -> Vec<Nat> {
-    let mut out = Vec::new();
-    for s in stages {
-        let (Some(b), Some(a)) = (&s.before, &s.after) else {
-            continue;
-        };
-        for (kind, from, to) in [
-            (NatKind::Dnat, &b.dst, &a.dst),
-            (NatKind::Snat, &b.src, &a.src),
-        ] {
-            if from != to {
-                out.push(Nat {
-                    kind,
-                    hook: s.hook,
-                    table: s.table.clone(),
-                    from: from.clone(),
-                    to: to.clone(),
-                    source: NatSource::Rules,
-                });
-            }
-        }
-    }
-    out
-}
-
 /// The connection the prediction implies: the original tuple as the packet came, the reply
 /// tuple the reverse of what left the last table.
 fn predicted_conntrack(p: &PacketSpec, stages: &[model::Stage]) -> Option<Arc<ConntrackView>> {
     let ct = stages.iter().rev().find_map(|s| s.ct.clone())?;
-    if matches!(ct.state, "untracked" | "invalid") {
+    if matches!(ct.state, CtState::Untracked | CtState::Invalid) {
         return None;
     }
     let (first, last) = (
         stages.first()?.before.as_ref()?,
         stages.last()?.after.as_ref()?,
     );
-    let proto = proto_name(p.proto);
+    let proto = Protocol::from_number(p.proto);
     Some(Arc::new(ConntrackView {
-        state: ct.state.to_string(),
+        state: (ct.state, false),
         mark: ct.mark,
         original: TupleView {
-            src: first.src.to_string(),
-            dst: first.dst.to_string(),
-            proto: proto.clone(),
+            src: first.src.clone(),
+            dst: first.dst.clone(),
+            proto,
         },
         reply: TupleView {
-            src: last.dst.to_string(),
-            dst: last.src.to_string(),
+            src: last.dst.clone(),
+            dst: last.src.clone(),
             proto,
         },
     }))
+}
+
+/// The packet asked about, and as it leaves the last stage when NAT changed it.
+fn predicted_packet(p: &PacketSpec, stages: &[model::Stage]) -> Packet {
+    let proto = Protocol::from_number(p.proto);
+    let icmp = proto.is_icmp().then(|| {
+        let (kind, code) = p.icmp.unwrap_or(if p.is_v6() { (128, 0) } else { (8, 0) });
+        Icmp {
+            kind,
+            code,
+            id: None,
+        }
+    });
+    let first = Headers {
+        src: Endpoint::new(p.src, p.sport),
+        dst: Endpoint::new(p.dst, p.dport),
+        icmp,
+    };
+    let last = stages
+        .last()
+        .and_then(|s| s.after.as_ref())
+        .map(|a| Headers {
+            src: a.src.clone(),
+            dst: a.dst.clone(),
+            icmp,
+        })
+        .filter(|l| *l != first);
+    Packet {
+        family: if p.is_v6() {
+            model::Family::Ipv6
+        } else {
+            model::Family::Ipv4
+        },
+        proto,
+        first,
+        last,
+    }
 }
 
 impl Explanation {
@@ -521,7 +451,7 @@ impl Explanation {
 
     /// The verdict all branches agree on; `undecidable` when they differ or any is undecidable.
     pub fn verdict(&self) -> Verdict {
-        let mut it = self.branches.iter().map(|b| b.verdict);
+        let mut it = self.branches.iter().map(verdict_of);
         let first = it.next().unwrap_or(Verdict::Undecidable);
         if it.all(|v| v == first) {
             first
@@ -537,38 +467,17 @@ impl Explanation {
         let branches: Vec<model::Branch> = self
             .branches
             .iter()
-            .map(|b| {
-                let stages: Vec<model::Stage> = b.stages.iter().map(model_stage).collect();
-                model::Branch {
-                    probability: b.probability,
-                    route: route_of(&b.route),
-                    egress: b.egress.as_ref().map(|i| Iface { iface: i.clone() }),
-                    marks: model::mark_changes(&stages, marks),
-                    nat: predicted_nat(&stages),
-                    fate: predicted_fate(b),
-                    stages,
-                    notes: b.notes.clone(),
-                }
+            .map(|b| model::Branch {
+                marks: model::mark_changes(&b.stages, marks),
+                ..b.clone()
             })
             .collect();
         let main = branches.first();
-        let main_branch = self.branches.first();
         let mut notes = self.notes.clone();
         if let Some(b) = main {
             notes.extend(b.notes.iter().cloned());
         }
         let stages = main.map(|b| b.stages.clone()).unwrap_or_default();
-        let flow = match stages.first().and_then(|s| s.before.as_ref()) {
-            Some(s) => format!("{} -> {}", s.src, s.dst),
-            None => {
-                let v6 = p.is_v6();
-                format!(
-                    "{} -> {}",
-                    crate::net::fmt_endpoint(&p.src.to_string(), v6, p.sport),
-                    crate::net::fmt_endpoint(&p.dst.to_string(), v6, p.dport)
-                )
-            }
-        };
         let mut fate = main.map_or_else(|| Fate::new(FateKind::Undecidable), |b| b.fate.clone());
         if self.branches.len() > 1 && self.verdict() == Verdict::Undecidable {
             fate = Fate::new(FateKind::Undecidable);
@@ -583,17 +492,12 @@ impl Explanation {
             } else {
                 model::Family::Ipv4
             }),
-            proto: proto_name(p.proto),
+            proto: Some(Protocol::from_number(p.proto)),
+            packet: Some(predicted_packet(p, &stages)),
             ingress: p.in_iface.as_ref().map(|i| Iface { iface: i.clone() }),
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
-            bridge: main_branch
-                .and_then(|b| b.bridge.as_ref())
-                .map(|(name, i, o)| model::BridgeCrossing {
-                    name: name.clone(),
-                    physdev_in: i.clone(),
-                    physdev_out: o.clone(),
-                }),
+            bridge: main.and_then(|b| b.bridge.clone()),
             conntrack: predicted_conntrack(p, &stages),
             names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),
@@ -609,11 +513,10 @@ impl Explanation {
             lost: 0,
             incomplete: false,
             incomplete_reason: None,
-            flow,
         }
     }
 
-    /// Schema-2 JSON: the live tracer's shape (`source` `predicted`), mark bits named from
+    /// Schema-3 JSON: the live tracer's shape (`source` `predicted`), mark bits named from
     /// the default dictionary.
     pub fn to_json(&self) -> Value {
         serde_json::to_value(self.to_model(&MarkDictionary::default(), None))

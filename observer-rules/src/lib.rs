@@ -32,6 +32,4 @@ pub use live::{BridgeTexts, LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
-pub use sim::{
-    Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, Stage, StageInput, Verdict,
-};
+pub use sim::{Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, StageInput, Verdict};

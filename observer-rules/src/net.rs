@@ -147,8 +147,15 @@ pub fn v6_label(a: Ipv6Addr) -> u8 {
     }
 }
 
-/// Endpoint text is the model's, shared with the live tracer.
-pub use observer_model::endpoint_text as fmt_endpoint;
+/// `addr:port`, `[v6]:port` (`v6` brackets it when a port follows), or the bare address:
+/// the text of an endpoint named in a rule or chain name.
+pub fn fmt_endpoint(addr: &str, v6: bool, port: Option<u16>) -> String {
+    match (port, v6) {
+        (Some(p), true) => format!("[{addr}]:{p}"),
+        (Some(p), false) => format!("{addr}:{p}"),
+        (None, _) => addr.to_string(),
+    }
+}
 
 #[cfg(test)]
 mod tests {

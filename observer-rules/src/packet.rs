@@ -7,27 +7,8 @@ use thiserror::Error;
 
 use crate::net::parse_u32;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CtState {
-    New,
-    Established,
-    Related,
-    Invalid,
-    /// Set by `CT --notrack` / `NOTRACK` in raw; never given by the user.
-    Untracked,
-}
-
-impl CtState {
-    pub fn name(self) -> &'static str {
-        match self {
-            CtState::New => "new",
-            CtState::Established => "established",
-            CtState::Related => "related",
-            CtState::Invalid => "invalid",
-            CtState::Untracked => "untracked",
-        }
-    }
-}
+/// Conntrack states are the model's, shared with the live tracer.
+pub use observer_model::CtState;
 
 /// A packet to explain. `in_iface` absent means the packet is sent by this host (OUTPUT).
 #[derive(Debug, Clone, PartialEq)]
@@ -163,9 +144,6 @@ pub fn proto_number(name: &str) -> Option<u8> {
     }
     crate::check::strtoul0(name, 255).map(|n| n as u8)
 }
-
-/// Protocol names are the model's, shared with the live tracer.
-pub use observer_model::proto_name;
 
 fn parse_endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
     if let Some(rest) = s.strip_prefix('[') {

@@ -1,7 +1,8 @@
 //! The simulator: walks a packet through the hooks and tables in the kernel's order and records
 //! exactly the rules whose counters the kernel would increment, every mark and NAT change, and
-//! the verdict. Statistic matches and `numgen` fork the walk; each fork is a [`Branch`] with its
-//! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
+//! the verdict, as the model's stages ([`observer_model::Stage`]). Statistic matches and
+//! `numgen` fork the walk; each fork is one of the model's [`Branch`]es with its probability,
+//! its route, its fate and its address translations. Native nftables base chains (`nft_walk`) run interleaved with the iptables
 //! tables by priority, in the kernel's order.
 
 mod bridged;
@@ -12,6 +13,12 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::Arc;
+
+use observer_model::{
+    self as model, ChainRef, CtView, Endpoint, Fate, FateKind, Host, Iface, Nat, NatKind,
+    NatSource, Route,
+};
 
 use crate::bridge::Bridges;
 use crate::compile::{
@@ -26,7 +33,6 @@ use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
 use matches::{ct_tuple, pkt_type, recent};
-use observer_model::endpoint_text as fmt_endpoint;
 
 /// Stop forking after this many branches; the explanation says when it was cut.
 const MAX_BRANCHES: usize = 256;
@@ -38,16 +44,8 @@ const MIN_WALK_STEPS: usize = 10_000;
 /// Rules a stage lists when its walk ran out of steps.
 const LISTED_ON_LOOP: usize = 32;
 
-/// Hooks and verdicts are the model's (`observer-model`), shared with the live tracer.
-pub use observer_model::{Hook, Verdict};
-
-/// The packet fields shown before and after a stage.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Snapshot {
-    pub src: String,
-    pub dst: String,
-    pub mark: u32,
-}
+/// Hooks, verdicts and branches are the model's (`observer-model`), shared with the live tracer.
+pub use observer_model::{Branch, Hook, Verdict};
 
 /// A rule whose counters the kernel increments for this packet.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,24 +75,50 @@ pub struct NftRuleRef {
     pub native: bool,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct Stage {
-    pub hook: Hook,
-    pub table: String,
-    pub priority: i32,
-    pub before: Snapshot,
-    pub after: Snapshot,
-    pub verdict: Verdict,
-    pub rules: Vec<MatchedRule>,
+/// One table (or native base chain) as the walk fills it in; it becomes the model's stage
+/// when the table is done ([`Stage::into_model`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Stage {
+    hook: Hook,
+    table: String,
+    priority: i32,
+    before: model::Snapshot,
+    after: model::Snapshot,
+    verdict: Verdict,
+    pub(crate) rules: Vec<MatchedRule>,
     /// Built-in chain whose policy decided (its policy counter increments).
-    pub policy: Option<String>,
-    pub nat: Option<String>,
-    pub note: Option<String>,
+    pub(crate) policy: Option<String>,
+    /// A NAT rule translated here.
+    nat: Option<NatKind>,
+    note: Option<String>,
     /// The conntrack entry after the table: state and ct mark (None when unknown);
     /// None before conntrack ran (raw) or when the packet is invalid.
-    pub ct: Option<(CtState, Option<u32>)>,
+    ct: Option<(CtState, Option<u32>)>,
     /// For a native nft base chain: its family and name (`table` is the nft table).
-    pub nft_chain: Option<(String, String)>,
+    nft_chain: Option<(String, String)>,
+}
+
+impl Stage {
+    fn into_model(self) -> model::Stage {
+        model::Stage {
+            hook: self.hook,
+            table: self.table.into(),
+            priority: self.priority,
+            chain: self
+                .nft_chain
+                .map(|(family, name)| ChainRef { family, name }),
+            before: Some(Arc::new(self.before)),
+            after: Some(Arc::new(self.after)),
+            ct: self
+                .ct
+                .map(|(state, mark)| Arc::new(CtView { state, mark })),
+            verdict: self.verdict,
+            rules: self.rules.iter().map(crate::explain::model_rule).collect(),
+            policy: self.policy,
+            note: self.note,
+            check: None,
+        }
+    }
 }
 
 /// One observed stage to simulate: the packet as the probe before it saw it, and the
@@ -137,17 +161,117 @@ pub enum SeenPorts {
     Port { physin: String, physout: PhysOut },
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct Branch {
-    pub probability: f64,
-    pub route: String,
-    pub egress: Option<String>,
-    pub stages: Vec<Stage>,
-    pub verdict: Verdict,
-    pub notes: Vec<String>,
+/// One walk as it goes: the model's stages so far, the routing decision, how it ended.
+struct Walk {
+    route: Option<Route>,
+    egress: Option<String>,
+    stages: Vec<model::Stage>,
+    verdict: Verdict,
+    notes: Vec<String>,
     /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
     /// passed none (routed in from elsewhere, or routed out of another device).
-    pub bridge: Option<(String, Option<String>, Option<String>)>,
+    bridge: Option<(String, Option<String>, Option<String>)>,
+}
+
+impl Walk {
+    fn new(egress: Option<String>) -> Self {
+        Self {
+            route: None,
+            egress,
+            stages: Vec::new(),
+            verdict: Verdict::Accept,
+            notes: Vec::new(),
+            bridge: None,
+        }
+    }
+
+    /// The model's branch: its fate and address translations from the stages; mark bits
+    /// named from the default dictionary (`explain` names them from the one it is given).
+    fn finish(self) -> Branch {
+        let fate = predicted_fate(&self);
+        Branch {
+            probability: 1.0,
+            route: self.route,
+            egress: self.egress.map(|iface| Iface { iface }),
+            marks: model::mark_changes(&self.stages, &model::MarkDictionary::default()),
+            nat: predicted_nat(&self.stages),
+            fate,
+            stages: self.stages,
+            notes: self.notes,
+            bridge: self
+                .bridge
+                .map(|(name, physdev_in, physdev_out)| model::BridgeCrossing {
+                    name,
+                    physdev_in,
+                    physdev_out,
+                }),
+        }
+    }
+}
+
+/// Where and why a predicted path ends.
+fn predicted_fate(w: &Walk) -> Fate {
+    let last = w.stages.last();
+    let mut f = Fate::new(match (w.verdict, w.route) {
+        (Verdict::Accept, Some(Route::Input)) => FateKind::Delivered,
+        (Verdict::Accept, Some(Route::Output)) => FateKind::Sent,
+        (Verdict::Accept, _) => FateKind::Forwarded,
+        (Verdict::Reject, _) => FateKind::Rejected,
+        (Verdict::Undecidable, _) => FateKind::Undecidable,
+        _ => FateKind::Dropped,
+    });
+    f.hook = last.map(|s| s.hook);
+    if let Some(s) = last.filter(|s| s.verdict != Verdict::Accept) {
+        f.table = Some(s.table.clone());
+        f.reason = match (&s.policy, s.rules.last()) {
+            _ if s.verdict == Verdict::Undecidable => s.note.clone(),
+            (Some(p), _) => Some(format!("policy {p} of {}", s.hook.name())),
+            (None, Some(r)) => Some(format!("rule {}", r.id.place())),
+            (None, None) => None,
+        };
+    } else if w.verdict != Verdict::Accept {
+        // Routing ended it (or had nothing to decide with).
+        f.reason = w.notes.last().cloned();
+    }
+    f
+}
+
+/// Address translations between a stage's before and after.
+pub fn predicted_nat(stages: &[model::Stage]) -> Vec<Nat> {
+    let mut out = Vec::new();
+    for s in stages {
+        let (Some(b), Some(a)) = (&s.before, &s.after) else {
+            continue;
+        };
+        for (kind, from, to) in [
+            (NatKind::Dnat, &b.dst, &a.dst),
+            (NatKind::Snat, &b.src, &a.src),
+        ] {
+            if from != to {
+                out.push(Nat {
+                    kind,
+                    hook: s.hook,
+                    table: s.table.clone(),
+                    from: from.clone(),
+                    to: to.clone(),
+                    source: NatSource::Rules,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// What a predicted branch did with the packet, from its fate.
+pub fn verdict_of(b: &Branch) -> Verdict {
+    match b.fate.kind {
+        FateKind::Delivered | FateKind::Forwarded | FateKind::Sent => Verdict::Accept,
+        FateKind::Rejected => Verdict::Reject,
+        FateKind::Undecidable | FateKind::Incomplete => Verdict::Undecidable,
+        FateKind::Dropped | FateKind::Consumed | FateKind::Looped | FateKind::Reassembled => {
+            Verdict::Drop
+        }
+    }
 }
 
 struct PTable {
@@ -241,6 +365,7 @@ struct Pkt {
     dst: IpAddr,
     sport: Option<u16>,
     dport: Option<u16>,
+    /// The interface whose address a MASQUERADE / REDIRECT took, when no dump said it.
     src_label: Option<String>,
     dst_label: Option<String>,
     in_iface: Option<String>,
@@ -299,20 +424,24 @@ impl Pkt {
         self.ct_attached && !matches!(self.state, CtState::Untracked | CtState::Invalid)
     }
 
-    fn snapshot(&self) -> Snapshot {
-        let s = self
-            .src_label
-            .clone()
-            .unwrap_or_else(|| self.src.to_string());
-        let d = self
-            .dst_label
-            .clone()
-            .unwrap_or_else(|| self.dst.to_string());
-        Snapshot {
-            src: fmt_endpoint(&s, self.v6 && self.src_label.is_none(), self.sport),
-            dst: fmt_endpoint(&d, self.v6 && self.dst_label.is_none(), self.dport),
-            mark: self.mark,
-        }
+    fn snapshot(&self) -> model::Snapshot {
+        let host = |label: &Option<String>, addr: IpAddr| match label {
+            Some(iface) => Host::AddressOf(iface.as_str().into()),
+            None => Host::Ip(addr),
+        };
+        model::Snapshot::new(
+            Endpoint {
+                host: host(&self.src_label, self.src),
+                port: self.sport,
+            },
+            Endpoint {
+                host: host(&self.dst_label, self.dst),
+                port: self.dport,
+            },
+            self.mark,
+            None,
+            None,
+        )
     }
 }
 
@@ -466,7 +595,7 @@ impl<'a> Simulator<'a> {
 
     /// Every outcome for `spec`, most likely first; a single branch when nothing is random.
     pub fn simulate(&self, spec: &PacketSpec) -> Vec<Branch> {
-        self.every_outcome(|ch| self.walk(spec, ch))
+        self.every_outcome(|ch| self.walk(spec, ch).finish())
     }
 
     /// Every outcome of one stage of an observed traversal: the chains that run between
@@ -516,18 +645,10 @@ impl<'a> Simulator<'a> {
                 assumed: Vec::new(),
                 fx: RefCell::default(),
             };
-            let mut b = Branch {
-                probability: 1.0,
-                route: String::new(),
-                egress: input.out_iface.clone(),
-                stages: Vec::new(),
-                verdict: Verdict::Accept,
-                notes: Vec::new(),
-                bridge: None,
-            };
+            let mut b = Walk::new(input.out_iface.clone());
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
-            b
+            b.finish()
         })
     }
 
@@ -590,7 +711,7 @@ impl<'a> Simulator<'a> {
         out
     }
 
-    fn walk(&self, spec: &PacketSpec, ch: &mut Chooser) -> Branch {
+    fn walk(&self, spec: &PacketSpec, ch: &mut Chooser) -> Walk {
         let fam = usize::from(spec.is_v6());
         let mut pkt = Pkt {
             v6: spec.is_v6(),
@@ -626,19 +747,11 @@ impl<'a> Simulator<'a> {
             assumed: Vec::new(),
             fx: RefCell::default(),
         };
-        let mut b = Branch {
-            probability: 1.0,
-            route: String::new(),
-            egress: None,
-            stages: Vec::new(),
-            verdict: Verdict::Accept,
-            notes: Vec::new(),
-            bridge: None,
-        };
+        let mut b = Walk::new(None);
         if let Some(dev) = &spec.in_iface
             && let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev)
         {
-            b.route = "unroutable".into();
+            b.route = Some(Route::Unroutable);
             b.verdict = Verdict::Drop;
             b.notes.push(why);
             return b;
@@ -694,14 +807,14 @@ impl<'a> Simulator<'a> {
 
     /// Routing decision: Some(true) for local delivery, Some(false) for out, None when the walk
     /// ends here (unroutable or undecidable).
-    fn route(&self, spec: &PacketSpec, pkt: &mut Pkt, b: &mut Branch) -> Option<bool> {
+    fn route(&self, spec: &PacketSpec, pkt: &mut Pkt, b: &mut Walk) -> Option<bool> {
         let local = if spec.local {
             true
         } else if let Some(out) = &spec.out_iface {
             pkt.out_iface = Some(out.clone());
             false
         } else if self.routes.is_empty() {
-            b.route = "unknown".into();
+            b.route = Some(Route::Unknown);
             b.verdict = Verdict::Undecidable;
             b.notes
                 .push("no routes given and no `out IFACE`: cannot tell INPUT from FORWARD".into());
@@ -723,13 +836,13 @@ impl<'a> Simulator<'a> {
                     false
                 }
                 RouteDecision::Unroutable(why) => {
-                    b.route = "unroutable".into();
+                    b.route = Some(Route::Unroutable);
                     b.verdict = Verdict::Drop;
                     b.notes.push(format!("routing drops the packet: {why}"));
                     return None;
                 }
                 RouteDecision::Unknown(why) => {
-                    b.route = "unknown".into();
+                    b.route = Some(Route::Unknown);
                     b.verdict = Verdict::Undecidable;
                     b.notes.push(why);
                     return None;
@@ -738,15 +851,15 @@ impl<'a> Simulator<'a> {
         };
         if local && spec.in_iface.is_some() {
             pkt.out_iface = None;
-            b.route = "input".into();
+            b.route = Some(Route::Input);
         } else if spec.in_iface.is_some() {
-            b.route = "forward".into();
+            b.route = Some(Route::Forward);
         } else if local {
             // The node talking to itself leaves through loopback.
             pkt.out_iface = Some("lo".into());
-            b.route = "output".into();
+            b.route = Some(Route::Output);
         } else {
-            b.route = "output".into();
+            b.route = Some(Route::Output);
         }
         b.egress = pkt.out_iface.clone();
         Some(local)
@@ -760,7 +873,7 @@ impl<'a> Simulator<'a> {
         fam: usize,
         hook: Hook,
         pkt: &mut Pkt,
-        b: &mut Branch,
+        b: &mut Walk,
         ch: &mut Chooser,
         window: Option<(i32, i32)>,
     ) -> bool {
@@ -859,7 +972,7 @@ impl<'a> Simulator<'a> {
                     ),
                 });
                 stage.ct = pkt.ct_view();
-                b.stages.push(stage);
+                b.stages.push(stage.into_model());
                 continue;
             }
             if is_nat && nat_done {
@@ -868,7 +981,7 @@ impl<'a> Simulator<'a> {
                         .into(),
                 );
                 stage.ct = pkt.ct_view();
-                b.stages.push(stage);
+                b.stages.push(stage.into_model());
                 continue;
             }
             let res = match entry {
@@ -888,7 +1001,7 @@ impl<'a> Simulator<'a> {
             };
             stage.verdict = verdict;
             stage.ct = pkt.ct_view();
-            b.stages.push(stage);
+            b.stages.push(stage.into_model());
             b.notes.append(&mut pkt.assumed);
             if verdict != Verdict::Accept {
                 b.verdict = verdict;
@@ -1097,7 +1210,7 @@ impl<'a> Simulator<'a> {
                 }
                 // The kernel marks the connection DNAT (and reroutes) only when the tuple changed.
                 pkt.dnat_done |= old != (pkt.dst, pkt.dport);
-                stage.nat = Some(format!("DNAT to {text}"));
+                stage.nat = Some(NatKind::Dnat);
                 (format!("DNAT {text}"), Flow::Stop(Verdict::Accept))
             }
             Action::Snat { addr, port, text } => {
@@ -1109,7 +1222,7 @@ impl<'a> Simulator<'a> {
                     pkt.sport = *port;
                 }
                 pkt.snat_done = true;
-                stage.nat = Some(format!("SNAT to {text}"));
+                stage.nat = Some(NatKind::Snat);
                 (format!("SNAT {text}"), Flow::Stop(Verdict::Accept))
             }
             Action::Masquerade { port } => {
@@ -1119,14 +1232,14 @@ impl<'a> Simulator<'a> {
                         pkt.src = a;
                         pkt.src_label = None;
                     }
-                    None => pkt.src_label = Some(format!("<address of {dev}>")),
+                    None => pkt.src_label = Some(dev),
                 }
                 if port.is_some() && pkt.sport.is_some() {
                     pkt.sport = *port;
                 }
                 pkt.snat_done = true;
                 let to = pkt.snapshot().src;
-                stage.nat = Some(format!("MASQUERADE to {to}"));
+                stage.nat = Some(NatKind::Snat);
                 (format!("MASQUERADE {to}"), Flow::Stop(Verdict::Accept))
             }
             Action::Redirect { port } => {
@@ -1147,10 +1260,7 @@ impl<'a> Simulator<'a> {
                         pkt.dst_label = None;
                     }
                     None => {
-                        pkt.dst_label = Some(format!(
-                            "<address of {}>",
-                            pkt.in_iface.as_deref().unwrap_or("?")
-                        ))
+                        pkt.dst_label = Some(pkt.in_iface.clone().unwrap_or_else(|| "?".into()))
                     }
                 }
                 if port.is_some() && pkt.dport.is_some() {
@@ -1158,7 +1268,7 @@ impl<'a> Simulator<'a> {
                 }
                 pkt.dnat_done |= old != (pkt.dst, pkt.dport) || pkt.dst_label.is_some();
                 let to = pkt.snapshot().dst;
-                stage.nat = Some(format!("REDIRECT to {to}"));
+                stage.nat = Some(NatKind::Dnat);
                 (format!("REDIRECT {to}"), Flow::Stop(Verdict::Accept))
             }
             Action::Continue(what) => (what.to_ascii_lowercase(), Flow::Continue),

@@ -4,6 +4,19 @@
 
 use observer_rules::{ExplainRequest, Verdict, explain};
 
+/// The route's name, as the tests state it.
+fn route_name(b: &observer_rules::Branch) -> &'static str {
+    b.route.map_or("", |r| r.name())
+}
+
+/// An iptables rule's position (`CHAIN#N`).
+fn rule_index(r: &observer_model::Rule) -> usize {
+    match &r.id {
+        observer_model::RuleId::Iptables { index, .. } => *index,
+        other => panic!("an iptables rule: {other:?}"),
+    }
+}
+
 const RULES: &str = "*nat
 :PREROUTING ACCEPT [0:0]
 :INPUT ACCEPT [0:0]
@@ -66,9 +79,15 @@ fn rules(e: &observer_rules::Explanation) -> Vec<String> {
         .stages
         .iter()
         .flat_map(|s| {
-            s.rules
-                .iter()
-                .map(move |r| format!("{} {} {}#{}", s.hook.name(), r.table, r.chain, r.index))
+            s.rules.iter().map(move |r| {
+                format!(
+                    "{} {} {}#{}",
+                    s.hook.name(),
+                    r.id.table(),
+                    r.id.chain(),
+                    rule_index(r)
+                )
+            })
         })
         .collect()
 }
@@ -77,8 +96,8 @@ fn rules(e: &observer_rules::Explanation) -> Vec<String> {
 fn pod_to_pod_on_the_bridge_is_bridged_with_both_ports() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(b.route, "bridged");
-    assert_eq!(b.egress.as_deref(), Some("vethb"));
+    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     assert_eq!(e.verdict(), Verdict::Accept);
     assert_eq!(
         rules(&e),
@@ -121,8 +140,8 @@ fn a_forward_physdev_rule_drops_a_bridged_frame() {
 fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.96.0.10:80 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(b.route, "bridged");
-    assert_eq!(b.egress.as_deref(), Some("vethb"));
+    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     assert!(
         b.notes
             .iter()
@@ -131,7 +150,10 @@ fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
         b.notes
     );
     let pre = &b.stages[0];
-    assert_eq!(pre.after.dst, "10.244.0.3:8080");
+    assert_eq!(
+        pre.after.as_ref().unwrap().dst.to_string(),
+        "10.244.0.3:8080"
+    );
     assert!(rules(&e).contains(&"FORWARD filter FORWARD#2".to_string()));
     // Without a usable neighbour entry the first packet leaves through cni0's own transmit.
     let mut r = req("udp 10.244.0.2:5000 -> 10.96.0.10:80 in vetha");
@@ -140,7 +162,10 @@ fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
             .into(),
     );
     let e = explain(&r).unwrap();
-    assert_eq!(e.branches[0].egress.as_deref(), Some("vethb"));
+    assert_eq!(
+        e.branches[0].egress.as_ref().map(|i| i.iface.as_str()),
+        Some("vethb")
+    );
     assert!(
         e.branches[0]
             .notes
@@ -155,12 +180,15 @@ fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
 fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin() {
     let e = explain(&req("udp 10.244.0.3:5000 -> 10.96.0.10:80 in vethb")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(b.route, "bridged");
-    assert_eq!(b.egress.as_deref(), Some("vethb"));
+    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     let post = b.stages.last().unwrap();
-    assert_eq!(post.table, "nat");
+    assert_eq!(&*post.table, "nat");
     // MASQUERADE picks the bridge's address: IP POSTROUTING's out device is cni0.
-    assert_eq!(post.after.src, "10.244.0.1:5000");
+    assert_eq!(
+        post.after.as_ref().unwrap().src.to_string(),
+        "10.244.0.1:5000"
+    );
     assert!(rules(&e).contains(&"POSTROUTING nat POSTROUTING#2".to_string()));
     let mut r = req("udp 10.244.0.3:5000 -> 10.96.0.10:80 in vethb");
     r.bridge_links_json = Some(
@@ -186,8 +214,8 @@ fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin()
 fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 8.8.8.8:53 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(b.route, "forward");
-    assert_eq!(b.egress.as_deref(), Some("eth0"));
+    assert_eq!(route_name(&b), "forward");
+    assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("eth0"));
     assert_eq!(
         rules(&e),
         [
@@ -204,12 +232,12 @@ fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
     assert!(j["bridge"]["physdev_out"].is_null());
     // Sent by the node through the bridge: out port from the neighbour and fdb.
     let e = explain(&req("udp 10.244.0.1:5000 -> 10.244.0.3:53")).unwrap();
-    assert_eq!(e.branches[0].route, "output");
+    assert_eq!(route_name(&e.branches[0]), "output");
     let j = e.to_json();
     assert!(j["bridge"]["physdev_in"].is_null());
     assert_eq!(j["bridge"]["physdev_out"], "vethb");
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.244.0.1:53 in vetha")).unwrap();
-    assert_eq!(e.branches[0].route, "input");
+    assert_eq!(route_name(&e.branches[0]), "input");
     assert!(rules(&e).contains(&"INPUT filter INPUT#1".to_string()));
 }
 
@@ -227,7 +255,7 @@ fn physdev_without_bridge_ports_stays_undecidable() {
     // A packet that never met a bridge, with the ports known: no nf_bridge, only inverted
     // options match (`! --physdev-in vetha`).
     let e = explain(&req("udp 192.168.0.7:5000 -> 8.8.4.4:53 in eth0")).unwrap();
-    assert_eq!(e.branches[0].route, "forward");
+    assert_eq!(route_name(&e.branches[0]), "forward");
     assert_eq!(
         rules(&e),
         [
@@ -243,7 +271,7 @@ fn the_out_port_unknown_makes_physdev_out_undecidable() {
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");
     r.fdb_json = None;
     let e = explain(&r).unwrap();
-    assert_eq!(e.branches[0].route, "bridged");
+    assert_eq!(route_name(&e.branches[0]), "bridged");
     assert_eq!(e.verdict(), Verdict::Undecidable);
     // `--physdev-is-bridged` needs only that there is an out port, not its name: FORWARD#1
     // fails on its port (9999) whatever the out port, FORWARD#2 stops at its out name.
@@ -251,7 +279,7 @@ fn the_out_port_unknown_makes_physdev_out_undecidable() {
     let named: Vec<(usize, bool)> = fwd
         .rules
         .iter()
-        .map(|r| (r.index, r.undecidable.is_some()))
+        .map(|r| (rule_index(r), r.undecidable.is_some()))
         .collect();
     assert_eq!(named, [(2, true)], "{:?}", fwd.rules);
     assert!(
@@ -276,7 +304,7 @@ fn bridge_nf_call_off_skips_the_ip_hooks_for_bridged_frames() {
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:9999 in vetha");
     r.bridge_nf_call = [Some(false), Some(false)];
     let e = explain(&r).unwrap();
-    assert_eq!(e.branches[0].route, "bridged");
+    assert_eq!(route_name(&e.branches[0]), "bridged");
     assert_eq!(e.verdict(), Verdict::Accept);
     assert!(rules(&e).is_empty(), "{:?}", rules(&e));
 }
@@ -300,8 +328,8 @@ fn nft_bridge_tables_run_around_br_netfilter() {
     let chains: Vec<String> = b
         .stages
         .iter()
-        .map(|s| match &s.nft_chain {
-            Some((f, c)) => format!("{} {f} {c}", s.hook.name()),
+        .map(|s| match &s.chain {
+            Some(c) => format!("{} {} {}", s.hook.name(), c.family, c.name),
             None => format!("{} {}", s.hook.name(), s.table),
         })
         .collect();
@@ -326,7 +354,7 @@ fn nft_bridge_tables_run_around_br_netfilter() {
     r.packet = "udp 10.244.0.2:5000 -> 10.244.0.3:9998 in vetha".into();
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Drop);
-    assert_eq!(e.branches[0].stages.last().unwrap().table, "f");
+    assert_eq!(&*e.branches[0].stages.last().unwrap().table, "f");
 }
 
 const RULES6: &str = "*filter
@@ -350,7 +378,7 @@ fn ipv6_frames_walk_ip6tables_through_br_netfilter() {
         ..Default::default()
     };
     let e = explain(&r).unwrap();
-    assert_eq!(e.branches[0].route, "bridged");
+    assert_eq!(route_name(&e.branches[0]), "bridged");
     assert_eq!(e.verdict(), Verdict::Drop);
     assert!(
         e.branches[0]

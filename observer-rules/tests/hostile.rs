@@ -94,7 +94,7 @@ fn iptables_two_chains_going_to_each_other_stop_at_the_bound() {
                  -A A -g B\n-A B -g A\nCOMMIT\n",
     );
     assert_loop_stopped(&e);
-    assert_eq!(e.branches[0].stages.last().unwrap().table, "nat");
+    assert_eq!(&*e.branches[0].stages.last().unwrap().table, "nat");
 }
 
 #[test]
@@ -391,7 +391,7 @@ fn observed_stage_on_a_looping_ruleset_is_bounded() {
     let branches = sim.simulate_stage(&input);
     assert!(t.elapsed() < BOUND, "took {:?}", t.elapsed());
     let b = &branches[0];
-    assert_eq!(b.verdict, Verdict::Undecidable);
+    assert_eq!(observer_rules::sim::verdict_of(b), Verdict::Undecidable);
     let stage = b.stages.last().unwrap();
     let note = stage.note.as_deref().unwrap();
     assert!(

@@ -2,7 +2,18 @@
 //! 1.0.6 from `tests/fixtures/*.nft`), a native table beside iptables-nft rules, undecidable
 //! answers with their reasons, and errors that name the place.
 
+use observer_model::{Rule, RuleId};
+use observer_rules::sim::verdict_of;
 use observer_rules::{ExplainRequest, Explanation, Verdict, explain, parse_nft_json};
+
+/// A rule's nf_tables handle: a native rule's, or the iptables-nft rule an iptables rule is
+/// (0 for neither).
+fn handle(r: &Rule) -> u64 {
+    match &r.id {
+        RuleId::Nft { handle, .. } => *handle,
+        RuleId::Iptables { .. } => r.iptables_nft.as_ref().map_or(0, |(_, h)| *h),
+    }
+}
 
 const KUBE_PROXY: &str = include_str!("fixtures/kube-proxy.json");
 const CALICO: &str = include_str!("fixtures/calico.json");
@@ -37,14 +48,8 @@ fn rules(e: &Explanation, branch: usize) -> Vec<(String, u64, String)> {
     e.branches[branch]
         .stages
         .iter()
-        .flat_map(|s| &s.rules)
-        .map(|r| {
-            (
-                r.chain.clone(),
-                r.nft.as_ref().map_or(0, |n| n.handle),
-                r.action.clone(),
-            )
-        })
+        .flat_map(|s| s.rules.iter())
+        .map(|r| (r.id.chain().to_string(), handle(r), r.action.clone()))
         .collect()
 }
 
@@ -70,8 +75,8 @@ fn cluster_ip_lists_every_endpoint_with_its_share() {
             "branch {b}"
         );
         let nat = &e.branches[b].stages[1];
-        assert_eq!(nat.nft_chain.as_ref().unwrap().1, "nat-prerouting");
-        assert_eq!(nat.after.dst, ep);
+        assert_eq!(nat.chain.as_ref().unwrap().name, "nat-prerouting");
+        assert_eq!(nat.after.as_ref().unwrap().dst.to_string(), ep);
     }
     assert_eq!(e.verdict(), Verdict::Accept);
     // Attribution: family, table, chain, handle, text; the service from the chain name.
@@ -94,7 +99,15 @@ fn cluster_ip_lists_every_endpoint_with_its_share() {
     // --pick keeps one outcome and says so.
     let picked = e.pick(2).unwrap();
     assert_eq!(picked.branches.len(), 1);
-    assert_eq!(picked.branches[0].stages[1].after.dst, "10.180.0.2:80");
+    assert_eq!(
+        picked.branches[0].stages[1]
+            .after
+            .as_ref()
+            .unwrap()
+            .dst
+            .to_string(),
+        "10.180.0.2:80"
+    );
     assert!(
         picked
             .notes
@@ -137,8 +150,11 @@ fn outside_sources_are_marked_and_masqueraded() {
             "masquerade 10.202.0.1:40000"
         ]
     );
-    assert_eq!(post.after.src, "10.202.0.1:40000");
-    assert_eq!(post.after.mark, 0);
+    assert_eq!(
+        post.after.as_ref().unwrap().src.to_string(),
+        "10.202.0.1:40000"
+    );
+    assert_eq!(post.after.as_ref().unwrap().mark, 0);
 }
 
 #[test]
@@ -187,7 +203,15 @@ fn node_ports_need_fib_and_fib_needs_routes() {
         "tcp 10.201.0.7:40000 -> 10.202.0.1:30002 in calir0",
     );
     assert_eq!(handles(&e, 0)[..5], [37, 45, 59, 70, 69]);
-    assert_eq!(e.branches[0].stages[1].after.dst, "10.180.0.3:80");
+    assert_eq!(
+        e.branches[0].stages[1]
+            .after
+            .as_ref()
+            .unwrap()
+            .dst
+            .to_string(),
+        "10.180.0.3:80"
+    );
     // Without routes `fib daddr type local` cannot be answered: undecidable, with the reason.
     let e = explain(&ExplainRequest {
         nft_json: Some(KUBE_PROXY.into()),
@@ -198,7 +222,7 @@ fn node_ports_need_fib_and_fib_needs_routes() {
     assert_eq!(e.verdict(), Verdict::Undecidable);
     let stage = &e.branches[0].stages[1];
     let last = stage.rules.last().unwrap();
-    assert_eq!(last.nft.as_ref().unwrap().handle, 59);
+    assert_eq!(handle(last), 59);
     assert!(
         last.undecidable
             .as_deref()
@@ -302,9 +326,9 @@ fn native_chains_interleave_with_iptables_and_share_the_nat_core() {
         .iter()
         .map(|s| {
             let name = s
-                .nft_chain
+                .chain
                 .as_ref()
-                .map_or(s.table.clone(), |(_, c)| format!("{} {c}", s.table));
+                .map_or(s.table.to_string(), |c| format!("{} {}", s.table, c.name));
             (name, s.priority)
         })
         .collect();
@@ -326,8 +350,8 @@ fn native_chains_interleave_with_iptables_and_share_the_nat_core() {
         dnat.text,
         "-A PREROUTING -d 10.96.0.1/32 -p tcp -m tcp --dport 80 -j DNAT --to-destination 10.180.0.9:80"
     );
-    let r = dnat.nft.as_ref().unwrap();
-    assert_eq!((r.handle, r.native), (2, false));
+    assert!(matches!(dnat.id, RuleId::Iptables { .. }), "{:?}", dnat.id);
+    assert_eq!(handle(dnat), 2);
     assert_eq!(e.branches.len(), 2, "the statistic match forks the walk");
     // ct status dnat is true after the DNAT: the late FORWARD chain accepts.
     assert_eq!(e.branches[1].stages[4].rules[0].action, "accept");
@@ -336,7 +360,15 @@ fn native_chains_interleave_with_iptables_and_share_the_nat_core() {
     let s = &e.branches[0].stages[2];
     assert!(s.rules.is_empty());
     assert!(s.note.as_deref().unwrap().contains("skips this one"));
-    assert_eq!(e.branches[0].stages[1].after.dst, "10.180.0.8:81");
+    assert_eq!(
+        e.branches[0].stages[1]
+            .after
+            .as_ref()
+            .unwrap()
+            .dst
+            .to_string(),
+        "10.180.0.8:81"
+    );
     // Without iptables-save the iptables-nft tables come from the dump; `xt` is undecidable.
     let e = ex("tcp 198.51.100.1:1000 -> 10.96.0.1:80 in calir0", false);
     assert_eq!(e.verdict(), Verdict::Undecidable);
@@ -390,7 +422,7 @@ fn unmodelled_expressions_and_unknown_sets_are_undecidable() {
         "tcp [2001:db8::1]:1000 -> [2001:db8::2]:22 in calir0 local",
     );
     assert_eq!(e.verdict(), Verdict::Accept);
-    assert_eq!(e.branches[0].stages[0].table, "t");
+    assert_eq!(&*e.branches[0].stages[0].table, "t");
 }
 
 #[test]
@@ -455,7 +487,7 @@ fn numgen_shares_value_maps_and_interface_wildcards() {
     let mut outcomes: Vec<(String, f64)> = e
         .branches
         .iter()
-        .map(|b| (b.verdict.name().to_string(), b.probability))
+        .map(|b| (verdict_of(b).name().to_string(), b.probability))
         .collect();
     outcomes.sort_by(|a, b| a.0.cmp(&b.0));
     assert_eq!(outcomes.len(), 3);

@@ -2,8 +2,18 @@
 //! lab flows (ClusterIP DNAT + masquerade mark, Calico workload mark, established traffic,
 //! kube-proxy's random endpoint choice) produce exactly the expected rules.
 
+use observer_model::{Route, Rule, RuleId};
 use observer_rules::iptables::{parse_fragment, parse_rule, parse_save};
+use observer_rules::sim::verdict_of;
 use observer_rules::{ExplainRequest, Verdict, explain};
+
+/// An iptables rule's 1-based position.
+fn index(r: &Rule) -> usize {
+    match r.id {
+        RuleId::Iptables { index, .. } => index,
+        RuleId::Nft { .. } => panic!("{:?} is a native nftables rule", r.id),
+    }
+}
 
 const SEED_RULES: &str = include_str!("../../lab/rules/seed-rules.txt");
 const LAB: &str = include_str!("../../lab/rules/lab.rules");
@@ -119,7 +129,7 @@ fn rules_of(e: &observer_rules::Explanation, branch: usize) -> Vec<String> {
         .flat_map(|s| {
             s.rules
                 .iter()
-                .map(|r| format!("{}:{}#{}", r.table, r.chain, r.index))
+                .map(|r| format!("{}:{}#{}", r.id.table(), r.id.chain(), index(r)))
         })
         .collect()
 }
@@ -129,9 +139,12 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     let e = explain(&req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0")).unwrap();
     assert_eq!(e.branches.len(), 1);
     let b = &e.branches[0];
-    assert_eq!(b.route, "forward");
-    assert_eq!(b.egress.as_deref(), Some("cali1a2b"));
-    assert_eq!(b.verdict, Verdict::Accept);
+    assert_eq!(b.route, Some(Route::Forward));
+    assert_eq!(
+        b.egress.as_ref().map(|i| i.iface.as_str()),
+        Some("cali1a2b")
+    );
+    assert_eq!(verdict_of(b), Verdict::Accept);
     assert_eq!(
         rules_of(&e, 0),
         [
@@ -158,24 +171,44 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
     let nat_pre = b
         .stages
         .iter()
-        .find(|s| s.table == "nat" && s.hook.name() == "PREROUTING")
+        .find(|s| &*s.table == "nat" && s.hook.name() == "PREROUTING")
         .unwrap();
     assert_eq!(nat_pre.priority, -100);
-    assert_eq!(nat_pre.before.dst, "10.10.10.2:22");
-    assert_eq!(nat_pre.after.dst, "172.17.0.5:22");
-    assert_eq!(nat_pre.after.mark, 0x4000);
+    assert_eq!(
+        nat_pre.before.as_ref().unwrap().dst.to_string(),
+        "10.10.10.2:22"
+    );
+    assert_eq!(
+        nat_pre.after.as_ref().unwrap().dst.to_string(),
+        "172.17.0.5:22"
+    );
+    assert_eq!(nat_pre.after.as_ref().unwrap().mark, 0x4000);
     let post = b.stages.last().unwrap();
     assert_eq!(
-        (post.hook.name(), post.table.as_str(), post.priority),
+        (post.hook.name(), post.table.as_ref(), post.priority),
         ("POSTROUTING", "nat", 100)
     );
     // cali1a2b has no address in the routes: the masquerade source is shown symbolically.
-    assert_eq!(post.after.src, "<address of cali1a2b>:40000");
-    assert_eq!(post.after.mark, 0x0);
+    assert_eq!(
+        post.after.as_ref().unwrap().src.to_string(),
+        "<address of cali1a2b>:40000"
+    );
+    assert_eq!(post.after.as_ref().unwrap().mark, 0x0);
 
     let j = e.to_json();
-    assert_eq!(j["schema"], 2);
+    assert_eq!(j["schema"], 3);
     assert_eq!(j["source"], "predicted");
+    // Which packet: as asked, and as it leaves (DNAT to the pod, masqueraded to an address
+    // the dumps do not give).
+    assert_eq!(
+        j["packet"],
+        serde_json::json!({
+            "family": "ipv4", "proto": "tcp", "src": "198.51.100.10", "dst": "10.10.10.2",
+            "sport": 40000, "dport": 22, "icmp": null,
+            "last": {"src": "<address of cali1a2b>", "dst": "172.17.0.5", "sport": 40000,
+                     "dport": 22, "icmp": null}
+        })
+    );
     assert_eq!(j["family"], "ipv4");
     assert_eq!(j["route"], "forward");
     assert_eq!(j["egress"]["iface"], "cali1a2b");
@@ -267,7 +300,15 @@ fn masquerade_uses_the_interface_address_when_known() {
         .insert("cali1a2b".into(), vec!["169.254.1.1".parse().unwrap()]);
     let e = explain(&r).unwrap();
     assert_eq!(
-        e.branches[0].stages.last().unwrap().after.src,
+        e.branches[0]
+            .stages
+            .last()
+            .unwrap()
+            .after
+            .as_ref()
+            .unwrap()
+            .src
+            .to_string(),
         "169.254.1.1:40000"
     );
 }
@@ -276,13 +317,16 @@ fn masquerade_uses_the_interface_address_when_known() {
 fn pod_traffic_from_cali_interface_gets_the_workload_mark_in_raw() {
     let e = explain(&req("udp 172.17.0.6:5000 -> 192.0.2.50:53 in cali3c4d")).unwrap();
     let raw = &e.branches[0].stages[0];
-    assert_eq!(raw.table, "raw");
-    assert_eq!(raw.before.mark, 0);
-    assert_eq!(raw.after.mark, 0x40000);
-    let idx: Vec<usize> = raw.rules.iter().map(|r| r.index).collect();
+    assert_eq!(&*raw.table, "raw");
+    assert_eq!(raw.before.as_ref().unwrap().mark, 0);
+    assert_eq!(raw.after.as_ref().unwrap().mark, 0x40000);
+    let idx: Vec<usize> = raw.rules.iter().map(index).collect();
     assert_eq!(idx, [1, 1, 2]); // PREROUTING#1, cali-PREROUTING#1, cali-PREROUTING#2
     // Forwarded out eth0, accepted by Calico's workload dispatch (mark 0x10000).
-    assert_eq!(e.branches[0].egress.as_deref(), Some("eth0"));
+    assert_eq!(
+        e.branches[0].egress.as_ref().map(|i| i.iface.as_str()),
+        Some("eth0")
+    );
     assert_eq!(e.verdict(), Verdict::Accept);
     assert!(rules_of(&e, 0).contains(&"filter:cali-from-wl-dispatch#1".to_string()));
     assert!(rules_of(&e, 0).contains(&"filter:cali-FORWARD#4".to_string()));
@@ -295,7 +339,7 @@ fn established_packet_skips_nat() {
     ))
     .unwrap();
     let b = &e.branches[0];
-    let nat: Vec<_> = b.stages.iter().filter(|s| s.table == "nat").collect();
+    let nat: Vec<_> = b.stages.iter().filter(|s| &*s.table == "nat").collect();
     assert_eq!(nat.len(), 2);
     for s in nat {
         assert!(s.rules.is_empty());
@@ -306,15 +350,25 @@ fn established_packet_skips_nat() {
         );
     }
     assert!(rules_of(&e, 0).contains(&"filter:KUBE-FORWARD#3".to_string()));
-    assert_eq!(b.verdict, Verdict::Accept);
-    assert_eq!(b.stages.last().unwrap().after.src, "198.51.100.10:40000");
+    assert_eq!(verdict_of(b), Verdict::Accept);
+    assert_eq!(
+        b.stages
+            .last()
+            .unwrap()
+            .after
+            .as_ref()
+            .unwrap()
+            .src
+            .to_string(),
+        "198.51.100.10:40000"
+    );
 }
 
 #[test]
 fn input_route_for_local_destination() {
     let e = explain(&req("tcp 198.51.100.10:40000 -> 192.0.2.2:22 in eth0")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(b.route, "input");
+    assert_eq!(b.route, Some(Route::Input));
     let hooks: Vec<_> = b
         .stages
         .iter()
@@ -355,7 +409,7 @@ fn statistic_endpoints_give_three_equal_branches() {
     let mut dsts: Vec<String> = e
         .branches
         .iter()
-        .map(|b| b.stages[0].after.dst.clone())
+        .map(|b| b.stages[0].after.as_ref().unwrap().dst.to_string())
         .collect();
     dsts.sort();
     assert_eq!(dsts, ["10.244.0.2:53", "10.244.0.3:53", "10.244.0.4:53"]);
@@ -373,12 +427,12 @@ fn statistic_endpoints_give_three_equal_branches() {
     let c = e
         .branches
         .iter()
-        .find(|b| b.stages[0].after.dst == "10.244.0.4:53")
+        .find(|b| b.stages[0].after.as_ref().unwrap().dst.to_string() == "10.244.0.4:53")
         .unwrap();
     let idx: Vec<_> = c.stages[0]
         .rules
         .iter()
-        .map(|r| format!("{}#{}", r.chain, r.index))
+        .map(|r| format!("{}#{}", r.id.chain(), index(r)))
         .collect();
     assert_eq!(idx, ["PREROUTING#1", "KUBE-SVC-X#3", "KUBE-SEP-C#1"]);
     let j = e.to_json();
@@ -413,7 +467,7 @@ fn unknown_sets_and_matches_are_undecidable_not_guessed() {
     let e = explain(&r).unwrap();
     let s = &e.branches[0].stages[0];
     assert_eq!(s.rules.len(), 1);
-    assert_eq!(s.rules[0].index, 2);
+    assert_eq!(index(&s.rules[0]), 2);
     assert!(
         s.rules[0]
             .undecidable
@@ -486,14 +540,14 @@ fn nth_statistic_and_negated_random_branch() {
     let dropped: f64 = e
         .branches
         .iter()
-        .filter(|b| b.verdict == Verdict::Drop)
+        .filter(|b| verdict_of(b) == Verdict::Drop)
         .map(|b| b.probability)
         .sum();
     assert!((dropped - 0.75).abs() < 1e-9, "{dropped}");
     let marked: f64 = e
         .branches
         .iter()
-        .filter(|b| b.stages[0].after.mark == 1)
+        .filter(|b| b.stages[0].after.as_ref().unwrap().mark == 1)
         .map(|b| b.probability)
         .sum();
     assert!((marked - 0.25).abs() < 1e-9, "{marked}");
@@ -509,7 +563,7 @@ fn output_path_and_ipv6() {
         ..Default::default()
     };
     let e = explain(&r).unwrap();
-    assert_eq!(e.branches[0].route, "output");
+    assert_eq!(e.branches[0].route, Some(Route::Output));
     assert_eq!(e.verdict(), Verdict::Reject);
     let j = e.to_json();
     assert_eq!(j["family"], "ipv6");
@@ -542,12 +596,17 @@ fn nft_native_chains_run_beside_iptables() {
         .filter(|s| s.hook.name() == "FORWARD")
         .collect();
     let last = fwd.last().unwrap();
-    assert_eq!(last.nft_chain, Some(("inet".into(), "fwd".into())));
+    assert_eq!(
+        last.chain
+            .as_ref()
+            .map(|c| (c.family.as_str(), c.name.as_str())),
+        Some(("inet", "fwd"))
+    );
     assert_eq!(last.policy.as_deref(), Some("drop"));
     assert_eq!(e.verdict(), Verdict::Drop);
     assert!(
         fwd.iter()
-            .any(|s| s.table == "filter" && s.nft_chain.is_none())
+            .any(|s| &*s.table == "filter" && s.chain.is_none())
     );
 }
 
@@ -735,4 +794,23 @@ fn every_accepted_cut_of_the_lab_dumps_round_trips() {
         }
     }
     assert!(accepted > 100, "{accepted}");
+}
+
+#[test]
+fn a_predicted_icmp_packet_carries_its_type_and_code() {
+    let e = explain(&req("icmp 198.51.100.10 -> 192.0.2.2 in eth0 type 8/0")).unwrap();
+    let p = &e.to_json()["packet"];
+    assert_eq!(
+        (&p["proto"], &p["sport"]),
+        (&"icmp".into(), &serde_json::Value::Null)
+    );
+    // The identifier of an echo is the kernel's to read: a prediction does not know it.
+    assert_eq!(
+        p["icmp"],
+        serde_json::json!({"type": 8, "code": 0, "id": null})
+    );
+    assert_eq!(
+        e.to_model(&Default::default(), None).flow(),
+        "198.51.100.10 -> 192.0.2.2"
+    );
 }

@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::{agent, explain, lab, replay, tail, traffic};
+use observer::commands::{agent, explain, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -78,7 +78,7 @@ struct TailArgs {
     /// How to print each traversal.
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
@@ -149,7 +149,7 @@ struct ReplayArgs {
     /// How to print each traversal (the recording holds records, not a format: any works).
     #[arg(long, value_enum, default_value = "tree")]
     output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 2, see docs/json-schema.md).
+    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     json: bool,
     /// Stop after printing N traversals.

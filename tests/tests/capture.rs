@@ -25,10 +25,22 @@ fn clusterip_is_dnatted_marked_forwarded_and_masqueraded() {
                 && stage(r, "PREROUTING", "nat").is_some_and(|s| s["ct"]["state"] == "new")
         })
         .unwrap_or_else(|| panic!("no first packet to the ClusterIP in {reports:#?}\n{stderr}"));
-    assert_eq!(syn["schema"], 2);
+    assert_eq!(syn["schema"], 3);
     assert_eq!(syn["source"], "observed");
     assert_eq!(syn["family"], "ipv4");
     assert_eq!(syn["proto"], "tcp");
+    // Which packet: to the ClusterIP as it came, to the pod as it left.
+    let packet = &syn["packet"];
+    assert_eq!(
+        (&packet["family"], &packet["proto"]),
+        (&"ipv4".into(), &"tcp".into())
+    );
+    assert_eq!(
+        (&packet["dst"], &packet["dport"]),
+        (&"10.10.10.2".into(), &22.into())
+    );
+    assert_eq!(packet["last"]["dst"], "172.17.0.5", "{packet}");
+    assert_eq!(packet["last"]["dport"], 22);
     assert_eq!(syn["ingress"]["iface"], "eth0");
     assert_eq!(
         syn["egress"]["iface"], "cali1a2b",

@@ -154,6 +154,23 @@ fn multicast_to_a_group_the_node_did_not_join_is_not_blamed_on_a_table() {
             .starts_with("ip6_mc_input"),
         "{r}"
     );
+    // Whatever stages it passed, the line says which packet it was.
+    let p = &r["packet"];
+    assert_eq!(
+        (&p["family"], &p["proto"], &p["dst"], &p["dport"]),
+        (
+            &"ipv6".into(),
+            &"udp".into(),
+            &"ff02::1:3".into(),
+            &5355.into()
+        ),
+        "{r}"
+    );
+    assert!(
+        p["src"].as_str().is_some_and(|s| s.starts_with("fe80::")),
+        "{r}"
+    );
+    assert!(p["last"].is_null(), "no NAT: {r}");
 }
 
 /// Open file descriptors of process `pid`.

@@ -146,7 +146,10 @@ fn predicted(
     let ipsets = Ipsets::default();
     let sim = Simulator::new(&v4, &empty, &ipsets, routes).with_nft(&nft);
     let branches = sim.simulate(spec);
-    if branches.iter().any(|b| b.verdict == Verdict::Undecidable) {
+    if branches
+        .iter()
+        .any(|b| observer_rules::sim::verdict_of(b) == Verdict::Undecidable)
+    {
         return None;
     }
     Some(
@@ -155,25 +158,31 @@ fn predicted(
             .map(|b| {
                 let mut ev = Vec::new();
                 for s in &b.stages {
-                    if s.table == TRACE_TABLE {
+                    if &*s.table == TRACE_TABLE {
                         continue;
                     }
-                    for r in &s.rules {
+                    for r in s.rules.iter() {
+                        let handle = match &r.id {
+                            observer_model::RuleId::Nft { handle, .. } => *handle,
+                            observer_model::RuleId::Iptables { .. } => {
+                                r.iptables_nft.as_ref().map_or(0, |(_, h)| *h)
+                            }
+                        };
                         ev.push(Event::Rule {
-                            table: r.table.clone(),
-                            chain: r.chain.clone(),
-                            handle: r.nft.as_ref().map_or(0, |n| n.handle),
+                            table: r.id.table().to_string(),
+                            chain: r.id.chain().to_string(),
+                            handle,
                             verdict: kernel_verdict(&r.action),
                         });
                     }
                     if let Some(p) = &s.policy {
                         // An iptables table's base chain is named after its hook.
                         let chain = s
-                            .nft_chain
+                            .chain
                             .as_ref()
-                            .map_or_else(|| s.hook.name().to_string(), |(_, c)| c.clone());
+                            .map_or_else(|| s.hook.name().to_string(), |c| c.name.clone());
                         ev.push(Event::Policy {
-                            table: s.table.clone(),
+                            table: s.table.to_string(),
                             chain,
                             verdict: p.to_ascii_lowercase(),
                         });

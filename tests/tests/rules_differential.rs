@@ -306,24 +306,32 @@ fn simulate(
     let branches = sim.simulate(&probe.spec());
     assert_eq!(branches.len(), 1, "no statistic matches are generated");
     let b = &branches[0];
-    if b.verdict == Verdict::Undecidable {
+    let verdict = observer_rules::sim::verdict_of(b);
+    if verdict == Verdict::Undecidable {
         return None;
     }
-    if b.stages.iter().any(|s| s.nat.is_some()) {
+    if !b.nat.is_empty() {
         NATTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let mut c = Counts::new();
     for s in &b.stages {
         if legacy && s.policy.is_some() {
-            *c.entry((s.table.clone(), s.hook.name().to_string(), 0))
+            *c.entry((s.table.to_string(), s.hook.name().to_string(), 0))
                 .or_default() += 1;
         }
-        for r in &s.rules {
-            *c.entry((r.table.clone(), r.chain.clone(), r.index))
-                .or_default() += 1;
+        for r in s.rules.iter() {
+            let observer_model::RuleId::Iptables {
+                table,
+                chain,
+                index,
+            } = &r.id
+            else {
+                panic!("an iptables-save ruleset names iptables rules: {:?}", r.id);
+            };
+            *c.entry((table.clone(), chain.clone(), *index)).or_default() += 1;
         }
     }
-    Some((c, b.verdict))
+    Some((c, verdict))
 }
 
 /// (kernel, simulator) deltas when they differ; the number of rule hits; the verdict.

@@ -8,12 +8,13 @@
 //! run where the kernel runs them around br_netfilter's own hooks.
 
 use super::{
-    Branch, Chooser, Hook, NfBridge, PhysOut, Pkt, Simulator, Stage, TableResult, Tri, Verdict,
+    Chooser, Hook, NfBridge, PhysOut, Pkt, Simulator, Stage, TableResult, Tri, Verdict, Walk,
     iface_match,
 };
 use crate::compile::Physdev;
 use crate::packet::PacketSpec;
 use crate::route::RouteDecision;
+use observer_model::Route;
 
 /// Where the bridge sends the frame after PREROUTING.
 enum Decision {
@@ -109,7 +110,7 @@ impl Simulator<'_> {
         hook: Hook,
         keep: impl Fn(i32) -> bool,
         pkt: &mut Pkt,
-        b: &mut Branch,
+        b: &mut Walk,
         ch: &mut Chooser,
         bridge: &str,
         ports: (Option<&str>, Option<&str>),
@@ -154,7 +155,7 @@ impl Simulator<'_> {
             };
             stage.ct = pkt.ct_view();
             let v = stage.verdict;
-            b.stages.push(stage);
+            b.stages.push(stage.into_model());
             if v != Verdict::Accept {
                 b.verdict = v;
                 go_on = false;
@@ -212,7 +213,7 @@ impl Simulator<'_> {
 
     /// A routed packet leaving by a bridge device is transmitted by the bridge (`br_dev_xmit`):
     /// its bridge OUTPUT and POSTROUTING chains run, with the port the next hop is behind.
-    pub(super) fn leave_by_bridge(&self, pkt: &mut Pkt, b: &mut Branch, ch: &mut Chooser) {
+    pub(super) fn leave_by_bridge(&self, pkt: &mut Pkt, b: &mut Walk, ch: &mut Chooser) {
         let Some(bridge) = b.egress.clone().filter(|e| self.bridges.is_bridge(e)) else {
             return;
         };
@@ -258,11 +259,11 @@ impl Simulator<'_> {
         &self,
         spec: &PacketSpec,
         mut pkt: Pkt,
-        mut b: Branch,
+        mut b: Walk,
         ch: &mut Chooser,
         port: &str,
         bridge: &str,
-    ) -> Branch {
+    ) -> Walk {
         let fam = usize::from(pkt.v6);
         b.bridge = Some((bridge.to_string(), Some(port.to_string()), None));
         let (calls, assumed) = self.bridges.calls_ip_hooks(bridge, pkt.v6);
@@ -359,7 +360,7 @@ impl Simulator<'_> {
                 ) {
                     return b;
                 }
-                b.route = "input".into();
+                b.route = Some(Route::Input);
                 b.notes.push(format!(
                     "routed, not bridged: {bridge} takes the frame from port {port} and delivers it locally"
                 ));
@@ -379,7 +380,7 @@ impl Simulator<'_> {
                 ) {
                     return b;
                 }
-                b.route = "forward".into();
+                b.route = Some(Route::Forward);
                 b.notes.push(format!(
                     "routed, not bridged: {bridge} takes the frame from port {port} and routes it out of {dev}"
                 ));
@@ -394,13 +395,13 @@ impl Simulator<'_> {
                 b
             }
             Decision::Unroutable(why) => {
-                b.route = "unroutable".into();
+                b.route = Some(Route::Unroutable);
                 b.verdict = Verdict::Drop;
                 b.notes.push(format!("routing drops the packet: {why}"));
                 b
             }
             Decision::Undecidable(why) => {
-                b.route = "unknown".into();
+                b.route = Some(Route::Unknown);
                 b.verdict = Verdict::Undecidable;
                 b.notes.push(why);
                 b
@@ -418,16 +419,16 @@ impl Simulator<'_> {
     fn bridged(
         &self,
         mut pkt: Pkt,
-        mut b: Branch,
+        mut b: Walk,
         ch: &mut Chooser,
         port: &str,
         bridge: &str,
         out: PhysOut,
         (dnat, resolved): (bool, bool),
         calls: bool,
-    ) -> Branch {
+    ) -> Walk {
         let fam = usize::from(pkt.v6);
-        b.route = "bridged".into();
+        b.route = Some(Route::Bridged);
         let out_name = match &out {
             PhysOut::Port(p) => Some(p.clone()),
             _ => None,

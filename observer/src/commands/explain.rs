@@ -61,7 +61,7 @@ pub struct ExplainArgs {
     // Checked in `run`: clap's `requires` counts --live's default (false) as given.
     #[arg(long)]
     pub netns: Option<String>,
-    /// One JSON object (schema 2, docs/json-schema.md: the live tracer's shape).
+    /// One JSON object (schema 3, docs/json-schema.md: the live tracer's shape).
     #[arg(long)]
     pub json: bool,
     /// TOML file naming mark bits, as for `observer tail --marks`.
@@ -139,7 +139,7 @@ pub fn run(a: ExplainArgs) -> Result<String> {
     }
     let explanation = if a.live {
         if let Some(ns) = &a.netns {
-            crate::netns::enter(ns)?;
+            crate::kernel::netns::enter(ns)?;
         }
         let live = LiveNode::read();
         if !live.has_rules() && !live.failures.is_empty() {

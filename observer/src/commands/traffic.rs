@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::lab::{self, Lab};
-use crate::netns::spawn_in;
+use crate::commands::lab::{self, Lab};
+use crate::kernel::netns::spawn_in;
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -115,7 +115,7 @@ pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
 
 /// The bridge lab's flows (`observer lab up --mode bridge`). Returns a line per flow.
 pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
-    use crate::lab::bridge as b;
+    use crate::commands::lab::bridge as b;
     let mut done = Vec::new();
     let joined = |h: std::thread::JoinHandle<Result<()>>| {
         h.join().map_err(|_| anyhow::anyhow!("server panicked"))?

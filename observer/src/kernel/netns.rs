@@ -1,5 +1,6 @@
-//! Network namespaces by `ip netns` name: entering one for the whole observer (probes attach
-//! in the caller's namespace) and running short jobs on threads inside one.
+//! Network namespaces and their interfaces: entering a namespace by `ip netns` name (probes
+//! attach in the caller's namespace), short jobs on threads inside one, the namespace's inode,
+//! and interface names and indexes.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -42,4 +43,115 @@ where
         enter(&name)?;
         f()
     })
+}
+
+/// Inode of the calling thread's network namespace: what `net.ns.inum` holds in the kernel.
+pub fn current_netns_inode() -> Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(std::fs::metadata("/proc/thread-self/ns/net")
+        .context("reading /proc/thread-self/ns/net")?
+        .ino())
+}
+
+/// Interfaces of the current network namespace (index, name).
+pub fn interfaces() -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    // SAFETY: if_nameindex returns a list terminated by a zero entry, freed below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return out;
+        }
+        let mut p = list;
+        while (*p).if_index != 0 {
+            let name = std::ffi::CStr::from_ptr((*p).if_name)
+                .to_string_lossy()
+                .into_owned();
+            out.push(((*p).if_index, name));
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    out
+}
+
+/// Whether interface `name` of the current namespace is a Linux bridge: its driver, as
+/// ethtool reports it (`ETHTOOL_GDRVINFO`), is "bridge". Read once per new interface; the
+/// sysfs view (`/sys/class/net/NAME/bridge`) would be the mounting namespace's, not ours.
+pub fn is_bridge(name: &str) -> bool {
+    driver(name).is_some_and(|d| d == "bridge")
+}
+
+/// The driver of interface `name` (`ETHTOOL_GDRVINFO`), None where the ioctl fails.
+fn driver(name: &str) -> Option<String> {
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    /// `struct ethtool_drvinfo` (linux/ethtool.h): the driver name comes first.
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 160],
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IF_NAMESIZE],
+        data: *mut DrvInfo,
+        _pad: [u8; 16],
+    }
+    if name.len() >= libc::IF_NAMESIZE {
+        return None;
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 160],
+    };
+    let mut req = IfReq {
+        name: [0; libc::IF_NAMESIZE],
+        data: &mut info,
+        _pad: [0; 16],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: a datagram socket of the current namespace, closed below; SIOCETHTOOL reads
+    // the ifreq (a NUL-terminated name and a pointer to a drvinfo the kernel fills, both
+    // alive for the call).
+    let ok = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut req as *mut IfReq);
+        libc::close(fd);
+        r == 0
+    };
+    if !ok {
+        return None;
+    }
+    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
+/// Index of interface `name` in the current namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: c is a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+/// Name of an interface in the current namespace, or `if<N>` if it is gone.
+pub fn ifname(index: u32) -> String {
+    if index == 0 {
+        return "-".into();
+    }
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return format!("if{index}");
+    }
+    // SAFETY: on success buf holds a NUL-terminated name.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }

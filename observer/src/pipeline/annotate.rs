@@ -7,24 +7,24 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use observer_model::{
-    ConntrackView, Fate, FateKind, MarkChange, MarkDictionary, Marks, Nat, NatKind, NatSource,
-    Route, Snapshot, Stage, TupleView,
+    ConntrackView, Fate, FateKind, Headers, Icmp, MarkChange, MarkDictionary, Marks, Nat, NatKind,
+    NatSource, Packet, Protocol, Route, Stage, TupleView,
 };
 
-use crate::correlate::{Closed, Traversal};
-use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
+use crate::pipeline::correlate::{Closed, Traversal};
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
 use observer_model::Hook as NfHook;
 
-/// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.
-pub fn endpoint(e: &Endpoint, has_port: bool) -> String {
-    observer_model::endpoint(e.addr, has_port.then_some(e.port))
+/// The model's endpoint: the address, and the port for protocols with ports.
+pub fn endpoint(e: &Endpoint, has_port: bool) -> observer_model::Endpoint {
+    observer_model::Endpoint::new(e.addr, has_port.then_some(e.port))
 }
 
 /// `IPS_CONFIRMED`: the entry is in the conntrack table; nat rules are no longer consulted.
 const IPS_CONFIRMED: u64 = 1 << 3;
 
 /// One stage as observed: the records just before and after a table, and the stage as the
-/// report shows it (its snapshots' endpoint text is what a NAT entry shows too).
+/// report shows it.
 pub struct ObservedStage<'a> {
     pub stage: &'a Stage,
     pub before: &'a Observation,
@@ -281,25 +281,14 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
             None => NatSource::Rules,
         };
         let ports = after.has_ports;
-        // The snapshots' text where the report shows them (the same endpoints, formatted
-        // alike: the ports are the same on both sides).
-        let text = |e: &Endpoint, shown: Option<&Arc<Snapshot>>, dst: bool| match shown {
-            Some(s) if dst => s.dst.clone(),
-            Some(s) => s.src.clone(),
-            None => endpoint(e, ports).into(),
-        };
-        let (b, a) = (s.stage.before.as_ref(), s.stage.after.as_ref());
-        for (kind, from, to, dst) in [
-            (NatKind::Dnat, bd, ad, true),
-            (NatKind::Snat, bs, a_s, false),
-        ] {
+        for (kind, from, to) in [(NatKind::Dnat, bd, ad), (NatKind::Snat, bs, a_s)] {
             if from != to {
                 out.push(Nat {
                     kind,
                     hook: s.stage.hook,
                     table: s.stage.table.clone(),
-                    from: text(from, b, dst),
-                    to: text(to, a, dst),
+                    from: endpoint(from, ports),
+                    to: endpoint(to, ports),
                     source,
                 });
             }
@@ -308,12 +297,54 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
     out
 }
 
+/// The packet's headers at one observation, if they were read there.
+fn headers(o: &Observation) -> Option<Headers> {
+    let (src, dst) = (o.src?, o.dst?);
+    let proto = Protocol::from_number(o.proto);
+    let icmp = o.icmp.filter(|_| proto.is_icmp()).map(|(kind, code)| Icmp {
+        kind,
+        code,
+        id: o.icmp_id,
+    });
+    Some(Headers {
+        src: endpoint(&src, o.has_ports),
+        dst: endpoint(&dst, o.has_ports),
+        icmp,
+    })
+}
+
+/// Which packet the traversal is about: its headers at the first observation that read
+/// them, and at the last when they changed on the way (NAT). None when no observation read
+/// an IP header.
+pub fn packet(t: &Traversal) -> Option<Packet> {
+    let read = |o: &&Observation| o.src.is_some() && o.dst.is_some();
+    let first_seen = t.records.iter().find(read)?;
+    let first = headers(first_seen)?;
+    let last = t
+        .records
+        .iter()
+        .rev()
+        .find(read)
+        .and_then(headers)
+        .filter(|l| *l != first);
+    let family = match first_seen.src.map(|e| e.addr) {
+        Some(std::net::IpAddr::V6(_)) => observer_model::Family::Ipv6,
+        _ => observer_model::Family::Ipv4,
+    };
+    Some(Packet {
+        family,
+        proto: Protocol::from_number(first_seen.proto),
+        first,
+        last,
+    })
+}
+
 fn tuple_view(t: &Tuple) -> TupleView {
-    let ports = observer_model::has_ports(t.proto);
+    let proto = Protocol::from_number(t.proto);
     TupleView {
-        src: endpoint(&t.src, ports),
-        dst: endpoint(&t.dst, ports),
-        proto: observer_model::proto_name(t.proto),
+        src: endpoint(&t.src, proto.has_ports()),
+        dst: endpoint(&t.dst, proto.has_ports()),
+        proto,
     }
 }
 
@@ -321,11 +352,7 @@ fn tuple_view(t: &Tuple) -> TupleView {
 pub fn conntrack(t: &Traversal) -> Option<ConntrackView> {
     let ct: &Conntrack = t.records.iter().rev().find_map(|r| r.ct.as_ref())?;
     Some(ConntrackView {
-        state: if ct.is_reply() {
-            format!("{} reply", ct.state())
-        } else {
-            ct.state().to_string()
-        },
+        state: (ct.state(), ct.is_reply()),
         mark: Some(ct.mark),
         original: tuple_view(&ct.original),
         reply: tuple_view(&ct.reply),
@@ -361,6 +388,7 @@ mod tests {
             inner: None,
             fragment: false,
             icmp: None,
+            icmp_id: None,
         }
     }
 

@@ -1,12 +1,12 @@
 //! Decoding: ring-buffer bytes -> traversal records, and the typed observations they expand
-//! to (see [`crate::correlate`]). Pure; tested from hand-built bytes.
+//! to (see [`crate::pipeline::correlate`]). Pure; tested from hand-built bytes.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord};
 use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
 
-use crate::btf::TupleLayout;
+use crate::kernel::btf::TupleLayout;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -58,13 +58,14 @@ pub struct Conntrack {
 }
 
 impl Conntrack {
-    /// Human name of the ctinfo, as iptables' `--ctstate` spells it.
-    pub fn state(&self) -> &'static str {
+    /// The state the ctinfo says, as iptables' `--ctstate` names it.
+    pub fn state(&self) -> observer_model::CtState {
+        use observer_model::CtState;
         match self.info {
-            0 | 3 => "established",
-            1 | 4 => "related",
-            2 => "new",
-            _ => "untracked",
+            0 | 3 => CtState::Established,
+            1 | 4 => CtState::Related,
+            2 => CtState::New,
+            _ => CtState::Untracked,
         }
     }
 
@@ -97,11 +98,21 @@ pub struct Observation {
     pub fragment: bool,
     /// ICMP and ICMPv6: the message's type and code (the probes read them where ports are).
     pub icmp: Option<(u8, u8)>,
+    /// An ICMP(v6) echo request or reply: its identifier.
+    pub icmp_id: Option<u16>,
 }
 
 /// Type and code of an ICMP(v6) message, which the probes keep where ports are.
 pub(crate) fn icmp_of(proto: u8, dport: u16) -> Option<(u8, u8)> {
     matches!(proto, 1 | 58).then(|| ((dport >> 8) as u8, dport as u8))
+}
+
+/// The identifier of an ICMP(v6) echo request or reply, which the probes keep where the
+/// source port is.
+pub(crate) fn icmp_id_of(proto: u8, sport: u16, dport: u16) -> Option<u16> {
+    let (kind, _) = icmp_of(proto, dport)?;
+    let proto = observer_model::Protocol::from_number(proto);
+    observer_model::Icmp::is_echo(proto, kind).then_some(sport)
 }
 
 pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
@@ -178,14 +189,7 @@ pub fn decode(bytes: &[u8]) -> Result<TraversalRecord, DecodeError> {
 
 /// The bytes the probes write for `rec`.
 pub fn encode_record(rec: &TraversalRecord) -> Vec<u8> {
-    // SAFETY: TraversalRecord is repr(C) plain data; its written length is within its size.
-    unsafe {
-        std::slice::from_raw_parts(
-            (rec as *const TraversalRecord).cast::<u8>(),
-            rec.written_len(),
-        )
-    }
-    .to_vec()
+    rec.written_bytes().to_vec()
 }
 
 /// Decodes one probe reading (a [`PacketEvent`]); the probes no longer write these, but
@@ -255,6 +259,7 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
         }),
         fragment: h.flags & flags::FRAGMENT != 0,
         icmp: icmp_of(p.l4proto, p.dport),
+        icmp_id: icmp_id_of(p.l4proto, p.sport, p.dport),
     })
 }
 
@@ -350,7 +355,7 @@ pub mod tests {
         assert_eq!(o.dst.unwrap().port, 22);
         assert_eq!(o.mark, 0x4000);
         let ct = o.ct.unwrap();
-        assert_eq!(ct.state(), "new");
+        assert_eq!(ct.state(), observer_model::CtState::New);
         assert_eq!(ct.reply.src.addr.to_string(), "172.17.0.5");
         assert_eq!(ct.reply.src.port, 22);
         assert_eq!(ct.original.proto, 6);
@@ -376,7 +381,7 @@ pub mod tests {
 
     #[test]
     fn rejects_bad_records() {
-        use crate::correlate::tests::record_of;
+        use crate::pipeline::correlate::tests::record_of;
         use observer_common::traversal::end;
         let ev = tcp_event(0, 0, 1, ([1; 4], 1), ([2; 4], 2), 0);
         let good = encode_record(&record_of(&[ev], end::EGRESS));

@@ -3,18 +3,20 @@
 //! Pure: interface names come through a lookup the caller provides; the renderers (tree,
 //! line, JSON) are the model's, shared with `observer explain`.
 //!
-//! [`RuleNamer`]: crate::rulenames::RuleNamer
+//! [`RuleNamer`]: crate::pipeline::rulenames::RuleNamer
 
-use observer_model::{FateKind, Iface, SCHEMA, Source, Stage, Traversal as Report, Verdict};
+use observer_model::{
+    FateKind, Iface, Protocol, SCHEMA, Source, Stage, Traversal as Report, Verdict,
+};
 
-use crate::annotate::{self, EndPoint, Names, ObservedStage};
-use crate::correlate::{Closed, Plans, Traversal, missing_text};
-use crate::decode::Point;
-use crate::marks::MarkDictionary;
+use crate::pipeline::annotate::{self, EndPoint, Names, ObservedStage};
+use crate::pipeline::correlate::{Closed, Plans, Traversal, missing_text};
+use crate::pipeline::decode::Point;
 use observer_common::NF_SLOTS;
+use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
-pub use crate::correlate::index_plans;
+pub use crate::pipeline::correlate::index_plans;
 
 pub use crate::pipeline::snapshots::SnapshotCache;
 use crate::pipeline::snapshots::Snapshots;
@@ -29,10 +31,10 @@ pub struct Context<'a> {
     pub names: Names<'a>,
     pub ifname: &'a dyn Fn(u32) -> String,
     /// Names the rules of each stage from the live ruleset, when rule naming is on.
-    pub rules: Option<&'a crate::rulenames::RuleNamer>,
+    pub rules: Option<&'a crate::pipeline::rulenames::RuleNamer>,
 }
 
-pub use crate::annotate::endpoint;
+pub use crate::pipeline::annotate::endpoint;
 
 /// Builds the report of one traversal.
 pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
@@ -125,10 +127,10 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 let stage = stages.last_mut().expect("pushed");
                 let window = (
                     plan.points[b],
-                    a.map_or(crate::plan::LAST, |a| plan.points[a]),
+                    a.map_or(crate::kernel::plan::LAST, |a| plan.points[a]),
                 );
                 let named = namer.name(
-                    &crate::rulenames::StageToName {
+                    &crate::pipeline::rulenames::StageToName {
                         hook: *hook,
                         window,
                         before,
@@ -183,10 +185,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         source: Source::Observed,
         netns: Some(ctx.netns.to_string()),
         family,
-        proto: first_l3.map_or_else(
-            || "unknown".into(),
-            |i| observer_model::proto_name(t.records[i].proto),
-        ),
+        proto: first_l3.map(|i| Protocol::from_number(t.records[i].proto)),
+        packet: annotate::packet(t),
         ingress,
         egress,
         route,
@@ -202,9 +202,6 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         branches: Vec::new(),
         notes: bridge_notes(t, ports, ifname),
         lost,
-        flow: first_l3
-            .and_then(|i| snapshots.of(i))
-            .map_or_else(|| "?".into(), |s| [&*s.src, " -> ", &*s.dst].concat()),
     }
 }
 
@@ -247,8 +244,8 @@ fn stage_ports(
     ports: Option<annotate::BridgePorts>,
     entered_without_port: bool,
     hook: NfHook,
-) -> crate::rulenames::StagePorts {
-    use crate::rulenames::{StageOut, StagePorts};
+) -> crate::pipeline::rulenames::StagePorts {
+    use crate::pipeline::rulenames::{StageOut, StagePorts};
     let Some(p) = ports else {
         return if entered_without_port {
             StagePorts::NoBridge
@@ -274,7 +271,7 @@ fn stage_ports(
 }
 
 /// `HOOK/priority` of point `at` in its plan.
-fn point_name(hook: NfHook, at: usize, plan: Option<&crate::plan::HookPlan>) -> String {
+fn point_name(hook: NfHook, at: usize, plan: Option<&crate::kernel::plan::HookPlan>) -> String {
     match plan.and_then(|p| p.points.get(at)) {
         Some(prio) => format!("{}/{prio}", hook.name()),
         None => format!("{}/point {at}", hook.name()),
@@ -321,11 +318,11 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::correlate::assemble;
-    use crate::correlate::tests::record_of;
-    use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::decode::{Endpoint, decode, encode_record};
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
+    use crate::pipeline::correlate::assemble;
+    use crate::pipeline::correlate::tests::record_of;
+    use crate::pipeline::decode::tests::{LAYOUT, tcp_event, with_ct};
+    use crate::pipeline::decode::{Endpoint, decode, encode_record};
     use observer_common::hook;
     use observer_common::traversal::end;
     use std::collections::HashMap;
@@ -395,7 +392,7 @@ mod tests {
         plans: &Plans,
         lost: u64,
         reasons: &HashMap<u32, String>,
-        rules: Option<&crate::rulenames::RuleNamer>,
+        rules: Option<&crate::pipeline::rulenames::RuleNamer>,
     ) -> Report {
         let marks = MarkDictionary::default();
         let symbol = |a: u64| format!("fn+{a:#x}");
@@ -428,7 +425,7 @@ mod tests {
         let (t, plans) = forwarded();
         let r = report(&t, &plans, 0);
         assert_eq!(r.family, Some(NfFamily::Ipv4));
-        assert_eq!(r.proto, "tcp");
+        assert_eq!(r.proto, Some(Protocol::Tcp));
         assert_eq!(
             r.ingress,
             Some(Iface {
@@ -462,15 +459,16 @@ mod tests {
         );
         let nat = &r.stages[3];
         assert_eq!(nat.priority, -100);
-        assert_eq!(nat.before.as_ref().unwrap().dst.as_ref(), "10.10.10.2:22");
-        assert_eq!(nat.after.as_ref().unwrap().dst.as_ref(), "172.17.0.5:22");
+        let ep = |text: &str| {
+            let sa: std::net::SocketAddr = text.parse().unwrap();
+            observer_model::Endpoint::new(sa.ip(), Some(sa.port()))
+        };
+        assert_eq!(nat.before.as_ref().unwrap().dst, ep("10.10.10.2:22"));
+        assert_eq!(nat.after.as_ref().unwrap().dst, ep("172.17.0.5:22"));
         assert_eq!(nat.after.as_ref().unwrap().mark, 0x4000);
-        assert_eq!(nat.ct.as_ref().unwrap().state, "new");
+        assert_eq!(nat.ct.as_ref().unwrap().state, observer_model::CtState::New);
         let snat = &r.stages[8];
-        assert_eq!(
-            snat.after.as_ref().unwrap().src.as_ref(),
-            "172.17.0.1:40000"
-        );
+        assert_eq!(snat.after.as_ref().unwrap().src, ep("172.17.0.1:40000"));
         assert!(r.stages.iter().all(|s| s.verdict == Verdict::Accept));
         // No conntrack entry before the conntrack table runs.
         assert!(r.stages[0].ct.is_none());
@@ -481,7 +479,7 @@ mod tests {
         let (t, plans) = forwarded();
         let v: serde_json::Value =
             serde_json::from_str(&report(&t, &plans, 3).to_json_line()).unwrap();
-        assert_eq!(v["schema"], 2);
+        assert_eq!(v["schema"], 3);
         assert_eq!(v["netns"], "node");
         assert_eq!(v["lost"], 3);
         assert_eq!(v["egress"]["iface"], "cali1a2b");
@@ -504,7 +502,7 @@ mod tests {
             .unwrap();
         t.records.truncate(cut);
         t.closed = how;
-        t.drop = (how == Closed::Dropped).then_some(crate::correlate::Drop {
+        t.drop = (how == Closed::Dropped).then_some(crate::pipeline::correlate::Drop {
             reason: 12,
             location: 0x40,
         });
@@ -581,7 +579,7 @@ mod tests {
             )
         });
         t.closed = Closed::Dropped;
-        t.drop = Some(crate::correlate::Drop {
+        t.drop = Some(crate::pipeline::correlate::Drop {
             reason: 12,
             location: 0x15e,
         });
@@ -648,17 +646,21 @@ mod tests {
 
     /// A rule namer over the lab node's rules and sets (cali1a2b masquerades to the
     /// synthetic traversal's node address).
-    fn lab_namer() -> crate::rulenames::RuleNamer {
+    fn lab_namer() -> crate::pipeline::rulenames::RuleNamer {
         let v4 = observer_rules::parse_save(include_str!("../../../lab/node.rules")).unwrap();
         let sets = observer_rules::parse_ipsets(include_str!("../../../lab/node.ipsets")).unwrap();
         let mut sim =
             observer_rules::Simulator::owned(v4, Default::default(), sets, Default::default());
         sim.iface_addrs
             .insert("cali1a2b".into(), vec!["172.17.0.1".parse().unwrap()]);
-        crate::rulenames::RuleNamer::with_simulator(sim, 0)
+        crate::pipeline::rulenames::RuleNamer::with_simulator(sim, 0)
     }
 
-    fn named_report(t: &Traversal, plans: &Plans, namer: &crate::rulenames::RuleNamer) -> Report {
+    fn named_report(
+        t: &Traversal,
+        plans: &Plans,
+        namer: &crate::pipeline::rulenames::RuleNamer,
+    ) -> Report {
         report_with(t, plans, 0, &HashMap::new(), Some(namer))
     }
 
@@ -709,7 +711,7 @@ mod tests {
             "{tree}"
         );
         // The exit summary counts it too.
-        let outcome = crate::render_cache::Outcome::of(&r);
+        let outcome = crate::pipeline::render_cache::Outcome::of(&r);
         assert!(outcome.rules_disagree && !outcome.rules_undecidable && !outcome.incomplete);
         assert!(
             tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),
@@ -830,8 +832,8 @@ mod tests {
         let observed: serde_json::Value =
             serde_json::from_str(&named_report(&t, &plans, &lab_namer()).to_json_line()).unwrap();
         let predicted = predictions();
-        // One shape: both producers print schema 2, told apart by `source` only.
-        assert_eq!(observed["schema"], 2);
+        // One shape: both producers print schema 3, told apart by `source` only.
+        assert_eq!(observed["schema"], 3);
         assert_eq!(observed["source"], "observed");
         for p in &predicted {
             assert_eq!(
@@ -885,12 +887,120 @@ mod tests {
     }
 
     #[test]
-    fn endpoints_format_by_family_and_protocol() {
+    fn endpoints_keep_ports_only_for_protocols_with_ports() {
         let v6 = Endpoint {
             addr: "2001:db8::1".parse().unwrap(),
             port: 80,
         };
-        assert_eq!(endpoint(&v6, true), "[2001:db8::1]:80");
-        assert_eq!(endpoint(&v6, false), "2001:db8::1");
+        assert_eq!(endpoint(&v6, true).to_string(), "[2001:db8::1]:80");
+        assert_eq!(endpoint(&v6, false).port, None);
+    }
+
+    /// The packet object of a DNATed and masqueraded flow: as it came, and as it left.
+    #[test]
+    fn a_nated_flow_carries_its_first_and_last_headers() {
+        let (t, plans) = forwarded();
+        let v: serde_json::Value =
+            serde_json::from_str(&report(&t, &plans, 0).to_json_line()).unwrap();
+        assert_eq!(
+            v["packet"],
+            serde_json::json!({
+                "family": "ipv4", "proto": "tcp",
+                "src": "198.51.100.10", "dst": "10.10.10.2", "sport": 40000, "dport": 22,
+                "icmp": null,
+                "last": {"src": "172.17.0.1", "dst": "172.17.0.5", "sport": 40000,
+                         "dport": 22, "icmp": null}
+            })
+        );
+        // Without NAT the packet leaves as it came: no `last`.
+        let (mut t, plans) = forwarded();
+        let first = (t.records[0].src, t.records[0].dst);
+        for r in &mut t.records {
+            (r.src, r.dst) = first;
+        }
+        let r = report(&t, &plans, 0);
+        assert!(r.nat.is_empty());
+        let p = r.packet.as_ref().unwrap();
+        assert_eq!(p.last, None);
+        assert_eq!(p.flow(), "198.51.100.10:40000 -> 10.10.10.2:22");
+    }
+
+    /// An IPv6 event at TC ingress (link-local to a multicast group), of protocol `proto`.
+    fn v6_ingress(proto: u8, sport: u16, dport: u16) -> observer_common::PacketEvent {
+        let mut ev = tcp_event(
+            hook::TC_INGRESS,
+            0,
+            0xffff_0000_0000_2000,
+            ([0; 4], 0),
+            ([0; 4], 0),
+            0,
+        );
+        ev.header.family = observer_common::family::IPV6;
+        ev.header.ifindex_in = 2;
+        ev.packet.ip_version = 6;
+        ev.packet.l4proto = proto;
+        ev.packet.saddr = "fe80::1".parse::<std::net::Ipv6Addr>().unwrap().octets();
+        ev.packet.daddr = "ff02::fb".parse::<std::net::Ipv6Addr>().unwrap().octets();
+        (ev.packet.sport, ev.packet.dport) = (sport, dport);
+        ev
+    }
+
+    /// A datagram the kernel drops before its first table (as an IPv6 multicast datagram
+    /// freed in `ip6_mc_input` is, where no table runs before that): no stage shows it,
+    /// and its JSON, tree and line still say which packet it was.
+    #[test]
+    fn a_packet_dropped_before_any_table_carries_its_addresses() {
+        let plans = index_plans(&full_plan(None));
+        let rec = decode(&encode_record(&record_of(
+            &[v6_ingress(17, 5353, 5353)],
+            end::DROPPED,
+        )))
+        .unwrap();
+        let mut t = assemble(&rec, &plans, &LAYOUT).unwrap();
+        t.drop = Some(crate::pipeline::correlate::Drop {
+            reason: 12,
+            location: 0x15e,
+        });
+        let r = report(&t, &plans, 0);
+        assert!(r.stages.is_empty());
+        assert_eq!(r.fate.kind, FateKind::Dropped);
+        let v: serde_json::Value = serde_json::from_str(&r.to_json_line()).unwrap();
+        assert_eq!(
+            v["packet"],
+            serde_json::json!({
+                "family": "ipv6", "proto": "udp", "src": "fe80::1", "dst": "ff02::fb",
+                "sport": 5353, "dport": 5353, "icmp": null, "last": null
+            })
+        );
+        let flow = "ipv6 udp [fe80::1]:5353 -> [ff02::fb]:5353";
+        let tree = r.render_tree();
+        assert!(tree.starts_with(flow), "{tree}");
+        assert!(tree.contains("DROPPED after TC ingress"), "{tree}");
+        let line = r.render_line();
+        assert!(line.starts_with(flow), "{line}");
+    }
+
+    /// An ICMPv6 echo request: its type, code and identifier (where the probes keep them:
+    /// type and code in the destination port, the identifier in the source port).
+    #[test]
+    fn an_icmp_packet_carries_its_type_code_and_echo_id() {
+        let plans = index_plans(&full_plan(None));
+        let rec = decode(&encode_record(&record_of(
+            &[v6_ingress(58, 0x1234, 128 << 8)],
+            end::CONSUMED,
+        )))
+        .unwrap();
+        let t = assemble(&rec, &plans, &LAYOUT).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&report(&t, &plans, 0).to_json_line()).unwrap();
+        assert_eq!(v["packet"]["proto"], "icmpv6");
+        assert_eq!(
+            (&v["packet"]["sport"], &v["packet"]["dport"]),
+            (&serde_json::Value::Null, &serde_json::Value::Null)
+        );
+        assert_eq!(
+            v["packet"]["icmp"],
+            serde_json::json!({"type": 128, "code": 0, "id": 0x1234})
+        );
     }
 }

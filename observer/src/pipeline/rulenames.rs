@@ -19,10 +19,10 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
+use observer_model::{self as model, Check, CheckResult, Endpoint, Rules, Snapshot, Verdict};
 use observer_rules::{Branch, CtState, LiveNode, PhysOut, SeenPorts, Simulator, StageInput};
 
-use crate::decode::{Conntrack, Observation};
+use crate::pipeline::decode::{Conntrack, Observation};
 use crate::pipeline::keys::{Prehashed, Words, addr_words};
 use observer_model::Hook as NfHook;
 
@@ -301,13 +301,8 @@ impl RuleNamer {
             in_iface: iface(b.ifindex_in),
             out_iface: iface(b.ifindex_out),
             mark: b.mark,
-            ct_state: match ct.map(|c| c.state()) {
-                Some("established") => CtState::Established,
-                Some("related") => CtState::Related,
-                Some("untracked") => CtState::Untracked,
-                // No entry at all (conntrack not loaded, or before it): a new packet.
-                _ => CtState::New,
-            },
+            // No entry at all (conntrack not loaded, or before it): a new packet.
+            ct_state: ct.map_or(CtState::New, |c| c.state()),
             ct_mark: Some(ct.map_or(0, |c| c.mark)),
             dnat_done: ct.is_some_and(|c| c.status & IPS_DST_NAT != 0),
             snat_done: ct.is_some_and(|c| c.status & IPS_SRC_NAT != 0),
@@ -374,34 +369,21 @@ fn weigh_assumptions(check: Check, notes: &[String]) -> Check {
     ))
 }
 
-/// `a.b.c.d:port` / `[v6]:port` without the port.
-fn address(endpoint: &str) -> &str {
-    match endpoint.rsplit_once(':') {
-        Some((a, _)) if !a.contains(':') || a.ends_with(']') => a,
-        _ => endpoint,
-    }
-}
-
-fn same_address(a: &str, b: &str) -> bool {
-    address(a) == address(b)
-}
-
 /// The branch's chains as one predicted stage shaped like the observed one.
 fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::Stage {
     let rules: Rules = br
         .stages
         .iter()
-        .flat_map(|st| &st.rules)
-        .map(observer_rules::explain::model_rule)
+        .flat_map(|st| st.rules.iter().cloned())
         .collect();
-    let last = br.stages.last();
+    let last = br.stages.last().and_then(|l| l.after.as_ref());
     let after = match (last, observed.after.as_ref()) {
         (Some(l), Some(o)) if confirmed => {
             // Addresses of a confirmed connection are conntrack's translation.
             Some(Arc::new(Snapshot::new(
                 o.src.clone(),
                 o.dst.clone(),
-                l.after.mark,
+                l.mark,
                 None,
                 None,
             )))
@@ -410,15 +392,15 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
             // A NAT rule applied: the kernel keeps the port when it can, and picks another
             // when the rule asks for a random one (`fully-random`, `--random`) or the tuple
             // is taken. The address is the rules'; the port is the kernel's choice.
-            let natted = br.stages.iter().any(|st| st.nat.is_some());
-            let port_of_kernel = |p: &String, o: Option<&Arc<str>>| match o {
-                Some(o) if natted && same_address(p, o) => o.clone(),
-                _ => p.as_str().into(),
+            let natted = !br.nat.is_empty();
+            let port_of_kernel = |p: &Endpoint, o: Option<&Endpoint>| match o {
+                Some(o) if natted && p.host == o.host => o.clone(),
+                _ => p.clone(),
             };
             Some(Arc::new(Snapshot::new(
-                port_of_kernel(&l.after.src, o.map(|o| &o.src)),
-                port_of_kernel(&l.after.dst, o.map(|o| &o.dst)),
-                l.after.mark,
+                port_of_kernel(&l.src, o.map(|o| &o.src)),
+                port_of_kernel(&l.dst, o.map(|o| &o.dst)),
+                l.mark,
                 None,
                 None,
             )))
@@ -433,7 +415,7 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
         before: observed.before.clone(),
         after,
         ct: None,
-        verdict: br.verdict,
+        verdict: observer_rules::sim::verdict_of(br),
         rules,
         policy: None,
         note: br.stages.iter().find_map(|st| st.note.clone()),
@@ -507,15 +489,5 @@ mod tests {
             weigh_assumptions(agrees, &[note]).result,
             CheckResult::Agrees
         );
-    }
-
-    #[test]
-    fn ports_are_told_from_addresses() {
-        assert_eq!(address("169.254.1.1:35318"), "169.254.1.1");
-        assert_eq!(address("[2001:db8::1]:80"), "[2001:db8::1]");
-        assert_eq!(address("2001:db8::1"), "2001:db8::1");
-        assert_eq!(address("10.0.0.1"), "10.0.0.1");
-        assert!(same_address("169.254.1.1:35318", "169.254.1.1:24278"));
-        assert!(!same_address("169.254.1.1:35318", "169.254.1.2:35318"));
     }
 }

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use observer_model::{ConntrackView, CtView, Quoted, Snapshot};
+use observer_model::{ConntrackView, CtView, Protocol, Quoted, Snapshot};
 
-use crate::annotate::{self, endpoint};
-use crate::correlate::Traversal;
-use crate::decode::{Conntrack, Endpoint, Observation, Tuple};
+use crate::pipeline::annotate::{self, endpoint};
+use crate::pipeline::correlate::Traversal;
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Tuple};
 use crate::pipeline::keys::{Prehashed, Words, addr_words, family_bits};
 
 /// A key in one of two sizes: IPv4 packets (the common case) in a few words, so that a
@@ -82,7 +82,7 @@ pub struct SnapshotCache {
     map: RefCell<Maps<3, Arc<Snapshot>>>,
     cts: RefCell<Maps<5, Arc<ConntrackView>>>,
     /// Conntrack views of a stage, by ctinfo and ct mark.
-    ct_views: RefCell<HashMap<(u32, u32), Arc<CtView>, crate::render_cache::Fnv>>,
+    ct_views: RefCell<HashMap<(u32, u32), Arc<CtView>, crate::pipeline::render_cache::Fnv>>,
 }
 
 /// An IPv4 address as a word.
@@ -180,16 +180,16 @@ fn ct_key(c: &Conntrack) -> CtKey {
 
 fn snapshot(o: &Observation) -> Option<Snapshot> {
     Some(Snapshot::new(
-        endpoint(&o.src?, o.has_ports).into(),
-        endpoint(&o.dst?, o.has_ports).into(),
+        endpoint(&o.src?, o.has_ports),
+        endpoint(&o.dst?, o.has_ports),
         o.mark,
         Some(o.len),
         o.inner.map(|(s, d, p)| {
-            let ports = observer_model::has_ports(p);
+            let proto = Protocol::from_number(p);
             Quoted {
-                src: endpoint(&s, ports),
-                dst: endpoint(&d, ports),
-                proto: observer_model::proto_name(p),
+                src: endpoint(&s, proto.has_ports()),
+                dst: endpoint(&d, proto.has_ports()),
+                proto,
             }
         }),
     ))

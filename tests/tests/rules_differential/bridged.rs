@@ -660,7 +660,12 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             // Without a neighbour entry nothing says which port B is behind: undecidable,
             // until the user names the port (`out vb`).
             let b = &sim.simulate(&spec)[0];
-            assert_eq!(b.verdict, Verdict::Undecidable, "{:?}", b.notes);
+            assert_eq!(
+                observer_rules::sim::verdict_of(b),
+                Verdict::Undecidable,
+                "{:?}",
+                b.notes
+            );
             assert!(
                 b.notes.iter().any(|n| n.contains("no neighbour entry")),
                 "{:?}",
@@ -678,9 +683,11 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             a.ep(src, *sport),
             a.ep(&flow.dst, flow.dport)
         );
-        assert_eq!(b.route, flow.route, "{what}: route; notes {:?}", b.notes);
+        let route = b.route.map_or("", |r| r.name());
+        assert_eq!(route, flow.route, "{what}: route; notes {:?}", b.notes);
         assert_eq!(
-            b.verdict, flow.verdict,
+            observer_rules::sim::verdict_of(b),
+            flow.verdict,
             "{what}: verdict; notes {:?}",
             b.notes
         );
@@ -693,14 +700,19 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
         }
         let mut want = Counts::new();
         for s in &b.stages {
-            for r in &s.rules {
-                let key = match &r.nft {
-                    Some(n) if n.native => (
-                        format!("{} {}", n.family, r.table),
-                        r.chain.clone(),
-                        n.handle as usize,
-                    ),
-                    _ => (r.table.clone(), r.chain.clone(), r.index),
+            for r in s.rules.iter() {
+                let key = match &r.id {
+                    observer_model::RuleId::Nft {
+                        family,
+                        table,
+                        chain,
+                        handle,
+                    } => (format!("{family} {table}"), chain.clone(), *handle as usize),
+                    observer_model::RuleId::Iptables {
+                        table,
+                        chain,
+                        index,
+                    } => (table.clone(), chain.clone(), *index),
                 };
                 *want.entry(key).or_default() += 1;
             }
@@ -725,8 +737,8 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
         }
         if std::env::var_os("OBSERVER_DIFF_VERBOSE").is_some() {
             eprintln!(
-                "{what}: route {} notes {:?}\n  kernel {got:?}",
-                b.route, b.notes
+                "{what}: route {route} notes {:?}\n  kernel {got:?}",
+                b.notes
             );
         }
         assert_eq!(
