@@ -154,7 +154,7 @@ pub fn each(
                 marks,
             }) => {
                 // Rules named as the tail named them, from the ruleset it read.
-                let live = observer_rules::LiveNode::parse(texts);
+                let live = observer_rules::LiveNode::parse(*texts);
                 pipeline.ruleset_changed(
                     Some(MarkDictionary::from_entries(&marks)),
                     Some(crate::pipeline::rulenames::RuleNamer::new(

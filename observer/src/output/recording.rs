@@ -284,7 +284,8 @@ pub enum Meta {
     /// rule namer's (it keys its cache).
     Ruleset {
         generation: u64,
-        texts: observer_rules::LiveTexts,
+        /// Boxed: the node's texts are far larger than the other variants.
+        texts: Box<observer_rules::LiveTexts>,
         marks: Vec<(u32, String)>,
     },
 }

@@ -365,7 +365,7 @@ impl Pipeline {
         if let (Some(r), true) = (&mut self.recorder, self.ctx.namer.is_some()) {
             r.meta(&Meta::Ruleset {
                 generation,
-                texts: texts.clone(),
+                texts: Box::new(texts.clone()),
                 marks,
             });
         }
@@ -981,6 +981,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: None,
+            bridge: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Forwarded),
             marks: Marks::default(),
