@@ -296,6 +296,15 @@ impl TraversalRecord {
         };
         RECORD_HEAD_BYTES + n * STEP_BYTES
     }
+
+    /// The bytes the probes write for this record: its first [`Self::written_len`].
+    pub fn written_bytes(&self) -> &[u8] {
+        // SAFETY: TraversalRecord is repr(C) plain data; its written length is within its
+        // size.
+        unsafe {
+            core::slice::from_raw_parts((self as *const Self).cast::<u8>(), self.written_len())
+        }
+    }
 }
 
 /// Clears `rec` word by word (a plain assignment could become a `memset` call) and starts

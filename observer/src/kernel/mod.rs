@@ -3,11 +3,11 @@
 //! rules and interfaces change, and the kernel's symbols and namespaces.
 
 pub mod btf;
-pub mod filter;
 pub mod kallsyms;
 pub mod netns;
 pub mod nf_link;
 pub mod nftwatch;
 pub mod plan;
 pub mod probes;
+pub mod session;
 pub mod upkeep;

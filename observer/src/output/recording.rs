@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::btf::TupleLayout;
-use crate::marks::MarkDictionary;
-use crate::plan::{HookPlan, Table};
+use crate::kernel::btf::TupleLayout;
+use crate::kernel::plan::{HookPlan, Table};
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
+use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub const MAGIC: [u8; 8] = *b"OBSVREC\n";
@@ -309,7 +309,7 @@ pub struct Learned {
 /// and every record after it is counted as not recorded.
 pub struct Recorder {
     path: PathBuf,
-    out: Option<BufWriter<Box<dyn Write + Send>>>,
+    out: super::StoppingFile,
     ifnames: HashMap<u32, String>,
     symbols: HashMap<u64, String>,
     /// Records written.
@@ -408,24 +408,12 @@ impl Recorder {
     /// Hands what is buffered to the file, so that a tail killed outright leaves a
     /// recording of everything up to about now (a write that fails stops it, as above).
     pub fn flush(&mut self) {
-        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
-            log::warn!(
-                "writing the recording {} failed ({e}); recording stops here",
-                self.path.display()
-            );
-            self.out = None;
-        }
+        super::flush_or_stop(&mut self.out, "the recording", &self.path);
     }
 
     /// Flushes the file; false if the last buffered records were not written.
     pub fn finish(&mut self) -> bool {
-        match self.out.take().map(|mut o| o.flush()) {
-            Some(Err(e)) => {
-                log::warn!("writing the recording {}: {e}", self.path.display());
-                false
-            }
-            _ => true,
-        }
+        super::finish_file(&mut self.out, "the recording", &self.path)
     }
 
     pub fn path(&self) -> &Path {
@@ -637,7 +625,7 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
 
     fn header() -> Header {
         let tuple = TupleLayout {
