@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::commands::{agent, explain, lab, replay, tail, traffic};
+use observer::commands::{agent, explain, kubectl, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -264,6 +264,17 @@ fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp(None)
         .init();
+    // Started as `kubectl-observer` (by kubectl, or a symlink): the cluster plugin.
+    if std::env::args_os()
+        .next()
+        .is_some_and(|a| kubectl::invoked_as_plugin(&a))
+    {
+        if let Err(e) = kubectl::main(kubectl::PluginCli::parse()) {
+            eprintln!("kubectl observer: error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Err(e) = run(Cli::parse()) {
         eprintln!("observer: error: {e:#}");
         std::process::exit(1);
