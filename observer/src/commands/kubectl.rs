@@ -318,7 +318,11 @@ pub fn run(
             .map_err(|_| anyhow::anyhow!("the client of node {node} panicked"))?;
         let result = match r {
             Ok(s) => Ok(s.to_string().trim_start_matches("observer: ").to_string()),
-            Err(e) => Err(format!("{e:#}")),
+            Err(e) => Err(format!(
+                "{e:#} (its part of the stream ended after {} reports: was the agent stopped, \
+                 or its node lost? the other nodes went on)",
+                w.reports()
+            )),
         };
         held.push(w);
         ends.push(NodeEnd { node, result });
@@ -344,6 +348,7 @@ pub struct NodeWriter {
     partial: Arc<Mutex<Vec<u8>>>,
     /// Drops: reports held to be printed newest first at the end.
     held: Option<Arc<Mutex<Vec<Vec<u8>>>>>,
+    reports: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl NodeWriter {
@@ -360,7 +365,13 @@ impl NodeWriter {
             out,
             partial: Arc::default(),
             held: hold.then(Arc::default),
+            reports: Arc::default(),
         }
+    }
+
+    /// Reports of this node written (or held) so far.
+    pub fn reports(&self) -> u64 {
+        self.reports.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `bytes` (whole lines) with the node: a `"node"` key first in each JSON object, `[NODE] `
@@ -409,6 +420,8 @@ impl Write for NodeWriter {
         if partial.last() == Some(&b'\n') {
             let reports = self.tag(&partial);
             partial.clear();
+            self.reports
+                .fetch_add(reports.len() as u64, std::sync::atomic::Ordering::Relaxed);
             if let Some(held) = &self.held {
                 held.lock()
                     .unwrap_or_else(|p| p.into_inner())

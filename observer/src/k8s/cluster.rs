@@ -232,9 +232,14 @@ pub async fn connect(
         .await
         .map_err(|_| timeout("the port-forward through the API server"))?
         .map_err(|e| {
-            api_error(e, "create", "pods/portforward", &w.namespace, || {
-                format!("port-forward to {} on node {}", a.pod, a.node)
-            })
+            // A WebSocket upgrade is a GET; API servers since 1.31 also check `create`.
+            api_error(
+                e,
+                "get and create",
+                "pods/portforward",
+                &w.namespace,
+                || format!("port-forward to {} on node {}", a.pod, a.node),
+            )
         })?;
     let stream = pf
         .take_stream(w.port)
