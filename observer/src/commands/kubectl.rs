@@ -113,6 +113,11 @@ pub struct PluginTail {
     /// Stop after SECS seconds.
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<f64>,
+    /// Also trace the packets that carry this stream: the port-forward's connection to the
+    /// agent on the node's loopback and kubelet's streaming port (10250). Left out by
+    /// default: each report sent would make packets, and those more reports.
+    #[arg(long)]
+    pub trace_own_stream: bool,
 }
 
 #[derive(Args, Debug)]
@@ -208,11 +213,16 @@ pub fn run(
                 None => None,
             };
             let output = if t.json { Output::Json } else { t.output };
+            let filter = if t.trace_own_stream {
+                t.filter
+            } else {
+                Some(without_own_stream(t.filter.as_deref(), c.agent_port))
+            };
             (
                 t.target,
                 "/v1/traces",
                 output,
-                t.filter,
+                filter,
                 t.sample,
                 t.count,
                 timeout,
@@ -237,7 +247,7 @@ pub fn run(
                     .collect::<Vec<_>>()
                     .join(" or ");
                 filter = Some(match filter.take() {
-                    Some(f) => format!("({hosts}) and ({f})"),
+                    Some(f) => format!("({hosts}) and {f}"),
                     None => hosts,
                 });
             }
@@ -336,6 +346,17 @@ pub fn run(
     }
     ends.sort_by(|a, b| a.node.cmp(&b.node));
     Ok(ends)
+}
+
+/// `filter` (parenthesized) without the packets that carry the stream itself: the
+/// port-forward's connection to the agent on the node's loopback, and kubelet's streaming
+/// port, where the API server's connection carries it. A feedback loop otherwise.
+pub fn without_own_stream(filter: Option<&str>, agent_port: u16) -> String {
+    let own = format!("not (host 127.0.0.1 and tcp port {agent_port}) and not tcp port 10250");
+    match filter {
+        Some(f) => format!("({f}) and {own}"),
+        None => own,
+    }
 }
 
 /// Writes one node's reports to the shared output, each whole and tagged with the node.
@@ -466,6 +487,14 @@ mod tests {
             (v["node"].as_str(), v["x"].as_u64()),
             (Some("n\"1"), Some(1))
         );
+    }
+
+    #[test]
+    fn the_own_stream_filter_compiles() {
+        for f in [None, Some("udp port 53 or icmp")] {
+            let expr = without_own_stream(f, 9966);
+            crate::filter::compile(&expr, &|_| None).unwrap_or_else(|e| panic!("{expr}: {e}"));
+        }
     }
 
     #[test]
