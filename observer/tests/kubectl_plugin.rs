@@ -687,3 +687,74 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
     }
     drop(lab);
 }
+
+#[test]
+fn the_binary_named_kubectl_observer_is_the_plugin_and_kubectl_finds_it() {
+    let dir = std::env::temp_dir().join(format!("kubectl-observer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("kubectl-observer");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_observer"), &link).unwrap();
+    let help = std::process::Command::new(&link)
+        .arg("--help")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(help.status.success(), "{help:?}");
+    assert!(
+        text.contains("Usage: kubectl observer") && text.contains("pods/portforward"),
+        "{text}"
+    );
+    // Without a cluster: a clear error, not a panic.
+    let no = std::process::Command::new(&link)
+        .args(["drops"])
+        .env("KUBECONFIG", dir.join("none"))
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&no.stderr);
+    assert!(
+        !no.status.success() && err.contains("no cluster to talk to"),
+        "{err}"
+    );
+    // As `observer`, the same binary is not the plugin.
+    let plain = std::process::Command::new(env!("CARGO_BIN_EXE_observer"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&plain.stdout).contains("Usage: observer"));
+    // kubectl (optional here) finds it on PATH and runs it.
+    if std::process::Command::new("kubectl")
+        .arg("version")
+        .arg("--client")
+        .output()
+        .is_ok()
+    {
+        let path = format!(
+            "{}:{}",
+            dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let list = std::process::Command::new("kubectl")
+            .args(["plugin", "list"])
+            .env("PATH", &path)
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&list.stdout).contains(&*link.to_string_lossy()),
+            "{list:?}"
+        );
+        let h = std::process::Command::new("kubectl")
+            .args(["observer", "tail", "--help"])
+            .env("PATH", &path)
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&h.stdout).contains("--all-nodes"),
+            "{h:?}"
+        );
+    } else {
+        eprintln!("kubectl is not installed: `kubectl plugin list` not checked");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
