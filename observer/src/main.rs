@@ -168,8 +168,9 @@ struct ReplayArgs {
     curl -s 127.0.0.1:9965/metrics | grep observer_drops_total\n  \
     curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n\n\
 Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, output, sample, \
-count, timeout as query parameters), /v1/drops and /v1/names (services and pods by address) on \
-the unix socket and on --listen. Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
+count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address) and \
+/v1/version on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
+--listen 127.0.0.1:9966). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
 {\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \
 {\"agent\": {\"end\": ...}} line with what the stream carried. SIGTERM or SIGINT: the probes \
 are detached, the streams closed, exit 0.")]

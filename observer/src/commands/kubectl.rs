@@ -284,13 +284,20 @@ pub fn run(
             }),
         }
     }
-    // One loopback port per agent, forwarded by this runtime on a thread of its own.
-    let ports = rt.block_on(async {
-        let mut ports = Vec::new();
-        for a in &ready {
-            ports.push(cluster::local_port(client.clone(), w.clone(), a.clone()).await?);
+    // One unix socket per agent, in a directory of this user's only, forwarded by this
+    // runtime on a thread of its own.
+    let dir = PrivateDir::new()?;
+    let sockets: Vec<std::path::PathBuf> = ready
+        .iter()
+        .enumerate()
+        .map(|(i, _)| dir.0.join(format!("node-{i}.sock")))
+        .collect();
+    rt.block_on(async {
+        for (a, s) in ready.iter().zip(&sockets) {
+            cluster::local_socket(client.clone(), w.clone(), a.clone(), s)
+                .with_context(|| format!("listening on {}", s.display()))?;
         }
-        Ok::<_, std::io::Error>(ports)
+        Ok::<_, anyhow::Error>(())
     })?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let forwarder = std::thread::spawn(move || {
@@ -301,10 +308,10 @@ pub fn run(
     let newest_first = path == "/v1/drops";
     let clients: Vec<_> = ready
         .into_iter()
-        .zip(ports)
-        .map(|(a, port)| {
+        .zip(sockets)
+        .map(|(a, socket)| {
             let opts = ClientOptions {
-                agent: port.to_string(),
+                agent: socket.display().to_string(),
                 output,
                 filter: filter.clone(),
                 sample,
@@ -356,6 +363,36 @@ pub fn without_own_stream(filter: Option<&str>, agent_port: u16) -> String {
     match filter {
         Some(f) => format!("({f}) and {own}"),
         None => own,
+    }
+}
+
+/// A directory only this user can enter, removed on drop.
+struct PrivateDir(std::path::PathBuf);
+
+impl PrivateDir {
+    fn new() -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos();
+        let dir = base.join(format!("kubectl-observer-{}-{nonce}", std::process::id()));
+        // Fails if it exists: nobody else's directory is used.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {} for the agents' local sockets", dir.display()))?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

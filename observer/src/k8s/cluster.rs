@@ -4,7 +4,6 @@
 //! gets exactly what RBAC grants and no other network path is opened.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Empty};
@@ -338,19 +337,24 @@ pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String
     Ok(agent)
 }
 
-/// A loopback port that forwards each connection to the agent through the API server, so
-/// that the agent client (`tail --agent HOST:PORT`) is used as it is. Runs on the caller's
-/// runtime for as long as the runtime runs.
-pub async fn local_port(client: kube::Client, w: Where, a: Agent) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
+/// A unix socket at `path` (in a directory only this user can enter: the stream carries
+/// what this user's credentials may see) that forwards each connection to the agent through
+/// the API server, so that the agent client (`tail --agent PATH`) is used as it is. Runs on
+/// the caller's runtime for as long as the runtime runs.
+pub fn local_socket(
+    client: kube::Client,
+    w: Where,
+    a: Agent,
+    path: &std::path::Path,
+) -> std::io::Result<()> {
+    let listener = tokio::net::UnixListener::bind(path)?;
     tokio::spawn(async move {
-        while let Ok((mut tcp, _)) = listener.accept().await {
+        while let Ok((mut local, _)) = listener.accept().await {
             let (client, w, a) = (client.clone(), w.clone(), a.clone());
             tokio::spawn(async move {
                 match connect(&client, &w, &a).await {
                     Ok(mut pf) => {
-                        let _ = tokio::io::copy_bidirectional(&mut tcp, &mut pf).await;
+                        let _ = tokio::io::copy_bidirectional(&mut local, &mut pf).await;
                     }
                     // The client sees the connection close without an answer and says so;
                     // the reason is here.
@@ -359,5 +363,5 @@ pub async fn local_port(client: kube::Client, w: Where, a: Agent) -> std::io::Re
             });
         }
     });
-    Ok(addr)
+    Ok(())
 }
