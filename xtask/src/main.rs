@@ -65,6 +65,13 @@ enum Task {
     Setup,
     /// Build the release binary (target/release/observer) with its probes.
     Build,
+    /// Build the release binary and install it as PREFIX/bin/observer, with the symlink
+    /// PREFIX/bin/kubectl-observer that makes it the kubectl plugin (`kubectl observer`).
+    Install {
+        /// Where to install (bin/ under it must be on PATH); default ~/.local.
+        #[arg(long, value_name = "DIR")]
+        prefix: Option<PathBuf>,
+    },
     /// Build, bring up the netns lab, trace demo flows through it, tear it down.
     Demo {
         /// kube-proxy's mode on the lab node: iptables (KUBE-* chains) or nftables (native
@@ -119,6 +126,14 @@ fn main() -> Result<()> {
         Task::Build => {
             let tc = setup()?;
             build(&tc, true)
+        }
+        Task::Install { prefix } => {
+            let tc = setup()?;
+            build(&tc, true)?;
+            install(
+                &observer_bin(true),
+                &prefix.unwrap_or_else(|| home().join(".local")),
+            )
         }
         Task::Demo { mode } => demo(&mode),
         Task::Image => {
@@ -499,6 +514,30 @@ fn build(tc: &str, release: bool) -> Result<()> {
         cmd.arg("--release");
     }
     run(&mut cmd)
+}
+
+/// Copies `bin` to PREFIX/bin/observer and points PREFIX/bin/kubectl-observer at it
+/// (kubectl finds plugins by that name on PATH; the binary answers as the plugin by it).
+fn install(bin: &Path, prefix: &Path) -> Result<()> {
+    let dir = prefix.join("bin");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let to = dir.join("observer");
+    // A new file, not written over a running binary.
+    let tmp = dir.join(".observer.new");
+    std::fs::copy(bin, &tmp)
+        .with_context(|| format!("copying {} to {}", bin.display(), tmp.display()))?;
+    std::fs::rename(&tmp, &to).with_context(|| format!("installing {}", to.display()))?;
+    let link = dir.join("kubectl-observer");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("observer", &link)
+        .with_context(|| format!("creating the symlink {}", link.display()))?;
+    println!(
+        "installed {} and {} -> observer; with {} on PATH, `kubectl observer --help` works",
+        to.display(),
+        link.display(),
+        dir.display()
+    );
+    Ok(())
 }
 
 fn observer_bin(release: bool) -> PathBuf {
