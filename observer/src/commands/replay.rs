@@ -99,7 +99,24 @@ impl NameSource for Shared {
 
 /// Prints the recording's reports to `out`.
 pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
-    let mut reader = Reader::open(&opts.file)?;
+    let reader = Reader::open(&opts.file)?;
+    // Interface names in the filter are the recording's (the last name an index had),
+    // gathered in one pass over the file before the records are read.
+    let ifindexes = match &opts.filter {
+        Some(_) => recorded_ifindexes(&opts.file)?,
+        None => HashMap::new(),
+    };
+    replay(reader, &ifindexes, opts, out)
+}
+
+/// Prints the reports of an open recording to `out` (`opts.file` names it in messages);
+/// `ifindexes` resolves `iface NAME` in the filter.
+pub fn replay<R: std::io::Read>(
+    mut reader: Reader<R>,
+    ifindexes: &HashMap<String, u32>,
+    opts: &ReplayOptions,
+    out: &mut dyn Write,
+) -> Result<ReplaySummary> {
     if reader.format == crate::recording::FORMAT_V1 {
         log::warn!(
             "{} is a recording of format 1, which has no checksums and no end marker: damage \
@@ -126,15 +143,10 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
         netns: h.netns.clone(),
         ..Default::default()
     };
-    // Interface names in the filter are the recording's (the last name an index had),
-    // gathered in one pass over the file before the records are read.
     let filter = match &opts.filter {
-        Some(expr) => {
-            let ifindexes = recorded_ifindexes(&opts.file)?;
-            Some(crate::filter::compile(expr, &|name| {
-                ifindexes.get(name).copied()
-            })?)
-        }
+        Some(expr) => Some(crate::filter::compile(expr, &|name| {
+            ifindexes.get(name).copied()
+        })?),
         None => None,
     };
     let tuple: TupleLayout = (&h.tuple).into();

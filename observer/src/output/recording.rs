@@ -813,19 +813,16 @@ impl Meta {
                     };
                     if plan.points.is_empty()
                         || plan.points.len() != plan.programs.len()
-                        || plan.points.len() > plan.tables.len() + 1
                         || plan.points.windows(2).any(|w| w[0] >= w[1])
                         || plan.programs.iter().any(|&p| p >= 64)
                     {
                         return Err(format!(
-                            "the probe plan of {} hook {} has {} points, {} programs and {} \
-                             tables (a point before the first table and after each, ascending; \
-                             programs 0 to 63)",
+                            "the probe plan of {} hook {} has {} points and {} programs (one \
+                             program per point, points ascending, programs 0 to 63)",
                             p.family,
                             p.hook,
                             plan.points.len(),
                             plan.programs.len(),
-                            plan.tables.len()
                         ));
                     }
                 }
