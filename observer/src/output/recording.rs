@@ -750,22 +750,7 @@ const KNOWN_META: [&str; 4] = ["plans", "replan", "names", "ruleset"];
 
 /// Text from the file for a message: at most 200 characters, control characters escaped.
 pub fn short(x: &dyn std::fmt::Display) -> String {
-    let s = x.to_string();
-    let mut out: String = s
-        .chars()
-        .take(200)
-        .flat_map(|c| {
-            if c.is_control() {
-                c.escape_default().collect::<Vec<_>>()
-            } else {
-                vec![c]
-            }
-        })
-        .collect();
-    if s.chars().nth(200).is_some() {
-        out.push_str("...");
-    }
-    out
+    super::for_terminal(&x.to_string(), 200)
 }
 
 impl Header {
