@@ -118,6 +118,11 @@ pub fn compile(
 /// Above this many raw alternatives the expansion is not even attempted.
 const EXPANSION_LIMIT: u64 = 4096;
 
+/// Nesting (parentheses, `not`) plus the height of the tree below: the parser and every
+/// pass over the tree recurse this deep at most, whatever the input (a filter nested
+/// 30,000 deep would overflow the stack of the agent's request handler).
+pub const MAX_DEPTH: usize = 100;
+
 /// The parsed expression. `None` for an empty expression.
 fn parse(expr: &str, ifindex: &dyn Fn(&str) -> Option<u32>) -> Result<Option<Expr>, FilterError> {
     let toks = tokenize(expr)?;
@@ -130,7 +135,7 @@ fn parse(expr: &str, ifindex: &dyn Fn(&str) -> Option<u32>) -> Result<Option<Exp
         i: 0,
         ifindex,
     };
-    let e = p.expr()?;
+    let (e, _) = p.expr(0)?;
     if let Some(t) = p.peek() {
         let msg = if t.kind == Kind::RParen {
             "unmatched `)`".to_string()
@@ -483,8 +488,10 @@ impl<'a> Parser<'a> {
 
     /// pcap: `and` and `or` have the same precedence and group left to right, so
     /// `tcp or udp and port 53` is `(tcp or udp) and port 53`; `not` binds tightest.
-    fn expr(&mut self) -> Result<Expr, FilterError> {
-        let mut lhs = self.unary()?;
+    /// `level`: the parentheses and `not`s around; returns the expression and its height,
+    /// both bounded by [`MAX_DEPTH`] (the parser and every pass over the tree recurse).
+    fn expr(&mut self, level: usize) -> Result<(Expr, usize), FilterError> {
+        let (mut lhs, mut height) = self.unary(level)?;
         while let Some(t) = self.peek() {
             let make: fn(Box<Expr>, Box<Expr>) -> Expr = match t.kind {
                 Kind::And => Expr::And,
@@ -492,13 +499,28 @@ impl<'a> Parser<'a> {
                 _ => break,
             };
             self.i += 1;
-            let rhs = self.unary()?;
+            let (rhs, h) = self.unary(level)?;
+            height = height.max(h) + 1;
+            if level + height > MAX_DEPTH {
+                return Err(self.too_deep(t));
+            }
             lhs = make(Box::new(lhs), Box::new(rhs));
         }
-        Ok(lhs)
+        Ok((lhs, height))
     }
 
-    fn unary(&mut self) -> Result<Expr, FilterError> {
+    fn too_deep(&self, t: Token<'_>) -> FilterError {
+        self.err(
+            t,
+            format!(
+                "filter too deep: more than {MAX_DEPTH} levels here (each `(`, `not`, `and` \
+                 and `or` is one); a filter the probes can run needs far fewer \
+                 (at most {MAX_TERMS} alternatives of {MAX_ATOMS} conditions)"
+            ),
+        )
+    }
+
+    fn unary(&mut self, level: usize) -> Result<(Expr, usize), FilterError> {
         let Some(t) = self.peek() else {
             let msg = match self.toks.last() {
                 Some(last) => format!("expected a primitive after `{}`", last.text),
@@ -506,25 +528,29 @@ impl<'a> Parser<'a> {
             };
             return Err(self.err_next(msg));
         };
+        if matches!(t.kind, Kind::Not | Kind::LParen) && level + 1 > MAX_DEPTH {
+            return Err(self.too_deep(t));
+        }
         match t.kind {
             Kind::Not => {
                 self.i += 1;
-                Ok(Expr::Not(Box::new(self.unary()?)))
+                let (e, h) = self.unary(level + 1)?;
+                Ok((Expr::Not(Box::new(e)), h + 1))
             }
             Kind::LParen => {
                 self.i += 1;
-                let e = self.expr()?;
+                let (e, h) = self.expr(level + 1)?;
                 match self.peek() {
                     Some(c) if c.kind == Kind::RParen => {
                         self.i += 1;
-                        Ok(e)
+                        Ok((e, h))
                     }
                     _ => Err(self.err(t, "this `(` is not closed: expected `)`")),
                 }
             }
             Kind::Word => {
                 self.i += 1;
-                self.primitive(t)
+                Ok((self.primitive(t)?, 1))
             }
             Kind::RParen | Kind::And | Kind::Or => Err(self.err(
                 t,
@@ -1591,6 +1617,41 @@ mod tests {
         );
         let eight: Vec<String> = (1..=8).map(|p| format!("not port {p}")).collect();
         assert_eq!(compile_ok(&eight.join(" and ")).terms[0].n_atoms, 8);
+    }
+
+    #[test]
+    fn deep_filters_are_refused_without_deep_recursion() {
+        let n = 30_000;
+        let cases = [
+            format!("{}tcp{}", "(".repeat(n), ")".repeat(n)),
+            format!("{}tcp", "not ".repeat(n)),
+            vec!["tcp"; n].join(" and "),
+            format!("{}tcp{}", "(tcp and ".repeat(n), ")".repeat(n)),
+        ];
+        // A quarter of a tokio worker's 2 MiB stack, in a debug build: recursion as deep
+        // as the input would overflow it long before 30,000 levels.
+        let errors = std::thread::Builder::new()
+            .stack_size(512 << 10)
+            .spawn(move || cases.iter().map(|c| compile_err(c)).collect::<Vec<_>>())
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        for e in errors {
+            assert!(
+                e.message.starts_with("filter too deep: more than 100 levels"),
+                "{}",
+                e.message
+            );
+            // The caret sits on the token that went one level too far.
+            assert!(e.pos > 0 && e.pos < e.expr.len(), "{}", e.pos);
+        }
+        // Within the limit: parsed and compiled as before.
+        let deep_ok = format!("{}tcp{}", "(".repeat(99), ")".repeat(99));
+        assert_eq!(compile_ok(&deep_ok).n_terms, 1);
+        let chain_ok = vec!["tcp"; 99].join(" and ");
+        assert_eq!(compile_ok(&chain_ok).n_terms, 1);
+        let e = compile_err(&format!("{}tcp{}", "(".repeat(101), ")".repeat(101)));
+        assert_eq!(e.pos, 100, "at the 101st `(`");
     }
 
     #[test]
