@@ -13,13 +13,13 @@ use std::hint::black_box;
 use std::io::Write;
 use std::time::Instant;
 
-use observer::annotate::Names;
-use observer::correlate::{assemble, index_plans};
-use observer::decode::{decode, encode_record};
-use observer::marks::MarkDictionary;
-use observer::plan::full_plan;
-use observer::render_cache::RenderCache;
-use observer::report::{self, Context};
+use observer::kernel::plan::full_plan;
+use observer::pipeline::annotate::Names;
+use observer::pipeline::correlate::{assemble, index_plans};
+use observer::pipeline::decode::{decode, encode_record};
+use observer::pipeline::render_cache::RenderCache;
+use observer::pipeline::report::{self, Context};
+use observer_model::marks::MarkDictionary;
 
 #[path = "common/lab_traversals.rs"]
 mod lab_traversals;
@@ -152,7 +152,7 @@ fn main() {
                     let r = report::build(&t, ctx, 0);
                     let mut b = Vec::new();
                     let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
-                    (b, observer::render_cache::Outcome::of(&r))
+                    (b, observer::pipeline::render_cache::Outcome::of(&r))
                 });
                 // Handed on as the tail's writer takes it: shared, not copied.
                 out.put(r.bytes.clone());

@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::{agent, explain, lab, replay, tail, traffic};
+use observer::commands::{agent, explain, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use observer::agent::client::{ClientOptions, ClientSummary, MAX_LINE, run};
+use observer::commands::agent::client::{ClientOptions, ClientSummary, MAX_LINE, run};
 use observer::pipeline::Output;
 
 /// Serves one connection on 127.0.0.1 with `answer`, after reading the request's headers.
@@ -150,7 +150,10 @@ fn an_invalid_line_is_shown_shortened_and_escaped() {
         let _ = s.write_all(b"0\r\n\r\n");
     });
     let e = error_of(client(&addr, None).0);
-    assert!(e.contains("not JSON (10014 bytes): \\u{1b}[2Jnot json zzz"), "{e}");
+    assert!(
+        e.contains("not JSON (10014 bytes): \\u{1b}[2Jnot json zzz"),
+        "{e}"
+    );
     assert!(!e.contains('\x1b'), "{e}");
     assert!(e.len() < 600, "{} bytes", e.len());
 }
@@ -165,7 +168,10 @@ fn the_timeout_holds_against_a_server_that_stalls_after_its_headers() {
     });
     let (r, took) = client(&addr, Some(Duration::from_secs(1)));
     let e = error_of(r);
-    assert!(e.contains("did not end the stream within --timeout 1s"), "{e}");
+    assert!(
+        e.contains("did not end the stream within --timeout 1s"),
+        "{e}"
+    );
     // 1 s of timeout and 2 s of grace, on a loaded machine.
     assert!(took < Duration::from_secs(8), "{took:?}");
 }
@@ -186,7 +192,10 @@ fn sigint_ends_the_client_while_stdout_is_full() {
         .unwrap();
     // Long enough for the pipe (64 KiB) to fill and the client to block on it.
     std::thread::sleep(Duration::from_secs(2));
-    assert!(child.try_wait().unwrap().is_none(), "the client ended early");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the client ended early"
+    );
     let t = Instant::now();
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
@@ -203,7 +212,12 @@ fn sigint_ends_the_client_while_stdout_is_full() {
     };
     let took = t.elapsed();
     let mut err = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
     assert!(status.success(), "{status}: {err}");
     assert!(err.contains("stopped by SIGINT"), "{err}");
     assert!(took < Duration::from_secs(1), "SIGINT took {took:?}");

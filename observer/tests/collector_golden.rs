@@ -10,13 +10,13 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use observer::annotate::Names;
-use observer::correlate::{assemble, index_plans};
-use observer::decode::{decode, encode_record};
-use observer::marks::MarkDictionary;
-use observer::plan::full_plan;
-use observer::report::{self, Context, SnapshotCache};
-use observer::rulenames::RuleNamer;
+use observer::kernel::plan::full_plan;
+use observer::pipeline::annotate::Names;
+use observer::pipeline::correlate::{assemble, index_plans};
+use observer::pipeline::decode::{decode, encode_record};
+use observer::pipeline::report::{self, Context, SnapshotCache};
+use observer::pipeline::rulenames::RuleNamer;
+use observer_model::marks::MarkDictionary;
 
 #[path = "../examples/common/lab_traversals.rs"]
 mod lab_traversals;

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use observer::commands::replay::{ReplayOptions, ReplaySummary, replay};
+use observer::output::recording::{FORMAT, Frame, Reader, Recorder};
 use observer::pipeline::Output;
-use observer::recording::{FORMAT, Frame, Reader, Recorder};
-use observer::replay::{ReplayOptions, ReplaySummary, replay};
 
 /// The golden recording (format 1) rewritten frame by frame in the current format.
 fn current_format_copy() -> Vec<u8> {

@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
+use observer::commands::replay::{ReplayOptions, run};
 use observer::pipeline::Output;
-use observer::replay::{ReplayOptions, run};
 
 fn golden_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
@@ -25,7 +25,7 @@ fn recordings() -> Vec<PathBuf> {
     v
 }
 
-fn replayed(file: &Path, output: Output) -> (String, observer::replay::ReplaySummary) {
+fn replayed(file: &Path, output: Output) -> (String, observer::commands::replay::ReplaySummary) {
     let mut out = Vec::new();
     let s = run(
         &ReplayOptions {

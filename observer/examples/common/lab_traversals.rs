@@ -2,8 +2,8 @@
 //! (`observer/tests/collector_golden.rs`): forwarded packets of the lab's ClusterIP flow as
 //! the probes' own assembly code records them, and a rule namer over the lab node's rules.
 
-use observer::btf::TupleLayout;
-use observer::rulenames::RuleNamer;
+use observer::kernel::btf::TupleLayout;
+use observer::pipeline::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, add_reading, end, start};
 use observer_common::{PacketEvent, family, flags, hook, kind};
 

@@ -59,7 +59,7 @@ pub fn run(a: ExplainArgs) -> Result<String> {
     let mut marks = MarkDictionary::default();
     let explanation = if a.live {
         if let Some(ns) = &a.netns {
-            crate::netns::enter(ns)?;
+            crate::kernel::netns::enter(ns)?;
         }
         let live = LiveNode::read();
         if !live.has_rules() && !live.failures.is_empty() {

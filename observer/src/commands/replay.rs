@@ -10,15 +10,11 @@ use std::rc::Rc;
 use anyhow::{Context as _, Result};
 use serde::Serialize;
 
-use crate::btf::TupleLayout;
-use crate::decode::{decode, tuple as raw_tuple};
-use crate::marks::MarkDictionary;
+use crate::kernel::btf::TupleLayout;
+use crate::output::recording::{Frame, Meta, Reader};
+use crate::pipeline::decode::decode;
 use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames};
-use crate::recording::{Frame, Meta, Reader};
-use observer_common::filter::{
-    FilterInput, FilterProgram, MAX_INPUTS, eval_any, flow_hash, sample_keep,
-};
-use observer_common::traversal::{TraversalRecord, step};
+use observer_model::marks::MarkDictionary;
 
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
@@ -117,7 +113,7 @@ pub fn replay<R: std::io::Read>(
     opts: &ReplayOptions,
     out: &mut dyn Write,
 ) -> Result<ReplaySummary> {
-    if reader.format == crate::recording::FORMAT_V1 {
+    if reader.format == crate::output::recording::FORMAT_V1 {
         log::warn!(
             "{} is a recording of format 1, which has no checksums and no end marker: damage \
              to it may go unnoticed (record it again with this observer to get both)",
@@ -182,12 +178,14 @@ pub fn replay<R: std::io::Read>(
                         "{}: the recorded ruleset of generation {generation} is partly \
                          unreadable ({}); rules from it are not named",
                         opts.file.display(),
-                        crate::recording::short(&f)
+                        crate::output::recording::short(&f)
                     );
                 }
                 pipeline.ruleset_changed(
                     Some(MarkDictionary::from_entries(&marks)),
-                    Some(crate::rulenames::RuleNamer::new(&live, generation)),
+                    Some(crate::pipeline::rulenames::RuleNamer::new(
+                        &live, generation,
+                    )),
                 );
             }
             Frame::Meta(Meta::Names { ifnames, symbols }) => {
@@ -213,7 +211,7 @@ pub fn replay<R: std::io::Read>(
             Frame::Record { lost_now, bytes } => {
                 summary.records += 1;
                 if let (Some(prog), Ok(rec)) = (&filter, decode(&bytes))
-                    && !keeps(prog, &rec, &tuple)
+                    && !crate::filter::eval::keeps(prog, &rec, &tuple)
                 {
                     summary.filtered += 1;
                     continue;
@@ -241,7 +239,9 @@ pub fn replay<R: std::io::Read>(
     }
     out.flush().context("writing the reports to stdout")?;
     let stopped_early = opts.count.is_some_and(|n| summary.printed >= n);
-    summary.unended = !stopped_early && reader.format != crate::recording::FORMAT_V1 && !reader.complete();
+    summary.unended = !stopped_early
+        && reader.format != crate::output::recording::FORMAT_V1
+        && !reader.complete();
     Ok(summary)
 }
 
@@ -258,58 +258,4 @@ fn recorded_ifindexes(file: &std::path::Path) -> Result<HashMap<String, u32>> {
         }
     }
     Ok(found)
-}
-
-/// What the probes' filter decides for `rec`, from what the record holds: the packet as it
-/// entered, and its connection's original and reply tuples, as the probes decide after
-/// conntrack (docs/filter.md); sampled by the original tuple, as they sample.
-pub fn keeps(prog: &FilterProgram, rec: &TraversalRecord, layout: &TupleLayout) -> bool {
-    let n = usize::from(rec.nsteps).min(rec.steps.len());
-    let Some(s) = rec.steps[..n]
-        .iter()
-        .find(|s| s.flags & step::INNER_STATE == 0)
-    else {
-        return false;
-    };
-    let visit = rec.visits[usize::from(s.visit).min(rec.visits.len() - 1)];
-    let has_ports = s.flags & (observer_common::flags::NO_L3 | observer_common::flags::NO_L4) == 0
-        && matches!(s.l4proto, 6 | 17 | 132);
-    let entry = FilterInput {
-        saddr: s.saddr,
-        daddr: s.daddr,
-        ifindex_in: visit.ifindex_in,
-        ifindex_out: visit.ifindex_out,
-        mark: s.mark,
-        sport: s.sport,
-        dport: s.dport,
-        ip_version: s.ip_version,
-        l4proto: s.l4proto,
-        has_ports: u8::from(has_ports),
-        _pad: 0,
-        _pad2: 0,
-    };
-    let mut inputs = [entry; MAX_INPUTS];
-    let with_ct = rec.steps[..n]
-        .iter()
-        .any(|s| s.flags & observer_common::flags::CT != 0);
-    if with_ct {
-        let v4 = s.ip_version == 4;
-        for (input, raw) in inputs[1..].iter_mut().zip([&rec.ct_orig, &rec.ct_reply]) {
-            let t = raw_tuple(raw, layout, v4);
-            let bytes = |a: std::net::IpAddr| match a {
-                std::net::IpAddr::V4(a) => {
-                    let mut b = [0u8; 16];
-                    b[..4].copy_from_slice(&a.octets());
-                    b
-                }
-                std::net::IpAddr::V6(a) => a.octets(),
-            };
-            input.saddr = bytes(t.src.addr);
-            input.daddr = bytes(t.dst.addr);
-            input.sport = t.src.port;
-            input.dport = t.dst.port;
-        }
-    }
-    let hashed = if with_ct { &inputs[1] } else { &inputs[0] };
-    eval_any(prog, &inputs, if with_ct { 3 } else { 1 }) && sample_keep(prog, flow_hash(hashed))
 }

@@ -15,19 +15,19 @@ use serde::Serialize;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::btf::KernelLayout;
-use crate::decode::encode_record;
-use crate::output::Writer;
-use crate::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
-pub use crate::pipeline::Output;
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
-use crate::probes::{KernelCounters, Probes};
-use crate::recording::{Header, Recorder};
-use crate::rulenames::RuleNamer;
-use crate::upkeep::{
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::probes::{KernelCounters, Probes};
+use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, attach_probes, legacy_tables, mark_dictionary, now_ns, read_live,
     watch_ruleset,
 };
+use crate::output::Writer;
+use crate::output::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
+use crate::output::recording::{Header, Recorder};
+pub use crate::pipeline::Output;
+use crate::pipeline::decode::encode_record;
+use crate::pipeline::rulenames::RuleNamer;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::{TraversalRecord, end};
 use observer_rules::LiveNode;
@@ -179,7 +179,7 @@ impl std::fmt::Display for Summary {
 /// (single) thread into the target namespace, where every probe then attaches.
 pub fn run(opts: TailOptions) -> Result<Summary> {
     if let Some(ns) = &opts.netns {
-        crate::netns::enter(ns)?;
+        crate::kernel::netns::enter(ns)?;
     }
     let mut layout = KernelLayout::from_kernel()?;
     let pcapng = match &opts.pcapng {
@@ -217,7 +217,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     pipeline.packet_info = pcapng.is_some();
     // Interface names in the filter are those of the observed namespace, entered above.
     let mut program = match &opts.filter {
-        Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))?,
+        Some(expr) => crate::filter::compile(expr, &|name| crate::kernel::netns::ifindex(name))?,
         None => FilterProgram::KEEP_ALL,
     };
     program.sample = opts.sample;
@@ -258,7 +258,7 @@ struct Pcap {
 impl Pcap {
     fn drain(&mut self) {
         while let Some(item) = self.ring.next() {
-            match crate::pcapng::decode(&item) {
+            match crate::output::pcapng::decode(&item) {
                 Ok(p) => self.store.insert(p),
                 Err(e) => warn!("undecodable packet bytes: {e}"),
             }
@@ -421,7 +421,7 @@ async fn event_loop(
         .netns
         .as_ref()
         .map(|n| PathBuf::from("/run/netns").join(n));
-    let netns_inode = crate::probes::current_netns_inode()?;
+    let netns_inode = crate::kernel::netns::current_netns_inode()?;
     let mut legacy_names = legacy_tables().0;
     let mut summary = Summary::default();
     let mut last_scan = Instant::now();
@@ -598,7 +598,7 @@ fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNod
     });
     printer.pipeline.ruleset_changed(marks, namer);
     printer.pipeline.record_ruleset(&live.texts);
-    if crate::upkeep::replan(probes, live) {
+    if crate::kernel::upkeep::replan(probes, live) {
         printer
             .pipeline
             .add_plans(probes.generation(), &probes.plans);
@@ -647,7 +647,7 @@ fn housekeeping(
     netns_file: Option<&std::path::Path>,
     netns_inode: u64,
 ) -> Option<&'static str> {
-    let h = crate::upkeep::housekeeping(probes, netns_file, netns_inode);
+    let h = crate::kernel::upkeep::housekeeping(probes, netns_file, netns_inode);
     if h.names_changed {
         printer.pipeline.forget_names();
     }

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::lab::{self, Lab};
-use crate::netns::spawn_in;
+use crate::commands::lab::{self, Lab};
+use crate::kernel::netns::spawn_in;
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 

@@ -3,7 +3,6 @@
 //! rules and interfaces change, and the kernel's symbols and namespaces.
 
 pub mod btf;
-pub mod filter;
 pub mod kallsyms;
 pub mod netns;
 pub mod nf_link;

@@ -1,5 +1,6 @@
-//! Network namespaces by `ip netns` name: entering one for the whole observer (probes attach
-//! in the caller's namespace) and running short jobs on threads inside one.
+//! Network namespaces and their interfaces: entering a namespace by `ip netns` name (probes
+//! attach in the caller's namespace), short jobs on threads inside one, the namespace's inode,
+//! and interface names and indexes.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -42,4 +43,59 @@ where
         enter(&name)?;
         f()
     })
+}
+
+/// Inode of the calling thread's network namespace: what `net.ns.inum` holds in the kernel.
+pub fn current_netns_inode() -> Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    Ok(std::fs::metadata("/proc/thread-self/ns/net")
+        .context("reading /proc/thread-self/ns/net")?
+        .ino())
+}
+
+/// Interfaces of the current network namespace (index, name).
+pub fn interfaces() -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    // SAFETY: if_nameindex returns a list terminated by a zero entry, freed below.
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return out;
+        }
+        let mut p = list;
+        while (*p).if_index != 0 {
+            let name = std::ffi::CStr::from_ptr((*p).if_name)
+                .to_string_lossy()
+                .into_owned();
+            out.push(((*p).if_index, name));
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    out
+}
+
+/// Index of interface `name` in the current namespace.
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: c is a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+/// Name of an interface in the current namespace, or `if<N>` if it is gone.
+pub fn ifname(index: u32) -> String {
+    if index == 0 {
+        return "-".into();
+    }
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return format!("if{index}");
+    }
+    // SAFETY: on success buf holds a NUL-terminated name.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }

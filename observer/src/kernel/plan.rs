@@ -4,7 +4,7 @@
 //! A probe at priority `p` sees the packet as every hook function with a lower priority left
 //! it, so the record just before and just after a table's priority shows what that table did.
 
-use crate::nf_link::{NfFamily, NfHook};
+use crate::kernel::nf_link::{NfFamily, NfHook};
 use observer_common::NF_SLOTS;
 
 /// Earliest and latest priorities a BPF netfilter link accepts (INT_MIN/INT_MAX are refused).

@@ -9,12 +9,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use log::{info, warn};
 
-use crate::btf::KernelLayout;
-use crate::marks::MarkDictionary;
-use crate::nf_link::{NfFamily, NfHook};
-use crate::plan::{base_chains, full_plan, legacy_users};
-use crate::probes::Probes;
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::nf_link::{NfFamily, NfHook};
+use crate::kernel::plan::{base_chains, full_plan, legacy_users};
+use crate::kernel::probes::Probes;
 use observer_common::filter::FilterProgram;
+use observer_model::marks::MarkDictionary;
 use observer_rules::LiveNode;
 
 /// After an nf_tables change, how long to wait for more before re-planning (a restore
@@ -205,9 +205,9 @@ pub fn now_ns() -> u64 {
 
 /// Watches the namespace's nf_tables changes; `None` (said once) when it cannot, and then
 /// chains added later are not bracketed.
-pub fn watch_ruleset() -> Option<tokio::io::unix::AsyncFd<crate::nftwatch::NftWatch>> {
+pub fn watch_ruleset() -> Option<tokio::io::unix::AsyncFd<crate::kernel::nftwatch::NftWatch>> {
     // SAFETY: the watch owns its fd and outlives the registration (both are returned).
-    match crate::nftwatch::NftWatch::open().and_then(|w| {
+    match crate::kernel::nftwatch::NftWatch::open().and_then(|w| {
         unsafe { tokio::io::unix::AsyncFd::register(w) }
             .map_err(|e| std::io::Error::other(e.to_string()))
     }) {

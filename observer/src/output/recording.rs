@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::btf::TupleLayout;
-use crate::marks::MarkDictionary;
-use crate::plan::{HookPlan, Table};
+use crate::kernel::btf::TupleLayout;
+use crate::kernel::plan::{HookPlan, Table};
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
+use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub const MAGIC: [u8; 8] = *b"OBSVREC\n";
@@ -703,15 +703,10 @@ impl<R: Read> Reader<R> {
             META => {
                 let v: serde_json::Value = serde_json::from_slice(&payload)
                     .map_err(|e| self.corrupt(at, format!("unreadable context: {}", short(&e))))?;
-                let name = v
-                    .get("meta")
-                    .and_then(|m| m.as_str())
-                    .map(str::to_string);
+                let name = v.get("meta").and_then(|m| m.as_str()).map(str::to_string);
                 let name = name.as_deref();
                 match name {
-                    Some(name) if !KNOWN_META.contains(&name) => {
-                        Frame::UnknownMeta(short(&name))
-                    }
+                    Some(name) if !KNOWN_META.contains(&name) => Frame::UnknownMeta(short(&name)),
                     _ => {
                         let m = serde_json::from_value::<Meta>(v).map_err(|e| {
                             self.corrupt(
@@ -723,9 +718,8 @@ impl<R: Read> Reader<R> {
                                 ),
                             )
                         })?;
-                        m.check().map_err(|what| {
-                            self.corrupt(at, format!("invalid context: {what}"))
-                        })?;
+                        m.check()
+                            .map_err(|what| self.corrupt(at, format!("invalid context: {what}")))?;
                         Frame::Meta(m)
                     }
                 }
@@ -835,7 +829,7 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
 
     fn header() -> Header {
         let tuple = TupleLayout {
@@ -1107,7 +1101,10 @@ mod tests {
             r.finish();
             let bytes = buf.0.lock().unwrap().clone();
             let err = Reader::new("x", &bytes[..]).err().unwrap().to_string();
-            assert!(err.contains("invalid header") && err.contains(says), "{err}");
+            assert!(
+                err.contains("invalid header") && err.contains(says),
+                "{err}"
+            );
         }
         let bad_plan = written(|r| {
             let mut plans = full_plan(None);

@@ -11,8 +11,8 @@ use observer_model::{
     Route, Snapshot, Stage, TupleView,
 };
 
-use crate::correlate::{Closed, Traversal};
-use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
+use crate::pipeline::correlate::{Closed, Traversal};
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Point, Tuple};
 use observer_model::Hook as NfHook;
 
 /// `a.b.c.d:port`, `[v6]:port`, or the bare address for protocols without ports.

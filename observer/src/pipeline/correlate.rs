@@ -12,9 +12,9 @@ use observer_common::traversal::{
 };
 use observer_common::{flags, hook};
 
-use crate::btf::TupleLayout;
-use crate::decode::{Conntrack, Endpoint, Observation, Point, Tuple, addr, tuple};
-use crate::plan::HookPlan;
+use crate::kernel::btf::TupleLayout;
+use crate::kernel::plan::HookPlan;
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Point, Tuple, addr, tuple};
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 /// Why a traversal ended.
@@ -68,7 +68,7 @@ impl Closed {
 /// What freed the packet: the drop reason (for drops) and where.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Drop {
-    /// `enum skb_drop_reason` value; see [`crate::btf::KernelLayout::drop_reasons`].
+    /// `enum skb_drop_reason` value; see [`crate::kernel::btf::KernelLayout::drop_reasons`].
     pub reason: u32,
     /// Address inside the kernel function that freed it.
     pub location: u64,
@@ -231,7 +231,7 @@ fn observation(
             (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto)
         }),
         fragment: o.flags & flags::FRAGMENT != 0,
-        icmp: crate::decode::icmp_of(o.l4proto, o.dport),
+        icmp: crate::pipeline::decode::icmp_of(o.l4proto, o.dport),
     }
 }
 
@@ -393,8 +393,8 @@ pub fn missing_text(bits: u8) -> Vec<&'static str> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::decode::tests::{LAYOUT, tcp_event};
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
+    use crate::pipeline::decode::tests::{LAYOUT, tcp_event};
     use observer_common::PacketEvent;
     use observer_common::traversal::{add_reading, start};
 

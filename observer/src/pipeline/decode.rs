@@ -1,12 +1,12 @@
 //! Decoding: ring-buffer bytes -> traversal records, and the typed observations they expand
-//! to (see [`crate::correlate`]). Pure; tested from hand-built bytes.
+//! to (see [`crate::pipeline::correlate`]). Pure; tested from hand-built bytes.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord};
 use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
 
-use crate::btf::TupleLayout;
+use crate::kernel::btf::TupleLayout;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -376,7 +376,7 @@ pub mod tests {
 
     #[test]
     fn rejects_bad_records() {
-        use crate::correlate::tests::record_of;
+        use crate::pipeline::correlate::tests::record_of;
         use observer_common::traversal::end;
         let ev = tcp_event(0, 0, 1, ([1; 4], 1), ([2; 4], 2), 0);
         let good = encode_record(&record_of(&[ev], end::EGRESS));

@@ -5,7 +5,7 @@
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::net::IpAddr;
 
-use crate::decode::Endpoint;
+use crate::pipeline::decode::Endpoint;
 
 /// `N` words and their hash.
 #[derive(Clone, Copy, PartialEq, Eq)]

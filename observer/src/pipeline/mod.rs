@@ -21,18 +21,18 @@ use std::io::Write;
 
 use log::warn;
 
-use crate::annotate::Names;
-use crate::btf::TupleLayout;
-use crate::correlate::{Plans, Traversal, assemble, index_plans};
-use crate::decode::{DecodeError, decode};
-use crate::kallsyms::Symbols;
-use crate::marks::MarkDictionary;
-use crate::plan::HookPlan;
-use crate::recording::{Meta, Recorder};
-use crate::render_cache::{Outcome as Counts, RenderCache};
-use crate::rulenames::RuleNamer;
+use crate::kernel::btf::TupleLayout;
+use crate::kernel::kallsyms::Symbols;
+use crate::kernel::plan::HookPlan;
+use crate::output::recording::{Meta, Recorder};
+use crate::pipeline::annotate::Names;
+use crate::pipeline::correlate::{Plans, Traversal, assemble, index_plans};
+use crate::pipeline::decode::{DecodeError, decode};
+use crate::pipeline::render_cache::{Outcome as Counts, RenderCache};
+use crate::pipeline::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
 use observer_model::EndpointName;
+use observer_model::marks::MarkDictionary;
 
 /// How each traversal is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -99,7 +99,7 @@ impl NameSource for LiveNames {
         self.names
             .borrow_mut()
             .entry(index)
-            .or_insert_with(|| crate::probes::ifname(index))
+            .or_insert_with(|| crate::kernel::netns::ifname(index))
             .clone()
     }
     fn symbol(&self, addr: u64) -> String {
@@ -437,7 +437,7 @@ struct Logged<'a> {
     log: Option<std::cell::RefCell<Learned>>,
 }
 
-pub use crate::recording::Learned;
+pub use crate::output::recording::Learned;
 
 impl Logged<'_> {
     fn ifname(&self, index: u32) -> String {
@@ -557,12 +557,12 @@ pub fn warn_unusable(o: &Outcome) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::correlate::tests::record_of;
-    use crate::decode::encode_record;
-    use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::plan::full_plan;
-    use crate::recording::Header;
-    use crate::replay::{ReplayOptions, run};
+    use crate::commands::replay::{ReplayOptions, run};
+    use crate::kernel::plan::full_plan;
+    use crate::output::recording::Header;
+    use crate::pipeline::correlate::tests::record_of;
+    use crate::pipeline::decode::encode_record;
+    use crate::pipeline::decode::tests::{LAYOUT, tcp_event, with_ct};
     use observer_common::hook;
     use observer_common::traversal::end;
 
@@ -668,7 +668,9 @@ mod tests {
     }
 
     /// Runs records through a "live" pipeline that records, then replays the file.
-    fn live_and_replayed(output: Output) -> (Vec<u8>, Vec<u8>, crate::replay::ReplaySummary) {
+    fn live_and_replayed(
+        output: Output,
+    ) -> (Vec<u8>, Vec<u8>, crate::commands::replay::ReplaySummary) {
         let (dir, file, mut live) = recording(output, "pipeline");
         let mut printed = Vec::new();
         let recs = records();

@@ -3,18 +3,18 @@
 //! Pure: interface names come through a lookup the caller provides; the renderers (tree,
 //! line, JSON) are the model's, shared with `observer explain`.
 //!
-//! [`RuleNamer`]: crate::rulenames::RuleNamer
+//! [`RuleNamer`]: crate::pipeline::rulenames::RuleNamer
 
 use observer_model::{FateKind, Iface, SCHEMA, Source, Stage, Traversal as Report, Verdict};
 
-use crate::annotate::{self, EndPoint, Names, ObservedStage};
-use crate::correlate::{Closed, Plans, Traversal, missing_text};
-use crate::decode::Point;
-use crate::marks::MarkDictionary;
+use crate::pipeline::annotate::{self, EndPoint, Names, ObservedStage};
+use crate::pipeline::correlate::{Closed, Plans, Traversal, missing_text};
+use crate::pipeline::decode::Point;
 use observer_common::NF_SLOTS;
+use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
-pub use crate::correlate::index_plans;
+pub use crate::pipeline::correlate::index_plans;
 
 pub use crate::pipeline::snapshots::SnapshotCache;
 use crate::pipeline::snapshots::Snapshots;
@@ -29,10 +29,10 @@ pub struct Context<'a> {
     pub names: Names<'a>,
     pub ifname: &'a dyn Fn(u32) -> String,
     /// Names the rules of each stage from the live ruleset, when rule naming is on.
-    pub rules: Option<&'a crate::rulenames::RuleNamer>,
+    pub rules: Option<&'a crate::pipeline::rulenames::RuleNamer>,
 }
 
-pub use crate::annotate::endpoint;
+pub use crate::pipeline::annotate::endpoint;
 
 /// Builds the report of one traversal.
 pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
@@ -123,10 +123,10 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 let stage = stages.last_mut().expect("pushed");
                 let window = (
                     plan.points[b],
-                    a.map_or(crate::plan::LAST, |a| plan.points[a]),
+                    a.map_or(crate::kernel::plan::LAST, |a| plan.points[a]),
                 );
                 let named = namer.name(
-                    &crate::rulenames::StageToName {
+                    &crate::pipeline::rulenames::StageToName {
                         hook: *hook,
                         window,
                         before,
@@ -195,7 +195,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
 }
 
 /// `HOOK/priority` of point `at` in its plan.
-fn point_name(hook: NfHook, at: usize, plan: Option<&crate::plan::HookPlan>) -> String {
+fn point_name(hook: NfHook, at: usize, plan: Option<&crate::kernel::plan::HookPlan>) -> String {
     match plan.and_then(|p| p.points.get(at)) {
         Some(prio) => format!("{}/{prio}", hook.name()),
         None => format!("{}/point {at}", hook.name()),
@@ -242,11 +242,11 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::correlate::assemble;
-    use crate::correlate::tests::record_of;
-    use crate::decode::tests::{LAYOUT, tcp_event, with_ct};
-    use crate::decode::{Endpoint, decode, encode_record};
-    use crate::plan::full_plan;
+    use crate::kernel::plan::full_plan;
+    use crate::pipeline::correlate::assemble;
+    use crate::pipeline::correlate::tests::record_of;
+    use crate::pipeline::decode::tests::{LAYOUT, tcp_event, with_ct};
+    use crate::pipeline::decode::{Endpoint, decode, encode_record};
     use observer_common::hook;
     use observer_common::traversal::end;
     use std::collections::HashMap;
@@ -316,7 +316,7 @@ mod tests {
         plans: &Plans,
         lost: u64,
         reasons: &HashMap<u32, String>,
-        rules: Option<&crate::rulenames::RuleNamer>,
+        rules: Option<&crate::pipeline::rulenames::RuleNamer>,
     ) -> Report {
         let marks = MarkDictionary::default();
         let symbol = |a: u64| format!("fn+{a:#x}");
@@ -425,7 +425,7 @@ mod tests {
             .unwrap();
         t.records.truncate(cut);
         t.closed = how;
-        t.drop = (how == Closed::Dropped).then_some(crate::correlate::Drop {
+        t.drop = (how == Closed::Dropped).then_some(crate::pipeline::correlate::Drop {
             reason: 12,
             location: 0x40,
         });
@@ -502,7 +502,7 @@ mod tests {
             )
         });
         t.closed = Closed::Dropped;
-        t.drop = Some(crate::correlate::Drop {
+        t.drop = Some(crate::pipeline::correlate::Drop {
             reason: 12,
             location: 0x15e,
         });
@@ -569,17 +569,21 @@ mod tests {
 
     /// A rule namer over the lab node's rules and sets (cali1a2b masquerades to the
     /// synthetic traversal's node address).
-    fn lab_namer() -> crate::rulenames::RuleNamer {
+    fn lab_namer() -> crate::pipeline::rulenames::RuleNamer {
         let v4 = observer_rules::parse_save(include_str!("../../../lab/node.rules")).unwrap();
         let sets = observer_rules::parse_ipsets(include_str!("../../../lab/node.ipsets")).unwrap();
         let mut sim =
             observer_rules::Simulator::owned(v4, Default::default(), sets, Default::default());
         sim.iface_addrs
             .insert("cali1a2b".into(), vec!["172.17.0.1".parse().unwrap()]);
-        crate::rulenames::RuleNamer::with_simulator(sim, 0)
+        crate::pipeline::rulenames::RuleNamer::with_simulator(sim, 0)
     }
 
-    fn named_report(t: &Traversal, plans: &Plans, namer: &crate::rulenames::RuleNamer) -> Report {
+    fn named_report(
+        t: &Traversal,
+        plans: &Plans,
+        namer: &crate::pipeline::rulenames::RuleNamer,
+    ) -> Report {
         report_with(t, plans, 0, &HashMap::new(), Some(namer))
     }
 
@@ -630,7 +634,7 @@ mod tests {
             "{tree}"
         );
         // The exit summary counts it too.
-        let outcome = crate::render_cache::Outcome::of(&r);
+        let outcome = crate::pipeline::render_cache::Outcome::of(&r);
         assert!(outcome.rules_disagree && !outcome.rules_undecidable && !outcome.incomplete);
         assert!(
             tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
 use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
 
-use crate::decode::{Conntrack, Observation};
+use crate::pipeline::decode::{Conntrack, Observation};
 use crate::pipeline::keys::{Prehashed, Words, addr_words};
 use observer_model::Hook as NfHook;
 

@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use observer_model::{ConntrackView, CtView, Quoted, Snapshot};
 
-use crate::annotate::{self, endpoint};
-use crate::correlate::Traversal;
-use crate::decode::{Conntrack, Endpoint, Observation, Tuple};
+use crate::pipeline::annotate::{self, endpoint};
+use crate::pipeline::correlate::Traversal;
+use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Tuple};
 use crate::pipeline::keys::{Prehashed, Words, addr_words, family_bits};
 
 /// A key in one of two sizes: IPv4 packets (the common case) in a few words, so that a
@@ -82,7 +82,7 @@ pub struct SnapshotCache {
     map: RefCell<Maps<3, Arc<Snapshot>>>,
     cts: RefCell<Maps<5, Arc<ConntrackView>>>,
     /// Conntrack views of a stage, by ctinfo and ct mark.
-    ct_views: RefCell<HashMap<(u32, u32), Arc<CtView>, crate::render_cache::Fnv>>,
+    ct_views: RefCell<HashMap<(u32, u32), Arc<CtView>, crate::pipeline::render_cache::Fnv>>,
 }
 
 /// An IPv4 address as a word.

@@ -228,7 +228,9 @@ async fn stream<W: Write + Send + 'static>(
     // Everything handed over written before the summary (still interruptible).
     printer.tx = None;
     if let Some(t) = printer.thread.take() {
-        let joined = guard.run(tokio::task::spawn_blocking(move || t.join())).await;
+        let joined = guard
+            .run(tokio::task::spawn_blocking(move || t.join()))
+            .await;
         summary.printed = printer.printed();
         if joined.is_err() {
             summary.stopped_by = "SIGINT";
@@ -326,13 +328,17 @@ async fn receive(
             Ok::<_, hyper::Error>(())
         };
         // The reason is shown with what came of the body within the headers' time.
-        let _ = guard.run(tokio::time::timeout(HEADERS_WITHIN, read)).await?;
+        let _ = guard
+            .run(tokio::time::timeout(HEADERS_WITHIN, read))
+            .await?;
         let text = String::from_utf8_lossy(&body);
         let mut reason = crate::output::for_terminal(text.trim(), SHOWN);
         if cut && !reason.ends_with("...") {
             reason.push_str("...");
         }
-        return Err(anyhow::anyhow!("the agent refused the request (HTTP {status}): {reason}").into());
+        return Err(
+            anyhow::anyhow!("the agent refused the request (HTTP {status}): {reason}").into(),
+        );
     }
     let mut lines = LineReader::new(MAX_LINE);
     loop {
@@ -379,7 +385,11 @@ impl LineReader {
     }
 
     /// Calls `each` with every line `data` completes (with its `\n`); keeps the rest.
-    pub fn feed(&mut self, mut data: &[u8], mut each: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    pub fn feed(
+        &mut self,
+        mut data: &[u8],
+        mut each: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
         while let Some(nl) = data.iter().position(|&b| b == b'\n') {
             let (line, rest) = data.split_at(nl + 1);
             if self.partial.is_empty() {

@@ -81,7 +81,7 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
     let expr = q.get("filter").filter(|f| !f.trim().is_empty()).cloned();
     let mut program = match q.get("filter").filter(|f| !f.trim().is_empty()) {
         // Interface names are those of the agent's namespace (the process is in it).
-        Some(expr) => crate::filter::compile(expr, &|name| crate::probes::ifindex(name))
+        Some(expr) => crate::filter::compile(expr, &|name| crate::kernel::netns::ifindex(name))
             .map_err(|e| format!("bad filter: {e}"))?,
         None => observer_common::filter::FilterProgram::KEEP_ALL,
     };

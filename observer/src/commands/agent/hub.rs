@@ -2,7 +2,7 @@
 //!
 //! Every record the probes write goes through the one pipeline; the hub then decides, per
 //! subscriber, with that subscriber's own filter (the `--filter` language, decided from the
-//! record as `observer replay --filter` decides: [`crate::replay::keeps`]) and sampling,
+//! record as `observer replay --filter` decides: [`crate::filter::eval::keeps`]) and sampling,
 //! whether it gets the report, in the output mode it asked for. Nothing is lost silently: a
 //! subscriber that reads too slowly has traversals skipped, counted, and told in its stream
 //! (`{"agent":{"skipped":N}}`), and every stream ends with a line that says why and how many.
@@ -15,9 +15,9 @@ use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::btf::TupleLayout;
+use crate::filter::eval::keeps;
+use crate::kernel::btf::TupleLayout;
 use crate::pipeline::Output;
-use crate::replay::keeps;
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::TraversalRecord;
 
@@ -437,8 +437,8 @@ fn finish(s: Subscriber, why: &'static str, lost_now: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::correlate::tests::record_of;
-    use crate::decode::tests::{LAYOUT, tcp_event};
+    use crate::pipeline::correlate::tests::record_of;
+    use crate::pipeline::decode::tests::{LAYOUT, tcp_event};
     use observer_common::hook;
     use observer_common::traversal::end;
 
@@ -521,7 +521,7 @@ mod tests {
         let program = crate::filter::compile(&union, &|_| None).unwrap();
         for (port, kept) in [(22, true), (80, true), (443, false)] {
             assert_eq!(
-                crate::replay::keeps(&program, &rec(port), &LAYOUT),
+                crate::filter::eval::keeps(&program, &rec(port), &LAYOUT),
                 kept,
                 "port {port}"
             );

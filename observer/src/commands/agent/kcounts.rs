@@ -12,8 +12,8 @@ use observer_common::counts::{
 };
 
 use super::metrics::{Counter, Metrics};
-use crate::marks::MarkDictionary;
-use crate::plan::HookPlan;
+use crate::kernel::plan::HookPlan;
+use observer_model::marks::MarkDictionary;
 
 /// Where a counter row's point is: its family, hook, and the tables just before and just
 /// after it on the plan.
@@ -35,8 +35,9 @@ fn places(plans: &[HookPlan]) -> Vec<(usize, Place)> {
             continue;
         };
         for (i, &program) in p.programs.iter().enumerate() {
-            let name =
-                |t: Option<&crate::plan::Table>| t.map_or("none".into(), |t| t.name.to_string());
+            let name = |t: Option<&crate::kernel::plan::Table>| {
+                t.map_or("none".into(), |t| t.name.to_string())
+            };
             out.push((
                 counts::point(family, p.hook as usize, program),
                 Place {
@@ -45,7 +46,8 @@ fn places(plans: &[HookPlan]) -> Vec<(usize, Place)> {
                     entry: i == 0
                         && matches!(
                             p.hook,
-                            crate::nf_link::NfHook::PreRouting | crate::nf_link::NfHook::LocalOut
+                            crate::kernel::nf_link::NfHook::PreRouting
+                                | crate::kernel::nf_link::NfHook::LocalOut
                         ),
                     before: name(p.table_before(i)),
                     after: name(p.table_after(i)),
@@ -160,7 +162,7 @@ fn reason_name(r: usize, reasons: &HashMap<u32, String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nf_link::{NfFamily, NfHook};
+    use crate::kernel::nf_link::{NfFamily, NfHook};
 
     fn plans() -> Vec<HookPlan> {
         // The lab's forwarding path: raw, conntrack and nat at PREROUTING; filter at

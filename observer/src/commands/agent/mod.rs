@@ -1,5 +1,5 @@
 //! `observer agent`: the always-on node agent. Attaches the probes once (as `tail` does,
-//! through [`crate::upkeep`]) and keeps them right through rule and interface churn; every
+//! through [`crate::kernel::upkeep`]) and keeps them right through rule and interface churn; every
 //! record goes through the one [`Pipeline`] and then to the metrics, the flight recorder of
 //! recent drops, and the streaming API's subscribers ([`hub`]).
 //!
@@ -23,15 +23,15 @@ use log::{info, warn};
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::btf::KernelLayout;
-use crate::decode::{decode, encode_record};
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
-use crate::probes::Probes;
-use crate::rulenames::RuleNamer;
-use crate::upkeep::{
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::probes::Probes;
+use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
     mark_dictionary, now_ns, read_live, replan, watch_ruleset,
 };
+use crate::pipeline::decode::{decode, encode_record};
+use crate::pipeline::rulenames::RuleNamer;
+use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
 use metrics::{Health, Metrics, ReportView};
@@ -90,7 +90,7 @@ const BATCH: usize = 1024;
 /// listeners bind.
 pub fn run(opts: AgentOptions) -> Result<&'static str> {
     if let Some(ns) = &opts.netns {
-        crate::netns::enter(ns)?;
+        crate::kernel::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
     let live = read_live();
@@ -220,7 +220,7 @@ struct Agent {
     mode: AgentMode,
     /// The always-on mode's counters, as last read.
     kernel: KernelCounts,
-    marks: crate::marks::MarkDictionary,
+    marks: observer_model::marks::MarkDictionary,
     reasons: std::collections::HashMap<u32, String>,
 }
 
@@ -384,7 +384,7 @@ fn follow_subscribers(
         let changed = !probes.tracing() || wanted != *kernel_filter;
         let program = match &wanted {
             Some(expr) if changed => crate::filter::compile(expr, &|name| {
-                crate::probes::ifindex(name)
+                crate::kernel::netns::ifindex(name)
             })
             .unwrap_or_else(|e| {
                 // Each filter compiled alone; together they may be too complex.
@@ -426,7 +426,7 @@ async fn event_loop(
     hub: Arc<Hub>,
     names: &crate::k8s::Names,
     naming: (
-        crate::marks::MarkDictionary,
+        observer_model::marks::MarkDictionary,
         std::collections::HashMap<u32, String>,
     ),
 ) -> Result<&'static str> {
@@ -436,7 +436,7 @@ async fn event_loop(
         hub,
         lost_now: 0,
         unusable: 0,
-        interfaces: crate::probes::interfaces().len() as u64,
+        interfaces: crate::kernel::netns::interfaces().len() as u64,
         mode: opts.mode,
         kernel: KernelCounts::default(),
         marks: naming.0,
@@ -474,7 +474,7 @@ async fn event_loop(
         .netns
         .as_ref()
         .map(|n| PathBuf::from("/run/netns").join(n));
-    let netns_inode = crate::probes::current_netns_inode()?;
+    let netns_inode = crate::kernel::netns::current_netns_inode()?;
     let mut legacy_names = legacy_tables().0;
     let mut last_scan = Instant::now();
     let watch = watch_ruleset();
@@ -527,7 +527,7 @@ async fn event_loop(
                     last_scan = Instant::now();
                     agent.read_counts(&probes);
                     let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
-                    agent.interfaces = crate::probes::interfaces().len() as u64;
+                    agent.interfaces = crate::kernel::netns::interfaces().len() as u64;
                     if h.names_changed {
                         for p in agent.pipelines.all() {
                             p.forget_names();

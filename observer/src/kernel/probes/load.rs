@@ -1,0 +1,248 @@
+//! Loading: both objects, configured with the BTF offsets and the filter, and the switch
+//! between counting only (`observer agent` at rest) and recording traversals.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{Array, Map, MapData};
+use aya::programs::SchedClassifier;
+use aya::{Btf, Ebpf, EbpfLoader};
+use log::info;
+use observer_common::config;
+use observer_common::filter::{FilterNets, FilterProgram};
+
+use super::ends::{END_TRACEPOINTS, attach_socket_probe, attach_tracepoint};
+use super::tc::TC_PROGRAMS;
+use super::*;
+
+/// Maps the netfilter object uses; they are the TC object's, shared.
+pub(super) const MAPS: [&str; 19] = [
+    "EVENTS",
+    "CTL",
+    "INDEX",
+    "CONFIG",
+    "COUNTERS",
+    "SCRATCH",
+    "FILTER",
+    "FILTER_NETS",
+    "FILTER_INPUTS",
+    "WINDOWS",
+    "SLOTS",
+    "PENDING",
+    "PENDING_COUNT",
+    "OUT",
+    "PACKETS",
+    "PACKETS_LOST",
+    "COUNTS",
+    "COUNT_LAST",
+    "DROP_COUNTS",
+];
+/// Size of the packet-bytes ring buffer with `--pcapng` (about 26,000 packets of 160 bytes).
+pub(super) const PACKETS_BYTES: u32 = 4 * 1024 * 1024;
+/// Its size without: the smallest a ring buffer can be, one page.
+fn min_ring_bytes() -> u32 {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(page).unwrap_or(4096)
+}
+
+/// Whether the netfilter probes load conntrack entries and packets directly (the kernel's
+/// `bpf_rdonly_cast` id, see `observer_common::kfunc`), unless `OBSERVER_DIRECT_READS=0`
+/// keeps them on `bpf_probe_read_kernel` as on kernels before 6.16 (tests run both).
+fn direct_reads(layout: &KernelLayout) -> Option<u32> {
+    match std::env::var("OBSERVER_DIRECT_READS").as_deref() {
+        Ok("0") => None,
+        _ => layout.rdonly_cast,
+    }
+}
+
+fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
+    let data: &MapData = match ebpf.map(name) {
+        Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m)) => m,
+        Some(_) => bail!("map {name} has an unexpected type"),
+        None => bail!("probe object has no map {name}"),
+    };
+    Ok(data.fd().as_fd().as_raw_fd())
+}
+
+impl Probes {
+    /// Loads both objects and configures them with `layout` and the packet `filter`, to
+    /// record traversals. The end probes (tracepoints, sockets) are attached; netfilter
+    /// and tcx are attached by [`Probes::attach_netfilter`] and [`Probes::sync_interfaces`].
+    pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
+        Self::load_as(layout, filter, true)
+    }
+
+    /// Loads both objects to keep the always-on counters only (`observer agent`): the
+    /// netfilter probes count and the drop tracepoint counts drops (and records what it
+    /// knows of each dropped packet); nothing else is attached until
+    /// [`Probes::start_tracing`].
+    pub fn load_counting(layout: &KernelLayout) -> Result<Self> {
+        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false)?;
+        let mut config: Array<_, u64> =
+            Array::try_from(probes.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::COUNTING, 1, 0)?;
+        config.set(config::COUNT_ONLY, 1, 0)?;
+        Ok(probes)
+    }
+
+    fn load_as(layout: &KernelLayout, filter: &FilterProgram, tracing: bool) -> Result<Self> {
+        if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
+            bail!(
+                "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
+                 rebuild with `cargo xtask build`"
+            );
+        }
+        // The packet-bytes ring buffer (`tail --pcapng`) takes memory only when used.
+        let capture = layout
+            .config
+            .get(config::CAPTURE_BYTES as usize)
+            .is_some_and(|&v| v != config::UNSET && v != 0);
+        // Both objects' placeholder calls are rewritten for this kernel (see
+        // `observer_common::kfunc`).
+        let rdonly_cast = direct_reads(layout);
+        let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast)?;
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(
+                "PACKETS",
+                if capture {
+                    PACKETS_BYTES
+                } else {
+                    min_ring_bytes()
+                },
+            )
+            .load(tc_object.bytes())
+            .context(
+                "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
+            )?;
+        {
+            let mut config: Array<_, u64> = Array::try_from(
+                ebpf.map_mut("CONFIG")
+                    .context("probe object has no CONFIG map")?,
+            )?;
+            for (i, v) in layout.config.iter().enumerate() {
+                config.set(i as u32, v, 0)?;
+            }
+            config.set(config::OBSERVED_NETNS, current_netns_inode()?, 0)?;
+        }
+        {
+            let mut map: Array<_, FilterProgram> = Array::try_from(
+                ebpf.map_mut("FILTER")
+                    .context("probe object has no FILTER map")?,
+            )?;
+            map.set(0, filter, 0)?;
+            let mut nets: Array<_, FilterNets> = Array::try_from(
+                ebpf.map_mut("FILTER_NETS")
+                    .context("probe object has no FILTER_NETS map")?,
+            )?;
+            nets.set(0, FilterNets::of(filter), 0)?;
+        }
+        for (name, _) in TC_PROGRAMS {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .with_context(|| format!("probe object has no program {name}"))?
+                .try_into()?;
+            prog.load()
+                .with_context(|| format!("loading TC program {name}"))?;
+        }
+        let btf =
+            Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
+        for (prog, tp) in END_TRACEPOINTS {
+            // Counting needs the drops only.
+            if tracing || tp == "kfree_skb" {
+                attach_tracepoint(&mut ebpf, &btf, prog, tp)?;
+            }
+        }
+        if tracing {
+            attach_socket_probe(&mut ebpf)?;
+        }
+        let fds: HashMap<String, RawFd> = MAPS
+            .iter()
+            .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
+            .collect::<Result<_>>()?;
+        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, rdonly_cast)?;
+        Ok(Self {
+            ebpf,
+            nf,
+            links: Vec::new(),
+            tc: HashMap::new(),
+            tc_failed: HashSet::new(),
+            attach_failures: 0,
+            plans: Vec::new(),
+            generation: 0,
+            collected: 0,
+            tracing,
+        })
+    }
+
+    /// Whether traversals are being recorded (see [`Probes::start_tracing`]).
+    pub fn tracing(&self) -> bool {
+        self.tracing
+    }
+
+    /// From counting only to recording traversals too (a subscriber wants them): attaches
+    /// the end probes, then lets the probes record; tcx follows at the next
+    /// [`Probes::sync_interfaces`] (called here). Whatever an earlier tracing period left in
+    /// the in-flight maps is cleared first: nobody was listening when it ended.
+    pub fn start_tracing(&mut self, filter: &FilterProgram) -> Result<()> {
+        if self.tracing {
+            return Ok(());
+        }
+        self.clear_in_flight()?;
+        self.set_filter(filter)?;
+        let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
+        let (prog, tp) = END_TRACEPOINTS[1];
+        attach_tracepoint(&mut self.ebpf, &btf, prog, tp)?;
+        attach_socket_probe(&mut self.ebpf)?;
+        self.tracing = true;
+        let changes = self.sync_interfaces()?;
+        for (name, e) in &changes.failed {
+            log::warn!("no probes on interface {name}: {e}");
+        }
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::COUNT_ONLY, 0, 0)?;
+        info!("recording traversals: tcx on {}", changes.added.join(", "));
+        Ok(())
+    }
+
+    /// Replaces the probes' filter (packets already decided keep their decision).
+    pub fn set_filter(&mut self, filter: &FilterProgram) -> Result<()> {
+        // The networks' shortcut is cleared first (none: nothing skipped), so that no probe
+        // skips by the old filter's networks a packet the new one keeps.
+        let set_nets = |ebpf: &mut Ebpf, nets: FilterNets| -> Result<()> {
+            let mut map: Array<_, FilterNets> =
+                Array::try_from(ebpf.map_mut("FILTER_NETS").context("no FILTER_NETS map")?)?;
+            map.set(0, nets, 0)?;
+            Ok(())
+        };
+        set_nets(&mut self.ebpf, FilterNets::of(&FilterProgram::KEEP_ALL))?;
+        {
+            let mut map: Array<_, FilterProgram> =
+                Array::try_from(self.ebpf.map_mut("FILTER").context("no FILTER map")?)?;
+            map.set(0, filter, 0)?;
+        }
+        set_nets(&mut self.ebpf, FilterNets::of(filter))
+    }
+
+    /// Back to counting only: the probes stop recording at once; the tcx, consume_skb and
+    /// socket probes are released (tcx in the background: each detach waits for RCU).
+    pub fn stop_tracing(&mut self) -> Result<()> {
+        if !self.tracing {
+            return Ok(());
+        }
+        {
+            let mut config: Array<_, u64> =
+                Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+            config.set(config::COUNT_ONLY, 1, 0)?;
+        }
+        self.tracing = false;
+        let taken = self.take_tc_links();
+        std::thread::spawn(move || drop(taken));
+        self.unload_program(END_TRACEPOINTS[1].0);
+        self.unload_program("observer_sock_ingress");
+        info!("counting only: traversals are no longer recorded");
+        Ok(())
+    }
+}

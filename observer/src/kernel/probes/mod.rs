@@ -1,0 +1,129 @@
+//! Kernel side: loads both probe objects, hands them the BTF offsets, and attaches them.
+//! Aya loads the TC object (which owns the maps); [`crate::kernel::nf_link`] loads the netfilter
+//! object onto those same maps. Everything attaches in the calling thread's network namespace
+//! and detaches when [`Probes`] is dropped (or the process dies: links are fd-owned).
+//!
+//! By concern: [`load`] (objects, configuration, counting/tracing), [`tc`], [`netfilter`],
+//! [`ends`] (tracepoints, socket probe), [`maps`] (counters, in-flight, sweep, ring buffers),
+//! [`release`].
+
+mod ends;
+mod load;
+mod maps;
+mod netfilter;
+mod release;
+mod tc;
+
+use std::collections::{HashMap, HashSet};
+
+use aya::Ebpf;
+
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::netns::current_netns_inode;
+use crate::kernel::netns::interfaces;
+use crate::kernel::nf_link::{NfError, NfFamily, NfHook, NfLink, NfObject, patch_object_calls};
+use crate::kernel::plan::HookPlan;
+
+pub use maps::{InFlight, KernelCounters};
+use tc::Attached;
+pub use tc::InterfaceChanges;
+
+static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
+static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
+
+pub struct Probes {
+    ebpf: Ebpf,
+    nf: NfObject,
+    links: Vec<NfLink>,
+    tc: HashMap<u32, Attached>,
+    /// Interfaces where attaching failed, so the failure is reported once per interface.
+    tc_failed: HashSet<u32>,
+    /// Attach failures since start (tcx and netfilter), for the summary.
+    pub attach_failures: u64,
+    /// The plan as attached (priorities may have moved off EBUSY ones).
+    pub plans: Vec<HookPlan>,
+    generation: u8,
+    /// Records the collector took out of the fallback map (`pending_count::COLLECTED`).
+    collected: u64,
+    /// Whether traversals are recorded (else the probes only count: [`Probes::load_counting`]):
+    /// the tcx, consume_skb and socket probes are attached only then.
+    tracing: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::load::MAPS;
+    use super::*;
+    use observer_common::NF_SLOTS;
+    use std::os::fd::RawFd;
+
+    /// True, loudly, when the probes were not built (`OBSERVER_SKIP_EBPF=1`), which CI never
+    /// does: the test has nothing to check.
+    fn built_without(object: &[u8]) -> bool {
+        if !object.is_empty() {
+            return false;
+        }
+        eprintln!("!!! SKIPPED: built with OBSERVER_SKIP_EBPF=1");
+        assert!(!observer_tests_in_ci(), "CI builds the probes");
+        true
+    }
+
+    /// The embedded netfilter object must hold every slot program, each relocatable with map
+    /// references only (no BPF-to-BPF calls, no global data), which is all nf_link supports.
+    #[test]
+    fn embedded_netfilter_object_is_loadable_by_nf_link() {
+        if built_without(NF_OBJECT) {
+            return;
+        }
+        let fds: HashMap<String, RawFd> = MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
+        let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
+        let mut obj = NfObject::parse(NF_OBJECT, &fds, &layout.config, layout.rdonly_cast)
+            .expect("netfilter object parses");
+        for slot in 0..NF_SLOTS {
+            obj.program_mut(&format!("nf_slot_{slot}"))
+                .expect("slot program present");
+        }
+        assert!(obj.program_mut(&format!("nf_slot_{NF_SLOTS}")).is_err());
+        // Without the shared maps the object cannot be relocated.
+        assert!(matches!(
+            NfObject::parse(NF_OBJECT, &HashMap::new(), &layout.config, None),
+            Err(NfError::UnsupportedRelocation { .. })
+        ));
+    }
+
+    /// The TC object's code calls the placeholders (`observer_common::kfunc`); patched, none
+    /// is left, whether the kernel takes direct reads or not, and nothing else changed size.
+    #[test]
+    fn the_tc_objects_placeholder_calls_are_all_rewritten() {
+        if built_without(TC_OBJECT) {
+            return;
+        }
+        let placeholders = |bytes: &[u8]| {
+            bytes
+                .chunks_exact(8)
+                .filter(|i| {
+                    i[0] == 0x85
+                        && [
+                            observer_common::kfunc::DIRECT_READS,
+                            observer_common::kfunc::UNTRUSTED,
+                        ]
+                        .contains(&i32::from_le_bytes([i[4], i[5], i[6], i[7]]))
+                })
+                .count()
+        };
+        assert!(
+            placeholders(TC_OBJECT) > 0,
+            "the TC probes read through them"
+        );
+        for cast in [Some(4242), None] {
+            let patched = patch_object_calls(TC_OBJECT, cast).expect("patched");
+            let bytes = patched.bytes();
+            assert_eq!(placeholders(bytes), 0, "{cast:?}");
+            assert!(object::File::parse(bytes).is_ok());
+        }
+    }
+
+    fn observer_tests_in_ci() -> bool {
+        std::env::var("CI").is_ok_and(|v| v == "true")
+    }
+}

@@ -1,0 +1,140 @@
+//! tcx: TC ingress and egress on every interface of the namespace, kept in line with
+//! interfaces as they come, go and are renamed.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use aya::programs::tc::SchedClassifierLinkId;
+use aya::programs::{SchedClassifier, TcAttachType};
+
+use super::*;
+
+pub(super) const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
+    ("observer_tc_ingress", TcAttachType::Ingress),
+    ("observer_tc_egress", TcAttachType::Egress),
+];
+
+/// An interface with tcx probes.
+pub(super) struct Attached {
+    pub(super) name: String,
+    pub(super) links: Vec<(&'static str, SchedClassifierLinkId)>,
+}
+
+/// What changed among the namespace's interfaces since the last scan.
+#[derive(Debug, Default)]
+pub struct InterfaceChanges {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// (old name, new name).
+    pub renamed: Vec<(String, String)>,
+    /// (interface, error): the probes could not attach there.
+    pub failed: Vec<(String, String)>,
+}
+
+impl Probes {
+    /// Brings the tcx probes in line with the namespace's interfaces: attaches to new ones,
+    /// releases the links of those that are gone, and notes renames. An interface where
+    /// attaching fails is reported (once) and counted, never skipped silently.
+    pub fn sync_interfaces(&mut self) -> Result<InterfaceChanges> {
+        if !self.tracing {
+            // Counting only: no tcx (see `start_tracing`).
+            return Ok(InterfaceChanges::default());
+        }
+        let now: HashMap<u32, String> = interfaces().into_iter().collect();
+        let mut changes = InterfaceChanges::default();
+        let gone: Vec<u32> = self
+            .tc
+            .keys()
+            .filter(|i| !now.contains_key(i))
+            .copied()
+            .collect();
+        for index in gone {
+            let a = self.tc.remove(&index).expect("listed");
+            for (prog, id) in a.links {
+                let p: &mut SchedClassifier = self
+                    .ebpf
+                    .program_mut(prog)
+                    .expect("loaded in Probes::load")
+                    .try_into()?;
+                // The kernel detached it with the device; this releases our link and fd.
+                let _ = p.detach(id);
+            }
+            changes.removed.push(a.name);
+        }
+        self.tc_failed.retain(|i| now.contains_key(i));
+        for (&index, name) in &now {
+            if let Some(a) = self.tc.get_mut(&index) {
+                if &a.name != name {
+                    changes
+                        .renamed
+                        .push((std::mem::replace(&mut a.name, name.clone()), name.clone()));
+                }
+                continue;
+            }
+            if self.tc_failed.contains(&index) {
+                continue;
+            }
+            let mut links = Vec::new();
+            let mut failed = None;
+            for (prog, at) in TC_PROGRAMS {
+                let p: &mut SchedClassifier = self
+                    .ebpf
+                    .program_mut(prog)
+                    .expect("loaded in Probes::load")
+                    .try_into()?;
+                match p.attach(name, at) {
+                    Ok(id) => links.push((prog, id)),
+                    Err(e) => {
+                        failed = Some(format!("tcx {at:?}: {e} (kernel 6.6+ needed)"));
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                // Undo a half attachment: an interface is either fully probed or reported.
+                for (prog, id) in links {
+                    if let Ok(p) = <&mut SchedClassifier>::try_from(
+                        self.ebpf.program_mut(prog).expect("loaded"),
+                    ) {
+                        let _ = p.detach(id);
+                    }
+                }
+                // One that vanished between listing and attaching is no failure.
+                if interfaces().iter().any(|(i, _)| *i == index) {
+                    self.attach_failures += 1;
+                    self.tc_failed.insert(index);
+                    changes.failed.push((name.clone(), e));
+                }
+                continue;
+            }
+            self.tc.insert(
+                index,
+                Attached {
+                    name: name.clone(),
+                    links,
+                },
+            );
+            changes.added.push(name.clone());
+        }
+        changes.added.sort();
+        Ok(changes)
+    }
+
+    /// The tcx links, taken out of the programs so that whoever drops them detaches them.
+    pub(super) fn take_tc_links(&mut self) -> Vec<aya::programs::tc::SchedClassifierLink> {
+        let mut taken = Vec::new();
+        for (_, a) in self.tc.drain() {
+            for (prog, id) in a.links {
+                if let Some(Ok(p)) = self
+                    .ebpf
+                    .program_mut(prog)
+                    .map(<&mut SchedClassifier>::try_from)
+                    && let Ok(link) = p.take_link(id)
+                {
+                    taken.push(link);
+                }
+            }
+        }
+        taken
+    }
+}
