@@ -10,6 +10,8 @@
 //! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
 //! - `golden`: record the lab's demo flows again for the golden replay tests, or (with
 //!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
+//! - `fuzz`: every fuzz target in `fuzz/` for a bounded time each (nightly, cargo-fuzz);
+//!   an input that crashes one is kept in `fuzz/regressions/`, which the normal tests run.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,6 +23,16 @@ use clap::{Parser, Subcommand};
 /// Nightly installed when the machine has none: its LLVM major must match bpf-linker's.
 const PINNED_NIGHTLY: &str = "nightly-2026-05-19";
 const BPF_LINKER_VERSION: &str = "0.13.0";
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+/// The fuzz targets (`fuzz/fuzz_targets/`) and the seed directories each starts from.
+const FUZZ_TARGETS: &[(&str, &[&str])] = &[
+    ("parse_iptables_save", &["seeds"]),
+    ("parse_nft_json", &["seeds-nft"]),
+    ("filter_parser", &["seeds-filter"]),
+    ("recording_decoder", &["seeds-recording"]),
+    ("routes_and_marks", &["seeds-routes"]),
+    ("agent_line_reader", &["seeds-lines"]),
+];
 const PACKAGES: &[&str] = &[
     "iptables",
     "nftables",
@@ -90,6 +102,17 @@ enum Task {
     /// iptables/nftables/ipset tools from this machine's Debian packages; built with
     /// buildah, no registry pull.
     Image,
+    /// Fuzz every target in fuzz/ for a bounded time each (nightly and cargo-fuzz are
+    /// installed if missing). Not part of `test`: an input that crashes a target is copied
+    /// to fuzz/regressions/<target>/, which `cargo test -p observer --test
+    /// fuzz_regressions` replays on every run.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+        /// Only these targets (default: all).
+        targets: Vec<String>,
+    },
     /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
     Bench {
         /// Seconds per iperf3 run.
@@ -131,6 +154,7 @@ fn main() -> Result<()> {
             runs,
             rounds,
         } => bench(seconds, runs, rounds),
+        Task::Fuzz { seconds, targets } => fuzz(seconds, &targets),
     }
 }
 
@@ -301,6 +325,107 @@ fn nightly_toolchain() -> Result<String> {
         run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", &tc]))?;
     }
     Ok(tc)
+}
+
+/// cargo-fuzz, installed once (`cargo install` with the locked dependency versions).
+fn install_cargo_fuzz() -> Result<()> {
+    let have = output(Command::new("cargo").args(["fuzz", "--version"]));
+    if have.is_ok_and(|v| v.contains(CARGO_FUZZ_VERSION)) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing cargo-fuzz {CARGO_FUZZ_VERSION}");
+    run(Command::new("cargo").args([
+        "install",
+        "--locked",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+    ]))
+}
+
+fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
+    let tc = nightly_toolchain()?;
+    install_cargo_fuzz()?;
+    let root = workspace_root().join("fuzz");
+    if let Some(t) = only
+        .iter()
+        .find(|t| !FUZZ_TARGETS.iter().any(|(name, _)| name == t))
+    {
+        bail!(
+            "no fuzz target `{t}`; the targets are {:?}",
+            FUZZ_TARGETS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+        );
+    }
+    let mut crashed = Vec::new();
+    let mut summary = Vec::new();
+    for (target, seeds) in FUZZ_TARGETS {
+        if !only.is_empty() && !only.iter().any(|t| t == target) {
+            continue;
+        }
+        let corpus = root.join("corpus").join(target);
+        let artifacts = root.join("artifacts").join(target);
+        std::fs::create_dir_all(&corpus)?;
+        std::fs::create_dir_all(&artifacts)?;
+        let before = dir_files(&artifacts);
+        let t0 = Instant::now();
+        let status = Command::new("cargo")
+            .arg(format!("+{tc}"))
+            .args(["fuzz", "run", target])
+            .arg(&corpus)
+            .args(seeds.iter().map(|s| root.join(s)))
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .args(["-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"])
+            .arg(format!("-artifact_prefix={}/", artifacts.display()))
+            .current_dir(&root)
+            // The probes are not fuzzed: the observer crate builds without them.
+            .env("OBSERVER_SKIP_EBPF", "1")
+            .status()
+            .context("cannot run cargo fuzz")?;
+        let new: Vec<PathBuf> = dir_files(&artifacts)
+            .into_iter()
+            .filter(|f| !before.contains(f))
+            .collect();
+        // Every input that crashed the target becomes a regression test.
+        let keep = root.join("regressions").join(target);
+        for f in &new {
+            std::fs::create_dir_all(&keep)?;
+            let name = f.file_name().expect("a file").to_owned();
+            std::fs::copy(f, keep.join(&name))?;
+            crashed.push(format!("{target}: {}", keep.join(name).display()));
+        }
+        summary.push(format!(
+            "  {target:<22} {:>5.0} s  {}  corpus {} inputs",
+            t0.elapsed().as_secs_f64(),
+            if status.success() && new.is_empty() {
+                "ok".to_string()
+            } else {
+                format!("FAILED ({status}, {} new crashing inputs)", new.len())
+            },
+            dir_files(&corpus).len()
+        ));
+    }
+    println!("xtask fuzz, {seconds} s per target:");
+    for l in &summary {
+        println!("{l}");
+    }
+    if !crashed.is_empty() {
+        bail!(
+            "inputs crashed fuzz targets; each is now a regression test (`cargo test -p \
+             observer --test fuzz_regressions`): fix the code, then commit them:\n  {}",
+            crashed.join("\n  ")
+        );
+    }
+    if summary.iter().any(|l| l.contains("FAILED")) {
+        bail!("a fuzz target failed without a crashing input (see its output above)");
+    }
+    Ok(())
+}
+
+fn dir_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default()
 }
 
 fn home() -> PathBuf {
@@ -1038,7 +1163,18 @@ fn sigint_during_flood(bin: &Path, prefix: &str) -> Result<Duration> {
     std::thread::sleep(Duration::from_millis(300));
     let mut client = Command::new("ip")
         .args(["netns", "exec", &format!("{prefix}-client")])
-        .args(["iperf3", "-p", "5201", "-c", "172.17.0.5", "-u", "-b", "0", "-l", "64"])
+        .args([
+            "iperf3",
+            "-p",
+            "5201",
+            "-c",
+            "172.17.0.5",
+            "-u",
+            "-b",
+            "0",
+            "-l",
+            "64",
+        ])
         .args(["-t", "4"])
         .stdout(Stdio::null())
         .spawn()?;
