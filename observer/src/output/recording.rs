@@ -1087,7 +1087,8 @@ mod tests {
 
     #[test]
     fn header_fields_are_checked_before_use() {
-        let cases: [(fn(&mut Header), &str); 4] = [
+        type Damage = fn(&mut Header);
+        let cases: [(Damage, &str); 4] = [
             (|h| h.tuple.src_addr = 40, "src_addr at byte 40"),
             (|h| h.tuple.dst_port = usize::MAX, "dst_port at byte"),
             (|h| h.tuple.protonum = 48, "protonum at byte 48"),
