@@ -368,7 +368,8 @@ fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
         std::fs::create_dir_all(&artifacts)?;
         let before = dir_files(&artifacts);
         let t0 = Instant::now();
-        let status = Command::new("cargo")
+        let mut fuzz_cmd = Command::new("cargo");
+        fuzz_cmd
             .arg(format!("+{tc}"))
             .args(["fuzz", "run", target])
             .arg(&corpus)
@@ -379,9 +380,23 @@ fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
             .arg(format!("-artifact_prefix={}/", artifacts.display()))
             .current_dir(&root)
             // The probes are not fuzzed: the observer crate builds without them.
-            .env("OBSERVER_SKIP_EBPF", "1")
-            .status()
-            .context("cannot run cargo fuzz")?;
+            .env("OBSERVER_SKIP_EBPF", "1");
+        // What `cargo xtask` (stable) put in this process's environment is not for the
+        // nightly build: left in, it makes cargo-fuzz rebuild everything.
+        for key in [
+            "CARGO",
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_PATH",
+            "CARGO_TARGET_DIR",
+            "RUSTC",
+            "RUSTC_WRAPPER",
+            "RUSTC_WORKSPACE_WRAPPER",
+            "RUSTFLAGS",
+            "RUSTUP_TOOLCHAIN",
+        ] {
+            fuzz_cmd.env_remove(key);
+        }
+        let status = fuzz_cmd.status().context("cannot run cargo fuzz")?;
         let new: Vec<PathBuf> = dir_files(&artifacts)
             .into_iter()
             .filter(|f| !before.contains(f))
