@@ -682,8 +682,15 @@ fn a_deep_filter_is_refused_and_the_agent_still_serves() {
     let deep = format!("{}udp{}", "(".repeat(n), ")".repeat(n));
     let (status, body) = unix_request(&agent.socket, &format!("/v1/traces?filter={deep}"));
     assert_eq!(status, 400, "{}", &body[..body.len().min(300)]);
-    assert!(body.contains("filter too deep"), "{}", &body[..body.len().min(300)]);
-    let nots = format!("/v1/traces?filter={}", encode(&format!("{}udp", "not ".repeat(n / 3))));
+    assert!(
+        body.contains("filter too deep"),
+        "{}",
+        &body[..body.len().min(300)]
+    );
+    let nots = format!(
+        "/v1/traces?filter={}",
+        encode(&format!("{}udp", "not ".repeat(n / 3)))
+    );
     let (status, _) = unix_request(&agent.socket, &nots);
     assert_eq!(status, 400);
     assert!(
