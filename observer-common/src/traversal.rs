@@ -296,6 +296,15 @@ impl TraversalRecord {
         };
         RECORD_HEAD_BYTES + n * STEP_BYTES
     }
+
+    /// The bytes the probes write for this record: its first [`Self::written_len`].
+    pub fn written_bytes(&self) -> &[u8] {
+        // SAFETY: TraversalRecord is repr(C) plain data; its written length is within its
+        // size.
+        unsafe {
+            core::slice::from_raw_parts((self as *const Self).cast::<u8>(), self.written_len())
+        }
+    }
 }
 
 /// Clears `rec` word by word (a plain assignment could become a `memset` call) and starts
@@ -791,6 +800,19 @@ pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
         return None;
     }
     rec.visits.get(rec.cur_visit as usize).map(|v| v.hook)
+}
+
+/// Whether a packet met at a bridge device's TC ingress under the address of `rec` is the
+/// same packet going on: a frame that entered through a port of the bridge (TC ingress
+/// there, then PREROUTING where br_netfilter walked it) and is now passed up to the bridge
+/// device to be routed or delivered (`br_pass_frame_up`). A record that ended its last visit
+/// anywhere else belongs to a packet freed unseen: stale.
+#[inline(always)]
+pub fn continues_into_bridge(rec: &TraversalRecord) -> bool {
+    matches!(
+        last_hook(rec),
+        Some(crate::hook::TC_INGRESS | crate::hook::PRE_ROUTING)
+    )
 }
 
 #[cfg(test)]
@@ -1331,5 +1353,20 @@ mod tests {
         // Out-of-range positions (not found) change nothing.
         assert!(!lo.enter(LEFT_OUT_PER_CPU));
         assert_eq!(lo.take(LEFT_OUT_PER_CPU), None);
+    }
+
+    #[test]
+    fn a_frame_passed_up_to_a_bridge_continues_only_after_its_entry() {
+        let mut rec = fresh();
+        assert!(!continues_into_bridge(&rec), "nothing seen yet");
+        add_reading(&mut rec, &reading(hook::TC_INGRESS, 0, 60), 0);
+        assert!(continues_into_bridge(&rec));
+        add_reading(&mut rec, &reading(hook::PRE_ROUTING, 1, 60), 1);
+        assert!(continues_into_bridge(&rec));
+        add_reading(&mut rec, &reading(hook::FORWARD, 1, 60), 1);
+        assert!(
+            !continues_into_bridge(&rec),
+            "a record past PREROUTING is stale"
+        );
     }
 }

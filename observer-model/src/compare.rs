@@ -179,6 +179,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: None,
+            bridge: None,
             stages,
             fate: crate::Fate::new(crate::FateKind::Forwarded),
             marks: Default::default(),

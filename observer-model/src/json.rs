@@ -297,6 +297,15 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
     out.write_all(b",\"egress\":")?;
     opt(out, t.egress.as_ref(), iface)?;
     route(out, t.route)?;
+    if let Some(b) = &t.bridge {
+        out.write_all(b",\"bridge\":{\"name\":")?;
+        string(out, &b.name)?;
+        out.write_all(b",\"physdev_in\":")?;
+        opt_string(out, b.physdev_in.as_deref())?;
+        out.write_all(b",\"physdev_out\":")?;
+        opt_string(out, b.physdev_out.as_deref())?;
+        out.write_all(b"}")?;
+    }
     outcome(out, &t.stages, &t.fate, &t.marks, &t.nat)?;
     out.write_all(b",\"conntrack\":")?;
     opt(out, t.conntrack.as_deref(), conntrack)?;
@@ -543,6 +552,11 @@ mod tests {
                 iface: AWKWARD.into(),
             }),
             route: Some(Route::Forward),
+            bridge: Some(crate::BridgeCrossing {
+                name: "cni0".into(),
+                physdev_in: Some("veth1a2b3c4d".into()),
+                physdev_out: None,
+            }),
             stages: stages(),
             fate: fate(),
             marks: marks(),
@@ -594,6 +608,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: None,
+            bridge: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Incomplete),
             marks: Marks::default(),
@@ -664,6 +679,7 @@ mod tests {
             Route::Input,
             Route::Forward,
             Route::Output,
+            Route::Bridged,
             Route::Unroutable,
             Route::Unknown,
         ];

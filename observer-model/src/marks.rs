@@ -9,8 +9,11 @@ use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MarkError {
+    // Not a `source`: the message already carries the TOML error, which would print twice.
     #[error("marks file is not valid TOML: {0}")]
-    Toml(#[from] toml::de::Error),
+    Toml(toml::de::Error),
+    #[error("marks file: unknown key `{0}` (expected `calico_mark_mask` and a [marks] table)")]
+    UnknownKey(String),
     #[error("marks file: `{0}` is not a mark value (write it as hex, e.g. \"0x4000\")")]
     BadValue(String),
     #[error(
@@ -115,8 +118,16 @@ impl MarkDictionary {
     /// Applies a TOML file over the current names: an optional top-level
     /// `calico_mark_mask = "0xffff0000"` (Felix's `iptablesMarkMask`), then `[marks]` entries
     /// `"0x4000" = "kube-proxy:masquerade"`; an empty name forgets a bit.
+    /// Entries apply in the file's order, so where two overlap the later one wins as
+    /// written; an unknown key or table is an error, not ignored.
     pub fn apply_toml(&mut self, text: &str) -> Result<(), MarkError> {
-        let v: toml::Table = toml::from_str(text)?;
+        let v: toml::Table = toml::from_str(text).map_err(MarkError::Toml)?;
+        if let Some(k) = v
+            .keys()
+            .find(|k| !matches!(k.as_str(), "calico_mark_mask" | "marks"))
+        {
+            return Err(MarkError::UnknownKey(k.clone()));
+        }
         if let Some(mask) = v.get("calico_mark_mask") {
             let text = mask.as_str().ok_or(MarkError::Shape)?;
             let mask = parse_value(text).ok_or_else(|| MarkError::BadValue(text.to_string()))?;
@@ -209,6 +220,32 @@ mod tests {
             Err(MarkError::BadValue(_))
         ));
         assert!(matches!(d.apply_toml("[marks"), Err(MarkError::Toml(_))));
+    }
+
+    #[test]
+    fn toml_applies_in_file_order_and_rejects_unknown_keys() {
+        // 0x300 then 0x100: the later entry names 0x100, as written (text order would
+        // apply "0x100" first and let "0x300" overwrite it).
+        let mut d = MarkDictionary::default();
+        d.apply_toml("[marks]\n\"0x300\" = \"pair\"\n\"0x100\" = \"one\"\n")
+            .unwrap();
+        assert_eq!(d.name(0x100), Some("one"));
+        assert_eq!(d.name(0x200), Some("pair"));
+        let mut d = MarkDictionary::default();
+        d.apply_toml("[marks]\n\"0x100\" = \"one\"\n\"0x300\" = \"pair\"\n")
+            .unwrap();
+        assert_eq!(d.name(0x100), Some("pair"));
+        // A misspelt table is an error naming it, not silently ignored.
+        let e = d.apply_toml("[mraks]\n\"0x1\" = \"x\"\n").unwrap_err();
+        assert!(
+            matches!(&e, MarkError::UnknownKey(k) if k == "mraks"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("`mraks`"), "{e}");
+        // A TOML error is said once: in the message, not again as a source.
+        let e = d.apply_toml("[marks\n").unwrap_err();
+        assert!(matches!(e, MarkError::Toml(_)));
+        assert!(std::error::Error::source(&e).is_none());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! traversals alike (JSON is the type's own serialization). Pure functions of a
 //! [`Traversal`].
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use crate::traversal::{
@@ -9,11 +10,49 @@ use crate::traversal::{
     Traversal, Verdict,
 };
 
+/// Whether printing `c` could move the cursor, recolour the terminal or reorder the text:
+/// C0 and C1 controls, DEL, and the bidirectional overrides and isolates.
+fn is_unsafe(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// Text from outside (rule files, recordings, names) made safe for a terminal: every
+/// control character, newlines included, is written as its escape (`\n`, `\u{1b}`).
+pub fn escape_controls(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(is_unsafe) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if is_unsafe(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// The renderers' own newlines stay; any control character a field still carries (one not
+/// escaped where it was printed) is escaped here.
+fn escape_output(s: String) -> String {
+    if !s.chars().any(|c| c != '\n' && is_unsafe(c)) {
+        return s;
+    }
+    s.split('\n')
+        .map(|l| escape_controls(l).into_owned())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+use escape_controls as e;
+
 fn mark_word(c: &MarkChange, sign: char) -> String {
     format!(
         "{sign}{:#x} {}",
         c.bit,
-        c.name.as_deref().unwrap_or("(unnamed)")
+        e(c.name.as_deref().unwrap_or("(unnamed)"))
     )
 }
 
@@ -97,14 +136,14 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
         if let Some(p) = &s.policy
             && s.verdict != Verdict::Accept
         {
-            what.push(format!("policy {p}"));
+            what.push(format!("policy {}", e(p)));
         }
         if what.is_empty() {
             what.push("-".into());
         }
         let table = match &s.chain {
-            Some(c) => format!("{} {} {}", c.family, s.table, c.name),
-            None => s.table.to_string(),
+            Some(c) => format!("{} {} {}", e(&c.family), e(&s.table), e(&c.name)),
+            None => e(&s.table).into_owned(),
         };
         let _ = writeln!(
             out,
@@ -115,15 +154,15 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
             what.join(", ")
         );
         if let Some(n) = note {
-            let _ = writeln!(out, "{indent}  {:<31}  note: {n}", "");
+            let _ = writeln!(out, "{indent}  {:<31}  note: {}", "", e(n));
         }
         for r in s.rules.iter() {
             let mut extra = String::new();
             if let Some(k) = &r.k8s {
-                let _ = write!(extra, "  [k8s {}]", k.service);
+                let _ = write!(extra, "  [k8s {}]", e(&k.service));
             }
             if let Some(id) = &r.calico {
-                let _ = write!(extra, "  [calico {id}]");
+                let _ = write!(extra, "  [calico {}]", e(id));
             }
             // `-A CHAIN` repeats the place.
             let text = r
@@ -133,17 +172,18 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
                 .map_or(r.text.as_str(), str::trim_start);
             let _ = writeln!(
                 out,
-                "{indent}      {} {text}  => {}{extra}",
-                r.id.place(),
-                r.action
+                "{indent}      {} {}  => {}{extra}",
+                e(&r.id.place()),
+                e(text),
+                e(&r.action)
             );
             if let Some(u) = &r.undecidable {
-                let _ = writeln!(out, "{indent}        undecidable: {u}");
+                let _ = writeln!(out, "{indent}        undecidable: {}", e(u));
             }
         }
         if let Some(c) = &s.check {
             for d in &c.disagreements {
-                let _ = writeln!(out, "{indent}      !! {d}");
+                let _ = writeln!(out, "{indent}      !! {}", e(d));
             }
         }
     }
@@ -235,11 +275,15 @@ fn render_branch(out: &mut String, i: usize, n: usize, b: &Branch) {
         "  branch {} of {n} (probability {:.4}): {}",
         i + 1,
         b.probability,
-        fate_text(&b.fate, b.egress.as_ref().map(|e| e.iface.as_str()), None)
+        e(&fate_text(
+            &b.fate,
+            b.egress.as_ref().map(|e| e.iface.as_str()),
+            None
+        ))
     );
     render_stages(out, "  ", &b.stages, &b.marks, &b.nat);
     for note in &b.notes {
-        let _ = writeln!(out, "    note: {note}");
+        let _ = writeln!(out, "    note: {}", e(note));
     }
 }
 
@@ -248,22 +292,34 @@ impl Traversal {
     /// bits by name, conntrack state), the rules that matched there and any disagreement
     /// between them and the kernel, then the packet's fate and its connection.
     pub fn render_tree(&self) -> String {
+        escape_output(self.tree())
+    }
+
+    fn tree(&self) -> String {
         let mut out = String::new();
         let _ = write!(
             out,
             "{} {} {}",
             self.family.map_or("?", |f| f.name()),
             self.proto,
-            self.flow
+            e(&self.flow)
         );
         if let Some(i) = &self.ingress {
-            let _ = write!(out, "  in {}", i.iface);
+            let _ = write!(out, "  in {}", e(&i.iface));
         }
-        if let Some(e) = &self.egress {
-            let _ = write!(out, "  out {}", e.iface);
+        if let Some(o) = &self.egress {
+            let _ = write!(out, "  out {}", e(&o.iface));
         }
         if let Some(r) = self.route {
             let _ = write!(out, "  route {}", r.name());
+        }
+        if let Some(b) = &self.bridge {
+            let _ = match (&b.physdev_in, &b.physdev_out) {
+                (Some(i), Some(o)) => write!(out, "  bridge {} {i} -> {o}", b.name),
+                (Some(i), None) => write!(out, "  bridge {} from {i}", b.name),
+                (None, Some(o)) => write!(out, "  bridge {} to {o}", b.name),
+                (None, None) => write!(out, "  bridge {}", b.name),
+            };
         }
         if self.source == crate::Source::Predicted {
             out.push_str("  (predicted from the rules)");
@@ -280,7 +336,7 @@ impl Traversal {
         }
         out.push('\n');
         for n in &self.notes {
-            let _ = writeln!(out, "  note: {n}");
+            let _ = writeln!(out, "  note: {}", e(n));
         }
         if self.branches.len() > 1 {
             for (i, b) in self.branches.iter().enumerate() {
@@ -289,7 +345,7 @@ impl Traversal {
             return out;
         }
         render_stages(&mut out, "", &self.stages, &self.marks, &self.nat);
-        let _ = writeln!(out, "  => {}", self.fate_text());
+        let _ = writeln!(out, "  => {}", e(&self.fate_text()));
         if let Some(s) = rules_summary(&self.stages) {
             let _ = writeln!(out, "  rules: {s}");
         }
@@ -307,7 +363,7 @@ impl Traversal {
             let names: Vec<String> = self
                 .names
                 .iter()
-                .map(|n| format!("{} = {} {}", n.endpoint, n.kind, n.name))
+                .map(|n| format!("{} = {} {}", e(&n.endpoint), n.kind, e(&n.name)))
                 .collect();
             let _ = writeln!(out, "  names: {}", names.join(", "));
         }
@@ -324,6 +380,11 @@ impl Traversal {
 
     /// One line per packet: flow, interfaces, route, NAT, mark changes, rules, fate.
     pub fn render_line(&self) -> String {
+        // One line: a newline carried by a field is escaped too.
+        escape_controls(&self.line()).into_owned()
+    }
+
+    fn line(&self) -> String {
         let mut parts = vec![format!(
             "{} {} {} [{} -> {}] {}",
             self.family.map_or("?", |f| f.name()),
@@ -333,6 +394,9 @@ impl Traversal {
             self.egress.as_ref().map_or("-", |i| i.iface.as_str()),
             self.route.map_or("-", |r| r.name()),
         )];
+        if let Some(b) = &self.bridge {
+            parts.push(format!("via {}", b.name));
+        }
         let nat: Vec<String> = self
             .nat
             .iter()
@@ -464,6 +528,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: Some(crate::Route::Forward),
+            bridge: None,
             marks: crate::mark_changes(&stages, &crate::MarkDictionary::default()),
             nat: vec![Nat {
                 kind: NatKind::Dnat,
@@ -505,5 +570,95 @@ mod tests {
             t.render_line()
                 .contains("DNAT 10.10.10.2:22->172.17.0.5:22@PREROUTING/kube-proxy(rules)")
         );
+        // A bridged frame names the bridge and its ports in the header, the bridge in a line.
+        let mut b = t.clone();
+        b.route = Some(crate::Route::Bridged);
+        b.bridge = Some(crate::BridgeCrossing {
+            name: "cni0".into(),
+            physdev_in: Some("veth2c3d4e5f".into()),
+            physdev_out: Some("veth1a2b3c4d".into()),
+        });
+        let tree = b.render_tree();
+        assert!(
+            tree.lines()
+                .next()
+                .unwrap()
+                .contains("  route bridged  bridge cni0 veth2c3d4e5f -> veth1a2b3c4d  (predicted"),
+            "{tree}"
+        );
+        assert!(
+            b.render_line().contains("] bridged | via cni0"),
+            "{}",
+            b.render_line()
+        );
+        b.bridge.as_mut().unwrap().physdev_out = None;
+        assert!(b.render_tree().contains("  bridge cni0 from veth2c3d4e5f"));
+    }
+
+    #[test]
+    fn control_characters_from_rules_and_names_are_escaped() {
+        let rule = Rule {
+            id: RuleId::Iptables {
+                table: "filter".into(),
+                chain: "IN\x1b[2J".into(),
+                index: 1,
+            },
+            text: "-A IN\x1b[2J -m comment --comment \"a\nb\u{202e}c\"".into(),
+            action: "accept\r".into(),
+            mark: None,
+            undecidable: Some("why\x07".into()),
+            iptables_nft: None,
+            k8s: None,
+            calico: None,
+        };
+        let mut st = chain(
+            "evil\nchain",
+            0,
+            ("10.0.0.1:80", 0),
+            ("10.0.0.1:80", 0),
+            Rules::new(vec![rule]),
+        );
+        st.note = Some("note\x1b]0;title\x07".into());
+        let t = Traversal {
+            schema: crate::SCHEMA,
+            source: Source::Predicted,
+            netns: None,
+            family: Some(crate::Family::Ipv4),
+            proto: "tcp".into(),
+            ingress: Some(crate::traversal::Iface {
+                iface: "eth0\x1b[31m".into(),
+            }),
+            egress: None,
+            route: None,
+            bridge: None,
+            marks: Default::default(),
+            nat: Vec::new(),
+            stages: vec![st],
+            fate: Fate::new(FateKind::Forwarded),
+            conntrack: None,
+            names: Vec::new(),
+            branches: Vec::new(),
+            notes: vec!["from a recording\n  => ACCEPTED".into()],
+            lost: 0,
+            incomplete: false,
+            incomplete_reason: None,
+            flow: "10.0.0.9:1 -> 10.0.0.1:80".into(),
+        };
+        for out in [t.render_tree(), t.render_line()] {
+            assert!(!out.chars().any(|c| c != '\n' && is_unsafe(c)), "{out:?}");
+            assert!(out.contains("eth0\\u{1b}[31m"), "{out}");
+        }
+        let tree = t.render_tree();
+        assert!(tree.contains("IN\\u{1b}[2J"), "{tree}");
+        assert!(tree.contains("a\\nb\\u{202e}c"), "{tree}");
+        assert!(tree.contains("evil\\nchain"), "{tree}");
+        // A newline in data never starts a line of its own.
+        assert!(
+            !tree
+                .lines()
+                .any(|l| l.trim_start().starts_with("=> ACCEPTED")),
+            "{tree}"
+        );
+        assert_eq!(t.render_line().lines().count(), 1);
     }
 }

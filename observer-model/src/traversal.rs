@@ -39,6 +39,9 @@ pub enum Route {
     Input,
     Forward,
     Output,
+    /// Forwarded by a bridge from port to port (br_netfilter walked it through the IP hooks),
+    /// not routed.
+    Bridged,
     /// Predicted only: routing drops the packet.
     Unroutable,
     /// Predicted only: no routes to decide with.
@@ -51,6 +54,7 @@ impl Route {
             Route::Input => "input",
             Route::Forward => "forward",
             Route::Output => "output",
+            Route::Bridged => "bridged",
             Route::Unroutable => "unroutable",
             Route::Unknown => "unknown",
         }
@@ -154,6 +158,10 @@ pub struct Traversal {
     pub ingress: Option<Iface>,
     pub egress: Option<Iface>,
     pub route: Option<Route>,
+    /// The Linux bridge the packet crossed, with the ports it came in and left by
+    /// (br_netfilter's `physdev` in and out). Absent for a packet that met no bridge.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<BridgeCrossing>,
     pub stages: Vec<Stage>,
     pub fate: Fate,
     pub marks: Marks,
@@ -178,6 +186,19 @@ pub struct Traversal {
     /// `src -> dst` as first seen, for the tree's header (also when no stage was passed).
     #[serde(skip)]
     pub flow: String,
+}
+
+/// A bridge a packet crossed: its device and the ports (the host ends of the pods'
+/// veths) it came in by and left by. A port is absent where the packet did not pass one:
+/// routed out of another device after entering through a port, or sent by the node.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct BridgeCrossing {
+    /// The bridge device (`cni0`, `docker0`).
+    pub name: String,
+    /// The port it entered through (`--physdev-in`).
+    pub physdev_in: Option<String>,
+    /// The port it left through (`--physdev-out`).
+    pub physdev_out: Option<String>,
 }
 
 /// One random outcome of a prediction.

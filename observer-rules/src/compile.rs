@@ -89,9 +89,76 @@ pub enum Cond {
         every: u32,
         neg: bool,
     },
+    /// `-m physdev`: the bridge ports br_netfilter recorded (`xt_physdev`). Each option is
+    /// present with its `!`; names may end in `+`.
+    Physdev(Physdev),
     /// Matches every packet (comment) or is assumed to (limit under its burst); text explains.
     Always(Option<String>),
+    /// A field of the connection's tuples (`-m conntrack --ctproto/--ctorig*/--ctrepl*`).
+    /// `with_state`: the same match has `--ctstate`, which makes xt_conntrack answer true for
+    /// a packet without a conntrack entry once the state matched (false without it).
+    CtTuple {
+        field: CtField,
+        neg: bool,
+        with_state: bool,
+    },
+    /// `-m recent`: a list of recently seen addresses, kept by the kernel across packets.
+    Recent {
+        cmd: RecentCmd,
+        name: String,
+        /// `--rdest`: the list holds destinations, not sources.
+        rdest: bool,
+        /// `--hitcount N`: at least N packets seen (within `--seconds`, when given).
+        hitcount: Option<u32>,
+        neg: bool,
+    },
+    /// A stateful match answered under an assumption the explanation states: `answer` is the
+    /// match's result when `assumption` holds (`hashlimit` under its rate, ...).
+    Assumed {
+        answer: bool,
+        assumption: String,
+    },
+    /// `-m pkttype --pkt-type T`: the link-layer class of the packet (lower-case name).
+    PktType(String, bool),
+    /// A match on a header the simulated packet does not carry (IPv6 routing, hop-by-hop,
+    /// destination-options or fragment header): the kernel answers false, even negated.
+    NoHeader(String),
     Unknown(String),
+}
+
+/// The options of one `-m physdev` match, each `(value, negated)`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Physdev {
+    pub physin: Option<(String, bool)>,
+    pub physout: Option<(String, bool)>,
+    pub is_in: Option<bool>,
+    pub is_out: Option<bool>,
+    pub is_bridged: Option<bool>,
+}
+
+/// One field of a conntrack entry's tuples; `reply` selects the reply tuple, `src` the source.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CtField {
+    Proto(u8),
+    Addr {
+        reply: bool,
+        src: bool,
+        net: Net,
+    },
+    Port {
+        reply: bool,
+        src: bool,
+        lo: u16,
+        hi: u16,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecentCmd {
+    Set,
+    Check,
+    Update,
+    Remove,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -169,19 +236,20 @@ fn first_arg(o: &Opt) -> &str {
     o.args.first().map_or("", String::as_str)
 }
 
+/// A port number or a service name (`http`), as iptables reads them.
+fn port(s: &str) -> Option<u16> {
+    s.parse().ok().or_else(|| crate::check::service_port(s))
+}
+
 fn parse_ports(s: &str) -> Option<Vec<(u16, u16)>> {
     s.split(',')
         .map(|p| match p.split_once(':') {
             Some((a, b)) => Some((
-                if a.is_empty() { 0 } else { a.parse().ok()? },
-                if b.is_empty() {
-                    u16::MAX
-                } else {
-                    b.parse().ok()?
-                },
+                if a.is_empty() { 0 } else { port(a)? },
+                if b.is_empty() { u16::MAX } else { port(b)? },
             )),
             None => {
-                let n = p.parse().ok()?;
+                let n = port(p)?;
                 Some((n, n))
             }
         })
@@ -314,6 +382,149 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
                 invert: has("invert"),
             });
         }
+        return;
+    }
+    if name == "physdev" {
+        let mut p = Physdev::default();
+        for o in opts {
+            match o.name.as_str() {
+                "physdev-in" => p.physin = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-out" => p.physout = Some((first_arg(o).to_string(), o.neg)),
+                "physdev-is-in" => p.is_in = Some(o.neg),
+                "physdev-is-out" => p.is_out = Some(o.neg),
+                "physdev-is-bridged" => p.is_bridged = Some(o.neg),
+                _ => {
+                    out.push(unknown(name, o));
+                    return;
+                }
+            }
+        }
+        out.push(Cond::Physdev(p));
+        return;
+    }
+    if name == "conntrack" {
+        let with_state = opts.iter().any(|o| o.name == "ctstate");
+        for o in opts {
+            let a = first_arg(o);
+            let tuple = |field: Option<CtField>| match field {
+                Some(field) => Cond::CtTuple {
+                    field,
+                    neg: o.neg,
+                    with_state,
+                },
+                None => unknown(name, o),
+            };
+            let addr =
+                |reply, src| tuple(Net::parse(a).map(|net| CtField::Addr { reply, src, net }));
+            let port = |reply, src| {
+                let (lo, hi) = match a.split_once(':') {
+                    Some((l, h)) => (port(l), port(h)),
+                    None => (port(a), port(a)),
+                };
+                tuple(
+                    lo.zip(hi)
+                        .map(|(lo, hi)| CtField::Port { reply, src, lo, hi }),
+                )
+            };
+            out.push(match o.name.as_str() {
+                "ctstate" => match ct_states(a) {
+                    Some(states) => Cond::CtState { states, neg: o.neg },
+                    None => unknown(name, o),
+                },
+                "ctproto" => tuple(proto_number(a).map(CtField::Proto)),
+                "ctorigsrc" => addr(false, true),
+                "ctorigdst" => addr(false, false),
+                "ctreplsrc" => addr(true, true),
+                "ctrepldst" => addr(true, false),
+                "ctorigsrcport" => port(false, true),
+                "ctorigdstport" => port(false, false),
+                "ctreplsrcport" => port(true, true),
+                "ctrepldstport" => port(true, false),
+                _ => unknown(name, o),
+            });
+        }
+        return;
+    }
+    if name == "recent" {
+        let get = |n: &str| opts.iter().find(|o| o.name == n);
+        let cmds = [
+            ("set", RecentCmd::Set),
+            ("rcheck", RecentCmd::Check),
+            ("update", RecentCmd::Update),
+            ("remove", RecentCmd::Remove),
+        ];
+        let cmd = cmds.iter().find_map(|(n, c)| get(n).map(|o| (*c, o.neg)));
+        let hitcount = get("hitcount").map(|o| first_arg(o).parse::<u32>().ok());
+        match (cmd, hitcount) {
+            (Some((cmd, neg)), hitcount) if hitcount.is_none_or(|h| h.is_some()) => {
+                out.push(Cond::Recent {
+                    cmd,
+                    name: get("name").map_or("DEFAULT", first_arg).to_string(),
+                    rdest: get("rdest").is_some(),
+                    hitcount: hitcount.flatten(),
+                    neg,
+                });
+            }
+            _ => out.push(Cond::Unknown("recent without a command".into())),
+        }
+        return;
+    }
+    if name == "hashlimit" {
+        let get = |n: &str| opts.iter().find(|o| o.name == n);
+        let label = get("hashlimit-name").map_or("", first_arg);
+        // Under its rate: `--hashlimit-upto` (and the old `--hashlimit`) matches,
+        // `--hashlimit-above` does not.
+        let (answer, rate) = match (
+            get("hashlimit-upto").or(get("hashlimit")),
+            get("hashlimit-above"),
+        ) {
+            (Some(o), _) => (!o.neg, first_arg(o)),
+            (None, Some(o)) => (o.neg, first_arg(o)),
+            (None, None) => {
+                out.push(Cond::Unknown("hashlimit without a rate".into()));
+                return;
+            }
+        };
+        out.push(Cond::Assumed {
+            answer,
+            assumption: format!(
+                "hashlimit `{label}` under its rate of {rate} (the kernel counts earlier packets)"
+            ),
+        });
+        return;
+    }
+    if name == "mac" {
+        // The packet spec carries no link-layer address: answer as for any other sender.
+        for o in opts {
+            out.push(Cond::Assumed {
+                answer: o.neg,
+                assumption: format!(
+                    "mac: the source MAC is not {} (the packet gives no MAC address)",
+                    first_arg(o)
+                ),
+            });
+        }
+        return;
+    }
+    if name == "pkttype" {
+        for o in opts {
+            out.push(match o.name.as_str() {
+                "pkt-type" => Cond::PktType(first_arg(o).to_ascii_lowercase(), o.neg),
+                _ => unknown(name, o),
+            });
+        }
+        return;
+    }
+    if matches!(name, "rt" | "frag" | "hbh" | "dst") && v6 {
+        let what = match name {
+            "rt" => "routing",
+            "frag" => "fragment",
+            "hbh" => "hop-by-hop options",
+            _ => "destination options",
+        };
+        out.push(Cond::NoHeader(format!(
+            "-m {name}: the packet has no IPv6 {what} header"
+        )));
         return;
     }
     if name == "statistic" {
@@ -462,7 +673,6 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
         };
         out.push(c);
     }
-    let _ = v6;
 }
 
 fn nat_addr(s: &str) -> (Option<IpAddr>, Option<u16>) {
@@ -637,8 +847,10 @@ pub fn compile(rule: &Rule, v6: bool, is_chain: &dyn Fn(&str) -> bool) -> Compil
                         None => Cond::Unknown(format!("address {value}")),
                     },
                     Basic::Proto => match value.as_str() {
-                        "all" | "0" => Cond::Proto(None, neg),
+                        "all" => Cond::Proto(None, neg),
                         p => match proto_number(p) {
+                            // `-p 0` (`ip`, `hopopt`) is "all" to iptables.
+                            Some(0) => Cond::Proto(None, neg),
                             Some(n) => Cond::Proto(Some(n), neg),
                             None => Cond::Unknown(format!("protocol {p}")),
                         },
@@ -772,8 +984,13 @@ mod tests {
         let s = c("-A X -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-A");
         assert!(matches!(s.conds[0], Cond::StatRandom { neg: false, .. }));
         assert!(matches!(
-            c("-A X -m physdev --physdev-is-bridged").conds[0],
-            Cond::Unknown(_)
+            c("-A X -m physdev --physdev-is-bridged ! --physdev-in veth+").conds[0],
+            Cond::Physdev(Physdev {
+                is_bridged: Some(false),
+                physin: Some((ref n, true)),
+                physout: None,
+                ..
+            }) if n == "veth+"
         ));
         assert!(
             matches!(c("-A X -m set ! --match-set s src,dst").conds[0], Cond::Set { neg: true, ref dirs, .. } if *dirs == vec![true, false])

@@ -14,6 +14,7 @@ use observer_model::{
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::bridge::Bridges;
 use crate::check::Family;
 use crate::error::ParseError;
 use crate::ipset::{Ipsets, parse_ipsets};
@@ -40,6 +41,17 @@ pub struct ExplainRequest {
     pub packet: String,
     /// Interface addresses for MASQUERADE/REDIRECT when routes do not name them.
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+    /// `bridge -j [-d] link` output: bridge ports (and hairpin mode with `-d`).
+    pub bridge_links_json: Option<String>,
+    /// `ip -j [-d] link` output: bridge ports by their `master`, bridges' own
+    /// `nf_call_iptables` with `-d`.
+    pub links_json: Option<String>,
+    /// `ip -j neigh show` output: which MAC a destination behind a bridge has.
+    pub neigh_json: Option<String>,
+    /// `bridge -j fdb show` output: which port learnt a MAC.
+    pub fdb_json: Option<String>,
+    /// `net.bridge.bridge-nf-call-iptables` / `-ip6tables`; None assumes the kernel's 1.
+    pub bridge_nf_call: [Option<bool>; 2],
 }
 
 /// The rules of both families (and nft, if given).
@@ -62,6 +74,8 @@ pub enum ExplainError {
     Ipset(ParseError),
     #[error("route input, {0}")]
     Routes(ParseError),
+    #[error("bridge/link input, {0}")]
+    Bridges(ParseError),
     #[error(transparent)]
     Packet(#[from] PacketSpecError),
     #[error(
@@ -125,20 +139,54 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     let texts: Vec<&str> = req.routes_json.iter().map(String::as_str).collect();
     let routes = Routes::parse_json(&texts).map_err(ExplainError::Routes)?;
     let rs = Ruleset { ipv4, ipv6, nft };
-    Ok(explain_with(
+    let bridges = bridges_of(req).map_err(ExplainError::Bridges)?;
+    Ok(explain_with_bridges(
         &rs,
         &ipsets,
         &routes,
+        &bridges,
         &packet,
         &req.iface_addrs,
     ))
 }
 
-/// Simulates `packet` against already-loaded inputs (the `--live` path).
+/// The bridge facts of a request, from whichever of its inputs were given.
+fn bridges_of(req: &ExplainRequest) -> Result<Bridges, ParseError> {
+    let mut b = Bridges::default();
+    if let Some(t) = &req.links_json {
+        b.add_ip_link_json(t)?;
+    }
+    if let Some(t) = &req.bridge_links_json {
+        b.add_bridge_link_json(t)?;
+    }
+    if let Some(t) = &req.neigh_json {
+        b.add_neigh_json(t)?;
+    }
+    if let Some(t) = &req.fdb_json {
+        b.add_fdb_json(t)?;
+    }
+    b.call_tables = req.bridge_nf_call;
+    Ok(b)
+}
+
+/// Simulates `packet` against already-loaded inputs, without bridge facts.
 pub fn explain_with(
     rs: &Ruleset,
     ipsets: &Ipsets,
     routes: &Routes,
+    packet: &PacketSpec,
+    iface_addrs: &HashMap<String, Vec<IpAddr>>,
+) -> Explanation {
+    explain_with_bridges(rs, ipsets, routes, &Bridges::default(), packet, iface_addrs)
+}
+
+/// Simulates `packet` against already-loaded inputs (the `--live` path); a packet entering
+/// a port of one of `bridges` walks br_netfilter's path.
+pub fn explain_with_bridges(
+    rs: &Ruleset,
+    ipsets: &Ipsets,
+    routes: &Routes,
+    bridges: &Bridges,
     packet: &PacketSpec,
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
@@ -147,6 +195,7 @@ pub fn explain_with(
         sim = sim.with_nft(nft);
     }
     sim.iface_addrs = iface_addrs.clone();
+    sim.bridges = bridges.clone();
     let branches = sim.simulate(packet);
     let mut notes = Vec::new();
     if let Some(nft) = &rs.nft {
@@ -171,6 +220,11 @@ pub fn explain_with(
             if packet.is_v6() { "IPv6" } else { "IPv4" }
         ));
     }
+    if !bridges.is_known() && mentions_physdev(rs) {
+        notes.push(
+            "rules use `-m physdev` but no bridge ports were given (--bridge-links / --links): physdev matches are undecidable".into(),
+        );
+    }
     if ipsets.sets.is_empty() && mentions_sets(rs) {
         notes.push(
             "rules use ipsets but no `ipset save` was given: set matches are undecidable".into(),
@@ -191,6 +245,23 @@ fn nft_has_tables(nft: Option<&NftRuleset>, v6: bool) -> bool {
             .iter()
             .any(|t| t.family == fam || t.family == "inet")
     })
+}
+
+fn mentions_module(rs: &Ruleset, module: &str) -> bool {
+    [&rs.ipv4, &rs.ipv6]
+        .iter()
+        .flat_map(|f| &f.tables)
+        .flat_map(|t| &t.chains)
+        .flat_map(|c| &c.rules)
+        .any(|r| {
+            r.items
+                .iter()
+                .any(|i| matches!(i, crate::iptables::Item::Module { name, .. } if name == module))
+        })
+}
+
+fn mentions_physdev(rs: &Ruleset) -> bool {
+    mentions_module(rs, "physdev")
 }
 
 fn mentions_sets(rs: &Ruleset) -> bool {
@@ -338,6 +409,7 @@ fn route_of(r: &str) -> Option<Route> {
         "forward" => Route::Forward,
         "output" => Route::Output,
         "unroutable" => Route::Unroutable,
+        "bridged" => Route::Bridged,
         "unknown" => Route::Unknown,
         _ => return None,
     })
@@ -480,6 +552,7 @@ impl Explanation {
             })
             .collect();
         let main = branches.first();
+        let main_branch = self.branches.first();
         let mut notes = self.notes.clone();
         if let Some(b) = main {
             notes.extend(b.notes.iter().cloned());
@@ -514,6 +587,13 @@ impl Explanation {
             ingress: p.in_iface.as_ref().map(|i| Iface { iface: i.clone() }),
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
+            bridge: main_branch
+                .and_then(|b| b.bridge.as_ref())
+                .map(|(name, i, o)| model::BridgeCrossing {
+                    name: name.clone(),
+                    physdev_in: i.clone(),
+                    physdev_out: o.clone(),
+                }),
             conntrack: predicted_conntrack(p, &stages),
             names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),

@@ -568,7 +568,8 @@ fn parse_rule_line(
         first = lx.next_tok();
     }
     let mut cols = Vec::new();
-    let rule = parse_rule_tokens(first, &mut lx, counters, lineno, &mut cols)?;
+    let mut insert_at = None;
+    let rule = parse_rule_tokens(first, &mut lx, counters, lineno, &mut cols, &mut insert_at)?;
     let known = match open.index.get(&rule.chain) {
         Some(_) => true,
         None => open.builtins.contains(&rule.chain.as_str()),
@@ -608,7 +609,23 @@ fn parse_rule_line(
             open.table.chains.last_mut().expect("just pushed")
         }
     };
-    chain.rules.push(rule);
+    match insert_at {
+        None => chain.rules.push(rule),
+        // `-I CHAIN N` puts the rule before rule N; the legacy back end refuses a position
+        // past the end plus one (the nft back end's `--test` does not look).
+        Some((n, _)) if n <= chain.rules.len() + 1 => chain.rules.insert(n - 1, rule),
+        Some((n, col)) => {
+            return Err(ParseError::new(
+                lineno,
+                col,
+                format!(
+                    "index of insertion too big: `-I {} {n}` but the chain has {} rules",
+                    chain.name,
+                    chain.rules.len()
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -617,34 +634,78 @@ fn parse_rule_line(
 pub fn parse_rule(line: &str) -> Result<Rule, ParseError> {
     let mut lx = Lexer::new(line, false);
     let first = lx.next_tok();
-    parse_rule_tokens(first, &mut lx, None, 1, &mut Vec::new())
+    parse_rule_tokens(first, &mut lx, None, 1, &mut Vec::new(), &mut None)
+}
+
+/// Whether a rule line's first word appends (`-A`, `--append`) or inserts (`-I`, `--insert`),
+/// getopt's unique prefixes included (`--ins`).
+fn command_of(word: &str) -> Option<bool> {
+    match word {
+        "-A" => return Some(false),
+        "-I" => return Some(true),
+        _ => {}
+    }
+    let long = word.strip_prefix("--").filter(|l| !l.is_empty())?;
+    let mut hits = check::BASE_LONG_OPTIONS
+        .iter()
+        .filter(|b| b.starts_with(long));
+    match (hits.next(), hits.next()) {
+        (Some(&"append"), None) => Some(false),
+        (Some(&"insert"), None) => Some(true),
+        _ => None,
+    }
 }
 
 /// Reads a rule from its first token on. `cols` receives the column of each part in model
-/// order (see [`check::Cols`]) so the checks can point at the offending word.
+/// order (see [`check::Cols`]) so the checks can point at the offending word. An `-I CHAIN [N]`
+/// line sets `insert_at` to its 1-based position and the column of the number.
 fn parse_rule_tokens<'a>(
     first: Option<Tok<'a>>,
     lx: &mut Lexer<'a>,
     counters: Option<Counters>,
     lineno: usize,
     cols: &mut Vec<usize>,
+    insert_at: &mut Option<(usize, usize)>,
 ) -> Result<Rule, ParseError> {
     let err = |t: &Tok<'_>, m: String| ParseError::new(lineno, t.col, m);
     let first = first.ok_or_else(|| ParseError::new(lineno, 1, "empty rule"))?;
-    if first.text != "-A" && first.text != "--append" {
+    let Some(insert) = command_of(&first.text).filter(|_| !first.quoted) else {
         return Err(err(
             &first,
-            format!("expected `-A CHAIN`, found `{}`", first.text),
+            format!(
+                "expected `-A CHAIN` or `-I CHAIN [N]`, found `{}`",
+                first.text
+            ),
         ));
-    }
+    };
     let mut next = lx.next_tok();
-    let chain_tok = next
-        .take()
-        .filter(|t| !is_option_word(t))
-        .ok_or_else(|| ParseError::new(lineno, lx.col, "missing chain name after -A"))?;
+    let chain_tok = next.take().filter(|t| !is_option_word(t)).ok_or_else(|| {
+        ParseError::new(
+            lineno,
+            lx.col,
+            format!("missing chain name after {}", first.text),
+        )
+    })?;
     cols.push(chain_tok.col);
     let chain = chain_tok.text.into_owned();
     next = lx.next_tok();
+    if insert {
+        // iptables takes the next word as the rule number unless it starts with `-` or `!`.
+        let number =
+            next.take_if(|t| t.quoted || !(t.text.starts_with('-') || t.text.starts_with('!')));
+        *insert_at = Some(match number {
+            None => (1, chain_tok.col),
+            Some(t) => {
+                let n = check::strtoul0(&t.text, i32::MAX as u64)
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| {
+                        err(&t, format!("invalid rule number `{}` (1 or more)", t.text))
+                    })?;
+                next = lx.next_tok();
+                (n as usize, t.col)
+            }
+        });
+    }
     let mut items: Vec<Item> = Vec::new();
     let mut target: Option<Target> = None;
     let mut neg = false;
@@ -1133,12 +1194,86 @@ mod tests {
             "-A c -p tcp --dport ssh",
             "-A c --pro tcp --dport 22 --j ACCEPT",
             "-A c -mcomment --comment x -ieth0",
+            // The newest extension owns a name two share: recent's `--set` is a flag.
+            "-A c -m set --match-set s src -m recent --set --name x",
         ] {
             rule(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
         assert!(parse_save("").unwrap().tables.is_empty());
         // Counters after the policy are not checked by iptables-restore either.
         parse_save("*nat\n:X - [1:2] junk\nCOMMIT\n").unwrap();
+    }
+
+    /// Each case was run through `iptables-restore --test` 1.8.9 (nft back end; `-I` past
+    /// the end also through the legacy one, which alone refuses it).
+    #[test]
+    fn insert_lines_mac_and_time_as_iptables_restore_reads_them() {
+        let rule = |r: &str| {
+            parse_save(&format!(
+                "*filter\n:c - [0:0]\n-A c -j RETURN\n{r}\nCOMMIT\n"
+            ))
+        };
+        for bad in [
+            // "Invalid MAC address specified."
+            "-A c -m mac --mac-source XX:XX:XX:XX:XX:XX",
+            "-A c -m mac --mac-source 14-56-e2-b5-a5-eb",
+            "-A c -m mac --mac-source 0014:56:e2:b5:a5:eb",
+            "-A c -m mac --mac-source 14:56:e2:b5:a5",
+            "-A c -m mac --mac-source 0x4:56:e2:b5:a5:eb",
+            // mac: option "--mac-source" must be specified
+            "-A c -m mac",
+            // unknown option "--days" / "--time"
+            "-A c -m time --timestart 22:00 --days Mon",
+            "-A c -m time --time 22:00",
+            // invalid time "25:00" / "08" / "60"
+            "-A c -m time --timestart 25:00",
+            "-A c -m time --timestart 08",
+            "-A c -m time --timestop 08:00:60",
+            "-A c -m time --weekdays Foo",
+            "-A c -m time --weekdays M",
+            "-A c -m time --weekdays mon",
+            "-A c -m time --weekdays 0",
+            "-A c -m time --monthdays 32",
+            // --contiguous only makes sense when stoptime is smaller than starttime
+            "-A c -m time --contiguous",
+            // option "--utc" cannot be used together with "--kerneltz"
+            "-A c -m time --kerneltz --utc",
+            "-A c -m time --utc --localtz",
+            "-A c -m time --timestart 08:00 --timestop 17:00 --contiguous",
+            // Invalid rule number `0' / `x'
+            "-I c 0 -j ACCEPT",
+            "-I c x -j ACCEPT",
+            // legacy: index of insertion too big (the chain has one rule)
+            "-I c 3 -j ACCEPT",
+        ] {
+            assert!(rule(bad).is_err(), "accepted: {bad}");
+        }
+        for ok in [
+            "-A c -m mac --mac-source 14:56:e2:b5:a5:eb",
+            "-A c -m mac ! --mac-source 14:56:E2:B5:A5:EB",
+            "-A c -m mac --mac-source 1:56:e2:b5:a5:eb",
+            "-A c -m mac --mac-source :56:e2:b5:a5:eb",
+            "-A c -m mac --mac 14:56:e2:b5:a5:eb",
+            "-A c -m time",
+            "-A c -m time --timestart 8:0 --timestop 23:59:59 --weekdays Mo,Tuesday,7,8",
+            "-A c -m time --timestart 22:00 --timestop 06:00 --contiguous --kerneltz",
+            "-A c -m time --timestop 06:00 --contiguous",
+            "-A c -m time --monthdays 1,31 --localtz --kerneltz",
+            "-I c -j ACCEPT",
+            "-I c 1 -j ACCEPT",
+            "-I c 2 -j ACCEPT",
+            "-I c 0x1 -j ACCEPT",
+            "--insert c -j ACCEPT",
+            "--ins c -j ACCEPT",
+        ] {
+            rule(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let f = rule("-I c 1 -p tcp -j ACCEPT").unwrap();
+        let c = f.table("filter").unwrap().chain("c").unwrap();
+        assert_eq!(c.rules[0].text(), "-A c -p tcp -j ACCEPT");
+        assert_eq!(c.rules[1].text(), "-A c -j RETURN");
+        let e = rule("-I c 3 -j ACCEPT").unwrap_err();
+        assert_eq!((e.line, e.column), (4, 6), "{e}");
     }
 
     #[test]
@@ -1215,15 +1350,16 @@ mod perf {
     }
 
     /// Parsing is linear in the length of a rule: 500,000 matches (a 9.5 MB line) once took
-    /// 243 s because every token recounted the columns before it. Under 1 s in a release
-    /// build (`cargo test --release`); a debug build is about 3x slower, so it gets 4 s, still
-    /// far below what a quadratic parser needs. The growth from 125k to 500k matches must look
-    /// linear (4x; quadratic would be 16x), which holds in both builds.
+    /// 243 s because every token recounted the columns before it. Under 1 s in a release build
+    /// on a quiet machine, ~1.5 s in a debug build; the bound is 30 s so that it holds on a
+    /// loaded 2-core machine (5.2 s was seen at load 15) and is still far below what a
+    /// quadratic parser needs. The growth from 125k to 500k matches must look linear (4x;
+    /// quadratic would be 16x).
     #[test]
     fn half_a_million_matches_parse_in_linear_time() {
         let small = (0..3).map(|_| parse_matches(125_000)).min().unwrap();
         let big = (0..2).map(|_| parse_matches(500_000)).min().unwrap();
-        let bound = Duration::from_secs(if cfg!(debug_assertions) { 4 } else { 1 });
+        let bound = Duration::from_secs(30);
         eprintln!("125,000 matches: {small:?}; 500,000 matches: {big:?} (bound {bound:?})");
         assert!(big < bound, "500,000 matches took {big:?}");
         assert!(

@@ -6,6 +6,7 @@
 //! kernel would increment. Matches it does not model make the answer "undecidable" rather than
 //! a guess. `explain` is the entry point the CLI wires up.
 
+pub mod bridge;
 pub mod check;
 pub mod compile;
 pub mod error;
@@ -19,13 +20,18 @@ pub mod packet;
 pub mod route;
 pub mod sim;
 
+pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
-pub use explain::{ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with};
+pub use explain::{
+    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, explain_with_bridges,
+};
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
-pub use live::{LiveError, LiveNode, LiveTexts};
+pub use live::{BridgeTexts, LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
-pub use sim::{Branch, Hook, MatchedRule, Simulator, Stage, StageInput, Verdict};
+pub use sim::{
+    Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, Stage, StageInput, Verdict,
+};

@@ -17,6 +17,7 @@ use observer_model::MarkDictionary;
 use serde_json::Value;
 use thiserror::Error;
 
+use crate::bridge::Bridges;
 use crate::check::Family as Dialect;
 use crate::explain::Ruleset;
 use crate::ipset::{Ipsets, parse_ipsets};
@@ -28,11 +29,12 @@ use crate::sim::Simulator;
 /// One read of the node that did not give us what we need.
 #[derive(Debug, Error)]
 pub enum LiveError {
-    #[error("cannot run `{cmd}`: {source} (install {package}; `cargo xtask setup` does)")]
+    // `error`, not `source`: the message already says it, and a source would print twice.
+    #[error("cannot run `{cmd}`: {error} (install {package}; `cargo xtask setup` does)")]
     Spawn {
         cmd: String,
         package: &'static str,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("`{cmd}` failed: {stderr} (run as root, in the namespace to read)")]
     Failed { cmd: String, stderr: String },
@@ -62,6 +64,31 @@ pub struct LiveTexts {
     /// `ip -j -4` and `-6 route show table all`, those read.
     pub routes: Vec<String>,
     pub addrs: Option<String>,
+    /// Bridge ports, neighbours, fdb and br_netfilter's switches (boxed: recordings carry
+    /// these texts in a frame that stays small).
+    #[serde(default)]
+    pub bridge: Box<BridgeTexts>,
+}
+
+/// What the bridge commands printed, raw.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BridgeTexts {
+    /// `bridge -j -d link show`: bridge ports and their hairpin mode.
+    #[serde(default)]
+    pub bridge_links: Option<String>,
+    /// `ip -j -d link show`: bridges' own `nf_call_iptables` options.
+    #[serde(default)]
+    pub links: Option<String>,
+    /// `ip -j neigh show` and `bridge -j fdb show`: where a frame to an address leaves a
+    /// bridge.
+    #[serde(default)]
+    pub neigh: Option<String>,
+    #[serde(default)]
+    pub fdb: Option<String>,
+    /// `net.bridge.bridge-nf-call-iptables` / `-ip6tables` (false when br_netfilter is not
+    /// loaded: the files are absent).
+    #[serde(default)]
+    pub bridge_nf_call: [Option<bool>; 2],
 }
 
 /// The node as read at one moment.
@@ -74,6 +101,8 @@ pub struct LiveNode {
     pub routes: Routes,
     /// Addresses of each interface (MASQUERADE's source, REDIRECT's destination).
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+    /// Bridge ports, neighbours, fdb and br_netfilter's switches (`physdev`, bridged paths).
+    pub bridges: Bridges,
     /// The IPv4 `iptables-save` text (kube-proxy's mark rules are named from it).
     pub iptables_text: String,
     /// Every read that failed, with what to do.
@@ -85,10 +114,10 @@ fn run(cmd: &str, args: &[&str], package: &'static str) -> Result<String, LiveEr
     let out = Command::new(cmd)
         .args(args)
         .output()
-        .map_err(|source| LiveError::Spawn {
+        .map_err(|error| LiveError::Spawn {
             cmd: full.clone(),
             package,
-            source,
+            error,
         })?;
     if !out.status.success() {
         return Err(LiveError::Failed {
@@ -130,6 +159,21 @@ impl LiveNode {
                 })
                 .collect(),
             addrs: keep(run("ip", &["-j", "addr", "show"], "iproute2")),
+            bridge: Box::new(BridgeTexts {
+                bridge_links: keep(run("bridge", &["-j", "-d", "link", "show"], "iproute2")),
+                links: keep(run("ip", &["-j", "-d", "link", "show"], "iproute2")),
+                neigh: keep(run("ip", &["-j", "neigh", "show"], "iproute2")),
+                fdb: keep(run("bridge", &["-j", "fdb", "show"], "iproute2")),
+                bridge_nf_call: ["iptables", "ip6tables"].map(|f| {
+                    // /proc/sys/net is the reading thread's namespace; absent: no br_netfilter.
+                    let path = format!("/proc/sys/net/bridge/bridge-nf-call-{f}");
+                    match std::fs::read_to_string(&path) {
+                        Ok(v) => Some(v.trim() != "0"),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(false),
+                        Err(_) => None,
+                    }
+                }),
+            }),
         };
         let mut node = Self::parse(texts);
         failures.append(&mut node.failures);
@@ -182,6 +226,28 @@ impl LiveNode {
                 None => failures.push(unreadable("ip -j addr show", &"not a list of links")),
             }
         }
+        let mut bridges = Bridges::default();
+        type Add = fn(&mut Bridges, &str) -> Result<(), crate::ParseError>;
+        let bt = &texts.bridge;
+        let inputs: [(&Option<String>, &str, Add); 4] = [
+            (&bt.links, "ip -j -d link show", Bridges::add_ip_link_json),
+            (
+                &bt.bridge_links,
+                "bridge -j -d link show",
+                Bridges::add_bridge_link_json,
+            ),
+            (&bt.neigh, "ip -j neigh show", Bridges::add_neigh_json),
+            (&bt.fdb, "bridge -j fdb show", Bridges::add_fdb_json),
+        ];
+        for (text, cmd, add) in inputs {
+            if let Some(t) = text
+                && let Err(e) = add(&mut bridges, t)
+            {
+                failures.push(unreadable(cmd, &e));
+            }
+        }
+        bridges.call_tables = bt.bridge_nf_call;
+        node.bridges = bridges;
         node.failures = failures;
         node.texts = texts;
         node
@@ -210,6 +276,7 @@ impl LiveNode {
             sim = sim.with_nft(n);
         }
         sim.iface_addrs = self.iface_addrs.clone();
+        sim.bridges = self.bridges.clone();
         sim
     }
 
@@ -254,7 +321,7 @@ fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
         .filter(|t| t.name == "kube-proxy")
         .flat_map(|t| &t.chains)
         .find(|c| c.name == "mark-for-masquerade")?;
-    chain.rules.iter().find_map(|r| or_value(&r.expr))
+    chain.rules.iter().find_map(|r| or_value(&r.expr.value()))
 }
 
 /// The number in a `{"|": [{"meta": {"key": "mark"}}, N]}` anywhere in `v`.

@@ -104,6 +104,49 @@ pub fn parse_mark_mask(s: &str) -> Option<(u32, u32)> {
     }
 }
 
+/// An IPv6 address's scope as RFC 6724 / `ipv6_addr_scope` ranks it: interface-local 1
+/// (loopback), link-local 2, site-local 5, global 14 (unique-local addresses are global
+/// scope); a multicast address carries its own.
+pub fn v6_scope(a: Ipv6Addr) -> u8 {
+    let o = a.octets();
+    if a.is_multicast() {
+        o[1] & 0x0f
+    } else if a.is_loopback() {
+        1
+    } else if o[0] == 0xfe && o[1] & 0xc0 == 0x80 {
+        2
+    } else if o[0] == 0xfe && o[1] & 0xc0 == 0xc0 {
+        5
+    } else {
+        14
+    }
+}
+
+/// RFC 6724's default policy table label of an IPv6 address (section 2.1).
+pub fn v6_label(a: Ipv6Addr) -> u8 {
+    let n = u128::from(a);
+    let within = |p: &str| Net::parse(p).is_some_and(|net| net.contains(IpAddr::V6(a)));
+    if n == 1 {
+        0
+    } else if within("::ffff:0:0/96") {
+        4
+    } else if within("2002::/16") {
+        2
+    } else if within("2001::/32") {
+        5
+    } else if within("fc00::/7") {
+        13
+    } else if within("::/96") {
+        3
+    } else if within("fec0::/10") {
+        11
+    } else if within("3ffe::/16") {
+        12
+    } else {
+        1
+    }
+}
+
 /// Endpoint text is the model's, shared with the live tracer.
 pub use observer_model::endpoint_text as fmt_endpoint;
 

@@ -84,20 +84,84 @@ pub struct PacketSpecError {
     pub message: String,
 }
 
-/// Protocol names as iptables accepts them, to IANA numbers.
+/// Protocol names `getprotobyname` knows from netbase's `/etc/protocols` (Debian 12), names
+/// and aliases, lower-cased, plus the ones iptables adds itself (`icmpv6`, `mh`).
+const PROTOCOLS: &[(&str, u8)] = &[
+    ("ip", 0),
+    ("hopopt", 0),
+    ("icmp", 1),
+    ("igmp", 2),
+    ("ggp", 3),
+    ("ipencap", 4),
+    ("ip-encap", 4),
+    ("st", 5),
+    ("tcp", 6),
+    ("egp", 8),
+    ("igp", 9),
+    ("pup", 12),
+    ("udp", 17),
+    ("hmp", 20),
+    ("xns-idp", 22),
+    ("rdp", 27),
+    ("iso-tp4", 29),
+    ("dccp", 33),
+    ("xtp", 36),
+    ("ddp", 37),
+    ("idpr-cmtp", 38),
+    ("ipv6", 41),
+    ("ipv6-route", 43),
+    ("ipv6-frag", 44),
+    ("idrp", 45),
+    ("rsvp", 46),
+    ("gre", 47),
+    ("esp", 50),
+    ("ipsec-esp", 50),
+    ("ah", 51),
+    ("ipsec-ah", 51),
+    ("skip", 57),
+    ("ipv6-icmp", 58),
+    ("ipv6-nonxt", 59),
+    ("ipv6-opts", 60),
+    ("rspf", 73),
+    ("cphb", 73),
+    ("vmtp", 81),
+    ("eigrp", 88),
+    ("ospf", 89),
+    ("ospfigp", 89),
+    ("ax.25", 93),
+    ("ipip", 94),
+    ("etherip", 97),
+    ("encap", 98),
+    ("pim", 103),
+    ("ipcomp", 108),
+    ("vrrp", 112),
+    ("l2tp", 115),
+    ("isis", 124),
+    ("sctp", 132),
+    ("fc", 133),
+    ("mobility-header", 135),
+    ("udplite", 136),
+    ("mpls-in-ip", 137),
+    ("manet", 138),
+    ("hip", 139),
+    ("shim6", 140),
+    ("wesp", 141),
+    ("rohc", 142),
+    ("ethernet", 143),
+    ("icmpv6", 58),
+    ("icmp6", 58),
+    ("ipv6-mh", 135),
+    ("mh", 135),
+];
+
+/// Protocol names as iptables accepts them (any case: iptables lower-cases `-p`), or numbers,
+/// to IANA numbers. `ip` and `hopopt` are 0, which iptables reads as "all".
 pub fn proto_number(name: &str) -> Option<u8> {
-    Some(match name.to_ascii_lowercase().as_str() {
-        "tcp" => 6,
-        "udp" => 17,
-        "icmp" => 1,
-        "icmpv6" | "ipv6-icmp" | "icmp6" => 58,
-        "sctp" => 132,
-        "udplite" => 136,
-        "gre" => 47,
-        "esp" => 50,
-        "ah" => 51,
-        n => return n.parse().ok(),
-    })
+    let lower = name.to_ascii_lowercase();
+    if let Some(&(_, n)) = PROTOCOLS.iter().find(|(p, _)| *p == lower) {
+        return Some(n);
+    }
+    crate::check::strtoul0(name, 255).map(|n| n as u8)
 }
 
 /// Protocol names are the model's, shared with the live tracer.

@@ -3,8 +3,6 @@
 
 use std::net::IpAddr;
 
-use serde_json::Value;
-
 use crate::error::ParseError;
 use crate::net::Net;
 
@@ -36,56 +34,40 @@ pub enum RouteDecision {
         prefsrc: Option<IpAddr>,
         gateway: Option<IpAddr>,
     },
-    /// A blackhole/unreachable/prohibit route, or no route at all.
+    /// A blackhole/unreachable/prohibit route, no route at all, or a martian address.
     Unroutable(String),
+    /// The inputs cannot say (multicast group membership, a sysctl not given): why.
+    Unknown(String),
+}
+
+/// How the kernel treats an address before any route: `ipv4_is_*` / `ipv6_addr_*` tests.
+fn v4_class(a: std::net::Ipv4Addr) -> (bool, bool, bool, bool) {
+    let o = a.octets();
+    (
+        a.is_multicast(),
+        a.is_broadcast(),
+        o[0] == 0,   // ipv4_is_zeronet: 0.0.0.0/8
+        o[0] == 127, // ipv4_is_loopback
+    )
 }
 
 impl Routes {
-    /// Parses one or more `ip -j route` JSON arrays.
+    /// Parses one or more `ip -j route` JSON arrays, typed (no generic tree of the input).
+    /// Every entry must be an object with a valid `dst` (a prefix or `default`); an entry
+    /// that is not is an error naming it, never skipped (a skipped route would change where
+    /// packets go).
     pub fn parse_json(texts: &[&str]) -> Result<Routes, ParseError> {
         let mut routes = Vec::new();
         for text in texts {
-            let v: Value = serde_json::from_str(text)
-                .map_err(|e| ParseError::new(e.line(), e.column(), format!("route JSON: {e}")))?;
-            let arr = v.as_array().ok_or_else(|| {
-                ParseError::new(1, 1, "route JSON: expected an array (`ip -j route`)")
+            let entries: Vec<RouteJ> = serde_json::from_str(text).map_err(|e| {
+                ParseError::new(
+                    e.line(),
+                    e.column(),
+                    format!("route JSON: {e} (`ip -j route show table all` output expected)"),
+                )
             })?;
-            for r in arr {
-                let Some(dst) = r.get("dst").and_then(Value::as_str) else {
-                    continue;
-                };
-                let net = if dst == "default" {
-                    // The family of a default route shows in its gateway or later entries; an
-                    // unknown family default is assumed IPv4 unless the gateway says otherwise.
-                    let v6 = r
-                        .get("gateway")
-                        .and_then(Value::as_str)
-                        .is_some_and(|g| g.contains(':'));
-                    Net {
-                        addr: if v6 {
-                            "::".parse().expect("valid")
-                        } else {
-                            "0.0.0.0".parse().expect("valid")
-                        },
-                        len: 0,
-                    }
-                } else {
-                    match Net::parse(dst) {
-                        Some(n) => n,
-                        // Routes like `unreachable fe80::/64` parse; anything else is ignored.
-                        None => continue,
-                    }
-                };
-                let s = |k: &str| r.get(k).and_then(Value::as_str).map(str::to_string);
-                routes.push(Route {
-                    dst: net,
-                    kind: s("type").unwrap_or_else(|| "unicast".into()),
-                    table: s("table").unwrap_or_else(|| "main".into()),
-                    dev: s("dev"),
-                    gateway: s("gateway").and_then(|g| g.parse().ok()),
-                    prefsrc: s("prefsrc").and_then(|g| g.parse().ok()),
-                    metric: r.get("metric").and_then(Value::as_u64).unwrap_or(0),
-                });
+            for (i, r) in entries.into_iter().enumerate() {
+                routes.push(parse_route(i, r)?);
             }
         }
         Ok(Routes { routes })
@@ -104,6 +86,13 @@ impl Routes {
 
     /// The kernel's default policy-routing order: the local table, then main, then default.
     pub fn lookup(&self, dst: IpAddr) -> RouteDecision {
+        // Without the local table, a route's preferred source is still known to be one of
+        // the node's addresses (the kernel accepts no other as prefsrc).
+        if !self.has_local_table(dst.is_ipv6())
+            && let Some(r) = self.routes.iter().find(|r| r.prefsrc == Some(dst))
+        {
+            return RouteDecision::Local { dev: r.dev.clone() };
+        }
         for table in ["local", "main", "default"] {
             if let Some(r) = self.best_in(table, dst) {
                 return match r.kind.as_str() {
@@ -125,6 +114,129 @@ impl Routes {
         RouteDecision::Unroutable(format!("no route to {dst}"))
     }
 
+    /// Whether the local table (the node's own addresses, broadcast routes) is among the
+    /// routes for this family: `ip -j route show table all` has it, `ip -j route` does not.
+    pub fn has_local_table(&self, v6: bool) -> bool {
+        self.routes
+            .iter()
+            .any(|r| r.table == "local" && r.dst.addr.is_ipv6() == v6)
+    }
+
+    /// What the local table's absence leaves unknown, said where an answer needed it.
+    pub fn missing_local_table(v6: bool) -> String {
+        format!(
+            "the local table is missing from the {} routes (`ip -j route` prints only main): \
+             which addresses are the node's own is not known; pass `ip -j{} route show table all`",
+            if v6 { "IPv6" } else { "IPv4" },
+            if v6 { " -6" } else { "" }
+        )
+    }
+
+    /// Drops `ip6_rcv_core` makes before PREROUTING (RFC 4291): a multicast source, the
+    /// loopback address from a real interface, a multicast destination of scope 0 or 1.
+    pub fn ipv6_receive_drop(src: IpAddr, dst: IpAddr, in_dev: &str) -> Option<String> {
+        let (IpAddr::V6(s), IpAddr::V6(d)) = (src, dst) else {
+            return None;
+        };
+        let scope = d.octets()[1] & 0x0f;
+        let why = if s.is_multicast() {
+            format!("multicast source {s}")
+        } else if in_dev != "lo" && (s.is_loopback() || d.is_loopback()) {
+            "the loopback address from a real interface".to_string()
+        } else if d.is_multicast() && scope == 0 {
+            format!("multicast destination {d} of reserved scope 0")
+        } else if d.is_multicast() && scope == 1 && in_dev != "lo" {
+            format!("interface-local multicast destination {d} from another node")
+        } else {
+            return None;
+        };
+        Some(format!(
+            "ip6_rcv drops the packet before PREROUTING: {why} (RFC 4291)"
+        ))
+    }
+
+    /// The routing decision for a packet received on `in_dev`, as `ip_route_input_rcu` /
+    /// `ip_route_input_slow` make it for IPv4 (martian sources and destinations, limited
+    /// broadcast, multicast) and `ip6_route_input` for IPv6 multicast; then the FIB.
+    /// Multicast is delivered only to groups the interface joined, which the inputs do not
+    /// list (except all-hosts / all-nodes, joined by every interface); multicast routing is
+    /// not modelled.
+    pub fn input(&self, src: IpAddr, dst: IpAddr, proto: u8) -> RouteDecision {
+        let martian_src =
+            |why: &str| RouteDecision::Unroutable(format!("martian source {src}: {why}"));
+        let joined = |all: &str| {
+            RouteDecision::Unknown(format!(
+                "multicast destination {dst}: delivered (INPUT) only when a socket joined \
+                 the group on the input interface, else dropped by routing (group \
+                 memberships are not among the inputs; only {all} is always joined; \
+                 multicast routing is not modelled)"
+            ))
+        };
+        match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let (s_mc, s_bc, s_zero, s_lo) = v4_class(s);
+                let (d_mc, d_bc, d_zero, d_lo) = v4_class(d);
+                if s_mc || s_bc {
+                    return martian_src("a multicast or broadcast source is never valid");
+                }
+                if d_mc {
+                    // ip_route_input_mc -> ip_mc_validate_source.
+                    if s_lo {
+                        return martian_src(
+                            "a loopback source from outside (route_localnet off, the default)",
+                        );
+                    }
+                    let local_mc = d.octets()[..3] == [224, 0, 0];
+                    if s_zero && !local_mc && proto != 2 {
+                        return martian_src(
+                            "0.0.0.0 is valid only towards 224.0.0.0/24 or for IGMP",
+                        );
+                    }
+                    return if d == std::net::Ipv4Addr::new(224, 0, 0, 1) {
+                        RouteDecision::Local { dev: None }
+                    } else {
+                        joined("224.0.0.1")
+                    };
+                }
+                // Limited broadcast (and 0.0.0.0 -> 0.0.0.0) is delivered locally, whatever
+                // the routes say.
+                if d_bc || (s.is_unspecified() && d.is_unspecified()) {
+                    return RouteDecision::Local { dev: None };
+                }
+                if s_zero {
+                    return martian_src("a 0.0.0.0/8 source is valid only towards 255.255.255.255");
+                }
+                if d_zero {
+                    return RouteDecision::Unroutable(format!(
+                        "martian destination {dst}: 0.0.0.0/8"
+                    ));
+                }
+                if d_lo {
+                    return RouteDecision::Unknown(format!(
+                        "loopback destination {dst} from outside: a martian destination, \
+                         dropped by routing, unless route_localnet=1 on the input interface \
+                         (kube-proxy sets it); the sysctl is not among the inputs"
+                    ));
+                }
+                if s_lo {
+                    return martian_src(
+                        "a loopback source from outside (route_localnet off, the default; \
+                         and a node address fails the source check even with it on)",
+                    );
+                }
+                self.lookup(dst)
+            }
+            (IpAddr::V6(_), IpAddr::V6(d)) if d.is_multicast() => {
+                if d == std::net::Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1) {
+                    RouteDecision::Local { dev: None }
+                } else {
+                    joined("ff02::1")
+                }
+            }
+            _ => self.lookup(dst),
+        }
+    }
+
     /// The address a route on `dev` would use as source: the prefsrc of a link route.
     fn source_for(&self, dev: &str, dst: IpAddr) -> Option<IpAddr> {
         self.routes
@@ -133,37 +245,118 @@ impl Routes {
             .find_map(|r| r.prefsrc)
     }
 
-    /// `addrtype` classification of an address, optionally limited to one interface.
-    /// `None` when the routes say nothing about this family.
-    pub fn addr_type(&self, addr: IpAddr, dev: Option<&str>) -> Option<&'static str> {
-        if !self
-            .routes
-            .iter()
-            .any(|r| r.dst.addr.is_ipv4() == addr.is_ipv4())
-        {
+    /// `addrtype` classification of an address, optionally limited to one interface, as
+    /// `inet_dev_addr_type` gives it: 0.0.0.0/8 and 255.255.255.255 are BROADCAST, 224/4
+    /// MULTICAST, anything else the type of its longest match in the local table (when that
+    /// route is on `dev`, if one is given), else UNICAST. `None` when the routes say nothing
+    /// about this family; an error (the reason) when the local table is missing.
+    pub fn addr_type(
+        &self,
+        addr: IpAddr,
+        dev: Option<&str>,
+    ) -> Option<Result<&'static str, String>> {
+        let v6 = addr.is_ipv6();
+        if !self.routes.iter().any(|r| r.dst.addr.is_ipv6() == v6) {
             return None;
         }
-        if addr.is_multicast() {
-            return Some("MULTICAST");
+        if let IpAddr::V4(a) = addr {
+            let (mc, bc, zero, _) = v4_class(a);
+            if zero || bc {
+                return Some(Ok("BROADCAST"));
+            }
+            if mc {
+                return Some(Ok("MULTICAST"));
+            }
+        } else if addr.is_multicast() {
+            return Some(Ok("MULTICAST"));
         }
-        let r = self
-            .routes
-            .iter()
-            .filter(|r| r.table == "local" && r.dst.contains(addr))
-            .filter(|r| dev.is_none() || r.dev.as_deref() == dev)
-            .max_by_key(|r| r.dst.len);
-        match r.map(|r| r.kind.as_str()) {
-            Some("local") => Some("LOCAL"),
-            Some("broadcast") => Some("BROADCAST"),
-            Some("anycast") => Some("ANYCAST"),
-            _ => match self.lookup(addr) {
-                RouteDecision::Unroutable(why) if why.starts_with("blackhole") => Some("BLACKHOLE"),
-                RouteDecision::Unroutable(why) if why.starts_with("prohibit") => Some("PROHIBIT"),
-                RouteDecision::Unroutable(_) => Some("UNREACHABLE"),
-                _ => Some("UNICAST"),
+        if !self.has_local_table(v6) {
+            return Some(Err(Self::missing_local_table(v6)));
+        }
+        let r = self.best_in("local", addr);
+        Some(Ok(match r {
+            Some(r) if dev.is_none() || r.dev.as_deref() == dev => match r.kind.as_str() {
+                "local" => "LOCAL",
+                "broadcast" => "BROADCAST",
+                "anycast" => "ANYCAST",
+                "multicast" => "MULTICAST",
+                "blackhole" => "BLACKHOLE",
+                "unreachable" => "UNREACHABLE",
+                "prohibit" => "PROHIBIT",
+                _ => "UNICAST",
             },
+            _ => "UNICAST",
+        }))
+    }
+}
+
+/// One entry of `ip -j route`, as read: what the simulator uses; other fields are skipped.
+#[derive(serde::Deserialize)]
+struct RouteJ {
+    dst: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    table: Option<String>,
+    dev: Option<String>,
+    gateway: Option<String>,
+    prefsrc: Option<String>,
+    metric: Option<u64>,
+}
+
+/// One entry of `ip -j route`; errors name the entry (1-based) and the field.
+fn parse_route(i: usize, r: RouteJ) -> Result<Route, ParseError> {
+    let err = |what: String| {
+        ParseError::new(
+            1,
+            1,
+            format!(
+                "route JSON, entry {}: {what} (`ip -j route show table all` output expected)",
+                i + 1
+            ),
+        )
+    };
+    let addr = |k: &str, v: &Option<String>| -> Result<Option<IpAddr>, ParseError> {
+        v.as_deref()
+            .map(|a| {
+                a.parse::<IpAddr>()
+                    .map_err(|_| err(format!("`{k}` {a:?} is not an address")))
+            })
+            .transpose()
+    };
+    let gateway = addr("gateway", &r.gateway)?;
+    let prefsrc = addr("prefsrc", &r.prefsrc)?;
+    let Some(dst) = r.dst.as_deref() else {
+        return Err(err("no `dst`".into()));
+    };
+    let net = if dst == "default" {
+        // The family of a default route shows in its gateway (or prefsrc); without either it
+        // is taken as IPv4 (`ip -j -6 route` prints IPv6 defaults with a gateway).
+        let v6 = gateway.or(prefsrc).is_some_and(|g| g.is_ipv6());
+        Net {
+            addr: if v6 {
+                "::".parse().expect("valid")
+            } else {
+                "0.0.0.0".parse().expect("valid")
+            },
+            len: 0,
+        }
+    } else {
+        Net::parse(dst).ok_or_else(|| err(format!("`dst` {dst:?} is not an address or prefix")))?
+    };
+    for (k, a) in [("gateway", gateway), ("prefsrc", prefsrc)] {
+        if a.is_some_and(|a| a.is_ipv6() != net.addr.is_ipv6()) {
+            return Err(err(format!("`{k}` is not of the family of `dst` {dst}")));
         }
     }
+    Ok(Route {
+        dst: net,
+        kind: r.kind.unwrap_or_else(|| "unicast".into()),
+        table: r.table.unwrap_or_else(|| "main".into()),
+        dev: r.dev,
+        gateway,
+        prefsrc,
+        metric: r.metric.unwrap_or(0),
+    })
 }
 
 impl Routes {
@@ -198,6 +391,9 @@ impl Routes {
         }
         if !(has("LOCAL") || has("ANYCAST") || has("UNREACHABLE")) {
             return Some(Ok(true));
+        }
+        if !self.has_local_table(true) {
+            return Some(Err(Self::missing_local_table(true)));
         }
         let local_on = |d: Option<&str>| {
             self.routes.iter().any(|r| {
@@ -280,10 +476,13 @@ mod tests {
             r.lookup(ip("2001:db8::1")),
             RouteDecision::Unroutable(_)
         ));
-        assert_eq!(r.addr_type(ip("192.0.2.2"), None), Some("LOCAL"));
-        assert_eq!(r.addr_type(ip("192.0.2.2"), Some("lo")), Some("UNICAST"));
-        assert_eq!(r.addr_type(ip("192.0.2.255"), None), Some("BROADCAST"));
-        assert_eq!(r.addr_type(ip("8.8.8.8"), None), Some("UNICAST"));
+        assert_eq!(r.addr_type(ip("192.0.2.2"), None), Some(Ok("LOCAL")));
+        assert_eq!(
+            r.addr_type(ip("192.0.2.2"), Some("lo")),
+            Some(Ok("UNICAST"))
+        );
+        assert_eq!(r.addr_type(ip("192.0.2.255"), None), Some(Ok("BROADCAST")));
+        assert_eq!(r.addr_type(ip("8.8.8.8"), None), Some(Ok("UNICAST")));
         assert!(Routes::parse_json(&["{"]).is_err());
         let t = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         // A local IPv6 address is UNICAST as well as LOCAL; an unknown one is neither LOCAL nor
@@ -311,6 +510,169 @@ mod tests {
         assert!(matches!(
             r.addr_type6_matches(ip("fd00::2"), None, &t(&["BROADCAST"])),
             Some(Err(_))
+        ));
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn invalid_entries_are_errors_naming_the_entry_and_field() {
+        for (json, says) in [
+            (
+                r#"[{"dst":"10.0.0.0/8","dev":"eth0"},{"dst":"10.0.0.300/8","dev":"eth0"}]"#,
+                "entry 2: `dst` \"10.0.0.300/8\"",
+            ),
+            (r#"[{"dst":"10.0.0.0/33"}]"#, "entry 1: `dst`"),
+            (r#"[{"dev":"eth0"}]"#, "entry 1: no `dst`"),
+            (
+                r#"[{"dst":42}]"#,
+                "invalid type: integer `42`, expected a string",
+            ),
+            (r#"["10.0.0.0/8"]"#, "expected struct RouteJ"),
+            (
+                r#"[{"dst":"default","gateway":"10.0.0.256"}]"#,
+                "`gateway` \"10.0.0.256\"",
+            ),
+            (
+                r#"[{"dst":"10.0.0.0/8","prefsrc":"fd00::1"}]"#,
+                "`prefsrc` is not of the family",
+            ),
+            (
+                r#"[{"dst":"10.0.0.0/8","metric":"low"}]"#,
+                "invalid type: string \"low\", expected u64",
+            ),
+            (r#"{"dst":"10.0.0.0/8"}"#, "expected a sequence"),
+        ] {
+            let e = Routes::parse_json(&[json]).unwrap_err().to_string();
+            assert!(e.contains(says), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn broadcast_multicast_and_martians_route_as_the_kernel_does() {
+        let r = Routes::parse_json(&[JSON]).unwrap();
+        let input = |s: &str, d: &str| r.input(ip(s), ip(d), 17);
+        let out = |d: &RouteDecision| matches!(d, RouteDecision::Out { .. });
+        // Limited broadcast is delivered, even from 0.0.0.0 (DHCP); the subnet broadcast
+        // from the local table too. Neither is forwarded out the default route.
+        assert!(matches!(
+            input("192.0.2.7", "255.255.255.255"),
+            RouteDecision::Local { .. }
+        ));
+        assert!(matches!(
+            input("0.0.0.0", "255.255.255.255"),
+            RouteDecision::Local { .. }
+        ));
+        assert!(matches!(
+            input("192.0.2.7", "192.0.2.255"),
+            RouteDecision::Local { .. }
+        ));
+        // Multicast: all-hosts is joined by every interface; other groups depend on sockets.
+        assert!(matches!(
+            input("192.0.2.7", "224.0.0.1"),
+            RouteDecision::Local { .. }
+        ));
+        let mdns = input("192.0.2.7", "224.0.0.251");
+        assert!(
+            matches!(&mdns, RouteDecision::Unknown(w) if w.contains("joined")),
+            "{mdns:?}"
+        );
+        assert!(!out(&mdns));
+        assert!(matches!(
+            input("192.0.2.7", "239.1.2.3"),
+            RouteDecision::Unknown(_)
+        ));
+        // Martian sources are dropped by routing.
+        for src in ["127.0.0.1", "0.0.0.0", "224.0.0.5", "255.255.255.255"] {
+            let d = input(src, "192.0.2.2");
+            assert!(
+                matches!(&d, RouteDecision::Unroutable(w) if w.starts_with("martian source")),
+                "{src}: {d:?}"
+            );
+        }
+        // 0.0.0.0 may talk to local multicast, and IGMP to any group.
+        assert!(matches!(
+            input("0.0.0.0", "224.0.0.1"),
+            RouteDecision::Local { .. }
+        ));
+        assert!(matches!(
+            input("0.0.0.0", "239.1.2.3"),
+            RouteDecision::Unroutable(_)
+        ));
+        assert!(matches!(
+            r.input(ip("0.0.0.0"), ip("239.1.2.3"), 2),
+            RouteDecision::Unknown(_)
+        ));
+        assert!(
+            matches!(input("192.0.2.7", "0.1.2.3"), RouteDecision::Unroutable(w) if w.starts_with("martian destination"))
+        );
+        assert!(
+            matches!(input("192.0.2.7", "127.0.0.1"), RouteDecision::Unknown(w) if w.contains("route_localnet"))
+        );
+        // An ordinary packet still follows the FIB.
+        assert!(out(&input("192.0.2.7", "8.8.8.8")));
+        // IPv6: all-nodes is joined, other groups depend on sockets; ip6_rcv's drops.
+        assert!(matches!(
+            input("fd00::7", "ff02::1"),
+            RouteDecision::Local { .. }
+        ));
+        assert!(matches!(
+            input("fd00::7", "ff02::fb"),
+            RouteDecision::Unknown(_)
+        ));
+        for (s, d) in [
+            ("ff02::1", "fd00::2"),
+            ("::1", "fd00::2"),
+            ("fd00::7", "::1"),
+            ("fd00::7", "ff01::1"),
+            ("fd00::7", "ff00::1"),
+        ] {
+            assert!(
+                Routes::ipv6_receive_drop(ip(s), ip(d), "eth0").is_some(),
+                "{s} -> {d}"
+            );
+        }
+        assert!(Routes::ipv6_receive_drop(ip("::"), ip("ff02::1:ff00:2"), "eth0").is_none());
+        assert!(Routes::ipv6_receive_drop(ip("::1"), ip("::1"), "lo").is_none());
+    }
+
+    #[test]
+    fn addrtype_comes_from_the_local_table_and_says_when_it_is_missing() {
+        let all = Routes::parse_json(&[JSON]).unwrap();
+        // inet_dev_addr_type: 0/8 and 255.255.255.255 are BROADCAST, 224/4 MULTICAST,
+        // and a blackhole in main is UNICAST (only the local table gives types).
+        assert_eq!(
+            all.addr_type(ip("255.255.255.255"), None),
+            Some(Ok("BROADCAST"))
+        );
+        assert_eq!(all.addr_type(ip("0.0.0.0"), None), Some(Ok("BROADCAST")));
+        assert_eq!(
+            all.addr_type(ip("224.0.0.251"), None),
+            Some(Ok("MULTICAST"))
+        );
+        assert_eq!(all.addr_type(ip("10.99.1.1"), None), Some(Ok("UNICAST")));
+        // Limited to an interface: the longest local match must be on it.
+        assert_eq!(
+            all.addr_type(ip("192.0.2.2"), Some("eth0")),
+            Some(Ok("LOCAL"))
+        );
+        // Main table only (`ip -j route`): LOCAL cannot be told, and that is said.
+        let main = Routes::parse_json(&[r#"[{"dst":"default","gateway":"192.0.2.1","dev":"eth0"},
+            {"dst":"192.0.2.0/24","dev":"eth0","scope":"link","prefsrc":"192.0.2.2"}]"#])
+        .unwrap();
+        let why = main.addr_type(ip("192.0.2.9"), None).unwrap().unwrap_err();
+        assert!(why.contains("local table is missing"), "{why}");
+        assert_eq!(main.addr_type(ip("224.0.0.1"), None), Some(Ok("MULTICAST")));
+        // A route's prefsrc is a node address even without the local table.
+        assert!(matches!(
+            main.lookup(ip("192.0.2.2")),
+            RouteDecision::Local { .. }
+        ));
+        assert!(matches!(
+            main.lookup(ip("192.0.2.9")),
+            RouteDecision::Out { .. }
         ));
     }
 }

@@ -4,12 +4,16 @@
 //! probability. Native nftables base chains (`nft_walk`) run interleaved with the iptables
 //! tables by priority, in the kernel's order.
 
+mod bridged;
+mod matches;
 mod nft_walk;
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::IpAddr;
 
+use crate::bridge::Bridges;
 use crate::compile::{
     Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
     compile,
@@ -21,12 +25,18 @@ use crate::nft::compile::compile as compile_nft;
 use crate::nft::program::{Program, Scheduled, nat_core_priority};
 use crate::packet::{CtState, PacketSpec};
 use crate::route::{RouteDecision, Routes};
+use matches::{ct_tuple, pkt_type, recent};
 use observer_model::endpoint_text as fmt_endpoint;
 
 /// Stop forking after this many branches; the explanation says when it was cut.
 const MAX_BRANCHES: usize = 256;
 /// The kernel limits jump depth too; a loop in a hand-written ruleset must not hang us.
 const MAX_DEPTH: usize = 64;
+/// Rules one walk may evaluate, at least: a `goto` loop never deepens the stack, so the
+/// depth guard cannot see it; this bound can (4 evaluations per rule of the ruleset, when more).
+const MIN_WALK_STEPS: usize = 10_000;
+/// Rules a stage lists when its walk ran out of steps.
+const LISTED_ON_LOOP: usize = 32;
 
 /// Hooks and verdicts are the model's (`observer-model`), shared with the live tracer.
 pub use observer_model::{Hook, Verdict};
@@ -110,6 +120,21 @@ pub struct StageInput {
     pub tcp_flags: u8,
     /// ICMP type and code.
     pub icmp: (u8, u8),
+    /// br_netfilter's record of the packet, as observed where it was (tail): the bridge
+    /// ports decide `physdev` without the node's bridge facts.
+    pub ports: SeenPorts,
+}
+
+/// What an observer saw of the bridge ports a packet passed ([`StageInput::ports`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum SeenPorts {
+    /// Not known: `physdev` is decided from the simulator's bridge facts, or undecidable.
+    #[default]
+    Unknown,
+    /// It did not enter through a bridge port (br_netfilter has no record of it).
+    NoBridge,
+    /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
+    Port { physin: String, physout: PhysOut },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -120,6 +145,9 @@ pub struct Branch {
     pub stages: Vec<Stage>,
     pub verdict: Verdict,
     pub notes: Vec<String>,
+    /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
+    /// passed none (routed in from elsewhere, or routed out of another device).
+    pub bridge: Option<(String, Option<String>, Option<String>)>,
 }
 
 struct PTable {
@@ -139,8 +167,32 @@ pub struct Simulator<'a> {
     nft: Option<Program>,
     /// Per family: iptables-nft tables come from iptables-save, so nft leaves them out.
     nft_skip_iptables: [bool; 2],
+    /// Rules one walk may evaluate (see [`MIN_WALK_STEPS`]).
+    step_limit: usize,
     /// (family, table, chain, 1-based index) of an iptables rule -> its iptables-nft handle.
     ipt_handles: HashMap<(usize, String, String, usize), u64>,
+    /// Bridge ports and br_netfilter's switches; empty when not given (`physdev` is then
+    /// undecidable and a frame entering a port is walked as if routed).
+    pub bridges: Bridges,
+}
+
+/// The walk budget: a valid ruleset's walk evaluates each rule about once (a chain jumped to
+/// from several places, a few times); [`MIN_WALK_STEPS`] covers small rulesets.
+fn step_limit(v4: &SaveFile, v6: &SaveFile, nft: Option<&NftRuleset>) -> usize {
+    let ipt: usize = [v4, v6]
+        .iter()
+        .flat_map(|f| &f.tables)
+        .flat_map(|t| &t.chains)
+        .map(|c| c.rules.len())
+        .sum();
+    let nft: usize = nft.map_or(0, |n| {
+        n.tables
+            .iter()
+            .flat_map(|t| &t.chains)
+            .map(|c| c.rules.len())
+            .sum()
+    });
+    MIN_WALK_STEPS.max((ipt + nft).saturating_mul(4))
 }
 
 fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
@@ -164,6 +216,23 @@ fn prepare(file: &SaveFile, v6: bool) -> Vec<PTable> {
         .collect()
 }
 
+/// The port a bridged frame leaves by, as br_netfilter records it (`physoutdev`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PhysOut {
+    /// Not set (before bridge FORWARD, or the frame was routed).
+    None,
+    Port(String),
+    /// Bridged, but the inputs do not say to which port (why).
+    Unknown(String),
+}
+
+/// br_netfilter's record of a frame that entered through a bridge port (`nf_bridge_info`).
+#[derive(Debug, Clone, PartialEq)]
+struct NfBridge {
+    physin: String,
+    physout: PhysOut,
+}
+
 #[derive(Debug, Clone)]
 struct Pkt {
     v6: bool,
@@ -185,6 +254,34 @@ struct Pkt {
     ct_attached: bool,
     tcp_flags: u8,
     icmp: (u8, u8),
+    /// Set for a frame br_netfilter handed to the IP hooks; None for routed-only packets.
+    nf_bridge: Option<NfBridge>,
+    /// A bridged frame's IP POSTROUTING runs without an input device (`br_nf_post_routing`).
+    bridged: bool,
+    /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
+    bridge_family: Option<String>,
+    /// False when simulating one observed stage: whether br_netfilter holds the packet is
+    /// not part of what the probes hand us, so `physdev` stays undecidable there.
+    nf_bridge_known: bool,
+    /// `nf_bridge` was observed (tail), not derived from bridge facts.
+    nf_bridge_observed: bool,
+    /// The connection's original tuple (src, dst, sport, dport) when the packet is the first
+    /// of its connection and no NAT happened before the walk; `--ctorig*` read it.
+    orig: Option<(IpAddr, IpAddr, Option<u16>, Option<u16>)>,
+    /// `-m recent --set` lists this walk has added the packet to: (name, rdest).
+    recent_set: Vec<(String, bool)>,
+    /// Assumptions stateful matches were answered under, for the branch's notes.
+    assumed: Vec<String>,
+    /// Filled while one rule's matches are evaluated (which reads the packet only), then
+    /// taken by the walk.
+    fx: RefCell<Effects>,
+}
+
+/// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
+#[derive(Debug, Clone, Default)]
+struct Effects {
+    recent_set: Vec<(String, bool)>,
+    assumed: Vec<String>,
 }
 
 impl Pkt {
@@ -241,9 +338,49 @@ fn iface_match(pattern: &str, name: Option<&str>) -> bool {
 struct Chooser {
     prefix: Vec<bool>,
     log: Vec<(f64, bool)>,
+    /// Rules evaluated so far in this walk, and the most it may evaluate.
+    steps: usize,
+    limit: usize,
 }
 
 impl Chooser {
+    fn new(prefix: Vec<bool>, limit: usize) -> Self {
+        Self {
+            prefix,
+            log: Vec::new(),
+            steps: 0,
+            limit,
+        }
+    }
+
+    /// Counts one rule evaluation; false once the walk has used its budget.
+    fn step(&mut self) -> bool {
+        self.steps += 1;
+        self.steps <= self.limit
+    }
+
+    fn exceeded(&self) -> bool {
+        self.steps > self.limit
+    }
+
+    fn exceeded_why(&self) -> String {
+        format!("rule walk exceeded {} steps (loop?)", self.limit)
+    }
+
+    /// Ends a table walk that ran out of steps: the stage keeps the first rules it matched
+    /// (a loop repeats the same few thousands of times) and says how many there were.
+    fn out_of_steps(&self, stage: &mut Stage) -> TableResult {
+        let total = stage.rules.len();
+        let mut why = self.exceeded_why();
+        if total > LISTED_ON_LOOP {
+            stage.rules.truncate(LISTED_ON_LOOP);
+            why.push_str(&format!(
+                "; the first {LISTED_ON_LOOP} of the {total} rules it matched are listed"
+            ));
+        }
+        TableResult::Undecidable(why)
+    }
+
     fn choose(&mut self, p_true: f64) -> bool {
         let c = match self.prefix.get(self.log.len()) {
             Some(&c) => c,
@@ -262,6 +399,7 @@ enum TableResult {
 impl<'a> Simulator<'a> {
     pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
         Self {
+            step_limit: step_limit(v4, v6, None),
             tables: [prepare(v4, false), prepare(v6, true)],
             files: [Cow::Borrowed(v4), Cow::Borrowed(v6)],
             ipsets: Cow::Borrowed(ipsets),
@@ -270,6 +408,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -277,6 +416,7 @@ impl<'a> Simulator<'a> {
     /// tracer keeps one per ruleset generation).
     pub fn owned(v4: SaveFile, v6: SaveFile, ipsets: Ipsets, routes: Routes) -> Simulator<'static> {
         Simulator {
+            step_limit: step_limit(&v4, &v6, None),
             tables: [prepare(&v4, false), prepare(&v6, true)],
             files: [Cow::Owned(v4), Cow::Owned(v6)],
             ipsets: Cow::Owned(ipsets),
@@ -285,6 +425,7 @@ impl<'a> Simulator<'a> {
             nft: None,
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
+            bridges: Bridges::default(),
         }
     }
 
@@ -309,7 +450,13 @@ impl<'a> Simulator<'a> {
             }
         }
         self.nft = Some(prog);
+        self.step_limit = step_limit(&self.files[0], &self.files[1], Some(rs));
         self
+    }
+
+    /// The most rules one walk evaluates before it answers undecidable (a loop guard).
+    pub fn step_limit(&self) -> usize {
+        self.step_limit
     }
 
     /// The compiled native ruleset, if any.
@@ -346,6 +493,28 @@ impl<'a> Simulator<'a> {
                 ct_attached: false,
                 tcp_flags: input.tcp_flags,
                 icmp: input.icmp,
+                nf_bridge: match &input.ports {
+                    SeenPorts::Port { physin, physout } => Some(NfBridge {
+                        physin: physin.clone(),
+                        physout: physout.clone(),
+                    }),
+                    SeenPorts::Unknown | SeenPorts::NoBridge => None,
+                },
+                bridged: matches!(
+                    &input.ports,
+                    SeenPorts::Port {
+                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
+                        ..
+                    }
+                ),
+                bridge_family: None,
+                nf_bridge_known: input.ports != SeenPorts::Unknown,
+                nf_bridge_observed: input.ports != SeenPorts::Unknown,
+                orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
+                    .then_some((input.src, input.dst, input.sport, input.dport)),
+                recent_set: Vec::new(),
+                assumed: Vec::new(),
+                fx: RefCell::default(),
             };
             let mut b = Branch {
                 probability: 1.0,
@@ -354,6 +523,7 @@ impl<'a> Simulator<'a> {
                 stages: Vec::new(),
                 verdict: Verdict::Accept,
                 notes: Vec::new(),
+                bridge: None,
             };
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
@@ -376,11 +546,25 @@ impl<'a> Simulator<'a> {
                 break;
             }
             let plen = prefix.len();
-            let mut ch = Chooser {
-                prefix,
-                log: Vec::new(),
-            };
+            let mut ch = Chooser::new(prefix, self.step_limit);
             let mut branch = walk(&mut ch);
+            if ch.exceeded() {
+                // The other draws of a looping walk loop too: list no more outcomes, so a
+                // loop costs one walk's budget, not one per random outcome.
+                if !ch.log.is_empty() || !todo.is_empty() {
+                    branch.notes.push(format!(
+                        "{}: no further random outcome is listed",
+                        ch.exceeded_why()
+                    ));
+                }
+                branch.probability = ch
+                    .log
+                    .iter()
+                    .map(|&(p, c)| if c { p } else { 1.0 - p })
+                    .product();
+                out.push(branch);
+                break;
+            }
             branch.probability = ch
                 .log
                 .iter()
@@ -396,6 +580,12 @@ impl<'a> Simulator<'a> {
                 }
             }
             out.push(branch);
+            // Outcomes deeper in the stack than the branch budget are never walked: keep the
+            // stack (and its prefixes) no larger than what is left, plus one to say so.
+            let room = MAX_BRANCHES.saturating_sub(out.len()) + 1;
+            if todo.len() > room {
+                todo.drain(..todo.len() - room);
+            }
         }
         out
     }
@@ -425,6 +615,16 @@ impl<'a> Simulator<'a> {
             icmp: spec
                 .icmp
                 .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
+            nf_bridge: None,
+            bridged: false,
+            bridge_family: None,
+            nf_bridge_known: true,
+            nf_bridge_observed: false,
+            orig: (spec.ct_state == CtState::New)
+                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
+            recent_set: Vec::new(),
+            assumed: Vec::new(),
+            fx: RefCell::default(),
         };
         let mut b = Branch {
             probability: 1.0,
@@ -433,7 +633,22 @@ impl<'a> Simulator<'a> {
             stages: Vec::new(),
             verdict: Verdict::Accept,
             notes: Vec::new(),
+            bridge: None,
         };
+        if let Some(dev) = &spec.in_iface
+            && let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev)
+        {
+            b.route = "unroutable".into();
+            b.verdict = Verdict::Drop;
+            b.notes.push(why);
+            return b;
+        }
+        if let Some(port) = spec.in_iface.as_deref()
+            && let Some(bridge) = self.bridges.bridge_of(port)
+        {
+            let (port, bridge) = (port.to_string(), bridge.to_string());
+            return self.walk_bridged(spec, pkt, b, ch, &port, &bridge);
+        }
         let hooks: Vec<Hook> = if spec.in_iface.is_some() {
             vec![Hook::PreRouting]
         } else {
@@ -473,6 +688,7 @@ impl<'a> Simulator<'a> {
                 return b;
             }
         }
+        self.leave_by_bridge(&mut pkt, &mut b, ch);
         b
     }
 
@@ -491,9 +707,18 @@ impl<'a> Simulator<'a> {
                 .push("no routes given and no `out IFACE`: cannot tell INPUT from FORWARD".into());
             return None;
         } else {
-            match self.routes.lookup(pkt.dst) {
+            let decision = if spec.in_iface.is_some() {
+                self.routes.input(pkt.src, pkt.dst, pkt.proto)
+            } else {
+                self.routes.lookup(pkt.dst)
+            };
+            match decision {
                 RouteDecision::Local { .. } => true,
                 RouteDecision::Out { dev, .. } => {
+                    if !self.routes.has_local_table(pkt.v6) {
+                        // Not a guess made silently: a node address would be taken as remote.
+                        b.notes.push(Routes::missing_local_table(pkt.v6));
+                    }
                     pkt.out_iface = Some(dev);
                     false
                 }
@@ -501,6 +726,12 @@ impl<'a> Simulator<'a> {
                     b.route = "unroutable".into();
                     b.verdict = Verdict::Drop;
                     b.notes.push(format!("routing drops the packet: {why}"));
+                    return None;
+                }
+                RouteDecision::Unknown(why) => {
+                    b.route = "unknown".into();
+                    b.verdict = Verdict::Undecidable;
+                    b.notes.push(why);
                     return None;
                 }
             }
@@ -658,6 +889,7 @@ impl<'a> Simulator<'a> {
             stage.verdict = verdict;
             stage.ct = pkt.ct_view();
             b.stages.push(stage);
+            b.notes.append(&mut pkt.assumed);
             if verdict != Verdict::Accept {
                 b.verdict = verdict;
                 return false;
@@ -699,11 +931,23 @@ impl<'a> Simulator<'a> {
                 stack.pop();
                 continue;
             }
+            if !ch.step() {
+                return ch.out_of_steps(stage);
+            }
             let ri = *pos;
             *pos += 1;
             let rule = &chain.rules[ri];
             let comp = &pt.compiled[ci][ri];
-            match self.eval(&comp.conds, hook, pkt, ch) {
+            let tri = self.eval(&comp.conds, hook, pkt, ch);
+            // What the matches left behind: `recent --set` lists, assumptions (named by rule).
+            let fx = pkt.fx.take();
+            pkt.recent_set.extend(fx.recent_set);
+            pkt.assumed.extend(
+                fx.assumed
+                    .into_iter()
+                    .map(|a| format!("assumed at {} {}#{}: {a}", table.name, chain.name, ri + 1)),
+            );
+            match tri {
                 Tri::No => continue,
                 Tri::Unknown(why) => {
                     let mut m = matched(table.name.as_str(), rule, ri, "undecidable".into());
@@ -926,6 +1170,9 @@ impl<'a> Simulator<'a> {
     }
 
     fn iface_addr(&self, dev: &str, v6: bool, masq: bool, dst: IpAddr) -> Option<IpAddr> {
+        if masq && let IpAddr::V6(d) = dst {
+            return self.masquerade_source6(dev, d).map(IpAddr::V6);
+        }
         if let Some(a) = self
             .iface_addrs
             .get(dev)
@@ -955,11 +1202,69 @@ impl<'a> Simulator<'a> {
             .map(|r| r.dst.addr)
     }
 
+    /// The source IPv6 MASQUERADE picks: `ipv6_dev_get_saddr` over the node's addresses
+    /// (those given per interface and the local table's), ranked as RFC 6724 section 5 does:
+    /// appropriate scope first (a global address of another interface beats the outgoing
+    /// interface's link-local towards a global destination), then the outgoing interface,
+    /// matching label, longest common prefix. For a link-local or multicast destination only
+    /// the outgoing interface's addresses are candidates.
+    fn masquerade_source6(&self, dev: &str, dst: std::net::Ipv6Addr) -> Option<std::net::Ipv6Addr> {
+        use crate::net::{v6_label, v6_scope};
+        let mut cands: Vec<(&str, std::net::Ipv6Addr)> = Vec::new();
+        for (d, addrs) in &self.iface_addrs {
+            for a in addrs {
+                if let IpAddr::V6(a) = a {
+                    cands.push((d.as_str(), *a));
+                }
+            }
+        }
+        for r in &self.routes.routes {
+            if let (IpAddr::V6(a), "local", "local", 128, Some(d)) = (
+                r.dst.addr,
+                r.table.as_str(),
+                r.kind.as_str(),
+                r.dst.len,
+                r.dev.as_deref(),
+            ) {
+                cands.push((d, a));
+            }
+        }
+        let dst_scope = v6_scope(dst);
+        let own_link_only = dst.is_multicast() || dst_scope <= 2;
+        cands.retain(|(d, a)| {
+            !a.is_multicast() && !a.is_unspecified() && (!own_link_only || *d == dev)
+        });
+        let common = |a: std::net::Ipv6Addr| (u128::from(a) ^ u128::from(dst)).leading_zeros();
+        // Rule 2 as a sort key: adequate scopes (>= the destination's) first, smallest of
+        // them; then inadequate ones, largest first.
+        let scope_rank = |a: std::net::Ipv6Addr| {
+            let s = v6_scope(a);
+            if s >= dst_scope {
+                (0, s)
+            } else {
+                (1, u8::MAX - s)
+            }
+        };
+        cands
+            .iter()
+            .min_by_key(|(d, a)| {
+                (
+                    *a != dst, // rule 1: the same address
+                    scope_rank(*a),
+                    *d != dev,                     // rule 5: the outgoing interface
+                    v6_label(*a) != v6_label(dst), // rule 6: matching label
+                    std::cmp::Reverse(common(*a)), // rule 8: longest matching prefix
+                )
+            })
+            .map(|(_, a)| *a)
+    }
+
     fn eval(&self, conds: &[Cond], hook: Hook, pkt: &Pkt, ch: &mut Chooser) -> Tri {
         // ip_output() hands the hook skb->dev as the input device, so a forwarded packet still
         // has its input interface at POSTROUTING (reachable from user chains).
         let in_if = match hook {
             Hook::LocalOut => None,
+            Hook::PostRouting if pkt.bridged => None,
             _ => pkt.in_iface.as_deref(),
         };
         let out_if = match hook {
@@ -1037,7 +1342,7 @@ impl<'a> Simulator<'a> {
                     } else {
                         self.routes
                             .addr_type(addr, dev)
-                            .map(|t| Ok(types.iter().any(|x| x == t)))
+                            .map(|t| t.map(|t| types.iter().any(|x| x == t)))
                     };
                     match answer {
                         Some(Ok(hit)) => tri(hit, *neg),
@@ -1090,13 +1395,47 @@ impl<'a> Simulator<'a> {
                         let valid = match self.routes.lookup(pkt.src) {
                             RouteDecision::Out { dev, .. } => *loose || Some(dev.as_str()) == in_if,
                             RouteDecision::Local { .. } => *accept_local,
-                            RouteDecision::Unroutable(_) => false,
+                            RouteDecision::Unroutable(_) | RouteDecision::Unknown(_) => false,
                         };
                         tri(valid, *invert)
                     }
                 }
+                Cond::Physdev(p) => self.physdev(p, pkt),
                 Cond::StatRandom { .. } | Cond::StatNth { .. } => continue,
                 Cond::Always(_) => Tri::Yes,
+                Cond::CtTuple {
+                    field,
+                    neg,
+                    with_state,
+                } => ct_tuple(pkt, field, *neg, *with_state),
+                Cond::Recent {
+                    cmd,
+                    name,
+                    rdest,
+                    hitcount,
+                    neg,
+                } => recent(pkt, *cmd, name, *rdest, *hitcount, *neg),
+                Cond::Assumed { answer, assumption } => {
+                    pkt.fx.borrow_mut().assumed.push(assumption.clone());
+                    tri(*answer, false)
+                }
+                Cond::NoHeader(_) => Tri::No,
+                Cond::PktType(want, neg) => match pkt_type(&self.routes, pkt) {
+                    Some((ty, assumption)) => {
+                        if let Some(a) = assumption {
+                            pkt.fx.borrow_mut().assumed.push(a);
+                        }
+                        let want = if want == "host" {
+                            "unicast"
+                        } else {
+                            want.as_str()
+                        };
+                        tri(ty == want, *neg)
+                    }
+                    None => Tri::Unknown(
+                        "pkttype of a locally sent multicast or broadcast packet".into(),
+                    ),
+                },
                 Cond::Unknown(t) => Tri::Unknown(format!("match not modelled: {t}")),
             };
             match r {

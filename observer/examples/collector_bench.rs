@@ -139,7 +139,7 @@ fn main() {
         if mode >= 4 && warm_misses.is_none() {
             warm_misses = Some(warm());
         }
-        let mut cache = RenderCache::default();
+        let mut cache = RenderCache::<bytes::Bytes>::default();
         let ctx = if mode >= 4 { &named } else { &ctx };
         let mut out = Drained::default();
         let t0 = Instant::now();
@@ -152,10 +152,10 @@ fn main() {
                     let r = report::build(&t, ctx, 0);
                     let mut b = Vec::new();
                     let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
-                    (b, observer::pipeline::render_cache::Outcome::of(&r))
+                    (b.into(), observer::pipeline::render_cache::Outcome::of(&r))
                 });
                 // Handed on as the tail's writer takes it: shared, not copied.
-                out.put(r.bytes.clone());
+                out.put(r.value.clone());
                 continue;
             }
             let Ok(t) = assemble(&rec, &plans, &LAYOUT) else {

@@ -54,7 +54,8 @@ enum Command {
         #[arg(long, default_value = "obs", global = true)]
         prefix: String,
         /// With `up`: kube-proxy's mode on the node (nftables: native `kube-proxy` tables,
-        /// no KUBE-* iptables rules).
+        /// no KUBE-* iptables rules), or `bridge`: a flannel/kubeadm-style node whose pods
+        /// hang off the bridge cni0 with br_netfilter on (`traffic` then sends its flows).
         #[arg(long, value_enum, default_value = "iptables", global = true)]
         mode: lab::Mode,
     },
@@ -256,7 +257,8 @@ enum LabAction {
     Down,
     /// Show which of the lab's namespaces exist.
     Status,
-    /// Send the demo flows through the lab (client -> ClusterIP, pod -> external, client -> node).
+    /// Send the demo flows through the lab (client -> ClusterIP, pod -> external, client -> node;
+    /// on a bridge lab: pod -> pod, pod -> ClusterIP on the same bridge, hairpin, remote, outside).
     Traffic,
 }
 
@@ -388,7 +390,12 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
                 LabAction::Traffic => {
-                    for line in traffic::demo_flows(&lab)? {
+                    let flows = if mode == lab::Mode::Bridge || lab.detect_bridge() {
+                        traffic::bridge_flows(&lab)?
+                    } else {
+                        traffic::demo_flows(&lab)?
+                    };
+                    for line in flows {
                         println!("sent: {line}");
                     }
                 }

@@ -22,6 +22,10 @@ use observer_rules::packet::CtState;
 use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_ipsets};
 use observer_tests::{Netns, privileged, unique_prefix, veth};
 
+/// Bridged flows (br_netfilter, `-m physdev`) on a node of their own.
+#[path = "rules_differential/bridged.rs"]
+mod bridged;
+
 const LAB: &str = include_str!("../../lab/rules/lab.rules");
 const DEFAULT_SEED: u64 = 0x0b5e_4e12_2026_0001;
 const PORTS: &[u16] = &[22, 53, 80, 443, 8080, 30080];
@@ -576,10 +580,10 @@ fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) ->
     // iptables allows each basic selector once per rule.
     let mut used = [false; 4];
     // A second `-m mark` after `-m connmark` confuses iptables' option parsing: one of each.
-    let mut kinds = [false; 13];
+    let mut kinds = [false; 17];
     for _ in 0..r.below(4) {
         // 6 and 7 are both `-m mark` (it is common, so it gets two slots).
-        let kind = match r.below(13) {
+        let kind = match r.below(17) {
             7 => 6,
             k => k,
         };
@@ -624,7 +628,70 @@ fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) ->
                     s += &format!(" {}--tcp-flags SYN,ACK SYN", neg(r));
                 }
             }
-            3 if proto.is_some_and(|p| p != "icmp") => {
+            // A protocol by its /etc/protocols name; no probe has it.
+            13 if proto.is_none() => {
+                proto = Some("other");
+                s += &format!(
+                    " {}-p {}",
+                    neg(r),
+                    r.pick(&["igmp", "gre", "vrrp", "ipencap"])
+                );
+            }
+            // conntrack's tuple options (probes are the first packets of their connections;
+            // in raw there is no entry yet). One conntrack match per rule.
+            14 if !kinds[9] => {
+                s += " -m conntrack";
+                if r.chance(30) {
+                    s += &format!(" --ctstate {}", r.pick(&["NEW", "INVALID", "NEW,INVALID"]));
+                }
+                // Each option at most once (iptables refuses a repeat).
+                let opts = [
+                    "ctproto",
+                    "ctorigsrc",
+                    "ctorigdst",
+                    "ctreplsrc",
+                    "ctrepldst",
+                    "ctorigdstport",
+                    "ctorigsrcport",
+                    "ctreplsrcport",
+                    "ctrepldstport",
+                ];
+                let first = r.below(opts.len());
+                let second = (first + 1 + r.below(opts.len() - 1)) % opts.len();
+                for &i in &[first, second][..1 + r.below(2)] {
+                    let n = neg(r);
+                    let o = opts[i];
+                    s += &match o {
+                        "ctproto" => format!(" {n}--ctproto {}", r.pick(&["6", "17", "tcp"])),
+                        _ if o.ends_with("port") => format!(" {n}--{o} {}", r.pick(PORTS)),
+                        _ => format!(" {n}--{o} {}", r.pick(f.nets)),
+                    };
+                }
+            }
+            // Stateful matches the simulator answers under an assumption, in forms where the
+            // assumption holds for every probe: lists nothing ever adds to, a rate never reached.
+            15 => {
+                let n = r.below(1000);
+                s += &match r.below(4) {
+                    0 => format!(" -m recent --set --name s{n} --rsource"),
+                    1 => format!(" -m recent {}--rcheck --name never{n}", neg(r)),
+                    2 => format!(
+                        " -m hashlimit --hashlimit-{} 100000/sec --hashlimit-burst 10000 --hashlimit-name h{n}",
+                        r.pick(&["upto", "above"])
+                    ),
+                    _ => format!(
+                        " -m pkttype {}--pkt-type {}",
+                        neg(r),
+                        r.pick(&["unicast", "broadcast", "multicast", "host"])
+                    ),
+                };
+            }
+            // The mac match is only allowed on the input side (a user chain may be reached
+            // from OUTPUT); no veth has this address.
+            16 if hook_in && !user => {
+                s += &format!(" -m mac {}--mac-source 02:00:5e:00:53:01", neg(r));
+            }
+            3 if proto.is_some_and(|p| p == "tcp" || p == "udp") => {
                 let ports: Vec<String> = (0..1 + r.below(3))
                     .map(|_| r.pick(PORTS).to_string())
                     .collect();
@@ -641,7 +708,7 @@ fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) ->
             }
             6 => s += &format!(" -m mark {}--mark {}", neg(r), mark_mask(r)),
             8 => s += &format!(" -m connmark {}--mark {}", neg(r), mark_mask(r)),
-            9 => {
+            9 if !kinds[14] => {
                 let st = *r.pick(&[
                     "NEW",
                     "ESTABLISHED",
@@ -719,7 +786,7 @@ fn gen_rule(r: &mut Rng, f: &Fam, table: &str, chain: &str, users: &[String]) ->
             }
             "PREROUTING" | "OUTPUT" => {
                 let to = *r.pick(f.dnat_to);
-                let to = if proto.is_some_and(|p| p != "icmp") {
+                let to = if proto.is_some_and(|p| p == "tcp" || p == "udp") {
                     f.with_port(to, port)
                 } else {
                     to.to_string()

@@ -80,8 +80,9 @@ enum Task {
     /// Build, bring up the netns lab, trace demo flows through it, tear it down.
     Demo {
         /// kube-proxy's mode on the lab node: iptables (KUBE-* chains) or nftables (native
-        /// `kube-proxy` tables); the demo also prints `observer explain --live` for a flow.
-        #[arg(long, default_value = "iptables", value_parser = ["iptables", "nftables"])]
+        /// `kube-proxy` tables; the demo also prints `observer explain --live` for a flow), or
+        /// bridge (pods on the bridge cni0 with br_netfilter, the bridge lab's flows).
+        #[arg(long, default_value = "iptables", value_parser = ["iptables", "nftables", "bridge"])]
         mode: String,
     },
     /// Formatting, clippy, unit tests and privileged integration tests.

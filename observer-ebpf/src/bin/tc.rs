@@ -7,7 +7,7 @@
 use aya_ebpf::{macros::classifier, programs::TcContext};
 use observer_common::parse::ip_header_at;
 use observer_common::traversal::{
-    TraversalRecord, add_reading, decision, end, leave_unchanged, missing,
+    TraversalRecord, add_reading, continues_into_bridge, decision, end, leave_unchanged, missing,
 };
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{
@@ -28,18 +28,39 @@ const TC_NEXT: i32 = -1;
 
 #[classifier]
 pub fn observer_tc_ingress(ctx: TcContext) -> i32 {
-    observe(&ctx, hook::TC_INGRESS);
+    observe::<false>(&ctx, hook::TC_INGRESS);
     TC_NEXT
 }
 
 #[classifier]
 pub fn observer_tc_egress(ctx: TcContext) -> i32 {
-    observe(&ctx, hook::TC_EGRESS);
+    observe::<false>(&ctx, hook::TC_EGRESS);
     TC_NEXT
 }
 
+/// TC ingress of a bridge device (attached instead of [`observer_tc_ingress`] there): a
+/// frame a port passed up to the bridge (to be routed or delivered) is the packet that
+/// entered through that port, whose traversal goes on.
+#[classifier]
+pub fn observer_tc_bridge_ingress(ctx: TcContext) -> i32 {
+    observe::<true>(&ctx, hook::TC_INGRESS);
+    TC_NEXT
+}
+
+/// TC egress of a bridge device: the bridge's transmit (`br_dev_xmit`) hands the same skb
+/// on to a port (a packet the node sends to a pod, or one br_netfilter sent through the
+/// neighbour's output after a DNAT to the same bridge), so the traversal does not end here
+/// but where it leaves through that port, or where it is dropped or freed.
+#[classifier]
+pub fn observer_tc_bridge_egress(ctx: TcContext) -> i32 {
+    observe::<true>(&ctx, hook::TC_EGRESS);
+    TC_NEXT
+}
+
+/// One TC point; `BRIDGE` for a bridge device, where nothing ends and a packet passed up
+/// from a port goes on.
 #[inline(always)]
-fn observe(ctx: &TcContext, at: u8) {
+fn observe<const BRIDGE: bool>(ctx: &TcContext, at: u8) {
     // The floor, or counting only: tcx links are being released.
     if cfg(config::FLOOR).is_some_and(|f| f != 0) || counts::count_only() {
         return;
@@ -49,10 +70,30 @@ fn observe(ctx: &TcContext, at: u8) {
         return;
     }
     let skb = ctx.skb.skb as u64;
+    if BRIDGE {
+        // Left out where it entered (a port, or the bridge's own output): left out still,
+        // until it ends where it leaves.
+        if find_left_out(skb).is_some() {
+            return;
+        }
+        if let Some(f) = find(skb)
+            && (at == hook::TC_EGRESS || continues_into_bridge(f.rec))
+        {
+            // The same traversal, a new visit: nothing ends at a bridge device.
+            if f.rec.decision == decision::KEEP
+                && !(at == hook::TC_EGRESS && leaves_unchanged(ctx, f.rec))
+                && let Some(ev) = scratch()
+                && read_packet(ctx, ev, at).is_some()
+            {
+                add_reading(f.rec, ev, 0);
+            }
+            return;
+        }
+    }
     if at == hook::TC_INGRESS && left_out_at_entry(ctx, skb) {
         return;
     }
-    if at == hook::TC_EGRESS {
+    if at == hook::TC_EGRESS && !BRIDGE {
         // Left out by the filter: counted, not read.
         if let Some(lo) = find_left_out(skb) {
             lo.end();
@@ -105,7 +146,7 @@ fn observe(ctx: &TcContext, at: u8) {
     if f.rec.decision == decision::KEEP {
         add_reading(f.rec, ev, 0);
     }
-    if at == hook::TC_EGRESS {
+    if at == hook::TC_EGRESS && !BRIDGE {
         finish(f, end::EGRESS);
     }
 }

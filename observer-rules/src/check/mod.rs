@@ -79,6 +79,17 @@ impl<'a> Cols<'a> {
     }
 }
 
+/// iptables' own long options (`--append`, `--insert`, ...), for getopt's prefixes.
+pub(crate) const BASE_LONG_OPTIONS: &[&str] = BASE_LONG;
+
+/// The port of a service name (`http` is 80), as iptables resolves `--dport http`.
+pub fn service_port(name: &str) -> Option<u16> {
+    SERVICE_PORTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|&(_, p)| p)
+}
+
 /// Tables iptables-restore knows.
 pub const TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"];
 
@@ -143,6 +154,14 @@ enum Arg {
     LogLevel,
     /// LOG's prefix: no newline (an unterminated quote brings one).
     Prefix,
+    /// `--mac-source`: six `:`-separated hex bytes (see [`check_mac`]).
+    Mac,
+    /// time's `hh:mm[:ss]`.
+    DayTime,
+    /// time's `--weekdays`: names or numbers 1-7, comma separated.
+    Weekdays,
+    /// time's `--monthdays`: 1-31, comma separated.
+    Monthdays,
 }
 
 struct Spec {
@@ -227,6 +246,20 @@ fn spec(name: &str) -> Option<Spec> {
             ("validmark", Flag),
             ("accept-local", Flag),
             ("invert", Flag),
+        ],
+        "mac" => &[("mac-source", Mac)],
+        // iptables 1.8's options; the `--days`/`--time` of iptables 1.3 are refused as there.
+        "time" => &[
+            ("datestart", Any),
+            ("datestop", Any),
+            ("timestart", DayTime),
+            ("timestop", DayTime),
+            ("monthdays", Monthdays),
+            ("weekdays", Weekdays),
+            ("localtz", Flag),
+            ("kerneltz", Flag),
+            ("utc", Flag),
+            ("contiguous", Flag),
         ],
         "physdev" => &[
             ("physdev-in", Iface),
@@ -337,6 +370,8 @@ struct Loaded<'a> {
     seen: u32,
     /// statistic's `--mode`, which decides what else it needs.
     mode: Option<&'a Opt>,
+    /// time's `--timestart` and `--timestop`, in seconds into the day.
+    times: [Option<u32>; 2],
     /// Loaded by `-m` (not by `-p`), with the column of its name.
     explicit: Option<usize>,
 }
@@ -381,6 +416,7 @@ impl<'a> Getopt<'a> {
             spec: spec(name),
             seen: 0,
             mode: None,
+            times: [None; 2],
             explicit,
         });
         self.recent.retain(|&r| self.instances[r].name != name);
@@ -392,14 +428,17 @@ impl<'a> Getopt<'a> {
     fn resolve(&self, name: &str) -> Result<Resolved, String> {
         let mut prefix_hits: Vec<(usize, &'static str, Arg)> = Vec::new();
         for &i in self.recent.iter().rev() {
-            if let Some(s) = &self.instances[i].spec {
-                for &(n, a) in s.opts {
-                    if n == name {
-                        return Ok(Resolved::Known(i, n, a));
-                    }
-                    if n.starts_with(name) {
-                        prefix_hits.push((i, n, a));
-                    }
+            let Some(s) = &self.instances[i].spec else {
+                // A newer extension we do not list may own the name (`-m set ... -m recent
+                // --set`: recent's `--set` comes first in getopt's table).
+                return Ok(Resolved::Unchecked);
+            };
+            for &(n, a) in s.opts {
+                if n == name {
+                    return Ok(Resolved::Known(i, n, a));
+                }
+                if n.starts_with(name) {
+                    prefix_hits.push((i, n, a));
                 }
             }
         }
@@ -568,6 +607,10 @@ fn check_args(
                 Ok(())
             }
         }
+        Arg::Mac => check_mac(a),
+        Arg::DayTime => check_daytime(a),
+        Arg::Weekdays => check_weekdays(a),
+        Arg::Monthdays => check_monthdays(a),
         Arg::LogLevel => {
             if strtoul0(a, 7).is_some() || LOG_LEVELS.contains(&a) {
                 Ok(())
@@ -605,6 +648,13 @@ fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
             Err("set: you must specify --match-set".into())
         }
         "physdev" if l.seen == 0 => Err("physdev: no physdev option specified".into()),
+        "mac" if !has("mac-source") => Err("mac: option `--mac-source` must be specified".into()),
+        "time" if has("utc") && any(&["localtz", "kerneltz"]) => {
+            Err("time: --utc cannot be used together with --kerneltz (or --localtz)".into())
+        }
+        "time" if has("contiguous") && !contiguous_ok(l) => Err(
+            "time: --contiguous only makes sense when stoptime is smaller than starttime".into(),
+        ),
         "statistic" => {
             let mode = o.map(|o| o.args.first().map_or("", String::as_str));
             match mode {
@@ -637,6 +687,16 @@ fn check_complete(l: &Loaded<'_>) -> Result<(), String> {
         }
         "SNAT" if !has("to-source") => Err("SNAT: option `--to-source` must be specified".into()),
         _ => Ok(()),
+    }
+}
+
+/// `--contiguous` as iptables-restore 1.8.9 was seen to judge it: refused alone and when
+/// `--timestop` is after `--timestart`, accepted with only one of the two.
+fn contiguous_ok(l: &Loaded<'_>) -> bool {
+    match (l.saw("timestart"), l.saw("timestop"), l.times) {
+        (false, false, _) => false,
+        (true, true, [Some(start), Some(stop)]) => stop < start,
+        _ => true,
     }
 }
 
@@ -724,8 +784,13 @@ pub(crate) fn check_rule<'r>(
                     ));
                 }
                 inst.mark(full);
-                if full == "mode" {
-                    inst.mode = Some(o);
+                match full {
+                    "mode" => inst.mode = Some(o),
+                    "timestart" | "timestop" => {
+                        let at = usize::from(full == "timestop");
+                        inst.times[at] = o.args.first().and_then(|a| daytime_seconds(a));
+                    }
+                    _ => {}
                 }
                 check_args(&facts, owner, full, kind, o, (ncol, acols))?;
             }

@@ -336,6 +336,91 @@ pub(super) fn check_rate(s: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A MAC address as libxtables 1.8.9 reads it: six parts split at `:`, each at most two
+/// characters that `strtoul(.., 16)` reads whole (an empty part is 0). An anonymised
+/// `XX:XX:XX:XX:XX:XX` is refused, as by iptables-restore.
+pub(super) fn check_mac(s: &str) -> Result<(), String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let ok = parts.len() == 6
+        && parts.iter().all(|p| {
+            let digits = p.strip_prefix('+').unwrap_or(p);
+            p.len() <= 2
+                && (p.is_empty() || !digits.is_empty())
+                && digits.chars().all(|c| c.is_ascii_hexdigit())
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "invalid MAC address `{s}` (six hex bytes such as 14:56:e2:b5:a5:eb)"
+        ))
+    }
+}
+
+/// `hh:mm[:ss]` within a day.
+pub(super) fn check_daytime(s: &str) -> Result<(), String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let field = |p: &str, max: u64| {
+        !p.is_empty()
+            && p.chars().all(|c| c.is_ascii_digit())
+            && p.parse::<u64>().is_ok_and(|v| v <= max)
+    };
+    let ok = matches!(parts.len(), 2 | 3)
+        && field(parts[0], 23)
+        && field(parts[1], 59)
+        && parts.get(2).is_none_or(|p| field(p, 59));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("invalid time `{s}` (hh:mm[:ss])"))
+    }
+}
+
+/// `--weekdays`: `Mon`..`Sun` (or the full names) or 1-7, comma separated.
+pub(super) fn check_weekdays(s: &str) -> Result<(), String> {
+    const DAYS: &[&str] = &[
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    for d in s.split(',') {
+        let named = DAYS
+            .iter()
+            .any(|n| d == *n || (d.len() >= 2 && n.starts_with(d)));
+        // libxt_time refuses 0 ("the week does NOT begin with Sunday") but not 8 and up.
+        let number = !d.is_empty()
+            && d.chars().all(|c| c.is_ascii_digit())
+            && d.parse::<u32>().is_ok_and(|n| n > 0);
+        if !named && !number {
+            return Err(format!("`{d}` is not a valid day (Mon..Sun or 1-7)"));
+        }
+    }
+    Ok(())
+}
+
+/// `--monthdays`: days 1-31, comma separated.
+pub(super) fn check_monthdays(s: &str) -> Result<(), String> {
+    for d in s.split(',') {
+        if !d.chars().all(|c| c.is_ascii_digit())
+            || !d.parse::<u32>().is_ok_and(|n| (1..=31).contains(&n))
+        {
+            return Err(format!("`{d}` is not a valid day for --monthdays (1-31)"));
+        }
+    }
+    Ok(())
+}
+
+/// Seconds into the day of a valid `hh:mm[:ss]`.
+pub(super) fn daytime_seconds(s: &str) -> Option<u32> {
+    check_daytime(s).ok()?;
+    let mut it = s.split(':').map(|p| p.parse::<u32>().unwrap_or(0));
+    Some(it.next()? * 3600 + it.next()? * 60 + it.next().unwrap_or(0))
+}
+
 pub(super) fn check_proto(p: &str) -> Result<(), String> {
     if strtoul0(p, 255).is_some()
         || PROTOCOLS.contains(&p)

@@ -72,7 +72,9 @@ fn compile_table(t: &NftTable) -> PTable {
                 .rules
                 .iter()
                 .map(|r| {
-                    let list = r.expr.as_array().map(Vec::as_slice).unwrap_or_default();
+                    // One rule's tree at a time (see RawJson).
+                    let expr = r.expr.value();
+                    let list = expr.as_array().map(Vec::as_slice).unwrap_or_default();
                     PRule {
                         handle: r.handle,
                         text: rule_text(list, r.comment.as_deref()),
@@ -95,7 +97,8 @@ fn compile_table(t: &NftTable) -> PTable {
 
 fn compile_named_set(cx: &Cx<'_>, s: &NftSet) -> PSet {
     let key: Vec<Ty> = s.key.iter().map(|k| Ty::from_nft(k)).collect();
-    let elems = match &s.elems {
+    let elems = s.elems.as_ref().map(|e| e.value());
+    let elems = match &elems {
         Some(Value::Array(a)) => a.as_slice(),
         _ => &[],
     };
@@ -224,6 +227,7 @@ fn expr(cx: &Cx<'_>, v: &Value) -> Expr {
             ("th", "sport") => Field::Sport(None),
             ("th", "dport") => Field::Dport(None),
             ("tcp", "flags") => Field::TcpFlags,
+            ("ether", "type") => Field::EtherType,
             ("icmp", "type") => Field::IcmpType(1),
             ("icmp", "code") => Field::IcmpCode(1),
             ("icmpv6", "type") => Field::IcmpType(58),
@@ -240,6 +244,8 @@ fn expr(cx: &Cx<'_>, v: &Value) -> Expr {
             "protocol" => MetaKey::Protocol,
             "iifname" | "iif" => MetaKey::IifName,
             "oifname" | "oif" => MetaKey::OifName,
+            "ibrname" | "ibriport" => MetaKey::IbrName,
+            "obrname" | "obriport" => MetaKey::ObrName,
             _ => return Expr::Unknown(format!("meta {k} not modelled")),
         });
     }
@@ -346,13 +352,14 @@ pub fn key_types(e: &Expr) -> Vec<Ty> {
             Field::IcmpType(_) => Ty::IcmpType,
             Field::IcmpCode(_) => Ty::Int,
             Field::TcpFlags => Ty::TcpFlags,
+            Field::EtherType => Ty::EtherType,
         }],
         Expr::Meta(k) => vec![match k {
             MetaKey::Mark => Ty::Int,
             MetaKey::L4Proto => Ty::Proto,
             MetaKey::NfProto => Ty::NfProto,
             MetaKey::Protocol => Ty::EtherType,
-            MetaKey::IifName | MetaKey::OifName => Ty::Iface,
+            MetaKey::IifName | MetaKey::OifName | MetaKey::IbrName | MetaKey::ObrName => Ty::Iface,
         }],
         Expr::Ct(k) => vec![match k {
             CtKey::State => Ty::CtState,

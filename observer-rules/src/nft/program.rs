@@ -22,6 +22,8 @@ pub enum Field {
     IcmpType(u8),
     IcmpCode(u8),
     TcpFlags,
+    /// `ether type` (bridge tables, ebtables-nft's `-p IPv4`).
+    EtherType,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +34,9 @@ pub enum MetaKey {
     Protocol,
     IifName,
     OifName,
+    /// `meta ibrname` / `obrname`: the bridge of the in / out port (bridge family only).
+    IbrName,
+    ObrName,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,6 +284,32 @@ impl Program {
             }
         }
         out.sort_by_key(|s| (s.at, s.priority, std::cmp::Reverse(s.created)));
+        out
+    }
+
+    /// Base chains of `bridge` tables on `hook`, in the order the kernel runs them
+    /// (priority, then the chain created last first). Where br_netfilter's own hooks sit
+    /// among them is the walk's business (`sim/bridged.rs`).
+    pub fn bridge_chains(&self, hook: Hook) -> Vec<Scheduled> {
+        let mut out = Vec::new();
+        for (ti, t) in self.tables.iter().enumerate() {
+            if t.family != "bridge" {
+                continue;
+            }
+            for (ci, c) in t.chains.iter().enumerate() {
+                let Some(b) = c.base.as_ref().filter(|b| b.hook == hook) else {
+                    continue;
+                };
+                out.push(Scheduled {
+                    table: ti,
+                    chain: ci,
+                    at: b.priority,
+                    priority: b.priority,
+                    created: (t.handle, c.handle),
+                });
+            }
+        }
+        out.sort_by_key(|s| (s.priority, std::cmp::Reverse(s.created)));
         out
     }
 

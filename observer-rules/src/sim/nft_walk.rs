@@ -95,6 +95,9 @@ impl Simulator<'_> {
                 stack.pop();
                 continue;
             }
+            if !ch.step() {
+                return ch.out_of_steps(stage);
+            }
             let ri = *pos;
             *pos += 1;
             let rule = &chain.rules[ri];
@@ -282,10 +285,7 @@ impl Simulator<'_> {
     /// True when one of the following matches fails whatever the random draws (no side effects).
     fn later_fails(&self, t: &PTable, rest: &[Stmt], hook: Hook, pkt: &Pkt) -> bool {
         let mut probe = pkt.clone();
-        let mut ch = super::Chooser {
-            prefix: Vec::new(),
-            log: Vec::new(),
-        };
+        let mut ch = super::Chooser::new(Vec::new(), usize::MAX);
         rest.iter()
             .take_while(|s| matches!(s, Stmt::Match { .. }))
             .any(|s| match s {
@@ -414,6 +414,11 @@ impl Simulator<'_> {
                 Field::IcmpCode(_) => n(u128::from(pkt.icmp.1)),
                 Field::TcpFlags if pkt.proto != 6 => Ev::Break,
                 Field::TcpFlags => n(u128::from(pkt.tcp_flags)),
+                // The frame's own type: only bridge (and netdev) tables see an Ethernet header.
+                Field::EtherType if pkt.bridge_family.is_some() => {
+                    n(if pkt.v6 { 0x86dd } else { 0x0800 })
+                }
+                Field::EtherType => Ev::Unknown("ether type outside a bridge table".into()),
             },
             Expr::Meta(k) => match k {
                 MetaKey::Mark => n(u128::from(pkt.mark)),
@@ -422,7 +427,24 @@ impl Simulator<'_> {
                 MetaKey::Protocol => n(if pkt.v6 { 0x86dd } else { 0x0800 }),
                 MetaKey::IifName => Ev::Val(Atom::S(in_if(hook, pkt).unwrap_or("").to_string())),
                 MetaKey::OifName => Ev::Val(Atom::S(out_if(hook, pkt).unwrap_or("").to_string())),
+                // nft_meta_bridge: the bridge of the port, "" without one.
+                MetaKey::IbrName | MetaKey::ObrName if t.family == "bridge" => {
+                    let port = if *k == MetaKey::IbrName {
+                        in_if(hook, pkt)
+                    } else {
+                        out_if(hook, pkt)
+                    };
+                    let br = port.and_then(|p| self.bridges.bridge_of(p));
+                    Ev::Val(Atom::S(br.unwrap_or("").to_string()))
+                }
+                MetaKey::IbrName | MetaKey::ObrName => Ev::Unknown(
+                    "meta ibrname/obrname outside a bridge table (the kernel only has them there)"
+                        .into(),
+                ),
             },
+            Expr::Ct(_) if pkt.bridge_family.is_some() => {
+                Ev::Unknown("ct in a bridge table is not modelled".into())
+            }
             Expr::Ct(k) => self.ct_value(*k, pkt),
             Expr::Fib {
                 saddr,
@@ -543,7 +565,8 @@ impl Simulator<'_> {
         };
         match result {
             FibResult::Type => match self.routes.addr_type(addr, dev) {
-                Some(t) => Ev::Val(Atom::N(fib_type_num(t))),
+                Some(Ok(t)) => Ev::Val(Atom::N(fib_type_num(t))),
+                Some(Err(why)) => Ev::Unknown(format!("fib type: {why}")),
                 None => Ev::Unknown("fib type needs routes of this family".into()),
             },
             // The interface the route to `addr` leaves by; with `iif` only when that is the
@@ -561,7 +584,9 @@ impl Simulator<'_> {
                 RouteDecision::Unroutable(why) if why.starts_with("no route") => {
                     Ev::Val(Atom::S(String::new()))
                 }
-                RouteDecision::Unroutable(why) => Ev::Unknown(format!("fib oif through a {why}")),
+                RouteDecision::Unroutable(why) | RouteDecision::Unknown(why) => {
+                    Ev::Unknown(format!("fib oif through a {why}"))
+                }
             },
         }
     }
@@ -584,6 +609,7 @@ fn tri(b: bool) -> Tri {
 fn in_if(hook: Hook, pkt: &Pkt) -> Option<&str> {
     match hook {
         Hook::LocalOut => None,
+        Hook::PostRouting if pkt.bridged => None,
         _ => pkt.in_iface.as_deref(),
     }
 }

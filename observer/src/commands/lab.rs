@@ -10,6 +10,9 @@
 //! chains), `lab/node6.rules` (the same service on [fd00:10::2]:22) and `lab/node.ipsets`.
 //! With [`Mode::Nftables`] kube-proxy runs in nftables mode: its KUBE-* iptables rules are left
 //! out and `lab/node-kube-proxy.nft` (tables `ip kube-proxy` and `ip6 kube-proxy`) is loaded.
+//! [`Mode::Bridge`] builds another node: pods on a Linux bridge with br_netfilter ([`bridge`]).
+
+pub mod bridge;
 
 use std::process::Command;
 
@@ -28,6 +31,9 @@ pub enum Mode {
     Iptables,
     /// Native nftables tables `ip kube-proxy` / `ip6 kube-proxy`, no KUBE-* iptables rules.
     Nftables,
+    /// A flannel/kubeadm-style node: pods on the bridge `cni0` (hairpin on, br_netfilter on),
+    /// kube-proxy in iptables mode, flannel's rules, a second node for remote endpoints.
+    Bridge,
 }
 
 /// `iptables-save` text without kube-proxy's chains, rules and jumps (Calico's stay).
@@ -80,11 +86,30 @@ impl Lab {
     }
 
     pub const ROLES: [&'static str; 5] = ["client", "node", "pod", "pod2", "ext"];
+    /// Every role any mode creates (`down` removes them all, whatever the mode).
+    pub const ALL_ROLES: [&'static str; 6] = ["client", "node", "pod", "pod2", "ext", "node2"];
+
+    /// The namespaces this lab's mode creates.
+    pub fn roles(&self) -> &'static [&'static str] {
+        match self.mode {
+            Mode::Bridge => &Self::ALL_ROLES,
+            Mode::Iptables | Mode::Nftables => &Self::ROLES,
+        }
+    }
+
+    /// Whether the lab of this prefix that exists now is a bridge lab (its node has `cni0`):
+    /// `lab traffic` sends the flows of the lab that is up, whatever `--mode` says.
+    pub fn detect_bridge(&self) -> bool {
+        Command::new("ip")
+            .args(["-n", &self.node(), "link", "show", bridge::BRIDGE])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
 
     /// Builds the lab (removing a previous one of the same prefix first).
     pub fn up(&self) -> Result<()> {
         self.down();
-        for role in Self::ROLES {
+        for role in self.roles() {
             run(&["ip", "netns", "add", &self.ns(role)])?;
             self.exec(role, &["ip", "link", "set", "lo", "up"])?;
             // Interfaces created from here on send no IPv6 router solicitations (three, four
@@ -97,6 +122,9 @@ impl Lab {
                     "net.ipv6.conf.default.router_solicitations=0",
                 ],
             )?;
+        }
+        if self.mode == Mode::Bridge {
+            return bridge::up(self);
         }
         let (client, node, pod, pod2, ext) = (
             self.ns("client"),
@@ -163,7 +191,7 @@ impl Lab {
             IPSETS,
         )?;
         let (v4, v6) = match self.mode {
-            Mode::Iptables => (RULES.to_string(), RULES6.to_string()),
+            Mode::Iptables | Mode::Bridge => (RULES.to_string(), RULES6.to_string()),
             Mode::Nftables => (without_kube_proxy(RULES), without_kube_proxy(RULES6)),
         };
         pipe(&["ip", "netns", "exec", &node, "iptables-restore"], &v4)?;
@@ -173,7 +201,7 @@ impl Lab {
 
     /// Removes every namespace of this lab; missing ones are fine.
     pub fn down(&self) {
-        for role in Self::ROLES {
+        for role in Self::ALL_ROLES {
             let _ = Command::new("ip")
                 .args(["netns", "del", &self.ns(role)])
                 .output();
@@ -187,7 +215,12 @@ impl Lab {
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default();
-        Self::ROLES
+        let roles = if self.detect_bridge() {
+            &Self::ALL_ROLES[..]
+        } else {
+            self.roles()
+        };
+        roles
             .iter()
             .map(|r| {
                 let n = self.ns(r);

@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::kernel::btf::TupleLayout;
 use crate::output::recording::{Frame, Meta, Reader};
 use crate::pipeline::decode::decode;
-use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames};
+use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames, Report};
 use observer_model::marks::MarkDictionary;
 
 #[derive(Clone, Debug)]
@@ -96,22 +96,51 @@ impl NameSource for Shared {
 /// Prints the recording's reports to `out`.
 pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
     let reader = Reader::open(&opts.file)?;
-    // Interface names in the filter are the recording's (the last name an index had),
-    // gathered in one pass over the file before the records are read.
-    let ifindexes = match &opts.filter {
-        Some(_) => recorded_ifindexes(&opts.file)?,
-        None => HashMap::new(),
-    };
+    let ifindexes = recorded_ifindexes_for(opts)?;
     replay(reader, &ifindexes, opts, out)
+}
+
+/// Hands each of the recording's reports (as `opts` keeps them) to `sink`.
+pub fn each(
+    opts: &ReplayOptions,
+    sink: &mut dyn FnMut(&Report) -> Result<()>,
+) -> Result<ReplaySummary> {
+    let reader = Reader::open(&opts.file)?;
+    let ifindexes = recorded_ifindexes_for(opts)?;
+    replay_each(reader, &ifindexes, opts, sink)
+}
+
+/// Interface names in the filter are the recording's (the last name an index had),
+/// gathered in one pass over the file before the records are read.
+fn recorded_ifindexes_for(opts: &ReplayOptions) -> Result<HashMap<String, u32>> {
+    match &opts.filter {
+        Some(_) => recorded_ifindexes(&opts.file),
+        None => Ok(HashMap::new()),
+    }
 }
 
 /// Prints the reports of an open recording to `out` (`opts.file` names it in messages);
 /// `ifindexes` resolves `iface NAME` in the filter.
 pub fn replay<R: std::io::Read>(
-    mut reader: Reader<R>,
+    reader: Reader<R>,
     ifindexes: &HashMap<String, u32>,
     opts: &ReplayOptions,
     out: &mut dyn Write,
+) -> Result<ReplaySummary> {
+    let summary = replay_each(reader, ifindexes, opts, &mut |report| {
+        out.write_all(&report.render(opts.output))
+            .context("writing the reports to stdout")
+    })?;
+    out.flush().context("writing the reports to stdout")?;
+    Ok(summary)
+}
+
+/// Hands each report of an open recording to `sink`.
+pub fn replay_each<R: std::io::Read>(
+    mut reader: Reader<R>,
+    ifindexes: &HashMap<String, u32>,
+    opts: &ReplayOptions,
+    sink: &mut dyn FnMut(&Report) -> Result<()>,
 ) -> Result<ReplaySummary> {
     if reader.format == crate::output::recording::FORMAT_V1 {
         log::warn!(
@@ -172,7 +201,7 @@ pub fn replay<R: std::io::Read>(
                 marks,
             }) => {
                 // Rules named as the tail named them, from the ruleset it read.
-                let live = observer_rules::LiveNode::parse(texts);
+                let live = observer_rules::LiveNode::parse(*texts);
                 for f in &live.failures {
                     log::warn!(
                         "{}: the recorded ruleset of generation {generation} is partly \
@@ -218,10 +247,9 @@ pub fn replay<R: std::io::Read>(
                 }
                 match pipeline.handle(&bytes, lost_now) {
                     Outcome::Report {
-                        bytes, incomplete, ..
+                        report, incomplete, ..
                     } => {
-                        out.write_all(&bytes)
-                            .context("writing the reports to stdout")?;
+                        sink(&report)?;
                         summary.printed += 1;
                         summary.incomplete += u64::from(incomplete);
                         // Stop at once: not after reading one more frame.
@@ -237,7 +265,6 @@ pub fn replay<R: std::io::Read>(
             }
         }
     }
-    out.flush().context("writing the reports to stdout")?;
     let stopped_early = opts.count.is_some_and(|n| summary.printed >= n);
     summary.unended = !stopped_early
         && reader.format != crate::output::recording::FORMAT_V1

@@ -7,30 +7,23 @@
 //! accounted for in the summary: printed, lost, left out, or still in flight.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use log::{info, warn};
 use serde::Serialize;
-use tokio::io::unix::AsyncFd;
-use tokio::signal::unix::{SignalKind, signal};
 
 use crate::kernel::btf::KernelLayout;
-use crate::kernel::probes::{KernelCounters, Probes};
-use crate::kernel::upkeep::{
-    RulesetReader, SOCKET_GRACE, attach_probes, legacy_tables, mark_dictionary, now_ns, read_live,
-    watch_ruleset,
-};
+use crate::kernel::probes::KernelCounters;
+use crate::kernel::session::{Consumer, Next, Replan, Session, SessionOptions, Stop, Tick};
+use crate::kernel::upkeep::{attach_probes, mark_dictionary, read_live};
 use crate::output::Writer;
 use crate::output::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to_unix};
 use crate::output::recording::{Header, Recorder};
 pub use crate::pipeline::Output;
-use crate::pipeline::decode::encode_record;
 use crate::pipeline::rulenames::RuleNamer;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
 use observer_common::filter::FilterProgram;
-use observer_common::traversal::{TraversalRecord, end};
-use observer_rules::LiveNode;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
@@ -222,7 +215,6 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     program.sample = opts.sample;
     let mut probes = attach_probes(&layout, &program, &live, opts.floor)?;
-    let ring = probes.take_ring()?;
     let pcap = match pcapng {
         Some(writer) => Some(Pcap {
             writer,
@@ -232,10 +224,33 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         }),
         None => None,
     };
+    pipeline.add_plans(probes.generation(), &probes.plans);
+    let mut printer = Printer {
+        opts: &opts,
+        pipeline,
+        pcap,
+        out: Writer::new(raw_stdout()?),
+        formatted: 0,
+        summary: Summary::default(),
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let summary = rt.block_on(event_loop(&opts, probes, ring, pipeline, pcap))?;
+    rt.block_on(async {
+        let session = Session::new(
+            probes,
+            SessionOptions {
+                netns: opts.netns.clone(),
+                ready_file: opts.ready_file.clone(),
+                timeout: opts.timeout,
+                idle: opts.idle,
+                batch: BATCH,
+                final_drain: FINAL_DRAIN,
+            },
+        )?;
+        session.run(&mut printer).await
+    })?;
+    let summary = printer.summary;
     if let Some(path) = &opts.stats_file {
         std::fs::write(path, serde_json::to_string(&summary)? + "\n")
             .with_context(|| format!("writing stats file {}", path.display()))?;
@@ -278,7 +293,7 @@ impl Pcap {
     }
 }
 
-/// The pipeline and where its reports go.
+/// The pipeline and where its reports go: tail's consumer of the session.
 struct Printer<'a> {
     opts: &'a TailOptions,
     pipeline: Pipeline,
@@ -286,49 +301,12 @@ struct Printer<'a> {
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
-    /// The kernel's count of lost packets, as last read.
-    lost_now: u64,
+    summary: Summary,
 }
 
 impl Printer<'_> {
     fn count_reached(&self) -> bool {
         self.opts.count.is_some_and(|n| self.formatted >= n)
-    }
-
-    /// Prints one record (ring-buffer bytes); returns whether `--count` is reached.
-    fn print(&mut self, raw: &[u8], summary: &mut Summary) -> bool {
-        if self.out.closed() || self.count_reached() {
-            summary.not_printed += 1;
-            return true;
-        }
-        match self.pipeline.handle(raw, self.lost_now) {
-            Outcome::Report {
-                bytes,
-                incomplete,
-                rules_disagree,
-                rules_undecidable,
-                packet,
-            } => {
-                if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
-                    pcap.write(packet);
-                }
-                self.out.put(bytes);
-                self.formatted += 1;
-                summary.incomplete += u64::from(incomplete);
-                summary.rules_disagree += u64::from(rules_disagree);
-                summary.rules_undecidable += u64::from(rules_undecidable);
-            }
-            other => {
-                crate::pipeline::warn_unusable(&other);
-                summary.not_printed += 1;
-            }
-        }
-        self.count_reached()
-    }
-
-    /// Prints a record taken from the probes' maps.
-    fn print_record(&mut self, rec: &TraversalRecord, summary: &mut Summary) -> bool {
-        self.print(&encode_record(rec), summary)
     }
 
     /// The recording and the pcap-ng file, up to date on disk every tick.
@@ -340,37 +318,167 @@ impl Printer<'_> {
             p.writer.flush();
         }
     }
-
-    /// Hands the formatted reports to the writer thread; false while it is behind.
-    fn flush(&mut self) -> bool {
-        self.out.push()
-    }
 }
 
-/// Drains up to `max` records; returns how many were read and whether `--count` is reached.
-fn drain(
-    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
-    printer: &mut Printer,
-    summary: &mut Summary,
-    max: usize,
-) -> (usize, bool) {
-    let mut n = 0;
-    let mut done = false;
-    // Backpressure: while stdout's reader is behind, records wait in the ring buffer.
-    if !printer.flush() {
-        return (0, false);
+impl Consumer for Printer<'_> {
+    /// Backpressure: while stdout's reader is behind, records wait in the ring buffer.
+    fn ready(&mut self) -> Next {
+        if self.out.closed() {
+            return Next::Stop("closed stdout");
+        }
+        if self.count_reached() {
+            return Next::Stop("--count");
+        }
+        if !self.out.push() {
+            return Next::Wait;
+        }
+        if let Some(p) = &mut self.pcap {
+            p.drain();
+        }
+        Next::More
     }
-    if let Some(p) = &mut printer.pcap {
-        p.drain();
+
+    /// Prints one record (ring-buffer bytes).
+    fn on_record(&mut self, raw: &[u8], lost_now: u64) -> Next {
+        if self.out.closed() || self.count_reached() {
+            self.summary.not_printed += 1;
+            return Next::Stop(if self.out.closed() {
+                "closed stdout"
+            } else {
+                "--count"
+            });
+        }
+        match self.pipeline.handle(raw, lost_now) {
+            Outcome::Report {
+                bytes,
+                incomplete,
+                rules_disagree,
+                rules_undecidable,
+                packet,
+                ..
+            } => {
+                if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
+                    pcap.write(packet);
+                }
+                self.out.put(bytes);
+                self.formatted += 1;
+                self.summary.incomplete += u64::from(incomplete);
+                self.summary.rules_disagree += u64::from(rules_disagree);
+                self.summary.rules_undecidable += u64::from(rules_undecidable);
+            }
+            other => {
+                crate::pipeline::warn_unusable(&other);
+                self.summary.not_printed += 1;
+            }
+        }
+        if self.count_reached() {
+            Next::Stop("--count")
+        } else if self.out.behind() {
+            // As soon as stdout falls behind within a batch: a chunk then holds at most
+            // one chunk's worth, whatever the length of the lines.
+            Next::Wait
+        } else {
+            Next::More
+        }
     }
-    // ... and as soon as it falls behind within the batch: a chunk then holds at most one
-    // chunk's worth, whatever the length of the lines (rules make them longer).
-    while n < max && !printer.out.behind() {
-        let Some(item) = ring.next() else { break };
-        n += 1;
-        done |= printer.print(&item, summary);
+
+    fn on_tick(&mut self, tick: Tick<'_>) -> Option<&'static str> {
+        self.flush_files();
+        self.out.push();
+        if tick.names_changed {
+            self.pipeline.forget_names();
+        }
+        None
     }
-    (n, done)
+
+    /// Names rules and mark bits from the node as read again; records made under a new
+    /// plan expand through it.
+    fn on_replan(&mut self, replan: Replan<'_>) {
+        match replan {
+            Replan::Ruleset { live, .. } => {
+                let marks = match mark_dictionary(live, self.opts.marks_file.as_ref()) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        warn!("mark names not updated after the ruleset change: {e:#}");
+                        None
+                    }
+                };
+                let namer = self.pipeline.ctx.namer.as_ref().map(|n| {
+                    let generation = n.generation + 1;
+                    info!("ruleset changed: rules re-read (generation {generation})");
+                    RuleNamer::new(live, generation)
+                });
+                self.pipeline.ruleset_changed(marks, namer);
+                self.pipeline.record_ruleset(&live.texts);
+            }
+            Replan::Replanned { probes, from, to } => {
+                self.pipeline.add_plans(probes.generation(), &probes.plans);
+                self.pipeline.replanned(from, to);
+            }
+        }
+    }
+
+    fn on_stop(&mut self, stop: Stop<'_>) {
+        let summary = &mut self.summary;
+        summary.not_printed += stop.undrained;
+        // Then a moment for stdout's reader (30 ms, and up to 20 more to end the report
+        // being written); what it has not taken by then is counted.
+        let (written, unwritten) = self.out.finish(Duration::from_millis(30));
+        summary.printed = written;
+        summary.not_printed += unwritten;
+        let probes = stop.probes;
+        let k = match probes.counters() {
+            Ok(k) => k,
+            Err(e) => {
+                warn!("reading the probes' counters at exit: {e:#}");
+                KernelCounters::default()
+            }
+        };
+        let inflight = probes.in_flight().unwrap_or_default();
+        summary.seen = k.seen;
+        summary.lost = k.ringbuf_full;
+        summary.filtered = k.filtered;
+        summary.sampled = k.sampled_out;
+        summary.in_flight = inflight.kept;
+        summary.in_flight_left_out = inflight.left_out;
+        summary.attach_failures = probes.attach_failures;
+        summary.stopped_by = stop.why;
+        summary.kernel = k;
+        if let Some(mut r) = self.pipeline.take_recorder() {
+            if !r.finish() {
+                // What was buffered is lost; the file holds the records before it at least.
+                warn!(
+                    "the end of the recording {} may be missing",
+                    r.path().display()
+                );
+            }
+            summary.record = Some(RecordStats {
+                records: r.records,
+                failed: r.failed,
+            });
+        }
+        if let Some(mut p) = self.pcap.take() {
+            p.writer.finish();
+            let mut stats = p.writer.stats;
+            stats.bytes_lost = probes.packets_lost().unwrap_or_else(|e| {
+                warn!("reading the probes' count of lost packet bytes: {e:#}");
+                0
+            });
+            summary.pcapng = Some(stats);
+        }
+        // A record written between the drain and the counters is neither printed nor in
+        // flight.
+        let accounted = summary.printed
+            + summary.lost
+            + summary.filtered
+            + summary.sampled
+            + summary.in_flight
+            + summary.in_flight_left_out
+            + summary.not_printed;
+        if accounted < summary.seen {
+            summary.not_printed += summary.seen - accounted;
+        }
+    }
 }
 
 /// Standard output without the standard library's line buffer in the way: the writer
@@ -382,274 +490,4 @@ fn raw_stdout() -> Result<std::fs::File> {
         .try_clone_to_owned()
         .context("duplicating standard output")?;
     Ok(std::fs::File::from(fd))
-}
-
-async fn event_loop(
-    opts: &TailOptions,
-    mut probes: Probes,
-    ring: aya::maps::RingBuf<aya::maps::MapData>,
-    mut pipeline: Pipeline,
-    pcap: Option<Pcap>,
-) -> Result<Summary> {
-    pipeline.add_plans(probes.generation(), &probes.plans);
-    let mut printer = Printer {
-        opts,
-        pipeline,
-        pcap,
-        out: Writer::new(raw_stdout()?),
-        formatted: 0,
-        lost_now: 0,
-    };
-    // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
-    let mut ring = unsafe { AsyncFd::register(ring) }
-        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-    // Ready only once the signals are ours: a SIGHUP or SIGINT from now on ends the tail
-    // with its summary.
-    if let Some(path) = &opts.ready_file {
-        std::fs::write(path, format!("{}\n", std::process::id()))
-            .with_context(|| format!("writing ready file {}", path.display()))?;
-    }
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    // The probes wake us only when the ring buffer fills; otherwise we drain it on this timer.
-    let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
-    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let deadline = opts.timeout.map(|t| Instant::now() + t);
-    let netns_file = opts
-        .netns
-        .as_ref()
-        .map(|n| PathBuf::from("/run/netns").join(n));
-    let netns_inode = crate::kernel::netns::current_netns_inode()?;
-    let mut legacy_names = legacy_tables().0;
-    let mut summary = Summary::default();
-    let mut last_scan = Instant::now();
-    // nf_tables changes: new base chains are bracketed within a second of appearing.
-    let watch = watch_ruleset();
-    let mut ruleset = RulesetReader::default();
-    let stopped_by: &'static str = loop {
-        if opts.count == Some(0) {
-            break "--count";
-        }
-        tokio::select! {
-            biased;
-            _ = sigint.recv() => break "SIGINT",
-            _ = sigterm.recv() => break "SIGTERM",
-            _ = sighup.recv() => break "SIGHUP",
-            _ = tokio::time::sleep_until(deadline.map_or_else(
-                || tokio::time::Instant::now() + Duration::from_secs(3600),
-                tokio::time::Instant::from_std)), if deadline.is_some() => break "--timeout",
-            guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
-                let mut guard = guard?;
-                if guard.get_inner().drain() {
-                    ruleset.changed();
-                }
-                guard.clear_ready();
-            }
-            _ = tick.tick() => {
-                printer.flush_files();
-                if let Some((since, live)) = ruleset.poll() {
-                    replan(&mut probes, &mut printer, since, &live);
-                }
-                printer.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(printer.lost_now);
-                sweep(&mut probes, &mut printer, &mut summary, opts);
-                if last_scan.elapsed() >= Duration::from_secs(1) {
-                    last_scan = Instant::now();
-                    if let Some(why) = housekeeping(&mut probes, &mut printer, netns_file.as_deref(), netns_inode) {
-                        break why;
-                    }
-                    // Legacy x_tables announce nothing: a table loaded since is seen here.
-                    let legacy = legacy_tables().0;
-                    if legacy != legacy_names {
-                        legacy_names = legacy;
-                        ruleset.changed();
-                    }
-                }
-            }
-            guard = ring.readable_mut() => {
-                let mut guard = guard?;
-                let (n, done) = drain(guard.get_inner_mut(), &mut printer, &mut summary, BATCH);
-                if n < BATCH {
-                    guard.clear_ready();
-                }
-                printer.flush();
-                if printer.out.closed() { break "closed stdout"; }
-                if done { break "--count"; }
-            }
-            _ = drain_tick.tick() => {
-                let (_, done) = drain(ring.get_mut(), &mut printer, &mut summary, BATCH);
-                printer.flush();
-                if printer.out.closed() { break "closed stdout"; }
-                if done { break "--count"; }
-            }
-        }
-    };
-    // Nothing more comes in from here: what the probes hold now is all there is to account.
-    // Every probe is told at once to stop (the floor flag) before any is detached, so that
-    // no traversal is written with some of its probes already gone; one still on its way
-    // stays in its slot and is counted as in flight. (A probe already running on another
-    // CPU when the flag is set finishes within microseconds; 10 ms covers a preempted one.)
-    let stopping = Instant::now();
-    if let Err(e) = probes.set_floor(true) {
-        warn!("stopping the probes: {e:#}");
-    }
-    let releasing = probes.detach();
-    log::debug!("exit: probes detached after {:?}", stopping.elapsed());
-    std::thread::sleep(Duration::from_millis(10));
-    // What the probes wrote before we stopped is still owed to the user, within a bound:
-    // under a flood the ring buffer holds more than can be printed promptly. Traversals
-    // waiting in the fallback map are printed too, as still in flight (a socket's as
-    // delivered); only those in per-CPU slots, which the probes may still be writing, are
-    // just counted.
-    take_waiting(
-        &mut probes,
-        &mut printer,
-        &mut summary,
-        (u64::MAX, u64::MAX),
-        end::IN_FLIGHT,
-    );
-    let until = Instant::now() + FINAL_DRAIN;
-    while Instant::now() < until && !printer.out.closed() {
-        let (n, _) = drain(ring.get_mut(), &mut printer, &mut summary, 256);
-        if n == 0 && !printer.out.behind() {
-            break;
-        }
-    }
-    log::debug!("exit: ring buffer drained after {:?}", stopping.elapsed());
-    // Counted, not printed (the probes are detached: the ring buffer only empties).
-    let mut rest = 0;
-    while ring.get_mut().next().is_some() {
-        rest += 1;
-    }
-    summary.not_printed += rest;
-    // Then a moment for stdout's reader (30 ms, and up to 20 more to end the report being
-    // written); what it has not taken by then is counted.
-    let (written, unwritten) = printer.out.finish(Duration::from_millis(30));
-    summary.printed = written;
-    summary.not_printed += unwritten;
-    log::debug!("exit: output finished after {:?}", stopping.elapsed());
-    let k = probes.counters()?;
-    let inflight = probes.in_flight().unwrap_or_default();
-    summary.seen = k.seen;
-    summary.lost = k.ringbuf_full;
-    summary.filtered = k.filtered;
-    summary.sampled = k.sampled_out;
-    summary.in_flight = inflight.kept;
-    summary.in_flight_left_out = inflight.left_out;
-    summary.attach_failures = probes.attach_failures;
-    summary.stopped_by = stopped_by;
-    let _ = releasing.join();
-    log::debug!(
-        "exit: counted, links released after {:?}",
-        stopping.elapsed()
-    );
-    summary.kernel = k;
-    if let Some(mut r) = printer.pipeline.take_recorder() {
-        if !r.finish() {
-            // What was buffered is lost; the file holds the records before it at least.
-            warn!(
-                "the end of the recording {} may be missing",
-                r.path().display()
-            );
-        }
-        summary.record = Some(RecordStats {
-            records: r.records,
-            failed: r.failed,
-        });
-    }
-    if let Some(mut p) = printer.pcap.take() {
-        p.writer.finish();
-        let mut stats = p.writer.stats;
-        stats.bytes_lost = probes.packets_lost().unwrap_or_else(|e| {
-            warn!("reading the probes' count of lost packet bytes: {e:#}");
-            0
-        });
-        summary.pcapng = Some(stats);
-    }
-    // A record written between the drain and the counters is neither printed nor in flight.
-    let accounted = summary.printed
-        + summary.lost
-        + summary.filtered
-        + summary.sampled
-        + summary.in_flight
-        + summary.in_flight_left_out
-        + summary.not_printed;
-    if accounted < summary.seen {
-        summary.not_printed += summary.seen - accounted;
-    }
-    Ok(summary)
-}
-
-/// After a ruleset change (at `since`, ns) the node was read again (`live`): brackets the
-/// tables it has now, and names rules and mark bits from it from now on.
-fn replan(probes: &mut Probes, printer: &mut Printer, since: u64, live: &LiveNode) {
-    let marks = match mark_dictionary(live, printer.opts.marks_file.as_ref()) {
-        Ok(m) => Some(m),
-        Err(e) => {
-            warn!("mark names not updated after the ruleset change: {e:#}");
-            None
-        }
-    };
-    let namer = printer.pipeline.ctx.namer.as_ref().map(|n| {
-        let generation = n.generation + 1;
-        info!("ruleset changed: rules re-read (generation {generation})");
-        RuleNamer::new(live, generation)
-    });
-    printer.pipeline.ruleset_changed(marks, namer);
-    printer.pipeline.record_ruleset(&live.texts);
-    if crate::kernel::upkeep::replan(probes, live) {
-        printer
-            .pipeline
-            .add_plans(probes.generation(), &probes.plans);
-        printer.pipeline.replanned(since, now_ns());
-    }
-}
-
-/// Prints the traversals the probes hand over: delivered to a socket, or idle.
-fn sweep(probes: &mut Probes, printer: &mut Printer, summary: &mut Summary, opts: &TailOptions) {
-    let now = now_ns();
-    let socket_before = now.saturating_sub(SOCKET_GRACE.as_nanos() as u64);
-    let idle_before = now.saturating_sub(opts.idle.as_nanos() as u64);
-    take_waiting(
-        probes,
-        printer,
-        summary,
-        (socket_before, idle_before),
-        end::IDLE,
-    );
-}
-
-/// Prints the fallback-map traversals the probes hand over: a socket's held since before
-/// `before.0` as delivered, any other not heard of since `before.1` ending as `idle_end`.
-fn take_waiting(
-    probes: &mut Probes,
-    printer: &mut Printer,
-    summary: &mut Summary,
-    before: (u64, u64),
-    idle_end: u8,
-) {
-    match probes.sweep(before.0, before.1, idle_end) {
-        Ok(recs) => {
-            for r in &recs {
-                printer.print_record(r, summary);
-            }
-            printer.flush();
-        }
-        Err(e) => warn!("reading the probes' fallback map: {e:#}"),
-    }
-}
-
-/// Once a second: interfaces and the namespace. Returns why to stop, if so.
-fn housekeeping(
-    probes: &mut Probes,
-    printer: &mut Printer,
-    netns_file: Option<&std::path::Path>,
-    netns_inode: u64,
-) -> Option<&'static str> {
-    let h = crate::kernel::upkeep::housekeeping(probes, netns_file, netns_inode);
-    if h.names_changed {
-        printer.pipeline.forget_names();
-    }
-    h.stop
 }

@@ -112,3 +112,53 @@ pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
     ));
     Ok(done)
 }
+
+/// The bridge lab's flows (`observer lab up --mode bridge`). Returns a line per flow.
+pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
+    use crate::commands::lab::bridge as b;
+    let mut done = Vec::new();
+    let joined = |h: std::thread::JoinHandle<Result<()>>| {
+        h.join().map_err(|_| anyhow::anyhow!("server panicked"))?
+    };
+    let registry: SocketAddr = format!("{}:22", b::REGISTRY_IP).parse()?;
+    let pod: SocketAddr = format!("{}:22", b::POD_IP).parse()?;
+    let server = tcp_echo_server(&lab.ns("pod"), pod, 3)?;
+    tcp_roundtrip(&lab.ns("pod2"), pod, b"hello pod")?;
+    done.push(format!(
+        "pod2 {} -> pod {pod} (bridged from {} to {})",
+        b::POD2_IP,
+        b::POD2_PORT,
+        b::POD_PORT
+    ));
+    tcp_roundtrip(&lab.ns("pod2"), registry, b"hello registry")?;
+    done.push(format!(
+        "pod2 -> ClusterIP {registry} (DNAT to {pod} on the same bridge, then bridged)"
+    ));
+    tcp_roundtrip(&lab.ns("pod"), registry, b"hello myself")?;
+    done.push(format!(
+        "pod -> ClusterIP {registry} (DNAT to itself: hairpin, masqueraded)"
+    ));
+    joined(server)?;
+
+    let remote: SocketAddr = format!("{}:80", b::REMOTE_SVC_IP).parse()?;
+    let remote_pod: SocketAddr = format!("{}:80", b::REMOTE_POD_IP).parse()?;
+    let server = tcp_echo_server(&lab.ns("node2"), remote_pod, 1)?;
+    tcp_roundtrip(&lab.ns("pod2"), remote, b"hello node2")?;
+    joined(server)?;
+    done.push(format!(
+        "pod2 -> ClusterIP {remote} (DNAT to {remote_pod} on the other node, routed)"
+    ));
+
+    let ext: SocketAddr = format!("{}:8080", lab::EXT_IP).parse()?;
+    let server = tcp_echo_server(&lab.ns("ext"), ext, 1)?;
+    tcp_roundtrip(&lab.ns("pod"), ext, b"hello outside")?;
+    joined(server)?;
+    done.push(format!("pod -> external {ext} (flannel masquerade)"));
+
+    let denied: SocketAddr = format!("{}:{}", b::POD2_IP, b::DENIED_PORT).parse()?;
+    udp_send(&lab.ns("pod"), denied, b"denied")?;
+    done.push(format!(
+        "pod -> pod2 {denied} udp (the network policy drops it in FORWARD)"
+    ));
+    Ok(done)
+}

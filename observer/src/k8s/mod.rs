@@ -18,33 +18,23 @@ use services::ServiceNames;
 pub struct Names {
     pub services: RwLock<ServiceNames>,
     pub pods: Arc<PodNames>,
+    /// Reads the names come from that failed (the node's rules, the pods' watch), each
+    /// logged: names may be missing or stale meanwhile (`observer_name_read_failures_total`).
+    pub read_failures: std::sync::atomic::AtomicU64,
 }
 
 impl Names {
-    /// Re-reads the service names from kube-proxy's rules in the current namespace (both
-    /// modes; a mode that is absent or unreadable adds nothing).
-    pub fn refresh_services(&self) {
+    /// The service names in kube-proxy's rules as `live` holds them (both modes; a mode
+    /// that is absent adds nothing). `live` is read off the event loop's thread (the
+    /// session's ruleset reader); what could not be read is in `live.failures`, logged by
+    /// the reader and counted in the agent's health.
+    pub fn set_services(&self, live: &observer_rules::LiveNode) {
+        self.failed(live.failures.len() as u64);
         let mut s = ServiceNames::default();
-        for (cmd, args) in [
-            ("iptables-save", &["-t", "nat"][..]),
-            ("ip6tables-save", &["-t", "nat"][..]),
-        ] {
-            if let Ok(out) = std::process::Command::new(cmd).args(args).output()
-                && out.status.success()
-                && let Ok(save) =
-                    observer_rules::iptables::parse_save(&String::from_utf8_lossy(&out.stdout))
-            {
-                s.extend(ServiceNames::from_iptables(&save));
-            }
-        }
-        if let Ok(out) = std::process::Command::new("nft")
-            .args(["-j", "list", "ruleset"])
-            .output()
-            && out.status.success()
-            && let Ok(rules) =
-                observer_rules::nft::parse_nft_json(&String::from_utf8_lossy(&out.stdout))
-        {
-            s.extend(ServiceNames::from_nft(&rules));
+        s.extend(ServiceNames::from_iptables(&live.ruleset.ipv4));
+        s.extend(ServiceNames::from_iptables(&live.ruleset.ipv6));
+        if let Some(nft) = &live.ruleset.nft {
+            s.extend(ServiceNames::from_nft(nft));
         }
         let mut cur = self.services.write().unwrap_or_else(|e| e.into_inner());
         if *cur != s {
@@ -54,6 +44,11 @@ impl Names {
             );
             *cur = s;
         }
+    }
+
+    fn failed(&self, n: u64) {
+        self.read_failures
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The name of an endpoint: the service at (address, protocol, port), else the pod at
@@ -114,6 +109,7 @@ impl Names {
                     Err(e) => Err(e),
                 };
                 if let Err(e) = r {
+                    names.failed(1);
                     warn!("{e}; retrying in 10 s");
                 }
                 tokio::time::sleep(Duration::from_secs(10)).await;

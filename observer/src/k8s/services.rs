@@ -106,7 +106,8 @@ impl ServiceNames {
         let mut out = Self::default();
         for t in rules.tables.iter().filter(|t| t.name == "kube-proxy") {
             for set in t.sets.iter().filter(|s| s.name == "service-ips") {
-                let Some(elems) = set.elems.as_ref().and_then(|e| e.as_array()) else {
+                let elems = set.elems.as_ref().map(|e| e.value());
+                let Some(elems) = elems.as_ref().and_then(|e| e.as_array()) else {
                     continue;
                 };
                 for e in elems {

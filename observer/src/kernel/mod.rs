@@ -9,4 +9,5 @@ pub mod nf_link;
 pub mod nftwatch;
 pub mod plan;
 pub mod probes;
+pub mod session;
 pub mod upkeep;

@@ -75,6 +75,62 @@ pub fn interfaces() -> Vec<(u32, String)> {
     out
 }
 
+/// Whether interface `name` of the current namespace is a Linux bridge: its driver, as
+/// ethtool reports it (`ETHTOOL_GDRVINFO`), is "bridge". Read once per new interface; the
+/// sysfs view (`/sys/class/net/NAME/bridge`) would be the mounting namespace's, not ours.
+pub fn is_bridge(name: &str) -> bool {
+    driver(name).is_some_and(|d| d == "bridge")
+}
+
+/// The driver of interface `name` (`ETHTOOL_GDRVINFO`), None where the ioctl fails.
+fn driver(name: &str) -> Option<String> {
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    /// `struct ethtool_drvinfo` (linux/ethtool.h): the driver name comes first.
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 160],
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IF_NAMESIZE],
+        data: *mut DrvInfo,
+        _pad: [u8; 16],
+    }
+    if name.len() >= libc::IF_NAMESIZE {
+        return None;
+    }
+    let mut info = DrvInfo {
+        cmd: ETHTOOL_GDRVINFO,
+        driver: [0; 32],
+        rest: [0; 160],
+    };
+    let mut req = IfReq {
+        name: [0; libc::IF_NAMESIZE],
+        data: &mut info,
+        _pad: [0; 16],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: a datagram socket of the current namespace, closed below; SIOCETHTOOL reads
+    // the ifreq (a NUL-terminated name and a pointer to a drvinfo the kernel fills, both
+    // alive for the call).
+    let ok = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut req as *mut IfReq);
+        libc::close(fd);
+        r == 0
+    };
+    if !ok {
+        return None;
+    }
+    let end = info.driver.iter().position(|&b| b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned())
+}
+
 /// Index of interface `name` in the current namespace.
 pub fn ifindex(name: &str) -> Option<u32> {
     let c = std::ffi::CString::new(name).ok()?;

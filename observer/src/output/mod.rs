@@ -25,3 +25,32 @@ pub fn for_terminal(text: &str, max: usize) -> String {
     }
     out
 }
+
+/// A file written through a buffer, that stops at its first failed write (`None` from then
+/// on): the recording and the pcap-ng file.
+type StoppingFile = Option<std::io::BufWriter<Box<dyn std::io::Write + Send>>>;
+
+/// Hands what `out` buffered to the file; a write that fails stops it (`what` and `path`
+/// name it in the warning).
+fn flush_or_stop(out: &mut StoppingFile, what: &str, path: &std::path::Path) {
+    use std::io::Write as _;
+    if let Some(Err(e)) = out.as_mut().map(|o| o.flush()) {
+        log::warn!(
+            "writing {what} {} failed ({e}); it stops here",
+            path.display()
+        );
+        *out = None;
+    }
+}
+
+/// Flushes and closes `out`; false if what it buffered last could not be written.
+fn finish_file(out: &mut StoppingFile, what: &str, path: &std::path::Path) -> bool {
+    use std::io::Write as _;
+    match out.take().map(|mut o| o.flush()) {
+        Some(Err(e)) => {
+            log::warn!("writing {what} {}: {e}", path.display());
+            false
+        }
+        _ => true,
+    }
+}

@@ -142,7 +142,7 @@ pub struct PcapngStats {
 /// A pcap-ng file being written.
 pub struct PcapngWriter {
     path: PathBuf,
-    out: Option<BufWriter<Box<dyn Write + Send>>>,
+    out: super::StoppingFile,
     interfaces: HashMap<String, u32>,
     pub stats: PcapngStats,
 }
@@ -254,24 +254,12 @@ impl PcapngWriter {
 
     /// Hands what is buffered to the file (a write that fails stops it, counted).
     pub fn flush(&mut self) {
-        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
-            log::warn!(
-                "writing the pcap-ng file {} failed ({e}); it stops here",
-                self.path.display()
-            );
-            self.out = None;
-        }
+        super::flush_or_stop(&mut self.out, "the pcap-ng file", &self.path);
     }
 
     /// Flushes the file; false if its end could not be written.
     pub fn finish(&mut self) -> bool {
-        match self.out.take().map(|mut o| o.flush()) {
-            Some(Err(e)) => {
-                log::warn!("writing the pcap-ng file {}: {e}", self.path.display());
-                false
-            }
-            _ => true,
-        }
+        super::finish_file(&mut self.out, "the pcap-ng file", &self.path)
     }
 }
 

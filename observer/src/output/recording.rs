@@ -290,7 +290,8 @@ pub enum Meta {
     /// rule namer's (it keys its cache).
     Ruleset {
         generation: u64,
-        texts: observer_rules::LiveTexts,
+        /// Boxed: the node's texts are far larger than the other variants.
+        texts: Box<observer_rules::LiveTexts>,
         marks: Vec<(u32, String)>,
     },
 }
@@ -315,7 +316,7 @@ pub struct Learned {
 /// and every record after it is counted as not recorded.
 pub struct Recorder {
     path: PathBuf,
-    out: Option<BufWriter<Box<dyn Write + Send>>>,
+    out: super::StoppingFile,
     ifnames: HashMap<u32, String>,
     symbols: HashMap<u64, String>,
     /// Frames written after the header (the end marker says how many).
@@ -418,28 +419,21 @@ impl Recorder {
     /// Hands what is buffered to the file, so that a tail killed outright leaves a
     /// recording of everything up to about now (a write that fails stops it, as above).
     pub fn flush(&mut self) {
-        if let Some(Err(e)) = self.out.as_mut().map(|o| o.flush()) {
-            log::warn!(
-                "writing the recording {} failed ({e}); recording stops here",
-                self.path.display()
-            );
-            self.out = None;
-        }
+        super::flush_or_stop(&mut self.out, "the recording", &self.path);
     }
 
     /// Writes the end marker and flushes the file; false if the last buffered records were
     /// not written. A recording that stopped on a failed write gets no end marker: its
     /// reader says it is incomplete.
     pub fn finish(&mut self) -> bool {
-        let Some(mut out) = self.out.take() else {
-            return true;
-        };
-        let end = frame(&mut out, END, &[&self.frames.to_le_bytes()]).and_then(|()| out.flush());
-        if let Err(e) = end {
+        if let Some(out) = self.out.as_mut()
+            && let Err(e) = frame(out, END, &[&self.frames.to_le_bytes()])
+        {
             log::warn!("writing the recording {}: {e}", self.path.display());
+            self.out = None;
             return false;
         }
-        true
+        super::finish_file(&mut self.out, "the recording", &self.path)
     }
 
     pub fn path(&self) -> &Path {

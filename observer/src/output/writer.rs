@@ -133,7 +133,7 @@ impl Writer {
     /// [`STOP_GRACE`] more for the report being written to end. Returns (written, not
     /// written) in traversals; what is still unwritten then is abandoned (the process is
     /// about to exit).
-    pub fn finish(mut self, limit: Duration) -> (u64, u64) {
+    pub fn finish(&mut self, limit: Duration) -> (u64, u64) {
         let deadline = Instant::now() + limit;
         while !self.push() && Instant::now() < deadline && !self.closed() {
             std::thread::sleep(Duration::from_millis(5));

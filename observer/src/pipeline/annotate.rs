@@ -50,6 +50,83 @@ pub fn route(t: &Traversal) -> Option<Route> {
     }
 }
 
+/// The bridge a packet crossed, by interface index: a port it entered through and one it
+/// left through. br_netfilter hands the IP hooks the bridge as device, where TC saw the
+/// port: a TC ingress device that is not the netfilter hooks' input device is a port of
+/// that bridge, and a last TC egress device that is not their last output device likewise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BridgePorts {
+    pub bridge: u32,
+    pub physdev_in: Option<u32>,
+    pub physdev_out: Option<u32>,
+    /// Forwarded by the bridge from port to port (IP FORWARD with the bridge as both
+    /// devices), not routed.
+    pub bridged: bool,
+}
+
+pub fn bridge_ports(t: &Traversal) -> Option<BridgePorts> {
+    let nf = || {
+        t.records
+            .iter()
+            .filter(|r| matches!(r.point, Point::Netfilter(..)))
+    };
+    let tc_in = t
+        .records
+        .iter()
+        .find(|r| r.point == Point::TcIngress)
+        .map(|r| r.ifindex_in);
+    let nf_in = nf().find(|r| r.ifindex_in != 0).map(|r| r.ifindex_in);
+    let tc_out = t
+        .records
+        .iter()
+        .rev()
+        .find(|r| r.point == Point::TcEgress)
+        .map(|r| r.ifindex_out);
+    let nf_out = nf()
+        .rev()
+        .find(|r| r.ifindex_out != 0)
+        .map(|r| r.ifindex_out);
+    let port = |tc: Option<u32>, nf: Option<u32>| match (tc, nf) {
+        (Some(p), Some(b)) if p != 0 && p != b => Some((p, b)),
+        _ => None,
+    };
+    let (pin, pout) = (port(tc_in, nf_in), port(tc_out, nf_out));
+    let bridge = pin.or(pout)?.1;
+    let (physdev_in, physdev_out) = (
+        pin.filter(|p| p.1 == bridge).map(|p| p.0),
+        pout.filter(|p| p.1 == bridge).map(|p| p.0),
+    );
+    let bridged = physdev_in.is_some()
+        && nf().any(|r| {
+            matches!(r.point, Point::Netfilter(NfHook::Forward, _))
+                && r.ifindex_in == bridge
+                && r.ifindex_out == bridge
+        });
+    Some(BridgePorts {
+        bridge,
+        physdev_in,
+        physdev_out,
+        bridged,
+    })
+}
+
+/// Whether the packet entered where no bridge port was involved: at TC ingress of the device
+/// the IP hooks saw it come in by, or from a local socket (OUTPUT first). False where its
+/// start was not seen.
+pub fn entered_without_port(t: &Traversal) -> bool {
+    let first_nf = t
+        .records
+        .iter()
+        .find(|r| matches!(r.point, Point::Netfilter(..)));
+    match t.records.first().map(|r| r.point) {
+        Some(Point::TcIngress) => {
+            first_nf.is_none_or(|n| n.ifindex_in == 0 || n.ifindex_in == t.records[0].ifindex_in)
+        }
+        Some(Point::Netfilter(NfHook::LocalOut, _)) => true,
+        _ => false,
+    }
+}
+
 /// A fragment that conntrack's defragmentation (priority -400, before raw) merged into the
 /// fragment that completed the packet: it is seen by the first PREROUTING probe only, and
 /// the kernel consumes it (or it waits until its record is reused or idle).
@@ -253,4 +330,115 @@ pub fn conntrack(t: &Traversal) -> Option<ConntrackView> {
         original: tuple_view(&ct.original),
         reply: tuple_view(&ct.reply),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use observer_model::Family as NfFamily;
+
+    const PORT1: u32 = 7;
+    const PORT2: u32 = 8;
+    const BR: u32 = 5;
+    const ETH2: u32 = 3;
+
+    fn at(point: Point, ifindex_in: u32, ifindex_out: u32) -> Observation {
+        Observation {
+            point,
+            family: Some(NfFamily::Ipv4),
+            ts_ns: 0,
+            skb: 1,
+            ifindex_in,
+            ifindex_out,
+            src: None,
+            dst: None,
+            proto: 6,
+            has_ports: true,
+            tcp_flags: 0,
+            len: 60,
+            mark: 0,
+            ct: None,
+            inner: None,
+            fragment: false,
+            icmp: None,
+        }
+    }
+
+    fn traversal(records: Vec<Observation>) -> Traversal {
+        Traversal {
+            skb: 1,
+            records,
+            closed: Closed::Egress,
+            drop: None,
+            missing: 0,
+        }
+    }
+
+    fn nf(h: NfHook, i: u32, o: u32) -> Observation {
+        at(Point::Netfilter(h, 0), i, o)
+    }
+
+    #[test]
+    fn a_frame_bridged_between_two_ports_names_both() {
+        // The DNAT to the same bridge sent through the bridge's own transmit on its way.
+        let t = traversal(vec![
+            at(Point::TcIngress, PORT2, 0),
+            nf(NfHook::PreRouting, BR, 0),
+            at(Point::TcEgress, 0, BR),
+            nf(NfHook::Forward, BR, BR),
+            nf(NfHook::PostRouting, 0, BR),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        let p = bridge_ports(&t).expect("crossed a bridge");
+        assert_eq!(
+            p,
+            BridgePorts {
+                bridge: BR,
+                physdev_in: Some(PORT2),
+                physdev_out: Some(PORT1),
+                bridged: true
+            }
+        );
+        assert!(!entered_without_port(&t));
+    }
+
+    #[test]
+    fn routed_out_of_another_device_and_sent_by_the_node() {
+        // In by a port, up to the bridge, routed out of eth2: not bridged, no out port.
+        let routed = traversal(vec![
+            at(Point::TcIngress, PORT2, 0),
+            nf(NfHook::PreRouting, BR, 0),
+            at(Point::TcIngress, BR, 0),
+            nf(NfHook::Forward, BR, ETH2),
+            nf(NfHook::PostRouting, 0, ETH2),
+            at(Point::TcEgress, 0, ETH2),
+        ]);
+        let p = bridge_ports(&routed).unwrap();
+        assert_eq!(
+            (p.physdev_in, p.physdev_out, p.bridged),
+            (Some(PORT2), None, false)
+        );
+        // Sent by the node through the bridge to a port: br_netfilter keeps no record.
+        let sent = traversal(vec![
+            nf(NfHook::LocalOut, 0, BR),
+            nf(NfHook::PostRouting, 0, BR),
+            at(Point::TcEgress, 0, BR),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        let p = bridge_ports(&sent).unwrap();
+        assert_eq!(
+            (p.physdev_in, p.physdev_out, p.bridged),
+            (None, Some(PORT1), false)
+        );
+        assert!(entered_without_port(&sent));
+        // No bridge at all: the hooks saw the devices TC saw.
+        let plain = traversal(vec![
+            at(Point::TcIngress, ETH2, 0),
+            nf(NfHook::PreRouting, ETH2, 0),
+            nf(NfHook::Forward, ETH2, PORT1),
+            at(Point::TcEgress, 0, PORT1),
+        ]);
+        assert_eq!(bridge_ports(&plain), None);
+        assert!(entered_without_port(&plain));
+    }
 }

@@ -178,14 +178,7 @@ pub fn decode(bytes: &[u8]) -> Result<TraversalRecord, DecodeError> {
 
 /// The bytes the probes write for `rec`.
 pub fn encode_record(rec: &TraversalRecord) -> Vec<u8> {
-    // SAFETY: TraversalRecord is repr(C) plain data; its written length is within its size.
-    unsafe {
-        std::slice::from_raw_parts(
-            (rec as *const TraversalRecord).cast::<u8>(),
-            rec.written_len(),
-        )
-    }
-    .to_vec()
+    rec.written_bytes().to_vec()
 }
 
 /// Decodes one probe reading (a [`PacketEvent`]); the probes no longer write these, but

@@ -18,6 +18,7 @@ pub mod snapshots;
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::sync::{Arc, OnceLock};
 
 use log::warn;
 
@@ -36,6 +37,7 @@ use observer_model::marks::MarkDictionary;
 
 /// How each traversal is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[repr(usize)]
 pub enum Output {
     /// A header line and one line per table, with what it changed and why.
     Tree,
@@ -145,12 +147,15 @@ impl NameSource for RecordedNames {
 }
 
 /// What the pipeline made of one record.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub enum Outcome {
-    /// The report, formatted as the output mode says, and whether it is flagged incomplete;
-    /// with [`Pipeline::packet_info`], what `--pcapng` needs of the traversal.
+    /// The traversal, modelled once ([`Report`]), its rendering in the pipeline's own output
+    /// mode, and whether it is flagged incomplete; with [`Pipeline::packet_info`], what
+    /// `--pcapng` needs of the traversal.
     Report {
-        /// Shared with the render cache when they come from it (no copy).
+        /// Shared with the cache when it comes from it (no copy).
+        report: Report,
+        /// `report` rendered as [`Context::output`] says.
         bytes: bytes::Bytes,
         incomplete: bool,
         /// Some stage's named rules disagree with the kernel / could not be decided.
@@ -162,6 +167,69 @@ pub enum Outcome {
     Undecodable(DecodeError),
     /// A record the plans cannot expand (unknown end or hook).
     Unusable(String),
+}
+
+/// One traversal, modelled once and shared by every sink (renderers, metrics, the agent's
+/// subscribers); each rendering is made the first time a sink asks for it and kept with
+/// it, so that records the cache finds again are neither modelled nor rendered again.
+#[derive(Clone)]
+pub struct Report(Arc<Modelled>);
+
+struct Modelled {
+    traversal: Arc<observer_model::Traversal>,
+    /// Tree, JSON, line.
+    renders: [OnceLock<bytes::Bytes>; 3],
+}
+
+impl Report {
+    pub fn new(t: observer_model::Traversal) -> Self {
+        Self(Arc::new(Modelled {
+            traversal: Arc::new(t),
+            renders: Default::default(),
+        }))
+    }
+
+    /// The typed traversal.
+    pub fn traversal(&self) -> &Arc<observer_model::Traversal> {
+        &self.0.traversal
+    }
+
+    /// Its rendering in `output`, made now if no sink asked for it before.
+    pub fn render(&self, output: Output) -> bytes::Bytes {
+        self.render_new(output).0
+    }
+
+    /// The rendering, and whether it was made by this call.
+    fn render_new(&self, output: Output) -> (bytes::Bytes, bool) {
+        let slot = &self.0.renders[output as usize];
+        let mut made = false;
+        let b = slot.get_or_init(|| {
+            made = true;
+            write(&self.0.traversal, output).into()
+        });
+        (b.clone(), made)
+    }
+}
+
+impl std::fmt::Debug for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Report")
+            .field(&self.0.traversal.flow)
+            .finish()
+    }
+}
+
+impl PartialEq for Report {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.traversal == other.0.traversal
+    }
+}
+
+impl render_cache::Weight for Option<Report> {
+    /// Renderings count when they are made ([`Pipeline::render`]).
+    fn weight(&self) -> usize {
+        0
+    }
 }
 
 /// A printed traversal, as `--pcapng` writes it.
@@ -210,10 +278,9 @@ pub struct Pipeline {
     /// may have met a chain its probes did not bracket yet.
     replans: Vec<(u64, u64)>,
     names: Box<dyn NameSource>,
-    /// Reports already rendered, by record content.
-    cache: RenderCache,
-    /// One-line renderings for [`PacketInfo`], likewise.
-    line_cache: RenderCache,
+    /// Traversals already modelled (and their renderings), by record content; `None` for a
+    /// record that could not be modelled.
+    cache: RenderCache<Option<Report>>,
     /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
     pub packet_info: bool,
     snapshots: report::SnapshotCache,
@@ -231,7 +298,6 @@ impl Pipeline {
             replans: Vec::new(),
             names,
             cache: RenderCache::default(),
-            line_cache: RenderCache::default(),
             packet_info: false,
             snapshots: report::SnapshotCache::default(),
             reported_lost: 0,
@@ -299,7 +365,7 @@ impl Pipeline {
         if let (Some(r), true) = (&mut self.recorder, self.ctx.namer.is_some()) {
             r.meta(&Meta::Ruleset {
                 generation,
-                texts: texts.clone(),
+                texts: Box::new(texts.clone()),
                 marks,
             });
         }
@@ -307,16 +373,41 @@ impl Pipeline {
 
     fn clear_caches(&mut self) {
         self.cache.clear();
-        self.line_cache.clear();
+    }
+
+    /// `report` rendered as `output` says (made once per report, counted against the
+    /// cache's bound).
+    pub fn render(&mut self, report: &Report, output: Output) -> bytes::Bytes {
+        let (b, made) = report.render_new(output);
+        if made {
+            self.cache.add_weight(b.len());
+        }
+        b
     }
 
     /// One ring-buffer record -> its report. `lost_now` is the kernel's count of lost
     /// packets so far; the report says how many were lost since the previous one.
     pub fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
-        let outcome = match decode(raw) {
-            Ok(mut rec) => self.render_record(&mut rec, lost_now),
-            Err(e) => Outcome::Undecodable(e),
-        };
+        match decode(raw) {
+            Ok(mut rec) => self.handle_decoded(raw, &mut rec, lost_now),
+            Err(e) => {
+                if let Some(r) = &mut self.recorder {
+                    r.record(raw, lost_now);
+                }
+                Outcome::Undecodable(e)
+            }
+        }
+    }
+
+    /// [`Pipeline::handle`] for a record its caller decoded already (`raw` is what it was
+    /// decoded from, for the recording): records are decoded once.
+    pub fn handle_decoded(
+        &mut self,
+        raw: &[u8],
+        rec: &mut TraversalRecord,
+        lost_now: u64,
+    ) -> Outcome {
+        let outcome = self.render_record(rec, lost_now);
         if let Some(r) = &mut self.recorder {
             r.record(raw, lost_now);
         }
@@ -349,84 +440,65 @@ impl Pipeline {
         let result = if lost == 0 {
             let mut failed = None;
             let r = self.cache.get_or_render(rec, || {
-                match render(
-                    rec,
-                    plans,
-                    &self.ctx,
-                    self.ctx.output,
-                    &self.snapshots,
-                    &names,
-                    0,
-                ) {
-                    Ok(r) => r,
+                match model(rec, plans, &self.ctx, &self.snapshots, &names, 0) {
+                    Ok(t) => {
+                        let counts = Counts::of(&t);
+                        (Some(Report::new(t)), counts)
+                    }
                     Err(e) => {
                         failed = Some(e);
-                        (Vec::new(), Counts::default())
+                        (None, Counts::default())
                     }
                 }
             });
-            match failed {
-                Some(e) => Err(e),
-                None => Ok((r.bytes.clone(), r.outcome)),
+            match (failed, &r.value) {
+                (Some(e), _) => Err(e),
+                (None, Some(report)) => Ok((report.clone(), r.outcome)),
+                (None, None) => Err("a record like it could not be modelled".into()),
             }
         } else {
-            render(
-                rec,
-                plans,
-                &self.ctx,
-                self.ctx.output,
-                &self.snapshots,
-                &names,
-                lost,
-            )
-            .map(|(bytes, counts)| (bytes.into(), counts))
-        };
-        let packet = match &result {
-            Ok((bytes, _)) if self.packet_info && !bytes.is_empty() => {
-                let line = if self.ctx.output == Output::Line {
-                    bytes.clone()
-                } else {
-                    let snapshots = &self.snapshots;
-                    let ctx = &self.ctx;
-                    self.line_cache
-                        .get_or_render(rec, || {
-                            render(rec, plans, ctx, Output::Line, snapshots, &names, 0)
-                                .unwrap_or_default()
-                        })
-                        .bytes
-                        .clone()
-                };
-                let iface = match entry_ifindex(rec) {
-                    0 => "local".to_string(),
-                    i => names.ifname(i),
-                };
-                Some(PacketInfo {
-                    skb: rec.skb,
-                    ts_first: rec.ts_first,
-                    iface,
-                    line: String::from_utf8_lossy(&line).trim_end().to_string(),
-                })
-            }
-            _ => None,
+            model(rec, plans, &self.ctx, &self.snapshots, &names, lost).map(|t| {
+                let counts = Counts::of(&t);
+                (Report::new(t), counts)
+            })
         };
         let learned = names.log.map(std::cell::RefCell::into_inner);
         if let (Some(r), Some(learned)) = (&mut self.recorder, learned) {
             r.names(learned);
         }
-        match result {
-            Ok((bytes, counts)) if !bytes.is_empty() => Outcome::Report {
-                bytes,
-                incomplete: counts.incomplete,
-                rules_disagree: counts.rules_disagree,
-                rules_undecidable: counts.rules_undecidable,
-                packet,
-            },
-            Ok(_) => Outcome::Unusable("empty report".into()),
+        let (report, counts) = match result {
+            Ok(r) => r,
             Err(e) => {
-                // A cached failure renders as empty bytes; forget it so it is reported again.
+                // A cached failure would be skipped silently; forget it so it is reported
+                // again.
                 self.cache.clear();
-                Outcome::Unusable(e)
+                return Outcome::Unusable(e);
             }
+        };
+        let bytes = self.render(&report, self.ctx.output);
+        if bytes.is_empty() {
+            return Outcome::Unusable("empty report".into());
+        }
+        let packet = self.packet_info.then(|| {
+            let line = self.render(&report, Output::Line);
+            let iface = match entry_ifindex(rec) {
+                0 => "local".to_string(),
+                i => self.names.ifname(i),
+            };
+            PacketInfo {
+                skb: rec.skb,
+                ts_first: rec.ts_first,
+                iface,
+                line: String::from_utf8_lossy(&line).trim_end().to_string(),
+            }
+        });
+        Outcome::Report {
+            report,
+            bytes,
+            incomplete: counts.incomplete,
+            rules_disagree: counts.rules_disagree,
+            rules_undecidable: counts.rules_undecidable,
+            packet,
         }
     }
 }
@@ -456,16 +528,15 @@ impl Logged<'_> {
     }
 }
 
-/// Formats one traversal as the output mode says.
-fn render(
+/// The record as the model's traversal: stages, fate, marks, NAT, rules, endpoint names.
+fn model(
     rec: &TraversalRecord,
     plans: &Plans,
     ctx: &Context,
-    output: Output,
     snapshots: &report::SnapshotCache,
     names: &Logged,
     lost: u64,
-) -> Result<(Vec<u8>, Counts), String> {
+) -> Result<observer_model::Traversal, String> {
     let t: Traversal = assemble(rec, plans, &ctx.tuple).map_err(|e| e.to_string())?;
     let symbol = |a: u64| names.symbol(a);
     let ifname = |i: u32| names.ifname(i);
@@ -483,6 +554,11 @@ fn render(
     };
     let mut r = report::build(&t, &rctx, lost);
     r.names = endpoint_names(&r, names.inner);
+    Ok(r)
+}
+
+/// The renderers: one traversal as the output mode says (a JSON line, a tree, a line).
+pub fn write(r: &observer_model::Traversal, output: Output) -> Vec<u8> {
     let mut buf = Vec::with_capacity(4096);
     // Writing into a Vec cannot fail.
     let _ = match output {
@@ -490,7 +566,7 @@ fn render(
         Output::Tree => writeln!(buf, "{}", r.render_tree()),
         Output::Line => writeln!(buf, "{}", r.render_line()),
     };
-    Ok((buf, Counts::of(&r)))
+    buf
 }
 
 /// The Kubernetes names of the endpoints a report shows (its stages' and its
@@ -905,6 +981,7 @@ mod tests {
             ingress: None,
             egress: None,
             route: None,
+            bridge: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Forwarded),
             marks: Marks::default(),

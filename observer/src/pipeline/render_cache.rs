@@ -43,10 +43,21 @@ impl Hasher for FnvHasher {
     }
 }
 
-pub struct Rendered {
+/// What an entry weighs in bytes, for the cache's bound.
+pub trait Weight {
+    fn weight(&self) -> usize;
+}
+
+impl Weight for bytes::Bytes {
+    fn weight(&self) -> usize {
+        self.len()
+    }
+}
+
+pub struct Rendered<V = bytes::Bytes> {
     key: Vec<u8>,
-    /// Handed on without a copy (a reference count): the writer copies them once.
-    pub bytes: bytes::Bytes,
+    /// Handed on without a copy (a reference count): the writer copies bytes once.
+    pub value: V,
     pub outcome: Outcome,
 }
 
@@ -76,9 +87,8 @@ impl Outcome {
     }
 }
 
-#[derive(Default)]
-pub struct RenderCache {
-    map: HashMap<u64, Rendered, Fnv>,
+pub struct RenderCache<V = bytes::Bytes> {
+    map: HashMap<u64, Rendered<V>, Fnv>,
     /// Bytes held by the entries.
     held: usize,
     pub hits: u64,
@@ -153,14 +163,24 @@ fn same_key(key: &[u8], (head, rest): (&[u8], &[u8])) -> bool {
     key.len() == head.len() + rest.len() && key[..head.len()] == *head && key[head.len()..] == *rest
 }
 
-impl RenderCache {
-    /// The rendering of `rec`: from the cache, or made by `render` (bytes, outcome) and
+impl<V> Default for RenderCache<V> {
+    fn default() -> Self {
+        Self {
+            map: HashMap::default(),
+            held: 0,
+            hits: 0,
+        }
+    }
+}
+
+impl<V: Weight> RenderCache<V> {
+    /// The rendering of `rec`: from the cache, or made by `render` (value, outcome) and
     /// kept.
     pub fn get_or_render(
         &mut self,
         rec: &TraversalRecord,
-        render: impl FnOnce() -> (Vec<u8>, Outcome),
-    ) -> &Rendered {
+        render: impl FnOnce() -> (V, Outcome),
+    ) -> &Rendered<V> {
         // Hashed and compared in place: a hit copies and allocates nothing.
         let parts = key_parts(rec);
         let h = hash(parts);
@@ -168,25 +188,35 @@ impl RenderCache {
         if hit {
             self.hits += 1;
         } else {
-            let (bytes, outcome) = render();
+            let (value, outcome) = render();
             let key = [parts.0, parts.1].concat();
-            if self.map.len() >= ENTRIES || self.held + bytes.len() + key.len() > BYTES {
+            let weight = value.weight() + key.len();
+            if self.map.len() >= ENTRIES || self.held + weight > BYTES {
                 self.clear();
             }
-            self.held += bytes.len() + key.len();
+            self.held += weight;
             let replaced = self.map.insert(
                 h,
                 Rendered {
                     key,
-                    bytes: bytes.into(),
+                    value,
                     outcome,
                 },
             );
             if let Some(old) = replaced {
-                self.held -= old.bytes.len() + old.key.len();
+                self.held -= old.value.weight() + old.key.len();
             }
         }
         &self.map[&h]
+    }
+
+    /// Counts `n` more bytes held by an entry (a rendering made after it was kept); past
+    /// the bound the cache starts over.
+    pub fn add_weight(&mut self, n: usize) {
+        self.held += n;
+        if self.held > BYTES {
+            self.clear();
+        }
     }
 
     /// Forgets everything (names or plans changed).
@@ -211,22 +241,22 @@ mod tests {
 
     #[test]
     fn records_differing_only_in_identity_and_time_share_a_rendering() {
-        let mut c = RenderCache::default();
+        let mut c = RenderCache::<bytes::Bytes>::default();
         let calls = std::cell::Cell::new(0);
         let render = |m: u32| {
             calls.set(calls.get() + 1);
-            (format!("mark {m}\n").into_bytes(), Outcome::default())
+            (format!("mark {m}\n").into(), Outcome::default())
         };
         assert_eq!(
-            c.get_or_render(&rec(1, 5), || render(5)).bytes,
+            c.get_or_render(&rec(1, 5), || render(5)).value,
             &b"mark 5\n"[..]
         );
         assert_eq!(
-            c.get_or_render(&rec(2, 5), || render(5)).bytes,
+            c.get_or_render(&rec(2, 5), || render(5)).value,
             &b"mark 5\n"[..]
         );
         assert_eq!(
-            c.get_or_render(&rec(3, 6), || render(6)).bytes,
+            c.get_or_render(&rec(3, 6), || render(6)).value,
             &b"mark 6\n"[..]
         );
         assert_eq!(calls.get(), 2);
@@ -238,12 +268,12 @@ mod tests {
 
     #[test]
     fn any_other_field_before_or_after_the_identity_and_times_makes_another_rendering() {
-        let mut c = RenderCache::default();
+        let mut c = RenderCache::<bytes::Bytes>::default();
         let calls = std::cell::Cell::new(0);
         let mut render = |r: &TraversalRecord| {
             c.get_or_render(r, || {
                 calls.set(calls.get() + 1);
-                (b"x\n".to_vec(), Outcome::default())
+                (bytes::Bytes::from_static(b"x\n"), Outcome::default())
             });
         };
         let base = rec(1, 5);
@@ -266,10 +296,10 @@ mod tests {
 
     #[test]
     fn memory_stays_bounded_whatever_the_length_of_the_lines() {
-        let mut c = RenderCache::default();
+        let mut c = RenderCache::<bytes::Bytes>::default();
         for i in 0..40 {
             c.get_or_render(&rec(i + 1, i as u32), || {
-                (vec![b'x'; 1 << 20], Outcome::default())
+                (vec![b'x'; 1 << 20].into(), Outcome::default())
             });
             assert!(c.held <= BYTES, "{} bytes held", c.held);
         }

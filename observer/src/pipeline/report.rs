@@ -68,6 +68,8 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
             }
         }
     }
+    let ports = annotate::bridge_ports(t);
+    let entered = annotate::entered_without_port(t);
     let mut snapshots = Snapshots::new(t, ctx.snapshots);
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
     if annotate::reassembled(t) {
@@ -133,6 +135,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                         after,
                         stage,
                         first_ct,
+                        ports: stage_ports(ports, entered, *hook),
                     },
                     ifname,
                 );
@@ -159,7 +162,17 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         annotate::nat(&observed),
     );
     drop(observed);
-    let route = annotate::route(t);
+    let route = match annotate::route(t) {
+        Some(observer_model::Route::Forward) if ports.is_some_and(|p| p.bridged) => {
+            Some(observer_model::Route::Bridged)
+        }
+        r => r,
+    };
+    let bridge = ports.map(|p| observer_model::BridgeCrossing {
+        name: ifname(p.bridge),
+        physdev_in: p.physdev_in.map(ifname),
+        physdev_out: p.physdev_out.map(ifname),
+    });
     let fate = annotate::fate(t, end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
     if fate.kind == FateKind::Incomplete {
@@ -177,6 +190,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         ingress,
         egress,
         route,
+        bridge,
         incomplete: !reasons.is_empty(),
         incomplete_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
         fate,
@@ -186,12 +200,77 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         names: Vec::new(),
         stages,
         branches: Vec::new(),
-        notes: Vec::new(),
+        notes: bridge_notes(t, ports, ifname),
         lost,
         flow: first_l3
             .and_then(|i| snapshots.of(i))
             .map_or_else(|| "?".into(), |s| [&*s.src, " -> ", &*s.dst].concat()),
     }
+}
+
+/// What the path through a bridge did that its stages do not show: a frame DNATed to a
+/// pod on the same bridge before the node knew the pod's neighbour entry is sent through
+/// the bridge device's own transmit (`br_nf_pre_routing_finish_bridge` hands it to the
+/// neighbour's output, TC egress of the bridge sees it) and bridged from there.
+fn bridge_notes(
+    t: &Traversal,
+    ports: Option<annotate::BridgePorts>,
+    ifname: &dyn Fn(u32) -> String,
+) -> Vec<String> {
+    let Some(p) = ports.filter(|p| p.bridged) else {
+        return Vec::new();
+    };
+    let through_bridge_xmit = t
+        .records
+        .iter()
+        .position(|r| r.point == Point::TcEgress && r.ifindex_out == p.bridge);
+    let forward = t
+        .records
+        .iter()
+        .position(|r| matches!(r.point, Point::Netfilter(NfHook::Forward, _)));
+    match (through_bridge_xmit, forward) {
+        (Some(x), Some(f)) if x < f => vec![format!(
+            "sent through {}'s own transmit while the node resolved the neighbour of its new              destination (DNAT to the same bridge), then bridged{}",
+            ifname(p.bridge),
+            p.physdev_out
+                .map(|o| format!(" to {}", ifname(o)))
+                .unwrap_or_default()
+        )],
+        _ => Vec::new(),
+    }
+}
+
+/// The bridge ports `physdev` sees at `hook`: br_netfilter records the in port where the
+/// frame enters the bridge and the out port at the bridge's FORWARD, before the IP FORWARD
+/// hook, for a frame it bridges (not for one passed up to be routed or delivered).
+fn stage_ports(
+    ports: Option<annotate::BridgePorts>,
+    entered_without_port: bool,
+    hook: NfHook,
+) -> crate::pipeline::rulenames::StagePorts {
+    use crate::pipeline::rulenames::{StageOut, StagePorts};
+    let Some(p) = ports else {
+        return if entered_without_port {
+            StagePorts::NoBridge
+        } else {
+            StagePorts::Unknown
+        };
+    };
+    let Some(physin) = p.physdev_in else {
+        // Sent by the node to a port: br_netfilter keeps no record of it.
+        return if entered_without_port {
+            StagePorts::NoBridge
+        } else {
+            StagePorts::Unknown
+        };
+    };
+    let physout = match hook {
+        NfHook::Forward | NfHook::PostRouting if p.bridged => {
+            p.physdev_out.map_or(StageOut::Unseen, StageOut::Port)
+        }
+        _ => StageOut::None,
+    };
+    StagePorts::Port { physin, physout }
 }
 
 /// `HOOK/priority` of point `at` in its plan.

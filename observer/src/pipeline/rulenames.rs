@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use observer_model::{self as model, Check, CheckResult, Rules, Snapshot, Verdict};
-use observer_rules::{Branch, CtState, LiveNode, Simulator, StageInput};
+use observer_rules::{Branch, CtState, LiveNode, PhysOut, SeenPorts, Simulator, StageInput};
 
 use crate::pipeline::decode::{Conntrack, Observation};
 use crate::pipeline::keys::{Prehashed, Words, addr_words};
@@ -69,7 +69,67 @@ impl TwoGenerations {
 
 /// What the cache is keyed by: everything of the packet the rules may look at, where the
 /// stage is, and what the kernel made of it, packed into words.
-type Key = Words<15>;
+type Key = Words<16>;
+
+/// The bridge ports of a packet at one stage, by interface index: what `physdev` looks
+/// at (br_netfilter's record), as the report builder saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StagePorts {
+    /// Not known (`physdev` stays undecidable).
+    #[default]
+    Unknown,
+    /// It did not enter through a bridge port.
+    NoBridge,
+    /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
+    Port { physin: u32, physout: StageOut },
+}
+
+/// [`StagePorts::Port`]'s out port at a stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageOut {
+    /// Not chosen yet (PREROUTING), or routed rather than bridged.
+    None,
+    Port(u32),
+    /// Bridged, but the port it left by was not seen (it ended before leaving).
+    Unseen,
+}
+
+impl StagePorts {
+    /// One word for the cache key.
+    fn word(self) -> u64 {
+        const M: u64 = 0x3fff_ffff;
+        match self {
+            StagePorts::Unknown => 0,
+            StagePorts::NoBridge => 1 << 62,
+            StagePorts::Port { physin, physout } => {
+                let (tag, out) = match physout {
+                    StageOut::None => (0, 0),
+                    StageOut::Port(o) => (1, u64::from(o)),
+                    StageOut::Unseen => (2, 0),
+                };
+                2 << 62 | tag << 60 | (u64::from(physin) & M) << 30 | (out & M)
+            }
+        }
+    }
+
+    fn seen(self, ifname: &dyn Fn(u32) -> String) -> SeenPorts {
+        match self {
+            StagePorts::Unknown => SeenPorts::Unknown,
+            StagePorts::NoBridge => SeenPorts::NoBridge,
+            StagePorts::Port { physin, physout } => SeenPorts::Port {
+                physin: ifname(physin),
+                physout: match physout {
+                    StageOut::None => PhysOut::None,
+                    StageOut::Port(o) => PhysOut::Port(ifname(o)),
+                    StageOut::Unseen => PhysOut::Unknown(
+                        "physdev: the bridge port it was to leave by was not seen (it ended before)"
+                            .into(),
+                    ),
+                },
+            },
+        }
+    }
+}
 
 fn key(
     hook: NfHook,
@@ -78,6 +138,7 @@ fn key(
     ct: Option<Conntrack>,
     after: Option<&Observation>,
     went_on: bool,
+    ports: StagePorts,
 ) -> Key {
     let (s0, s1, sp) = addr_words(b.src);
     let (d0, d1, dp) = addr_words(b.dst);
@@ -120,6 +181,7 @@ fn key(
         ad0,
         ad1,
         u64::from(asp) << 16 | u64::from(adp),
+        ports.word(),
     ])
 }
 
@@ -142,6 +204,8 @@ pub struct StageToName<'a> {
     pub stage: &'a model::Stage,
     /// The connection entry the packet gets at conntrack, for stages before it.
     pub first_ct: Option<Conntrack>,
+    /// The bridge ports of the packet at this stage.
+    pub ports: StagePorts,
 }
 
 /// The live ruleset of one generation, compiled for simulation, with its cache.
@@ -176,7 +240,7 @@ impl RuleNamer {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
         let went_on = s.stage.verdict == Verdict::Accept;
-        let key = key(s.hook, s.window, b, ct, s.after, went_on);
+        let key = key(s.hook, s.window, b, ct, s.after, went_on, s.ports);
         if let Some(n) = self.cache.borrow_mut().get(&key) {
             return n;
         }
@@ -251,6 +315,7 @@ impl RuleNamer {
             icmp: b
                 .icmp
                 .unwrap_or(if src.addr.is_ipv6() { (128, 0) } else { (8, 0) }),
+            ports: s.ports.seen(ifname),
         };
         let branches = self.sim.simulate_stage(&input);
         if branches.iter().all(|br| br.stages.is_empty()) {
@@ -274,6 +339,7 @@ impl RuleNamer {
             .position(|(_, c)| c.result == CheckResult::Agrees)
             .unwrap_or(0);
         let (p, check) = judged.into_iter().nth(pick).expect("one branch at least");
+        let check = weigh_assumptions(check, &branches[pick].notes);
         Named {
             rules: p.rules,
             check: Some(Arc::new(check)),
@@ -287,6 +353,25 @@ fn undecidable(why: &str) -> Check {
         disagreements: Vec::new(),
         reason: Some(why.into()),
     }
+}
+
+/// A prediction that rests on an assumption (`assumed ...` notes: a `recent` list, a
+/// `hashlimit` rate, a MAC address) and differs from what the kernel did is undecidable, not
+/// a disagreement: the kernel's state may simply not be the assumed one. Both are said.
+fn weigh_assumptions(check: Check, notes: &[String]) -> Check {
+    let assumed: Vec<&str> = notes
+        .iter()
+        .filter(|n| n.starts_with("assumed"))
+        .map(String::as_str)
+        .collect();
+    if check.result != CheckResult::Disagrees || assumed.is_empty() {
+        return check;
+    }
+    undecidable(&format!(
+        "{}; but the rules were answered under an assumption the kernel's state may not share: {}",
+        check.disagreements.join("; "),
+        assumed.join("; ")
+    ))
 }
 
 /// `a.b.c.d:port` / `[v6]:port` without the port.
@@ -364,7 +449,7 @@ mod tests {
     fn the_cache_keeps_a_working_set_larger_than_one_generation() {
         let mut c = TwoGenerations::default();
         let key = |i: u64| {
-            let mut k = [0u64; 15];
+            let mut k = [0u64; 16];
             k[0] = i;
             Words::new(k)
         };
@@ -393,6 +478,35 @@ mod tests {
         }
         assert!(c.get(&key(0)).is_none());
         assert!(c.current.len() + c.old.len() <= 2 * ENTRIES);
+    }
+
+    #[test]
+    fn a_disagreement_under_an_assumption_is_undecidable() {
+        let disagrees = || Check {
+            result: CheckResult::Disagrees,
+            disagreements: vec!["rules predict accept, the kernel dropped the packet".into()],
+            reason: None,
+        };
+        let note = "assumed at filter ufw-user-input#2: recent `DEFAULT`: no earlier packet of this source (fewer than 6 hits)".to_string();
+        let c = weigh_assumptions(disagrees(), std::slice::from_ref(&note));
+        assert_eq!(c.result, CheckResult::Undecidable);
+        let why = c.reason.unwrap();
+        assert!(why.starts_with("rules predict accept"), "{why}");
+        assert!(why.contains("recent `DEFAULT`"), "{why}");
+        // Without an assumption a disagreement stays one; an agreement stays one.
+        assert_eq!(
+            weigh_assumptions(disagrees(), &[]).result,
+            CheckResult::Disagrees
+        );
+        let agrees = Check {
+            result: CheckResult::Agrees,
+            disagreements: Vec::new(),
+            reason: None,
+        };
+        assert_eq!(
+            weigh_assumptions(agrees, &[note]).result,
+            CheckResult::Agrees
+        );
     }
 
     #[test]

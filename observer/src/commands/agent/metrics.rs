@@ -2,9 +2,9 @@
 //! traversals the pipeline reports, plus the agent's own health, written in the text
 //! exposition format.
 //!
-//! The input is swappable: today [`Metrics::observe`] takes a [`ReportView`] (the fields of a
-//! `tail --json` report the counters need); an in-kernel always-on mode can instead call
-//! [`Metrics::add`] with counts it read from the probes' maps. Labels are bounded: hook,
+//! The input is swappable: [`Metrics::observe`] reads the fields of the pipeline's typed
+//! traversal (never its JSON); the always-on mode instead calls [`Metrics::add`] with
+//! counts it read from the probes' maps. Labels are bounded: hook,
 //! table, family, reason, kind, source, node, and `mark` (a mark bit's name: at most 32
 //! values). No label holds an address. Each metric holds at most [`MAX_SERIES`] series; a
 //! count that would open one more is added to `observer_metrics_overflow_total` instead.
@@ -13,72 +13,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 
-use serde::Deserialize;
+use observer_model::{FateKind, NatKind, NatSource, Traversal};
 
 /// Series per metric at most (label sets are bounded by design; this is the backstop).
 pub const MAX_SERIES: usize = 4096;
-
-/// What the counters read of one report (schema 1 of `docs/json-schema.md`).
-#[derive(Debug, Default, Deserialize)]
-pub struct ReportView {
-    pub family: Option<String>,
-    #[serde(default)]
-    pub stages: Vec<StageView>,
-    pub fate: FateView,
-    #[serde(default)]
-    pub marks: Option<MarksView>,
-    #[serde(default)]
-    pub nat: Vec<NatView>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct StageView {
-    pub hook: String,
-    pub table: String,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct FateView {
-    pub kind: String,
-    pub hook: Option<String>,
-    pub table: Option<String>,
-    pub reason: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct MarksView {
-    #[serde(default)]
-    pub set: Vec<MarkView>,
-    #[serde(default)]
-    pub cleared: Vec<MarkView>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct MarkView {
-    pub bit: String,
-    pub name: Option<String>,
-    pub hook: String,
-    pub table: String,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct NatView {
-    pub kind: String,
-    pub hook: String,
-    pub table: String,
-    pub source: String,
-}
-
-impl ReportView {
-    /// The view of one `tail --json` line.
-    pub fn from_json(line: &[u8]) -> serde_json::Result<Self> {
-        serde_json::from_slice(line)
-    }
-
-    pub fn is_drop(&self) -> bool {
-        self.fate.kind == "dropped"
-    }
-}
 
 /// One counter metric: its name, help and label names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -176,6 +114,8 @@ pub struct Health {
     /// Whether traversals are being recorded (always in `--mode trace`; in the always-on
     /// mode while a streaming client is connected).
     pub tracing: bool,
+    /// Reads of the node's rules or of the API server's pods that failed, for names.
+    pub name_read_failures: u64,
 }
 
 type Labels = Vec<String>;
@@ -218,36 +158,53 @@ impl Metrics {
         }
     }
 
-    /// Counts one traversal.
-    pub fn observe(&self, r: &ReportView) {
-        let family = r.family.as_deref().unwrap_or("other");
-        for s in &r.stages {
-            self.add(Counter::Packets, &[family, &s.hook, &s.table], 1);
+    /// Counts one traversal (the only place the metrics read the model's fields).
+    pub fn observe(&self, t: &Traversal) {
+        let family = t.family.map_or("other", |f| f.name());
+        for s in &t.stages {
+            self.add(Counter::Packets, &[family, s.hook.name(), &s.table], 1);
         }
-        self.add(Counter::Traversals, &[family, &r.fate.kind], 1);
-        if let Some(m) = &r.marks {
-            for (kind, list) in [("set", &m.set), ("cleared", &m.cleared)] {
-                for b in list {
-                    let name = b.name.as_deref().unwrap_or(&b.bit);
-                    self.add(Counter::Marks, &[family, &b.hook, &b.table, kind, name], 1);
-                }
+        self.add(Counter::Traversals, &[family, t.fate.kind.name()], 1);
+        for (kind, list) in [("set", &t.marks.set), ("cleared", &t.marks.cleared)] {
+            for b in list {
+                let bit;
+                let name = match &b.name {
+                    Some(n) => &**n,
+                    None => {
+                        bit = format!("{:#x}", b.bit);
+                        &bit
+                    }
+                };
+                self.add(
+                    Counter::Marks,
+                    &[family, b.hook.name(), &b.table, kind, name],
+                    1,
+                );
             }
         }
-        for n in &r.nat {
+        for n in &t.nat {
+            let kind = match n.kind {
+                NatKind::Dnat => "dnat",
+                NatKind::Snat => "snat",
+            };
+            let source = match n.source {
+                NatSource::Rules => "rules",
+                NatSource::Conntrack => "conntrack",
+            };
             self.add(
                 Counter::Nat,
-                &[family, &n.hook, &n.table, &n.kind, &n.source],
+                &[family, n.hook.name(), &n.table, kind, source],
                 1,
             );
         }
-        if r.is_drop() {
+        if t.fate.kind == FateKind::Dropped {
             self.add(
                 Counter::Drops,
                 &[
                     family,
-                    r.fate.hook.as_deref().unwrap_or("none"),
-                    r.fate.table.as_deref().unwrap_or("none"),
-                    r.fate.reason.as_deref().unwrap_or("unknown"),
+                    t.fate.hook.map_or("none", |h| h.name()),
+                    t.fate.table.as_deref().unwrap_or("none"),
+                    t.fate.reason.as_deref().unwrap_or("unknown"),
                 ],
                 1,
             );
@@ -340,6 +297,13 @@ impl Metrics {
             h.subscriber_skipped,
         );
         one(
+            "observer_name_read_failures_total",
+            "counter",
+            "Reads that Kubernetes names come from that failed (the node's rules for services, \
+             the API server's watch for pods; each logged): names may be missing or stale.",
+            h.name_read_failures,
+        );
+        one(
             "observer_probes_attached",
             "gauge",
             "Netfilter probes attached.",
@@ -419,9 +383,21 @@ mod tests {
     #[test]
     fn counts_from_real_reports() {
         let m = Metrics::new("node-1");
-        for line in GOLDEN.lines() {
-            m.observe(&ReportView::from_json(line.as_bytes()).unwrap());
-        }
+        // The golden recording replayed: the typed traversals whose JSON is GOLDEN.
+        let opts = crate::commands::replay::ReplayOptions {
+            file: concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/lab-flows.obsrec").into(),
+            output: crate::pipeline::Output::Json,
+            count: None,
+            filter: None,
+        };
+        let mut n = 0;
+        crate::commands::replay::each(&opts, &mut |report| {
+            m.observe(report.traversal());
+            n += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(n, GOLDEN.lines().count());
         let dropped = GOLDEN
             .lines()
             .filter(|l| l.contains("\"kind\":\"dropped\""))

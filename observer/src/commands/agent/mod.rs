@@ -20,23 +20,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use log::{info, warn};
-use tokio::io::unix::AsyncFd;
-use tokio::signal::unix::{SignalKind, signal};
 
 use crate::kernel::btf::KernelLayout;
 use crate::kernel::probes::Probes;
-use crate::kernel::upkeep::{
-    RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
-    mark_dictionary, now_ns, read_live, replan, watch_ruleset,
-};
-use crate::pipeline::decode::{decode, encode_record};
+use crate::kernel::session::{Consumer, Next, Replan, Session, SessionOptions, Stop, Tick};
+use crate::kernel::upkeep::{attach_counting, attach_probes, mark_dictionary, read_live};
+use crate::pipeline::decode::decode;
 use crate::pipeline::rulenames::RuleNamer;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
-use metrics::{Health, Metrics, ReportView};
+use metrics::{Health, Metrics};
 use observer_common::filter::FilterProgram;
-use observer_common::traversal::{TraversalRecord, end};
 
 /// The agent's default unix socket.
 pub const DEFAULT_SOCKET: &str = "/run/observer/agent.sock";
@@ -96,8 +91,10 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let live = read_live();
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
-    let ctx = |output| PipelineContext {
-        output,
+    let ctx = PipelineContext {
+        // The streams' JSON is the one rendering every record gets (the flight recorder
+        // and most subscribers want it); trees and lines only where someone wants them.
+        output: Output::Json,
         netns: netns.clone(),
         tuple: layout.tuple,
         drop_reasons: layout.drop_reasons.clone(),
@@ -107,13 +104,8 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     };
     // Kubernetes names: served at /v1/names and shown in the reports.
     let names = Arc::new(crate::k8s::Names::default());
-    names.refresh_services();
-    let live_names = || Box::new(LiveNames::load().with_k8s(names.clone()));
-    let pipelines = Pipelines {
-        json: Pipeline::new(ctx(Output::Json), live_names()),
-        tree: Pipeline::new(ctx(Output::Tree), live_names()),
-        line: Pipeline::new(ctx(Output::Line), live_names()),
-    };
+    names.set_services(&live);
+    let pipeline = Pipeline::new(ctx, Box::new(LiveNames::load().with_k8s(names.clone())));
     let metrics = Arc::new(Metrics::new(&opts.node));
     let hub = Arc::new(Hub::new(
         layout.tuple,
@@ -127,15 +119,14 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // are answered once they are (the runtime has one thread); /readyz then says ready.
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
-        let mut probes = match opts.mode {
+        let probes = match opts.mode {
             AgentMode::Trace => {
                 attach_probes(&layout, &FilterProgram::KEEP_ALL, &live, opts.floor)?
             }
             AgentMode::Counters => attach_counting(&layout, &live, opts.floor)?,
         };
-        let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
-        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
+        event_loop(&opts, probes, pipeline, metrics, hub, names.clone(), naming).await
     })
 }
 
@@ -195,22 +186,10 @@ async fn serve(
     Ok(())
 }
 
-/// One pipeline per output mode (tree and line render only what someone wants).
-struct Pipelines {
-    json: Pipeline,
-    tree: Pipeline,
-    line: Pipeline,
-}
-
-impl Pipelines {
-    fn all(&mut self) -> [&mut Pipeline; 3] {
-        [&mut self.json, &mut self.tree, &mut self.line]
-    }
-}
-
-/// Turns records into reports and hands them on.
+/// Turns each record into one typed traversal and hands it to the sinks: metrics, the
+/// flight recorder, the subscribers (each rendering made once, for whoever wants it).
 struct Agent {
-    pipelines: Pipelines,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     lost_now: u64,
@@ -222,11 +201,18 @@ struct Agent {
     kernel: KernelCounts,
     marks: observer_model::marks::MarkDictionary,
     reasons: std::collections::HashMap<u32, String>,
+    marks_file: Option<PathBuf>,
+    /// Service names, from the node as the session reads it after each ruleset change.
+    names: Arc<crate::k8s::Names>,
+    /// Always-on mode: when the last streaming client left.
+    unwatched_since: Option<Instant>,
+    /// The probes' filter while recording for subscribers (None: every packet).
+    kernel_filter: Option<String>,
 }
 
 impl Agent {
     fn handle(&mut self, raw: &[u8]) {
-        let rec = match decode(raw) {
+        let mut rec = match decode(raw) {
             Ok(r) => r,
             Err(e) => {
                 warn!("undecodable record: {e}");
@@ -234,38 +220,25 @@ impl Agent {
                 return;
             }
         };
-        let json = match self.pipelines.json.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => bytes,
+        let (report, json) = match self.pipeline.handle_decoded(raw, &mut rec, self.lost_now) {
+            Outcome::Report { report, bytes, .. } => (report, bytes),
             other => {
                 crate::pipeline::warn_unusable(&other);
                 self.unusable += 1;
                 return;
             }
         };
-        let dropped = match ReportView::from_json(&json) {
-            Ok(v) => {
-                // In the always-on mode the kernel counts every packet itself.
-                if self.mode == AgentMode::Trace {
-                    self.metrics.observe(&v);
-                }
-                v.is_drop()
-            }
-            Err(e) => {
-                warn!("a report the metrics cannot read: {e}");
-                false
-            }
-        };
-        let (mut tree, mut line) = self.hub.wanted(&rec);
-        tree |= dropped;
-        line |= dropped;
-        let render = |p: &mut Pipeline| match p.handle(raw, self.lost_now) {
-            Outcome::Report { bytes, .. } => Some(bytes),
-            _ => None,
-        };
+        let t = report.traversal();
+        // In the always-on mode the kernel counts every packet itself.
+        if self.mode == AgentMode::Trace {
+            self.metrics.observe(t);
+        }
+        let dropped = t.fate.kind == observer_model::FateKind::Dropped;
+        let (tree, line) = self.hub.wanted(&rec);
         let rendered = Rendered {
             json,
-            tree: tree.then(|| render(&mut self.pipelines.tree)).flatten(),
-            line: line.then(|| render(&mut self.pipelines.line)).flatten(),
+            tree: (tree || dropped).then(|| self.pipeline.render(&report, Output::Tree)),
+            line: (line || dropped).then(|| self.pipeline.render(&report, Output::Line)),
         };
         self.hub.dispatch(&rec, &rendered);
         if dropped {
@@ -275,10 +248,6 @@ impl Agent {
                 .unwrap_or_else(|e| e.into_inner())
                 .push(Held { rec, rendered });
         }
-    }
-
-    fn handle_record(&mut self, rec: &TraversalRecord) {
-        self.handle(&encode_record(rec));
     }
 
     /// After a ruleset change: rules and mark bits are named from the node as read again.
@@ -293,10 +262,9 @@ impl Agent {
                 None
             }
         };
-        for p in self.pipelines.all() {
-            let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
-            p.ruleset_changed(marks.clone(), Some(RuleNamer::new(live, generation)));
-        }
+        let p = &mut self.pipeline;
+        let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
+        p.ruleset_changed(marks, Some(RuleNamer::new(live, generation)));
     }
 
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
@@ -322,24 +290,8 @@ impl Agent {
     }
 
     fn add_plans(&mut self, probes: &Probes) {
-        for p in self.pipelines.all() {
-            p.add_plans(probes.generation(), &probes.plans);
-        }
+        self.pipeline.add_plans(probes.generation(), &probes.plans);
     }
-}
-
-fn drain(
-    ring: &mut aya::maps::RingBuf<aya::maps::MapData>,
-    agent: &mut Agent,
-    max: usize,
-) -> usize {
-    let mut n = 0;
-    while n < max {
-        let Some(item) = ring.next() else { break };
-        n += 1;
-        agent.handle(&item);
-    }
-    n
 }
 
 fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
@@ -365,17 +317,18 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
         ready,
         unattributed: agent.kernel.unattributed,
         tracing: probes.tracing(),
+        name_read_failures: agent
+            .names
+            .read_failures
+            .load(std::sync::atomic::Ordering::Relaxed),
     });
 }
 
 /// Always-on mode: records traversals while a streaming client is connected, and goes back
 /// to counting only [`TRACING_LINGER`] after the last one left.
-fn follow_subscribers(
-    probes: &mut Probes,
-    agent: &Agent,
-    unwatched_since: &mut Option<Instant>,
-    kernel_filter: &mut Option<String>,
-) {
+fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
+    let unwatched_since = &mut agent.unwatched_since;
+    let kernel_filter = &mut agent.kernel_filter;
     let watched = agent.hub.subscribers() > 0;
     if watched {
         *unwatched_since = None;
@@ -416,22 +369,71 @@ fn follow_subscribers(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+impl Consumer for Agent {
+    fn on_record(&mut self, raw: &[u8], lost_now: u64) -> Next {
+        self.lost_now = lost_now;
+        self.handle(raw);
+        Next::More
+    }
+
+    fn on_tick(&mut self, tick: Tick<'_>) -> Option<&'static str> {
+        self.lost_now = tick.lost_now;
+        self.hub.set_lost(tick.lost_now);
+        self.hub.tick();
+        let probes = tick.probes;
+        if self.mode == AgentMode::Counters {
+            follow_subscribers(probes, self);
+        }
+        if tick.scanned {
+            self.read_counts(probes);
+            self.interfaces = crate::kernel::netns::interfaces().len() as u64;
+        }
+        if tick.names_changed {
+            self.pipeline.forget_names();
+        }
+        update_health(probes, self, true);
+        None
+    }
+
+    fn on_replan(&mut self, replan: Replan<'_>) {
+        match replan {
+            Replan::Ruleset { probes, live } => {
+                // kube-proxy's services change with its rules, plan or no plan: read from
+                // the node the session read off the loop's thread.
+                self.names.set_services(live);
+                // Counted under the plan in force: labelled before it changes.
+                self.read_counts(probes);
+                let file = self.marks_file.clone();
+                self.rules_changed(live, file.as_ref());
+            }
+            Replan::Replanned { probes, from, to } => {
+                self.add_plans(probes);
+                self.pipeline.replanned(from, to);
+            }
+        }
+    }
+
+    fn on_stop(&mut self, stop: Stop<'_>) {
+        self.read_counts(stop.probes);
+        update_health(stop.probes, self, false);
+        self.hub.close_all();
+    }
+}
+
 async fn event_loop(
     opts: &AgentOptions,
-    mut probes: Probes,
-    ring: aya::maps::RingBuf<aya::maps::MapData>,
-    pipelines: Pipelines,
+    probes: Probes,
+    pipeline: Pipeline,
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
-    names: &crate::k8s::Names,
+    names: Arc<crate::k8s::Names>,
     naming: (
         observer_model::marks::MarkDictionary,
         std::collections::HashMap<u32, String>,
     ),
 ) -> Result<&'static str> {
     let mut agent = Agent {
-        pipelines,
+        pipeline,
         metrics,
         hub,
         lost_now: 0,
@@ -441,17 +443,12 @@ async fn event_loop(
         kernel: KernelCounts::default(),
         marks: naming.0,
         reasons: naming.1,
+        marks_file: opts.marks_file.clone(),
+        names,
+        unwatched_since: None,
+        kernel_filter: None,
     };
-    // Always-on mode: when the last streaming client left.
-    let mut unwatched_since: Option<Instant> = None;
-    // The probes' filter while recording for subscribers (None: every packet).
-    let mut kernel_filter: Option<String> = None;
     agent.add_plans(&probes);
-    // SAFETY: the ring buffer owns its fd and outlives the registration (both live here).
-    let mut ring = unsafe { AsyncFd::register(ring) }
-        .map_err(|e| anyhow::anyhow!("polling the ring buffer: {e}"))?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
     update_health(&probes, &agent, true);
     info!(
         "agent ready: {} netfilter probes; metrics on {}, streaming API on {}{}",
@@ -463,115 +460,22 @@ async fn event_loop(
             .map(|l| format!(" and {l}"))
             .unwrap_or_default()
     );
-    if let Some(path) = &opts.ready_file {
-        std::fs::write(path, format!("{}\n", std::process::id()))
-            .with_context(|| format!("writing ready file {}", path.display()))?;
-    }
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut drain_tick = tokio::time::interval(Duration::from_millis(10));
-    drain_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let netns_file = opts
-        .netns
-        .as_ref()
-        .map(|n| PathBuf::from("/run/netns").join(n));
-    let netns_inode = crate::kernel::netns::current_netns_inode()?;
-    let mut legacy_names = legacy_tables().0;
-    let mut last_scan = Instant::now();
-    let watch = watch_ruleset();
-    // The node is read again off the event loop: clients and the ring buffer keep going.
-    let mut ruleset = RulesetReader::default();
-    let stopped_by: &'static str = loop {
-        tokio::select! {
-            biased;
-            _ = sigint.recv() => break "SIGINT",
-            _ = sigterm.recv() => break "SIGTERM",
-            guard = async { watch.as_ref().expect("guarded").readable().await }, if watch.is_some() => {
-                let mut guard = guard?;
-                if guard.get_inner().drain() {
-                    ruleset.changed();
-                }
-                guard.clear_ready();
-            }
-            _ = tick.tick() => {
-                if let Some((since, live)) = ruleset.poll() {
-                    // kube-proxy's services change with its rules, plan or no plan.
-                    names.refresh_services();
-                    // Counted under the plan in force: labelled before it changes.
-                    agent.read_counts(&probes);
-                    agent.rules_changed(&live, opts.marks_file.as_ref());
-                    if replan(&mut probes, &live) {
-                        agent.add_plans(&probes);
-                        let to = now_ns();
-                        for p in agent.pipelines.all() {
-                            p.replanned(since, to);
-                        }
-                    }
-                }
-                agent.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(agent.lost_now);
-                agent.hub.set_lost(agent.lost_now);
-                let now = now_ns();
-                match probes.sweep(
-                    now.saturating_sub(SOCKET_GRACE.as_nanos() as u64),
-                    now.saturating_sub(opts.idle.as_nanos() as u64),
-                    end::IDLE,
-                ) {
-                    Ok(recs) => recs.iter().for_each(|r| agent.handle_record(r)),
-                    Err(e) => warn!("reading the probes' fallback map: {e:#}"),
-                }
-                agent.hub.tick();
-                if opts.mode == AgentMode::Counters {
-                    follow_subscribers(&mut probes, &agent, &mut unwatched_since, &mut kernel_filter);
-                }
-                update_health(&probes, &agent, true);
-                if last_scan.elapsed() >= Duration::from_secs(1) {
-                    last_scan = Instant::now();
-                    agent.read_counts(&probes);
-                    let h = housekeeping(&mut probes, netns_file.as_deref(), netns_inode);
-                    agent.interfaces = crate::kernel::netns::interfaces().len() as u64;
-                    if h.names_changed {
-                        for p in agent.pipelines.all() {
-                            p.forget_names();
-                        }
-                    }
-                    if let Some(why) = h.stop {
-                        break why;
-                    }
-                    let legacy = legacy_tables().0;
-                    if legacy != legacy_names {
-                        legacy_names = legacy;
-                        ruleset.changed();
-                    }
-                }
-            }
-            guard = ring.readable_mut() => {
-                let mut guard = guard?;
-                if drain(guard.get_inner_mut(), &mut agent, BATCH) < BATCH {
-                    guard.clear_ready();
-                }
-            }
-            _ = drain_tick.tick() => {
-                drain(ring.get_mut(), &mut agent, BATCH);
-            }
-        }
-    };
-    // As tail stops: every probe told at once, then detached (released in the background).
-    let stopping = Instant::now();
-    update_health(&probes, &agent, false);
-    if let Err(e) = probes.set_floor(true) {
-        warn!("stopping the probes: {e:#}");
-    }
-    let releasing = probes.detach();
-    tokio::time::sleep(Duration::from_millis(30)).await;
-    // What the probes wrote before they stopped goes out still, within a bound.
-    let until = Instant::now() + Duration::from_millis(300);
-    while Instant::now() < until && drain(ring.get_mut(), &mut agent, 256) > 0 {}
-    agent.read_counts(&probes);
-    update_health(&probes, &agent, false);
-    agent.hub.close_all();
+    let session = Session::new(
+        probes,
+        SessionOptions {
+            netns: opts.netns.clone(),
+            ready_file: opts.ready_file.clone(),
+            timeout: None,
+            idle: opts.idle,
+            batch: BATCH,
+            // What the probes wrote before they stopped goes out still, within a bound.
+            final_drain: Duration::from_millis(300),
+        },
+    )?;
+    let stopped_by = session.run(&mut agent).await?;
     let _ = std::fs::remove_file(&opts.socket);
     // The streams' closing lines, written by the connections' tasks.
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let _ = releasing.join();
-    info!("agent stopped by {stopped_by} in {:?}", stopping.elapsed());
+    info!("agent stopped by {stopped_by}");
     Ok(stopped_by)
 }

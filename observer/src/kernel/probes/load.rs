@@ -13,7 +13,7 @@ use observer_common::config;
 use observer_common::filter::{FilterNets, FilterProgram};
 
 use super::ends::{END_TRACEPOINTS, attach_socket_probe, attach_tracepoint};
-use super::tc::TC_PROGRAMS;
+use super::tc::{TC_BRIDGE_PROGRAMS, TC_PROGRAMS};
 use super::*;
 
 /// Maps the netfilter object uses; they are the TC object's, shared.
@@ -138,7 +138,7 @@ impl Probes {
             )?;
             nets.set(0, FilterNets::of(filter), 0)?;
         }
-        for (name, _) in TC_PROGRAMS {
+        for (name, _) in TC_PROGRAMS.into_iter().chain(TC_BRIDGE_PROGRAMS) {
             let prog: &mut SchedClassifier = ebpf
                 .program_mut(name)
                 .with_context(|| format!("probe object has no program {name}"))?

@@ -201,11 +201,7 @@ impl Probes {
 
     /// The packet-bytes ring buffer (`tail --pcapng`).
     pub fn take_packets(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self
-            .ebpf
-            .take_map("PACKETS")
-            .context("probe object has no PACKETS map")?;
-        Ok(RingBuf::try_from(map)?)
+        self.take_ring_buffer("PACKETS")
     }
 
     /// Packets whose first bytes the probes could not write (ring buffer full, unreadable).
@@ -218,11 +214,17 @@ impl Probes {
         Ok(arr.get(&0, 0)?.iter().sum())
     }
 
+    /// The traversal records' ring buffer (the session's).
     pub fn take_ring(&mut self) -> Result<RingBuf<MapData>> {
+        self.take_ring_buffer("EVENTS")
+    }
+
+    /// The ring buffer `name`, taken out of the object (its reader owns it from now on).
+    fn take_ring_buffer(&mut self, name: &str) -> Result<RingBuf<MapData>> {
         let map = self
             .ebpf
-            .take_map("EVENTS")
-            .context("probe object has no EVENTS map")?;
+            .take_map(name)
+            .with_context(|| format!("probe object has no {name} map"))?;
         Ok(RingBuf::try_from(map)?)
     }
 

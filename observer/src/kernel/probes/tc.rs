@@ -14,6 +14,14 @@ pub(super) const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_egress", TcAttachType::Egress),
 ];
 
+/// The TC programs of a bridge device, attached there instead of [`TC_PROGRAMS`]: a frame
+/// passed up from a port goes on, and nothing ends at the bridge's own transmit (it hands
+/// the skb on to a port).
+pub(super) const TC_BRIDGE_PROGRAMS: [(&str, TcAttachType); 2] = [
+    ("observer_tc_bridge_ingress", TcAttachType::Ingress),
+    ("observer_tc_bridge_egress", TcAttachType::Egress),
+];
+
 /// An interface with tcx probes.
 pub(super) struct Attached {
     pub(super) name: String,
@@ -76,7 +84,12 @@ impl Probes {
             }
             let mut links = Vec::new();
             let mut failed = None;
-            for (prog, at) in TC_PROGRAMS {
+            let programs = if crate::kernel::netns::is_bridge(name) {
+                TC_BRIDGE_PROGRAMS
+            } else {
+                TC_PROGRAMS
+            };
+            for (prog, at) in programs {
                 let p: &mut SchedClassifier = self
                     .ebpf
                     .program_mut(prog)
