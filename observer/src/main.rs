@@ -297,7 +297,7 @@ fn run(cli: Cli) -> Result<()> {
                     timeout: a.timeout,
                 },
                 "/v1/traces",
-                &mut std::io::stdout().lock(),
+                std::io::stdout(),
             )?;
             eprintln!("{summary}");
             Ok(())
@@ -313,7 +313,7 @@ fn run(cli: Cli) -> Result<()> {
                     timeout: None,
                 },
                 "/v1/drops",
-                &mut std::io::stdout().lock(),
+                std::io::stdout(),
             )?;
             eprintln!("{summary}");
             Ok(())
