@@ -321,8 +321,7 @@ pub fn run(
             let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
             let node = a.node.clone();
             let t = std::thread::spawn(move || {
-                let mut writer = w.clone();
-                let r = client::run(&opts, path, &mut writer);
+                let r = client::run(&opts, path, w.clone());
                 (r, w)
             });
             (node, t)
