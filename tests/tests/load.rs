@@ -228,7 +228,10 @@ fn edge_values_on_the_command_line_are_errors_or_work() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("stopped by SIGHUP"), "{err}");
-    // A closed stdout (a pipe into `head -1`) ends it cleanly too, summary on stderr.
+    // A closed stdout (a pipe into `head -1`) ends it cleanly too, summary on stderr. The
+    // packets go out once it is ready (its start takes over 10 s on a loaded 2-core machine).
+    let ready = std::env::temp_dir().join(format!("{}-load-closed-ready", lab.prefix));
+    let _ = std::fs::remove_file(&ready);
     let mut child = Command::new(observer_bin())
         .args([
             "tail",
@@ -237,14 +240,21 @@ fn edge_values_on_the_command_line_are_errors_or_work() {
             "--output",
             "line",
             "--timeout",
-            "30",
+            "120",
+            "--ready-file",
         ])
+        .arg(&ready)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     drop(child.stdout.take());
-    std::thread::sleep(Duration::from_secs(6));
+    let t0 = Instant::now();
+    while !ready.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "observer exited early");
+        assert!(t0.elapsed() < Duration::from_secs(90), "observer not ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let path = lab.ns_path("client");
     std::thread::spawn(move || {
         observer_tests::enter_netns(&path);
