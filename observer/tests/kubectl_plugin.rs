@@ -682,7 +682,7 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
         let v: serde_json::Value = serde_json::from_str(l).unwrap();
         assert_eq!(
             (v["node"].as_str(), v["schema"].as_u64()),
-            (Some("lab-node"), Some(2))
+            (Some("lab-node"), Some(u64::from(observer_model::SCHEMA)))
         );
     }
     drop(lab);
