@@ -96,7 +96,7 @@ fn rules(e: &observer_rules::Explanation) -> Vec<String> {
 fn pod_to_pod_on_the_bridge_is_bridged_with_both_ports() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(route_name(b), "bridged");
     assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     assert_eq!(e.verdict(), Verdict::Accept);
     assert_eq!(
@@ -140,7 +140,7 @@ fn a_forward_physdev_rule_drops_a_bridged_frame() {
 fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 10.96.0.10:80 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(route_name(b), "bridged");
     assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     assert!(
         b.notes
@@ -180,7 +180,7 @@ fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
 fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin() {
     let e = explain(&req("udp 10.244.0.3:5000 -> 10.96.0.10:80 in vethb")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(route_name(&b), "bridged");
+    assert_eq!(route_name(b), "bridged");
     assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("vethb"));
     let post = b.stages.last().unwrap();
     assert_eq!(&*post.table, "nat");
@@ -214,7 +214,7 @@ fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin()
 fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
     let e = explain(&req("udp 10.244.0.2:5000 -> 8.8.8.8:53 in vetha")).unwrap();
     let b = &e.branches[0];
-    assert_eq!(route_name(&b), "forward");
+    assert_eq!(route_name(b), "forward");
     assert_eq!(b.egress.as_ref().map(|i| i.iface.as_str()), Some("eth0"));
     assert_eq!(
         rules(&e),

@@ -1,6 +1,6 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::commands::{agent, explain, lab, replay, tail, traffic};
+use observer::commands::{agent, explain, kubectl, lab, replay, tail, traffic};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -169,8 +169,9 @@ struct ReplayArgs {
     curl -s 127.0.0.1:9965/metrics | grep observer_drops_total\n  \
     curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n\n\
 Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, output, sample, \
-count, timeout as query parameters), /v1/drops and /v1/names (services and pods by address) on \
-the unix socket and on --listen. Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
+count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address) and \
+/v1/version on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
+--listen 127.0.0.1:9966). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
 {\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \
 {\"agent\": {\"end\": ...}} line with what the stream carried. SIGTERM or SIGINT: the probes \
 are detached, the streams closed, exit 0.")]
@@ -266,6 +267,17 @@ fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_timestamp(None)
         .init();
+    // Started as `kubectl-observer` (by kubectl, or a symlink): the cluster plugin.
+    if std::env::args_os()
+        .next()
+        .is_some_and(|a| kubectl::invoked_as_plugin(&a))
+    {
+        if let Err(e) = kubectl::main(kubectl::PluginCli::parse()) {
+            eprintln!("kubectl observer: error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if let Err(e) = run(Cli::parse()) {
         eprintln!("observer: error: {e:#}");
         std::process::exit(1);
@@ -285,7 +297,7 @@ fn run(cli: Cli) -> Result<()> {
                     timeout: a.timeout,
                 },
                 "/v1/traces",
-                &mut std::io::stdout().lock(),
+                std::io::stdout(),
             )?;
             eprintln!("{summary}");
             Ok(())
@@ -301,7 +313,7 @@ fn run(cli: Cli) -> Result<()> {
                     timeout: None,
                 },
                 "/v1/drops",
-                &mut std::io::stdout().lock(),
+                std::io::stdout(),
             )?;
             eprintln!("{summary}");
             Ok(())

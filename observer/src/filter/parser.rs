@@ -3,10 +3,10 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use observer_common::filter::{Atom, atom, dir};
+use observer_common::filter::{Atom, MAX_ATOMS, MAX_TERMS, atom, dir};
 
-use super::FilterError;
 use super::lexer::{Kind, Token, tokenize};
+use super::{FilterError, MAX_DEPTH};
 
 /// The parsed expression. `None` for an empty expression.
 pub(super) fn parse(
@@ -23,7 +23,7 @@ pub(super) fn parse(
         i: 0,
         ifindex,
     };
-    let e = p.expr()?;
+    let (e, _) = p.expr(0)?;
     if let Some(t) = p.peek() {
         let msg = if t.kind == Kind::RParen {
             "unmatched `)`".to_string()
@@ -222,8 +222,10 @@ impl<'a> Parser<'a> {
 
     /// pcap: `and` and `or` have the same precedence and group left to right, so
     /// `tcp or udp and port 53` is `(tcp or udp) and port 53`; `not` binds tightest.
-    fn expr(&mut self) -> Result<Expr, FilterError> {
-        let mut lhs = self.unary()?;
+    /// `level`: the parentheses and `not`s around; returns the expression and its height,
+    /// both bounded by [`MAX_DEPTH`] (the parser and every pass over the tree recurse).
+    fn expr(&mut self, level: usize) -> Result<(Expr, usize), FilterError> {
+        let (mut lhs, mut height) = self.unary(level)?;
         while let Some(t) = self.peek() {
             let make: fn(Box<Expr>, Box<Expr>) -> Expr = match t.kind {
                 Kind::And => Expr::And,
@@ -231,13 +233,28 @@ impl<'a> Parser<'a> {
                 _ => break,
             };
             self.i += 1;
-            let rhs = self.unary()?;
+            let (rhs, h) = self.unary(level)?;
+            height = height.max(h) + 1;
+            if level + height > MAX_DEPTH {
+                return Err(self.too_deep(t));
+            }
             lhs = make(Box::new(lhs), Box::new(rhs));
         }
-        Ok(lhs)
+        Ok((lhs, height))
     }
 
-    fn unary(&mut self) -> Result<Expr, FilterError> {
+    fn too_deep(&self, t: Token<'_>) -> FilterError {
+        self.err(
+            t,
+            format!(
+                "filter too deep: more than {MAX_DEPTH} levels here (each `(`, `not`, `and` \
+                 and `or` is one); a filter the probes can run needs far fewer \
+                 (at most {MAX_TERMS} alternatives of {MAX_ATOMS} conditions)"
+            ),
+        )
+    }
+
+    fn unary(&mut self, level: usize) -> Result<(Expr, usize), FilterError> {
         let Some(t) = self.peek() else {
             let msg = match self.toks.last() {
                 Some(last) => format!("expected a primitive after `{}`", last.text),
@@ -245,25 +262,29 @@ impl<'a> Parser<'a> {
             };
             return Err(self.err_next(msg));
         };
+        if matches!(t.kind, Kind::Not | Kind::LParen) && level + 1 > MAX_DEPTH {
+            return Err(self.too_deep(t));
+        }
         match t.kind {
             Kind::Not => {
                 self.i += 1;
-                Ok(Expr::Not(Box::new(self.unary()?)))
+                let (e, h) = self.unary(level + 1)?;
+                Ok((Expr::Not(Box::new(e)), h + 1))
             }
             Kind::LParen => {
                 self.i += 1;
-                let e = self.expr()?;
+                let (e, h) = self.expr(level + 1)?;
                 match self.peek() {
                     Some(c) if c.kind == Kind::RParen => {
                         self.i += 1;
-                        Ok(e)
+                        Ok((e, h))
                     }
                     _ => Err(self.err(t, "this `(` is not closed: expected `)`")),
                 }
             }
             Kind::Word => {
                 self.i += 1;
-                self.primitive(t)
+                Ok((self.primitive(t)?, 1))
             }
             Kind::RParen | Kind::And | Kind::Or => Err(self.err(
                 t,

@@ -655,6 +655,42 @@ fn limits_give_a_clear_error() {
 }
 
 #[test]
+fn deep_filters_are_refused_without_deep_recursion() {
+    let n = 30_000;
+    let cases = [
+        format!("{}tcp{}", "(".repeat(n), ")".repeat(n)),
+        format!("{}tcp", "not ".repeat(n)),
+        vec!["tcp"; n].join(" and "),
+        format!("{}tcp{}", "(tcp and ".repeat(n), ")".repeat(n)),
+    ];
+    // A quarter of a tokio worker's 2 MiB stack, in a debug build: recursion as deep
+    // as the input would overflow it long before 30,000 levels.
+    let errors = std::thread::Builder::new()
+        .stack_size(512 << 10)
+        .spawn(move || cases.iter().map(|c| compile_err(c)).collect::<Vec<_>>())
+        .unwrap()
+        .join()
+        .expect("no stack overflow");
+    for e in errors {
+        assert!(
+            e.message
+                .starts_with("filter too deep: more than 100 levels"),
+            "{}",
+            e.message
+        );
+        // The caret sits on the token that went one level too far.
+        assert!(e.pos > 0 && e.pos < e.expr.len(), "{}", e.pos);
+    }
+    // Within the limit: parsed and compiled as before.
+    let deep_ok = format!("{}tcp{}", "(".repeat(99), ")".repeat(99));
+    assert_eq!(compile_ok(&deep_ok).n_terms, 1);
+    let chain_ok = vec!["tcp"; 99].join(" and ");
+    assert_eq!(compile_ok(&chain_ok).n_terms, 1);
+    let e = compile_err(&format!("{}tcp{}", "(".repeat(101), ")".repeat(101)));
+    assert_eq!(e.pos, 100, "at the 101st `(`");
+}
+
+#[test]
 fn error_renders_the_expression_and_a_caret_under_the_token() {
     let e = compile_err("tcp and port foo");
     assert_eq!(

@@ -1,7 +1,9 @@
 //! Kubernetes names for the addresses in reports: services from kube-proxy's rules
 //! ([`services`]) and this node's pods from the API server ([`pods`]), kept together in
-//! [`Names`] for the agent (served as `/v1/names`).
+//! [`Names`] for the agent (served as `/v1/names`); the agents of a cluster, reached through
+//! the API server, for `kubectl observer` ([`cluster`]).
 
+pub mod cluster;
 pub mod pods;
 pub mod services;
 

@@ -120,7 +120,7 @@ fn driver(name: &str) -> Option<String> {
         if fd < 0 {
             return None;
         }
-        let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut req as *mut IfReq);
+        let r = libc::ioctl(fd, libc::SIOCETHTOOL as _, &mut req as *mut IfReq);
         libc::close(fd);
         r == 0
     };

@@ -25,7 +25,7 @@ const LD_IMM64: u8 = 0x18;
 #[derive(Debug, thiserror::Error)]
 pub enum NfError {
     #[error("netfilter object is not a valid ELF: {0}")]
-    Elf(#[from] object::Error),
+    Elf(object::Error),
     #[error("netfilter object has no program named `{0}`")]
     NoProgram(String),
     #[error(
@@ -45,26 +45,35 @@ pub enum NfError {
         what: String,
     },
     #[error(
-        "the kernel refused to load netfilter program `{prog}`: {source}\n\
+        "the kernel refused to load netfilter program `{prog}`: {error}\n\
          verifier log:\n{log}\n(BPF netfilter programs need Linux 6.4+ with \
          CONFIG_NETFILTER_BPF_LINK=y and root or CAP_BPF+CAP_NET_ADMIN)"
     )]
     Load {
         prog: String,
-        source: std::io::Error,
+        // Not `source`: the message already says it, and a source would be printed again.
+        error: std::io::Error,
         log: String,
     },
     #[error("program `{0}` must be loaded before it is attached")]
     NotLoaded(String),
-    #[error("cannot attach `{prog}` to {family}/{hook} at priority {priority}: {source}{hint}")]
+    #[error("cannot attach `{prog}` to {family}/{hook} at priority {priority}: {error}{hint}")]
     Attach {
         prog: String,
         family: &'static str,
         hook: &'static str,
         priority: i32,
-        source: std::io::Error,
+        error: std::io::Error,
         hint: &'static str,
     },
+}
+
+/// By hand, not `#[from]`: that would make the ELF error the source too, and the message,
+/// which already says it, would be followed by it again.
+impl From<object::Error> for NfError {
+    fn from(e: object::Error) -> Self {
+        NfError::Elf(e)
+    }
 }
 
 /// Families and hooks are the model's (`observer-model`): the loader only attaches at them.
@@ -387,7 +396,7 @@ impl NfProgram {
                 let tail = lines[lines.len().saturating_sub(30)..].join("\n");
                 Err(NfError::Load {
                     prog: self.name.clone(),
-                    source,
+                    error: source,
                     log: tail,
                 })
             }
@@ -454,7 +463,7 @@ impl NfProgram {
                     family: family.name(),
                     hook: hook.name(),
                     priority,
-                    source,
+                    error: source,
                     hint,
                 })
             }

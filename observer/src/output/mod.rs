@@ -7,6 +7,25 @@ mod writer;
 
 pub use writer::*;
 
+/// Text from outside (a file, a peer) for a message on the terminal: at most `max`
+/// characters, then `...`; control characters escaped (`\u{1b}`, `\n`), so that what a
+/// file or a peer holds can neither move the cursor nor forge lines.
+pub fn for_terminal(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in text.chars().enumerate() {
+        if i == max {
+            out.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A file written through a buffer, that stops at its first failed write (`None` from then
 /// on): the recording and the pcap-ng file.
 type StoppingFile = Option<std::io::BufWriter<Box<dyn std::io::Write + Send>>>;

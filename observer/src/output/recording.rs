@@ -2,11 +2,13 @@
 //! them into the same reports again without the kernel (docs/recording.md).
 //!
 //! The file is an 8-byte magic, a format version (u32 LE), then frames of
-//! `kind (u8) | length (u32 LE) | payload`: one header (JSON: versions, netns, the kernel
+//! `kind (u8) | length (u32 LE) | payload | CRC-32 of the three (u32 LE)`: one header (JSON: versions, netns, the kernel
 //! layout the decoder uses, the mark dictionary), then, in the order the collector met them,
 //! context (JSON: probe plans by generation, re-plan windows, interface names and kernel
 //! symbols as first used) and records (the lost-packet counter as of that record, u64 LE,
-//! then the ring-buffer bytes exactly as the probes wrote them).
+//! then the ring-buffer bytes exactly as the probes wrote them), and last an end marker
+//! holding the number of frames before it. A damaged frame or a missing end is said, never
+//! read as data; format 1 (no checksums, no end) is still read, with a warning.
 
 use std::collections::HashMap;
 use std::io::{BufWriter, Read, Write};
@@ -21,12 +23,16 @@ use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 pub const MAGIC: [u8; 8] = *b"OBSVREC\n";
-/// The format this observer writes and the only one it reads.
-pub const FORMAT: u32 = 1;
+/// The format this observer writes.
+pub const FORMAT: u32 = 2;
+/// The older format it still reads: the same frames without checksums and end marker.
+pub const FORMAT_V1: u32 = 1;
 
 const HEADER: u8 = 1;
 const META: u8 = 2;
 const RECORD: u8 = 3;
+/// The last frame: u64 LE, the number of frames between the header and it.
+const END: u8 = 4;
 /// A frame longer than this is corruption, not data (records are a few hundred bytes;
 /// the largest context frame is a plan set).
 const MAX_FRAME: u32 = 16 << 20;
@@ -49,8 +55,8 @@ pub enum RecordingError {
     )]
     NotARecording(String),
     #[error(
-        "{path} is a recording of format {found}; this observer ({version}) reads format \
-         {FORMAT} only: replay it with the observer version that recorded it"
+        "{path} is a recording of format {found}; this observer ({version}) reads formats \
+         {FORMAT_V1} and {FORMAT}: replay it with the observer version that recorded it"
     )]
     UnsupportedFormat {
         path: String,
@@ -313,6 +319,8 @@ pub struct Recorder {
     out: super::StoppingFile,
     ifnames: HashMap<u32, String>,
     symbols: HashMap<u64, String>,
+    /// Frames written after the header (the end marker says how many).
+    frames: u64,
     /// Records written.
     pub records: u64,
     /// Records that could not be written.
@@ -340,6 +348,7 @@ impl Recorder {
             out: Some(BufWriter::new(w)),
             ifnames: HashMap::new(),
             symbols: HashMap::new(),
+            frames: 0,
             records: 0,
             failed: 0,
         };
@@ -368,6 +377,7 @@ impl Recorder {
             self.out = None;
             return false;
         }
+        self.frames += 1;
         true
     }
 
@@ -412,8 +422,17 @@ impl Recorder {
         super::flush_or_stop(&mut self.out, "the recording", &self.path);
     }
 
-    /// Flushes the file; false if the last buffered records were not written.
+    /// Writes the end marker and flushes the file; false if the last buffered records were
+    /// not written. A recording that stopped on a failed write gets no end marker: its
+    /// reader says it is incomplete.
     pub fn finish(&mut self) -> bool {
+        if let Some(out) = self.out.as_mut()
+            && let Err(e) = frame(out, END, &[&self.frames.to_le_bytes()])
+        {
+            log::warn!("writing the recording {}: {e}", self.path.display());
+            self.out = None;
+            return false;
+        }
         super::finish_file(&mut self.out, "the recording", &self.path)
     }
 
@@ -424,12 +443,21 @@ impl Recorder {
 
 fn frame(out: &mut impl Write, kind: u8, parts: &[&[u8]]) -> std::io::Result<()> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    out.write_all(&[kind])?;
-    out.write_all(&(len as u32).to_le_bytes())?;
+    let head = frame_head(kind, len as u32);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head);
+    out.write_all(&head)?;
     for p in parts {
+        crc.update(p);
         out.write_all(p)?;
     }
-    Ok(())
+    out.write_all(&crc.finalize().to_le_bytes())
+}
+
+fn frame_head(kind: u8, len: u32) -> [u8; 5] {
+    let mut head = [kind, 0, 0, 0, 0];
+    head[1..].copy_from_slice(&len.to_le_bytes());
+    head
 }
 
 /// What follows the header.
@@ -450,6 +478,12 @@ pub struct Reader<R> {
     path: String,
     input: R,
     offset: u64,
+    /// The file's format: [`FORMAT`], or [`FORMAT_V1`] (no checksums, no end marker).
+    pub format: u32,
+    /// Frames read after the header.
+    frames: u64,
+    /// The end marker was read (format 2): nothing may follow it.
+    ended: bool,
     pub header: Header,
 }
 
@@ -464,7 +498,8 @@ impl Reader<std::io::BufReader<std::fs::File>> {
 }
 
 impl<R: Read> Reader<R> {
-    /// Checks the magic, the format version and the record layout, and reads the header.
+    /// Checks the magic, the format version and the record layout, and reads and checks the
+    /// header: every field a report reads is validated here, before any record uses it.
     pub fn new(path: &str, mut input: R) -> Result<Self, RecordingError> {
         let mut start = [0u8; 12];
         if read_full(&mut input, &mut start).map_err(|source| RecordingError::Io {
@@ -476,7 +511,7 @@ impl<R: Read> Reader<R> {
             return Err(RecordingError::NotARecording(path.into()));
         }
         let found = u32::from_le_bytes(start[8..12].try_into().expect("4 bytes"));
-        if found != FORMAT {
+        if found != FORMAT && found != FORMAT_V1 {
             return Err(RecordingError::UnsupportedFormat {
                 path: path.into(),
                 found,
@@ -487,8 +522,11 @@ impl<R: Read> Reader<R> {
             path: path.into(),
             input,
             offset: 12,
+            format: found,
+            frames: 0,
+            ended: false,
             header: Header {
-                format: FORMAT,
+                format: found,
                 observer_version: String::new(),
                 kernel: String::new(),
                 started: 0,
@@ -514,17 +552,27 @@ impl<R: Read> Reader<R> {
         if kind != HEADER {
             return Err(r.corrupt(at, format!("expected the header, found frame kind {kind}")));
         }
+        r.frames = 0;
         r.header = serde_json::from_slice(&payload)
-            .map_err(|e| r.corrupt(at, format!("unreadable header: {e}")))?;
+            .map_err(|e| r.corrupt(at, format!("unreadable header: {}", short(&e))))?;
         if r.header.wire != Wire::current() {
             return Err(RecordingError::WireMismatch {
                 path: r.path.clone(),
-                found: r.header.wire.to_string(),
+                found: short(&r.header.wire),
                 ours: Wire::current().to_string(),
-                recorded_by: r.header.observer_version.clone(),
+                recorded_by: short(&r.header.observer_version),
             });
         }
+        if let Err(what) = r.header.check(found) {
+            return Err(r.corrupt(at, format!("invalid header: {what}")));
+        }
         Ok(r)
+    }
+
+    /// Whether the file is complete: format 2 and its end marker was read. Meaningful once
+    /// [`Self::next_frame`] returned `None`.
+    pub fn complete(&self) -> bool {
+        self.ended
     }
 
     fn corrupt(&self, offset: u64, what: String) -> RecordingError {
@@ -535,8 +583,12 @@ impl<R: Read> Reader<R> {
         }
     }
 
-    /// The next frame's kind and payload; `None` at a clean end of file.
+    /// The next frame's kind and payload, its checksum verified; `None` at the end of the
+    /// file (format 1) or at the end marker (format 2).
     fn next_raw(&mut self) -> Result<Option<(u8, Vec<u8>)>, RecordingError> {
+        if self.ended {
+            return Ok(None);
+        }
         let at = self.offset;
         let io = |source| RecordingError::Io {
             path: self.path.clone(),
@@ -557,23 +609,85 @@ impl<R: Read> Reader<R> {
         if len > MAX_FRAME {
             return Err(self.corrupt(at, format!("implausible length {len}")));
         }
-        let mut payload = vec![0u8; len as usize];
-        let got =
-            read_full(&mut self.input, &mut payload).map_err(|source| RecordingError::Io {
+        // Grown as bytes arrive, so that a damaged length costs no more than the file has.
+        let mut payload = Vec::new();
+        let got = (&mut self.input)
+            .take(u64::from(len))
+            .read_to_end(&mut payload)
+            .map_err(|source| RecordingError::Io {
                 path: self.path.clone(),
                 source,
             })?;
-        if got < payload.len() {
+        if got < len as usize {
             return Err(self.corrupt(
                 at,
                 format!("cut short: {got} of {len} bytes (the recorder was interrupted?)"),
             ));
         }
-        self.offset += 5 + u64::from(len);
+        let mut trailer = 0;
+        if self.format != FORMAT_V1 {
+            let mut crc = [0u8; 4];
+            let n = read_full(&mut self.input, &mut crc).map_err(|source| RecordingError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+            if n < 4 {
+                return Err(self.corrupt(
+                    at,
+                    "cut short in its checksum (the recorder was interrupted?)".into(),
+                ));
+            }
+            let mut h = crc32fast::Hasher::new();
+            h.update(&head);
+            h.update(&payload);
+            if h.finalize() != u32::from_le_bytes(crc) {
+                return Err(self.corrupt(
+                    at,
+                    format!(
+                        "checksum mismatch (frame kind {}, {len} bytes): its bytes were \
+                         changed after it was written",
+                        head[0]
+                    ),
+                ));
+            }
+            trailer = 4;
+        }
+        self.offset += 5 + u64::from(len) + trailer;
+        if head[0] == END && self.format != FORMAT_V1 {
+            let count = <[u8; 8]>::try_from(&payload[..])
+                .ok()
+                .map(u64::from_le_bytes);
+            if count != Some(self.frames) {
+                return Err(self.corrupt(
+                    at,
+                    format!(
+                        "the end marker counts {} frames, {} were read: frames are missing \
+                         or were added",
+                        count.map_or_else(|| "?".to_string(), |c| c.to_string()),
+                        self.frames
+                    ),
+                ));
+            }
+            self.ended = true;
+            let mut rest = [0u8; 1];
+            if read_full(&mut self.input, &mut rest).map_err(|source| RecordingError::Io {
+                path: self.path.clone(),
+                source,
+            })? > 0
+            {
+                return Err(self.corrupt(
+                    self.offset,
+                    "bytes after the end marker (two recordings joined?)".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        self.frames += 1;
         Ok(Some((head[0], payload)))
     }
 
-    /// The next frame; `None` at the end.
+    /// The next frame; `None` at the end ([`Self::complete`] then says whether the file
+    /// ended with its end marker).
     pub fn next_frame(&mut self) -> Result<Option<Frame>, RecordingError> {
         let at = self.offset;
         let Some((kind, payload)) = self.next_raw()? else {
@@ -582,15 +696,26 @@ impl<R: Read> Reader<R> {
         Ok(Some(match kind {
             META => {
                 let v: serde_json::Value = serde_json::from_slice(&payload)
-                    .map_err(|e| self.corrupt(at, format!("unreadable context: {e}")))?;
-                match serde_json::from_value::<Meta>(v.clone()) {
-                    Ok(m) => Frame::Meta(m),
-                    Err(e) => match v.get("meta").and_then(|m| m.as_str()) {
-                        Some(name) if !KNOWN_META.contains(&name) => {
-                            Frame::UnknownMeta(name.to_string())
-                        }
-                        _ => return Err(self.corrupt(at, format!("unreadable context: {e}"))),
-                    },
+                    .map_err(|e| self.corrupt(at, format!("unreadable context: {}", short(&e))))?;
+                let name = v.get("meta").and_then(|m| m.as_str()).map(str::to_string);
+                let name = name.as_deref();
+                match name {
+                    Some(name) if !KNOWN_META.contains(&name) => Frame::UnknownMeta(short(&name)),
+                    _ => {
+                        let m = serde_json::from_value::<Meta>(v).map_err(|e| {
+                            self.corrupt(
+                                at,
+                                format!(
+                                    "unreadable context `{}`: {}",
+                                    short(&name.unwrap_or("?")),
+                                    short(&e)
+                                ),
+                            )
+                        })?;
+                        m.check()
+                            .map_err(|what| self.corrupt(at, format!("invalid context: {what}")))?;
+                        Frame::Meta(m)
+                    }
                 }
             }
             RECORD => {
@@ -607,7 +732,79 @@ impl<R: Read> Reader<R> {
     }
 }
 
-const KNOWN_META: [&str; 3] = ["plans", "replan", "names"];
+/// Every kind of context this reader knows: one of these that does not parse is damage,
+/// not the work of a later observer.
+const KNOWN_META: [&str; 4] = ["plans", "replan", "names", "ruleset"];
+
+/// Text from the file for a message: at most 200 characters, control characters escaped.
+pub fn short(x: &dyn std::fmt::Display) -> String {
+    super::for_terminal(&x.to_string(), 200)
+}
+
+impl Header {
+    /// What a report would trip over: tuple offsets outside the kernel's tuple, a format
+    /// other than the file's.
+    fn check(&self, format: u32) -> Result<(), String> {
+        use observer_common::CT_TUPLE_BYTES;
+        if self.format != format {
+            return Err(format!(
+                "it says format {}, the file format {format}",
+                self.format
+            ));
+        }
+        let t = &self.tuple;
+        for (field, at, width) in [
+            ("src_addr", t.src_addr, 16),
+            ("dst_addr", t.dst_addr, 16),
+            ("src_port", t.src_port, 2),
+            ("dst_port", t.dst_port, 2),
+            ("protonum", t.protonum, 1),
+        ] {
+            if at.checked_add(width).is_none_or(|e| e > CT_TUPLE_BYTES) {
+                return Err(format!(
+                    "conntrack tuple field {field} at byte {at} lies outside the \
+                     {CT_TUPLE_BYTES} bytes the probes copy"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Meta {
+    /// What a report would trip over in context that parsed.
+    fn check(&self) -> Result<(), String> {
+        match self {
+            Meta::Plans { plans, .. } => {
+                for p in plans {
+                    let Some(plan) = p.to_plan() else {
+                        return Err(format!(
+                            "a probe plan names an unknown family or hook ({}, {})",
+                            short(&p.family),
+                            p.hook
+                        ));
+                    };
+                    if plan.points.is_empty()
+                        || plan.points.len() != plan.programs.len()
+                        || plan.points.windows(2).any(|w| w[0] >= w[1])
+                        || plan.programs.iter().any(|&p| p >= 64)
+                    {
+                        return Err(format!(
+                            "the probe plan of {} hook {} has {} points and {} programs (one \
+                             program per point, points ascending, programs 0 to 63)",
+                            p.family,
+                            p.hook,
+                            plan.points.len(),
+                            plan.programs.len(),
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            Meta::Replan { .. } | Meta::Names { .. } | Meta::Ruleset { .. } => Ok(()),
+        }
+    }
+}
 
 /// Reads until `buf` is full or the input ends; returns the bytes read.
 fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -752,7 +949,7 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("format 7"), "{err}");
-        assert!(err.to_string().contains("reads format 1 only"), "{err}");
+        assert!(err.to_string().contains("reads formats 1 and 2"), "{err}");
 
         // Another record layout: refused before any record is decoded wrongly.
         let mut h = header();
@@ -775,6 +972,7 @@ mod tests {
         // Cut short in the last frame: said, with where.
         let cut = &good[..good.len() - 1];
         let mut rd = Reader::new("x", cut).unwrap();
+        assert!(matches!(rd.next_frame(), Ok(Some(Frame::Record { .. }))));
         let err = rd.next_frame().err().unwrap();
         assert!(err.to_string().contains("cut short"), "{err}");
     }
@@ -782,19 +980,141 @@ mod tests {
     #[test]
     fn context_of_a_later_kind_is_skipped_by_name() {
         let bytes = written(|r| {
-            let json = br#"{"meta":"ruleset","text":"*filter"}"#;
+            let json = br#"{"meta":"flows","text":"*filter"}"#;
             r.write(META, &[json]);
             r.record(&[3], 0);
         });
         let mut rd = Reader::new("x", &bytes[..]).unwrap();
         assert_eq!(
             rd.next_frame().unwrap(),
-            Some(Frame::UnknownMeta("ruleset".into()))
+            Some(Frame::UnknownMeta("flows".into()))
         );
         assert!(matches!(
             rd.next_frame().unwrap(),
             Some(Frame::Record { .. })
         ));
         assert_eq!(rd.next_frame().unwrap(), None);
+        assert!(rd.complete());
+    }
+
+    #[test]
+    fn a_damaged_context_of_a_known_kind_is_damage_not_a_later_kind() {
+        let bytes = written(|r| {
+            // A ruleset whose texts lost their shape: not "from a later observer".
+            r.write(META, &[br#"{"meta":"ruleset","generation":"x"}"#]);
+        });
+        let mut rd = Reader::new("x", &bytes[..]).unwrap();
+        let err = rd.next_frame().unwrap_err().to_string();
+        assert!(err.contains("unreadable context `ruleset`"), "{err}");
+        assert!(err.contains("the file is damaged"), "{err}");
+    }
+
+    /// The bytes of a format-1 file: the same frames without checksums or end marker.
+    fn format_1(h: &Header, frames: &[(u8, Vec<u8>)]) -> Vec<u8> {
+        let mut b = MAGIC.to_vec();
+        b.extend_from_slice(&FORMAT_V1.to_le_bytes());
+        let mut h = h.clone();
+        h.format = FORMAT_V1;
+        let json = serde_json::to_vec(&h).unwrap();
+        for (kind, payload) in std::iter::once((HEADER, json)).chain(frames.iter().cloned()) {
+            b.extend_from_slice(&frame_head(kind, payload.len() as u32));
+            b.extend_from_slice(&payload);
+        }
+        b
+    }
+
+    #[test]
+    fn format_1_is_still_read() {
+        let mut rec = 7u64.to_le_bytes().to_vec();
+        rec.extend_from_slice(&[3, 1]);
+        let bytes = format_1(&header(), &[(RECORD, rec)]);
+        let mut rd = Reader::new("x", &bytes[..]).unwrap();
+        assert_eq!(rd.format, FORMAT_V1);
+        assert_eq!(
+            rd.next_frame().unwrap(),
+            Some(Frame::Record {
+                lost_now: 7,
+                bytes: vec![3, 1]
+            })
+        );
+        assert_eq!(rd.next_frame().unwrap(), None);
+        assert!(!rd.complete(), "format 1 has no end marker");
+    }
+
+    #[test]
+    fn checksums_and_the_end_marker_catch_damage_and_cuts() {
+        let good = written(|r| {
+            r.record(&[3, 1, 2], 0);
+            r.record(&[3, 4], 1);
+        });
+        let frames = |bytes: &[u8]| -> Result<(usize, bool), RecordingError> {
+            let mut rd = Reader::new("x", bytes)?;
+            let mut n = 0;
+            while rd.next_frame()?.is_some() {
+                n += 1;
+            }
+            Ok((n, rd.complete()))
+        };
+        assert_eq!(frames(&good).unwrap(), (2, true));
+        // Every single-bit flip anywhere is an error (never the same frames read back).
+        for bit in 0..good.len() * 8 {
+            let mut bad = good.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(frames(&bad).is_err(), "flip of bit {bit} went unnoticed");
+        }
+        // Cut at a frame boundary (the end marker lost): read, but not complete.
+        let end_frame = 5 + 8 + 4;
+        let cut = &good[..good.len() - end_frame];
+        assert_eq!(frames(cut).unwrap(), (2, false));
+        // A whole record frame removed: the end marker's count says so.
+        let second = 5 + 8 + 2 + 4;
+        let mut removed = good[..good.len() - end_frame - second].to_vec();
+        removed.extend_from_slice(&good[good.len() - end_frame..]);
+        let err = frames(&removed).unwrap_err().to_string();
+        assert!(err.contains("counts 2 frames, 1 were read"), "{err}");
+        // Two recordings joined.
+        let mut joined = good.clone();
+        joined.extend_from_slice(&good);
+        let err = frames(&joined).unwrap_err().to_string();
+        assert!(err.contains("after the end marker"), "{err}");
+    }
+
+    #[test]
+    fn header_fields_are_checked_before_use() {
+        type Damage = fn(&mut Header);
+        let cases: [(Damage, &str); 4] = [
+            (|h| h.tuple.src_addr = 40, "src_addr at byte 40"),
+            (|h| h.tuple.dst_port = usize::MAX, "dst_port at byte"),
+            (|h| h.tuple.protonum = 48, "protonum at byte 48"),
+            (|h| h.format = 1, "it says format 1, the file format 2"),
+        ];
+        for (damage, says) in cases {
+            let mut h = header();
+            damage(&mut h);
+            let buf = Shared::default();
+            let mut r = Recorder::to_writer(Path::new("mem"), Box::new(buf.clone()), &h).unwrap();
+            r.finish();
+            let bytes = buf.0.lock().unwrap().clone();
+            let err = Reader::new("x", &bytes[..]).err().unwrap().to_string();
+            assert!(
+                err.contains("invalid header") && err.contains(says),
+                "{err}"
+            );
+        }
+        let bad_plan = written(|r| {
+            let mut plans = full_plan(None);
+            plans[0].programs.pop();
+            r.meta(&Meta::plans(1, &plans));
+        });
+        let mut rd = Reader::new("x", &bad_plan[..]).unwrap();
+        let err = rd.next_frame().unwrap_err().to_string();
+        assert!(err.contains("invalid context: the probe plan"), "{err}");
+    }
+
+    #[test]
+    fn text_from_the_file_is_shortened_and_escaped() {
+        assert_eq!(short(&"a\x1b[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        let long = "x".repeat(1000);
+        assert_eq!(short(&long).len(), 203);
     }
 }

@@ -87,15 +87,195 @@ fn query(opts: &ClientOptions) -> String {
     serde_urlencoded::to_string(q).unwrap_or_default()
 }
 
-/// Streams `path` (`/v1/traces` or `/v1/drops`) from the agent to `out`.
-pub fn run(opts: &ClientOptions, path: &str, out: &mut dyn Write) -> Result<ClientSummary> {
+/// The longest line the agent may send: one report (a tree of a long traversal with its
+/// rules is tens of kilobytes). Longer is not an agent's stream.
+pub const MAX_LINE: usize = 8 << 20;
+/// What is read of a refusal's body (the agent's are one line).
+pub const MAX_ERROR_BODY: usize = 64 << 10;
+/// Connecting and the response's headers, whatever `--timeout` says.
+pub const HEADERS_WITHIN: Duration = Duration::from_secs(10);
+/// After `--timeout`, how long the agent has to send its closing line before the client
+/// stops by itself.
+pub const TIMEOUT_GRACE: Duration = Duration::from_secs(2);
+/// Characters of the agent's text shown in an error.
+const SHOWN: usize = 200;
+
+/// Streams `path` (`/v1/traces` or `/v1/drops`) from the agent to `out`. `out` is written
+/// by a thread of its own: SIGINT and `--timeout` end the client even while `out` blocks
+/// (a full pipe), and what the thread wrote is what `printed` counts.
+pub fn run<W: Write + Send + 'static>(
+    opts: &ClientOptions,
+    path: &str,
+    out: W,
+) -> Result<ClientSummary> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(stream(opts, path, out))
+    let r = rt.block_on(stream(opts, path, out));
+    // A writer blocked on a full pipe after SIGINT must not hold the process.
+    rt.shutdown_background();
+    r
 }
 
-async fn stream(opts: &ClientOptions, path: &str, out: &mut dyn Write) -> Result<ClientSummary> {
+/// Why the client stopped before the stream ended.
+enum Stop {
+    Sigint,
+    Deadline,
+}
+
+/// Runs futures until SIGINT or the local deadline, whichever comes first.
+struct Guard {
+    sigint: tokio::signal::unix::Signal,
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl Guard {
+    async fn run<T>(&mut self, f: impl std::future::Future<Output = T>) -> Result<T, Stop> {
+        let deadline = self.deadline;
+        tokio::select! {
+            biased;
+            _ = self.sigint.recv() => Err(Stop::Sigint),
+            () = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => Err(Stop::Deadline),
+            v = f => Ok(v),
+        }
+    }
+}
+
+/// Reports handed to the writer thread, a chunk per frame of the stream.
+struct Printer {
+    tx: Option<tokio::sync::mpsc::Sender<(Vec<u8>, u64)>>,
+    printed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    failed: std::sync::Arc<std::sync::Mutex<Option<std::io::Error>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Printer {
+    fn new<W: Write + Send + 'static>(mut out: W) -> Self {
+        use std::sync::atomic::Ordering;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(Vec<u8>, u64)>(4);
+        let printed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let thread = {
+            let (printed, failed) = (printed.clone(), failed.clone());
+            std::thread::spawn(move || {
+                while let Some((bytes, reports)) = rx.blocking_recv() {
+                    if let Err(e) = out.write_all(&bytes).and_then(|()| out.flush()) {
+                        *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        return;
+                    }
+                    printed.fetch_add(reports, Ordering::Relaxed);
+                }
+            })
+        };
+        Self {
+            tx: Some(tx),
+            printed,
+            failed,
+            thread: Some(thread),
+        }
+    }
+
+    fn printed(&self) -> u64 {
+        self.printed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn error(&self) -> anyhow::Error {
+        let e = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match e {
+            Some(e) => anyhow::Error::new(e).context("writing to stdout"),
+            None => anyhow::anyhow!("writing to stdout: the writer stopped"),
+        }
+    }
+}
+
+async fn stream<W: Write + Send + 'static>(
+    opts: &ClientOptions,
+    path: &str,
+    out: W,
+) -> Result<ClientSummary> {
+    let mut summary = ClientSummary {
+        stopped_by: "the agent closed the stream without its closing line",
+        ..Default::default()
+    };
+    let mut guard = Guard {
+        sigint: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?,
+        deadline: opts
+            .timeout
+            .map(|t| tokio::time::Instant::now() + t.saturating_add(TIMEOUT_GRACE)),
+    };
+    let mut printer = Printer::new(out);
+    let r = receive(opts, path, &mut guard, &mut printer, &mut summary).await;
+    summary.printed = printer.printed();
+    match r {
+        Ok(()) => {}
+        Err(Stopped::Stop(Stop::Sigint)) => {
+            summary.stopped_by = "SIGINT";
+            return Ok(summary);
+        }
+        Err(Stopped::Stop(Stop::Deadline)) => bail!(
+            "{summary}: the agent did not end the stream within --timeout {:?} and {:?} more \
+             (is it stalled?); stopped here",
+            opts.timeout.unwrap_or_default(),
+            TIMEOUT_GRACE
+        ),
+        Err(Stopped::Error(e)) => return Err(e),
+    }
+    // Everything handed over written before the summary (still interruptible).
+    printer.tx = None;
+    if let Some(t) = printer.thread.take() {
+        let joined = guard
+            .run(tokio::task::spawn_blocking(move || t.join()))
+            .await;
+        summary.printed = printer.printed();
+        if joined.is_err() {
+            summary.stopped_by = "SIGINT";
+            return Ok(summary);
+        }
+    }
+    if printer
+        .failed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_some()
+    {
+        return Err(printer.error());
+    }
+    if summary.end.is_none() {
+        bail!("{summary}: the stream ended early (did the agent stop or crash?)");
+    }
+    Ok(summary)
+}
+
+enum Stopped {
+    Stop(Stop),
+    Error(anyhow::Error),
+}
+
+impl From<Stop> for Stopped {
+    fn from(s: Stop) -> Self {
+        Self::Stop(s)
+    }
+}
+
+impl From<anyhow::Error> for Stopped {
+    fn from(e: anyhow::Error) -> Self {
+        Self::Error(e)
+    }
+}
+
+/// Connects, asks, and hands every report to the printer until the agent's closing line.
+async fn receive(
+    opts: &ClientOptions,
+    path: &str,
+    guard: &mut Guard,
+    printer: &mut Printer,
+    summary: &mut ClientSummary,
+) -> Result<(), Stopped> {
     let uri = format!("{path}?{}", query(opts));
     let host = if is_unix(&opts.agent) {
         "localhost".to_string()
@@ -104,58 +284,140 @@ async fn stream(opts: &ClientOptions, path: &str, out: &mut dyn Write) -> Result
     };
     let req = hyper::Request::get(&uri)
         .header(hyper::header::HOST, host)
-        .body(Empty::<Bytes>::new())?;
+        .body(Empty::<Bytes>::new())
+        .context("making the request")?;
     let hint = "is `observer agent` running, and is this its --socket (default \
                 /run/observer/agent.sock) or --listen address?";
-    let mut res = if is_unix(&opts.agent) {
-        let s = tokio::net::UnixStream::connect(&opts.agent)
-            .await
-            .with_context(|| format!("connecting to the agent at {}: {hint}", opts.agent))?;
-        send(TokioIo::new(s), req).await?
-    } else {
-        let s = tokio::net::TcpStream::connect(&opts.agent)
-            .await
-            .with_context(|| format!("connecting to the agent at {}: {hint}", opts.agent))?;
-        send(TokioIo::new(s), req).await?
+    let ask = async {
+        if is_unix(&opts.agent) {
+            let s = tokio::net::UnixStream::connect(&opts.agent)
+                .await
+                .with_context(|| format!("connecting to the agent at {}: {hint}", opts.agent))?;
+            send(TokioIo::new(s), req).await
+        } else {
+            let s = tokio::net::TcpStream::connect(&opts.agent)
+                .await
+                .with_context(|| format!("connecting to the agent at {}: {hint}", opts.agent))?;
+            send(TokioIo::new(s), req).await
+        }
     };
-    if !res.status().is_success() {
-        let body = res.into_body().collect().await?.to_bytes();
-        bail!(
-            "the agent refused the request ({}): {}",
-            body.len(),
-            String::from_utf8_lossy(&body).trim()
+    let mut res = match guard.run(tokio::time::timeout(HEADERS_WITHIN, ask)).await? {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(anyhow::anyhow!(
+                "the agent at {} did not answer within {HEADERS_WITHIN:?}: {hint}",
+                opts.agent
+            )
+            .into());
+        }
+    };
+    let status = res.status();
+    if !status.is_success() {
+        let mut body = Vec::new();
+        let mut cut = false;
+        let read = async {
+            while let Some(f) = res.body_mut().frame().await {
+                let Ok(data) = f?.into_data() else { continue };
+                let room = MAX_ERROR_BODY - body.len();
+                body.extend_from_slice(&data[..data.len().min(room)]);
+                if data.len() > room {
+                    cut = true;
+                    break;
+                }
+            }
+            Ok::<_, hyper::Error>(())
+        };
+        // The reason is shown with what came of the body within the headers' time.
+        let _ = guard
+            .run(tokio::time::timeout(HEADERS_WITHIN, read))
+            .await?;
+        let text = String::from_utf8_lossy(&body);
+        let mut reason = crate::output::for_terminal(text.trim(), SHOWN);
+        if cut && !reason.ends_with("...") {
+            reason.push_str("...");
+        }
+        return Err(
+            anyhow::anyhow!("the agent refused the request (HTTP {status}): {reason}").into(),
         );
     }
-    let mut summary = ClientSummary {
-        stopped_by: "the agent closed the stream without its closing line",
-        ..Default::default()
-    };
-    let mut pending: Vec<u8> = Vec::new();
-    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut lines = LineReader::new(MAX_LINE);
     loop {
-        let frame = tokio::select! {
-            _ = sigint.recv() => { summary.stopped_by = "SIGINT"; break; }
-            f = res.body_mut().frame() => f,
+        let Some(frame) = guard.run(res.body_mut().frame()).await? else {
+            return Ok(());
         };
-        let Some(frame) = frame else { break };
         let frame = frame.context("reading the agent's stream")?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        pending.extend_from_slice(&data);
-        while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = pending.drain(..=nl).collect();
-            handle_line(&line, out, &mut summary)?;
+        let mut chunk = Vec::new();
+        let mut reports = 0;
+        lines.feed(&data, |line| {
+            reports += u64::from(handle_line(line, &mut chunk, summary)?);
+            Ok(())
+        })?;
+        if !chunk.is_empty() {
+            let Some(tx) = &printer.tx else {
+                return Ok(());
+            };
+            if guard.run(tx.send((chunk, reports))).await?.is_err() {
+                return Err(printer.error().into());
+            }
         }
-        out.flush().context("writing to stdout")?;
         if summary.end.is_some() {
-            break;
+            return Ok(());
         }
     }
-    if summary.end.is_none() && summary.stopped_by != "SIGINT" {
-        bail!("{summary}: the stream ended early (did the agent stop or crash?)");
+}
+
+/// Splits a stream into lines, scanning each byte once (a line split over many reads is
+/// not searched again from its start), holding at most `max` bytes of an unfinished line.
+pub struct LineReader {
+    partial: Vec<u8>,
+    max: usize,
+}
+
+impl LineReader {
+    pub fn new(max: usize) -> Self {
+        Self {
+            partial: Vec::new(),
+            max,
+        }
     }
-    Ok(summary)
+
+    /// Calls `each` with every line `data` completes (with its `\n`); keeps the rest.
+    pub fn feed(
+        &mut self,
+        mut data: &[u8],
+        mut each: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        while let Some(nl) = data.iter().position(|&b| b == b'\n') {
+            let (line, rest) = data.split_at(nl + 1);
+            if self.partial.is_empty() {
+                self.check(line.len())?;
+                each(line)?;
+            } else {
+                self.check(self.partial.len() + line.len())?;
+                self.partial.extend_from_slice(line);
+                let whole = std::mem::take(&mut self.partial);
+                each(&whole)?;
+            }
+            data = rest;
+        }
+        self.check(self.partial.len() + data.len())?;
+        self.partial.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn check(&self, len: usize) -> Result<()> {
+        if len > self.max {
+            bail!(
+                "the agent sent a line longer than {} MiB (a report is far shorter): this is \
+                 not an observer agent's stream, or it is damaged; stopping",
+                self.max >> 20
+            );
+        }
+        Ok(())
+    }
 }
 
 async fn send(
@@ -174,11 +436,14 @@ async fn send(
         .context("sending the request to the agent")
 }
 
-fn handle_line(line: &[u8], out: &mut dyn Write, s: &mut ClientSummary) -> Result<()> {
+/// One line of the stream: a report is added to `out` (true), the agent's own lines
+/// update the summary.
+fn handle_line(line: &[u8], out: &mut Vec<u8>, s: &mut ClientSummary) -> Result<bool> {
     let v: serde_json::Value = serde_json::from_slice(line).with_context(|| {
         format!(
-            "the agent sent a line that is not JSON: {}",
-            String::from_utf8_lossy(line)
+            "the agent sent a line that is not JSON ({} bytes): {}",
+            line.len(),
+            crate::output::for_terminal(String::from_utf8_lossy(line).trim_end(), SHOWN)
         )
     })?;
     if let Some(agent) = v.get("agent") {
@@ -191,14 +456,12 @@ fn handle_line(line: &[u8], out: &mut dyn Write, s: &mut ClientSummary) -> Resul
             s.end = Some(agent.clone());
             s.stopped_by = "the agent";
         }
-        return Ok(());
+        return Ok(false);
     }
     if let Some(text) = v.get("text").and_then(|t| t.as_str()) {
-        out.write_all(text.as_bytes())
+        out.extend_from_slice(text.as_bytes());
     } else {
-        out.write_all(line)
+        out.extend_from_slice(line);
     }
-    .context("writing to stdout")?;
-    s.printed += 1;
-    Ok(())
+    Ok(true)
 }

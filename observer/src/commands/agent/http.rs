@@ -60,8 +60,22 @@ pub fn api_router(hub: Arc<Hub>, names: Arc<Names>) -> Router {
         .route("/v1/traces", get(traces))
         .route("/v1/drops", get(drops))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/v1/version", get(version))
         .with_state(hub)
         .merge(names_route)
+}
+
+/// What the cluster plugin checks before it streams (`k8s::cluster::check`).
+async fn version() -> Response {
+    let body = serde_json::json!({
+        "observer": env!("CARGO_PKG_VERSION"),
+        "api": crate::k8s::cluster::API_VERSION,
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        format!("{body}\n"),
+    )
+        .into_response()
 }
 
 async fn serve_names(State(names): State<Arc<Names>>) -> Response {

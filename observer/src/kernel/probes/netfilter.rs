@@ -143,5 +143,5 @@ impl Probes {
 }
 
 fn is_busy(e: &NfError) -> bool {
-    matches!(e, NfError::Attach { source, .. } if source.raw_os_error() == Some(libc::EBUSY))
+    matches!(e, NfError::Attach { error, .. } if error.raw_os_error() == Some(libc::EBUSY))
 }

@@ -1,0 +1,547 @@
+//! `kubectl observer`: the observer binary run as `kubectl-observer` (kubectl finds plugins by
+//! that name on PATH). `tail` and `drops` for one node, a pod's node or every node, merged
+//! into one stream with each report's node; every agent is reached through the API server
+//! ([`crate::k8s::cluster`]) and read by the agent client ([`super::agent::client`]).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use super::agent::client::{self, ClientOptions};
+use crate::k8s::cluster::{self, Agent, Where};
+use crate::pipeline::Output;
+
+/// True when the binary was started by a name that makes it the kubectl plugin.
+pub fn invoked_as_plugin(argv0: &std::ffi::OsStr) -> bool {
+    std::path::Path::new(argv0)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("kubectl-observer"))
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kubectl observer",
+    bin_name = "kubectl observer",
+    version,
+    about = "observer across a Kubernetes cluster: every node's netfilter traversals and drops, \
+             through the API server",
+    long_about = "The observer agents (the DaemonSet in deploy/kubernetes/) are found by their \
+labels and reached through the API server with your kubeconfig: a port-forward to each agent's \
+streaming API on its node's loopback (--listen 127.0.0.1:9966). You need what RBAC grants for \
+that: `list` pods and `create` pods/portforward in the agents' namespace (and `get` pods in a \
+pod's namespace for --pod); docs/deploy.md has the Role.\n\n\
+Install: put the observer binary on PATH under the name kubectl-observer (a symlink works: \
+ln -s \"$(command -v observer)\" ~/.local/bin/kubectl-observer), or `cargo xtask install`.",
+    after_help = "Examples:\n  \
+    kubectl observer tail --node worker-1 --filter 'udp port 53' --output line\n  \
+    kubectl observer tail --pod default/web-0 --count 20\n  \
+    kubectl observer tail --all-nodes --json --timeout 30 | jq -c '{node, fate}'\n  \
+    kubectl observer drops --output line"
+)]
+pub struct PluginCli {
+    #[command(subcommand)]
+    pub command: PluginCommand,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PluginCommand {
+    /// Stream the reports of one node, a pod's node, or every node, merged; each report
+    /// names its node.
+    Tail(PluginTail),
+    /// Print every node's flight recorder of recent drops, newest first, each with its node.
+    Drops(PluginDrops),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// The agents' namespace.
+    #[arg(long, short = 'n', global = true, default_value = "observer-system")]
+    pub namespace: String,
+    /// The agents' pod labels (the DaemonSet's selector).
+    #[arg(long, global = true, default_value = "app.kubernetes.io/name=observer")]
+    pub selector: String,
+    /// The loopback port the agents' --listen binds on each node.
+    #[arg(long, global = true, default_value_t = 9966)]
+    pub agent_port: u16,
+    /// Each node must answer within this many seconds (the port-forward and the agent's
+    /// version); a node that does not is named and left out, the others are shown.
+    #[arg(long, global = true, value_name = "SECS", default_value_t = 10.0)]
+    pub connect_timeout: f64,
+}
+
+/// Which nodes.
+#[derive(Args, Debug, Clone)]
+#[group(required = false, multiple = false)]
+pub struct Target {
+    /// This node's agent.
+    #[arg(long, value_name = "NODE")]
+    pub node: Option<String>,
+    /// The agent on this pod's node, only the packets to or from the pod's addresses.
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub pod: Option<String>,
+    /// Every node's agent.
+    #[arg(long)]
+    pub all_nodes: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PluginTail {
+    #[command(flatten)]
+    pub target: Target,
+    /// How to print each traversal (a tree's and a line's first line start with [NODE];
+    /// JSON objects get a "node" key).
+    #[arg(long, value_enum, default_value = "tree")]
+    pub output: Output,
+    /// Same as --output json.
+    #[arg(long, conflicts_with = "output")]
+    pub json: bool,
+    /// The --filter language (docs/filter.md), applied by each agent.
+    #[arg(long, value_name = "EXPR")]
+    pub filter: Option<String>,
+    /// Keep one flow in N.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub sample: u32,
+    /// Stop after N traversals from each node.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+    /// Stop after SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<f64>,
+    /// Also trace the packets that carry this stream: the port-forward's connection to the
+    /// agent on the node's loopback and kubelet's streaming port (10250). Left out by
+    /// default: each report sent would make packets, and those more reports.
+    #[arg(long)]
+    pub trace_own_stream: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct PluginDrops {
+    #[command(flatten)]
+    pub target: Target,
+    /// How to print each traversal.
+    #[arg(long, value_enum, default_value = "tree")]
+    pub output: Output,
+    /// Same as --output json.
+    #[arg(long, conflicts_with = "output")]
+    pub json: bool,
+    /// Only the drops this filter keeps (docs/filter.md).
+    #[arg(long, value_name = "EXPR")]
+    pub filter: Option<String>,
+    /// Only the newest N of each node.
+    #[arg(long, value_name = "N")]
+    pub count: Option<u64>,
+}
+
+/// What one node's part ended with.
+#[derive(Debug)]
+pub struct NodeEnd {
+    pub node: String,
+    pub result: Result<String, String>,
+}
+
+/// Runs the plugin with the user's kubeconfig; stdout gets the reports, stderr each node's
+/// summary or error. Fails when any node could not be shown whole.
+pub fn main(cli: PluginCli) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client = rt.block_on(kube::Client::try_default()).map_err(|e| {
+        anyhow::anyhow!(
+            "no cluster to talk to: {e} (set KUBECONFIG, or check `kubectl config \
+                 current-context`)"
+        )
+    })?;
+    let out: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(std::io::stdout())));
+    let ends = run(rt, client, cli, out)?;
+    let mut failed = 0;
+    for e in &ends {
+        match &e.result {
+            Ok(s) => eprintln!("node {}: {s}", e.node),
+            Err(s) => {
+                failed += 1;
+                eprintln!("node {}: error: {s}", e.node)
+            }
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!(
+            "{failed} of {} nodes could not be shown whole (named above)",
+            ends.len()
+        );
+    }
+    Ok(())
+}
+
+/// The plugin's work on `client`'s cluster, reports to `out`; each node's end, in node
+/// order. Errors that leave nothing to show (RBAC, no agent) are returned; a node that fails
+/// is named in its end and the others go on.
+pub fn run(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cli: PluginCli,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+) -> Result<Vec<NodeEnd>> {
+    let c = &cli.cluster;
+    if !(c.connect_timeout.is_finite() && c.connect_timeout > 0.0 && c.connect_timeout < 3600.0) {
+        anyhow::bail!(
+            "--connect-timeout {}: give 0 to 3600 seconds",
+            c.connect_timeout
+        );
+    }
+    let w = Where {
+        namespace: c.namespace.clone(),
+        selector: c.selector.clone(),
+        port: c.agent_port,
+        timeout: Duration::from_secs_f64(c.connect_timeout),
+    };
+    let (target, path, output, mut filter, sample, count, timeout) = match cli.command {
+        PluginCommand::Tail(t) => {
+            if t.target.node.is_none() && t.target.pod.is_none() && !t.target.all_nodes {
+                anyhow::bail!("say which nodes: --node NODE, --pod NAMESPACE/NAME or --all-nodes");
+            }
+            let timeout = match t.timeout {
+                Some(s) if s.is_finite() && (0.0..=365.0 * 86400.0).contains(&s) => {
+                    Some(Duration::from_secs_f64(s))
+                }
+                Some(s) => anyhow::bail!("--timeout {s}: give 0 to 31536000 seconds"),
+                None => None,
+            };
+            let output = if t.json { Output::Json } else { t.output };
+            let filter = if t.trace_own_stream {
+                t.filter
+            } else {
+                Some(without_own_stream(t.filter.as_deref(), c.agent_port))
+            };
+            (
+                t.target,
+                "/v1/traces",
+                output,
+                filter,
+                t.sample,
+                t.count,
+                timeout,
+            )
+        }
+        PluginCommand::Drops(d) => {
+            let output = if d.json { Output::Json } else { d.output };
+            (d.target, "/v1/drops", output, d.filter, 1, d.count, None)
+        }
+    };
+    // Find the agents, and check each answers as this version does.
+    let (chosen, checked) = rt.block_on(async {
+        let all = cluster::agents(&client, &w).await?;
+        let chosen: Vec<Agent> = if let Some(node) = &target.node {
+            vec![cluster::on_node(&all, node, &w)?]
+        } else if let Some(pod) = &target.pod {
+            let (node, ips) = cluster::pod_node(&client, pod).await?;
+            if !ips.is_empty() {
+                let hosts = ips
+                    .iter()
+                    .map(|ip| format!("host {ip}"))
+                    .collect::<Vec<_>>()
+                    .join(" or ");
+                filter = Some(match filter.take() {
+                    Some(f) => format!("({hosts}) and {f}"),
+                    None => hosts,
+                });
+            }
+            vec![cluster::on_node(&all, &node, &w)?]
+        } else {
+            if all.is_empty() {
+                return Err(cluster::ClusterError::NoAgents {
+                    namespace: w.namespace.clone(),
+                    selector: w.selector.clone(),
+                }
+                .into());
+            }
+            all
+        };
+        let checks =
+            futures_util::future::join_all(chosen.iter().map(|a| cluster::check(&client, &w, a)))
+                .await;
+        // An RBAC refusal is the same on every node: said once, as the error.
+        for r in &checks {
+            if let Err(e @ cluster::ClusterError::Forbidden { .. }) = r {
+                return Err(anyhow::anyhow!("{e}"));
+            }
+        }
+        Ok::<_, anyhow::Error>((chosen, checks))
+    })?;
+    let mut ends = Vec::new();
+    let mut ready = Vec::new();
+    for (a, r) in chosen.into_iter().zip(checked) {
+        match r {
+            Ok(_) => ready.push(a),
+            Err(e) => ends.push(NodeEnd {
+                node: a.node,
+                result: Err(e.to_string()),
+            }),
+        }
+    }
+    // One unix socket per agent, in a directory of this user's only, forwarded by this
+    // runtime on a thread of its own.
+    let dir = PrivateDir::new()?;
+    let sockets: Vec<std::path::PathBuf> = ready
+        .iter()
+        .enumerate()
+        .map(|(i, _)| dir.0.join(format!("node-{i}.sock")))
+        .collect();
+    rt.block_on(async {
+        for (a, s) in ready.iter().zip(&sockets) {
+            cluster::local_socket(client.clone(), w.clone(), a.clone(), s)
+                .with_context(|| format!("listening on {}", s.display()))?;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let forwarder = std::thread::spawn(move || {
+        rt.block_on(async {
+            let _ = stop_rx.await;
+        })
+    });
+    let newest_first = path == "/v1/drops";
+    let clients: Vec<_> = ready
+        .into_iter()
+        .zip(sockets)
+        .map(|(a, socket)| {
+            let opts = ClientOptions {
+                agent: socket.display().to_string(),
+                output,
+                filter: filter.clone(),
+                sample,
+                count,
+                timeout,
+            };
+            let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
+            let node = a.node.clone();
+            let t = std::thread::spawn(move || {
+                let r = client::run(&opts, path, w.clone());
+                (r, w)
+            });
+            (node, t)
+        })
+        .collect();
+    let mut held = Vec::new();
+    for (node, t) in clients {
+        let (r, w) = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("the client of node {node} panicked"))?;
+        let result = match r {
+            Ok(s) => Ok(s.to_string().trim_start_matches("observer: ").to_string()),
+            Err(e) => Err(format!(
+                "{e:#} (its part of the stream ended after {} reports: was the agent stopped, \
+                 or its node lost? the other nodes went on)",
+                w.reports()
+            )),
+        };
+        held.push(w);
+        ends.push(NodeEnd { node, result });
+    }
+    let _ = stop_tx.send(());
+    let _ = forwarder.join();
+    // Drops: each node's recorder newest first (the agents' clocks are not comparable, so
+    // nodes are not interleaved by time).
+    for w in held {
+        w.release()?;
+    }
+    ends.sort_by(|a, b| a.node.cmp(&b.node));
+    Ok(ends)
+}
+
+/// `filter` (parenthesized) without the packets that carry the stream itself: the
+/// port-forward's connection to the agent on the node's loopback, and kubelet's streaming
+/// port, where the API server's connection carries it. A feedback loop otherwise.
+pub fn without_own_stream(filter: Option<&str>, agent_port: u16) -> String {
+    let own = format!("not (host 127.0.0.1 and tcp port {agent_port}) and not tcp port 10250");
+    match filter {
+        Some(f) => format!("({f}) and {own}"),
+        None => own,
+    }
+}
+
+/// A directory only this user can enter, removed on drop.
+struct PrivateDir(std::path::PathBuf);
+
+impl PrivateDir {
+    fn new() -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .subsec_nanos();
+        let dir = base.join(format!("kubectl-observer-{}-{nonce}", std::process::id()));
+        // Fails if it exists: nobody else's directory is used.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {} for the agents' local sockets", dir.display()))?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes one node's reports to the shared output, each whole and tagged with the node.
+#[derive(Clone)]
+pub struct NodeWriter {
+    node: String,
+    node_json: String,
+    output: Output,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+    partial: Arc<Mutex<Vec<u8>>>,
+    /// Drops: reports held to be printed newest first at the end.
+    held: Option<Arc<Mutex<Vec<Vec<u8>>>>>,
+    reports: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl NodeWriter {
+    pub fn new(
+        node: &str,
+        output: Output,
+        out: Arc<Mutex<Box<dyn Write + Send>>>,
+        hold: bool,
+    ) -> Self {
+        Self {
+            node: node.to_string(),
+            node_json: serde_json::to_string(node).unwrap_or_default(),
+            output,
+            out,
+            partial: Arc::default(),
+            held: hold.then(Arc::default),
+            reports: Arc::default(),
+        }
+    }
+
+    /// Reports of this node written (or held) so far.
+    pub fn reports(&self) -> u64 {
+        self.reports.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `bytes` (whole lines) with the node: a `"node"` key first in each JSON object, `[NODE] `
+    /// before each report's first line (trees' stage lines are indented).
+    fn tag(&self, bytes: &[u8]) -> Vec<Vec<u8>> {
+        let mut reports: Vec<Vec<u8>> = Vec::new();
+        for line in bytes.split_inclusive(|&b| b == b'\n') {
+            let first = !line.first().is_some_and(|b| b.is_ascii_whitespace());
+            match self.output {
+                Output::Json if line.first() == Some(&b'{') => {
+                    let mut r = format!("{{\"node\":{},", self.node_json).into_bytes();
+                    r.extend_from_slice(&line[1..]);
+                    reports.push(r);
+                }
+                _ if first || reports.is_empty() => {
+                    let mut r = format!("[{}] ", self.node).into_bytes();
+                    r.extend_from_slice(line);
+                    reports.push(r);
+                }
+                _ => reports
+                    .last_mut()
+                    .expect("a report was started")
+                    .extend_from_slice(line),
+            }
+        }
+        reports
+    }
+
+    /// Prints the held reports, newest first.
+    fn release(self) -> Result<()> {
+        let Some(held) = self.held else { return Ok(()) };
+        let held = std::mem::take(&mut *held.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        for r in held.iter().rev() {
+            out.write_all(r).context("writing to stdout")?;
+        }
+        out.flush().context("writing to stdout")
+    }
+}
+
+impl Write for NodeWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut partial = self.partial.lock().unwrap_or_else(|p| p.into_inner());
+        partial.extend_from_slice(buf);
+        // The client writes whole reports; a write that ends mid-line waits for its end.
+        if partial.last() == Some(&b'\n') {
+            let reports = self.tag(&partial);
+            partial.clear();
+            self.reports
+                .fetch_add(reports.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            if let Some(held) = &self.held {
+                held.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(reports);
+            } else {
+                let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
+                for r in reports {
+                    out.write_all(&r)?;
+                }
+                out.flush()?;
+            }
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_are_tagged_with_their_node() {
+        let sink: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(Vec::new())));
+        let tree =
+            "ipv4 tcp a -> b\n  PREROUTING raw\n  => delivered\nipv4 udp c -> d\n  => dropped\n";
+        let w = NodeWriter::new("node-a", Output::Tree, sink.clone(), false);
+        let r = w.tag(tree.as_bytes());
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            String::from_utf8_lossy(&r[0]),
+            "[node-a] ipv4 tcp a -> b\n  PREROUTING raw\n  => delivered\n"
+        );
+        let w = NodeWriter::new("n\"1", Output::Json, sink, false);
+        let r = w.tag(b"{\"schema\":2}\n{\"schema\":2,\"x\":1}\n");
+        assert_eq!(r.len(), 2);
+        let v: serde_json::Value = serde_json::from_slice(&r[1]).unwrap();
+        assert_eq!(
+            (v["node"].as_str(), v["x"].as_u64()),
+            (Some("n\"1"), Some(1))
+        );
+    }
+
+    #[test]
+    fn the_own_stream_filter_compiles() {
+        for f in [None, Some("udp port 53 or icmp")] {
+            let expr = without_own_stream(f, 9966);
+            crate::filter::compile(&expr, &|_| None).unwrap_or_else(|e| panic!("{expr}: {e}"));
+        }
+    }
+
+    #[test]
+    fn plugin_names() {
+        for (name, is) in [
+            ("/usr/local/bin/kubectl-observer", true),
+            ("kubectl-observer", true),
+            ("observer", false),
+            ("/usr/bin/kubectl", false),
+        ] {
+            assert_eq!(invoked_as_plugin(name.as_ref()), is, "{name}");
+        }
+    }
+}
