@@ -69,6 +69,53 @@ fn pending_maybe() -> bool {
     word(pending_count::PUT) != taken
 }
 
+/// Where the in-flight code tells the user's log what it could not do as it should
+/// (`aya-log`, see [`Logged`]). A parameter rather than a call, so that a program that
+/// takes [`Quiet`] holds no logging code at all: the netfilter programs, whose largest is
+/// near the verifier's bound of a million instructions with any extra branch.
+pub trait Diag {
+    /// The record of `skb` was written before its end: its slot was needed and the
+    /// fallback map had no room.
+    fn written_early(skb: u64);
+    /// The fallback map refused the record of `skb` (full, or its bucket busy).
+    fn fallback_refused(skb: u64);
+}
+
+/// No diagnostics (what the events still count is all there is).
+pub struct Quiet;
+
+impl Diag for Quiet {
+    #[inline(always)]
+    fn written_early(_: u64) {}
+    #[inline(always)]
+    fn fallback_refused(_: u64) {}
+}
+
+/// Diagnostics through `aya-log` at debug level (target [`crate::LOG_TARGET`]); with the
+/// level off, userspace loads `AYA_LOG_LEVEL` 0 and the verifier removes them.
+pub struct Logged;
+
+impl Diag for Logged {
+    #[inline(always)]
+    fn written_early(skb: u64) {
+        aya_log_ebpf::debug!(
+            &(),
+            target: crate::LOG_TARGET,
+            "record of skb {:x} written early: its slot was needed and the fallback map had no room",
+            skb
+        );
+    }
+    #[inline(always)]
+    fn fallback_refused(skb: u64) {
+        aya_log_ebpf::debug!(
+            &(),
+            target: crate::LOG_TARGET,
+            "fallback map refused the record of skb {:x} (full or busy): it waits in its slot",
+            skb
+        );
+    }
+}
+
 /// Per-CPU copy of a record taken out of [`PENDING`], written from here once it is claimed.
 #[map]
 pub static OUT: PerCpuArray<TraversalRecord> = PerCpuArray::with_max_entries(1, 0);
@@ -194,7 +241,7 @@ impl LeftOutPacket {
         let skb = self.entries.skb[i];
         let how = self.entries.take(i)? & left_out::DECISION;
         let ts = crate::now();
-        let Some(rec) = claim_slot(skb, ts) else {
+        let Some(rec) = claim_slot::<Quiet>(skb, ts) else {
             count_left_out(how);
             return None;
         };
@@ -252,9 +299,9 @@ fn find_pending(skb: u64) -> Option<Found> {
 /// read here, where the record moves to [`PENDING`], and where it is written: not at
 /// every point (a read costs a probe more than its comparisons).
 #[inline(always)]
-pub fn begin(skb: u64) -> Option<&'static mut TraversalRecord> {
+pub fn begin<D: Diag>(skb: u64) -> Option<&'static mut TraversalRecord> {
     let ts = crate::now();
-    let rec = claim_slot(skb, ts)?;
+    let rec = claim_slot::<D>(skb, ts)?;
     count(counter::SEEN);
     crate::packet_bytes::capture(skb, ts);
     Some(rec)
@@ -262,7 +309,7 @@ pub fn begin(skb: u64) -> Option<&'static mut TraversalRecord> {
 
 /// A slot for a record of `skb`, started at `ts` (see [`begin`]).
 #[inline(always)]
-fn claim_slot(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
+fn claim_slot<D: Diag>(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
     let slots = SLOTS.get_ptr_mut(0)?;
     // SAFETY: as in `find`.
     let slots = unsafe { &mut *slots };
@@ -283,7 +330,7 @@ fn claim_slot(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
     }
     let rec = slots.recs.get_mut(opaque(pick))?;
     if rec.skb != 0 {
-        evict(rec);
+        evict::<D>(rec);
     }
     start(rec, skb, ts, cfg(config::PLAN_GEN).unwrap_or(0) as u8);
     Some(rec)
@@ -291,7 +338,7 @@ fn claim_slot(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord> {
 
 /// Moves a slot's traversal out of the way: to [`PENDING`], else written as partial.
 #[inline(always)]
-fn evict(rec: &mut TraversalRecord) {
+fn evict<D: Diag>(rec: &mut TraversalRecord) {
     if rec.status & status::SOCKET != 0 {
         // A socket had it; the map had no room to wait for its end.
         finish_slot(rec, end::DELIVERED);
@@ -312,6 +359,7 @@ fn evict(rec: &mut TraversalRecord) {
         pending_out();
         count(counter::FALLBACK_FAILED);
         count(counter::RECLAIMED);
+        D::written_early(rec.skb);
         finish_slot(rec, end::RECLAIMED);
         return;
     }
@@ -397,15 +445,15 @@ fn write(rec: &mut TraversalRecord) {
 /// A socket is taking the packet of `f`: marks it, and moves it to [`PENDING`] where its
 /// end (a drop, a free, or the collector's claim) is awaited from any CPU.
 #[inline(always)]
-pub fn socket_took(f: Found) {
+pub fn socket_took<D: Diag>(f: Found) {
     f.rec.status |= status::SOCKET;
-    park(f.rec);
+    park::<D>(f.rec);
 }
 
 /// Moves a record from its slot to [`PENDING`], where its end is awaited from any CPU: a
 /// socket has the packet, or defragmentation holds it. Records already there stay.
 #[inline(always)]
-pub fn park(rec: &mut TraversalRecord) {
+pub fn park<D: Diag>(rec: &mut TraversalRecord) {
     if rec.status & status::FALLBACK != 0 || rec.decision != decision::KEEP {
         return;
     }
@@ -424,6 +472,7 @@ pub fn park(rec: &mut TraversalRecord) {
         // slot, where a reused address or a needed slot ends it.
         rec.status &= !status::FALLBACK;
         count(counter::FALLBACK_FAILED);
+        D::fallback_refused(rec.skb);
     }
 }
 

@@ -87,6 +87,11 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}
 }
 
+/// The `log` target of the probes' diagnostics (`aya-log`): `RUST_LOG=observer=debug`
+/// shows them; when it is off, userspace loads the probes with `AYA_LOG_LEVEL` 0 and the
+/// verifier drops every logging branch (a read-only global).
+pub const LOG_TARGET: &str = "observer::probes";
+
 /// All records, in one ring buffer so userspace sees one ordered stream per CPU.
 #[map]
 pub static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);

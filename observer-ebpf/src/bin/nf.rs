@@ -15,7 +15,9 @@ use observer_common::traversal::{
     reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
-use observer_ebpf::inflight::{begin, close_stale, find, find_left_out, finish, opaque, park};
+use observer_ebpf::inflight::{
+    Quiet, begin, close_stale, find, find_left_out, finish, opaque, park,
+};
 use observer_ebpf::{
     Decide, cfg, conntrack_addresses_may_match, conntrack_may_match, count, decide, direct,
     entry_of, filter_nets, filtering, glance, read_ct, read_l3, read_window, scratch, windows,
@@ -290,7 +292,7 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
                     close_stale(f);
                 }
             }
-            let rec = begin(skb).ok_or(())?;
+            let rec = begin::<Quiet>(skb).ok_or(())?;
             if ctl::get(ctl::ENTRY) == 0 {
                 rec.incomplete |= missing::START;
                 count(counter::NO_START);
@@ -314,7 +316,7 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
         // A fragment at the first PREROUTING probe is about to be held by defragmentation
         // (-400), to be freed on whatever CPU frees the datagram it completes.
         if program == 0 && hook_no == hook::PRE_ROUTING && ev.header.flags & flags::FRAGMENT != 0 {
-            park(rec);
+            park::<Quiet>(rec);
         }
     }
     Ok(())

@@ -11,7 +11,7 @@ use observer_common::traversal::{
 };
 use observer_common::{PacketEvent, config, counter, family, flags, hook, kind};
 use observer_ebpf::inflight::{
-    Found, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
+    Found, Logged, Place, begin, close_stale, find, find_left_out, finish, leave_out, opaque,
 };
 use observer_ebpf::{
     Decide, PKT_WINDOW_BYTES, PacketReader, Windows, cfg, count, counts, decide, direct_reads,
@@ -129,7 +129,7 @@ fn observe<const BRIDGE: bool>(ctx: &TcContext, at: u8) {
     let f = match found {
         Some(f) => f,
         None => {
-            let Some(rec) = begin(skb) else {
+            let Some(rec) = begin::<Logged>(skb) else {
                 return;
             };
             if at == hook::TC_EGRESS {

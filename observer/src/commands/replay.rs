@@ -13,7 +13,9 @@ use serde::Serialize;
 use crate::kernel::btf::TupleLayout;
 use crate::output::recording::{Frame, Meta, Reader};
 use crate::pipeline::decode::decode;
-use crate::pipeline::{Context, NameSource, Outcome, Output, Pipeline, RecordedNames, Report};
+use crate::pipeline::{
+    Context, NameSource, Outcome, Output, Pipeline, RecordedNames, Report, Reports, Sink,
+};
 use observer_model::marks::MarkDictionary;
 
 #[derive(Clone, Debug)]
@@ -100,11 +102,9 @@ pub fn run(opts: &ReplayOptions, out: &mut dyn Write) -> Result<ReplaySummary> {
     replay(reader, &ifindexes, opts, out)
 }
 
-/// Hands each of the recording's reports (as `opts` keeps them) to `sink`.
-pub fn each(
-    opts: &ReplayOptions,
-    sink: &mut dyn FnMut(&Report) -> Result<()>,
-) -> Result<ReplaySummary> {
+/// Hands each of the recording's records (as `opts` keeps them) and their reports to
+/// `sink`, as the tail handed them to its own.
+pub fn each(opts: &ReplayOptions, sink: &mut dyn Sink) -> Result<ReplaySummary> {
     let reader = Reader::open(&opts.file)?;
     let ifindexes = recorded_ifindexes_for(opts)?;
     replay_each(reader, &ifindexes, opts, sink)
@@ -127,20 +127,19 @@ pub fn replay<R: std::io::Read>(
     opts: &ReplayOptions,
     out: &mut dyn Write,
 ) -> Result<ReplaySummary> {
-    let summary = replay_each(reader, ifindexes, opts, &mut |report| {
-        out.write_all(&report.render(opts.output))
-            .context("writing the reports to stdout")
-    })?;
+    let mut printer = Reports(|report: &Report| out.write_all(&report.render(opts.output)));
+    let summary = replay_each(reader, ifindexes, opts, &mut printer)?;
     out.flush().context("writing the reports to stdout")?;
     Ok(summary)
 }
 
-/// Hands each report of an open recording to `sink`.
+/// Hands each record of an open recording, its report and the recorded context to `sink`
+/// (a [`Sink`] of the pipeline, as the tail's recording and pcap-ng are).
 pub fn replay_each<R: std::io::Read>(
     mut reader: Reader<R>,
     ifindexes: &HashMap<String, u32>,
     opts: &ReplayOptions,
-    sink: &mut dyn FnMut(&Report) -> Result<()>,
+    sink: &mut dyn Sink,
 ) -> Result<ReplaySummary> {
     if reader.format == crate::output::recording::FORMAT_V1 {
         log::warn!(
@@ -193,13 +192,18 @@ pub fn replay_each<R: std::io::Read>(
                     })
                     .collect::<Result<Vec<_>>>()?;
                 pipeline.add_plans(generation, &plans);
+                sink.plans(generation, &plans);
             }
-            Frame::Meta(Meta::Replan { from, to }) => pipeline.replanned(from, to),
+            Frame::Meta(Meta::Replan { from, to }) => {
+                pipeline.replanned(from, to);
+                sink.replanned(from, to);
+            }
             Frame::Meta(Meta::Ruleset {
                 generation,
                 texts,
                 marks,
             }) => {
+                sink.ruleset(generation, &texts, &marks);
                 // Rules named as the tail named them, from the ruleset it read.
                 let live = observer_rules::LiveNode::parse(*texts);
                 for f in &live.failures {
@@ -245,11 +249,11 @@ pub fn replay_each<R: std::io::Read>(
                     summary.filtered += 1;
                     continue;
                 }
-                match pipeline.handle(&bytes, lost_now) {
-                    Outcome::Report {
-                        report, incomplete, ..
-                    } => {
-                        sink(&report)?;
+                let outcome = pipeline
+                    .handle_to(&bytes, lost_now, [&mut *sink])
+                    .context("writing the reports")?;
+                match outcome {
+                    Outcome::Report { incomplete, .. } => {
                         summary.printed += 1;
                         summary.incomplete += u64::from(incomplete);
                         // Stop at once: not after reading one more frame.

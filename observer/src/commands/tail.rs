@@ -22,7 +22,9 @@ use crate::output::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to
 use crate::output::recording::{Header, Recorder};
 pub use crate::pipeline::Output;
 use crate::pipeline::rulenames::RuleNamer;
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, PacketInfo, Pipeline};
+use crate::pipeline::{
+    Context as PipelineContext, Handled, LiveNames, Outcome, PacketInfo, Pipeline, Sink,
+};
 use observer_common::filter::FilterProgram;
 
 #[derive(Clone, Debug)]
@@ -203,9 +205,10 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         },
         Box::new(LiveNames::load()),
     );
-    if let Some(r) = recorder {
-        pipeline.record_to(r);
-        pipeline.record_ruleset(&live.texts);
+    let mut recorder = recorder;
+    if let Some(r) = &mut recorder {
+        pipeline.learn_names = true;
+        pipeline.ruleset_to(&live.texts, [r as &mut dyn Sink]);
     }
     pipeline.packet_info = pcapng.is_some();
     // Interface names in the filter are those of the observed namespace, entered above.
@@ -225,9 +228,13 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         None => None,
     };
     pipeline.add_plans(probes.generation(), &probes.plans);
+    if let Some(r) = &mut recorder {
+        r.plans(probes.generation(), &probes.plans);
+    }
     let mut printer = Printer {
         opts: &opts,
         pipeline,
+        recorder,
         pcap,
         out: Writer::new(raw_stdout()?),
         formatted: 0,
@@ -293,10 +300,25 @@ impl Pcap {
     }
 }
 
+/// The packet of each traversal printed, as the pipeline's sink.
+impl Sink for Pcap {
+    fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
+        if let Outcome::Report {
+            packet: Some(p), ..
+        } = h.outcome
+        {
+            self.write(p);
+        }
+        Ok(())
+    }
+}
+
 /// The pipeline and where its reports go: tail's consumer of the session.
 struct Printer<'a> {
     opts: &'a TailOptions,
     pipeline: Pipeline,
+    /// The pipeline's sinks besides stdout: `--record`, `--pcapng`.
+    recorder: Option<Recorder>,
     pcap: Option<Pcap>,
     out: Writer,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
@@ -309,9 +331,16 @@ impl Printer<'_> {
         self.opts.count.is_some_and(|n| self.formatted >= n)
     }
 
+    /// The pipeline's sinks besides stdout, and the pipeline.
+    fn split(&mut self) -> (&mut Pipeline, impl Iterator<Item = &mut dyn Sink>) {
+        let sinks = (self.recorder.iter_mut().map(|r| r as &mut dyn Sink))
+            .chain(self.pcap.iter_mut().map(|p| p as &mut dyn Sink));
+        (&mut self.pipeline, sinks)
+    }
+
     /// The recording and the pcap-ng file, up to date on disk every tick.
     fn flush_files(&mut self) {
-        if let Some(r) = self.pipeline.recorder_mut() {
+        if let Some(r) = &mut self.recorder {
             r.flush();
         }
         if let Some(p) = &mut self.pcap {
@@ -348,18 +377,19 @@ impl Consumer for Printer<'_> {
                 "--count"
             });
         }
-        match self.pipeline.handle(raw, lost_now) {
+        let (pipeline, sinks) = self.split();
+        // The recording and pcap-ng count their own failures: they never return one.
+        let outcome = pipeline
+            .handle_to(raw, lost_now, sinks)
+            .unwrap_or_else(|e| Outcome::Unusable(e.to_string()));
+        match outcome {
             Outcome::Report {
                 bytes,
                 incomplete,
                 rules_disagree,
                 rules_undecidable,
-                packet,
                 ..
             } => {
-                if let (Some(pcap), Some(packet)) = (&mut self.pcap, &packet) {
-                    pcap.write(packet);
-                }
                 self.out.put(bytes);
                 self.formatted += 1;
                 self.summary.incomplete += u64::from(incomplete);
@@ -409,11 +439,16 @@ impl Consumer for Printer<'_> {
                     RuleNamer::new(live, generation)
                 });
                 self.pipeline.ruleset_changed(marks, namer);
-                self.pipeline.record_ruleset(&live.texts);
+                let (pipeline, sinks) = self.split();
+                pipeline.ruleset_to(&live.texts, sinks);
             }
             Replan::Replanned { probes, from, to } => {
                 self.pipeline.add_plans(probes.generation(), &probes.plans);
                 self.pipeline.replanned(from, to);
+                for s in self.split().1 {
+                    s.plans(probes.generation(), &probes.plans);
+                    s.replanned(from, to);
+                }
             }
         }
     }
@@ -444,7 +479,7 @@ impl Consumer for Printer<'_> {
         summary.attach_failures = probes.attach_failures;
         summary.stopped_by = stop.why;
         summary.kernel = k;
-        if let Some(mut r) = self.pipeline.take_recorder() {
+        if let Some(mut r) = self.recorder.take() {
             if !r.finish() {
                 // What was buffered is lost; the file holds the records before it at least.
                 warn!(

@@ -183,6 +183,7 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
+                    self.probes.flush_log();
                     if let Some((since, live)) = ruleset.poll() {
                         c.on_replan(Replan::Ruleset { probes: &self.probes, live: &live });
                         if replan(&mut self.probes, &live) {
@@ -276,6 +277,7 @@ impl Session {
             warn!("stopping the probes: {e:#}");
         }
         let releasing = self.probes.detach();
+        self.probes.flush_log();
         log::debug!("exit: probes detached after {:?}", stopping.elapsed());
         std::thread::sleep(Duration::from_millis(10));
         // What the probes wrote before we stopped is still owed, within a bound: under a

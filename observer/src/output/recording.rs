@@ -306,7 +306,7 @@ impl Meta {
 }
 
 /// Names a report used: (ifindex, name) and (address, symbol).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Learned {
     pub ifnames: Vec<(u32, String)>,
     pub symbols: Vec<(u64, String)>,
@@ -438,6 +438,37 @@ impl Recorder {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// The recording as a sink of the pipeline: each record after the names its report used,
+/// and the context as it changes. Write failures are counted (`failed`), not returned: a
+/// recording that stops does not stop the tail.
+impl crate::pipeline::Sink for Recorder {
+    fn handled(&mut self, h: &crate::pipeline::Handled<'_>) -> std::io::Result<()> {
+        if let Some(learned) = h.learned {
+            self.names(learned.clone());
+        }
+        self.record(h.raw, h.lost_now);
+        Ok(())
+    }
+    fn plans(&mut self, generation: u8, plans: &[HookPlan]) {
+        self.meta(&Meta::plans(generation, plans));
+    }
+    fn replanned(&mut self, from: u64, to: u64) {
+        self.meta(&Meta::Replan { from, to });
+    }
+    fn ruleset(
+        &mut self,
+        generation: u64,
+        texts: &observer_rules::LiveTexts,
+        marks: &[(u32, String)],
+    ) {
+        self.meta(&Meta::Ruleset {
+            generation,
+            texts: Box::new(texts.clone()),
+            marks: marks.to_vec(),
+        });
     }
 }
 

@@ -4,8 +4,10 @@
 //! record (plans, kernel layout, names, mark dictionary) lives here, so that the same
 //! records with the same context print the same bytes live and replayed.
 //!
-//! With a [`Recorder`] attached, every record handled is saved with whatever context it
-//! needed that the file does not hold yet (docs/recording.md).
+//! What else is made of a record goes to [`Sink`]s the caller owns and hands to
+//! [`Pipeline::handle_to`]: the recording (`output::recording::Recorder`, every record with
+//! the context it needed, docs/recording.md), pcap-ng (tail's packet writer), replay's
+//! printer. The pipeline holds none of them.
 
 pub mod annotate;
 pub mod correlate;
@@ -25,7 +27,6 @@ use log::warn;
 use crate::kernel::btf::TupleLayout;
 use crate::kernel::kallsyms::Symbols;
 use crate::kernel::plan::HookPlan;
-use crate::output::recording::{Meta, Recorder};
 use crate::pipeline::annotate::Names;
 use crate::pipeline::correlate::{Plans, Traversal, assemble, index_plans};
 use crate::pipeline::decode::{DecodeError, decode};
@@ -283,10 +284,57 @@ pub struct Pipeline {
     cache: RenderCache<Option<Report>>,
     /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
     pub packet_info: bool,
+    /// Whether the names each report looked up are noted for the sinks (the recording
+    /// saves them: [`Handled::learned`]).
+    pub learn_names: bool,
+    /// Those of the last record handled.
+    learned: Option<Learned>,
     snapshots: report::SnapshotCache,
     /// Packets lost as of the last report.
     reported_lost: u64,
-    recorder: Option<Recorder>,
+}
+
+/// One record as the pipeline's sinks see it.
+pub struct Handled<'a> {
+    /// The ring-buffer bytes it was decoded from (the recording saves them).
+    pub raw: &'a [u8],
+    /// The kernel's count of lost packets when it was read.
+    pub lost_now: u64,
+    /// What the pipeline made of it: the [`Report`] (the typed traversal), or why none.
+    pub outcome: &'a Outcome,
+    /// With [`Pipeline::learn_names`], the names its report looked up.
+    pub learned: Option<&'a Learned>,
+}
+
+/// Where reports go besides the caller's own output: the recording, pcap-ng, replay's
+/// printer. Each sees every record handled and the context changes its caller passes on
+/// (plans, re-plans, the ruleset), in the order they happened.
+pub trait Sink {
+    fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()>;
+    /// The probe plan of `generation`, now the current one.
+    fn plans(&mut self, _generation: u8, _plans: &[HookPlan]) {}
+    /// The ruleset changed at `from`, the probes were re-planned at `to` (ns).
+    fn replanned(&mut self, _from: u64, _to: u64) {}
+    /// Rules are now named from `texts` (rule namer `generation`), marks from `marks`.
+    fn ruleset(
+        &mut self,
+        _generation: u64,
+        _texts: &observer_rules::LiveTexts,
+        _marks: &[(u32, String)],
+    ) {
+    }
+}
+
+/// A sink of reports only (the agent's metrics test, replay to a writer).
+pub struct Reports<F>(pub F);
+
+impl<F: FnMut(&Report) -> std::io::Result<()>> Sink for Reports<F> {
+    fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
+        match h.outcome {
+            Outcome::Report { report, .. } => (self.0)(report),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Pipeline {
@@ -299,31 +347,15 @@ impl Pipeline {
             names,
             cache: RenderCache::default(),
             packet_info: false,
+            learn_names: false,
+            learned: None,
             snapshots: report::SnapshotCache::default(),
             reported_lost: 0,
-            recorder: None,
         }
-    }
-
-    /// Saves every record handled from now on, with its context, through `recorder` (which
-    /// has written the file's header already).
-    pub fn record_to(&mut self, recorder: Recorder) {
-        self.recorder = Some(recorder);
-    }
-
-    pub fn recorder_mut(&mut self) -> Option<&mut Recorder> {
-        self.recorder.as_mut()
-    }
-
-    pub fn take_recorder(&mut self) -> Option<Recorder> {
-        self.recorder.take()
     }
 
     /// The probe plan of `generation`, now the current one.
     pub fn add_plans(&mut self, generation: u8, plans: &[HookPlan]) {
-        if let Some(r) = &mut self.recorder {
-            r.meta(&Meta::plans(generation, plans));
-        }
         self.generation = generation;
         self.clear_caches();
         self.plans.insert(generation, index_plans(plans));
@@ -331,9 +363,6 @@ impl Pipeline {
 
     /// The ruleset changed at `from` and the probes were re-planned at `to` (ns).
     pub fn replanned(&mut self, from: u64, to: u64) {
-        if let Some(r) = &mut self.recorder {
-            r.meta(&Meta::Replan { from, to });
-        }
         self.replans.push((from, to));
         if self.replans.len() > 16 {
             self.replans.remove(0);
@@ -358,16 +387,18 @@ impl Pipeline {
         self.clear_caches();
     }
 
-    /// Notes in the recording the ruleset rules are now named from (with `--record`).
-    pub fn record_ruleset(&mut self, texts: &observer_rules::LiveTexts) {
-        let generation = self.ctx.namer.as_ref().map_or(0, |n| n.generation);
+    /// Tells `sinks` the ruleset rules are now named from (when they are named at all).
+    pub fn ruleset_to<'s, 'o: 's>(
+        &self,
+        texts: &observer_rules::LiveTexts,
+        sinks: impl IntoIterator<Item = &'s mut (dyn Sink + 'o)>,
+    ) {
+        let Some(namer) = &self.ctx.namer else {
+            return;
+        };
         let marks = self.ctx.marks.entries();
-        if let (Some(r), true) = (&mut self.recorder, self.ctx.namer.is_some()) {
-            r.meta(&Meta::Ruleset {
-                generation,
-                texts: Box::new(texts.clone()),
-                marks,
-            });
+        for s in sinks {
+            s.ruleset(namer.generation, texts, &marks);
         }
     }
 
@@ -390,28 +421,41 @@ impl Pipeline {
     pub fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
         match decode(raw) {
             Ok(mut rec) => self.handle_decoded(raw, &mut rec, lost_now),
-            Err(e) => {
-                if let Some(r) = &mut self.recorder {
-                    r.record(raw, lost_now);
-                }
-                Outcome::Undecodable(e)
-            }
+            Err(e) => Outcome::Undecodable(e),
         }
+    }
+
+    /// [`Pipeline::handle`], then each of `sinks` is handed the record and its outcome
+    /// (the first sink's error stops the others).
+    pub fn handle_to<'s, 'o: 's>(
+        &mut self,
+        raw: &[u8],
+        lost_now: u64,
+        sinks: impl IntoIterator<Item = &'s mut (dyn Sink + 'o)>,
+    ) -> std::io::Result<Outcome> {
+        self.learned = None;
+        let outcome = self.handle(raw, lost_now);
+        let h = Handled {
+            raw,
+            lost_now,
+            outcome: &outcome,
+            learned: self.learned.as_ref(),
+        };
+        for s in sinks {
+            s.handled(&h)?;
+        }
+        Ok(outcome)
     }
 
     /// [`Pipeline::handle`] for a record its caller decoded already (`raw` is what it was
     /// decoded from, for the recording): records are decoded once.
     pub fn handle_decoded(
         &mut self,
-        raw: &[u8],
+        _raw: &[u8],
         rec: &mut TraversalRecord,
         lost_now: u64,
     ) -> Outcome {
-        let outcome = self.render_record(rec, lost_now);
-        if let Some(r) = &mut self.recorder {
-            r.record(raw, lost_now);
-        }
-        outcome
+        self.render_record(rec, lost_now)
     }
 
     fn render_record(&mut self, rec: &mut TraversalRecord, lost_now: u64) -> Outcome {
@@ -435,7 +479,7 @@ impl Pipeline {
         // cache when they change); `lost` is not, so only lines without it are shared.
         let names = Logged {
             inner: &*self.names,
-            log: self.recorder.as_ref().map(|_| Default::default()),
+            log: self.learn_names.then(Default::default),
         };
         let result = if lost == 0 {
             let mut failed = None;
@@ -462,10 +506,7 @@ impl Pipeline {
                 (Report::new(t), counts)
             })
         };
-        let learned = names.log.map(std::cell::RefCell::into_inner);
-        if let (Some(r), Some(learned)) = (&mut self.recorder, learned) {
-            r.names(learned);
-        }
+        self.learned = names.log.map(std::cell::RefCell::into_inner);
         let (report, counts) = match result {
             Ok(r) => r,
             Err(e) => {
@@ -625,7 +666,7 @@ mod tests {
     use super::*;
     use crate::commands::replay::{ReplayOptions, run};
     use crate::kernel::plan::full_plan;
-    use crate::output::recording::Header;
+    use crate::output::recording::{Header, Recorder};
     use crate::pipeline::correlate::tests::record_of;
     use crate::pipeline::decode::encode_record;
     use crate::pipeline::decode::tests::{LAYOUT, tcp_event, with_ct};
@@ -707,9 +748,31 @@ mod tests {
         }
     }
 
+    /// A "live" pipeline and its recording sink, as tail holds them.
+    struct Live {
+        pipeline: Pipeline,
+        rec: Recorder,
+    }
+
+    impl Live {
+        fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
+            self.pipeline
+                .handle_to(raw, lost_now, [&mut self.rec as &mut dyn Sink])
+                .unwrap()
+        }
+        fn add_plans(&mut self, generation: u8, plans: &[HookPlan]) {
+            self.pipeline.add_plans(generation, plans);
+            self.rec.plans(generation, plans);
+        }
+        fn replanned(&mut self, from: u64, to: u64) {
+            self.pipeline.replanned(from, to);
+            self.rec.replanned(from, to);
+        }
+    }
+
     /// A "live" pipeline for `output` that records into a file of a fresh directory (the
     /// caller removes it): (directory, file, pipeline).
-    fn recording(output: Output, tag: &str) -> (std::path::PathBuf, std::path::PathBuf, Pipeline) {
+    fn recording(output: Output, tag: &str) -> (std::path::PathBuf, std::path::PathBuf, Live) {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("observer-{tag}-{}-{n}", std::process::id()));
@@ -717,8 +780,12 @@ mod tests {
         let file = dir.join(format!("{output:?}.rec"));
         let ctx = context(output);
         let header = Header::new(&ctx.netns, &ctx.tuple, &ctx.drop_reasons, &ctx.marks);
-        let mut live = Pipeline::new(ctx, Box::new(Host));
-        live.record_to(Recorder::create(&file, &header).unwrap());
+        let mut pipeline = Pipeline::new(ctx, Box::new(Host));
+        pipeline.learn_names = true;
+        let mut live = Live {
+            pipeline,
+            rec: Recorder::create(&file, &header).unwrap(),
+        };
         live.add_plans(0, &full_plan(None));
         (dir, file, live)
     }
@@ -729,7 +796,7 @@ mod tests {
         for r in records() {
             live.handle(&r, 0);
         }
-        live.take_recorder().unwrap().finish();
+        live.rec.finish();
         (dir, file)
     }
 
@@ -768,7 +835,7 @@ mod tests {
         if let Outcome::Report { bytes, .. } = live.handle(&recs[2], 3) {
             printed.extend(bytes);
         }
-        let mut r = live.take_recorder().unwrap();
+        let mut r = live.rec;
         assert!(r.finish());
         assert_eq!((r.records, r.failed), (5, 0));
         let mut replayed = Vec::new();

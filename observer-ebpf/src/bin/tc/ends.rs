@@ -15,7 +15,7 @@ use aya_ebpf::{
 use observer_common::traversal::{add_reading, decision, end, missing, status};
 use observer_common::{config, flags, kind};
 use observer_ebpf::inflight::{
-    Found, Place, begin, find, find_left_out, finish, opaque, socket_took,
+    Found, Logged, Place, begin, find, find_left_out, finish, opaque, socket_took,
 };
 use observer_ebpf::{
     cfg, counts, field, nfct_of, read, read_ct, read_l3, read_skb_window, scratch, windows,
@@ -99,7 +99,7 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     if read_ct(nfct, &mut ev.ct, w, true) == Ok(true) {
         ev.header.flags |= flags::CT;
     }
-    let rec = begin(skb).ok_or(())?;
+    let rec = begin::<Logged>(skb).ok_or(())?;
     rec.incomplete |= missing::START;
     if !read_ok {
         rec.incomplete |= missing::READ;
@@ -185,7 +185,7 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
     if find_left_out(skb).is_none()
         && let Some(f) = find(skb)
     {
-        socket_took(f);
+        socket_took::<Logged>(f);
     }
     1
 }

@@ -391,11 +391,14 @@ mod tests {
             filter: None,
         };
         let mut n = 0;
-        crate::commands::replay::each(&opts, &mut |report| {
-            m.observe(report.traversal());
-            n += 1;
-            Ok(())
-        })
+        crate::commands::replay::each(
+            &opts,
+            &mut crate::pipeline::Reports(|report: &crate::pipeline::Report| {
+                m.observe(report.traversal());
+                n += 1;
+                Ok(())
+            }),
+        )
         .unwrap();
         assert_eq!(n, GOLDEN.lines().count());
         let dropped = GOLDEN

@@ -57,6 +57,67 @@ fn direct_reads(layout: &KernelLayout) -> Option<u32> {
     }
 }
 
+/// The level the probes' diagnostics (`aya-log`, target `observer::probes`) are loaded with:
+/// the most verbose one the user's log lets through (`RUST_LOG=observer=debug`), else 0,
+/// off. It is a read-only global of both objects, so with 0 the verifier removes every
+/// logging branch: off costs nothing (docs/architecture.md, "Probe diagnostics").
+pub(super) fn probe_log_level() -> u8 {
+    use aya_log::Level as Probe;
+    use log::Level;
+    let enabled = |l: Level| log::log_enabled!(target: "observer::probes", l);
+    [
+        (Level::Trace, Probe::Trace),
+        (Level::Debug, Probe::Debug),
+        (Level::Info, Probe::Info),
+        (Level::Warn, Probe::Warn),
+        (Level::Error, Probe::Error),
+    ]
+    .into_iter()
+    .find(|&(l, _)| enabled(l))
+    .map_or(0, |(_, p)| p as u8)
+}
+
+/// The kernel layout the probes expected but did not find, said once at load (in the
+/// user's log at debug level, like the probes' own diagnostics): the netfilter probes'
+/// filter shortcut reads a conntrack entry's tuples from a window of it
+/// (`observer_ebpf::conntrack_may_match`), and where they do not fit it, every recheck
+/// takes the long way. The same test as the probes', on the same configuration, so the
+/// programs need no logging code for it. `None`: the layout is as expected.
+pub(super) fn unexpected_layout(config: &[u64]) -> Option<String> {
+    use observer_common::{CT_TUPLE_BYTES, CT_WINDOW_BYTES};
+    let at = |slot: u32| {
+        config
+            .get(slot as usize)
+            .copied()
+            .filter(|&v| v != config::UNSET)
+            .map(|v| v as usize)
+    };
+    let fits = (|| {
+        let start = at(config::CT_WINDOW)?;
+        let orig = at(config::CT_TUPLE_ORIG)?.checked_sub(start)?;
+        let reply = at(config::CT_TUPLE_REPLY)?.checked_sub(start)?;
+        let (sa, da) = (at(config::TUPLE_SRC_ADDR)?, at(config::TUPLE_DST_ADDR)?);
+        (orig + CT_TUPLE_BYTES <= CT_WINDOW_BYTES
+            && reply + CT_TUPLE_BYTES <= CT_WINDOW_BYTES
+            && sa <= CT_TUPLE_BYTES - 16
+            && da <= CT_TUPLE_BYTES - 16
+            && (orig | reply | sa | da) & 3 == 0)
+            .then_some(())
+    })();
+    fits.is_none().then(|| {
+        format!(
+            "unexpected kernel layout: conntrack tuples (original at {:?}, reply at {:?}, \
+             addresses at {:?}/{:?}) do not fit the probes' {CT_WINDOW_BYTES}-byte window \
+             from {:?}; packets the filter left out are decided again the long way",
+            at(config::CT_TUPLE_ORIG),
+            at(config::CT_TUPLE_REPLY),
+            at(config::TUPLE_SRC_ADDR),
+            at(config::TUPLE_DST_ADDR),
+            at(config::CT_WINDOW),
+        )
+    })
+}
+
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
         Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m)) => m,
@@ -103,7 +164,12 @@ impl Probes {
         // `observer_common::kfunc`).
         let rdonly_cast = direct_reads(layout);
         let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast)?;
+        let log_level = probe_log_level();
+        if let Some(what) = unexpected_layout(&layout.config) {
+            log::debug!(target: "observer::probes", "{what}");
+        }
         let mut ebpf = EbpfLoader::new()
+            .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(
                 "PACKETS",
                 if capture {
@@ -161,10 +227,22 @@ impl Probes {
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
             .collect::<Result<_>>()?;
+        // The netfilter programs log nothing (`observer_ebpf::inflight::Diag`): nf_link
+        // loads no aya-log map or global.
         let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, rdonly_cast)?;
+        // The diagnostics' reader exists only when they are on.
+        let log = if log_level == 0 {
+            None
+        } else {
+            Some(
+                aya_log::EbpfLogger::init(&mut ebpf)
+                    .context("reading the probes' diagnostics (aya-log's AYA_LOGS map)")?,
+            )
+        };
         Ok(Self {
             ebpf,
             nf,
+            log,
             links: Vec::new(),
             tc: HashMap::new(),
             tc_failed: HashSet::new(),
@@ -174,6 +252,14 @@ impl Probes {
             collected: 0,
             tracing,
         })
+    }
+
+    /// Hands the probes' diagnostics written since the last call to the user's log
+    /// (nothing to do when they are off).
+    pub fn flush_log(&mut self) {
+        if let Some(l) = &mut self.log {
+            l.flush();
+        }
     }
 
     /// Whether traversals are being recorded (see [`Probes::start_tracing`]).

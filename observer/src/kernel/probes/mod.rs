@@ -34,6 +34,8 @@ static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "
 pub struct Probes {
     ebpf: Ebpf,
     nf: NfObject,
+    /// The probes' diagnostics (aya-log), when the user's log level shows them.
+    log: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     links: Vec<NfLink>,
     tc: HashMap<u32, Attached>,
     /// Interfaces where attaching failed, so the failure is reported once per interface.
@@ -55,7 +57,26 @@ mod tests {
     use super::load::MAPS;
     use super::*;
     use observer_common::NF_SLOTS;
+    use observer_common::config;
     use std::os::fd::RawFd;
+
+    /// The load-time layout diagnostic: silent for this kernel's layout, said (with the
+    /// offsets) for one whose conntrack tuples fall outside the probes' window.
+    #[test]
+    fn an_unexpected_conntrack_layout_is_said_once_at_load() {
+        let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
+        assert_eq!(super::load::unexpected_layout(&layout.config), None);
+        let mut moved = layout.config.clone();
+        let start = moved[config::CT_WINDOW as usize];
+        moved[config::CT_TUPLE_REPLY as usize] = start + 150;
+        let said = super::load::unexpected_layout(&moved).expect("said");
+        assert!(
+            said.contains(&format!("reply at Some({})", start + 150)),
+            "{said}"
+        );
+        moved[config::CT_TUPLE_REPLY as usize] = config::UNSET;
+        assert!(super::load::unexpected_layout(&moved).is_some());
+    }
 
     /// True, loudly, when the probes were not built (`OBSERVER_SKIP_EBPF=1`), which CI never
     /// does: the test has nothing to check.
@@ -70,6 +91,8 @@ mod tests {
 
     /// The embedded netfilter object must hold every slot program, each relocatable with map
     /// references only (no BPF-to-BPF calls, no global data), which is all nf_link supports.
+    /// (The probes' aya-log diagnostics are the TC object's alone: see
+    /// `observer_ebpf::inflight::Diag`.)
     #[test]
     fn embedded_netfilter_object_is_loadable_by_nf_link() {
         if built_without(NF_OBJECT) {
