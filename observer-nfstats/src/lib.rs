@@ -29,6 +29,10 @@ pub enum Error {
         "the legacy table {0} kept changing while it was read: it is read again at the next interval"
     )]
     Changing(String),
+    #[error(
+        "the ruleset changed during every attempt to read it: it is read again at the next interval"
+    )]
+    Interrupted,
     #[error("reading {0}: {1} (is conntrack loaded in this namespace?)")]
     Proc(&'static str, std::io::Error),
 }
@@ -51,10 +55,21 @@ impl RuleReader {
 
     /// Every rule with an action, nf_tables first, then legacy tables.
     pub fn read(&mut self) -> Result<Vec<Rule>, Error> {
-        let mut rules = match self.nft.as_mut() {
-            Some(s) => nft::read(s)?,
-            None => Vec::new(),
-        };
+        let mut rules = Vec::new();
+        if let Some(s) = self.nft.as_mut() {
+            // A dump the kernel flags as interrupted (the ruleset changed under it) is
+            // read again, a bounded number of times; the socket's leftovers go with it.
+            let mut attempt = 0;
+            rules = loop {
+                match nft::read(s) {
+                    Err(Error::Interrupted) if attempt < 3 => {
+                        attempt += 1;
+                        *s = netlink::Socket::open()?;
+                    }
+                    other => break other?,
+                }
+            };
+        }
         rules.extend(self.legacy.read()?);
         Ok(rules)
     }

@@ -13,6 +13,8 @@ const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const NLM_F_REQUEST: u16 = 1;
 const NLM_F_DUMP: u16 = 0x300;
+/// The kernel's set changed during the dump: what it sent may be inconsistent.
+const NLM_F_DUMP_INTR: u16 = 0x10;
 /// Attribute type bits that are flags, not part of the type.
 const NLA_TYPE_MASK: u16 = 0x3fff;
 /// Bound on the messages of one dump (40,000 rules is a large node; this is ten times that).
@@ -109,6 +111,10 @@ pub fn split(buf: &[u8]) -> Result<(Vec<Message<'_>>, bool), Error> {
     while rest.len() >= NLMSG_HDRLEN {
         let len = u32::from_ne_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
         let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+        let flags = u16::from_ne_bytes([rest[6], rest[7]]);
+        if flags & NLM_F_DUMP_INTR != 0 {
+            return Err(Error::Interrupted);
+        }
         if len < NLMSG_HDRLEN || len > rest.len() {
             return Err(Error::Malformed("netlink message length"));
         }
@@ -290,6 +296,9 @@ pub(crate) mod tests {
         assert!(done);
         assert_eq!(msgs.len(), 1);
         assert_eq!(msgs[0].kind, 0xa06);
+        let mut intr = message(0xa06, &[2, 0, 0, 0]);
+        intr[6] = NLM_F_DUMP_INTR as u8;
+        assert!(matches!(split(&intr), Err(Error::Interrupted)));
         let err = message(NLMSG_ERROR, &(-libc::EPERM).to_ne_bytes());
         assert!(matches!(split(&err), Err(Error::Kernel(_))));
         let ack = message(NLMSG_ERROR, &0i32.to_ne_bytes());

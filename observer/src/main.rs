@@ -207,8 +207,16 @@ struct AgentArgs {
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
     /// What the probes do while nobody streams traces.
-    #[arg(long, value_enum, default_value = "counters")]
+    #[arg(long, value_enum, default_value = "kernel")]
     mode: agent::AgentMode,
+    /// How often the rules' own counters and conntrack's statistics are read (tier 0;
+    /// every mode), in seconds: set it to the Prometheus scrape interval.
+    #[arg(long, value_name = "SECONDS", default_value_t = 15.0)]
+    rules_interval: f64,
+    /// Series the rule counters may make at most; rules past it are counted in
+    /// observer_rule_series_left_out instead.
+    #[arg(long, value_name = "N", default_value_t = observer_nfstats::DEFAULT_CAP)]
+    rule_series_cap: usize,
     /// Benchmarks only: attach the probes of --mode but let each return at once (the
     /// hooks' own cost).
     #[arg(long, hide = true)]
@@ -323,6 +331,15 @@ fn run(cli: Cli) -> Result<()> {
                 ready_file: a.ready_file,
                 mode: a.mode,
                 floor: a.floor,
+                rules_interval: Duration::try_from_secs_f64(a.rules_interval)
+                    .ok()
+                    .filter(|d| *d >= Duration::from_millis(100))
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--rules-interval must be at least 0.1 seconds (give the scrape                              interval, e.g. 15)"
+                        )
+                    })?,
+                rule_series_cap: a.rule_series_cap,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

@@ -645,3 +645,132 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
     let (status, _, _) = agent.stop("TERM");
     assert!(status.success());
 }
+
+/// `promtool check metrics` accepts `text`.
+fn promtool_accepts(text: &str) {
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`)");
+    std::io::Write::write_all(p.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(p.stdin.take());
+    let out = p.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The packet count of an `iptables-save -c` line (`[pkts:bytes] -A ...`).
+fn saved_packets(line: &str) -> f64 {
+    line[1..line.find(':').unwrap()].parse().unwrap()
+}
+
+#[test]
+fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
+    if !privileged("default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel") {
+        return;
+    }
+    let lab = Lab::up("ag6");
+    drop_udp_port(&lab, 7777);
+    // The default mode (no --mode), tier 0 read twice a second for the test.
+    let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
+    let first = scrape(&lab);
+    assert_eq!(
+        sample(&first, "observer_probes_attached", &[]),
+        0.0,
+        "no netfilter probe: {first}"
+    );
+    assert_eq!(
+        sample(&first, "observer_agent_mode", &[("mode", "kernel")]),
+        1.0
+    );
+    let rule = [
+        ("tier", "0"),
+        ("table", "filter"),
+        ("chain", "FORWARD"),
+        ("rule", "FORWARD#1"),
+        ("action", "drop"),
+    ];
+    assert!(first.contains("observer_rule_drops_total{"), "{first}");
+    let before = sample(&first, "observer_rule_drops_total", &rule);
+    let dropped = |t: &str| sample(t, "observer_drops_total", &[("reason", "NETFILTER_DROP")]);
+    let drops_before = dropped(&first);
+    const N: usize = 7;
+    send_udp(&lab, 7777, N);
+    // kube-dns' ClusterIP: each datagram from a socket of its own is a new connection.
+    const C: usize = 5;
+    lab.run_in("client", || {
+        for _ in 0..C {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"svc", "10.10.10.10:53").unwrap();
+        }
+    });
+    wait_for("tier 0 to read the drops", Duration::from_secs(15), || {
+        sample(&scrape(&lab), "observer_rule_drops_total", &rule) >= before + N as f64
+    });
+    // Two more reads: exactly N, the rule named as iptables numbers it.
+    std::thread::sleep(Duration::from_millis(1200));
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(&text, "observer_rule_drops_total", &rule),
+        before + N as f64,
+        "{text}"
+    );
+    let kernel = lab
+        .iptables_counters(Some("filter"))
+        .into_iter()
+        .find(|l| l.contains("-A FORWARD ") && l.contains("--dport 7777"))
+        .expect("the DROP rule");
+    assert_eq!(saved_packets(&kernel), before + N as f64, "{kernel}");
+    // Tier 1: the kfree_skb program counted the same drops, by the kernel's reason.
+    assert_eq!(dropped(&text) - drops_before, N as f64, "{text}");
+    // Service connections equal kube-proxy's DNAT rule counters.
+    let sep: f64 = lab
+        .iptables_counters(Some("nat"))
+        .iter()
+        .filter(|l| l.contains("-A KUBE-SEP-IT2ZTR26TO4XFPTO ") && l.contains("DNAT"))
+        .map(|l| saved_packets(l))
+        .sum();
+    assert!(sep >= C as f64, "{sep}");
+    wait_for(
+        "tier 0 to read the connections",
+        Duration::from_secs(10),
+        || {
+            sample(
+                &scrape(&lab),
+                "observer_service_connections_total",
+                &[
+                    ("namespace", "kube-system"),
+                    ("service", "kube-dns"),
+                    ("port", "dns"),
+                ],
+            ) == sep
+        },
+    );
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(
+            &text,
+            "observer_service_connections_total",
+            &[("endpoint", "172.17.0.5:53")]
+        ),
+        sep,
+        "{text}"
+    );
+    assert!(
+        sample(&text, "observer_conntrack_entries", &[]) >= C as f64,
+        "{text}"
+    );
+    assert!(
+        !text.contains("198.51.100.10"),
+        "no client address in any label"
+    );
+    promtool_accepts(&text);
+    drop(agent);
+}

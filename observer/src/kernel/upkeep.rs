@@ -122,6 +122,27 @@ pub fn legacy_tables() -> (String, Vec<(NfFamily, NfHook, i32)>) {
     (names, users)
 }
 
+/// The agent's default mode: only the drop tracepoint (it runs when a packet is dropped,
+/// never for every packet); no netfilter or tcx probe until [`attach_brackets`].
+pub fn attach_drops_only(layout: &KernelLayout, floor: bool) -> Result<Probes> {
+    let mut probes = Probes::load_counting(layout)?;
+    probes.set_floor(floor)?;
+    info!("attached the drop tracepoint only: no probe runs for every packet");
+    Ok(probes)
+}
+
+/// The agent's default mode, while a client streams: the per-table probes of the tables
+/// the node has now.
+pub fn attach_brackets(probes: &mut Probes) -> Result<()> {
+    let live = read_live();
+    probes.attach_netfilter(full_plan(hook_users(&live).as_deref()))?;
+    info!(
+        "attached {} netfilter probes for the streaming clients",
+        probes.netfilter_links()
+    );
+    Ok(())
+}
+
 /// Brackets the tables the node has now (`live`, read after a change); true when the plan
 /// changed (the caller hands the new plans to its pipelines).
 pub fn replan(probes: &mut Probes, live: &LiveNode) -> bool {

@@ -12,6 +12,7 @@ pub mod http;
 pub mod hub;
 pub mod kcounts;
 pub mod metrics;
+pub mod tier0;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -29,8 +30,9 @@ use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pi
 use crate::probes::Probes;
 use crate::rulenames::RuleNamer;
 use crate::upkeep::{
-    RulesetReader, SOCKET_GRACE, attach_counting, attach_probes, housekeeping, legacy_tables,
-    mark_dictionary, now_ns, read_live, replan, watch_ruleset,
+    RulesetReader, SOCKET_GRACE, attach_brackets, attach_counting, attach_drops_only,
+    attach_probes, housekeeping, legacy_tables, mark_dictionary, now_ns, read_live, replan,
+    watch_ruleset,
 };
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
@@ -62,20 +64,43 @@ pub struct AgentOptions {
     pub mode: AgentMode,
     /// Benchmarks only: the probes return at once.
     pub floor: bool,
+    /// How often tier 0 reads the rules' and conntrack's counters.
+    pub rules_interval: Duration,
+    /// Series the rule counters may make at most (`observer_rule_series_left_out` counts
+    /// the rest).
+    pub rule_series_cap: usize,
 }
 
 /// What the probes do while no streaming client wants traces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum AgentMode {
-    /// Always-on: the probes keep counters in the kernel (per family, hook and table:
-    /// packets, mark bits set and cleared, NAT by kind and source, drops by reason and
-    /// place) and record each dropped packet as it died, for the flight recorder. Whole
-    /// traversals are recorded only while a streaming client is connected (tcx and the
-    /// socket probes are attached for that time).
-    Counters,
+    /// The default: no program that runs for every packet. Tier 0 reads what the kernel
+    /// already counts (every rule's counter, conntrack's statistics) each
+    /// --rules-interval; tier 1 counts drops by reason from the one `kfree_skb` tracepoint
+    /// program (it runs only when a packet is dropped). The per-table probes are attached
+    /// only while a streaming client is connected.
+    Kernel,
+    /// Per-table brackets, always: the probes keep counters in the kernel (per family,
+    /// hook and table: packets, mark bits set and cleared, NAT by kind and source, drops by
+    /// reason and place) and record each dropped packet as it died, for the flight
+    /// recorder. Costs every packet a probe at each table. Whole traversals are recorded
+    /// only while a streaming client is connected (tcx and the socket probes are attached
+    /// for that time).
+    #[value(alias = "counters")]
+    Brackets,
     /// Record every traversal, all the time (the metrics are taken from them, as `tail`
     /// sees them; costs what `tail` costs).
     Trace,
+}
+
+impl AgentMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Brackets => "brackets",
+            Self::Trace => "trace",
+        }
+    }
 }
 
 /// How long the always-on mode keeps recording traversals after the last streaming client
@@ -115,6 +140,24 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         line: Pipeline::new(ctx(Output::Line), live_names()),
     };
     let metrics = Arc::new(Metrics::new(&opts.node));
+    metrics.set_mode(
+        opts.mode.name(),
+        match opts.mode {
+            AgentMode::Kernel => "0,1",
+            AgentMode::Brackets | AgentMode::Trace => "0,2",
+        },
+    );
+    // Tier 0 in every mode: it costs the datapath nothing.
+    tier0::spawn(
+        tier0::Tier0Options {
+            interval: opts.rules_interval,
+            cap: opts.rule_series_cap,
+            node: opts.node.clone(),
+            marks: marks.clone(),
+        },
+        metrics.clone(),
+    )
+    .context("reading the rules' counters (run as root, or with CAP_NET_ADMIN and CAP_NET_RAW)")?;
     let hub = Arc::new(Hub::new(
         layout.tuple,
         FlightRecorder::new(opts.flight_recorder, opts.flight_recorder_bytes),
@@ -131,7 +174,8 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             AgentMode::Trace => {
                 attach_probes(&layout, &FilterProgram::KEEP_ALL, &live, opts.floor)?
             }
-            AgentMode::Counters => attach_counting(&layout, &live, opts.floor)?,
+            AgentMode::Brackets => attach_counting(&layout, &live, opts.floor)?,
+            AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
         };
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
@@ -301,7 +345,7 @@ impl Agent {
 
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
     fn read_counts(&mut self, probes: &Probes) {
-        if self.mode != AgentMode::Counters {
+        if self.mode == AgentMode::Trace {
             return;
         }
         let points = KernelCounts::points(&probes.plans);
@@ -348,7 +392,7 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
     let flight = agent.hub.flight.lock().unwrap_or_else(|e| e.into_inner());
     agent.metrics.set_health(Health {
         records_lost: k.ringbuf_full,
-        packets_seen: if agent.mode == AgentMode::Counters {
+        packets_seen: if agent.mode == AgentMode::Brackets {
             agent.kernel.seen
         } else {
             k.seen
@@ -372,7 +416,7 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
 /// to counting only [`TRACING_LINGER`] after the last one left.
 fn follow_subscribers(
     probes: &mut Probes,
-    agent: &Agent,
+    agent: &mut Agent,
     unwatched_since: &mut Option<Instant>,
     kernel_filter: &mut Option<String>,
 ) {
@@ -396,6 +440,14 @@ fn follow_subscribers(
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing() {
+            // The default mode brackets the tables only for as long as someone streams.
+            if agent.mode == AgentMode::Kernel {
+                if let Err(e) = attach_brackets(probes) {
+                    warn!("attaching the per-table probes for a streaming client: {e:#}");
+                    return;
+                }
+                agent.add_plans(probes);
+            }
             if let Err(e) = probes.start_tracing(&program) {
                 warn!("recording traversals for a streaming client: {e:#}");
                 return;
@@ -411,6 +463,11 @@ fn follow_subscribers(
             *unwatched_since = None;
             if let Err(e) = probes.stop_tracing() {
                 warn!("back to counting only: {e:#}");
+            }
+            if agent.mode == AgentMode::Kernel
+                && let Err(e) = probes.detach_netfilter()
+            {
+                warn!("detaching the per-table probes: {e:#}");
             }
         }
     }
@@ -499,7 +556,9 @@ async fn event_loop(
                     // Counted under the plan in force: labelled before it changes.
                     agent.read_counts(&probes);
                     agent.rules_changed(&live, opts.marks_file.as_ref());
-                    if replan(&mut probes, &live) {
+                    // The default mode has per-table probes only while someone streams.
+                    let bracketed = opts.mode != AgentMode::Kernel || probes.tracing();
+                    if bracketed && replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
                         for p in agent.pipelines.all() {
@@ -519,8 +578,8 @@ async fn event_loop(
                     Err(e) => warn!("reading the probes' fallback map: {e:#}"),
                 }
                 agent.hub.tick();
-                if opts.mode == AgentMode::Counters {
-                    follow_subscribers(&mut probes, &agent, &mut unwatched_since, &mut kernel_filter);
+                if opts.mode != AgentMode::Trace {
+                    follow_subscribers(&mut probes, &mut agent, &mut unwatched_since, &mut kernel_filter);
                 }
                 update_health(&probes, &agent, true);
                 if last_scan.elapsed() >= Duration::from_secs(1) {
