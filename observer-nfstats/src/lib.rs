@@ -8,6 +8,7 @@
 //! the only calls that touch the kernel.
 
 pub mod conntrack;
+pub mod ctevents;
 pub mod netlink;
 pub mod nft;
 pub mod rules;

@@ -10,6 +10,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use crate::conntrack;
+use crate::ctevents;
+use crate::rules::Service;
 use crate::rules::{Action, Rule};
 
 /// Series the rule families may hold together, by default.
@@ -27,6 +29,10 @@ pub enum Family {
     ConntrackEntries,
     ConntrackLimit,
     Conntrack,
+    CtConnections,
+    CtMarks,
+    CtOverruns,
+    CtEndpointsLeftOut,
 }
 
 impl Family {
@@ -42,6 +48,10 @@ impl Family {
             Self::ConntrackEntries => "observer_conntrack_entries",
             Self::ConntrackLimit => "observer_conntrack_limit",
             Self::Conntrack => "observer_conntrack_events_total",
+            Self::CtConnections => "observer_conntrack_connections_total",
+            Self::CtMarks => "observer_conntrack_marked_connections_total",
+            Self::CtOverruns => "observer_conntrack_event_overruns_total",
+            Self::CtEndpointsLeftOut => "observer_conntrack_endpoints_left_out_total",
         }
     }
 
@@ -84,6 +94,18 @@ impl Family {
                 "Conntrack's own statistics summed over CPUs (event: found, invalid, insert, \
                  insert_failed, drop, early_drop, search_restart)."
             }
+            Self::CtConnections => {
+                "Connections from conntrack's events since the agent started (kind: new, \
+                 dnat, snat, destroyed)."
+            }
+            Self::CtMarks => "New connections by ctmark bit set (conntrack events).",
+            Self::CtOverruns => {
+                "Times the conntrack event queue overflowed: events were lost there, so the \
+                 conntrack-event series undercount."
+            }
+            Self::CtEndpointsLeftOut => {
+                "New DNAT'd connections whose endpoint the series cap left out."
+            }
         }
     }
 }
@@ -118,6 +140,10 @@ pub struct Series {
     left_out: u64,
     left_out_packets: u64,
     conntrack: Option<conntrack::Stats>,
+    /// Endpoints of kube-proxy DNAT rules without a counter (nftables mode): counted from
+    /// conntrack's events instead.
+    uncounted_endpoints: BTreeMap<String, Service>,
+    events: Option<ctevents::Counts>,
 }
 
 impl Series {
@@ -130,13 +156,21 @@ impl Series {
             left_out: 0,
             left_out_packets: 0,
             conntrack: None,
+            uncounted_endpoints: BTreeMap::new(),
+            events: None,
         }
+    }
+
+    /// What conntrack's events added up to (since they were first listened to).
+    pub fn set_events(&mut self, counts: ctevents::Counts) {
+        self.events = Some(counts);
     }
 
     /// Takes one read of every rule. `mark_name` names a mark bit as tail does.
     pub fn update(&mut self, rules: &[Rule], mark_name: &dyn Fn(u32) -> String) {
         let mut seen = HashMap::with_capacity(rules.len());
         self.uncounted.clear();
+        self.uncounted_endpoints.clear();
         self.left_out = 0;
         for r in rules {
             let key: RuleKey = (
@@ -149,6 +183,9 @@ impl Series {
                 r.comment.clone(),
             );
             let Some(count) = r.count else {
+                if let Some((svc, endpoint)) = r.service_endpoint() {
+                    self.uncounted_endpoints.insert(endpoint, svc);
+                }
                 if self.uncounted.len() < self.cap {
                     self.uncounted.push(vec![
                         ("family", r.family.to_string()),
@@ -207,6 +244,48 @@ impl Series {
             .map(|((f, l), v)| with(*f, l, *v))
             .collect();
         out.extend(self.uncounted.iter().map(|l| with(Family::Uncounted, l, 1)));
+        if let Some(ev) = &self.events {
+            // Where kube-proxy's DNAT rules have no counter, conntrack's new connections
+            // give the service counts (an endpoint a counted rule serves is counted there).
+            for (endpoint, s) in &self.uncounted_endpoints {
+                let labels = vec![
+                    ("namespace", s.namespace.clone()),
+                    ("service", s.name.clone()),
+                    ("port", s.port.clone()),
+                    ("endpoint", endpoint.clone()),
+                ];
+                if self
+                    .totals
+                    .contains_key(&(Family::ServiceConnections, labels.clone()))
+                {
+                    continue;
+                }
+                let n = ev.endpoints.get(endpoint).copied().unwrap_or(0);
+                out.push(with(Family::ServiceConnections, &labels, n));
+            }
+            for (kind, n) in [
+                ("new", ev.new),
+                ("dnat", ev.dnat),
+                ("snat", ev.snat),
+                ("destroyed", ev.destroyed),
+            ] {
+                out.push(with(Family::CtConnections, &vec![("kind", kind.into())], n));
+            }
+            let marks: BTreeMap<_, _> = ev.marks.iter().collect();
+            for (bit, n) in marks {
+                out.push(with(
+                    Family::CtMarks,
+                    &vec![("mark", format!("{bit:#x}"))],
+                    *n,
+                ));
+            }
+            out.push(with(Family::CtOverruns, &vec![], ev.overruns));
+            out.push(with(
+                Family::CtEndpointsLeftOut,
+                &vec![],
+                ev.endpoints_left_out,
+            ));
+        }
         out.push(with(Family::LeftOut, &vec![], self.left_out));
         out.push(with(Family::LeftOutPackets, &vec![], self.left_out_packets));
         if let Some(ct) = &self.conntrack {
@@ -256,11 +335,10 @@ fn series_of(r: &Rule, mark_name: &dyn Fn(u32) -> String) -> Vec<(Family, Labels
             vec![(Family::RuleDrops, l)]
         }
         Action::Dnat { .. } | Action::Snat | Action::Masquerade => {
-            let mut l = place();
-            l.push(("kind", r.action.name().to_string()));
-            let mut out = vec![(Family::Nat, l)];
+            // A kube-proxy endpoint's DNAT is counted per service and endpoint (one series
+            // per endpoint chain would only repeat it); every other translation per chain.
             if let Some((s, endpoint)) = r.service_endpoint() {
-                out.push((
+                return vec![(
                     Family::ServiceConnections,
                     vec![
                         ("namespace", s.namespace),
@@ -268,9 +346,11 @@ fn series_of(r: &Rule, mark_name: &dyn Fn(u32) -> String) -> Vec<(Family, Labels
                         ("port", s.port),
                         ("endpoint", endpoint),
                     ],
-                ));
+                )];
             }
-            out
+            let mut l = place();
+            l.push(("kind", r.action.name().to_string()));
+            vec![(Family::Nat, l)]
         }
         Action::Mark { set, .. } => (0..32)
             .filter(|b| set & (1 << b) != 0)
@@ -420,7 +500,11 @@ mod tests {
             value(&s, Family::ServiceConnections, ("endpoint", "10.0.0.5:80")),
             Some(3)
         );
-        assert_eq!(value(&s, Family::Nat, ("kind", "dnat")), Some(3));
+        assert_eq!(
+            value(&s, Family::Nat, ("kind", "dnat")),
+            None,
+            "counted per service"
+        );
         assert_eq!(value(&s, Family::MarkSets, ("mark", "0x4000")), Some(4));
         assert_eq!(
             value(&s, Family::Uncounted, ("rule", "c handle 3")),

@@ -6,7 +6,7 @@
 
 use std::net::UdpSocket;
 
-use observer_nfstats::{Action, Family, RuleReader, Series, conntrack};
+use observer_nfstats::{Action, Family, RuleReader, Series, conntrack, ctevents};
 use observer_tests::{Netns, privileged, unique_prefix};
 
 /// Sends `n` datagrams to `addr`, each from a new socket (a new connection for conntrack);
@@ -233,4 +233,68 @@ fn conntrack_statistics_equal_conntrack_s() {
     let count: u64 = ns.sh("conntrack -C").trim().parse().unwrap();
     assert_eq!(stats.entries, count);
     assert!(stats.entries >= 6, "{stats:?}");
+}
+
+#[test]
+fn nftables_mode_service_connections_equal_conntrack_entries() {
+    if !privileged("nftables_mode_service_connections_equal_conntrack_entries") {
+        return;
+    }
+    let ns = Netns::new(&unique_prefix("t0e"));
+    // kube-proxy's nftables mode: endpoint chains named after the service, DNAT rules
+    // without a counter.
+    let ep = "endpoint-ABCDEFGH-default/web/udp/dns__127.0.0.2/53";
+    ns.sh(&format!(
+        "ip addr add 127.0.0.2/8 dev lo; \
+         nft add table ip kube-proxy; \
+         nft add chain ip kube-proxy '{ep}'; \
+         nft add rule ip kube-proxy '{ep}' meta l4proto udp dnat to 127.0.0.2:53; \
+         nft add chain ip kube-proxy out '{{ type nat hook output priority -100; }}'; \
+         nft add rule ip kube-proxy out udp dport 5353 goto '{ep}'"
+    ));
+    let n = 8;
+    let (rules, counts) = ns.run(move || {
+        let mut listener = ctevents::Listener::open().unwrap();
+        for _ in 0..n {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let _ = s.send_to(b"svc", "127.0.0.1:5353");
+        }
+        let mut counts = ctevents::Counts::default();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while counts.new < n as u64 && std::time::Instant::now() < deadline {
+            listener.next_batch(&mut counts, 100).unwrap();
+        }
+        (RuleReader::new().unwrap().read().unwrap(), counts)
+    });
+    let dnat = rules
+        .iter()
+        .find(|r| r.chain == ep)
+        .unwrap_or_else(|| panic!("the endpoint's DNAT is read: {rules:#?}"));
+    assert_eq!(
+        dnat.count, None,
+        "kube-proxy's nftables rules carry no counter"
+    );
+    let mut series = Series::new(100);
+    series.update(&rules, HEX);
+    series.set_events(counts.clone());
+    let listed = ns.sh("conntrack -L -p udp --orig-port-dst 5353 2>/dev/null");
+    let entries = listed
+        .lines()
+        .filter(|l| l.contains("src=127.0.0.2"))
+        .count() as u64;
+    assert_eq!(entries, n as u64, "{listed}");
+    assert_eq!(counts.overruns, 0);
+    assert_eq!(
+        series_value(
+            &series,
+            Family::ServiceConnections,
+            ("endpoint", "127.0.0.2:53")
+        ),
+        Some(entries),
+        "{counts:?}"
+    );
+    assert_eq!(
+        series_value(&series, Family::CtConnections, ("kind", "dnat")),
+        Some(entries)
+    );
 }
