@@ -118,6 +118,30 @@ impl Counts {
     }
 }
 
+impl Counts {
+    /// Adds `other` (a batch counted on its own) into these counts, at most `cap` endpoints.
+    pub fn merge(&mut self, other: Counts, cap: usize) {
+        self.new += other.new;
+        self.destroyed += other.destroyed;
+        self.dnat += other.dnat;
+        self.snat += other.snat;
+        self.overruns += other.overruns;
+        self.endpoints_left_out += other.endpoints_left_out;
+        for (bit, n) in other.marks {
+            *self.marks.entry(bit).or_default() += n;
+        }
+        for (ep, n) in other.endpoints {
+            if let Some(v) = self.endpoints.get_mut(&ep) {
+                *v += n;
+            } else if self.endpoints.len() < cap {
+                self.endpoints.insert(ep, n);
+            } else {
+                self.endpoints_left_out += n;
+            }
+        }
+    }
+}
+
 /// A ctnetlink socket subscribed to new and destroyed connections, in the calling thread's
 /// namespace.
 pub struct Listener {
@@ -296,5 +320,11 @@ mod tests {
         }
         assert_eq!(c.endpoints.len(), 2);
         assert_eq!(c.endpoints_left_out, 1);
+        // Merged batches keep the same bound.
+        let mut total = Counts::default();
+        total.merge(c.clone(), 1);
+        assert_eq!((total.endpoints.len(), total.endpoints_left_out), (1, 2));
+        total.merge(c, 1);
+        assert_eq!(total.new, 6);
     }
 }

@@ -666,6 +666,16 @@ fn promtool_accepts(text: &str) {
     );
 }
 
+/// A scrape once tier 0 has read the rules (it reads on a thread of its own from the start).
+fn first_tier0_read(lab: &Lab) -> String {
+    let mut text = String::new();
+    wait_for("tier 0's first read", Duration::from_secs(30), || {
+        text = scrape(lab);
+        text.contains("observer_tier0_read_seconds{")
+    });
+    text
+}
+
 /// The packet count of an `iptables-save -c` line (`[pkts:bytes] -A ...`).
 fn saved_packets(line: &str) -> f64 {
     line[1..line.find(':').unwrap()].parse().unwrap()
@@ -680,7 +690,7 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
     drop_udp_port(&lab, 7777);
     // The default mode (no --mode), tier 0 read twice a second for the test.
     let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
-    let first = scrape(&lab);
+    let first = first_tier0_read(&lab);
     assert_eq!(
         sample(&first, "observer_probes_attached", &[]),
         0.0,
@@ -770,6 +780,69 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
     assert!(
         !text.contains("198.51.100.10"),
         "no client address in any label"
+    );
+    promtool_accepts(&text);
+    drop(agent);
+}
+
+#[test]
+fn nftables_mode_service_connections_equal_conntrack_entries() {
+    if !privileged("nftables_mode_service_connections_equal_conntrack_entries") {
+        return;
+    }
+    // kube-proxy's nftables mode: its DNAT rules carry no counter; conntrack's events count.
+    let lab = Lab::up_with_mode("ag7", "nftables");
+    let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
+    let dns = [
+        ("namespace", "kube-system"),
+        ("service", "kube-dns"),
+        ("port", "dns"),
+        ("endpoint", "172.17.0.5:53"),
+    ];
+    let first = first_tier0_read(&lab);
+    assert!(
+        first.contains("observer_rule_uncounted{") && first.contains("action=\"dnat\""),
+        "the DNAT rules are said to have no counter: {first}"
+    );
+    let before = sample(&first, "observer_service_connections_total", &dns);
+    const C: usize = 6;
+    lab.run_in("client", || {
+        for _ in 0..C {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"svc", "10.10.10.10:53").unwrap();
+        }
+    });
+    wait_for("the connections counted", Duration::from_secs(15), || {
+        sample(&scrape(&lab), "observer_service_connections_total", &dns) >= before + C as f64
+    });
+    std::thread::sleep(Duration::from_millis(1200));
+    let text = scrape(&lab);
+    let counted = sample(&text, "observer_service_connections_total", &dns);
+    let listed = String::from_utf8_lossy(
+        &run(&[
+            "ip",
+            "netns",
+            "exec",
+            &lab.ns("node"),
+            "conntrack",
+            "-L",
+            "-p",
+            "udp",
+            "--orig-dst",
+            "10.10.10.10",
+        ])
+        .stdout,
+    )
+    .into_owned();
+    let entries = listed
+        .lines()
+        .filter(|l| l.contains("src=172.17.0.5"))
+        .count() as f64;
+    assert_eq!(counted - before, C as f64, "{text}");
+    assert_eq!(counted, entries, "conntrack -L: {listed}");
+    assert_eq!(
+        sample(&text, "observer_conntrack_event_overruns_total", &[]),
+        0.0
     );
     promtool_accepts(&text);
     drop(agent);

@@ -545,14 +545,15 @@ fn start_observer(bin: &Path, command: &str, args: &[&str], stdout: Stdio) -> Re
         .arg(&ready)
         .stdout(stdout)
         .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // Generous: a loaded machine, or a 40,000-rule node, reads its rules slowly.
+    let deadline = Instant::now() + Duration::from_secs(120);
     while !ready.exists() {
         if let Some(status) = child.try_wait()? {
             bail!("observer {command} exited before it was ready: {status}");
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            bail!("observer {command} was not ready after 30 s");
+            bail!("observer {command} was not ready after 120 s");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
