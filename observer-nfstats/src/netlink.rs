@@ -137,10 +137,10 @@ pub fn split(buf: &[u8]) -> Result<(Vec<Message<'_>>, bool), Error> {
     Ok((out, false))
 }
 
-/// A request message: header, the 4-byte `nfgenmsg` (family, version 0, resource 0), no
-/// attributes.
-pub fn dump_request(kind: u16, family: u8, seq: u32) -> Vec<u8> {
-    let len = (NLMSG_HDRLEN + 4) as u32;
+/// A dump request message: header, the 4-byte `nfgenmsg` (family, version 0, resource 0),
+/// then `attrs` (already encoded, e.g. by [`encode_attr`]).
+pub fn dump_request(kind: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
     let mut m = Vec::with_capacity(len as usize);
     m.extend_from_slice(&len.to_ne_bytes());
     m.extend_from_slice(&kind.to_ne_bytes());
@@ -148,7 +148,19 @@ pub fn dump_request(kind: u16, family: u8, seq: u32) -> Vec<u8> {
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
     m.extend_from_slice(&[family, 0, 0, 0]);
+    m.extend_from_slice(attrs);
     m
+}
+
+/// One attribute, padded to 4 bytes.
+pub fn encode_attr(kind: u16, value: &[u8]) -> Vec<u8> {
+    let len = 4 + value.len();
+    let mut v = Vec::with_capacity(align4(len));
+    v.extend_from_slice(&(len as u16).to_ne_bytes());
+    v.extend_from_slice(&kind.to_ne_bytes());
+    v.extend_from_slice(value);
+    v.resize(align4(len), 0);
+    v
 }
 
 /// A `NETLINK_NETFILTER` socket in the calling thread's network namespace.
@@ -185,10 +197,11 @@ impl Socket {
         &mut self,
         kind: u16,
         family: u8,
+        attrs: &[u8],
         mut each: impl FnMut(&Message<'_>),
     ) -> Result<(), Error> {
         self.seq = self.seq.wrapping_add(1);
-        let req = dump_request(kind, family, self.seq);
+        let req = dump_request(kind, family, self.seq, attrs);
         // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
         let sent = unsafe {
             let mut to: libc::sockaddr_nl = std::mem::zeroed();
@@ -242,13 +255,7 @@ pub(crate) mod tests {
 
     /// Encodes one attribute (tests build messages the way the kernel does).
     pub fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
-        let len = 4 + value.len();
-        let mut v = Vec::new();
-        v.extend_from_slice(&(len as u16).to_ne_bytes());
-        v.extend_from_slice(&kind.to_ne_bytes());
-        v.extend_from_slice(value);
-        v.resize(align4(len), 0);
-        v
+        encode_attr(kind, value)
     }
 
     pub fn nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {

@@ -8,13 +8,17 @@ use std::collections::HashMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::Error;
-use crate::netlink::{Attr, Attrs, Socket, cstr};
+use crate::netlink::{Attr, Attrs, Socket, cstr, encode_attr};
 use crate::rules::{Action, Backend, Count, Rule, accept_kept, iptables_table};
 use crate::xtables;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_GETCHAIN: u16 = 4;
 const NFT_MSG_NEWRULE: u16 = 6;
 const NFT_MSG_GETRULE: u16 = 7;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
 
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
@@ -47,25 +51,69 @@ pub fn family_name(nfproto: u8) -> &'static str {
 }
 
 /// Every nf_tables rule of the calling thread's namespace, in chain order.
+///
+/// One dump per chain, not one of everything: the kernel resumes a rule dump by walking
+/// every rule before the place it stopped at, so one dump of 40,000 rules costs it the
+/// square of that (about 0.9 s of system time here), while a chain's dump walks that chain
+/// only.
 pub fn read(sock: &mut Socket) -> Result<Vec<Rule>, Error> {
-    let mut rules = Vec::new();
-    let mut places: HashMap<(u8, String, String), u32> = HashMap::new();
-    sock.dump((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE, 0, |m| {
-        if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE {
-            return;
-        }
-        if let Some(parsed) = parse_rule(m.payload) {
-            // The dump lists each chain's rules in order: the place is the count so far.
-            let n = places
-                .entry((parsed.nfproto, parsed.table.clone(), parsed.chain.clone()))
-                .or_default();
-            *n += 1;
-            if let Some(rule) = parsed.into_rule(*n) {
-                rules.push(rule);
+    let mut chains = Vec::new();
+    sock.dump(
+        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN,
+        0,
+        &[],
+        |m| {
+            if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWCHAIN {
+                return;
             }
+            if let Some(c) = parse_chain(m.payload) {
+                chains.push(c);
+            }
+        },
+    )?;
+    let mut rules = Vec::new();
+    for (nfproto, table, chain) in chains {
+        let attrs = [
+            encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
+            encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
+        ]
+        .concat();
+        let mut position = 0;
+        let dumped = sock.dump(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
+            nfproto,
+            &attrs,
+            |m| {
+                if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE {
+                    return;
+                }
+                if let Some(parsed) = parse_rule(m.payload) {
+                    // The dump lists the chain's rules in order: the place is the count so far.
+                    position += 1;
+                    if let Some(rule) = parsed.into_rule(position) {
+                        rules.push(rule);
+                    }
+                }
+            },
+        );
+        match dumped {
+            // The chain went since the list was made: nothing of it to count.
+            Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            other => other?,
         }
-    })?;
+    }
     Ok(rules)
+}
+
+/// A chain message's (family, table, chain).
+fn parse_chain(payload: &[u8]) -> Option<(u8, String, String)> {
+    let nfproto = *payload.first()?;
+    let attrs = Attrs(payload.get(4..)?);
+    Some((
+        nfproto,
+        attrs.get(NFTA_CHAIN_TABLE)?.str(),
+        attrs.get(NFTA_CHAIN_NAME)?.str(),
+    ))
 }
 
 /// One rule as the kernel described it, whatever it does.
