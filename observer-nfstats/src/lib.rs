@@ -42,6 +42,7 @@ pub enum Error {
 /// keeps open between reads.
 pub struct RuleReader {
     nft: Option<netlink::Socket>,
+    nft_reader: nft::Reader,
     legacy: xtables::Sockets,
 }
 
@@ -50,6 +51,7 @@ impl RuleReader {
     pub fn new() -> Result<Self, Error> {
         Ok(Self {
             nft: Some(netlink::Socket::open()?),
+            nft_reader: nft::Reader::default(),
             legacy: xtables::Sockets::new(),
         })
     }
@@ -62,7 +64,7 @@ impl RuleReader {
             // read again, a bounded number of times; the socket's leftovers go with it.
             let mut attempt = 0;
             rules = loop {
-                match nft::read(s) {
+                match self.nft_reader.read(s) {
                     Err(Error::Interrupted) if attempt < 3 => {
                         attempt += 1;
                         *s = netlink::Socket::open()?;

@@ -140,11 +140,15 @@ pub fn split(buf: &[u8]) -> Result<(Vec<Message<'_>>, bool), Error> {
 /// A dump request message: header, the 4-byte `nfgenmsg` (family, version 0, resource 0),
 /// then `attrs` (already encoded, e.g. by [`encode_attr`]).
 pub fn dump_request(kind: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    request(kind, NLM_F_REQUEST | NLM_F_DUMP, family, seq, attrs)
+}
+
+fn request(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
     let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
     let mut m = Vec::with_capacity(len as usize);
     m.extend_from_slice(&len.to_ne_bytes());
     m.extend_from_slice(&kind.to_ne_bytes());
-    m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
     m.extend_from_slice(&[family, 0, 0, 0]);
@@ -192,16 +196,18 @@ impl Socket {
         })
     }
 
-    /// Sends a dump request and hands each message of the answer to `each`, in order.
-    pub fn dump(
-        &mut self,
-        kind: u16,
-        family: u8,
-        attrs: &[u8],
-        mut each: impl FnMut(&Message<'_>),
-    ) -> Result<(), Error> {
+    /// Sends a plain (not dump) request and returns the payload of the kernel's one answer.
+    pub fn get(&mut self, kind: u16, family: u8) -> Result<Vec<u8>, Error> {
         self.seq = self.seq.wrapping_add(1);
-        let req = dump_request(kind, family, self.seq, attrs);
+        self.send(&request(kind, NLM_F_REQUEST, family, self.seq, &[]))?;
+        let n = self.recv()?;
+        let (msgs, _) = split(&self.buf[..n])?;
+        msgs.first()
+            .map(|m| m.payload.to_vec())
+            .ok_or(Error::Malformed("no answer to a netlink request"))
+    }
+
+    fn send(&self, req: &[u8]) -> Result<(), Error> {
         // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
         let sent = unsafe {
             let mut to: libc::sockaddr_nl = std::mem::zeroed();
@@ -218,7 +224,10 @@ impl Socket {
         if sent < 0 {
             return Err(Error::Kernel(std::io::Error::last_os_error()));
         }
-        let mut messages = 0;
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<usize, Error> {
         loop {
             // SAFETY: recv into our own buffer, at most its length.
             let n = unsafe {
@@ -229,14 +238,30 @@ impl Socket {
                     0,
                 )
             };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
                 return Err(Error::Kernel(e));
             }
-            let (msgs, done) = split(&self.buf[..n as usize])?;
+        }
+    }
+
+    /// Sends a dump request and hands each message of the answer to `each`, in order.
+    pub fn dump(
+        &mut self,
+        kind: u16,
+        family: u8,
+        attrs: &[u8],
+        mut each: impl FnMut(&Message<'_>),
+    ) -> Result<(), Error> {
+        self.seq = self.seq.wrapping_add(1);
+        self.send(&dump_request(kind, family, self.seq, attrs))?;
+        let mut messages = 0;
+        loop {
+            let n = self.recv()?;
+            let (msgs, done) = split(&self.buf[..n])?;
             messages += msgs.len();
             msgs.iter().for_each(&mut each);
             if done {

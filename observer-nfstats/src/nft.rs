@@ -17,6 +17,8 @@ const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_GETCHAIN: u16 = 4;
 const NFT_MSG_NEWRULE: u16 = 6;
 const NFT_MSG_GETRULE: u16 = 7;
+const NFT_MSG_GETGEN: u16 = 16;
+const NFTA_GEN_ID: u16 = 1;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
 
@@ -50,13 +52,57 @@ pub fn family_name(nfproto: u8) -> &'static str {
     }
 }
 
-/// Every nf_tables rule of the calling thread's namespace, in chain order.
+/// A chain: (nfproto, table, name).
+type Chain = (u8, String, String);
+
+/// Reads nf_tables rules again and again, dumping only what may hold a rule with an action.
 ///
 /// One dump per chain, not one of everything: the kernel resumes a rule dump by walking
 /// every rule before the place it stopped at, so one dump of 40,000 rules costs it the
-/// square of that (about 0.9 s of system time here), while a chain's dump walks that chain
-/// only.
-pub fn read(sock: &mut Socket) -> Result<Vec<Rule>, Error> {
+/// square of that (0.87 s of system time per read here), a chain's dump that chain only.
+/// While the ruleset's generation stays the same, no rule or chain changed: only the chains
+/// that held a rule with an action last time are dumped again (their counters moved).
+#[derive(Default)]
+pub struct Reader {
+    generation: Option<u32>,
+    action_chains: Vec<Chain>,
+}
+
+impl Reader {
+    /// Every nf_tables rule with an action in the calling thread's namespace, in chain
+    /// order.
+    pub fn read(&mut self, sock: &mut Socket) -> Result<Vec<Rule>, Error> {
+        let generation = Attrs(
+            sock.get((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN, 0)?
+                .get(4..)
+                .unwrap_or(&[]),
+        )
+        .get(NFTA_GEN_ID)
+        .and_then(|a| a.be32());
+        let same = generation.is_some() && generation == self.generation;
+        let chains = if same {
+            std::mem::take(&mut self.action_chains)
+        } else {
+            chains(sock)?
+        };
+        let mut rules = Vec::new();
+        let mut action_chains = Vec::new();
+        for chain in chains {
+            let before = rules.len();
+            read_chain(sock, &chain, &mut rules)?;
+            if rules.len() > before {
+                action_chains.push(chain);
+            }
+        }
+        self.action_chains = action_chains;
+        // A generation read before the dumps: a change during them is seen next time.
+        self.generation = generation;
+        Ok(rules)
+    }
+}
+
+/// Every chain of every nf_tables table.
+fn chains(sock: &mut Socket) -> Result<Vec<Chain>, Error> {
     let mut chains = Vec::new();
     sock.dump(
         (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN,
@@ -71,38 +117,43 @@ pub fn read(sock: &mut Socket) -> Result<Vec<Rule>, Error> {
             }
         },
     )?;
-    let mut rules = Vec::new();
-    for (nfproto, table, chain) in chains {
-        let attrs = [
-            encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
-            encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
-        ]
-        .concat();
-        let mut position = 0;
-        let dumped = sock.dump(
-            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
-            nfproto,
-            &attrs,
-            |m| {
-                if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE {
-                    return;
+    Ok(chains)
+}
+
+/// One chain's rules with an action, numbered by their place in the chain.
+fn read_chain(
+    sock: &mut Socket,
+    (nfproto, table, chain): &Chain,
+    rules: &mut Vec<Rule>,
+) -> Result<(), Error> {
+    let attrs = [
+        encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
+        encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
+    ]
+    .concat();
+    let mut position = 0;
+    let dumped = sock.dump(
+        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
+        *nfproto,
+        &attrs,
+        |m| {
+            if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE {
+                return;
+            }
+            if let Some(parsed) = parse_rule(m.payload) {
+                // The dump lists the chain's rules in order: the place is the count so far.
+                position += 1;
+                if let Some(rule) = parsed.into_rule(position) {
+                    rules.push(rule);
                 }
-                if let Some(parsed) = parse_rule(m.payload) {
-                    // The dump lists the chain's rules in order: the place is the count so far.
-                    position += 1;
-                    if let Some(rule) = parsed.into_rule(position) {
-                        rules.push(rule);
-                    }
-                }
-            },
-        );
-        match dumped {
-            // The chain went since the list was made: nothing of it to count.
-            Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            other => other?,
-        }
+            }
+        },
+    );
+    match dumped {
+        // The chain went since the list was made: nothing of it to count.
+        Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
     }
-    Ok(rules)
 }
 
 /// A chain message's (family, table, chain).

@@ -58,12 +58,21 @@ fn drops_add_exactly_n(cmd: &str, tag: &str) {
         "{cmd} -A OUTPUT -o lo -p udp --dport 9999 -m comment --comment 'tier0 test' -j DROP"
     ));
     let mut series = Series::new(100);
-    series.update(&read(&ns), HEX);
+    // One reader for both reads: the second, under the same ruleset generation, dumps only
+    // the chains that held a rule with an action.
+    let (reader, rules) = ns.run(|| {
+        let mut r = RuleReader::new().unwrap();
+        let rules = r.read().unwrap();
+        (r, rules)
+    });
+    series.update(&rules, HEX);
     let before = series_value(&series, Family::RuleDrops, ("rule", "OUTPUT#1")).unwrap();
     assert_eq!(before, 0, "a new rule has counted nothing");
     let n = 37;
     send_udp(&ns, "127.0.0.1:9999", n);
-    let rules = read(&ns);
+    // Read from inside the namespace again: legacy tables are found per thread.
+    let mut reader = reader;
+    let rules = ns.run(move || reader.read().unwrap());
     let rule = rules
         .iter()
         .find(|r| r.chain == "OUTPUT" && r.action == Action::Drop)
