@@ -453,21 +453,14 @@ mod tests {
             .filter(|x| x.family == Family::RuleDrops)
             .count();
         assert_eq!(drops, 2);
-        assert_eq!(
-            value(&s, Family::LeftOut, ("", "")).or_else(|| {
-                s.samples(&vec![])
-                    .iter()
-                    .find(|x| x.family == Family::LeftOut)
-                    .map(|x| x.value)
-            }),
-            Some(2)
-        );
-        let packets = s
-            .samples(&vec![])
-            .iter()
-            .find(|x| x.family == Family::LeftOutPackets)
-            .map(|x| x.value);
-        assert_eq!(packets, Some(20));
+        let unlabelled = |family| {
+            s.samples(&vec![])
+                .iter()
+                .find(|x| x.family == family)
+                .map(|x| x.value)
+        };
+        assert_eq!(unlabelled(Family::LeftOut), Some(2));
+        assert_eq!(unlabelled(Family::LeftOutPackets), Some(20));
     }
 
     #[test]
