@@ -217,6 +217,15 @@ struct AgentArgs {
     /// observer_rule_series_left_out instead.
     #[arg(long, value_name = "N", default_value_t = observer_nfstats::DEFAULT_CAP)]
     rule_series_cap: usize,
+    /// Default mode (tier 1): the least time between two samples of dropped packets on
+    /// one CPU, in seconds (0: no samples). Samples go to the flight recorder (`observer
+    /// drops --agent`); a NETFILTER_DROP one names its rule.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.1)]
+    drop_sample_gap: f64,
+    /// Default mode (tier 1): a drop reason the kernel neither counts by key nor samples
+    /// (repeat it; names as in observer_kernel_drops_total, e.g. NOT_SPECIFIED).
+    #[arg(long, value_name = "REASON")]
+    drop_reasons_ignored: Vec<String>,
     /// Benchmarks only: attach the probes of --mode but let each return at once (the
     /// hooks' own cost).
     #[arg(long, hide = true)]
@@ -340,6 +349,13 @@ fn run(cli: Cli) -> Result<()> {
                         )
                     })?,
                 rule_series_cap: a.rule_series_cap,
+                drop_sample_gap: (a.drop_sample_gap > 0.0)
+                    .then(|| Duration::try_from_secs_f64(a.drop_sample_gap))
+                    .transpose()
+                    .map_err(|_| {
+                        anyhow::anyhow!("--drop-sample-gap must be a number of seconds, e.g. 0.1")
+                    })?,
+                drop_reasons_ignored: a.drop_reasons_ignored,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

@@ -709,7 +709,18 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
     ];
     assert!(first.contains("observer_rule_drops_total{"), "{first}");
     let before = sample(&first, "observer_rule_drops_total", &rule);
-    let dropped = |t: &str| sample(t, "observer_drops_total", &[("reason", "NETFILTER_DROP")]);
+    let dropped = |t: &str| {
+        sample(
+            t,
+            "observer_kernel_drops_total",
+            &[
+                ("tier", "1"),
+                ("reason", "NETFILTER_DROP"),
+                ("family", "ipv4"),
+                ("protocol", "udp"),
+            ],
+        )
+    };
     let drops_before = dropped(&first);
     const N: usize = 7;
     send_udp(&lab, 7777, N);
@@ -738,7 +749,17 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
         .find(|l| l.contains("-A FORWARD ") && l.contains("--dport 7777"))
         .expect("the DROP rule");
     assert_eq!(saved_packets(&kernel), before + N as f64, "{kernel}");
-    // Tier 1: the kfree_skb program counted the same drops, by the kernel's reason.
+    // Tier 1: the kfree_skb program counted the same drops, by the kernel's reason, where
+    // netfilter drops them.
+    // The location is a kernel function (nft_do_chain with iptables-nft, nf_hook_slow
+    // with legacy tables), named from kallsyms.
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("observer_kernel_drops_total{")
+                && l.contains("reason=\"NETFILTER_DROP\",location=\"")
+                && !l.contains("location=\"0x")),
+        "{text}"
+    );
     assert_eq!(dropped(&text) - drops_before, N as f64, "{text}");
     // Service connections equal kube-proxy's DNAT rule counters.
     let sep: f64 = lab
@@ -782,6 +803,124 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
         "no client address in any label"
     );
     promtool_accepts(&text);
+    drop(agent);
+}
+
+/// The dropping rules `tail`'s JSON reports name: (table, chain, index).
+fn tails_drop_rules(reports: &[Value]) -> Vec<(String, String, u64)> {
+    let mut out = Vec::new();
+    for r in reports {
+        for s in r["stages"].as_array().into_iter().flatten() {
+            for rule in s["rules"].as_array().into_iter().flatten() {
+                if rule["action"]
+                    .as_str()
+                    .is_some_and(|a| a.to_ascii_lowercase().contains("drop"))
+                    && let Some(i) = rule["index"].as_u64()
+                {
+                    out.push((
+                        rule["table"].as_str().unwrap_or("").to_string(),
+                        rule["chain"].as_str().unwrap_or("").to_string(),
+                        i,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
+    if !privileged("default_mode_samples_name_the_dropping_rule_as_tail_does") {
+        return;
+    }
+    let lab = Lab::up("ag7");
+    // Two DROP rules: the sample must name the one that dropped (FORWARD#2 after the
+    // insert below), not merely a dropping rule.
+    drop_udp_port(&lab, 7778);
+    drop_udp_port(&lab, 7777);
+    let agent = Agent::start_with(
+        &lab,
+        &["--rules-interval", "0.5", "--drop-sample-gap", "0.001"],
+    );
+    let sock = agent.socket.to_str().unwrap().to_string();
+    first_tier0_read(&lab);
+    // Spaced beyond the sample gap: each drop is sampled.
+    const N: usize = 4;
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..N {
+            s.send_to(b"agent test", "172.17.0.5:7778").unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let named =
+        |t: &str, how: &str| sample(t, "observer_drop_sample_rules_total", &[("naming", how)]);
+    wait_for("the samples named", Duration::from_secs(30), || {
+        let t = scrape(&lab);
+        named(&t, "confirmed") + named(&t, "unconfirmed") + named(&t, "undecidable") >= N as f64
+    });
+    let text = scrape(&lab);
+    // Other drops of the namespace (sockets closed with data queued) are sampled too.
+    assert!(
+        sample(&text, "observer_drop_samples_total", &[]) >= N as f64,
+        "{text}"
+    );
+    assert_eq!(named(&text, "undecidable"), 0.0, "{text}");
+    assert!(named(&text, "confirmed") >= 1.0, "{text}");
+    assert_eq!(sample(&text, "observer_drop_samples_lost_total", &[]), 0.0);
+    promtool_accepts(&text);
+    let (lines, err) =
+        Client::start(&["drops", "--agent", &sock, "--json"]).finish(Duration::from_secs(10));
+    let samples: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["tier"] == 1 && v["fate"]["reason"] == "NETFILTER_DROP")
+        .collect();
+    assert_eq!(samples.len(), N, "{lines:#?} {err}");
+    for v in &samples {
+        assert_eq!(v["sample"]["dport"], 7778, "{v}");
+        assert_eq!(v["sample"]["dst"], "172.17.0.5", "{v}");
+        assert_eq!(v["fate"]["reason"], "NETFILTER_DROP", "{v}");
+        assert_ne!(v["rule"]["naming"], "undecidable", "{v}");
+        // Confirmed or not, the simulated rule is the one that dropped.
+        assert_eq!(v["rule"]["rule"]["rule"], "FORWARD#2", "{v}");
+        assert_eq!(v["rule"]["rule"]["table"], "filter", "{v}");
+    }
+    assert!(
+        samples.iter().any(|v| v["rule"]["naming"] == "confirmed"),
+        "{samples:#?}"
+    );
+    // tail (through the agent, which brackets the tables while it streams) names the
+    // same rule for the same flow.
+    let tail = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp dst port 7778",
+        "--timeout",
+        "10",
+    ]);
+    wait_for("tail subscribed", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_tracing", &[]) == 1.0
+    });
+    send_udp(&lab, 7778, 2);
+    let (lines, err) = tail.finish(Duration::from_secs(30));
+    let reports: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(!reports.is_empty(), "{lines:#?} {err}");
+    let rules = tails_drop_rules(&reports);
+    assert!(!rules.is_empty(), "{reports:#?}");
+    assert!(
+        rules
+            .iter()
+            .all(|r| *r == ("filter".to_string(), "FORWARD".to_string(), 2)),
+        "{rules:?}"
+    );
     drop(agent);
 }
 

@@ -208,6 +208,8 @@ pub struct Metrics {
     counters: Mutex<Counters>,
     health: Mutex<Health>,
     tier0: Mutex<Tier0State>,
+    /// Tier 1's series, rendered (`super::tier1`).
+    tier1: Mutex<String>,
     /// `--mode` and the tiers it runs, for `observer_agent_mode`.
     mode: Mutex<(&'static str, &'static str)>,
 }
@@ -220,6 +222,7 @@ impl Metrics {
             counters: Mutex::default(),
             health: Mutex::default(),
             tier0: Mutex::default(),
+            tier1: Mutex::default(),
             mode: Mutex::new(("", "")),
         }
     }
@@ -227,6 +230,11 @@ impl Metrics {
     /// Says which mode the agent runs and which tiers make its series.
     pub fn set_mode(&self, mode: &'static str, tiers: &'static str) {
         *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = (mode, tiers);
+    }
+
+    /// Tier 1's series as last read (replaces the previous ones).
+    pub fn set_tier1(&self, text: String) {
+        *self.tier1.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
 
     /// Tier 0's series as last read (replaces the previous read's).
@@ -437,6 +445,7 @@ impl Metrics {
                  observer_agent_mode{{node=\"{node}\",mode=\"{mode}\",tiers=\"{tiers}\"}} 1"
             );
         }
+        out.push_str(&self.tier1.lock().unwrap_or_else(|e| e.into_inner()));
         {
             let t = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
             if t.reads_total > 0 {

@@ -13,6 +13,7 @@ pub mod hub;
 pub mod kcounts;
 pub mod metrics;
 pub mod tier0;
+pub mod tier1;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -69,6 +70,11 @@ pub struct AgentOptions {
     /// Series the rule counters may make at most (`observer_rule_series_left_out` counts
     /// the rest).
     pub rule_series_cap: usize,
+    /// Tier 1: the least time between two samples of dropped packets on one CPU (`None`:
+    /// no samples).
+    pub drop_sample_gap: Option<Duration>,
+    /// Tier 1: drop reasons the kernel neither counts by key nor samples.
+    pub drop_reasons_ignored: Vec<String>,
 }
 
 /// What the probes do while no streaming client wants traces.
@@ -147,6 +153,8 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             AgentMode::Brackets | AgentMode::Trace => "0,2",
         },
     );
+    // Tier 1 confirms its samples' rules with tier 0's counters.
+    let drop_counters = tier1::LastRead::default();
     // Tier 0 in every mode: it costs the datapath nothing.
     tier0::spawn(
         tier0::Tier0Options {
@@ -154,6 +162,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             cap: opts.rule_series_cap,
             node: opts.node.clone(),
             marks: marks.clone(),
+            drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
         },
         metrics.clone(),
     )
@@ -177,9 +186,25 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             AgentMode::Brackets => attach_counting(&layout, &live, opts.floor)?,
             AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
         };
+        let tier1 = if opts.mode == AgentMode::Kernel {
+            Some(tier1::Tier1::start(
+                &mut probes,
+                opts.drop_sample_gap,
+                &opts.drop_reasons_ignored,
+                layout.drop_reasons.clone(),
+                &opts.node,
+                hub.clone(),
+                drop_counters,
+            )?)
+        } else {
+            None
+        };
         let ring = probes.take_ring()?;
         let naming = (marks, layout.drop_reasons.clone());
-        event_loop(&opts, probes, ring, pipelines, metrics, hub, &names, naming).await
+        event_loop(
+            &opts, probes, ring, pipelines, metrics, hub, &names, naming, tier1,
+        )
+        .await
     })
 }
 
@@ -486,6 +511,7 @@ async fn event_loop(
         crate::marks::MarkDictionary,
         std::collections::HashMap<u32, String>,
     ),
+    mut tier1: Option<tier1::Tier1>,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipelines,
@@ -578,6 +604,9 @@ async fn event_loop(
                     Err(e) => warn!("reading the probes' fallback map: {e:#}"),
                 }
                 agent.hub.tick();
+                if let Some(t) = tier1.as_mut() {
+                    t.poll(&probes, &agent.hub, &agent.metrics);
+                }
                 if opts.mode != AgentMode::Trace {
                     follow_subscribers(&mut probes, &mut agent, &mut unwatched_since, &mut kernel_filter);
                 }

@@ -19,6 +19,9 @@ pub struct Tier0Options {
     pub cap: usize,
     pub node: String,
     pub marks: MarkDictionary,
+    /// Where each read's drop-rule counters go (tier 1 confirms its samples' rules by
+    /// them).
+    pub drop_counters: Option<super::tier1::LastRead>,
 }
 
 /// Reads at once on its own thread (a large ruleset does not hold up the agent's start),
@@ -36,9 +39,22 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
     };
     let mut once = move || {
         let start = Instant::now();
+        let started_ns = crate::upkeep::now_ns();
         let mut errors = 0;
         match reader.read() {
-            Ok(rules) => series.update(&rules, &name),
+            Ok(rules) => {
+                if let Some(last) = &opts.drop_counters {
+                    super::tier1::remember(
+                        last,
+                        super::tier1::CounterRead {
+                            started_ns,
+                            ended_ns: crate::upkeep::now_ns(),
+                            packets: super::tier1::drop_counters(&rules),
+                        },
+                    );
+                }
+                series.update(&rules, &name)
+            }
             Err(e) => {
                 errors += 1;
                 warn!("reading the rules' counters: {e}");
