@@ -26,6 +26,11 @@ use observer_model::Hook;
 const QUEUE: usize = 64;
 /// The namer reads the ruleset and the counters at most this often.
 const BATCH_EVERY: Duration = Duration::from_secs(1);
+/// The namer forgets the compiled ruleset after this long without samples...
+const SIM_IDLE: Duration = Duration::from_secs(60);
+/// ...and reads it again when it is older than this (a changed ruleset read late can only
+/// make a naming unconfirmed: the counters must agree).
+const SIM_MAX_AGE: Duration = Duration::from_secs(10);
 /// Distinct drop locations named (their function looked up in `/proc/kallsyms`).
 const LOCATIONS: usize = 4096;
 
@@ -562,18 +567,37 @@ fn name_loop(
     done: impl Fn(&Sample, &RuleNaming),
 ) {
     let mut reader: Option<observer_nfstats::RuleReader> = None;
-    while let Ok(first) = rx.recv() {
+    // The compiled ruleset, kept while drops keep coming (it is large: dropped after
+    // SIM_IDLE without samples) and read again after SIM_MAX_AGE.
+    let mut sim: Option<(Simulator<'static>, std::time::Instant)> = None;
+    loop {
+        let first = match rx.recv_timeout(SIM_IDLE) {
+            Ok(s) => s,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                sim = None;
+                continue;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        };
         // Drops that come together are named together, after the batch's interval.
         std::thread::sleep(BATCH_EVERY);
         let mut batch = vec![first];
         batch.extend(rx.try_iter().take(QUEUE));
         let reads = last_read.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let live = crate::upkeep::read_live();
-        let sim = live.simulator();
+        if sim
+            .as_ref()
+            .is_none_or(|(_, at)| at.elapsed() > SIM_MAX_AGE)
+        {
+            // The old one goes before the new one is built (never two at once).
+            drop(sim.take());
+            let live = crate::upkeep::read_live();
+            sim = Some((live.simulator(), std::time::Instant::now()));
+        }
+        let Some((sim_now, _)) = sim.as_ref() else {
+            continue;
+        };
         let named: Vec<Result<Vec<RuleId>, String>> =
-            batch.iter().map(|s| candidates(&sim, s)).collect();
-        drop(sim);
-        drop(live);
+            batch.iter().map(|s| candidates(sim_now, s)).collect();
         if reader.is_none() {
             reader = observer_nfstats::RuleReader::new()
                 .map_err(|e| warn!("naming drop samples' rules: {e}"))
