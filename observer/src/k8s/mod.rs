@@ -46,6 +46,21 @@ impl Names {
         {
             s.extend(ServiceNames::from_nft(&rules));
         }
+        self.set_services(s);
+    }
+
+    /// The service names of a node already read (no second read of a large ruleset).
+    pub fn refresh_services_from(&self, live: &observer_rules::LiveNode) {
+        let mut s = ServiceNames::default();
+        s.extend(ServiceNames::from_iptables(&live.ruleset.ipv4));
+        s.extend(ServiceNames::from_iptables(&live.ruleset.ipv6));
+        if let Some(n) = &live.ruleset.nft {
+            s.extend(ServiceNames::from_nft(n));
+        }
+        self.set_services(s);
+    }
+
+    fn set_services(&self, s: ServiceNames) {
         let mut cur = self.services.write().unwrap_or_else(|e| e.into_inner());
         if *cur != s {
             info!(

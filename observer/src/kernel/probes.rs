@@ -196,7 +196,7 @@ impl Probes {
     /// record traversals. The end probes (tracepoints, sockets) are attached; netfilter
     /// and tcx are attached by [`Probes::attach_netfilter`] and [`Probes::sync_interfaces`].
     pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
-        Self::load_as(layout, filter, true)
+        Self::load_as(layout, filter, true, None)
     }
 
     /// Loads both objects to keep the always-on counters only (`observer agent`): the
@@ -204,7 +204,17 @@ impl Probes {
     /// knows of each dropped packet); nothing else is attached until
     /// [`Probes::start_tracing`].
     pub fn load_counting(layout: &KernelLayout) -> Result<Self> {
-        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false)?;
+        Self::load_counting_with_ring(layout, None)
+    }
+
+    /// As [`Probes::load_counting`], with a traversal ring of `events_bytes` (a power of
+    /// two of pages) instead of the object's 16 MiB: the agent's default mode uses it only
+    /// while a client streams, and a mapped ring is resident memory all the time.
+    pub fn load_counting_with_ring(
+        layout: &KernelLayout,
+        events_bytes: Option<u32>,
+    ) -> Result<Self> {
+        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false, events_bytes)?;
         let mut config: Array<_, u64> =
             Array::try_from(probes.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::COUNTING, 1, 0)?;
@@ -212,7 +222,12 @@ impl Probes {
         Ok(probes)
     }
 
-    fn load_as(layout: &KernelLayout, filter: &FilterProgram, tracing: bool) -> Result<Self> {
+    fn load_as(
+        layout: &KernelLayout,
+        filter: &FilterProgram,
+        tracing: bool,
+        events_bytes: Option<u32>,
+    ) -> Result<Self> {
         if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
             bail!(
                 "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
@@ -228,7 +243,11 @@ impl Probes {
         // `observer_common::kfunc`).
         let rdonly_cast = direct_reads(layout);
         let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast)?;
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        if let Some(b) = events_bytes {
+            loader.map_max_entries("EVENTS", b);
+        }
+        let mut ebpf = loader
             .map_max_entries(
                 "PACKETS",
                 if capture {
@@ -985,6 +1004,65 @@ pub fn ifname(index: u32) -> String {
         .into_owned()
 }
 
+/// Tier 1 (the agent's default mode, issue 20): drops counted by key and sampled by the
+/// `kfree_skb` program alone (`observer_ebpf::counts::drop_keyed`).
+impl Probes {
+    /// Counts drops by key; samples at most one per `gap` per CPU (`None`: no samples);
+    /// `ignored` are reasons (below 128) neither counted by key nor sampled.
+    pub fn enable_tier1(
+        &mut self,
+        gap: Option<std::time::Duration>,
+        ignored: &[u32],
+    ) -> Result<()> {
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        let mut mask = [0u64; 2];
+        for &r in ignored.iter().filter(|&&r| r < 128) {
+            mask[(r / 64) as usize] |= 1 << (r % 64);
+        }
+        config.set(config::DROP_REASONS_IGNORED, mask[0], 0)?;
+        config.set(config::DROP_REASONS_IGNORED_HIGH, mask[1], 0)?;
+        let gap = gap.map_or(config::UNSET, |g| {
+            g.as_nanos().min(u128::from(u64::MAX - 1)) as u64
+        });
+        config.set(config::DROP_SAMPLE_GAP_NS, gap, 0)?;
+        config.set(config::DROP_KEYED, 1, 0)?;
+        Ok(())
+    }
+
+    /// Drops by key, summed over CPUs.
+    pub fn drop_keyed(&self) -> Result<std::collections::BTreeMap<counts::DropKey, u64>> {
+        let map: aya::maps::PerCpuHashMap<_, counts::DropKey, u64> =
+            aya::maps::PerCpuHashMap::try_from(
+                self.ebpf.map("DROP_KEYED").context("no DROP_KEYED map")?,
+            )?;
+        let mut out = std::collections::BTreeMap::new();
+        for kv in map.iter() {
+            let (k, v) = kv?;
+            out.insert(k, v.iter().sum());
+        }
+        Ok(out)
+    }
+
+    /// Tier 1's own counters (`counts::drop_stats`), summed over CPUs.
+    pub fn drop_stats(&self) -> Result<Vec<u64>> {
+        let arr: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map("DROP_STATS").context("no DROP_STATS map")?)?;
+        (0..counts::drop_stats::COUNT)
+            .map(|i| Ok(arr.get(&i, 0)?.iter().sum()))
+            .collect()
+    }
+
+    /// The ring of drop samples.
+    pub fn take_drop_samples(&mut self) -> Result<RingBuf<MapData>> {
+        let map = self
+            .ebpf
+            .take_map("DROP_SAMPLES")
+            .context("probe object has no DROP_SAMPLES map")?;
+        Ok(RingBuf::try_from(map)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1058,64 +1136,5 @@ mod tests {
 
     fn observer_tests_in_ci() -> bool {
         std::env::var("CI").is_ok_and(|v| v == "true")
-    }
-}
-
-/// Tier 1 (the agent's default mode, issue 20): drops counted by key and sampled by the
-/// `kfree_skb` program alone (`observer_ebpf::counts::drop_keyed`).
-impl Probes {
-    /// Counts drops by key; samples at most one per `gap` per CPU (`None`: no samples);
-    /// `ignored` are reasons (below 128) neither counted by key nor sampled.
-    pub fn enable_tier1(
-        &mut self,
-        gap: Option<std::time::Duration>,
-        ignored: &[u32],
-    ) -> Result<()> {
-        let mut config: Array<_, u64> =
-            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
-        let mut mask = [0u64; 2];
-        for &r in ignored.iter().filter(|&&r| r < 128) {
-            mask[(r / 64) as usize] |= 1 << (r % 64);
-        }
-        config.set(config::DROP_REASONS_IGNORED, mask[0], 0)?;
-        config.set(config::DROP_REASONS_IGNORED_HIGH, mask[1], 0)?;
-        let gap = gap.map_or(config::UNSET, |g| {
-            g.as_nanos().min(u128::from(u64::MAX - 1)) as u64
-        });
-        config.set(config::DROP_SAMPLE_GAP_NS, gap, 0)?;
-        config.set(config::DROP_KEYED, 1, 0)?;
-        Ok(())
-    }
-
-    /// Drops by key, summed over CPUs.
-    pub fn drop_keyed(&self) -> Result<std::collections::BTreeMap<counts::DropKey, u64>> {
-        let map: aya::maps::PerCpuHashMap<_, counts::DropKey, u64> =
-            aya::maps::PerCpuHashMap::try_from(
-                self.ebpf.map("DROP_KEYED").context("no DROP_KEYED map")?,
-            )?;
-        let mut out = std::collections::BTreeMap::new();
-        for kv in map.iter() {
-            let (k, v) = kv?;
-            out.insert(k, v.iter().sum());
-        }
-        Ok(out)
-    }
-
-    /// Tier 1's own counters (`counts::drop_stats`), summed over CPUs.
-    pub fn drop_stats(&self) -> Result<Vec<u64>> {
-        let arr: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.ebpf.map("DROP_STATS").context("no DROP_STATS map")?)?;
-        (0..counts::drop_stats::COUNT)
-            .map(|i| Ok(arr.get(&i, 0)?.iter().sum()))
-            .collect()
-    }
-
-    /// The ring of drop samples.
-    pub fn take_drop_samples(&mut self) -> Result<RingBuf<MapData>> {
-        let map = self
-            .ebpf
-            .take_map("DROP_SAMPLES")
-            .context("probe object has no DROP_SAMPLES map")?;
-        Ok(RingBuf::try_from(map)?)
     }
 }

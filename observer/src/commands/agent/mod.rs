@@ -11,6 +11,7 @@ pub mod client;
 pub mod http;
 pub mod hub;
 pub mod kcounts;
+mod memory;
 pub mod metrics;
 pub mod tier0;
 pub mod tier1;
@@ -134,17 +135,21 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         drop_reasons: layout.drop_reasons.clone(),
         marks: marks.clone(),
         // The streams' reports name the rules of every stage, as tail's do.
-        namer: Some(RuleNamer::new(&live, 0)),
+        // The default mode names rules only while someone streams (super::memory).
+        namer: (opts.mode != AgentMode::Kernel).then(|| RuleNamer::new(&live, 0)),
     };
     // Kubernetes names: served at /v1/names and shown in the reports.
     let names = Arc::new(crate::k8s::Names::default());
-    names.refresh_services();
+    names.refresh_services_from(&live);
     let live_names = || Box::new(LiveNames::load().with_k8s(names.clone()));
     let pipelines = Pipelines {
         json: Pipeline::new(ctx(Output::Json), live_names()),
         tree: Pipeline::new(ctx(Output::Tree), live_names()),
         line: Pipeline::new(ctx(Output::Line), live_names()),
     };
+    // The default mode keeps no copy of the ruleset (super::memory).
+    let live = (opts.mode != AgentMode::Kernel).then_some(live);
+    memory::release();
     let metrics = Arc::new(Metrics::new(&opts.node));
     metrics.set_mode(
         opts.mode.name(),
@@ -180,12 +185,21 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
         let mut probes = match opts.mode {
-            AgentMode::Trace => {
-                attach_probes(&layout, &FilterProgram::KEEP_ALL, &live, opts.floor)?
-            }
-            AgentMode::Brackets => attach_counting(&layout, &live, opts.floor)?,
+            AgentMode::Trace => attach_probes(
+                &layout,
+                &FilterProgram::KEEP_ALL,
+                live.as_ref().context("the live ruleset")?,
+                opts.floor,
+            )?,
+            AgentMode::Brackets => attach_counting(
+                &layout,
+                live.as_ref().context("the live ruleset")?,
+                opts.floor,
+            )?,
             AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
         };
+        // Loading the probes parsed the kernel's BTF: handed back.
+        memory::release();
         let tier1 = if opts.mode == AgentMode::Kernel {
             Some(tier1::Tier1::start(
                 &mut probes,
@@ -351,7 +365,12 @@ impl Agent {
     }
 
     /// After a ruleset change: rules and mark bits are named from the node as read again.
-    fn rules_changed(&mut self, live: &observer_rules::LiveNode, marks_file: Option<&PathBuf>) {
+    fn rules_changed(
+        &mut self,
+        live: &observer_rules::LiveNode,
+        marks_file: Option<&PathBuf>,
+        tracing: bool,
+    ) {
         let marks = match mark_dictionary(live, marks_file) {
             Ok(m) => {
                 self.marks = m.clone();
@@ -363,6 +382,11 @@ impl Agent {
             }
         };
         for p in self.pipelines.all() {
+            // The default mode builds namers only while someone streams (super::memory).
+            if self.mode == AgentMode::Kernel && !tracing {
+                p.ruleset_changed(marks.clone(), None);
+                continue;
+            }
             let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
             p.ruleset_changed(marks.clone(), Some(RuleNamer::new(live, generation)));
         }
@@ -444,6 +468,7 @@ fn follow_subscribers(
     agent: &mut Agent,
     unwatched_since: &mut Option<Instant>,
     kernel_filter: &mut Option<String>,
+    marks_file: Option<&PathBuf>,
 ) {
     let watched = agent.hub.subscribers() > 0;
     if watched {
@@ -467,11 +492,16 @@ fn follow_subscribers(
         if !probes.tracing() {
             // The default mode brackets the tables only for as long as someone streams.
             if agent.mode == AgentMode::Kernel {
-                if let Err(e) = attach_brackets(probes) {
-                    warn!("attaching the per-table probes for a streaming client: {e:#}");
-                    return;
-                }
+                let live = match attach_brackets(probes) {
+                    Ok(live) => live,
+                    Err(e) => {
+                        warn!("attaching the per-table probes for a streaming client: {e:#}");
+                        return;
+                    }
+                };
                 agent.add_plans(probes);
+                // The streams name rules from the ruleset as read now.
+                agent.rules_changed(&live, marks_file, true);
             }
             if let Err(e) = probes.start_tracing(&program) {
                 warn!("recording traversals for a streaming client: {e:#}");
@@ -489,10 +519,11 @@ fn follow_subscribers(
             if let Err(e) = probes.stop_tracing() {
                 warn!("back to counting only: {e:#}");
             }
-            if agent.mode == AgentMode::Kernel
-                && let Err(e) = probes.detach_netfilter()
-            {
-                warn!("detaching the per-table probes: {e:#}");
+            if agent.mode == AgentMode::Kernel {
+                if let Err(e) = probes.detach_netfilter() {
+                    warn!("detaching the per-table probes: {e:#}");
+                }
+                memory::drop_namers(&mut agent.pipelines);
             }
         }
     }
@@ -578,10 +609,10 @@ async fn event_loop(
             _ = tick.tick() => {
                 if let Some((since, live)) = ruleset.poll() {
                     // kube-proxy's services change with its rules, plan or no plan.
-                    names.refresh_services();
+                    names.refresh_services_from(&live);
                     // Counted under the plan in force: labelled before it changes.
                     agent.read_counts(&probes);
-                    agent.rules_changed(&live, opts.marks_file.as_ref());
+                    agent.rules_changed(&live, opts.marks_file.as_ref(), probes.tracing());
                     // The default mode has per-table probes only while someone streams.
                     let bracketed = opts.mode != AgentMode::Kernel || probes.tracing();
                     if bracketed && replan(&mut probes, &live) {
@@ -590,6 +621,10 @@ async fn event_loop(
                         for p in agent.pipelines.all() {
                             p.replanned(since, to);
                         }
+                    }
+                    if !bracketed {
+                        drop(live);
+                        memory::release();
                     }
                 }
                 agent.lost_now = probes.counters().map(|c| c.ringbuf_full).unwrap_or(agent.lost_now);
@@ -608,7 +643,7 @@ async fn event_loop(
                     t.poll(&probes, &agent.hub, &agent.metrics);
                 }
                 if opts.mode != AgentMode::Trace {
-                    follow_subscribers(&mut probes, &mut agent, &mut unwatched_since, &mut kernel_filter);
+                    follow_subscribers(&mut probes, &mut agent, &mut unwatched_since, &mut kernel_filter, opts.marks_file.as_ref());
                 }
                 update_health(&probes, &agent, true);
                 if last_scan.elapsed() >= Duration::from_secs(1) {

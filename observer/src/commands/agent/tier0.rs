@@ -75,6 +75,8 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
             read_seconds: start.elapsed().as_secs_f64(),
             errors,
         });
+        // A read of a large ruleset is tens of megabytes, freed now: handed back.
+        super::memory::release();
     };
     std::thread::Builder::new()
         .name("tier0".into())

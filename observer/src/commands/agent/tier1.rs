@@ -632,6 +632,163 @@ fn name_loop(
     }
 }
 
+/// Tier 1 as the agent drives it: started once the drop program is loaded, polled on each
+/// tick of the event loop.
+pub struct Tier1 {
+    ring: aya::maps::RingBuf<aya::maps::MapData>,
+    locations: Locations,
+    naming: Naming,
+    reasons: HashMap<u32, String>,
+    node: String,
+}
+
+/// Samples read from the ring per poll at most (the ring is drained over later polls).
+const SAMPLES_PER_POLL: usize = 256;
+
+impl Tier1 {
+    /// Turns tier 1 on in the kernel and starts the namer. Call in the observed namespace.
+    pub fn start(
+        probes: &mut crate::probes::Probes,
+        gap: Option<Duration>,
+        ignored: &[String],
+        reasons: HashMap<u32, String>,
+        node: &str,
+        hub: Arc<super::hub::Hub>,
+        last_read: LastRead,
+    ) -> anyhow::Result<Self> {
+        let mut ids = Vec::new();
+        for name in ignored {
+            let Some((&id, _)) = reasons.iter().find(|(_, n)| *n == name) else {
+                anyhow::bail!(
+                    "--drop-reasons-ignored {name}: this kernel has no such drop reason \
+                     (names are enum skb_drop_reason's without SKB_DROP_REASON_, e.g. \
+                     NOT_SPECIFIED)"
+                );
+            };
+            ids.push(id);
+        }
+        probes.enable_tier1(gap, &ids)?;
+        let ring = probes.take_drop_samples()?;
+        let naming = Naming::spawn(last_read, move |s, n| hold(&hub, s, Some(n)))?;
+        Ok(Self {
+            ring,
+            locations: Locations::default(),
+            naming,
+            reasons,
+            node: node.to_string(),
+        })
+    }
+
+    /// Reads the samples that came, hands them on (NETFILTER_DROP ones to the namer), and
+    /// renders the series.
+    pub fn poll(
+        &mut self,
+        probes: &crate::probes::Probes,
+        hub: &super::hub::Hub,
+        metrics: &super::metrics::Metrics,
+    ) {
+        let mut taken = 0;
+        while taken < SAMPLES_PER_POLL {
+            let Some(item) = self.ring.next() else {
+                break;
+            };
+            taken += 1;
+            let reasons = &self.reasons;
+            let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
+            let locations = &mut self.locations;
+            let Some(s) = decode(
+                &item,
+                &reason,
+                &mut |a| locations.name(a),
+                &crate::probes::ifname,
+            ) else {
+                continue;
+            };
+            drop(item);
+            if s.reason == "NETFILTER_DROP" {
+                self.naming.push(s);
+            } else {
+                hold(hub, &s, None);
+            }
+        }
+        let keys = match probes.drop_keyed() {
+            Ok(k) => k,
+            Err(e) => {
+                warn!("reading tier 1's drop counts: {e:#}");
+                return;
+            }
+        };
+        let stats = probes.drop_stats().unwrap_or_default();
+        let naming = *self.naming.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let reasons = std::mem::take(&mut self.reasons);
+        let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
+        let locations = &mut self.locations;
+        let text = render(
+            &self.node,
+            &keys,
+            &stats,
+            &reason,
+            &mut |a| locations.name(a),
+            &naming,
+        );
+        self.reasons = reasons;
+        metrics.set_tier1(text);
+    }
+}
+
+/// Puts a sample in the flight recorder (JSON only: it is no traversal).
+fn hold(hub: &super::hub::Hub, s: &Sample, rule: Option<&RuleNaming>) {
+    // SAFETY: TraversalRecord is plain integers; zero is a valid, empty record.
+    let mut rec: observer_common::traversal::TraversalRecord = unsafe { std::mem::zeroed() };
+    rec.family = if s.family == 6 {
+        observer_common::family::IPV6
+    } else {
+        observer_common::family::IPV4
+    };
+    rec.end = observer_common::traversal::end::DROPPED;
+    rec.incomplete = observer_common::traversal::missing::START;
+    rec.location = s.location_addr;
+    rec.ts_first = s.ts_ns;
+    rec.ts_last = s.ts_ns;
+    // One step with the packet as it died, so that a client's --filter applies to it.
+    if let (Some(src), Some(dst)) = (s.src, s.dst) {
+        let bytes = |a: IpAddr| match a {
+            IpAddr::V4(a) => {
+                let mut b = [0u8; 16];
+                b[..4].copy_from_slice(&a.octets());
+                b
+            }
+            IpAddr::V6(a) => a.octets(),
+        };
+        rec.nvisits = 1;
+        rec.visits[0].ifindex_in = s.ifindex;
+        rec.nsteps = 1;
+        let st = &mut rec.steps[0];
+        st.ip_version = if src.is_ipv6() { 6 } else { 4 };
+        st.l4proto = s.protocol;
+        st.saddr = bytes(src);
+        st.daddr = bytes(dst);
+        st.sport = s.sport.unwrap_or(0);
+        st.dport = s.dport.unwrap_or(0);
+        st.mark = s.mark;
+        st.len = s.len;
+        if s.sport.is_none() {
+            st.flags |= observer_common::flags::NO_L4;
+        }
+    }
+    hub.flight
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(super::hub::Held {
+            rec,
+            rendered: super::hub::Rendered {
+                json: bytes::Bytes::from(json_line(s, rule)),
+                tree: None,
+                line: None,
+            },
+        });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -822,161 +979,4 @@ mod tests {
             text.contains("observer_drop_samples_rate_limited_total{node=\"n1\",tier=\"1\"} 2")
         );
     }
-}
-
-/// Tier 1 as the agent drives it: started once the drop program is loaded, polled on each
-/// tick of the event loop.
-pub struct Tier1 {
-    ring: aya::maps::RingBuf<aya::maps::MapData>,
-    locations: Locations,
-    naming: Naming,
-    reasons: HashMap<u32, String>,
-    node: String,
-}
-
-/// Samples read from the ring per poll at most (the ring is drained over later polls).
-const SAMPLES_PER_POLL: usize = 256;
-
-impl Tier1 {
-    /// Turns tier 1 on in the kernel and starts the namer. Call in the observed namespace.
-    pub fn start(
-        probes: &mut crate::probes::Probes,
-        gap: Option<Duration>,
-        ignored: &[String],
-        reasons: HashMap<u32, String>,
-        node: &str,
-        hub: Arc<super::hub::Hub>,
-        last_read: LastRead,
-    ) -> anyhow::Result<Self> {
-        let mut ids = Vec::new();
-        for name in ignored {
-            let Some((&id, _)) = reasons.iter().find(|(_, n)| *n == name) else {
-                anyhow::bail!(
-                    "--drop-reasons-ignored {name}: this kernel has no such drop reason \
-                     (names are enum skb_drop_reason's without SKB_DROP_REASON_, e.g. \
-                     NOT_SPECIFIED)"
-                );
-            };
-            ids.push(id);
-        }
-        probes.enable_tier1(gap, &ids)?;
-        let ring = probes.take_drop_samples()?;
-        let naming = Naming::spawn(last_read, move |s, n| hold(&hub, s, Some(n)))?;
-        Ok(Self {
-            ring,
-            locations: Locations::default(),
-            naming,
-            reasons,
-            node: node.to_string(),
-        })
-    }
-
-    /// Reads the samples that came, hands them on (NETFILTER_DROP ones to the namer), and
-    /// renders the series.
-    pub fn poll(
-        &mut self,
-        probes: &crate::probes::Probes,
-        hub: &super::hub::Hub,
-        metrics: &super::metrics::Metrics,
-    ) {
-        let mut taken = 0;
-        while taken < SAMPLES_PER_POLL {
-            let Some(item) = self.ring.next() else {
-                break;
-            };
-            taken += 1;
-            let reasons = &self.reasons;
-            let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
-            let locations = &mut self.locations;
-            let Some(s) = decode(
-                &item,
-                &reason,
-                &mut |a| locations.name(a),
-                &crate::probes::ifname,
-            ) else {
-                continue;
-            };
-            drop(item);
-            if s.reason == "NETFILTER_DROP" {
-                self.naming.push(s);
-            } else {
-                hold(hub, &s, None);
-            }
-        }
-        let keys = match probes.drop_keyed() {
-            Ok(k) => k,
-            Err(e) => {
-                warn!("reading tier 1's drop counts: {e:#}");
-                return;
-            }
-        };
-        let stats = probes.drop_stats().unwrap_or_default();
-        let naming = *self.naming.counts.lock().unwrap_or_else(|e| e.into_inner());
-        let reasons = std::mem::take(&mut self.reasons);
-        let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
-        let locations = &mut self.locations;
-        let text = render(
-            &self.node,
-            &keys,
-            &stats,
-            &reason,
-            &mut |a| locations.name(a),
-            &naming,
-        );
-        self.reasons = reasons;
-        metrics.set_tier1(text);
-    }
-}
-
-/// Puts a sample in the flight recorder (JSON only: it is no traversal).
-fn hold(hub: &super::hub::Hub, s: &Sample, rule: Option<&RuleNaming>) {
-    // SAFETY: TraversalRecord is plain integers; zero is a valid, empty record.
-    let mut rec: observer_common::traversal::TraversalRecord = unsafe { std::mem::zeroed() };
-    rec.family = if s.family == 6 {
-        observer_common::family::IPV6
-    } else {
-        observer_common::family::IPV4
-    };
-    rec.end = observer_common::traversal::end::DROPPED;
-    rec.incomplete = observer_common::traversal::missing::START;
-    rec.location = s.location_addr;
-    rec.ts_first = s.ts_ns;
-    rec.ts_last = s.ts_ns;
-    // One step with the packet as it died, so that a client's --filter applies to it.
-    if let (Some(src), Some(dst)) = (s.src, s.dst) {
-        let bytes = |a: IpAddr| match a {
-            IpAddr::V4(a) => {
-                let mut b = [0u8; 16];
-                b[..4].copy_from_slice(&a.octets());
-                b
-            }
-            IpAddr::V6(a) => a.octets(),
-        };
-        rec.nvisits = 1;
-        rec.visits[0].ifindex_in = s.ifindex;
-        rec.nsteps = 1;
-        let st = &mut rec.steps[0];
-        st.ip_version = if src.is_ipv6() { 6 } else { 4 };
-        st.l4proto = s.protocol;
-        st.saddr = bytes(src);
-        st.daddr = bytes(dst);
-        st.sport = s.sport.unwrap_or(0);
-        st.dport = s.dport.unwrap_or(0);
-        st.mark = s.mark;
-        st.len = s.len;
-        if s.sport.is_none() {
-            st.flags |= observer_common::flags::NO_L4;
-        }
-    }
-    hub.flight
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(super::hub::Held {
-            rec,
-            rendered: super::hub::Rendered {
-                json: bytes::Bytes::from(json_line(s, rule)),
-                tree: None,
-                line: None,
-            },
-        });
 }
