@@ -640,7 +640,13 @@ pub struct Tier1 {
     naming: Naming,
     reasons: HashMap<u32, String>,
     node: String,
+    /// When the series were last rendered.
+    rendered: Option<std::time::Instant>,
 }
+
+/// The series are read from the kernel and rendered at most this often (a per-CPU hash
+/// map of up to 4,096 keys costs two syscalls a key).
+const RENDER_EVERY: Duration = Duration::from_secs(1);
 
 /// Samples read from the ring per poll at most (the ring is drained over later polls).
 const SAMPLES_PER_POLL: usize = 256;
@@ -676,6 +682,7 @@ impl Tier1 {
             naming,
             reasons,
             node: node.to_string(),
+            rendered: None,
         })
     }
 
@@ -711,6 +718,10 @@ impl Tier1 {
                 hold(hub, &s, None);
             }
         }
+        if self.rendered.is_some_and(|t| t.elapsed() < RENDER_EVERY) {
+            return;
+        }
+        self.rendered = Some(std::time::Instant::now());
         let keys = match probes.drop_keyed() {
             Ok(k) => k,
             Err(e) => {
