@@ -13,6 +13,7 @@ pub mod hub;
 pub mod kcounts;
 mod memory;
 pub mod metrics;
+mod names_only;
 pub mod tier0;
 pub mod tier1;
 
@@ -125,7 +126,13 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         crate::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
-    let live = read_live();
+    // The default mode reads only what names need (super::names_only): the whole model
+    // of a large ruleset is half a gigabyte.
+    let live = if opts.mode == AgentMode::Kernel {
+        names_only::read()
+    } else {
+        read_live()
+    };
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let ctx = |output| PipelineContext {
