@@ -251,8 +251,8 @@ pub fn watch_ruleset() -> Option<tokio::io::unix::AsyncFd<crate::nftwatch::NftWa
 pub struct RulesetReader {
     /// When the first change not read yet happened (ns).
     changed: Option<u64>,
-    /// A read under way, and the change it is for.
-    reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)>,
+    /// A read under way, the change it is for, and whether it is a light one.
+    reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>, bool)>,
 }
 
 impl RulesetReader {
@@ -264,23 +264,30 @@ impl RulesetReader {
     /// Once per tick: starts a read when a change has settled; returns the node as read,
     /// with when the change happened (ns), once the read is done.
     pub fn poll(&mut self) -> Option<(u64, LiveNode)> {
+        self.poll_with(None).map(|(since, live, _)| (since, live))
+    }
+
+    /// As [`RulesetReader::poll`]; a read started now uses `light` instead of the whole
+    /// node when given. Says whether the node returned was read by `light`.
+    pub fn poll_with(&mut self, light: Option<fn() -> LiveNode>) -> Option<(u64, LiveNode, bool)> {
         if self.reading.is_none()
             && let Some(since) = self.changed
             && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
         {
             self.changed = None;
             let (tx, rx) = std::sync::mpsc::channel();
+            let read = light.unwrap_or(read_live);
             std::thread::spawn(move || {
-                let _ = tx.send(read_live());
+                let _ = tx.send(read());
             });
-            self.reading = Some((since, rx));
+            self.reading = Some((since, rx, light.is_some()));
         }
-        let (since, rx) = self.reading.as_ref()?;
+        let (since, rx, is_light) = self.reading.as_ref()?;
         match rx.try_recv() {
             Ok(live) => {
-                let since = *since;
+                let (since, is_light) = (*since, *is_light);
                 self.reading = None;
-                Some((since, live))
+                Some((since, live, is_light))
             }
             Err(std::sync::mpsc::TryRecvError::Empty) => None,
             Err(std::sync::mpsc::TryRecvError::Disconnected) => {

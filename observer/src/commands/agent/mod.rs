@@ -614,14 +614,27 @@ async fn event_loop(
                 guard.clear_ready();
             }
             _ = tick.tick() => {
-                if let Some((since, live)) = ruleset.poll() {
+                // The default mode reads only names while nobody streams (super::names_only).
+                let light = (opts.mode == AgentMode::Kernel && !probes.tracing())
+                    .then_some(names_only::read as fn() -> observer_rules::LiveNode);
+                if let Some((since, live, light)) = ruleset.poll_with(light) {
+                    // Tracing began during a light read: a whole read follows for the plan
+                    // and the namers.
+                    if light && probes.tracing() {
+                        ruleset.changed();
+                    }
                     // kube-proxy's services change with its rules, plan or no plan.
                     names.refresh_services_from(&live);
                     // Counted under the plan in force: labelled before it changes.
                     agent.read_counts(&probes);
-                    agent.rules_changed(&live, opts.marks_file.as_ref(), probes.tracing());
+                    // A light read cannot name rules: the namers stay as they are.
+                    agent.rules_changed(
+                        &live,
+                        opts.marks_file.as_ref(),
+                        probes.tracing() && !light,
+                    );
                     // The default mode has per-table probes only while someone streams.
-                    let bracketed = opts.mode != AgentMode::Kernel || probes.tracing();
+                    let bracketed = !light && (opts.mode != AgentMode::Kernel || probes.tracing());
                     if bracketed && replan(&mut probes, &live) {
                         agent.add_plans(&probes);
                         let to = now_ns();
