@@ -359,7 +359,7 @@ fn run(cli: Cli) -> Result<()> {
                     .filter(|d| *d >= Duration::from_millis(100))
                     .ok_or_else(|| {
                         anyhow::anyhow!(
-                            "--rules-interval must be at least 0.1 seconds (give the scrape                              interval, e.g. 15)"
+                            "--rules-interval must be at least 0.1 seconds (give the scrape interval, e.g. 15)"
                         )
                     })?,
                 rule_series_cap: a.rule_series_cap,
