@@ -115,6 +115,92 @@ pub fn nat_counter(hook: usize, ctinfo: u64, status: u64) -> Option<usize> {
     })
 }
 
+/// Tier 1 (the agent's default mode, no netfilter probe attached): a drop keyed by what
+/// the `kfree_skb` tracepoint knows alone. `location` is the kernel address that dropped
+/// it (userspace names the function from `/proc/kallsyms`), `reason` the kernel's
+/// `skb_drop_reason`, `family` 4 or 6 (0: the packet had no IP header yet), `protocol`
+/// the IP protocol (IPv6: the first next-header).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DropKey {
+    pub location: u64,
+    pub reason: u32,
+    pub family: u8,
+    pub protocol: u8,
+    pub pad: u16,
+}
+
+/// Keys the tier 1 map holds at most; drops of keys past it count in `KEYS_FULL`.
+pub const DROP_KEYS: u32 = 4096;
+/// Bytes of the network header a sample carries (IPv4 with options and ports, IPv6 and
+/// ports).
+pub const SAMPLE_BYTES: usize = 80;
+
+/// Tier 1 counters (the `DROP_STATS` per-CPU array).
+pub mod drop_stats {
+    /// Drops not counted by key: the key map was full.
+    pub const KEYS_FULL: u32 = 0;
+    /// Samples not taken: the rate limit left them out (counted, by design).
+    pub const SAMPLES_LIMITED: u32 = 1;
+    /// Samples lost: the sample ring was full.
+    pub const SAMPLES_LOST: u32 = 2;
+    /// Samples written.
+    pub const SAMPLES: u32 = 3;
+    /// Drops left out by the reason filter (`--drop-reasons-ignored`).
+    pub const REASON_FILTERED: u32 = 4;
+    pub const COUNT: u32 = 8;
+}
+
+/// `DropSample.flags`: the skb had a conntrack entry (`ctinfo`, `ct_status`, `ct_mark`).
+pub const SAMPLE_CT: u8 = 1;
+/// `DropSample.flags`: `header` holds the network header.
+pub const SAMPLE_HEADER: u8 = 2;
+
+/// A rate-limited sample of one dropped packet (tier 1): what the kernel had on it when
+/// it freed it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DropSample {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at the drop.
+    pub ts_ns: u64,
+    pub location: u64,
+    pub reason: u32,
+    pub mark: u32,
+    /// `skb->dev`'s ifindex (0: none).
+    pub ifindex: u32,
+    pub len: u32,
+    pub ct_status: u32,
+    pub ct_mark: u32,
+    /// `enum ip_conntrack_info` (the low bits of `_nfct`).
+    pub ctinfo: u8,
+    pub family: u8,
+    pub protocol: u8,
+    pub flags: u8,
+    pub pad: u32,
+    pub header: [u8; SAMPLE_BYTES],
+}
+
+impl DropSample {
+    pub const ZERO: Self = Self {
+        ts_ns: 0,
+        location: 0,
+        reason: 0,
+        mark: 0,
+        ifindex: 0,
+        len: 0,
+        ct_status: 0,
+        ct_mark: 0,
+        ctinfo: 0,
+        family: 0,
+        protocol: 0,
+        flags: 0,
+        pad: 0,
+        header: [0; SAMPLE_BYTES],
+    };
+}
+
+const _: () = assert!(core::mem::size_of::<DropKey>() == 16);
+const _: () = assert!(core::mem::size_of::<DropSample>() == 48 + SAMPLE_BYTES);
 const _: () = assert!(core::mem::size_of::<LastPoint>() == 16);
 const _: () = assert!(UNATTRIBUTED < ROW);
 const _: () = assert!(MARK_CLEARED + 32 <= DNAT_RULES);

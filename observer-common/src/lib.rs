@@ -161,6 +161,16 @@ pub mod config {
     /// Per hook (`NAT_AFTER + hook`), a bitmask of the probe programs right after the nat
     /// table: where the counters look at the connection's NAT status.
     pub const NAT_AFTER: u32 = 40;
+    /// Non-zero: the drop tracepoint counts drops whose last point is not known by
+    /// [`super::counts::DropKey`] (tier 1, the agent's default mode).
+    pub const DROP_KEYED: u32 = 39;
+    /// Tier 1 samples: the least time between two samples on one CPU, in nanoseconds
+    /// (unset: no samples).
+    pub const DROP_SAMPLE_GAP_NS: u32 = 45;
+    /// Tier 1: drop reasons 0..64 and 64..128 (one bit each) that are not counted by key
+    /// nor sampled.
+    pub const DROP_REASONS_IGNORED: u32 = 46;
+    pub const DROP_REASONS_IGNORED_HIGH: u32 = 47;
     pub const COUNT: u32 = 48;
 }
 
@@ -356,6 +366,8 @@ mod pod {
     unsafe impl aya::Pod for super::PacketInfo {}
     unsafe impl aya::Pod for super::CtInfo {}
     unsafe impl aya::Pod for super::PacketEvent {}
+    unsafe impl aya::Pod for super::counts::DropKey {}
+    unsafe impl aya::Pod for super::counts::DropSample {}
     unsafe impl aya::Pod for super::InnerInfo {}
     unsafe impl aya::Pod for super::traversal::TraversalRecord {}
     unsafe impl aya::Pod for super::traversal::Slots {}

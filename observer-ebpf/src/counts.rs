@@ -3,13 +3,18 @@
 //! a probe loads a few fields directly, compares the mark with the packet's previous point
 //! on this CPU, and adds to per-CPU rows.
 
-use aya_ebpf::{macros::map, maps::PerCpuArray};
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    macros::map,
+    maps::{PerCpuArray, PerCpuHashMap, RingBuf},
+};
 use observer_common::config;
 use observer_common::counts::{
-    self, LAST_POINTS, LastPoint, MARK_CLEARED, MARK_SET, PACKETS, REASONS, ROW, UNATTRIBUTED,
+    self, DROP_KEYS, DropKey, DropSample, LAST_POINTS, LastPoint, MARK_CLEARED, MARK_SET, PACKETS,
+    REASONS, ROW, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER, UNATTRIBUTED, drop_stats,
 };
 
-use crate::{cfg, direct, entry_of, read_word};
+use crate::{cfg, direct, entry_of, now, read, read_into, read_word};
 
 /// Counter rows, one per point ([`counts::point`]).
 #[map]
@@ -160,4 +165,145 @@ pub fn drop_at(place: usize, reason: u64) {
         // SAFETY: per-CPU row, used by one program run at a time on this CPU.
         unsafe { (*row)[r] += 1 };
     }
+}
+
+/// Tier 1: drops by (location, reason, family, protocol), for drops whose last point is
+/// not known (the agent's default mode attaches no netfilter probe).
+#[map]
+pub static DROP_KEYED: PerCpuHashMap<DropKey, u64> =
+    PerCpuHashMap::with_max_entries(DROP_KEYS, 0);
+
+/// Tier 1's own counters ([`drop_stats`]).
+#[map]
+pub static DROP_STATS: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(drop_stats::COUNT, 0);
+
+/// When this CPU last took a sample.
+#[map]
+static SAMPLE_LAST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Rate-limited samples of dropped packets, for the agent's flight recorder.
+#[map]
+pub static DROP_SAMPLES: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
+
+#[inline(always)]
+fn stat(i: u32) {
+    if let Some(c) = DROP_STATS.get_ptr_mut(i) {
+        // SAFETY: per-CPU slot, one program run at a time on this CPU.
+        unsafe { *c += 1 };
+    }
+}
+
+/// Whether tier 1 counts drops by key.
+#[inline(always)]
+pub fn keyed() -> bool {
+    cfg(config::DROP_KEYED).is_some_and(|v| v != 0)
+}
+
+/// Tier 1: counts a drop of the observed namespace by key and, within the rate limit,
+/// writes a sample of it. Never touches the packet.
+#[inline(always)]
+pub fn drop_keyed(skb: u64, location: u64, reason: u64) {
+    let (word, bit) = if reason < 64 {
+        (config::DROP_REASONS_IGNORED, reason)
+    } else {
+        (config::DROP_REASONS_IGNORED_HIGH, reason & 63)
+    };
+    if reason < 128 && cfg(word).is_some_and(|m| (m >> bit) & 1 != 0) {
+        stat(drop_stats::REASON_FILTERED);
+        return;
+    }
+    // The network header: its first bytes say the family and protocol.
+    let l3 = match (cfg(config::SKB_HEAD), cfg(config::SKB_NETWORK_HEADER)) {
+        (Some(h), Some(n)) => match (read::<u64>(skb, h), read::<u16>(skb, n)) {
+            (Ok(head), Ok(nh)) if head != 0 && nh != u16::MAX => Some(head + u64::from(nh)),
+            _ => None,
+        },
+        _ => None,
+    };
+    let mut key = DropKey {
+        location,
+        reason: reason as u32,
+        family: 0,
+        protocol: 0,
+        pad: 0,
+    };
+    if let Some(l3) = l3
+        && let Ok(first) = read::<[u8; 10]>(l3, 0)
+    {
+        match first[0] >> 4 {
+            4 => {
+                key.family = 4;
+                key.protocol = first[9];
+            }
+            6 => {
+                key.family = 6;
+                key.protocol = first[6];
+            }
+            _ => {}
+        }
+    }
+    if let Some(c) = DROP_KEYED.get_ptr_mut(&key) {
+        // SAFETY: per-CPU value, one program run at a time on this CPU.
+        unsafe { *c += 1 };
+    } else if DROP_KEYED.insert(&key, &1, u64::from(BPF_NOEXIST)).is_err() {
+        stat(drop_stats::KEYS_FULL);
+    }
+    let Some(gap) = cfg(config::DROP_SAMPLE_GAP_NS) else {
+        return;
+    };
+    let Some(last) = SAMPLE_LAST.get_ptr_mut(0) else {
+        return;
+    };
+    let t = now();
+    // SAFETY: as above.
+    let last = unsafe { &mut *last };
+    if *last != 0 && t.wrapping_sub(*last) < gap {
+        stat(drop_stats::SAMPLES_LIMITED);
+        return;
+    }
+    *last = t;
+    let Some(mut entry) = DROP_SAMPLES.reserve::<DropSample>(0) else {
+        stat(drop_stats::SAMPLES_LOST);
+        return;
+    };
+    let s = entry.write(DropSample::ZERO);
+    s.ts_ns = t;
+    s.location = location;
+    s.reason = reason as u32;
+    s.family = key.family;
+    s.protocol = key.protocol;
+    if let Some(off) = cfg(config::SKB_MARK) {
+        s.mark = read::<u32>(skb, off).unwrap_or(0);
+    }
+    if let Some(off) = cfg(config::SKB_LEN) {
+        s.len = read::<u32>(skb, off).unwrap_or(0);
+    }
+    if let (Some(dev_off), Some(idx_off)) = (cfg(config::SKB_DEV), cfg(config::NETDEV_IFINDEX))
+        && let Ok(dev) = read::<u64>(skb, dev_off)
+        && dev != 0
+    {
+        s.ifindex = read::<u32>(dev, idx_off).unwrap_or(0);
+    }
+    if let Some(off) = cfg(config::SKB_NFCT)
+        && let Ok(nfct) = read::<u64>(skb, off)
+        && let Some(conn) = entry_of(nfct)
+    {
+        s.ctinfo = (nfct & 7) as u8;
+        s.flags |= SAMPLE_CT;
+        if let Some(o) = cfg(config::CT_STATUS) {
+            s.ct_status = read::<u64>(conn, o).unwrap_or(0) as u32;
+        }
+        if let Some(o) = cfg(config::CT_MARK) {
+            s.ct_mark = read::<u32>(conn, o).unwrap_or(0);
+        }
+    }
+    if key.family != 0
+        && let Some(l3) = l3
+        && read_into(l3, 0, &mut s.header[..SAMPLE_BYTES]).is_ok()
+    {
+        s.flags |= SAMPLE_HEADER;
+    }
+    entry.submit(0);
+    stat(drop_stats::SAMPLES);
 }

@@ -209,8 +209,25 @@ struct AgentArgs {
     #[arg(long, value_name = "PATH")]
     ready_file: Option<PathBuf>,
     /// What the probes do while nobody streams traces.
-    #[arg(long, value_enum, default_value = "counters")]
+    #[arg(long, value_enum, default_value = "kernel")]
     mode: agent::AgentMode,
+    /// How often the rules' own counters and conntrack's statistics are read (tier 0;
+    /// every mode), in seconds: set it to the Prometheus scrape interval.
+    #[arg(long, value_name = "SECONDS", default_value_t = 15.0)]
+    rules_interval: f64,
+    /// Series the rule counters may make at most; rules past it are counted in
+    /// observer_rule_series_left_out instead.
+    #[arg(long, value_name = "N", default_value_t = observer_nfstats::DEFAULT_CAP)]
+    rule_series_cap: usize,
+    /// Default mode (tier 1): the least time between two samples of dropped packets on
+    /// one CPU, in seconds (0: no samples). Samples go to the flight recorder (`observer
+    /// drops --agent`); a NETFILTER_DROP one names its rule.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.1)]
+    drop_sample_gap: f64,
+    /// Default mode (tier 1): a drop reason the kernel neither counts by key nor samples
+    /// (repeat it; names as in observer_kernel_drops_total, e.g. NOT_SPECIFIED).
+    #[arg(long, value_name = "REASON")]
+    drop_reasons_ignored: Vec<String>,
     /// Benchmarks only: attach the probes of --mode but let each return at once (the
     /// hooks' own cost).
     #[arg(long, hide = true)]
@@ -337,6 +354,22 @@ fn run(cli: Cli) -> Result<()> {
                 ready_file: a.ready_file,
                 mode: a.mode,
                 floor: a.floor,
+                rules_interval: Duration::try_from_secs_f64(a.rules_interval)
+                    .ok()
+                    .filter(|d| *d >= Duration::from_millis(100))
+                    .ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--rules-interval must be at least 0.1 seconds (give the scrape interval, e.g. 15)"
+                        )
+                    })?,
+                rule_series_cap: a.rule_series_cap,
+                drop_sample_gap: (a.drop_sample_gap > 0.0)
+                    .then(|| Duration::try_from_secs_f64(a.drop_sample_gap))
+                    .transpose()
+                    .map_err(|_| {
+                        anyhow::anyhow!("--drop-sample-gap must be a number of seconds, e.g. 0.1")
+                    })?,
+                drop_reasons_ignored: a.drop_reasons_ignored,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

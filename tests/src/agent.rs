@@ -18,12 +18,13 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Starts the agent on `lab`'s node and waits until its probes are attached.
+    /// Starts the agent on `lab`'s node in `--mode brackets` (per-table probes always on)
+    /// and waits until its probes are attached.
     pub fn start(lab: &Lab) -> Self {
-        Self::start_with(lab, &[])
+        Self::start_with(lab, &["--mode", "brackets"])
     }
 
-    /// As [`Agent::start`], with extra arguments.
+    /// Starts the agent with `extra` arguments only (no `--mode`: the default mode).
     pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("{}-agent", lab.prefix));
         std::fs::create_dir_all(&dir).unwrap();

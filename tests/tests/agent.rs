@@ -719,3 +719,365 @@ fn a_deep_filter_is_refused_and_the_agent_still_serves() {
     assert_eq!(lines.len(), 3, "{lines:#?} {err}");
     assert!(lines.iter().all(|l| l.contains("7004")), "{lines:#?}");
 }
+
+/// `promtool check metrics` accepts `text`.
+fn promtool_accepts(text: &str) {
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`)");
+    std::io::Write::write_all(p.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(p.stdin.take());
+    let out = p.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A scrape once tier 0 has read the rules (it reads on a thread of its own from the start).
+fn first_tier0_read(lab: &Lab) -> String {
+    let mut text = String::new();
+    wait_for("tier 0's first read", Duration::from_secs(30), || {
+        text = scrape(lab);
+        text.contains("observer_tier0_read_seconds{")
+    });
+    text
+}
+
+/// The packet count of an `iptables-save -c` line (`[pkts:bytes] -A ...`).
+fn saved_packets(line: &str) -> f64 {
+    line[1..line.find(':').unwrap()].parse().unwrap()
+}
+
+#[test]
+fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
+    if !privileged("default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel") {
+        return;
+    }
+    let lab = Lab::up("ag6");
+    drop_udp_port(&lab, 7777);
+    // The default mode (no --mode), tier 0 read twice a second for the test.
+    let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
+    let first = first_tier0_read(&lab);
+    assert_eq!(
+        sample(&first, "observer_probes_attached", &[]),
+        0.0,
+        "no netfilter probe: {first}"
+    );
+    assert_eq!(
+        sample(&first, "observer_agent_mode", &[("mode", "kernel")]),
+        1.0
+    );
+    let rule = [
+        ("tier", "0"),
+        ("table", "filter"),
+        ("chain", "FORWARD"),
+        ("rule", "FORWARD#1"),
+        ("action", "drop"),
+    ];
+    assert!(first.contains("observer_rule_drops_total{"), "{first}");
+    let before = sample(&first, "observer_rule_drops_total", &rule);
+    let dropped = |t: &str| {
+        sample(
+            t,
+            "observer_kernel_drops_total",
+            &[
+                ("tier", "1"),
+                ("reason", "NETFILTER_DROP"),
+                ("family", "ipv4"),
+                ("protocol", "udp"),
+            ],
+        )
+    };
+    let drops_before = dropped(&first);
+    const N: usize = 7;
+    send_udp(&lab, 7777, N);
+    // kube-dns' ClusterIP: each datagram from a socket of its own is a new connection.
+    const C: usize = 5;
+    lab.run_in("client", || {
+        for _ in 0..C {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"svc", "10.10.10.10:53").unwrap();
+        }
+    });
+    wait_for("tier 0 to read the drops", Duration::from_secs(15), || {
+        sample(&scrape(&lab), "observer_rule_drops_total", &rule) >= before + N as f64
+    });
+    // Two more reads: exactly N, the rule named as iptables numbers it.
+    std::thread::sleep(Duration::from_millis(1200));
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(&text, "observer_rule_drops_total", &rule),
+        before + N as f64,
+        "{text}"
+    );
+    let kernel = lab
+        .iptables_counters(Some("filter"))
+        .into_iter()
+        .find(|l| l.contains("-A FORWARD ") && l.contains("--dport 7777"))
+        .expect("the DROP rule");
+    assert_eq!(saved_packets(&kernel), before + N as f64, "{kernel}");
+    // Tier 1: the kfree_skb program counted the same drops, by the kernel's reason, where
+    // netfilter drops them.
+    // The location is a kernel function (nft_do_chain with iptables-nft, nf_hook_slow
+    // with legacy tables), named from kallsyms.
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("observer_kernel_drops_total{")
+                && l.contains("reason=\"NETFILTER_DROP\",location=\"")
+                && !l.contains("location=\"0x")),
+        "{text}"
+    );
+    assert_eq!(dropped(&text) - drops_before, N as f64, "{text}");
+    // Service connections equal kube-proxy's DNAT rule counters.
+    let sep: f64 = lab
+        .iptables_counters(Some("nat"))
+        .iter()
+        .filter(|l| l.contains("-A KUBE-SEP-IT2ZTR26TO4XFPTO ") && l.contains("DNAT"))
+        .map(|l| saved_packets(l))
+        .sum();
+    assert!(sep >= C as f64, "{sep}");
+    wait_for(
+        "tier 0 to read the connections",
+        Duration::from_secs(10),
+        || {
+            sample(
+                &scrape(&lab),
+                "observer_service_connections_total",
+                &[
+                    ("namespace", "kube-system"),
+                    ("service", "kube-dns"),
+                    ("port", "dns"),
+                ],
+            ) == sep
+        },
+    );
+    let text = scrape(&lab);
+    assert_eq!(
+        sample(
+            &text,
+            "observer_service_connections_total",
+            &[("endpoint", "172.17.0.5:53")]
+        ),
+        sep,
+        "{text}"
+    );
+    assert!(
+        sample(&text, "observer_conntrack_entries", &[]) >= C as f64,
+        "{text}"
+    );
+    assert!(
+        !text.contains("198.51.100.10"),
+        "no client address in any label"
+    );
+    promtool_accepts(&text);
+    drop(agent);
+}
+
+/// The dropping rules `tail`'s JSON reports name: (table, chain, index).
+fn tails_drop_rules(reports: &[Value]) -> Vec<(String, String, u64)> {
+    let mut out = Vec::new();
+    for r in reports {
+        for s in r["stages"].as_array().into_iter().flatten() {
+            for rule in s["rules"].as_array().into_iter().flatten() {
+                if rule["action"]
+                    .as_str()
+                    .is_some_and(|a| a.to_ascii_lowercase().contains("drop"))
+                    && let Some(i) = rule["index"].as_u64()
+                {
+                    out.push((
+                        rule["table"].as_str().unwrap_or("").to_string(),
+                        rule["chain"].as_str().unwrap_or("").to_string(),
+                        i,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
+    if !privileged("default_mode_samples_name_the_dropping_rule_as_tail_does") {
+        return;
+    }
+    let lab = Lab::up("ag7");
+    // Two DROP rules: the sample must name the one that dropped (FORWARD#2 after the
+    // insert below), not merely a dropping rule.
+    drop_udp_port(&lab, 7778);
+    drop_udp_port(&lab, 7777);
+    let agent = Agent::start_with(
+        &lab,
+        &[
+            "--rules-interval",
+            "0.5",
+            "--drop-sample-gap",
+            "0.001",
+            // The test's own scrapes (sockets closed with data queued) and IPv6 multicast
+            // drop too: left out in the kernel, so that they take no sample's turn.
+            "--drop-reasons-ignored",
+            "QUEUE_PURGE",
+            "--drop-reasons-ignored",
+            "NOT_SPECIFIED",
+        ],
+    );
+    let sock = agent.socket.to_str().unwrap().to_string();
+    first_tier0_read(&lab);
+    // Spaced beyond the sample gap: each drop is sampled.
+    const N: usize = 4;
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for _ in 0..N {
+            s.send_to(b"agent test", "172.17.0.5:7778").unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let named =
+        |t: &str, how: &str| sample(t, "observer_drop_sample_rules_total", &[("naming", how)]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let t = scrape(&lab);
+        if named(&t, "confirmed") + named(&t, "unconfirmed") + named(&t, "undecidable") >= N as f64
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the samples were not named: {t}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = scrape(&lab);
+    // Other drops of the namespace (sockets closed with data queued) are sampled too.
+    assert!(
+        sample(&text, "observer_drop_samples_total", &[]) >= N as f64,
+        "{text}"
+    );
+    assert_eq!(named(&text, "undecidable"), 0.0, "{text}");
+    assert!(named(&text, "confirmed") >= 1.0, "{text}");
+    assert_eq!(sample(&text, "observer_drop_samples_lost_total", &[]), 0.0);
+    assert!(
+        !text.contains("reason=\"QUEUE_PURGE\""),
+        "ignored in the kernel: {text}"
+    );
+    promtool_accepts(&text);
+    let (lines, err) =
+        Client::start(&["drops", "--agent", &sock, "--json"]).finish(Duration::from_secs(10));
+    let samples: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["tier"] == 1 && v["fate"]["reason"] == "NETFILTER_DROP")
+        .collect();
+    assert_eq!(samples.len(), N, "{lines:#?} {err}");
+    for v in &samples {
+        assert_eq!(v["sample"]["dport"], 7778, "{v}");
+        assert_eq!(v["sample"]["dst"], "172.17.0.5", "{v}");
+        assert_eq!(v["fate"]["reason"], "NETFILTER_DROP", "{v}");
+        assert_ne!(v["rule"]["naming"], "undecidable", "{v}");
+        // Confirmed or not, the simulated rule is the one that dropped.
+        assert_eq!(v["rule"]["rule"]["rule"], "FORWARD#2", "{v}");
+        assert_eq!(v["rule"]["rule"]["table"], "filter", "{v}");
+    }
+    assert!(
+        samples.iter().any(|v| v["rule"]["naming"] == "confirmed"),
+        "{samples:#?}"
+    );
+    // tail (through the agent, which brackets the tables while it streams) names the
+    // same rule for the same flow.
+    let tail = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp dst port 7778",
+        "--timeout",
+        "10",
+    ]);
+    wait_for("tail subscribed", Duration::from_secs(10), || {
+        sample(&scrape(&lab), "observer_tracing", &[]) == 1.0
+    });
+    send_udp(&lab, 7778, 2);
+    let (lines, err) = tail.finish(Duration::from_secs(30));
+    let reports: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(!reports.is_empty(), "{lines:#?} {err}");
+    let rules = tails_drop_rules(&reports);
+    assert!(!rules.is_empty(), "{reports:#?}");
+    assert!(
+        rules
+            .iter()
+            .all(|r| *r == ("filter".to_string(), "FORWARD".to_string(), 2)),
+        "{rules:?}"
+    );
+    drop(agent);
+}
+
+#[test]
+fn nftables_mode_service_connections_equal_conntrack_entries() {
+    if !privileged("nftables_mode_service_connections_equal_conntrack_entries") {
+        return;
+    }
+    // kube-proxy's nftables mode: its DNAT rules carry no counter; conntrack's events count.
+    let lab = Lab::up_with_mode("ag7", "nftables");
+    let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
+    let dns = [
+        ("namespace", "kube-system"),
+        ("service", "kube-dns"),
+        ("port", "dns"),
+        ("endpoint", "172.17.0.5:53"),
+    ];
+    let first = first_tier0_read(&lab);
+    assert!(
+        first.contains("observer_rule_uncounted{") && first.contains("action=\"dnat\""),
+        "the DNAT rules are said to have no counter: {first}"
+    );
+    let before = sample(&first, "observer_service_connections_total", &dns);
+    const C: usize = 6;
+    lab.run_in("client", || {
+        for _ in 0..C {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"svc", "10.10.10.10:53").unwrap();
+        }
+    });
+    wait_for("the connections counted", Duration::from_secs(15), || {
+        sample(&scrape(&lab), "observer_service_connections_total", &dns) >= before + C as f64
+    });
+    std::thread::sleep(Duration::from_millis(1200));
+    let text = scrape(&lab);
+    let counted = sample(&text, "observer_service_connections_total", &dns);
+    let listed = String::from_utf8_lossy(
+        &run(&[
+            "ip",
+            "netns",
+            "exec",
+            &lab.ns("node"),
+            "conntrack",
+            "-L",
+            "-p",
+            "udp",
+            "--orig-dst",
+            "10.10.10.10",
+        ])
+        .stdout,
+    )
+    .into_owned();
+    let entries = listed
+        .lines()
+        .filter(|l| l.contains("src=172.17.0.5"))
+        .count() as f64;
+    assert_eq!(counted - before, C as f64, "{text}");
+    assert_eq!(counted, entries, "conntrack -L: {listed}");
+    assert_eq!(
+        sample(&text, "observer_conntrack_event_overruns_total", &[]),
+        0.0
+    );
+    promtool_accepts(&text);
+    drop(agent);
+}

@@ -55,6 +55,8 @@ pub enum Replan<'a> {
     Ruleset {
         probes: &'a Probes,
         live: &'a LiveNode,
+        /// Read by the consumer's [`Consumer::light_read`]: names only, no plan or namer.
+        light: bool,
     },
     /// The probes were re-planned (the tables changed): their plan of a new generation is in
     /// force; traversals in flight between `from` and `to` (ns) may have missed a table.
@@ -86,6 +88,17 @@ pub trait Consumer {
     fn on_tick(&mut self, tick: Tick<'_>) -> Option<&'static str>;
     /// The ruleset changed (see [`Replan`]).
     fn on_replan(&mut self, replan: Replan<'_>);
+    /// Before the node is read again after a change: a lighter read to use instead
+    /// (`None`: the whole node). The agent's default mode reads names only while nobody
+    /// streams (`commands::agent::names_only`).
+    fn light_read(&self, _probes: &Probes) -> Option<fn() -> LiveNode> {
+        None
+    }
+    /// After a read: whether the probes are re-planned for it (the agent's default mode has
+    /// no per-table probes while nobody streams). Never after a light read.
+    fn replans(&self, _probes: &Probes) -> bool {
+        true
+    }
     /// The end: the probes' counters are final.
     fn on_stop(&mut self, stop: Stop<'_>);
 }
@@ -184,9 +197,15 @@ impl Session {
                 }
                 _ = tick.tick() => {
                     self.probes.flush_log();
-                    if let Some((since, live)) = ruleset.poll() {
-                        c.on_replan(Replan::Ruleset { probes: &self.probes, live: &live });
-                        if replan(&mut self.probes, &live) {
+                    let light = c.light_read(&self.probes);
+                    if let Some((since, live, light)) = ruleset.poll_with(light) {
+                        // Tracing began during a light read: a whole read follows for the
+                        // plan and the namers.
+                        if light && self.probes.tracing() {
+                            ruleset.changed();
+                        }
+                        c.on_replan(Replan::Ruleset { probes: &self.probes, live: &live, light });
+                        if !light && c.replans(&self.probes) && replan(&mut self.probes, &live) {
                             c.on_replan(Replan::Replanned { probes: &self.probes, from: since, to: now_ns() });
                         }
                     }

@@ -122,6 +122,30 @@ pub fn legacy_tables() -> (String, Vec<(NfFamily, NfHook, i32)>) {
     (names, users)
 }
 
+/// The agent's default mode: only the drop tracepoint (it runs when a packet is dropped,
+/// never for every packet); no netfilter or tcx probe until [`attach_brackets`].
+pub fn attach_drops_only(layout: &KernelLayout, floor: bool) -> Result<Probes> {
+    // Traversals are recorded only while a client streams, with a filter: 4 MiB of ring
+    // (lost records are counted) instead of 16 MiB resident all the time.
+    let mut probes = Probes::load_counting_with_ring(layout, Some(4 * 1024 * 1024))?;
+    probes.set_floor(floor)?;
+    info!("attached the drop tracepoint only: no probe runs for every packet");
+    Ok(probes)
+}
+
+/// The agent's default mode, while a client streams: the per-table probes of the tables
+/// the node has now.
+/// Returns the node as read for it.
+pub fn attach_brackets(probes: &mut Probes) -> Result<LiveNode> {
+    let live = read_live();
+    probes.attach_netfilter(full_plan(hook_users(&live).as_deref()))?;
+    info!(
+        "attached {} netfilter probes for the streaming clients",
+        probes.netfilter_links()
+    );
+    Ok(live)
+}
+
 /// Brackets the tables the node has now (`live`, read after a change); true when the plan
 /// changed (the caller hands the new plans to its pipelines).
 pub fn replan(probes: &mut Probes, live: &LiveNode) -> bool {
@@ -227,8 +251,8 @@ pub fn watch_ruleset() -> Option<tokio::io::unix::AsyncFd<crate::kernel::nftwatc
 pub struct RulesetReader {
     /// When the first change not read yet happened (ns).
     changed: Option<u64>,
-    /// A read under way, and the change it is for.
-    reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>)>,
+    /// A read under way, the change it is for, and whether it is a light one.
+    reading: Option<(u64, std::sync::mpsc::Receiver<LiveNode>, bool)>,
 }
 
 impl RulesetReader {
@@ -240,23 +264,30 @@ impl RulesetReader {
     /// Once per tick: starts a read when a change has settled; returns the node as read,
     /// with when the change happened (ns), once the read is done.
     pub fn poll(&mut self) -> Option<(u64, LiveNode)> {
+        self.poll_with(None).map(|(since, live, _)| (since, live))
+    }
+
+    /// As [`RulesetReader::poll`]; a read started now uses `light` instead of the whole
+    /// node when given. Says whether the node returned was read by `light`.
+    pub fn poll_with(&mut self, light: Option<fn() -> LiveNode>) -> Option<(u64, LiveNode, bool)> {
         if self.reading.is_none()
             && let Some(since) = self.changed
             && now_ns().saturating_sub(since) >= RULESET_SETTLE.as_nanos() as u64
         {
             self.changed = None;
             let (tx, rx) = std::sync::mpsc::channel();
+            let read = light.unwrap_or(read_live);
             std::thread::spawn(move || {
-                let _ = tx.send(read_live());
+                let _ = tx.send(read());
             });
-            self.reading = Some((since, rx));
+            self.reading = Some((since, rx, light.is_some()));
         }
-        let (since, rx) = self.reading.as_ref()?;
+        let (since, rx, is_light) = self.reading.as_ref()?;
         match rx.try_recv() {
             Ok(live) => {
-                let since = *since;
+                let (since, is_light) = (*since, *is_light);
                 self.reading = None;
-                Some((since, live))
+                Some((since, live, is_light))
             }
             Err(std::sync::mpsc::TryRecvError::Empty) => None,
             Err(std::sync::mpsc::TryRecvError::Disconnected) => {

@@ -76,7 +76,8 @@ pub trait NameSource {
 /// Names from this host: `if_indextoname` (cached) and `/proc/kallsyms`.
 pub struct LiveNames {
     names: std::cell::RefCell<HashMap<u32, String>>,
-    symbols: Symbols,
+    /// Loaded on first use: a drop location is named only in a report (about 9 MiB).
+    symbols: std::cell::OnceCell<Symbols>,
     /// Kubernetes names (the agent's), when known.
     k8s: Option<std::sync::Arc<crate::k8s::Names>>,
 }
@@ -91,7 +92,7 @@ impl LiveNames {
     pub fn load() -> Self {
         Self {
             names: Default::default(),
-            symbols: Symbols::load(),
+            symbols: std::cell::OnceCell::new(),
             k8s: None,
         }
     }
@@ -106,7 +107,7 @@ impl NameSource for LiveNames {
             .clone()
     }
     fn symbol(&self, addr: u64) -> String {
-        self.symbols.name(addr)
+        self.symbols.get_or_init(Symbols::load).name(addr)
     }
     fn knows_k8s(&self) -> bool {
         self.k8s.is_some()

@@ -36,6 +36,11 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
     // state outlives a packet that left it (a veth hands the same skb to its peer).
     if counts::counting() && observed_netns(skb) == Some(true) {
         let last = counts::last_point_of(skb);
+        // Tier 1 (no netfilter probe attached): counted by key instead of by place.
+        if last.is_none() && counts::count_only() && counts::keyed() {
+            counts::drop_keyed(skb, location, reason);
+            return 0;
+        }
         counts::drop_at(
             last.map_or(observer_common::counts::UNKNOWN_PLACE, |p| p as usize),
             reason,

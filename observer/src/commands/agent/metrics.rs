@@ -126,11 +126,32 @@ struct Counters {
     overflow: u64,
 }
 
+/// Tier 0's last read (`super::tier0`): its series, rendered, and how the read went.
+#[derive(Clone, Debug, Default)]
+pub struct Tier0 {
+    pub text: String,
+    pub read_seconds: f64,
+    /// Reads that failed in this round (each is logged).
+    pub errors: u64,
+}
+
+#[derive(Default)]
+struct Tier0State {
+    last: Tier0,
+    errors_total: u64,
+    reads_total: u64,
+}
+
 /// Counters shared between the event loop (writer) and the HTTP server (reader).
 pub struct Metrics {
     node: String,
     counters: Mutex<Counters>,
     health: Mutex<Health>,
+    tier0: Mutex<Tier0State>,
+    /// Tier 1's series, rendered (`super::tier1`).
+    tier1: Mutex<String>,
+    /// `--mode` and the tiers it runs, for `observer_agent_mode`.
+    mode: Mutex<(&'static str, &'static str)>,
 }
 
 impl Metrics {
@@ -140,7 +161,28 @@ impl Metrics {
             node: node.to_string(),
             counters: Mutex::default(),
             health: Mutex::default(),
+            tier0: Mutex::default(),
+            tier1: Mutex::default(),
+            mode: Mutex::new(("", "")),
         }
+    }
+
+    /// Says which mode the agent runs and which tiers make its series.
+    pub fn set_mode(&self, mode: &'static str, tiers: &'static str) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = (mode, tiers);
+    }
+
+    /// Tier 1's series as last read (replaces the previous ones).
+    pub fn set_tier1(&self, text: String) {
+        *self.tier1.lock().unwrap_or_else(|e| e.into_inner()) = text;
+    }
+
+    /// Tier 0's series as last read (replaces the previous read's).
+    pub fn set_tier0(&self, t: Tier0) {
+        let mut s = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
+        s.errors_total += t.errors;
+        s.reads_total += 1;
+        s.last = t;
     }
 
     /// Adds `n` to a counter. `labels` are the values of [`Counter::labels`], in order.
@@ -357,6 +399,38 @@ impl Metrics {
             "1 once the probes are attached.",
             u64::from(h.ready),
         );
+        let (mode, tiers) = *self.mode.lock().unwrap_or_else(|e| e.into_inner());
+        if !mode.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP observer_agent_mode The agent's --mode and the tiers that make its \
+                 series (0: the kernel's own rule and conntrack counters; 1: drops at \
+                 kfree_skb; 2: per-table brackets).\n# TYPE observer_agent_mode gauge\n\
+                 observer_agent_mode{{node=\"{node}\",mode=\"{mode}\",tiers=\"{tiers}\"}} 1"
+            );
+        }
+        out.push_str(&self.tier1.lock().unwrap_or_else(|e| e.into_inner()));
+        {
+            let t = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
+            if t.reads_total > 0 {
+                out.push_str(&t.last.text);
+                let _ = writeln!(
+                    out,
+                    "# HELP observer_tier0_read_seconds How long the last read of every rule \
+                     counter and conntrack's statistics took.\n# TYPE observer_tier0_read_seconds \
+                     gauge\nobserver_tier0_read_seconds{{node=\"{node}\"}} {}",
+                    t.last.read_seconds
+                );
+                let _ = writeln!(
+                    out,
+                    "# HELP observer_tier0_read_errors_total Reads of rule counters or conntrack \
+                     statistics that failed (logged; their series keep the last values).\n\
+                     # TYPE observer_tier0_read_errors_total counter\n\
+                     observer_tier0_read_errors_total{{node=\"{node}\"}} {}",
+                    t.errors_total
+                );
+            }
+        }
         let _ = writeln!(
             out,
             "# HELP observer_build_info The observer's version.\n# TYPE observer_build_info \

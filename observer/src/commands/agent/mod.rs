@@ -11,7 +11,11 @@ pub mod client;
 pub mod http;
 pub mod hub;
 pub mod kcounts;
+mod memory;
 pub mod metrics;
+mod names_only;
+pub mod tier0;
+pub mod tier1;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -24,7 +28,9 @@ use log::{info, warn};
 use crate::kernel::btf::KernelLayout;
 use crate::kernel::probes::Probes;
 use crate::kernel::session::{Consumer, Next, Replan, Session, SessionOptions, Stop, Tick};
-use crate::kernel::upkeep::{attach_counting, attach_probes, mark_dictionary, read_live};
+use crate::kernel::upkeep::{
+    attach_brackets, attach_counting, attach_drops_only, attach_probes, mark_dictionary, read_live,
+};
 use crate::pipeline::decode::decode;
 use crate::pipeline::rulenames::RuleNamer;
 use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
@@ -57,20 +63,48 @@ pub struct AgentOptions {
     pub mode: AgentMode,
     /// Benchmarks only: the probes return at once.
     pub floor: bool,
+    /// How often tier 0 reads the rules' and conntrack's counters.
+    pub rules_interval: Duration,
+    /// Series the rule counters may make at most (`observer_rule_series_left_out` counts
+    /// the rest).
+    pub rule_series_cap: usize,
+    /// Tier 1: the least time between two samples of dropped packets on one CPU (`None`:
+    /// no samples).
+    pub drop_sample_gap: Option<Duration>,
+    /// Tier 1: drop reasons the kernel neither counts by key nor samples.
+    pub drop_reasons_ignored: Vec<String>,
 }
 
 /// What the probes do while no streaming client wants traces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum AgentMode {
-    /// Always-on: the probes keep counters in the kernel (per family, hook and table:
-    /// packets, mark bits set and cleared, NAT by kind and source, drops by reason and
-    /// place) and record each dropped packet as it died, for the flight recorder. Whole
-    /// traversals are recorded only while a streaming client is connected (tcx and the
-    /// socket probes are attached for that time).
-    Counters,
+    /// The default: no program that runs for every packet. Tier 0 reads what the kernel
+    /// already counts (every rule's counter, conntrack's statistics) each
+    /// --rules-interval; tier 1 counts drops by reason from the one `kfree_skb` tracepoint
+    /// program (it runs only when a packet is dropped). The per-table probes are attached
+    /// only while a streaming client is connected.
+    Kernel,
+    /// Per-table brackets, always: the probes keep counters in the kernel (per family,
+    /// hook and table: packets, mark bits set and cleared, NAT by kind and source, drops by
+    /// reason and place) and record each dropped packet as it died, for the flight
+    /// recorder. Costs every packet a probe at each table. Whole traversals are recorded
+    /// only while a streaming client is connected (tcx and the socket probes are attached
+    /// for that time).
+    #[value(alias = "counters")]
+    Brackets,
     /// Record every traversal, all the time (the metrics are taken from them, as `tail`
     /// sees them; costs what `tail` costs).
     Trace,
+}
+
+impl AgentMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kernel => "kernel",
+            Self::Brackets => "brackets",
+            Self::Trace => "trace",
+        }
+    }
 }
 
 /// How long the always-on mode keeps recording traversals after the last streaming client
@@ -88,7 +122,13 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         crate::kernel::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
-    let live = read_live();
+    // The default mode reads only what names need (super::names_only): the whole model
+    // of a large ruleset is half a gigabyte.
+    let live = if opts.mode == AgentMode::Kernel {
+        names_only::read()
+    } else {
+        read_live()
+    };
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let ctx = PipelineContext {
@@ -100,13 +140,38 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         drop_reasons: layout.drop_reasons.clone(),
         marks: marks.clone(),
         // The streams' reports name the rules of every stage, as tail's do.
-        namer: Some(RuleNamer::new(&live, 0)),
+        // The default mode names rules only while someone streams (super::memory).
+        namer: (opts.mode != AgentMode::Kernel).then(|| RuleNamer::new(&live, 0)),
     };
     // Kubernetes names: served at /v1/names and shown in the reports.
     let names = Arc::new(crate::k8s::Names::default());
     names.set_services(&live);
     let pipeline = Pipeline::new(ctx, Box::new(LiveNames::load().with_k8s(names.clone())));
+    // The default mode keeps no copy of the ruleset (super::memory).
+    let live = (opts.mode != AgentMode::Kernel).then_some(live);
+    memory::release();
     let metrics = Arc::new(Metrics::new(&opts.node));
+    metrics.set_mode(
+        opts.mode.name(),
+        match opts.mode {
+            AgentMode::Kernel => "0,1",
+            AgentMode::Brackets | AgentMode::Trace => "0,2",
+        },
+    );
+    // Tier 1 confirms its samples' rules with tier 0's counters.
+    let drop_counters = tier1::LastRead::default();
+    // Tier 0 in every mode: it costs the datapath nothing.
+    tier0::spawn(
+        tier0::Tier0Options {
+            interval: opts.rules_interval,
+            cap: opts.rule_series_cap,
+            node: opts.node.clone(),
+            marks: marks.clone(),
+            drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
+        },
+        metrics.clone(),
+    )
+    .context("reading the rules' counters (run as root, or with CAP_NET_ADMIN and CAP_NET_RAW)")?;
     let hub = Arc::new(Hub::new(
         layout.tuple,
         FlightRecorder::new(opts.flight_recorder, opts.flight_recorder_bytes),
@@ -119,14 +184,48 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // are answered once they are (the runtime has one thread); /readyz then says ready.
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
-        let probes = match opts.mode {
-            AgentMode::Trace => {
-                attach_probes(&layout, &FilterProgram::KEEP_ALL, &live, opts.floor)?
-            }
-            AgentMode::Counters => attach_counting(&layout, &live, opts.floor)?,
+        let mut probes = match opts.mode {
+            AgentMode::Trace => attach_probes(
+                &layout,
+                &FilterProgram::KEEP_ALL,
+                live.as_ref().context("the live ruleset")?,
+                opts.floor,
+            )?,
+            AgentMode::Brackets => attach_counting(
+                &layout,
+                live.as_ref().context("the live ruleset")?,
+                opts.floor,
+            )?,
+            AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
+        };
+        // Loading the probes parsed the kernel's BTF: handed back.
+        drop(live);
+        memory::release();
+        let tier1 = if opts.mode == AgentMode::Kernel {
+            Some(tier1::Tier1::start(
+                &mut probes,
+                opts.drop_sample_gap,
+                &opts.drop_reasons_ignored,
+                layout.drop_reasons.clone(),
+                &opts.node,
+                hub.clone(),
+                drop_counters,
+            )?)
+        } else {
+            None
         };
         let naming = (marks, layout.drop_reasons.clone());
-        event_loop(&opts, probes, pipeline, metrics, hub, names.clone(), naming).await
+        event_loop(
+            &opts,
+            probes,
+            pipeline,
+            metrics,
+            hub,
+            names.clone(),
+            naming,
+            tier1,
+        )
+        .await
     })
 }
 
@@ -208,6 +307,10 @@ struct Agent {
     unwatched_since: Option<Instant>,
     /// The probes' filter while recording for subscribers (None: every packet).
     kernel_filter: Option<String>,
+    /// The default mode's tier 1 (drops by key and their samples).
+    tier1: Option<tier1::Tier1>,
+    /// A node read only for names was let go: freed memory to hand back (super::memory).
+    release_pending: bool,
 }
 
 impl Agent {
@@ -251,7 +354,12 @@ impl Agent {
     }
 
     /// After a ruleset change: rules and mark bits are named from the node as read again.
-    fn rules_changed(&mut self, live: &observer_rules::LiveNode, marks_file: Option<&PathBuf>) {
+    fn rules_changed(
+        &mut self,
+        live: &observer_rules::LiveNode,
+        marks_file: Option<&PathBuf>,
+        tracing: bool,
+    ) {
         let marks = match mark_dictionary(live, marks_file) {
             Ok(m) => {
                 self.marks = m.clone();
@@ -263,13 +371,18 @@ impl Agent {
             }
         };
         let p = &mut self.pipeline;
+        // The default mode builds its namer only while someone streams (super::memory).
+        if self.mode == AgentMode::Kernel && !tracing {
+            p.ruleset_changed(marks, None);
+            return;
+        }
         let generation = p.ctx.namer.as_ref().map_or(0, |n| n.generation) + 1;
         p.ruleset_changed(marks, Some(RuleNamer::new(live, generation)));
     }
 
     /// Always-on mode: adds what the kernel's counters gained to the metrics.
     fn read_counts(&mut self, probes: &Probes) {
-        if self.mode != AgentMode::Counters {
+        if self.mode == AgentMode::Trace {
             return;
         }
         let points = KernelCounts::points(&probes.plans);
@@ -300,7 +413,7 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
     let flight = agent.hub.flight.lock().unwrap_or_else(|e| e.into_inner());
     agent.metrics.set_health(Health {
         records_lost: k.ringbuf_full,
-        packets_seen: if agent.mode == AgentMode::Counters {
+        packets_seen: if agent.mode == AgentMode::Brackets {
             agent.kernel.seen
         } else {
             k.seen
@@ -327,14 +440,12 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
 /// Always-on mode: records traversals while a streaming client is connected, and goes back
 /// to counting only [`TRACING_LINGER`] after the last one left.
 fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
-    let unwatched_since = &mut agent.unwatched_since;
-    let kernel_filter = &mut agent.kernel_filter;
     let watched = agent.hub.subscribers() > 0;
     if watched {
-        *unwatched_since = None;
+        agent.unwatched_since = None;
         // The probes keep what any subscriber wants; the hub then gives each its own.
         let wanted = agent.hub.kernel_filter();
-        let changed = !probes.tracing() || wanted != *kernel_filter;
+        let changed = !probes.tracing() || wanted != agent.kernel_filter;
         let program = match &wanted {
             Some(expr) if changed => crate::filter::compile(expr, &|name| {
                 crate::kernel::netns::ifindex(name)
@@ -349,6 +460,20 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing() {
+            // The default mode brackets the tables only for as long as someone streams.
+            if agent.mode == AgentMode::Kernel {
+                let live = match attach_brackets(probes) {
+                    Ok(live) => live,
+                    Err(e) => {
+                        warn!("attaching the per-table probes for a streaming client: {e:#}");
+                        return;
+                    }
+                };
+                agent.add_plans(probes);
+                // The streams name rules from the ruleset as read now.
+                let file = agent.marks_file.clone();
+                agent.rules_changed(&live, file.as_ref(), true);
+            }
             if let Err(e) = probes.start_tracing(&program) {
                 warn!("recording traversals for a streaming client: {e:#}");
                 return;
@@ -357,13 +482,19 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             warn!("setting the probes' filter for the streaming clients: {e:#}");
             return;
         }
-        *kernel_filter = wanted;
+        agent.kernel_filter = wanted;
     } else if probes.tracing() {
-        let since = *unwatched_since.get_or_insert_with(Instant::now);
+        let since = *agent.unwatched_since.get_or_insert_with(Instant::now);
         if since.elapsed() >= TRACING_LINGER {
-            *unwatched_since = None;
+            agent.unwatched_since = None;
             if let Err(e) = probes.stop_tracing() {
                 warn!("back to counting only: {e:#}");
+            }
+            if agent.mode == AgentMode::Kernel {
+                if let Err(e) = probes.detach_netfilter() {
+                    warn!("detaching the per-table probes: {e:#}");
+                }
+                memory::drop_namer(&mut agent.pipeline);
             }
         }
     }
@@ -381,7 +512,14 @@ impl Consumer for Agent {
         self.hub.set_lost(tick.lost_now);
         self.hub.tick();
         let probes = tick.probes;
-        if self.mode == AgentMode::Counters {
+        if self.release_pending {
+            self.release_pending = false;
+            memory::release();
+        }
+        if let Some(t) = self.tier1.as_mut() {
+            t.poll(probes, &self.hub, &self.metrics);
+        }
+        if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
         }
         if tick.scanned {
@@ -397,20 +535,40 @@ impl Consumer for Agent {
 
     fn on_replan(&mut self, replan: Replan<'_>) {
         match replan {
-            Replan::Ruleset { probes, live } => {
+            Replan::Ruleset {
+                probes,
+                live,
+                light,
+            } => {
                 // kube-proxy's services change with its rules, plan or no plan: read from
                 // the node the session read off the loop's thread.
                 self.names.set_services(live);
                 // Counted under the plan in force: labelled before it changes.
                 self.read_counts(probes);
                 let file = self.marks_file.clone();
-                self.rules_changed(live, file.as_ref());
+                // A light read cannot name rules: the namer stays as it is.
+                self.rules_changed(live, file.as_ref(), probes.tracing() && !light);
+                // A node read only for names is dropped after this: memory handed back.
+                if !self.replans(probes) || light {
+                    self.release_pending = true;
+                }
             }
             Replan::Replanned { probes, from, to } => {
                 self.add_plans(probes);
                 self.pipeline.replanned(from, to);
             }
         }
+    }
+
+    fn light_read(&self, probes: &Probes) -> Option<fn() -> observer_rules::LiveNode> {
+        // The default mode reads only names while nobody streams (super::names_only).
+        (self.mode == AgentMode::Kernel && !probes.tracing())
+            .then_some(names_only::read as fn() -> observer_rules::LiveNode)
+    }
+
+    fn replans(&self, probes: &Probes) -> bool {
+        // The default mode has per-table probes only while someone streams.
+        self.mode != AgentMode::Kernel || probes.tracing()
     }
 
     fn on_stop(&mut self, stop: Stop<'_>) {
@@ -420,6 +578,7 @@ impl Consumer for Agent {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn event_loop(
     opts: &AgentOptions,
     probes: Probes,
@@ -431,6 +590,7 @@ async fn event_loop(
         observer_model::marks::MarkDictionary,
         std::collections::HashMap<u32, String>,
     ),
+    tier1: Option<tier1::Tier1>,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipeline,
@@ -447,6 +607,8 @@ async fn event_loop(
         names,
         unwatched_since: None,
         kernel_filter: None,
+        tier1,
+        release_pending: false,
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);

@@ -132,7 +132,7 @@ impl Probes {
     /// record traversals. The end probes (tracepoints, sockets) are attached; netfilter
     /// and tcx are attached by [`Probes::attach_netfilter`] and [`Probes::sync_interfaces`].
     pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
-        Self::load_as(layout, filter, true)
+        Self::load_as(layout, filter, true, None)
     }
 
     /// Loads both objects to keep the always-on counters only (`observer agent`): the
@@ -140,7 +140,17 @@ impl Probes {
     /// knows of each dropped packet); nothing else is attached until
     /// [`Probes::start_tracing`].
     pub fn load_counting(layout: &KernelLayout) -> Result<Self> {
-        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false)?;
+        Self::load_counting_with_ring(layout, None)
+    }
+
+    /// As [`Probes::load_counting`], with a traversal ring of `events_bytes` (a power of
+    /// two of pages) instead of the object's 16 MiB: the agent's default mode uses it only
+    /// while a client streams, and a mapped ring is resident memory all the time.
+    pub fn load_counting_with_ring(
+        layout: &KernelLayout,
+        events_bytes: Option<u32>,
+    ) -> Result<Self> {
+        let mut probes = Self::load_as(layout, &FilterProgram::KEEP_ALL, false, events_bytes)?;
         let mut config: Array<_, u64> =
             Array::try_from(probes.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::COUNTING, 1, 0)?;
@@ -148,7 +158,12 @@ impl Probes {
         Ok(probes)
     }
 
-    fn load_as(layout: &KernelLayout, filter: &FilterProgram, tracing: bool) -> Result<Self> {
+    fn load_as(
+        layout: &KernelLayout,
+        filter: &FilterProgram,
+        tracing: bool,
+        events_bytes: Option<u32>,
+    ) -> Result<Self> {
         if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
             bail!(
                 "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
@@ -168,7 +183,11 @@ impl Probes {
         if let Some(what) = unexpected_layout(&layout.config) {
             log::debug!(target: "observer::probes", "{what}");
         }
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        if let Some(b) = events_bytes {
+            loader.map_max_entries("EVENTS", b);
+        }
+        let mut ebpf = loader
             .override_global(aya_log::LEVEL, &log_level, false)
             .map_max_entries(
                 "PACKETS",

@@ -247,3 +247,62 @@ impl Probes {
         })
     }
 }
+
+/// Tier 1 (the agent's default mode, issue 20): drops counted by key and sampled by the
+/// `kfree_skb` program alone (`observer_ebpf::counts::drop_keyed`).
+impl Probes {
+    /// Counts drops by key; samples at most one per `gap` per CPU (`None`: no samples);
+    /// `ignored` are reasons (below 128) neither counted by key nor sampled.
+    pub fn enable_tier1(
+        &mut self,
+        gap: Option<std::time::Duration>,
+        ignored: &[u32],
+    ) -> Result<()> {
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        let mut mask = [0u64; 2];
+        for &r in ignored.iter().filter(|&&r| r < 128) {
+            mask[(r / 64) as usize] |= 1 << (r % 64);
+        }
+        config.set(config::DROP_REASONS_IGNORED, mask[0], 0)?;
+        config.set(config::DROP_REASONS_IGNORED_HIGH, mask[1], 0)?;
+        let gap = gap.map_or(config::UNSET, |g| {
+            g.as_nanos().min(u128::from(u64::MAX - 1)) as u64
+        });
+        config.set(config::DROP_SAMPLE_GAP_NS, gap, 0)?;
+        config.set(config::DROP_KEYED, 1, 0)?;
+        Ok(())
+    }
+
+    /// Drops by key, summed over CPUs.
+    pub fn drop_keyed(&self) -> Result<std::collections::BTreeMap<counts::DropKey, u64>> {
+        let map: aya::maps::PerCpuHashMap<_, counts::DropKey, u64> =
+            aya::maps::PerCpuHashMap::try_from(
+                self.ebpf.map("DROP_KEYED").context("no DROP_KEYED map")?,
+            )?;
+        let mut out = std::collections::BTreeMap::new();
+        for kv in map.iter() {
+            let (k, v) = kv?;
+            out.insert(k, v.iter().sum());
+        }
+        Ok(out)
+    }
+
+    /// Tier 1's own counters (`counts::drop_stats`), summed over CPUs.
+    pub fn drop_stats(&self) -> Result<Vec<u64>> {
+        let arr: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.ebpf.map("DROP_STATS").context("no DROP_STATS map")?)?;
+        (0..counts::drop_stats::COUNT)
+            .map(|i| Ok(arr.get(&i, 0)?.iter().sum()))
+            .collect()
+    }
+
+    /// The ring of drop samples.
+    pub fn take_drop_samples(&mut self) -> Result<RingBuf<MapData>> {
+        let map = self
+            .ebpf
+            .take_map("DROP_SAMPLES")
+            .context("probe object has no DROP_SAMPLES map")?;
+        Ok(RingBuf::try_from(map)?)
+    }
+}

@@ -82,6 +82,20 @@ impl Probes {
         Ok(changed)
     }
 
+    /// Detaches every netfilter probe (released in the background: each detach waits for
+    /// RCU); the plan generation moves on, so that a later plan is told apart.
+    pub fn detach_netfilter(&mut self) -> Result<()> {
+        let taken = std::mem::take(&mut self.links);
+        std::thread::spawn(move || drop(taken));
+        self.plans.clear();
+        self.generation = self.generation.wrapping_add(1);
+        let mut config: Array<_, u64> =
+            Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
+        config.set(config::PLAN_GEN, u64::from(self.generation), 0)?;
+        info!("netfilter probes detached");
+        Ok(())
+    }
+
     /// Plan generation in force (records carry it, modulo 256).
     pub fn generation(&self) -> u8 {
         self.generation

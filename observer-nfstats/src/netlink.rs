@@ -1,0 +1,339 @@
+//! The smallest netlink client the readers need: one `NETLINK_NETFILTER` socket in the
+//! calling thread's namespace, a dump request, the multipart answer split into messages,
+//! and netlink attributes (TLVs) walked from bytes.
+//!
+//! The attribute walk is pure and unit-tested from bytes; only [`dump`] touches the kernel.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::Error;
+
+const NLMSG_HDRLEN: usize = 16;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_DUMP: u16 = 0x300;
+/// The kernel's set changed during the dump: what it sent may be inconsistent.
+const NLM_F_DUMP_INTR: u16 = 0x10;
+/// Attribute type bits that are flags, not part of the type.
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// Bound on the messages of one dump (40,000 rules is a large node; this is ten times that).
+const MAX_MESSAGES: usize = 400_000;
+
+/// One netlink attribute: its type (flags masked off) and value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attr<'a> {
+    pub kind: u16,
+    pub value: &'a [u8],
+}
+
+impl<'a> Attr<'a> {
+    /// The nested attributes inside this one.
+    pub fn nested(&self) -> Attrs<'a> {
+        Attrs(self.value)
+    }
+
+    pub fn be32(&self) -> Option<u32> {
+        Some(u32::from_be_bytes(self.value.get(..4)?.try_into().ok()?))
+    }
+
+    pub fn be64(&self) -> Option<u64> {
+        Some(u64::from_be_bytes(self.value.get(..8)?.try_into().ok()?))
+    }
+
+    /// A NUL-terminated string attribute (the NUL and anything after it left out).
+    pub fn str(&self) -> String {
+        cstr(self.value)
+    }
+}
+
+/// The text of a fixed-size, NUL-padded C string.
+pub fn cstr(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// Iterator over the attributes in a buffer; stops at the first malformed one.
+#[derive(Clone, Copy, Debug)]
+pub struct Attrs<'a>(pub &'a [u8]);
+
+impl<'a> Attrs<'a> {
+    /// The first attribute of type `kind`.
+    pub fn get(self, kind: u16) -> Option<Attr<'a>> {
+        self.into_iter().find(|a| a.kind == kind)
+    }
+}
+
+impl<'a> IntoIterator for Attrs<'a> {
+    type Item = Attr<'a>;
+    type IntoIter = AttrIter<'a>;
+    fn into_iter(self) -> AttrIter<'a> {
+        AttrIter(self.0)
+    }
+}
+
+pub struct AttrIter<'a>(&'a [u8]);
+
+impl<'a> Iterator for AttrIter<'a> {
+    type Item = Attr<'a>;
+    fn next(&mut self) -> Option<Attr<'a>> {
+        let b = self.0;
+        if b.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([b[0], b[1]]) as usize;
+        let kind = u16::from_ne_bytes([b[2], b[3]]) & NLA_TYPE_MASK;
+        if len < 4 || len > b.len() {
+            self.0 = &[];
+            return None;
+        }
+        let value = &b[4..len];
+        self.0 = &b[align4(len).min(b.len())..];
+        Some(Attr { kind, value })
+    }
+}
+
+fn align4(n: usize) -> usize {
+    (n + 3) & !3
+}
+
+/// One message of a dump: its type and payload (after the netlink header).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Message<'a> {
+    pub kind: u16,
+    pub payload: &'a [u8],
+}
+
+/// What one received buffer held: messages, and whether the dump ended in it.
+pub fn split(buf: &[u8]) -> Result<(Vec<Message<'_>>, bool), Error> {
+    let mut out = Vec::new();
+    let mut rest = buf;
+    while rest.len() >= NLMSG_HDRLEN {
+        let len = u32::from_ne_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
+        let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+        let flags = u16::from_ne_bytes([rest[6], rest[7]]);
+        if flags & NLM_F_DUMP_INTR != 0 {
+            return Err(Error::Interrupted);
+        }
+        if len < NLMSG_HDRLEN || len > rest.len() {
+            return Err(Error::Malformed("netlink message length"));
+        }
+        let payload = &rest[NLMSG_HDRLEN..len];
+        match kind {
+            NLMSG_DONE => return Ok((out, true)),
+            NLMSG_ERROR => {
+                let errno = payload
+                    .get(..4)
+                    .map(|e| i32::from_ne_bytes(e.try_into().expect("4 bytes")))
+                    .unwrap_or(0);
+                if errno != 0 {
+                    return Err(Error::Kernel(std::io::Error::from_raw_os_error(-errno)));
+                }
+            }
+            _ => out.push(Message { kind, payload }),
+        }
+        rest = &rest[align4(len).min(rest.len())..];
+    }
+    Ok((out, false))
+}
+
+/// A dump request message: header, the 4-byte `nfgenmsg` (family, version 0, resource 0),
+/// then `attrs` (already encoded, e.g. by [`encode_attr`]).
+pub fn dump_request(kind: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    request(kind, NLM_F_REQUEST | NLM_F_DUMP, family, seq, attrs)
+}
+
+fn request(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
+    let mut m = Vec::with_capacity(len as usize);
+    m.extend_from_slice(&len.to_ne_bytes());
+    m.extend_from_slice(&kind.to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&[family, 0, 0, 0]);
+    m.extend_from_slice(attrs);
+    m
+}
+
+/// One attribute, padded to 4 bytes.
+pub fn encode_attr(kind: u16, value: &[u8]) -> Vec<u8> {
+    let len = 4 + value.len();
+    let mut v = Vec::with_capacity(align4(len));
+    v.extend_from_slice(&(len as u16).to_ne_bytes());
+    v.extend_from_slice(&kind.to_ne_bytes());
+    v.extend_from_slice(value);
+    v.resize(align4(len), 0);
+    v
+}
+
+/// A `NETLINK_NETFILTER` socket in the calling thread's network namespace.
+pub struct Socket {
+    fd: OwnedFd,
+    buf: Vec<u8>,
+    seq: u32,
+}
+
+impl Socket {
+    pub fn open() -> Result<Self, Error> {
+        // SAFETY: plain socket(2); the fd is owned below.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_NETFILTER,
+            )
+        };
+        if fd < 0 {
+            return Err(Error::Open(std::io::Error::last_os_error()));
+        }
+        // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self {
+            fd,
+            buf: vec![0; 64 * 1024],
+            seq: 0,
+        })
+    }
+
+    /// Sends a plain (not dump) request and returns the payload of the kernel's one answer.
+    pub fn get(&mut self, kind: u16, family: u8) -> Result<Vec<u8>, Error> {
+        self.seq = self.seq.wrapping_add(1);
+        self.send(&request(kind, NLM_F_REQUEST, family, self.seq, &[]))?;
+        let n = self.recv()?;
+        let (msgs, _) = split(&self.buf[..n])?;
+        msgs.first()
+            .map(|m| m.payload.to_vec())
+            .ok_or(Error::Malformed("no answer to a netlink request"))
+    }
+
+    fn send(&self, req: &[u8]) -> Result<(), Error> {
+        // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
+        let sent = unsafe {
+            let mut to: libc::sockaddr_nl = std::mem::zeroed();
+            to.nl_family = libc::AF_NETLINK as u16;
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                req.as_ptr().cast(),
+                req.len(),
+                0,
+                (&raw const to).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(Error::Kernel(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<usize, Error> {
+        loop {
+            // SAFETY: recv into our own buffer, at most its length.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    self.buf.as_mut_ptr().cast(),
+                    self.buf.len(),
+                    0,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(Error::Kernel(e));
+            }
+        }
+    }
+
+    /// Sends a dump request and hands each message of the answer to `each`, in order.
+    pub fn dump(
+        &mut self,
+        kind: u16,
+        family: u8,
+        attrs: &[u8],
+        mut each: impl FnMut(&Message<'_>),
+    ) -> Result<(), Error> {
+        self.seq = self.seq.wrapping_add(1);
+        self.send(&dump_request(kind, family, self.seq, attrs))?;
+        let mut messages = 0;
+        loop {
+            let n = self.recv()?;
+            let (msgs, done) = split(&self.buf[..n])?;
+            messages += msgs.len();
+            msgs.iter().for_each(&mut each);
+            if done {
+                return Ok(());
+            }
+            if n == 0 || messages > MAX_MESSAGES {
+                return Err(Error::Malformed("netlink dump did not end"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Encodes one attribute (tests build messages the way the kernel does).
+    pub fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+        encode_attr(kind, value)
+    }
+
+    pub fn nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
+        attr(kind | 0x8000, &inner.concat())
+    }
+
+    pub fn message(kind: u16, payload: &[u8]) -> Vec<u8> {
+        let len = NLMSG_HDRLEN + payload.len();
+        let mut v = Vec::new();
+        v.extend_from_slice(&(len as u32).to_ne_bytes());
+        v.extend_from_slice(&kind.to_ne_bytes());
+        v.extend_from_slice(&[0; 10]);
+        v.extend_from_slice(payload);
+        v.resize(align4(len), 0);
+        v
+    }
+
+    #[test]
+    fn attributes_nest_and_skip_padding() {
+        let buf = [
+            attr(1, b"filter\0"),
+            nest(4, &[attr(1, b"counter\0"), attr(2, &7u64.to_be_bytes())]),
+        ]
+        .concat();
+        let attrs: Vec<_> = Attrs(&buf).into_iter().collect();
+        assert_eq!(attrs.len(), 2);
+        assert_eq!(attrs[0].str(), "filter");
+        assert_eq!(attrs[1].kind, 4, "NLA_F_NESTED is masked off");
+        let inner = attrs[1].nested();
+        assert_eq!(inner.get(1).unwrap().str(), "counter");
+        assert_eq!(inner.get(2).unwrap().be64(), Some(7));
+    }
+
+    #[test]
+    fn a_truncated_attribute_ends_the_walk() {
+        let mut buf = attr(1, b"abc\0");
+        buf.extend_from_slice(&[40, 0, 2, 0, 1]);
+        assert_eq!(Attrs(&buf).into_iter().count(), 1);
+    }
+
+    #[test]
+    fn split_stops_at_done_and_reports_errors() {
+        let buf = [message(0xa06, &[2, 0, 0, 0]), message(NLMSG_DONE, &[0; 4])].concat();
+        let (msgs, done) = split(&buf).unwrap();
+        assert!(done);
+        assert_eq!(msgs.len(), 1);
+        assert_eq!(msgs[0].kind, 0xa06);
+        let mut intr = message(0xa06, &[2, 0, 0, 0]);
+        intr[6] = NLM_F_DUMP_INTR as u8;
+        assert!(matches!(split(&intr), Err(Error::Interrupted)));
+        let err = message(NLMSG_ERROR, &(-libc::EPERM).to_ne_bytes());
+        assert!(matches!(split(&err), Err(Error::Kernel(_))));
+        let ack = message(NLMSG_ERROR, &0i32.to_ne_bytes());
+        assert_eq!(split(&ack).unwrap(), (vec![], false));
+    }
+}
