@@ -170,13 +170,11 @@ pub fn drop_at(place: usize, reason: u64) {
 /// Tier 1: drops by (location, reason, family, protocol), for drops whose last point is
 /// not known (the agent's default mode attaches no netfilter probe).
 #[map]
-pub static DROP_KEYED: PerCpuHashMap<DropKey, u64> =
-    PerCpuHashMap::with_max_entries(DROP_KEYS, 0);
+pub static DROP_KEYED: PerCpuHashMap<DropKey, u64> = PerCpuHashMap::with_max_entries(DROP_KEYS, 0);
 
 /// Tier 1's own counters ([`drop_stats`]).
 #[map]
-pub static DROP_STATS: PerCpuArray<u64> =
-    PerCpuArray::with_max_entries(drop_stats::COUNT, 0);
+pub static DROP_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(drop_stats::COUNT, 0);
 
 /// When this CPU last took a sample.
 #[map]
