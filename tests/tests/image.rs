@@ -182,25 +182,29 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     }
     let (status, text) = http_get(&lab, METRICS, "/metrics");
     assert_eq!(status, 200);
-    assert!(
-        sample(&text, "observer_probes_attached", &[("node", "lab-node")]) > 0.0,
+    // The DaemonSet runs the default mode: no probe on the datapath, drops from kfree_skb.
+    assert_eq!(
+        sample(&text, "observer_agent_mode", &[("mode", "kernel")]),
+        1.0,
         "{text}"
     );
-    // The probes see the lab's packets from inside the container.
+    let dropped = |t: &str| {
+        sample(
+            t,
+            "observer_kernel_drops_total",
+            &[("reason", "NETFILTER_DROP"), ("protocol", "udp")],
+        )
+    };
+    let before = dropped(&text);
+    // The drops program sees the lab's packets from inside the container.
     lab.run_in("client", || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
         for _ in 0..3 {
             s.send_to(b"x", "172.17.0.5:7777").unwrap();
         }
     });
-    let q = [("hook", "FORWARD"), ("table", "filter")];
     let deadline = Instant::now() + Duration::from_secs(20);
-    while sample(
-        &http_get(&lab, METRICS, "/metrics").1,
-        "observer_drops_total",
-        &q,
-    ) < 3.0
-    {
+    while dropped(&http_get(&lab, METRICS, "/metrics").1) < before + 3.0 {
         assert!(
             Instant::now() < deadline,
             "drops not counted: {}",
