@@ -150,3 +150,26 @@ pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) {
     a.exec(&["ip", "link", "set", a_if, "up"]);
     b.exec(&["ip", "link", "set", b_if, "up"]);
 }
+
+/// Runs `cmd` inside namespace `ns` with `input` on stdin: Ok, or Err with its whole stderr
+/// (callers keep the part that answers them).
+pub fn run_in_with_stdin(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &ns.name])
+        .args(cmd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    // A failing restore may exit before reading everything; a broken pipe is its answer.
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}

@@ -12,8 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 use observer_rules::{Family, parse_ipsets, parse_save_family};
@@ -402,28 +401,13 @@ fn corrupt(r: &mut Rng, f: &Fam, base: &str) -> (&'static str, String) {
 
 /// Runs `cmd` in the namespace with `input` on stdin: Ok, or Err with its stderr.
 fn run_in(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), String> {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .args(cmd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    // A failing restore may exit before reading everything; a broken pipe is its answer.
-    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
-    let out = child.wait_with_output().unwrap();
-    if out.status.success() {
-        Ok(())
-    } else {
-        let msg = String::from_utf8_lossy(&out.stderr);
-        // One line per answer: the messages end with a usage hint that says nothing here.
-        Err(msg
-            .lines()
+    // One line per answer: the messages end with a usage hint that says nothing here.
+    observer_tests::run_in_with_stdin(ns, cmd, input).map_err(|msg| {
+        msg.lines()
             .filter(|l| !l.trim().is_empty() && !l.starts_with("Try `"))
             .collect::<Vec<_>>()
-            .join(" "))
-    }
+            .join(" ")
+    })
 }
 
 const TOOLS: &[&str] = &[

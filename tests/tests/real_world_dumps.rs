@@ -5,9 +5,8 @@
 //! `observer-rules/tests/corpus.rs` holds the parser to the same file), and the parser's
 //! must equal it. "Rejected" means rejected by either back end, as in `broken_dumps.rs`.
 
-use std::io::Write as _;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use observer_rules::{Family, parse_save_family};
 use observer_tests::{Netns, in_ci, privileged, unique_prefix};
@@ -18,23 +17,8 @@ fn corpus() -> PathBuf {
 
 /// Runs `cmd` in the namespace with `input` on stdin: Ok, or Err with its first stderr line.
 fn run_in(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), String> {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .args(cmd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    // A failing restore may exit before reading everything; a broken pipe is its answer.
-    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
-    let out = child.wait_with_output().unwrap();
-    if out.status.success() {
-        Ok(())
-    } else {
-        let msg = String::from_utf8_lossy(&out.stderr);
-        Err(msg.lines().next().unwrap_or("failed").to_string())
-    }
+    observer_tests::run_in_with_stdin(ns, cmd, input)
+        .map_err(|e| e.lines().next().unwrap_or("failed").to_string())
 }
 
 /// The restore tools compared with; missing ones fail under CI, skip loudly elsewhere.
