@@ -303,12 +303,38 @@ pub struct Handled<'a> {
     pub lost_now: u64,
     /// What the pipeline made of it: the [`Report`] (the typed traversal), or why none.
     pub outcome: &'a Outcome,
+    /// The record as decoded (once, for every sink), as the pipeline left it (a traversal
+    /// that crossed a re-plan flagged); None when the bytes are no record.
+    pub record: Option<&'a TraversalRecord>,
     /// With [`Pipeline::learn_names`], the names its report looked up.
     pub learned: Option<&'a Learned>,
+    /// Bytes of renderings the sinks made (kept with the cached report: the cache's
+    /// memory bound counts them).
+    rendered: std::cell::Cell<usize>,
 }
 
-/// Where reports go besides the caller's own output: the recording, pcap-ng, replay's
-/// printer. Each sees every record handled and the context changes its caller passes on
+impl Handled<'_> {
+    /// The report, if the record made one.
+    pub fn report(&self) -> Option<&Report> {
+        match self.outcome {
+            Outcome::Report { report, .. } => Some(report),
+            _ => None,
+        }
+    }
+
+    /// `report` rendered as `output` (made once per report, whoever asks first; what a sink
+    /// makes is counted in the pipeline's cache like its own renderings).
+    pub fn render(&self, report: &Report, output: Output) -> bytes::Bytes {
+        let (b, made) = report.render_new(output);
+        if made {
+            self.rendered.set(self.rendered.get() + b.len());
+        }
+        b
+    }
+}
+
+/// Where reports go: the recording, pcap-ng, replay's printer, the agent's metrics and
+/// its subscribers with the flight recorder (`commands::agent`). Each sees every record handled and the context changes its caller passes on
 /// (plans, re-plans, the ruleset), in the order they happened.
 pub trait Sink {
     fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()>;
@@ -421,7 +447,7 @@ impl Pipeline {
     /// packets so far; the report says how many were lost since the previous one.
     pub fn handle(&mut self, raw: &[u8], lost_now: u64) -> Outcome {
         match decode(raw) {
-            Ok(mut rec) => self.handle_decoded(raw, &mut rec, lost_now),
+            Ok(mut rec) => self.render_record(&mut rec, lost_now),
             Err(e) => Outcome::Undecodable(e),
         }
     }
@@ -435,28 +461,30 @@ impl Pipeline {
         sinks: impl IntoIterator<Item = &'s mut (dyn Sink + 'o)>,
     ) -> std::io::Result<Outcome> {
         self.learned = None;
-        let outcome = self.handle(raw, lost_now);
+        let (rec, outcome) = match decode(raw) {
+            Ok(mut rec) => {
+                let outcome = self.render_record(&mut rec, lost_now);
+                (Some(rec), outcome)
+            }
+            Err(e) => (None, Outcome::Undecodable(e)),
+        };
         let h = Handled {
             raw,
             lost_now,
             outcome: &outcome,
+            record: rec.as_ref(),
             learned: self.learned.as_ref(),
+            rendered: Default::default(),
         };
+        let mut result = Ok(());
         for s in sinks {
-            s.handled(&h)?;
+            result = s.handled(&h);
+            if result.is_err() {
+                break;
+            }
         }
-        Ok(outcome)
-    }
-
-    /// [`Pipeline::handle`] for a record its caller decoded already (`raw` is what it was
-    /// decoded from, for the recording): records are decoded once.
-    pub fn handle_decoded(
-        &mut self,
-        _raw: &[u8],
-        rec: &mut TraversalRecord,
-        lost_now: u64,
-    ) -> Outcome {
-        self.render_record(rec, lost_now)
+        self.cache.add_weight(h.rendered.get());
+        result.map(|()| outcome)
     }
 
     fn render_record(&mut self, rec: &mut TraversalRecord, lost_now: u64) -> Outcome {

@@ -31,9 +31,10 @@ use crate::kernel::session::{Consumer, Next, Replan, Session, SessionOptions, St
 use crate::kernel::upkeep::{
     attach_brackets, attach_counting, attach_drops_only, attach_probes, mark_dictionary, read_live,
 };
-use crate::pipeline::decode::decode;
 use crate::pipeline::rulenames::RuleNamer;
-use crate::pipeline::{Context as PipelineContext, LiveNames, Outcome, Output, Pipeline};
+use crate::pipeline::{
+    Context as PipelineContext, Handled, LiveNames, Outcome, Output, Pipeline, Sink,
+};
 use hub::{FlightRecorder, Held, Hub, Rendered};
 use kcounts::{KernelCounts, Naming};
 use metrics::{Health, Metrics};
@@ -314,42 +315,26 @@ struct Agent {
 }
 
 impl Agent {
+    /// One record through the pipeline, its traversal to the metrics and the hub.
     fn handle(&mut self, raw: &[u8]) {
-        let mut rec = match decode(raw) {
-            Ok(r) => r,
-            Err(e) => {
-                warn!("undecodable record: {e}");
-                self.unusable += 1;
-                return;
-            }
+        let mut metrics = MetricsSink {
+            metrics: &self.metrics,
+            // In the always-on modes the kernel counts every packet itself.
+            on: self.mode == AgentMode::Trace,
         };
-        let (report, json) = match self.pipeline.handle_decoded(raw, &mut rec, self.lost_now) {
-            Outcome::Report { report, bytes, .. } => (report, bytes),
-            other => {
+        let mut hub = HubSink(&self.hub);
+        let sinks: [&mut dyn Sink; 2] = [&mut metrics, &mut hub];
+        // Neither sink fails: what a subscriber cannot take is skipped and counted there.
+        match self.pipeline.handle_to(raw, self.lost_now, sinks) {
+            Ok(Outcome::Report { .. }) => {}
+            Ok(other) => {
                 crate::pipeline::warn_unusable(&other);
                 self.unusable += 1;
-                return;
             }
-        };
-        let t = report.traversal();
-        // In the always-on mode the kernel counts every packet itself.
-        if self.mode == AgentMode::Trace {
-            self.metrics.observe(t);
-        }
-        let dropped = t.fate.kind == observer_model::FateKind::Dropped;
-        let (tree, line) = self.hub.wanted(&rec);
-        let rendered = Rendered {
-            json,
-            tree: (tree || dropped).then(|| self.pipeline.render(&report, Output::Tree)),
-            line: (line || dropped).then(|| self.pipeline.render(&report, Output::Line)),
-        };
-        self.hub.dispatch(&rec, &rendered);
-        if dropped {
-            self.hub
-                .flight
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Held { rec, rendered });
+            Err(e) => {
+                warn!("handing a traversal to the agent's sinks: {e}");
+                self.unusable += 1;
+            }
         }
     }
 
@@ -404,6 +389,56 @@ impl Agent {
 
     fn add_plans(&mut self, probes: &Probes) {
         self.pipeline.add_plans(probes.generation(), &probes.plans);
+    }
+}
+
+/// The traversal metrics (`--mode trace`: the kernel counts in the other modes), as a
+/// sink of the pipeline: they read the typed traversal's fields.
+struct MetricsSink<'a> {
+    metrics: &'a Metrics,
+    on: bool,
+}
+
+impl Sink for MetricsSink<'_> {
+    fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
+        if let (true, Some(report)) = (self.on, h.report()) {
+            self.metrics.observe(report.traversal());
+        }
+        Ok(())
+    }
+}
+
+/// The subscribers and the flight recorder, as a sink of the pipeline: each subscriber's
+/// filter decides from the decoded record, each rendering is made once for all who want
+/// it, and a dropped traversal is kept in all three forms for later `drops` requests.
+struct HubSink<'a>(&'a Hub);
+
+impl Sink for HubSink<'_> {
+    fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
+        let (Some(report), Some(rec), Outcome::Report { bytes: json, .. }) =
+            (h.report(), h.record, h.outcome)
+        else {
+            return Ok(());
+        };
+        let dropped = report.traversal().fate.kind == observer_model::FateKind::Dropped;
+        let (tree, line) = self.0.wanted(rec);
+        let rendered = Rendered {
+            json: json.clone(),
+            tree: (tree || dropped).then(|| h.render(report, Output::Tree)),
+            line: (line || dropped).then(|| h.render(report, Output::Line)),
+        };
+        self.0.dispatch(rec, &rendered);
+        if dropped {
+            self.0
+                .flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Held {
+                    rec: rec.clone(),
+                    rendered,
+                });
+        }
+        Ok(())
     }
 }
 
