@@ -11,8 +11,10 @@ use anyhow::{Context as _, Result};
 use serde::Serialize;
 
 use crate::kernel::btf::TupleLayout;
+use crate::kernel::session::{self, Consumer, Next, Replan, Stop, Tick};
 use crate::output::recording::{Frame, Meta, Reader};
 use crate::pipeline::decode::decode;
+use crate::pipeline::rulenames::RuleNamer;
 use crate::pipeline::{
     Context, NameSource, Outcome, Output, Pipeline, RecordedNames, Report, Reports, Sink,
 };
@@ -134,7 +136,9 @@ pub fn replay<R: std::io::Read>(
 }
 
 /// Hands each record of an open recording, its report and the recorded context to `sink`
-/// (a [`Sink`] of the pipeline, as the tail's recording and pcap-ng are).
+/// (a [`Sink`] of the pipeline, as the tail's recording and pcap-ng are): a recorded
+/// session ([`session::replay`]) drives the [`Replayer`], a consumer like tail's and the
+/// agent's.
 pub fn replay_each<R: std::io::Read>(
     mut reader: Reader<R>,
     ifindexes: &HashMap<String, u32>,
@@ -150,130 +154,146 @@ pub fn replay_each<R: std::io::Read>(
     }
     let h = reader.header.clone();
     let names = Rc::new(RefCell::new(RecordedNames::default()));
-    let mut pipeline = Pipeline::new(
+    let pipeline = Pipeline::new(
         Context {
             output: opts.output,
             netns: h.netns.clone(),
             tuple: (&h.tuple).into(),
             drop_reasons: h.drop_reasons.clone(),
             marks: MarkDictionary::from_entries(&h.marks),
-            // A recording holds no ruleset yet: rules are not named on replay.
+            // Rules are named once the recording's ruleset frame is read.
             namer: None,
         },
         Box::new(Shared(names.clone())),
     );
-    let mut summary = ReplaySummary {
-        recorded_by: h.observer_version.clone(),
-        netns: h.netns.clone(),
-        ..Default::default()
-    };
     let filter = match &opts.filter {
         Some(expr) => Some(crate::filter::compile(expr, &|name| {
             ifindexes.get(name).copied()
         })?),
         None => None,
     };
-    let tuple: TupleLayout = (&h.tuple).into();
-    while let Some(frame) = reader.next_frame()? {
-        match frame {
-            Frame::Meta(Meta::Plans { generation, plans }) => {
-                let plans = plans
-                    .iter()
-                    .map(|p| {
-                        p.to_plan().with_context(|| {
-                            format!(
-                                "{}: a probe plan names an unknown family or hook ({}, {}); \
-                                 the file is damaged or from another observer",
-                                opts.file.display(),
-                                p.family,
-                                p.hook
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                pipeline.add_plans(generation, &plans);
-                sink.plans(generation, &plans);
+    let mut replayer = Replayer {
+        pipeline,
+        names,
+        sink,
+        filter,
+        tuple: (&h.tuple).into(),
+        opts,
+        summary: ReplaySummary {
+            recorded_by: h.observer_version.clone(),
+            netns: h.netns.clone(),
+            ..Default::default()
+        },
+        failed: None,
+    };
+    let (why, unknown) = session::replay(&mut reader, &opts.file, &mut replayer)?;
+    if let Some(e) = replayer.failed.take() {
+        return Err(e).context("writing the reports");
+    }
+    let mut summary = replayer.summary;
+    summary.skipped_context = unknown.len() as u64;
+    summary.unended = why != "--count"
+        && reader.format != crate::output::recording::FORMAT_V1
+        && !reader.complete();
+    Ok(summary)
+}
+
+/// Replay's consumer of a recorded session: the recording's records through the pipeline
+/// to `sink`, as `opts` keeps them, named as the tail named them.
+struct Replayer<'a> {
+    pipeline: Pipeline,
+    /// The recording's names, which the pipeline reads through [`Shared`].
+    names: Rc<RefCell<RecordedNames>>,
+    sink: &'a mut dyn Sink,
+    filter: Option<observer_common::filter::FilterProgram>,
+    tuple: TupleLayout,
+    opts: &'a ReplayOptions,
+    summary: ReplaySummary,
+    /// The sink's error, which stopped the replay.
+    failed: Option<std::io::Error>,
+}
+
+impl Consumer for Replayer<'_> {
+    fn on_record(&mut self, raw: &[u8], lost_now: u64) -> Next {
+        let summary = &mut self.summary;
+        summary.records += 1;
+        if let (Some(prog), Ok(rec)) = (&self.filter, decode(raw))
+            && !crate::filter::eval::keeps(prog, &rec, &self.tuple)
+        {
+            summary.filtered += 1;
+            return Next::More;
+        }
+        match self.pipeline.handle_to(raw, lost_now, [&mut *self.sink]) {
+            Ok(Outcome::Report { incomplete, .. }) => {
+                summary.printed += 1;
+                summary.incomplete += u64::from(incomplete);
+                // Stop at once: not after reading one more frame.
+                if self.opts.count.is_some_and(|n| summary.printed >= n) {
+                    return Next::Stop("--count");
+                }
             }
-            Frame::Meta(Meta::Replan { from, to }) => {
-                pipeline.replanned(from, to);
-                sink.replanned(from, to);
+            Ok(other) => {
+                crate::pipeline::warn_unusable(&other);
+                summary.unusable += 1;
             }
-            Frame::Meta(Meta::Ruleset {
-                generation,
-                texts,
-                marks,
-            }) => {
-                sink.ruleset(generation, &texts, &marks);
+            Err(e) => {
+                self.failed = Some(e);
+                return Next::Stop("the reports could not be written");
+            }
+        }
+        Next::More
+    }
+
+    fn on_tick(&mut self, _tick: Tick<'_>) -> Option<&'static str> {
+        // A recorded session has no clock of its own: it never ticks.
+        None
+    }
+
+    fn on_replan(&mut self, replan: Replan<'_>) {
+        match replan {
+            Replan::Plans {
+                generation, plans, ..
+            } => {
+                self.pipeline.add_plans(generation, plans);
+                self.sink.plans(generation, plans);
+            }
+            Replan::Replanned { from, to } => {
+                self.pipeline.replanned(from, to);
+                self.sink.replanned(from, to);
+            }
+            Replan::Ruleset { live, recorded, .. } => {
+                let (generation, marks) = recorded.unwrap_or((0, &[]));
+                self.sink.ruleset(generation, &live.texts, marks);
                 // Rules named as the tail named them, from the ruleset it read.
-                let live = observer_rules::LiveNode::parse(*texts);
                 for f in &live.failures {
                     log::warn!(
                         "{}: the recorded ruleset of generation {generation} is partly \
                          unreadable ({}); rules from it are not named",
-                        opts.file.display(),
+                        self.opts.file.display(),
                         crate::output::recording::short(&f)
                     );
                 }
-                pipeline.ruleset_changed(
-                    Some(MarkDictionary::from_entries(&marks)),
-                    Some(crate::pipeline::rulenames::RuleNamer::new(
-                        &live, generation,
-                    )),
+                self.pipeline.ruleset_changed(
+                    Some(MarkDictionary::from_entries(marks)),
+                    Some(RuleNamer::new(live, generation)),
                 );
             }
-            Frame::Meta(Meta::Names { ifnames, symbols }) => {
-                let mut n = names.borrow_mut();
+            Replan::Names { ifnames, symbols } => {
+                let mut n = self.names.borrow_mut();
                 let renamed = ifnames
                     .iter()
                     .any(|(i, name)| n.ifnames.get(i).is_some_and(|old| old != name));
-                n.ifnames.extend(ifnames);
-                n.symbols.extend(symbols);
+                n.ifnames.extend(ifnames.iter().cloned());
+                n.symbols.extend(symbols.iter().cloned());
                 drop(n);
                 if renamed {
-                    pipeline.forget_names();
-                }
-            }
-            Frame::UnknownMeta(name) => {
-                log::warn!(
-                    "skipping context `{name}`, which this observer does not know (recorded \
-                     by observer {})",
-                    h.observer_version
-                );
-                summary.skipped_context += 1;
-            }
-            Frame::Record { lost_now, bytes } => {
-                summary.records += 1;
-                if let (Some(prog), Ok(rec)) = (&filter, decode(&bytes))
-                    && !crate::filter::eval::keeps(prog, &rec, &tuple)
-                {
-                    summary.filtered += 1;
-                    continue;
-                }
-                let outcome = pipeline
-                    .handle_to(&bytes, lost_now, [&mut *sink])
-                    .context("writing the reports")?;
-                match outcome {
-                    Outcome::Report { incomplete, .. } => {
-                        summary.printed += 1;
-                        summary.incomplete += u64::from(incomplete);
-                        // Stop at once: not after reading one more frame.
-                        if opts.count.is_some_and(|n| summary.printed >= n) {
-                            break;
-                        }
-                    }
-                    other => {
-                        crate::pipeline::warn_unusable(&other);
-                        summary.unusable += 1;
-                    }
+                    self.pipeline.forget_names();
                 }
             }
         }
     }
-    let stopped_early = opts.count.is_some_and(|n| summary.printed >= n);
-    summary.unended = !stopped_early
-        && reader.format != crate::output::recording::FORMAT_V1
-        && !reader.complete();
-    Ok(summary)
+
+    fn on_stop(&mut self, _stop: Stop<'_>) {}
 }
 
 /// The interface index each name had in the recording at `file` (its last), for `--filter`.

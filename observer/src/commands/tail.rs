@@ -442,14 +442,22 @@ impl Consumer for Printer<'_> {
                 let (pipeline, sinks) = self.split();
                 pipeline.ruleset_to(&live.texts, sinks);
             }
-            Replan::Replanned { probes, from, to } => {
-                self.pipeline.add_plans(probes.generation(), &probes.plans);
+            Replan::Plans {
+                generation, plans, ..
+            } => {
+                self.pipeline.add_plans(generation, plans);
+                for s in self.split().1 {
+                    s.plans(generation, plans);
+                }
+            }
+            Replan::Replanned { from, to } => {
                 self.pipeline.replanned(from, to);
                 for s in self.split().1 {
-                    s.plans(probes.generation(), &probes.plans);
                     s.replanned(from, to);
                 }
             }
+            // A live session looks names up itself.
+            Replan::Names { .. } => {}
         }
     }
 
@@ -461,7 +469,9 @@ impl Consumer for Printer<'_> {
         let (written, unwritten) = self.out.finish(Duration::from_millis(30));
         summary.printed = written;
         summary.not_printed += unwritten;
-        let probes = stop.probes;
+        let Some(probes) = stop.probes else {
+            return;
+        };
         let k = match probes.counters() {
             Ok(k) => k,
             Err(e) => {

@@ -2,8 +2,9 @@
 //! upkeep (the nf_tables watch, the node read again off the loop's thread after a ruleset
 //! change, re-plans and their generations, interface churn, the namespace's deletion), and
 //! drives the one event loop that `tail` and `agent` share. What they do with the records
-//! is theirs: each is a [`Consumer`] (on record, on tick, on re-plan, on stop); `replay`
-//! drives the same consumer calls from a recording (`commands::replay`).
+//! is theirs: each is a [`Consumer`] (on record, on tick, on re-plan, on stop). A recorded
+//! session ([`replay`]) drives the same calls from a `tail --record` file: `observer
+//! replay` is a consumer too (`commands::replay`).
 //!
 //! Bounded and responsive at any load: the ring buffer is drained in batches that give the
 //! loop its turn (signals and the timeout act within a batch), a consumer that is behind
@@ -19,10 +20,12 @@ use log::warn;
 use tokio::io::unix::AsyncFd;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::kernel::plan::HookPlan;
 use crate::kernel::probes::Probes;
 use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, housekeeping, legacy_tables, now_ns, replan, watch_ruleset,
 };
+use crate::output::recording::{Frame, Meta, Reader};
 use observer_common::traversal::end;
 use observer_rules::LiveNode;
 
@@ -48,28 +51,41 @@ pub struct Tick<'a> {
     pub names_changed: bool,
 }
 
-/// A ruleset change, in the order the session handles it.
+/// A change of the context records are read in, in the order the session handles it. A
+/// live session has its probes; a recorded one (`observer replay`, [`replay`]) has none and
+/// passes on what the recording kept instead.
 pub enum Replan<'a> {
     /// The node was read again (off the loop's thread): rules, sets, routes, marks. The
     /// probes still run under the plan in force.
     Ruleset {
-        probes: &'a Probes,
+        probes: Option<&'a Probes>,
         live: &'a LiveNode,
         /// Read by the consumer's [`Consumer::light_read`]: names only, no plan or namer.
         light: bool,
+        /// From a recording: the rule namer's generation and the mark names the tail used.
+        recorded: Option<(u64, &'a [(u32, String)])>,
     },
-    /// The probes were re-planned (the tables changed): their plan of a new generation is in
-    /// force; traversals in flight between `from` and `to` (ns) may have missed a table.
-    Replanned {
-        probes: &'a Probes,
-        from: u64,
-        to: u64,
+    /// The probes' plan of `generation` is now in force (at start, and after a re-plan).
+    Plans {
+        probes: Option<&'a Probes>,
+        generation: u8,
+        plans: &'a [HookPlan],
+    },
+    /// The ruleset changed at `from` and the probes were re-planned at `to` (ns):
+    /// traversals in flight between them may have missed a table.
+    Replanned { from: u64, to: u64 },
+    /// From a recording: interface names and kernel symbols as the following records'
+    /// reports used them (a live consumer looks them up itself).
+    Names {
+        ifnames: &'a [(u32, String)],
+        symbols: &'a [(u64, String)],
     },
 }
 
 /// The session stopped: every probe is detached and what they wrote is drained.
 pub struct Stop<'a> {
-    pub probes: &'a mut Probes,
+    /// None at the end of a recording.
+    pub probes: Option<&'a mut Probes>,
     pub why: &'static str,
     /// Records left in the ring buffer past the final drain's bound (counted, not handled).
     pub undrained: u64,
@@ -204,9 +220,11 @@ impl Session {
                         if light && self.probes.tracing() {
                             ruleset.changed();
                         }
-                        c.on_replan(Replan::Ruleset { probes: &self.probes, live: &live, light });
+                        c.on_replan(Replan::Ruleset { probes: Some(&self.probes), live: &live, light, recorded: None });
                         if !light && c.replans(&self.probes) && replan(&mut self.probes, &live) {
-                            c.on_replan(Replan::Replanned { probes: &self.probes, from: since, to: now_ns() });
+                            let probes = &self.probes;
+                            c.on_replan(Replan::Plans { probes: Some(probes), generation: probes.generation(), plans: &probes.plans });
+                            c.on_replan(Replan::Replanned { from: since, to: now_ns() });
                         }
                     }
                     self.lost_now = self.probes.counters().map(|k| k.ringbuf_full).unwrap_or(self.lost_now);
@@ -320,7 +338,7 @@ impl Session {
             undrained += 1;
         }
         c.on_stop(Stop {
-            probes: &mut self.probes,
+            probes: Some(&mut self.probes),
             why,
             undrained,
         });
@@ -359,4 +377,81 @@ fn drain<C: Consumer>(
         Next::Stop(why) => (n, Some(why)),
         _ => (n, None),
     }
+}
+
+/// A recorded session: the records and context changes of a `tail --record` recording
+/// handed to `c` through the same [`Consumer`] calls, in the order the tail met them (the
+/// names of context frames a later observer wrote, which this one does not know, are
+/// returned with the reason it stopped). `file` names the recording in messages.
+pub fn replay<R: std::io::Read, C: Consumer>(
+    reader: &mut Reader<R>,
+    file: &std::path::Path,
+    c: &mut C,
+) -> Result<(&'static str, Vec<String>)> {
+    let mut unknown = Vec::new();
+    let why = loop {
+        let Some(frame) = reader.next_frame()? else {
+            break "end of recording";
+        };
+        match frame {
+            Frame::Record { lost_now, bytes } => {
+                if let Next::Stop(why) = c.on_record(&bytes, lost_now) {
+                    break why;
+                }
+            }
+            Frame::Meta(Meta::Plans { generation, plans }) => {
+                let plans = plans
+                    .iter()
+                    .map(|p| {
+                        p.to_plan().with_context(|| {
+                            format!(
+                                "{}: a probe plan names an unknown family or hook ({}, {}); \
+                                 the file is damaged or from another observer",
+                                file.display(),
+                                p.family,
+                                p.hook
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                c.on_replan(Replan::Plans {
+                    probes: None,
+                    generation,
+                    plans: &plans,
+                });
+            }
+            Frame::Meta(Meta::Replan { from, to }) => c.on_replan(Replan::Replanned { from, to }),
+            Frame::Meta(Meta::Ruleset {
+                generation,
+                texts,
+                marks,
+            }) => {
+                let live = LiveNode::parse(*texts);
+                c.on_replan(Replan::Ruleset {
+                    probes: None,
+                    live: &live,
+                    light: false,
+                    recorded: Some((generation, &marks)),
+                });
+            }
+            Frame::Meta(Meta::Names { ifnames, symbols }) => c.on_replan(Replan::Names {
+                ifnames: &ifnames,
+                symbols: &symbols,
+            }),
+            Frame::UnknownMeta(name) => {
+                log::warn!(
+                    "skipping context `{name}`, which this observer does not know (recorded \
+                     by observer {})",
+                    reader.header.observer_version
+                );
+                unknown.push(name);
+            }
+        }
+    };
+    c.on_stop(Stop {
+        probes: None,
+        why,
+        undrained: 0,
+    });
+    Ok((why, unknown))
 }

@@ -571,9 +571,10 @@ impl Consumer for Agent {
     fn on_replan(&mut self, replan: Replan<'_>) {
         match replan {
             Replan::Ruleset {
-                probes,
+                probes: Some(probes),
                 live,
                 light,
+                ..
             } => {
                 // kube-proxy's services change with its rules, plan or no plan: read from
                 // the node the session read off the loop's thread.
@@ -588,10 +589,12 @@ impl Consumer for Agent {
                     self.release_pending = true;
                 }
             }
-            Replan::Replanned { probes, from, to } => {
-                self.add_plans(probes);
-                self.pipeline.replanned(from, to);
-            }
+            Replan::Plans {
+                generation, plans, ..
+            } => self.pipeline.add_plans(generation, plans),
+            Replan::Replanned { from, to } => self.pipeline.replanned(from, to),
+            // The agent's session is always live: it has its probes and looks names up.
+            Replan::Ruleset { probes: None, .. } | Replan::Names { .. } => {}
         }
     }
 
@@ -607,8 +610,10 @@ impl Consumer for Agent {
     }
 
     fn on_stop(&mut self, stop: Stop<'_>) {
-        self.read_counts(stop.probes);
-        update_health(stop.probes, self, false);
+        if let Some(probes) = stop.probes {
+            self.read_counts(probes);
+            update_health(probes, self, false);
+        }
         self.hub.close_all();
     }
 }
