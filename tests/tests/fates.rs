@@ -438,3 +438,72 @@ fn a_table_created_while_running_is_bracketed_and_absent_ones_are_not() {
         "mangle has no PREROUTING chain here: {after}"
     );
 }
+
+/// What the probes could not do as they should reaches the user's log through aya-log: with
+/// a fallback map of one entry, datagrams waiting for a neighbour that never answers hold
+/// every slot of the CPU, and each new one writes the oldest early. Each such record is
+/// said in the log (`observer::probes`, debug), printed flagged incomplete, and counted in
+/// the summary (the kernel's own count of failed moves).
+#[test]
+fn a_record_written_early_is_said_in_the_log_by_the_probes() {
+    if !privileged("a_record_written_early_is_said_in_the_log_by_the_probes") {
+        return;
+    }
+    let lab = Lab::up("dg");
+    let tail = Tail::start_with_env(
+        &lab,
+        &[],
+        &[
+            ("OBSERVER_TEST_FALLBACK_ENTRIES", "1"),
+            ("RUST_LOG", "warn,observer::probes=debug"),
+        ],
+    );
+    // 203.0.113.77 is on the node's external link, where nobody answers ARP: the node
+    // queues the datagrams until the neighbour fails (3 s), their traversals unfinished.
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        for i in 0..24u8 {
+            s.send_to(&[i; 16], "203.0.113.77:9").unwrap();
+        }
+    });
+    // Past the neighbour's failure: the queued datagrams are dropped, their traversals end.
+    std::thread::sleep(Duration::from_secs(4));
+    let (reports, stderr) = tail.stop();
+    let said = stderr
+        .lines()
+        .filter(|l| {
+            l.contains("written early: its slot was needed and the fallback map had no room")
+        })
+        .count();
+    let early: Vec<&Value> = reports
+        .iter()
+        .filter(|r| {
+            r["fate"]["kind"] == "incomplete"
+                && r["fate"]["reason"]
+                    .as_str()
+                    .is_some_and(|s| s.starts_with("no room left to follow it"))
+        })
+        .collect();
+    let failed: usize = stderr
+        .lines()
+        .find_map(|l| {
+            let (head, _) = l.split_once(" moves to the fallback map failed")?;
+            head.rsplit('(').next()?.trim().parse().ok()
+        })
+        .unwrap_or_else(|| panic!("the summary counts the failed moves: {stderr}"));
+    eprintln!(
+        "written early: {said} said in the log, {} printed, {failed} counted",
+        early.len()
+    );
+    assert!(said > 0, "no probe diagnostic in the log: {stderr}");
+    assert!(
+        said <= failed && early.len() == failed,
+        "every record written early is printed incomplete and counted ({} printed, {failed} \
+         counted, {said} said in the log): {stderr}",
+        early.len()
+    );
+    assert!(
+        early.iter().all(|r| first_dst(r) == "203.0.113.77:9"),
+        "{early:#?}"
+    );
+}

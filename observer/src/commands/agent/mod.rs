@@ -177,12 +177,16 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         layout.tuple,
         FlightRecorder::new(opts.flight_recorder, opts.flight_recorder_bytes),
     ));
-    let rt = tokio::runtime::Builder::new_current_thread()
+    // The event loop runs on this thread (`block_on`); the HTTP servers and the streams run
+    // on a worker of their own, so that a scrape is answered while the loop attaches or
+    // detaches probes (blocking system calls that take seconds on a loaded node).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("observer-http")
         .enable_all()
         .build()?;
     rt.block_on(async {
-        // Listening first: connections made while the probes attach wait in the backlog and
-        // are answered once they are (the runtime has one thread); /readyz then says ready.
+        // Listening first: /readyz says "not ready" until the probes are attached.
         serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
         names.watch_pods(opts.node.clone());
         let mut probes = match opts.mode {
