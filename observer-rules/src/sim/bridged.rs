@@ -319,25 +319,28 @@ impl Simulator<'_> {
             return b;
         }
         let dnat = pkt.dst != orig_dst;
-        match self.bridge_decision(spec, &pkt, bridge, dnat) {
+        let decision = self.bridge_decision(spec, &pkt, bridge, dnat);
+        // Up to the bridge device (to it, or routed by it): its `input` chains first.
+        if matches!(decision, Decision::Local | Decision::Routed(_))
+            && !self.run_bridge_chains(
+                Hook::LocalIn,
+                |_| true,
+                &mut pkt,
+                &mut b,
+                ch,
+                bridge,
+                (Some(port), None),
+            )
+        {
+            return b;
+        }
+        match decision {
             Decision::Bridged { out, resolved } => {
                 self.bridged(pkt, b, ch, port, bridge, out, (dnat, resolved), calls)
             }
             Decision::Local | Decision::Routed(_) if !calls => {
-                // Up to the bridge device (bridge `input` chains first): an ordinary received
-                // packet of the bridge, its PREROUTING included (no br_netfilter record,
-                // nothing sabotaged).
-                if !self.run_bridge_chains(
-                    Hook::LocalIn,
-                    |_| true,
-                    &mut pkt,
-                    &mut b,
-                    ch,
-                    bridge,
-                    (Some(port), None),
-                ) {
-                    return b;
-                }
+                // An ordinary received packet of the bridge, its PREROUTING included (no
+                // br_netfilter record, nothing sabotaged).
                 let mut spec = spec.clone();
                 spec.in_iface = Some(bridge.to_string());
                 b.notes.push(format!(
@@ -349,17 +352,6 @@ impl Simulator<'_> {
                 r
             }
             Decision::Local => {
-                if !self.run_bridge_chains(
-                    Hook::LocalIn,
-                    |_| true,
-                    &mut pkt,
-                    &mut b,
-                    ch,
-                    bridge,
-                    (Some(port), None),
-                ) {
-                    return b;
-                }
                 b.route = Some(Route::Input);
                 b.notes.push(format!(
                     "routed, not bridged: {bridge} takes the frame from port {port} and delivers it locally"
@@ -369,17 +361,6 @@ impl Simulator<'_> {
                 b
             }
             Decision::Routed(dev) => {
-                if !self.run_bridge_chains(
-                    Hook::LocalIn,
-                    |_| true,
-                    &mut pkt,
-                    &mut b,
-                    ch,
-                    bridge,
-                    (Some(port), None),
-                ) {
-                    return b;
-                }
                 b.route = Some(Route::Forward);
                 b.notes.push(format!(
                     "routed, not bridged: {bridge} takes the frame from port {port} and routes it out of {dev}"
