@@ -18,6 +18,7 @@
 
 pub mod compare;
 pub mod json;
+pub mod kube;
 pub mod marks;
 pub mod packet;
 pub mod render;

@@ -8,7 +8,7 @@
 //! [`parse`] is pure and unit-tested from bytes.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::Error;
 use crate::netlink::{Attrs, split};
@@ -151,19 +151,7 @@ pub struct Listener {
 
 impl Listener {
     pub fn open() -> Result<Self, Error> {
-        // SAFETY: plain socket(2); the fd is owned below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_NETFILTER,
-            )
-        };
-        if fd < 0 {
-            return Err(Error::Open(std::io::Error::last_os_error()));
-        }
-        // SAFETY: fd is fresh and owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = crate::netlink::netfilter_socket()?;
         // SAFETY: setsockopt and bind with valid, sized arguments on our own fd.
         unsafe {
             // A larger queue; without the privilege to force it, the default one.

@@ -167,6 +167,23 @@ pub fn encode_attr(kind: u16, value: &[u8]) -> Vec<u8> {
     v
 }
 
+/// A new `NETLINK_NETFILTER` socket in the calling thread's network namespace.
+pub(crate) fn netfilter_socket() -> Result<OwnedFd, Error> {
+    // SAFETY: plain socket(2); the fd is owned below.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_NETFILTER,
+        )
+    };
+    if fd < 0 {
+        return Err(Error::Open(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// A `NETLINK_NETFILTER` socket in the calling thread's network namespace.
 pub struct Socket {
     fd: OwnedFd,
@@ -176,19 +193,7 @@ pub struct Socket {
 
 impl Socket {
     pub fn open() -> Result<Self, Error> {
-        // SAFETY: plain socket(2); the fd is owned below.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_NETFILTER,
-            )
-        };
-        if fd < 0 {
-            return Err(Error::Open(std::io::Error::last_os_error()));
-        }
-        // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = netfilter_socket()?;
         Ok(Self {
             fd,
             buf: vec![0; 64 * 1024],

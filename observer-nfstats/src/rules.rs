@@ -121,27 +121,11 @@ impl Rule {
                 port: port.into(),
             });
         }
-        if self.table != "kube-proxy" {
-            return None;
-        }
-        let rest = [
-            "service-",
-            "endpoint-",
-            "external-",
-            "firewall-",
-            "endpoints-local-",
-        ]
-        .iter()
-        .find_map(|p| self.chain.strip_prefix(p))?;
-        let (_hash, rest) = rest.split_once('-')?;
-        let svc = rest.split_once("__").map_or(rest, |(s, _)| s);
-        let [ns, name, _proto, port] = svc.split('/').collect::<Vec<_>>()[..] else {
-            return None;
-        };
+        let s = observer_model::kube::nft_chain_service(&self.table, &self.chain)?;
         Some(Service {
-            namespace: ns.into(),
-            name: name.into(),
-            port: port.into(),
+            namespace: s.namespace.into(),
+            name: s.name.into(),
+            port: s.port.into(),
         })
     }
 

@@ -280,30 +280,11 @@ fn mentions_sets(rs: &Ruleset) -> bool {
 /// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,
 /// `endpoint-HASH-ns/svc/tcp/p80__10.180.0.1/80`, `external-`, `firewall-`, `endpoints-local-`.
 fn k8s_nft_meaning(m: &MatchedRule) -> Option<K8s> {
-    if m.table != "kube-proxy" {
-        return None;
-    }
-    let rest = [
-        "service-",
-        "endpoint-",
-        "external-",
-        "firewall-",
-        "endpoints-local-",
-    ]
-    .iter()
-    .find_map(|p| m.chain.strip_prefix(p))?;
-    let (_hash, rest) = rest.split_once('-')?;
-    let (svc, ep) = match rest.split_once("__") {
-        Some((s, e)) => (s, Some(e)),
-        None => (rest, None),
-    };
-    let parts: Vec<&str> = svc.split('/').collect();
-    let [ns, name, _proto, port] = parts.as_slice() else {
-        return None;
-    };
+    let s = observer_model::kube::nft_chain_service(&m.table, &m.chain)?;
     Some(K8s {
-        service: format!("{ns}/{name}:{port}"),
-        endpoint: ep
+        service: format!("{}/{}:{}", s.namespace, s.name, s.port),
+        endpoint: s
+            .endpoint
             .and_then(|e| e.rsplit_once('/'))
             .map(|(ip, port)| crate::net::fmt_endpoint(ip, ip.contains(':'), port.parse().ok())),
     })
