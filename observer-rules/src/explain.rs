@@ -265,16 +265,7 @@ fn mentions_physdev(rs: &Ruleset) -> bool {
 }
 
 fn mentions_sets(rs: &Ruleset) -> bool {
-    [&rs.ipv4, &rs.ipv6]
-        .iter()
-        .flat_map(|f| &f.tables)
-        .flat_map(|t| &t.chains)
-        .flat_map(|c| &c.rules)
-        .any(|r| {
-            r.items
-                .iter()
-                .any(|i| matches!(i, crate::iptables::Item::Module { name, .. } if name == "set"))
-        })
+    mentions_module(rs, "set")
 }
 
 /// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,

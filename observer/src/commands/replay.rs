@@ -158,7 +158,7 @@ pub fn replay_each<R: std::io::Read>(
         Context {
             output: opts.output,
             netns: h.netns.clone(),
-            tuple: (&h.tuple).into(),
+            tuple: h.tuple,
             drop_reasons: h.drop_reasons.clone(),
             marks: MarkDictionary::from_entries(&h.marks),
             // Rules are named once the recording's ruleset frame is read.
@@ -177,7 +177,7 @@ pub fn replay_each<R: std::io::Read>(
         names,
         sink,
         filter,
-        tuple: (&h.tuple).into(),
+        tuple: h.tuple,
         opts,
         summary: ReplaySummary {
             recorded_by: h.observer_version.clone(),

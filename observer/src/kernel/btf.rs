@@ -39,8 +39,9 @@ pub enum BtfError {
     Window(&'static str, u64, usize),
 }
 
-/// Layout of `struct nf_conntrack_tuple` (byte offsets within it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Layout of `struct nf_conntrack_tuple` (byte offsets within it); recordings keep it in
+/// their header (serde: the field names are the file format's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TupleLayout {
     pub src_addr: usize,
     pub src_port: usize,

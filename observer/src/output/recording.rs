@@ -138,43 +138,6 @@ impl std::fmt::Display for Wire {
     }
 }
 
-/// `struct nf_conntrack_tuple` offsets, as resolved from the recording host's BTF.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TupleDto {
-    pub src_addr: usize,
-    pub src_port: usize,
-    pub dst_addr: usize,
-    pub dst_port: usize,
-    pub protonum: usize,
-    pub size: usize,
-}
-
-impl From<&TupleLayout> for TupleDto {
-    fn from(t: &TupleLayout) -> Self {
-        Self {
-            src_addr: t.src_addr,
-            src_port: t.src_port,
-            dst_addr: t.dst_addr,
-            dst_port: t.dst_port,
-            protonum: t.protonum,
-            size: t.size,
-        }
-    }
-}
-
-impl From<&TupleDto> for TupleLayout {
-    fn from(t: &TupleDto) -> Self {
-        Self {
-            src_addr: t.src_addr,
-            src_port: t.src_port,
-            dst_addr: t.dst_addr,
-            dst_port: t.dst_port,
-            protonum: t.protonum,
-            size: t.size,
-        }
-    }
-}
-
 /// The first frame.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Header {
@@ -189,7 +152,8 @@ pub struct Header {
     /// The observed namespace as reports name it (`--netns`, or `current`).
     pub netns: String,
     pub wire: Wire,
-    pub tuple: TupleDto,
+    /// `struct nf_conntrack_tuple` offsets, as resolved from the recording host's BTF.
+    pub tuple: TupleLayout,
     /// `enum skb_drop_reason` value -> name, from the recording host's BTF.
     pub drop_reasons: HashMap<u32, String>,
     /// The mark dictionary in force: bit -> name.
@@ -214,7 +178,7 @@ impl Header {
                 .map_or(0, |d| d.as_secs()),
             netns: netns.into(),
             wire: Wire::current(),
-            tuple: tuple.into(),
+            tuple: *tuple,
             drop_reasons: drop_reasons.clone(),
             marks: marks.entries(),
         }
@@ -563,15 +527,14 @@ impl<R: Read> Reader<R> {
                 started: 0,
                 netns: String::new(),
                 wire: Wire::current(),
-                tuple: (&TupleLayout {
+                tuple: TupleLayout {
                     src_addr: 0,
                     src_port: 0,
                     dst_addr: 0,
                     dst_port: 0,
                     protonum: 0,
                     size: 0,
-                })
-                    .into(),
+                },
                 drop_reasons: HashMap::new(),
                 marks: Vec::new(),
             },

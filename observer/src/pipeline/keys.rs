@@ -45,6 +45,13 @@ pub fn hash_words(words: &[u64]) -> u64 {
     h
 }
 
+/// FNV-1a over `bytes`, from `h`.
+pub fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
 /// A map keyed by words hashed already.
 pub type Prehashed = BuildHasherDefault<Passthrough>;
 
@@ -58,9 +65,7 @@ impl Hasher for Passthrough {
     }
     fn write(&mut self, bytes: &[u8]) {
         // Only keys that hash themselves use this hasher; anything else still hashes.
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
+        self.0 = fnv1a(self.0, bytes);
     }
     fn write_u64(&mut self, v: u64) {
         self.0 = v;

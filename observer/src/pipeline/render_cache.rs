@@ -34,9 +34,7 @@ impl Hasher for FnvHasher {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
+        self.0 = super::keys::fnv1a(self.0, bytes);
     }
     fn write_u64(&mut self, v: u64) {
         self.0 = (self.0 ^ v).wrapping_mul(0x100_0000_01b3);
