@@ -1056,6 +1056,7 @@ mod tests {
             egress: None,
             route: None,
             bridge: None,
+            encap: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Forwarded),
             marks: Marks::default(),
