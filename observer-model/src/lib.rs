@@ -21,6 +21,7 @@ pub mod json;
 pub mod marks;
 pub mod packet;
 pub mod render;
+pub mod stitch;
 pub mod traversal;
 pub mod vocab;
 
