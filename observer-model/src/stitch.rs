@@ -195,13 +195,30 @@ fn later<'a>(
         .filter(move |(_, n)| node.is_none_or(|x| n.node == x) && other.is_none_or(|x| n.node != x))
 }
 
-/// Stitches the journey of the first packet `w` describes, from `reports` of every node
-/// (each node's in the order it wrote them).
+/// Stitches the journey of the first packet `w` describes that every node on its way
+/// reported (an observer that started late on the next node misses the first packets), from
+/// `reports` of every node (each node's in the order it wrote them); when none was seen
+/// whole, the first one's, incomplete and saying what is missing.
 pub fn stitch(w: &Wanted, reports: &[NodeReport]) -> Option<Journey> {
-    let (at, first) = reports
-        .iter()
-        .enumerate()
-        .find(|(_, n)| wanted(w, &n.report))?;
+    let mut first = None;
+    for (at, n) in reports.iter().enumerate() {
+        if !wanted(w, &n.report) {
+            continue;
+        }
+        let Some(j) = stitch_from(at, reports) else {
+            continue;
+        };
+        if j.complete {
+            return Some(j);
+        }
+        first.get_or_insert(j);
+    }
+    first
+}
+
+/// The journey of the packet whose source traversal is `reports[at]`.
+fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
+    let first = &reports[at];
     let mut legs = vec![Leg {
         node: first.node.clone(),
         role: LegRole::Source,
@@ -630,6 +647,27 @@ mod tests {
             "{:?}",
             j.missing
         );
+    }
+
+    #[test]
+    fn the_first_packet_seen_whole_is_chosen_over_an_earlier_one_seen_in_part() {
+        // node-b's observer started after the first datagram: only the second arrives.
+        let mut reports = cluster(true);
+        let mut early = reports[3..6].to_vec();
+        for n in &mut early {
+            if let Some(e) = n.report.get_mut("encap") {
+                e["outer_src"] = json!("192.168.60.1:50000");
+            }
+        }
+        reports.splice(0..0, early);
+        let j = stitch(&wanted_udp9(), &reports).expect("found");
+        assert!(j.complete, "{:?}", j.missing);
+        assert_eq!(j.legs[1].report["encap"]["outer_src"], "192.168.60.1:57412");
+        // Without the second, the first is shown, incomplete.
+        reports.truncate(3);
+        let j = stitch(&wanted_udp9(), &reports).expect("found");
+        assert!(!j.complete);
+        assert_eq!(j.legs[1].report["encap"]["outer_src"], "192.168.60.1:50000");
     }
 
     #[test]
