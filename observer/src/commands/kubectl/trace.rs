@@ -93,7 +93,10 @@ pub fn run(
             sample: 1,
             count: None,
             timeout: Some(t.timeout),
-            trace_own_stream: false,
+            // The filter names pods and VXLAN ports only: the stream's own packets (loopback
+            // tcp to the agent, kubelet's 10250) cannot match it, and excluding them would
+            // multiply its alternatives past what the probes take.
+            trace_own_stream: true,
         }),
         cluster: cluster_args,
     };
@@ -127,10 +130,17 @@ pub fn run(
                 .filter(|e| e.result.is_ok())
                 .map(|e| e.node.as_str())
                 .collect();
+            let failed: String = ends
+                .iter()
+                .filter_map(|e| {
+                    let err = e.result.as_ref().err()?;
+                    Some(format!("; node {}: {err}", e.node))
+                })
+                .collect();
             bail!(
                 "no packet from {} ({}) to {} ({}){} was reported within {}s by the agents of \
                  {} (the source pod is on {src_node}): send one while the trace runs, e.g. \
-                 `kubectl exec -n ... -- nc ...`, or give a longer --timeout",
+                 `kubectl exec -n ... -- nc ...`, or give a longer --timeout{failed}",
                 t.from,
                 src_ips.join(", "),
                 t.to,
