@@ -122,13 +122,12 @@ impl Lab {
             .is_ok_and(|o| o.status.success())
     }
 
-    /// Whether the lab of this prefix that exists now is the two-node lab (its node has the
-    /// overlay device): `lab traffic` and `lab status` follow the lab that is up.
+    /// Whether the lab of this prefix that exists now is the two-node lab (a `node2` and no
+    /// `client` namespace; the bridge lab has both): `lab traffic` and `lab status` follow the
+    /// lab that is up. Read from the namespaces' files, no command that may fail meanwhile.
     pub fn detect_overlay(&self) -> bool {
-        Command::new("ip")
-            .args(["-n", &self.node(), "link", "show", overlay::VXLAN_DEV])
-            .output()
-            .is_ok_and(|o| o.status.success())
+        let exists = |role: &str| crate::kernel::netns::path(&self.ns(role)).exists();
+        exists("node2") && !exists("client")
     }
 
     /// Builds the lab (removing a previous one of the same prefix first).

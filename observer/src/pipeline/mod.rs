@@ -612,6 +612,20 @@ fn model(
     let mut r = report::build(&t, &rctx, lost);
     if let Some(e) = &mut r.encap {
         e.overlay = names.inner.overlay(e.vni, e.outer_dst.port.unwrap_or(0));
+        // Decapsulated, the same skb goes on as the inner packet: the probes see a new
+        // packet start under its address, and this traversal's end is not seen.
+        if e.direction == Some("decapsulated") && rec.end == observer_common::traversal::end::REUSED
+        {
+            r.notes.push(format!(
+                "decapsulated (VXLAN vni {}): the kernel went on with this skb as the packet it \
+                 carried, {} {} -> {}, reported as its own traversal entering by {}",
+                e.vni,
+                e.inner.proto.name(),
+                e.inner.src,
+                e.inner.dst,
+                e.overlay.as_deref().unwrap_or("the overlay device"),
+            ));
+        }
     }
     r.names = endpoint_names(&r, names.inner);
     Ok(r)
