@@ -286,7 +286,7 @@ enum LabAction {
     /// Send the demo flows through the lab (client -> ClusterIP, pod -> external, client -> node;
     /// on a bridge lab: pod -> pod, pod -> ClusterIP on the same bridge, hairpin, remote, outside;
     /// on the two-node lab: pod -> ClusterIP tcp/80 delivered to pod2 on node2 through the
-    /// overlay, pod -> ClusterIP udp/9 dropped by node2's policy, pod2 -> pod direct).
+    /// overlay, pod2 -> pod direct, pod -> ClusterIP udp/9 dropped by node2's policy).
     Traffic,
 }
 
