@@ -44,8 +44,13 @@ pub mod flags {
     pub const NO_L4: u8 = 4;
     /// An IPv4 fragment (more-fragments set or a non-zero offset).
     pub const FRAGMENT: u8 = 8;
-    /// An ICMP error: `PacketEvent::inner` holds the header it quotes.
+    /// An ICMP error: `PacketEvent::inner` holds the header it quotes. Also set, with
+    /// [`ENCAP`], for a VXLAN packet: `inner` then holds the encapsulated packet's headers.
     pub const INNER: u8 = 16;
+    /// A VXLAN packet (UDP to [`crate::parse::VXLAN_PORTS`], the VXLAN header's I flag set,
+    /// an IP packet inside): `PacketEvent::inner` holds the inner packet's addresses, ports
+    /// and protocol, and `inner.vni` its VXLAN network identifier.
+    pub const ENCAP: u8 = 32;
 }
 
 /// Words of the `PENDING_COUNT` array: how many records the fallback map may hold is
@@ -338,7 +343,9 @@ pub struct InnerInfo {
     pub sport: u16,
     pub dport: u16,
     pub l4proto: u8,
-    pub _pad: [u8; 3],
+    /// With `flags::ENCAP`: the VXLAN network identifier (24 bits, big-endian); otherwise
+    /// unused.
+    pub vni: [u8; 3],
 }
 
 const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);

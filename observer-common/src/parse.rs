@@ -69,17 +69,54 @@ pub fn parse_headers<P: PacketReader>(p: &P, hdr: &[u8; 40], ev: &mut PacketEven
         Some(l4) => parse_l4(&l4, ev),
         None => ev.header.flags |= flags::NO_L4,
     }
-    if is_icmp_error(ev) {
-        // The quoted packet starts after the 8-byte ICMP header.
-        let at = ihl + 8;
-        if let Some(inner) = ip_header_at(p, at)
-            && let Some(inner_ihl) = parse_inner(&inner, ev)
-            && let Some(ports) = p.bytes::<4>(at + inner_ihl)
-        {
+    // Where a packet inside this one starts: the quoted packet after the 8-byte ICMP header,
+    // or the encapsulated one after VXLAN's UDP (8), VXLAN (8) and inner Ethernet (14)
+    // headers. One parse for both keeps the programs small.
+    let vxlan = is_vxlan(ev);
+    let at = if vxlan {
+        match p.bytes::<8>(ihl + 8) {
+            // The I flag: the VNI is valid (RFC 7348); anything else is not VXLAN.
+            Some(v) if v[0] & 0x08 != 0 => {
+                ev.inner.vni = [v[4], v[5], v[6]];
+                Some(ihl + 30)
+            }
+            _ => None,
+        }
+    } else if is_icmp_error(ev) {
+        Some(ihl + 8)
+    } else {
+        None
+    };
+    if let Some(at) = at
+        && let Some(inner) = ip_header_at(p, at)
+        && let Some(inner_ihl) = parse_inner(&inner, ev)
+    {
+        if vxlan {
+            ev.header.flags |= flags::ENCAP;
+        }
+        if let Some(ports) = p.bytes::<4>(at + inner_ihl) {
             parse_inner_ports(&ports, ev);
         }
     }
     Some(())
+}
+
+/// UDP ports VXLAN is received on: IANA's 4789 (Calico, Cilium, flannel's `Port` set to
+/// it) and 8472 (the Linux kernel's historical default, flannel's default).
+pub const VXLAN_PORTS: [u16; 2] = [4789, 8472];
+
+/// Whether `ev` is UDP to a VXLAN port (its VXLAN header is checked by the caller).
+#[inline(always)]
+pub fn is_vxlan(ev: &PacketEvent) -> bool {
+    ev.packet.l4proto == 17
+        && ev.header.flags & flags::NO_L4 == 0
+        && (ev.packet.dport == VXLAN_PORTS[0] || ev.packet.dport == VXLAN_PORTS[1])
+}
+
+/// The VNI `parse_headers` kept in `ev.inner.vni`.
+#[inline(always)]
+pub fn vni_of(vni: [u8; 3]) -> u32 {
+    (u32::from(vni[0]) << 16) | (u32::from(vni[1]) << 8) | u32::from(vni[2])
 }
 
 /// Reads an IPv4 or IPv6 header: fills `saddr`/`daddr` (IPv4 in the first 4 bytes) and
@@ -293,6 +330,58 @@ mod tests {
         assert_eq!(ev.packet.ip_version, 6);
         assert_eq!(ev.packet.l4proto, 17);
         assert_eq!((ev.packet.sport, ev.packet.dport), (40000, 5353));
+    }
+
+    /// A VXLAN datagram to `port` (UDP, the VXLAN header with `flags`, VNI 0x123456, an
+    /// Ethernet header) carrying a TCP segment 10.244.0.5:40000 -> 10.244.1.5:8080.
+    fn vxlan(port: u16, flags: u8) -> Vec<u8> {
+        let mut tcp = std::vec![0u8; 20];
+        tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&8080u16.to_be_bytes());
+        let inner = ipv4(6, [10, 244, 0, 5], [10, 244, 1, 5], &tcp);
+        let mut udp = std::vec![0xc2, 0x6e];
+        udp.extend(port.to_be_bytes());
+        udp.extend([0, 0, 0, 0]);
+        udp.extend([flags, 0, 0, 0, 0x12, 0x34, 0x56, 0]);
+        udp.extend([
+            0x0a, 0x58, 0x0a, 0xf4, 1, 0, 0x0a, 0x58, 0x0a, 0xf4, 0, 0, 0x08, 0,
+        ]);
+        udp.extend(inner);
+        ipv4(17, [192, 168, 60, 1], [192, 168, 60, 2], &udp)
+    }
+
+    #[test]
+    fn a_vxlan_packet_carries_its_inner_packet_and_vni() {
+        for port in VXLAN_PORTS {
+            let (ev, r) = parse(&vxlan(port, 0x08));
+            assert!(r.is_some());
+            assert_eq!(
+                ev.header.flags & (flags::INNER | flags::ENCAP),
+                flags::INNER | flags::ENCAP
+            );
+            assert_eq!((ev.packet.sport, ev.packet.dport), (0xc26e, port));
+            assert_eq!(&ev.packet.daddr[..4], &[192, 168, 60, 2]);
+            let i = &ev.inner;
+            assert_eq!(
+                (&i.saddr[..4], &i.daddr[..4]),
+                (&[10, 244, 0, 5][..], &[10, 244, 1, 5][..])
+            );
+            assert_eq!((i.l4proto, i.sport, i.dport), (6, 40000, 8080));
+            assert_eq!(vni_of(i.vni), 0x123456);
+        }
+    }
+
+    #[test]
+    fn udp_to_a_vxlan_port_without_the_i_flag_or_elsewhere_is_not_vxlan() {
+        let (ev, _) = parse(&vxlan(4789, 0));
+        assert_eq!(ev.header.flags & (flags::INNER | flags::ENCAP), 0);
+        let (ev, _) = parse(&vxlan(4790, 0x08));
+        assert_eq!(ev.header.flags & (flags::INNER | flags::ENCAP), 0);
+        // Cut inside the inner IP header: the VXLAN header alone says nothing inside.
+        let mut short = vxlan(4789, 0x08);
+        short.truncate(20 + 8 + 8 + 14 + 10);
+        let (ev, _) = parse(&short);
+        assert_eq!(ev.header.flags & (flags::INNER | flags::ENCAP), 0);
     }
 
     #[test]

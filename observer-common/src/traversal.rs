@@ -83,7 +83,8 @@ pub mod decision {
 /// Bits of [`Step::flags`] beyond the reading's [`crate::flags`] (which it keeps).
 pub mod step {
     /// This step holds the quoted packet of an ICMP error (addresses, ports, protocol) as it
-    /// is from this point on; the outer state is unchanged.
+    /// is from this point on; the outer state is unchanged. With [`crate::flags::ENCAP`]
+    /// also set, it holds the packet a VXLAN packet carries, and `mark` its VNI.
     pub const INNER_STATE: u8 = 128;
 }
 
@@ -426,7 +427,8 @@ fn inner_differs(s: &Step, r: &Reading) -> bool {
         | diff16(&s.daddr, &i.daddr)
         | u64::from(s.sport ^ i.sport)
         | u64::from(s.dport ^ i.dport)
-        | u64::from(s.l4proto ^ i.l4proto);
+        | u64::from(s.l4proto ^ i.l4proto)
+        | u64::from((s.flags ^ r.header.flags) & flags::ENCAP);
     d != 0
 }
 
@@ -537,7 +539,8 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
                 return;
             };
             let i = &r.inner;
-            s.flags = step::INNER_STATE;
+            let encap = r.header.flags & flags::ENCAP;
+            s.flags = step::INNER_STATE | encap;
             s.l4proto = i.l4proto;
             s.sport = i.sport;
             s.dport = i.dport;
@@ -547,7 +550,14 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
                 core::ptr::write_volatile(&mut s.ip_version, 0);
                 core::ptr::write_volatile(&mut s.tcp_flags, 0);
                 core::ptr::write_volatile(&mut s.ctinfo, 0);
-                core::ptr::write_volatile(&mut s.mark, 0);
+                core::ptr::write_volatile(
+                    &mut s.mark,
+                    if encap != 0 {
+                        crate::parse::vni_of(i.vni)
+                    } else {
+                        0
+                    },
+                );
                 core::ptr::write_volatile(&mut s.len, 0);
                 core::ptr::write_volatile(&mut s.ct_mark, 0);
                 core::ptr::write_volatile(&mut s.ct_status, 0);
@@ -570,7 +580,8 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     let Some(s) = rec.steps.get(rec.last_outer as usize) else {
         return;
     };
-    const HEADER_FLAGS: u8 = flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT | flags::INNER;
+    const HEADER_FLAGS: u8 =
+        flags::NO_L3 | flags::NO_L4 | flags::FRAGMENT | flags::INNER | flags::ENCAP;
     let p = &mut r.packet;
     copy16(&mut p.saddr, &s.saddr);
     copy16(&mut p.daddr, &s.daddr);
@@ -589,6 +600,8 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
         q.sport = i.sport;
         q.dport = i.dport;
         q.l4proto = i.l4proto;
+        let vni = i.mark.to_be_bytes();
+        q.vni = [vni[1], vni[2], vni[3]];
     }
 }
 
@@ -1302,6 +1315,29 @@ mod tests {
         assert_eq!(rec.steps[1].flags, step::INNER_STATE);
         assert_eq!((rec.steps[2].program, rec.steps[2].dport), (2, 5353));
     }
+    #[test]
+    fn an_encapsulated_packet_keeps_its_inner_packet_and_vni_in_one_step() {
+        let mut rec = fresh();
+        let mut r = reading(hook::TC_INGRESS, 0, 4789);
+        r.header.flags |= flags::INNER | flags::ENCAP;
+        r.inner.l4proto = 6;
+        r.inner.dport = 8080;
+        r.inner.vni = [0, 0, 1];
+        add_reading(&mut rec, &r, 0);
+        assert_eq!(rec.nsteps, 2, "outer, encapsulated");
+        let inner = rec.steps[1];
+        assert_eq!(inner.flags, step::INNER_STATE | flags::ENCAP);
+        assert_eq!((inner.dport, inner.mark), (8080, 1));
+        // A probe that took the headers from the record sees the same packet: no step.
+        let mut next = Reading::default();
+        next.header.hook = hook::PRE_ROUTING;
+        next.header.family = family::IPV4;
+        reuse_headers(&rec, &mut next);
+        assert_eq!(next.inner.vni, [0, 0, 1]);
+        add_reading(&mut rec, &next, 1);
+        assert_eq!(rec.nsteps, 2);
+    }
+
     #[test]
     fn left_out_entries_are_taken_in_turn_and_say_whom_they_displace() {
         let mut lo = LeftOut::default();

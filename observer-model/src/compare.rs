@@ -191,6 +191,7 @@ mod tests {
             egress: None,
             route: None,
             bridge: None,
+            encap: None,
             stages,
             fate: crate::Fate::new(crate::FateKind::Forwarded),
             marks: Default::default(),

@@ -384,6 +384,10 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
         opt_string(out, b.physdev_out.as_deref())?;
         out.write_all(b"}")?;
     }
+    if let Some(e) = &t.encap {
+        out.write_all(b",\"encap\":")?;
+        serde(out, e)?;
+    }
     outcome(out, &t.stages, &t.fate, &t.marks, &t.nat)?;
     out.write_all(b",\"conntrack\":")?;
     opt(out, t.conntrack.as_deref(), conntrack)?;
@@ -671,6 +675,19 @@ mod tests {
                 name: "cni0".into(),
                 physdev_in: Some("veth1a2b3c4d".into()),
                 physdev_out: None,
+            }),
+            encap: Some(crate::Encapsulation {
+                kind: "vxlan",
+                direction: Some("decapsulated"),
+                vni: 1,
+                outer_src: ep("192.168.60.1:49774"),
+                outer_dst: ep("192.168.60.2:4789"),
+                inner: crate::Quoted {
+                    src: ep("10.244.0.5:40000"),
+                    dst: ep("10.244.1.5:8080"),
+                    proto: Protocol::Tcp,
+                },
+                overlay: Some(AWKWARD.into()),
             }),
             stages: stages(),
             fate: fate(),

@@ -22,6 +22,7 @@ pub mod kube;
 pub mod marks;
 pub mod packet;
 pub mod render;
+pub mod stitch;
 pub mod traversal;
 pub mod vocab;
 

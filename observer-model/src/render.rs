@@ -321,6 +321,23 @@ impl Traversal {
                 (None, None) => write!(out, "  bridge {}", b.name),
             };
         }
+        if let Some(x) = &self.encap {
+            let _ = write!(
+                out,
+                "  {} {} vni {} {} -> {} carrying {} {} -> {}",
+                x.kind,
+                x.direction.unwrap_or("seen"),
+                x.vni,
+                e(&x.outer_src.to_string()),
+                e(&x.outer_dst.to_string()),
+                x.inner.proto.name(),
+                e(&x.inner.src.to_string()),
+                e(&x.inner.dst.to_string()),
+            );
+            if let Some(o) = &x.overlay {
+                let _ = write!(out, " by {}", e(o));
+            }
+        }
         if self.source == crate::Source::Predicted {
             out.push_str("  (predicted from the rules)");
         }
@@ -419,6 +436,12 @@ impl Traversal {
         )];
         if let Some(b) = &self.bridge {
             parts.push(format!("via {}", b.name));
+        }
+        if let Some(x) = &self.encap {
+            parts.push(format!(
+                "{} vni {} {}->{}",
+                x.kind, x.vni, x.inner.src, x.inner.dst
+            ));
         }
         let nat: Vec<String> = self
             .nat
@@ -567,6 +590,7 @@ mod tests {
             egress: None,
             route: Some(crate::Route::Forward),
             bridge: None,
+            encap: None,
             marks: crate::mark_changes(&stages, &crate::MarkDictionary::default()),
             nat: vec![Nat {
                 kind: NatKind::Dnat,
@@ -682,6 +706,7 @@ mod tests {
             egress: None,
             route: None,
             bridge: None,
+            encap: None,
             marks: Default::default(),
             nat: Vec::new(),
             stages: vec![st],

@@ -169,6 +169,10 @@ pub struct Traversal {
     /// (br_netfilter's `physdev` in and out). Absent for a packet that met no bridge.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bridge: Option<BridgeCrossing>,
+    /// The packet is a VXLAN packet of an overlay (observed only): its outer header, VNI
+    /// and the packet it carries. Absent for any other packet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encap: Option<Encapsulation>,
     pub stages: Vec<Stage>,
     pub fate: Fate,
     pub marks: Marks,
@@ -203,6 +207,27 @@ pub struct BridgeCrossing {
     pub physdev_in: Option<String>,
     /// The port it left through (`--physdev-out`).
     pub physdev_out: Option<String>,
+}
+
+/// A VXLAN packet as the probes read it where it was first seen: the outer header (the
+/// nodes' underlay addresses, UDP to the VXLAN port), the VXLAN network identifier, and the
+/// headers of the packet inside.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct Encapsulation {
+    /// `vxlan`.
+    pub kind: &'static str,
+    /// `encapsulated` (the node sent it: its overlay device wrapped a pod's packet),
+    /// `decapsulated` (the node received it for its overlay device), or null.
+    pub direction: Option<&'static str>,
+    pub vni: u32,
+    /// The outer header: underlay source and destination (with the UDP ports).
+    pub outer_src: Endpoint,
+    pub outer_dst: Endpoint,
+    /// The packet carried (its tuple as the overlay device saw it).
+    pub inner: Quoted,
+    /// This namespace's VXLAN device with that VNI and port (`flannel.1`, `vxlan.calico`);
+    /// null when none is known (a replay, or the device is gone).
+    pub overlay: Option<String>,
 }
 
 /// One random outcome of a prediction.

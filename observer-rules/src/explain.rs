@@ -470,6 +470,7 @@ impl Explanation {
             egress: main.and_then(|b| b.egress.clone()),
             route: main.and_then(|b| b.route),
             bridge: main.and_then(|b| b.bridge.clone()),
+            encap: None,
             conntrack: predicted_conntrack(p, &stages),
             names: Vec::new(),
             marks: main.map(|b| b.marks.clone()).unwrap_or_default(),

@@ -58,6 +58,14 @@ enum Command {
         /// hang off the bridge cni0 with br_netfilter on (`traffic` then sends its flows).
         #[arg(long, value_enum, default_value = "iptables", global = true)]
         mode: lab::Mode,
+        /// With `up`: 2 builds the two-node lab instead: <prefix>-node and <prefix>-node2
+        /// joined by a VXLAN overlay (flannel.1, VNI 1, UDP 4789 over the underlay veth
+        /// eth0), pod 10.244.0.5 on node and pod2 10.244.1.5 on node2, kube-proxy's rules on
+        /// both (ClusterIP 10.96.0.30, endpoints on node2: tcp 80 -> 8080, udp 9 -> 9) and a
+        /// policy on node2 dropping udp/9 to pod2 (`--mode` does not apply; `traffic` sends
+        /// its flows; `down` removes it as any lab).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2), global = true)]
+        nodes: u8,
     },
 }
 
@@ -276,7 +284,9 @@ enum LabAction {
     /// Show which of the lab's namespaces exist.
     Status,
     /// Send the demo flows through the lab (client -> ClusterIP, pod -> external, client -> node;
-    /// on a bridge lab: pod -> pod, pod -> ClusterIP on the same bridge, hairpin, remote, outside).
+    /// on a bridge lab: pod -> pod, pod -> ClusterIP on the same bridge, hairpin, remote, outside;
+    /// on the two-node lab: pod -> ClusterIP tcp/80 delivered to pod2 on node2 through the
+    /// overlay, pod2 -> pod direct, pod -> ClusterIP udp/9 dropped by node2's policy).
     Traffic,
 }
 
@@ -415,9 +425,23 @@ fn run(cli: Cli) -> Result<()> {
             action,
             prefix,
             mode,
+            nodes,
         } => {
-            let lab = lab::Lab::with_mode(&prefix, mode);
+            let lab = if nodes == 2 {
+                lab::Lab::two_nodes(&prefix)
+            } else {
+                lab::Lab::with_mode(&prefix, mode)
+            };
             match action {
+                LabAction::Up if nodes == 2 => {
+                    lab.up()?;
+                    println!(
+                        "two-node lab `{prefix}` is up; observe each node with: \
+                         observer tail --netns {} (and --netns {})",
+                        lab.node(),
+                        lab.ns("node2")
+                    );
+                }
                 LabAction::Up => {
                     lab.up()?;
                     println!(
@@ -435,7 +459,9 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
                 LabAction::Traffic => {
-                    let flows = if mode == lab::Mode::Bridge || lab.detect_bridge() {
+                    let flows = if nodes == 2 || lab.detect_overlay() {
+                        traffic::overlay_flows(&lab)?
+                    } else if mode == lab::Mode::Bridge || lab.detect_bridge() {
                         traffic::bridge_flows(&lab)?
                     } else {
                         traffic::demo_flows(&lab)?

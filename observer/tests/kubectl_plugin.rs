@@ -113,6 +113,10 @@ struct Cluster {
     forbid: Option<&'static str>,
     /// Port-forwards asked for, by pod.
     forwards: Arc<Mutex<Vec<String>>>,
+    /// Application pods (`NAMESPACE/NAME` -> (node, address)) and services (-> ClusterIP)
+    /// the API server knows besides `default/web-0`; any other name is a 404.
+    apps: Arc<HashMap<String, (&'static str, &'static str)>>,
+    services: Arc<HashMap<String, &'static str>>,
 }
 
 fn forbidden(verb: &str, resource: &str, ns: &str) -> Response {
@@ -162,9 +166,54 @@ async fn list(
         .into_response()
 }
 
-async fn get_pod(Path((ns, name)): Path<(String, String)>) -> Response {
+fn not_found(kind: &str, name: &str) -> Response {
+    let body = serde_json::json!({
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
+        "code": 404, "message": format!("{kind} \"{name}\" not found"),
+    });
+    (
+        StatusCode::NOT_FOUND,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn get_service(
+    State(c): State<Cluster>,
+    Path((ns, name)): Path<(String, String)>,
+) -> Response {
+    let Some(ip) = c.services.get(&format!("{ns}/{name}")) else {
+        return not_found("services", &name);
+    };
+    let body = serde_json::json!({
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"clusterIP": ip, "clusterIPs": [ip], "ports": [{"port": 80}]},
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn get_pod(State(c): State<Cluster>, Path((ns, name)): Path<(String, String)>) -> Response {
+    if let Some((node, ip)) = c.apps.get(&format!("{ns}/{name}")) {
+        let body = serde_json::json!({
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"nodeName": node, "containers": [{"name": "app"}]},
+            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+        });
+        return (
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response();
+    }
+    if (ns.as_str(), name.as_str()) != ("default", "web-0") {
+        return not_found("pods", &name);
+    }
     // An application pod for --pod: on node-b, two addresses.
-    assert_eq!((ns.as_str(), name.as_str()), ("default", "web-0"));
     let body = serde_json::json!({
         "metadata": {"name": "web-0", "namespace": "default"},
         "spec": {"nodeName": "node-b", "containers": [{"name": "web"}]},
@@ -273,6 +322,17 @@ fn start_with(
     extra: Vec<(String, AgentPod)>,
     forbid: Option<&'static str>,
 ) -> (String, Cluster) {
+    start_with_apps(agents, extra, forbid, HashMap::new(), HashMap::new())
+}
+
+/// Like [`start_with`], the API server also knowing application pods and services.
+fn start_with_apps(
+    agents: Vec<(&'static str, &'static str, Option<Behaviour>)>,
+    extra: Vec<(String, AgentPod)>,
+    forbid: Option<&'static str>,
+    apps: HashMap<String, (&'static str, &'static str)>,
+    services: HashMap<String, &'static str>,
+) -> (String, Cluster) {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -299,11 +359,14 @@ fn start_with(
             let c = Cluster {
                 pods: Arc::new(pods),
                 forbid,
+                apps: Arc::new(apps),
+                services: Arc::new(services),
                 ..Default::default()
             };
             let app = Router::new()
                 .route("/api/v1/namespaces/{ns}/pods", get(list))
                 .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod))
+                .route("/api/v1/namespaces/{ns}/services/{name}", get(get_service))
                 .route(
                     "/api/v1/namespaces/{ns}/pods/{name}/portforward",
                     get(portforward),
@@ -540,28 +603,36 @@ struct LabAgent {
 
 impl LabAgent {
     fn start(bin: &std::path::Path, prefix: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("{prefix}-kubectl-agent"));
+        Self::start_on(bin, prefix, &["lab", "up", "--prefix", prefix], "node")
+    }
+
+    /// An agent in the namespace `{prefix}-{role}` of the lab `lab_up` builds (an empty
+    /// `lab_up`: a lab built already, which the first agent's drop removes).
+    fn start_on(bin: &std::path::Path, prefix: &str, lab_up: &[&str], role: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{role}-kubectl-agent"));
         let mut me = Self {
             bin: bin.to_path_buf(),
             prefix: prefix.to_string(),
             dir: dir.clone(),
             child: None,
         };
-        let up = std::process::Command::new(bin)
-            .args(["lab", "up", "--prefix", prefix])
-            .output()
-            .unwrap();
-        assert!(
-            up.status.success(),
-            "lab up: {}",
-            String::from_utf8_lossy(&up.stderr)
-        );
+        if !lab_up.is_empty() {
+            let up = std::process::Command::new(bin)
+                .args(lab_up)
+                .output()
+                .unwrap();
+            assert!(
+                up.status.success(),
+                "lab up: {}",
+                String::from_utf8_lossy(&up.stderr)
+            );
+        }
         std::fs::create_dir_all(&dir).unwrap();
         let ready = dir.join("ready");
         let log = std::fs::File::create(dir.join("agent.log")).unwrap();
         me.child = Some(
             std::process::Command::new(bin)
-                .args(["agent", "--netns", &format!("{prefix}-node")])
+                .args(["agent", "--netns", &format!("{prefix}-{role}")])
                 .args([
                     "--metrics-addr",
                     "127.0.0.1:19965",
@@ -572,7 +643,7 @@ impl LabAgent {
                 .arg(dir.join("agent.sock"))
                 .arg("--ready-file")
                 .arg(&ready)
-                .args(["--node-name", "lab-node", "--idle-ms", "1000"])
+                .args(["--node-name", &format!("lab-{role}"), "--idle-ms", "1000"])
                 .stdout(std::process::Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -760,4 +831,121 @@ fn the_binary_named_kubectl_observer_is_the_plugin_and_kubectl_finds_it() {
         eprintln!("kubectl is not installed: `kubectl plugin list` not checked");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agents() {
+    let Some(bin) = privileged_bin("trace_stitches_one_packet_across_the_two_node_labs_overlay")
+    else {
+        return;
+    };
+    let prefix = format!("kt{}", std::process::id() % 100_000);
+    let up = ["lab", "up", "--prefix", prefix.as_str(), "--nodes", "2"];
+    let node = LabAgent::start_on(&bin, &prefix, &up, "node");
+    let node2 = LabAgent::start_on(&bin, &prefix, &[], "node2");
+    let agent = |role: &str| AgentPod {
+        node: if role == "node" {
+            "lab-node"
+        } else {
+            "lab-node2"
+        },
+        agent: Some("127.0.0.1:9966".parse().unwrap()),
+        netns: Some(format!("{prefix}-{role}")),
+    };
+    let apps = HashMap::from([
+        ("default/pod-a".to_string(), ("lab-node", "10.244.0.5")),
+        ("default/pod-b".to_string(), ("lab-node2", "10.244.1.5")),
+    ]);
+    let services = HashMap::from([("default/web".to_string(), "10.96.0.30")]);
+    let (url, _c) = start_with_apps(
+        Vec::new(),
+        vec![
+            ("observer-1".into(), agent("node")),
+            ("observer-2".into(), agent("node2")),
+        ],
+        None,
+        apps,
+        services,
+    );
+    // The lab's flows, again and again while the traces watch (bounded).
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (done, bin, prefix) = (done.clone(), bin.clone(), prefix.clone());
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                let _ = std::process::Command::new(&bin)
+                    .args(["lab", "traffic", "--prefix", &prefix])
+                    .output();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let trace = |args: &[&str]| {
+        let mut all = vec![
+            "trace",
+            "default/pod-a",
+            "default/web",
+            "--timeout",
+            "15",
+            "--json",
+        ];
+        all.extend_from_slice(args);
+        let (out, ends) = plugin(&url, &all)
+            .unwrap_or_else(|e| panic!("{e:#}; agents: {} {}", node.log(), node2.log()));
+        assert_eq!(ends.len(), 2, "{ends:?}");
+        assert!(ends.iter().all(|e| e.result.is_ok()), "{ends:?}");
+        let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        j
+    };
+    let dropped = trace(&["--port", "9", "--proto", "udp"]);
+    let delivered = trace(&["--port", "80", "--proto", "tcp"]);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    traffic.join().unwrap();
+    for (j, endpoint) in [(&dropped, "10.244.1.5:9"), (&delivered, "10.244.1.5:8080")] {
+        assert_eq!(j["complete"], true, "{j:#}");
+        let legs: Vec<(&str, &str)> = j["legs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| (l["node"].as_str().unwrap(), l["role"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            legs,
+            [
+                ("lab-node", "source"),
+                ("lab-node", "carrier"),
+                ("lab-node2", "carrier"),
+                ("lab-node2", "destination")
+            ],
+            "{j:#}"
+        );
+        let src = &j["legs"][0]["report"];
+        assert_eq!(src["packet"]["src"], "10.244.0.5");
+        assert_eq!(src["packet"]["dst"], "10.96.0.30");
+        assert_eq!(src["nat"][0]["to"], endpoint);
+        let (sent, got) = (&j["legs"][1]["report"], &j["legs"][2]["report"]);
+        assert_eq!(sent["encap"]["outer_src"], got["encap"]["outer_src"]);
+        assert_eq!(got["encap"]["inner"]["dst"], endpoint);
+        assert_eq!(got["encap"]["overlay"], "flannel.1");
+        assert_eq!(j["legs"][3]["report"]["ingress"]["iface"], "flannel.1");
+    }
+    assert_eq!(dropped["end"]["node"], "lab-node2");
+    assert_eq!(dropped["end"]["kind"], "dropped");
+    assert_eq!(dropped["end"]["hook"], "FORWARD");
+    assert_eq!(dropped["end"]["table"], "filter");
+    assert!(
+        dropped["end"]["rule"]
+            .as_str()
+            .unwrap()
+            .starts_with("-A cali-tw-cali3c4d -p udp -m udp --dport 9"),
+        "{dropped:#}"
+    );
+    assert_eq!(delivered["end"]["kind"], "forwarded");
+    assert_eq!(
+        delivered["legs"][3]["report"]["egress"]["iface"],
+        "cali3c4d"
+    );
+    drop(node2);
+    drop(node);
 }

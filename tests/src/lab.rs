@@ -57,6 +57,22 @@ impl Lab {
         lab
     }
 
+    /// The two-node lab (`observer lab up --nodes 2`): `node` and `node2` joined by VXLAN.
+    pub fn up_two_nodes(tag: &str) -> Self {
+        let prefix = unique_prefix(tag);
+        let lab = Self { prefix };
+        run(&[
+            observer_bin().to_str().unwrap(),
+            "lab",
+            "up",
+            "--prefix",
+            &lab.prefix,
+            "--nodes",
+            "2",
+        ]);
+        lab
+    }
+
     /// `observer lab traffic`: the demo flows (client -> ClusterIP, pod -> external,
     /// client -> node).
     pub fn traffic(&self) {
@@ -201,7 +217,12 @@ impl Tail {
 
     /// Like [`Self::start_with`], with extra environment variables for the observer.
     pub fn start_with_env(lab: &Lab, extra: &[&str], env: &[(&str, &str)]) -> Self {
-        let ready = std::env::temp_dir().join(format!("{}-ready", lab.prefix));
+        Self::start_on(lab, "node", extra, env)
+    }
+
+    /// Starts the observer on the lab's namespace `role` (`node2` of the two-node lab).
+    pub fn start_on(lab: &Lab, role: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let ready = std::env::temp_dir().join(format!("{}-{role}-ready", lab.prefix));
         let _ = std::fs::remove_file(&ready);
         let child = Command::new(observer_bin())
             .args([
@@ -210,7 +231,7 @@ impl Tail {
                 "--timeout",
                 "60",
                 "--netns",
-                &lab.ns("node"),
+                &lab.ns(role),
             ])
             .args(extra)
             .envs(env.iter().copied())

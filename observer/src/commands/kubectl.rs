@@ -2,6 +2,9 @@
 //! that name on PATH). `tail` and `drops` for one node, a pod's node or every node, merged
 //! into one stream with each report's node; every agent is reached through the API server
 //! ([`crate::k8s::cluster`]) and read by the agent client ([`super::agent::client`]).
+//! `trace` follows one packet across nodes ([`trace`]).
+
+pub mod trace;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -40,7 +43,8 @@ ln -s \"$(command -v observer)\" ~/.local/bin/kubectl-observer), or `cargo xtask
     kubectl observer tail --node worker-1 --filter 'udp port 53' --output line\n  \
     kubectl observer tail --pod default/web-0 --count 20\n  \
     kubectl observer tail --all-nodes --json --timeout 30 | jq -c '{node, fate}'\n  \
-    kubectl observer drops --output line"
+    kubectl observer drops --output line\n  \
+    kubectl observer trace default/client-0 default/web --port 80 --timeout 20"
 )]
 pub struct PluginCli {
     #[command(subcommand)]
@@ -56,6 +60,11 @@ pub enum PluginCommand {
     Tail(PluginTail),
     /// Print every node's flight recorder of recent drops, newest first, each with its node.
     Drops(PluginDrops),
+    /// Follow one packet from a pod to a pod or service across nodes: the source node's
+    /// traversal (DNAT, marks, SNAT, encapsulation), the overlay's VXLAN packet on both
+    /// nodes, then the destination node's (decapsulation, policy, delivery or drop), matched
+    /// by the packet's tuple after NAT and the VXLAN outer header.
+    Trace(trace::PluginTrace),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -232,6 +241,7 @@ pub fn run(
             let output = if d.json { Output::Json } else { d.output };
             (d.target, "/v1/drops", output, d.filter, 1, d.count, None)
         }
+        PluginCommand::Trace(t) => return trace::run(rt, client, cli.cluster, t, out),
     };
     // Find the agents, and check each answers as this version does.
     let (chosen, checked) = rt.block_on(async {

@@ -11,8 +11,10 @@
 //! With [`Mode::Nftables`] kube-proxy runs in nftables mode: its KUBE-* iptables rules are left
 //! out and `lab/node-kube-proxy.nft` (tables `ip kube-proxy` and `ip6 kube-proxy`) is loaded.
 //! [`Mode::Bridge`] builds another node: pods on a Linux bridge with br_netfilter ([`bridge`]).
+//! With two nodes (`--nodes 2`), two node namespaces joined by a VXLAN overlay ([`overlay`]).
 
 pub mod bridge;
+pub mod overlay;
 
 use std::process::Command;
 
@@ -63,6 +65,8 @@ pub const CLUSTER_IP6: &str = "fd00:10::2";
 pub struct Lab {
     pub prefix: String,
     pub mode: Mode,
+    /// 2: the two-node overlay lab ([`overlay`]) instead of the single node of `mode`.
+    pub nodes: u8,
 }
 
 impl Lab {
@@ -74,6 +78,15 @@ impl Lab {
         Self {
             prefix: prefix.to_string(),
             mode,
+            nodes: 1,
+        }
+    }
+
+    /// The two-node lab: two nodes joined by a VXLAN overlay ([`overlay`]).
+    pub fn two_nodes(prefix: &str) -> Self {
+        Self {
+            nodes: 2,
+            ..Self::new(prefix)
         }
     }
 
@@ -91,6 +104,9 @@ impl Lab {
 
     /// The namespaces this lab's mode creates.
     pub fn roles(&self) -> &'static [&'static str] {
+        if self.nodes == 2 {
+            return &overlay::ROLES;
+        }
         match self.mode {
             Mode::Bridge => &Self::ALL_ROLES,
             Mode::Iptables | Mode::Nftables => &Self::ROLES,
@@ -104,6 +120,14 @@ impl Lab {
             .args(["-n", &self.node(), "link", "show", bridge::BRIDGE])
             .output()
             .is_ok_and(|o| o.status.success())
+    }
+
+    /// Whether the lab of this prefix that exists now is the two-node lab (a `node2` and no
+    /// `client` namespace; the bridge lab has both): `lab traffic` and `lab status` follow the
+    /// lab that is up. Read from the namespaces' files, no command that may fail meanwhile.
+    pub fn detect_overlay(&self) -> bool {
+        let exists = |role: &str| crate::kernel::netns::path(&self.ns(role)).exists();
+        exists("node2") && !exists("client")
     }
 
     /// Builds the lab (removing a previous one of the same prefix first).
@@ -122,6 +146,9 @@ impl Lab {
                     "net.ipv6.conf.default.router_solicitations=0",
                 ],
             )?;
+        }
+        if self.nodes == 2 {
+            return overlay::up(self);
         }
         if self.mode == Mode::Bridge {
             return bridge::up(self);
@@ -215,7 +242,9 @@ impl Lab {
             .output()
             .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default();
-        let roles = if self.detect_bridge() {
+        let roles = if self.detect_overlay() {
+            &overlay::ROLES[..]
+        } else if self.detect_bridge() {
             &Self::ALL_ROLES[..]
         } else {
             self.roles()

@@ -162,3 +162,42 @@ pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
     ));
     Ok(done)
 }
+
+/// The two-node lab's flows (`observer lab up --nodes 2`). Returns a line per flow.
+pub fn overlay_flows(lab: &Lab) -> Result<Vec<String>> {
+    use crate::commands::lab::overlay as o;
+    let mut done = Vec::new();
+    let joined = |h: std::thread::JoinHandle<Result<()>>| {
+        h.join().map_err(|_| anyhow::anyhow!("server panicked"))?
+    };
+    let svc: SocketAddr = format!("{}:{}", o::SERVICE_IP, o::SERVICE_PORT).parse()?;
+    let endpoint: SocketAddr = format!("{}:{}", o::POD2_IP, o::TARGET_PORT).parse()?;
+    let server = tcp_echo_server(&lab.ns("pod2"), endpoint, 1)?;
+    tcp_roundtrip(&lab.ns("pod"), svc, b"hello across the overlay")?;
+    joined(server)?;
+    done.push(format!(
+        "pod {} -> ClusterIP {svc} (DNAT on node to {endpoint}, VXLAN VNI {} over {} to node2)",
+        o::POD_IP,
+        o::VNI,
+        o::UNDERLAY_DEV
+    ));
+
+    let pod: SocketAddr = format!("{}:{}", o::POD_IP, o::TARGET_PORT).parse()?;
+    let server = tcp_echo_server(&lab.ns("pod"), pod, 1)?;
+    tcp_roundtrip(&lab.ns("pod2"), pod, b"hello back")?;
+    joined(server)?;
+    done.push(format!(
+        "pod2 {} -> pod {pod} (routed through node2's {} to node)",
+        o::POD2_IP,
+        o::VXLAN_DEV
+    ));
+
+    let denied: SocketAddr = format!("{}:{}", o::SERVICE_IP, o::DENIED_PORT).parse()?;
+    udp_send(&lab.ns("pod"), denied, b"denied")?;
+    done.push(format!(
+        "pod -> ClusterIP {denied} udp (DNAT on node to {}:{}, dropped in node2's FORWARD by the policy)",
+        o::POD2_IP,
+        o::DENIED_PORT
+    ));
+    Ok(done)
+}

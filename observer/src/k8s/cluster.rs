@@ -214,6 +214,45 @@ pub async fn pod_node(
     Ok((node, ips))
 }
 
+/// Where `kubectl observer trace` sends: a pod (its node and addresses) or a service (its
+/// cluster IPs; its endpoints may be on any node).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Destination {
+    Pod { node: String, ips: Vec<String> },
+    Service { ips: Vec<String> },
+}
+
+/// `NAMESPACE/NAME` as a pod, or, when no pod has that name, as a service.
+pub async fn destination(
+    client: &kube::Client,
+    ns_name: &str,
+) -> Result<Destination, ClusterError> {
+    match pod_node(client, ns_name).await {
+        Ok((node, ips)) => return Ok(Destination::Pod { node, ips }),
+        Err(ClusterError::Api {
+            source: kube::Error::Api(s),
+            ..
+        }) if s.code == 404 => {}
+        Err(e) => return Err(e),
+    }
+    let (ns, name) = ns_name.split_once('/').expect("checked by pod_node");
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(client.clone(), ns);
+    let svc = services.get(name).await.map_err(|e| {
+        api_error(e, "get", "services", ns, || {
+            format!("no pod {ns_name}; reading service {ns_name}")
+        })
+    })?;
+    let spec = svc.spec.unwrap_or_default();
+    let mut ips: Vec<String> = spec.cluster_ips.unwrap_or_default();
+    if let Some(ip) = spec.cluster_ip
+        && !ips.contains(&ip)
+    {
+        ips.push(ip);
+    }
+    ips.retain(|ip| ip != "None" && !ip.is_empty());
+    Ok(Destination::Service { ips })
+}
+
 /// A port-forward to the agent's loopback listener: one connection to its streaming API.
 pub async fn connect(
     client: &kube::Client,

@@ -82,6 +82,34 @@ pub fn is_bridge(name: &str) -> bool {
     driver(name).is_some_and(|d| d == "bridge")
 }
 
+/// The VXLAN device of the current namespace with network identifier `vni` on UDP `port`
+/// (`flannel.1`, `vxlan.calico`), as `ip -details link` reports them; None when there is
+/// none or `ip` cannot say. Run from the thread that joined the observed namespace (a child
+/// process starts in its namespace).
+pub fn vxlan_device(vni: u32, port: u16) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-details", "-json", "link", "show", "type", "vxlan"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    vxlan_device_in(&String::from_utf8_lossy(&out.stdout), vni, port)
+}
+
+/// [`vxlan_device`] over `ip -details -json link` output.
+pub fn vxlan_device_in(json: &str, vni: u32, port: u16) -> Option<String> {
+    let links: Vec<serde_json::Value> = serde_json::from_str(json).ok()?;
+    links.iter().find_map(|l| {
+        let data = l.get("linkinfo")?.get("info_data")?;
+        let id = data.get("id")?.as_u64()?;
+        let p = data.get("port")?.as_u64()?;
+        (id == u64::from(vni) && p == u64::from(port))
+            .then(|| l.get("ifname")?.as_str().map(str::to_string))
+            .flatten()
+    })
+}
+
 /// The driver of interface `name` (`ETHTOOL_GDRVINFO`), None where the ioctl fails.
 fn driver(name: &str) -> Option<String> {
     const ETHTOOL_GDRVINFO: u32 = 0x3;
@@ -154,4 +182,23 @@ pub fn ifname(index: u32) -> String {
     unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
         .to_string_lossy()
         .into_owned()
+}
+
+#[cfg(test)]
+mod vxlan_tests {
+    use super::vxlan_device_in;
+
+    #[test]
+    fn the_vxlan_device_is_found_by_vni_and_port() {
+        // `ip -details -json link show type vxlan`, trimmed (iproute2 6.1).
+        let json = r#"[{"ifindex":5,"ifname":"vxlan.calico","linkinfo":{"info_kind":"vxlan","info_data":{"id":4096,"port":4789}}},
+            {"ifindex":6,"ifname":"flannel.1","linkinfo":{"info_kind":"vxlan","info_data":{"id":1,"local":"192.168.60.1","port":4789}}}]"#;
+        assert_eq!(vxlan_device_in(json, 1, 4789).as_deref(), Some("flannel.1"));
+        assert_eq!(
+            vxlan_device_in(json, 4096, 4789).as_deref(),
+            Some("vxlan.calico")
+        );
+        assert_eq!(vxlan_device_in(json, 1, 8472), None);
+        assert_eq!(vxlan_device_in("not json", 1, 4789), None);
+    }
 }

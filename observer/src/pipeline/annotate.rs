@@ -386,6 +386,7 @@ mod tests {
             mark: 0,
             ct: None,
             inner: None,
+            encap: None,
             fragment: false,
             icmp: None,
             icmp_id: None,

@@ -207,6 +207,16 @@ fn observation(
             reply,
         }
     });
+    // The packet inside: an ICMP error's quote, or what a VXLAN packet carries (the same
+    // family as the outer header: the step does not say another).
+    let carried = s.inner.filter(|_| o.flags & flags::INNER != 0).map(|i| {
+        let ports = matches!(i.l4proto, 6 | 17 | 132);
+        let e = |a: &[u8; 16], port: u16| Endpoint {
+            addr: addr(a, v4),
+            port: if ports { port } else { 0 },
+        };
+        (i, (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto))
+    });
     Observation {
         point,
         family,
@@ -222,14 +232,13 @@ fn observation(
         len: o.len,
         mark: o.mark,
         ct,
-        inner: s.inner.filter(|_| o.flags & flags::INNER != 0).map(|i| {
-            let ports = matches!(i.l4proto, 6 | 17 | 132);
-            let e = |a: &[u8; 16], port: u16| Endpoint {
-                addr: addr(a, v4),
-                port: if ports { port } else { 0 },
-            };
-            (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto)
-        }),
+        inner: carried
+            .filter(|(i, _)| i.flags & flags::ENCAP == 0)
+            .map(|(_, t)| t),
+        // A VXLAN packet's inner step keeps its VNI where a step's mark is.
+        encap: carried
+            .filter(|(i, _)| i.flags & flags::ENCAP != 0)
+            .map(|(i, (s, d, p))| (i.mark, s, d, p)),
         fragment: o.flags & flags::FRAGMENT != 0,
         icmp: crate::pipeline::decode::icmp_of(o.l4proto, o.dport),
         icmp_id: crate::pipeline::decode::icmp_id_of(o.l4proto, o.sport, o.dport),

@@ -94,6 +94,8 @@ pub struct Observation {
     pub ct: Option<Conntrack>,
     /// For ICMP errors: the packet they quote (source, destination, protocol).
     pub inner: Option<(Endpoint, Endpoint, u8)>,
+    /// For VXLAN packets: the VNI and the packet carried (source, destination, protocol).
+    pub encap: Option<(u32, Endpoint, Endpoint, u8)>,
     /// An IPv4 fragment.
     pub fragment: bool,
     /// ICMP and ICMPv6: the message's type and code (the probes read them where ports are).
@@ -248,7 +250,8 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
         len: p.len,
         mark: p.mark,
         ct,
-        inner: (h.flags & flags::INNER != 0).then(|| {
+        encap: None,
+        inner: (h.flags & flags::INNER != 0 && h.flags & flags::ENCAP == 0).then(|| {
             let i = ev.inner;
             let ports = matches!(i.l4proto, 6 | 17 | 132);
             let at = |a: &[u8; 16], port: u16| Endpoint {

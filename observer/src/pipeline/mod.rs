@@ -56,6 +56,10 @@ pub trait NameSource {
     fn symbol(&self, addr: u64) -> String;
     /// Forgets cached names (interfaces were renamed or removed).
     fn forget(&self) {}
+    /// The name of this namespace's VXLAN device with this VNI and UDP port, if known.
+    fn overlay(&self, _vni: u32, _port: u16) -> Option<String> {
+        None
+    }
     /// Whether [`NameSource::k8s`] may name anything: reports look up their endpoints only
     /// then (tail and replay know no Kubernetes names, and skip the work).
     fn knows_k8s(&self) -> bool {
@@ -80,6 +84,8 @@ pub struct LiveNames {
     symbols: std::cell::OnceCell<Symbols>,
     /// Kubernetes names (the agent's), when known.
     k8s: Option<std::sync::Arc<crate::k8s::Names>>,
+    /// VXLAN devices by (VNI, port), asked once each.
+    overlays: std::cell::RefCell<HashMap<(u32, u16), Option<String>>>,
 }
 
 impl LiveNames {
@@ -94,6 +100,7 @@ impl LiveNames {
             names: Default::default(),
             symbols: std::cell::OnceCell::new(),
             k8s: None,
+            overlays: Default::default(),
         }
     }
 }
@@ -122,6 +129,14 @@ impl NameSource for LiveNames {
     }
     fn forget(&self) {
         self.names.borrow_mut().clear();
+        self.overlays.borrow_mut().clear();
+    }
+    fn overlay(&self, vni: u32, port: u16) -> Option<String> {
+        self.overlays
+            .borrow_mut()
+            .entry((vni, port))
+            .or_insert_with(|| crate::kernel::netns::vxlan_device(vni, port))
+            .clone()
     }
 }
 
@@ -623,6 +638,23 @@ fn model(
         rules: ctx.namer.as_ref(),
     };
     let mut r = report::build(&t, &rctx, lost);
+    if let Some(e) = &mut r.encap {
+        e.overlay = names.inner.overlay(e.vni, e.outer_dst.port.unwrap_or(0));
+        // Decapsulated, the same skb goes on as the inner packet: the probes see a new
+        // packet start under its address, and this traversal's end is not seen.
+        if e.direction == Some("decapsulated") && rec.end == observer_common::traversal::end::REUSED
+        {
+            r.notes.push(format!(
+                "decapsulated (VXLAN vni {}): the kernel went on with this skb as the packet it \
+                 carried, {} {} -> {}, reported as its own traversal entering by {}",
+                e.vni,
+                e.inner.proto.name(),
+                e.inner.src,
+                e.inner.dst,
+                e.overlay.as_deref().unwrap_or("the overlay device"),
+            ));
+        }
+    }
     r.names = endpoint_names(&r, names.inner);
     Ok(r)
 }
@@ -1066,6 +1098,7 @@ mod tests {
             egress: None,
             route: None,
             bridge: None,
+            encap: None,
             stages: Vec::new(),
             fate: Fate::new(FateKind::Forwarded),
             marks: Marks::default(),

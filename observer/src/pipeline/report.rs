@@ -191,6 +191,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         egress,
         route,
         bridge,
+        encap: encapsulation(t, route),
         incomplete: !reasons.is_empty(),
         incomplete_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
         fate,
@@ -203,6 +204,34 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         notes: bridge_notes(t, ports, ifname),
         lost,
     }
+}
+
+/// A VXLAN packet's outer header, VNI and the packet it carries, as first read; its
+/// direction from the route: sent by this node (its overlay device wrapped a pod's packet)
+/// or received for it. The overlay device is named by the caller, who knows the node.
+fn encapsulation(
+    t: &Traversal,
+    route: Option<observer_model::Route>,
+) -> Option<observer_model::Encapsulation> {
+    let r = t.records.iter().find(|r| r.encap.is_some())?;
+    let (vni, src, dst, proto) = r.encap?;
+    Some(observer_model::Encapsulation {
+        kind: "vxlan",
+        direction: match route {
+            Some(observer_model::Route::Output) => Some("encapsulated"),
+            Some(observer_model::Route::Input) => Some("decapsulated"),
+            _ => None,
+        },
+        vni,
+        outer_src: endpoint(&r.src?, r.has_ports),
+        outer_dst: endpoint(&r.dst?, r.has_ports),
+        inner: observer_model::Quoted {
+            src: endpoint(&src, matches!(proto, 6 | 17 | 132)),
+            dst: endpoint(&dst, matches!(proto, 6 | 17 | 132)),
+            proto: Protocol::from_number(proto),
+        },
+        overlay: None,
+    })
 }
 
 /// What the path through a bridge did that its stages do not show: a frame DNATed to a
