@@ -33,7 +33,11 @@ pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
 async fn serve_metrics(State(m): State<Arc<Metrics>>, headers: HeaderMap) -> Response {
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
     let format = Format::negotiate(accept);
-    ([(header::CONTENT_TYPE, format.content_type())], m.encode(format)).into_response()
+    (
+        [(header::CONTENT_TYPE, format.content_type())],
+        m.encode(format),
+    )
+        .into_response()
 }
 
 async fn readyz(State(m): State<Arc<Metrics>>) -> Response {

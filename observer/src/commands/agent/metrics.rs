@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter as PromCounter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::info::Info;
-use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use observer_model::{FateKind, NatKind, NatSource, Traversal};
@@ -785,7 +785,11 @@ mod tests {
     fn full() -> Metrics {
         let m = Metrics::new("node-1");
         m.set_mode("kernel", "0,1");
-        m.add(Counter::Drops, &["ipv4", "FORWARD", "filter", "NO_SOCKET"], 3);
+        m.add(
+            Counter::Drops,
+            &["ipv4", "FORWARD", "filter", "NO_SOCKET"],
+            3,
+        );
         m.add(Counter::Packets, &["ipv4", "FORWARD", "filter"], 9);
         m.set_health(Health {
             ready: true,
@@ -899,7 +903,10 @@ mod tests {
         let m = Metrics::new("n");
         assert!(!m.render().contains("observer_tier0_read_seconds"));
         m.set_tier0(Tier0::default());
-        assert!(m.render().contains("observer_tier0_read_seconds{node=\"n\"} 0"));
+        assert!(
+            m.render()
+                .contains("observer_tier0_read_seconds{node=\"n\"} 0")
+        );
     }
 
     #[test]
@@ -928,10 +935,16 @@ mod tests {
                 Format::Text,
             ),
             (Some("*/*"), Format::Text),
-            (Some("text/html,application/xhtml+xml,*/*;q=0.8"), Format::Text),
+            (
+                Some("text/html,application/xhtml+xml,*/*;q=0.8"),
+                Format::Text,
+            ),
             (None, Format::Text),
             (Some("application/openmetrics-text;q=0"), Format::Text),
-            (Some("Application/OpenMetrics-Text; q=0.9"), Format::OpenMetrics),
+            (
+                Some("Application/OpenMetrics-Text; q=0.9"),
+                Format::OpenMetrics,
+            ),
         ] {
             assert_eq!(Format::negotiate(accept), format, "{accept:?}");
         }

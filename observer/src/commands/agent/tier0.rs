@@ -182,7 +182,13 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
         }
         let open = m.encode(Format::OpenMetrics);
-        assert!(open.contains("# TYPE observer_rule_drops counter\n"), "{open}");
-        assert!(open.contains("# TYPE observer_rule_series_left_out gauge\n"), "{open}");
+        assert!(
+            open.contains("# TYPE observer_rule_drops counter\n"),
+            "{open}"
+        );
+        assert!(
+            open.contains("# TYPE observer_rule_series_left_out gauge\n"),
+            "{open}"
+        );
     }
 }

@@ -740,13 +740,7 @@ impl Tier1 {
         let reasons = std::mem::take(&mut self.reasons);
         let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
         let locations = &mut self.locations;
-        let series = series(
-            &keys,
-            &stats,
-            &reason,
-            &mut |a| locations.name(a),
-            &naming,
-        );
+        let series = series(&keys, &stats, &reason, &mut |a| locations.name(a), &naming);
         self.reasons = reasons;
         metrics.set_tier1(series);
     }
