@@ -193,8 +193,17 @@ impl Snapshot {
     }
 
     /// Writes the family: its HELP and TYPE (a counter's named without `_total`, which the
-    /// encoder adds where the format wants it), then each series.
+    /// encoder adds where the format wants it), then each series; nothing without series
+    /// (as the crate does with an empty `Family`).
     fn encode(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        debug_assert!(
+            self.kind == Kind::Gauge || self.name.ends_with("_total"),
+            "{}: a counter's series are named ..._total",
+            self.name
+        );
+        if self.series.is_empty() {
+            return Ok(());
+        }
         let (name, kind) = match self.kind {
             Kind::Counter => (
                 self.name.strip_suffix("_total").unwrap_or(self.name),
@@ -896,6 +905,21 @@ mod tests {
             v
         };
         assert_eq!(samples(&t), samples(&full().encode(Format::Text)));
+    }
+
+    #[test]
+    fn a_family_without_series_is_not_written() {
+        let m = Metrics::new("n");
+        m.set_tier1(vec![Snapshot {
+            name: "observer_kernel_drops_total",
+            help: "Drops.",
+            kind: Kind::Counter,
+            series: Vec::new(),
+        }]);
+        let t = m.render();
+        assert!(!t.contains("observer_kernel_drops"), "{t}");
+        assert!(!t.contains("observer_drops_total"), "{t}");
+        assert!(t.contains("observer_ready{node=\"n\"} 0"), "{t}");
     }
 
     #[test]
