@@ -3,11 +3,10 @@
 //! added to bounded families of series. No label holds an address except a service's
 //! endpoint, which kube-proxy's own rules name.
 //!
-//! The families ([`Family`]) carry their name, help and kind; the caller renders them (the
-//! text format here, [`render`], or a Prometheus client).
+//! The families ([`Family`]) carry their name, help and kind; the caller writes them (the
+//! agent, through the `prometheus-client` crate).
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 
 use crate::conntrack;
 use crate::ctevents;
@@ -365,35 +364,6 @@ fn series_of(r: &Rule, mark_name: &dyn Fn(u32) -> String) -> Vec<(Family, Labels
     }
 }
 
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// The text exposition format of `samples` (families in order, HELP and TYPE once each).
-pub fn render(samples: &[Sample]) -> String {
-    let mut by: BTreeMap<Family, Vec<&Sample>> = BTreeMap::new();
-    for s in samples {
-        by.entry(s.family).or_default().push(s);
-    }
-    let mut out = String::new();
-    for (f, ss) in by {
-        let kind = if f.counter() { "counter" } else { "gauge" };
-        let _ = writeln!(out, "# HELP {} {}", f.name(), f.help());
-        let _ = writeln!(out, "# TYPE {} {kind}", f.name());
-        for s in ss {
-            let labels: Vec<String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
-                .collect();
-            let _ = writeln!(out, "{}{{{}}} {}", f.name(), labels.join(","), s.value);
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -507,25 +477,6 @@ mod tests {
             value(&s, Family::RuleDrops, ("rule", "c handle 3")),
             None,
             "never invented"
-        );
-    }
-
-    #[test]
-    fn render_writes_help_type_and_escapes() {
-        let mut r = rule("FORWARD", 1, Action::Drop, Some(1));
-        r.comment = Some("say \"hi\"".into());
-        let mut s = Series::new(DEFAULT_CAP);
-        s.update(&[r], NAME);
-        let text = render(&s.samples(&vec![("tier", "0".into())]));
-        assert!(
-            text.contains("# TYPE observer_rule_drops_total counter"),
-            "{text}"
-        );
-        assert!(text.contains("tier=\"0\",family=\"ipv4\""), "{text}");
-        assert!(text.contains("comment=\"say \\\"hi\\\"\""), "{text}");
-        assert!(
-            text.contains("# TYPE observer_rule_series_left_out gauge"),
-            "{text}"
         );
     }
 }

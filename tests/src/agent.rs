@@ -113,13 +113,33 @@ pub fn try_http_get(
     addr: &'static str,
     path: &str,
 ) -> Result<(u16, String), std::io::Error> {
-    let path = path.to_string();
+    get_with(lab, addr, path, "").map(|(status, _, body)| (status, body))
+}
+
+/// `GET path` with `accept` as its `Accept` header: (status, response head, body).
+pub fn http_get_accept(
+    lab: &Lab,
+    addr: &'static str,
+    path: &str,
+    accept: &str,
+) -> (u16, String, String) {
+    get_with(lab, addr, path, &format!("Accept: {accept}\r\n"))
+        .unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"))
+}
+
+fn get_with(
+    lab: &Lab,
+    addr: &'static str,
+    path: &str,
+    headers: &str,
+) -> Result<(u16, String, String), std::io::Error> {
+    let (path, headers) = (path.to_string(), headers.to_string());
     lab.run_in("node", move || {
         let mut s = std::net::TcpStream::connect(addr)?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         write!(
             s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n"
         )?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf)?;
@@ -130,7 +150,7 @@ pub fn try_http_get(
             .nth(1)
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        Ok((status, body.to_string()))
+        Ok((status, head.to_string(), body.to_string()))
     })
 }
 

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
-    Agent, Client, METRICS, encode, http_get, sample, try_http_get, unix_get,
+    Agent, Client, METRICS, encode, http_get, http_get_accept, sample, try_http_get, unix_get,
 };
 use observer_tests::lab::Lab;
 use observer_tests::{privileged, run};
@@ -180,6 +180,35 @@ fn prometheus_sees_every_forward_drop_and_promtool_accepts_the_metrics() {
         ) >= N as f64
     );
     assert!(!text.contains("198.51.100.10"), "no address in any label");
+    // What Prometheus was served: OpenMetrics, as its Accept asks (2.42's header), with the
+    // same drops.
+    let (status, head, open) = http_get_accept(
+        &lab,
+        METRICS,
+        "/metrics",
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+         version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    );
+    assert_eq!(status, 200, "{open}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{head}"
+    );
+    assert!(open.ends_with("# EOF\n"), "{open}");
+    assert!(open.contains("# TYPE observer_drops counter\n"), "{open}");
+    assert!(
+        sample(
+            &open,
+            "observer_drops_total",
+            &[("hook", "FORWARD"), ("table", "filter")]
+        ) >= before + N as f64,
+        "{open}"
+    );
+    assert!(
+        !text.contains("# EOF") && !text.contains("# TYPE observer_drops counter"),
+        "a GET without Accept gets the text format 0.0.4: {text}"
+    );
     // promtool's own linter accepts the exposition.
     let mut p = Command::new("promtool")
         .args(["check", "metrics"])

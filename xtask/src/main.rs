@@ -1141,6 +1141,8 @@ fn bench(seconds: u32, runs: u32, rounds: u32) -> Result<()> {
     example("observer", "collector_bench")?;
     println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
     example("observer-rules", "bench_rules")?;
+    println!("\nthe agent's /metrics, 14,098 series (observer/examples/metrics_bench.rs):");
+    example("observer", "metrics_bench")?;
     let prefix = "obsbench";
     let node = format!("{prefix}-node");
     // Per phase: TCP bit/s, UDP packets/s (one figure per round; the baseline's, every

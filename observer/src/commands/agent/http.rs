@@ -9,13 +9,13 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 
 use super::hub::{Hub, Request};
-use super::metrics::Metrics;
+use super::metrics::{Format, Metrics};
 use crate::k8s::Names;
 use crate::pipeline::Output;
 
@@ -28,13 +28,14 @@ pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
         .with_state(metrics)
 }
 
-async fn serve_metrics(State(m): State<Arc<Metrics>>) -> Response {
+/// OpenMetrics when the scraper's `Accept` asks for it (Prometheus does), the text format
+/// 0.0.4 otherwise (`metrics::Format::negotiate`).
+async fn serve_metrics(State(m): State<Arc<Metrics>>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = Format::negotiate(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        m.render(),
+        [(header::CONTENT_TYPE, format.content_type())],
+        m.encode(format),
     )
         .into_response()
 }

@@ -1,22 +1,42 @@
-//! The agent's Prometheus metrics: counters per family, hook and table, kept from the
-//! traversals the pipeline reports, plus the agent's own health, written in the text
-//! exposition format.
+//! The agent's Prometheus metrics, kept in the official client's types
+//! (`prometheus-client`) and written by it: OpenMetrics 1.0 when the scraper asks for it
+//! (Prometheus does), the text format 0.0.4 otherwise ([`Format`]). Every series carries the
+//! registry's `node` label. Labels are bounded: hook, table, family, reason, kind, source,
+//! node, and `mark` (a mark bit's name: at most 32 values). No label holds an address.
 //!
-//! The input is swappable: [`Metrics::observe`] reads the fields of the pipeline's typed
-//! traversal (never its JSON); the always-on mode instead calls [`Metrics::add`] with
-//! counts it read from the probes' maps. Labels are bounded: hook,
-//! table, family, reason, kind, source, node, and `mark` (a mark bit's name: at most 32
-//! values). No label holds an address. Each metric holds at most [`MAX_SERIES`] series; a
-//! count that would open one more is added to `observer_metrics_overflow_total` instead.
+//! Where a series comes from decides the one place it is declared:
+//! - counts the agent adds itself, tier 2's probe counters ([`Counter`]): a
+//!   `Family<Labels, Counter>` each, registered in [`Metrics::new`]. [`Metrics::observe`]
+//!   reads the fields of the pipeline's typed traversal (never its JSON); the always-on
+//!   counting mode calls [`Metrics::add`] with what the probes' maps gained. Each holds at
+//!   most [`MAX_SERIES`] series; a count that would open one more is added to
+//!   `observer_metrics_overflow_total` instead;
+//! - the agent's own state as the event loop sees it on each tick ([`Health`]): one row per
+//!   series in [`Health::series`];
+//! - what tier 0 and tier 1 read from the kernel on their own schedule: [`Snapshot`]s
+//!   handed over whole ([`Metrics::set_tier0`], [`Metrics::set_tier1`]) and written when
+//!   scraped by the registry's collector ([`Scraped`]).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter as PromCounter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
 
 use observer_model::{FateKind, NatKind, NatSource, Traversal};
 
 /// Series per metric at most (label sets are bounded by design; this is the backstop).
 pub const MAX_SERIES: usize = 4096;
+
+/// A series' labels, in order (`node` comes first, from the registry).
+pub type Labels = Vec<(&'static str, String)>;
 
 /// One counter metric: its name, help and label names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -42,6 +62,7 @@ impl Counter {
         Self::Drops,
     ];
 
+    /// The series' name as scraped (the family's name and `_total`).
     fn name(self) -> &'static str {
         match self {
             Self::Packets => "observer_packets_total",
@@ -88,6 +109,150 @@ impl Counter {
     }
 }
 
+/// The two formats the agent writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0: a counter's family is named without `_total`, its samples with it;
+    /// ends with `# EOF`.
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4, which `promtool check metrics` lints.
+    Text,
+}
+
+impl Format {
+    /// What a scrape's `Accept` header asks for: OpenMetrics when it names
+    /// `application/openmetrics-text` with a weight above 0 and no lower than the text
+    /// format's (`text/plain`, `*/*`); the text format otherwise, and without the header.
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        let (mut open, mut text) = (0.0f32, 0.0f32);
+        for range in accept.unwrap_or("").split(',') {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            let q = parts
+                .find_map(|p| p.trim().strip_prefix("q="))
+                .map_or(Some(1.0), |q| q.trim().parse::<f32>().ok())
+                .unwrap_or(0.0);
+            match media.as_str() {
+                "application/openmetrics-text" => open = open.max(q),
+                "text/plain" | "text/*" | "*/*" => text = text.max(q),
+                _ => {}
+            }
+        }
+        if open > 0.0 && open >= text {
+            Self::OpenMetrics
+        } else {
+            Self::Text
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Self::Text => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        }
+    }
+}
+
+/// Counter or gauge (the only kinds the agent's read series have).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One family of series read elsewhere (the kernel's counters), handed over whole and
+/// written as it is when scraped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// As scraped: a counter's ends in `_total`.
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub series: Vec<(Labels, u64)>,
+}
+
+impl Snapshot {
+    /// One series without labels of its own.
+    pub fn one(name: &'static str, kind: Kind, help: &'static str, value: u64) -> Self {
+        Self::labelled(name, kind, help, Vec::new(), value)
+    }
+
+    pub fn labelled(
+        name: &'static str,
+        kind: Kind,
+        help: &'static str,
+        labels: Labels,
+        value: u64,
+    ) -> Self {
+        Self {
+            name,
+            help,
+            kind,
+            series: vec![(labels, value)],
+        }
+    }
+
+    /// Writes the family: its HELP and TYPE (a counter's named without `_total`, which the
+    /// encoder adds where the format wants it), then each series; nothing without series
+    /// (as the crate does with an empty `Family`).
+    fn encode(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        debug_assert!(
+            self.kind == Kind::Gauge || self.name.ends_with("_total"),
+            "{}: a counter's series are named ..._total",
+            self.name
+        );
+        if self.series.is_empty() {
+            return Ok(());
+        }
+        let (name, kind) = match self.kind {
+            Kind::Counter => (
+                self.name.strip_suffix("_total").unwrap_or(self.name),
+                MetricType::Counter,
+            ),
+            Kind::Gauge => (self.name, MetricType::Gauge),
+        };
+        let mut family = encoder.encode_descriptor(name, self.help, None, kind)?;
+        for (labels, v) in &self.series {
+            let series = family.encode_family(labels)?;
+            match self.kind {
+                Kind::Counter => ConstCounter::new(*v).encode(series)?,
+                Kind::Gauge => ConstGauge::new(*v).encode(series)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Groups `series` (family, labels, value, in any order) into one [`Snapshot`] per family
+/// (OpenMetrics wants a family's series together), families in the order first seen.
+pub fn group<F: Copy + Ord>(
+    series: impl IntoIterator<Item = (F, Labels, u64)>,
+    describe: impl Fn(F) -> (&'static str, &'static str, Kind),
+) -> Vec<Snapshot> {
+    let mut order = Vec::new();
+    let mut by: BTreeMap<F, Vec<(Labels, u64)>> = BTreeMap::new();
+    for (f, labels, v) in series {
+        by.entry(f)
+            .or_insert_with(|| {
+                order.push(f);
+                Vec::new()
+            })
+            .push((labels, v));
+    }
+    order
+        .into_iter()
+        .map(|f| {
+            let (name, help, kind) = describe(f);
+            Snapshot {
+                name,
+                help,
+                kind,
+                series: by.remove(&f).unwrap_or_default(),
+            }
+        })
+        .collect()
+}
+
 /// The agent's own state, as gauges and counters (read when scraped).
 #[derive(Clone, Debug, Default)]
 pub struct Health {
@@ -118,18 +283,119 @@ pub struct Health {
     pub name_read_failures: u64,
 }
 
-type Labels = Vec<String>;
-
-#[derive(Default)]
-struct Counters {
-    series: BTreeMap<Counter, BTreeMap<Labels, u64>>,
-    overflow: u64,
+impl Health {
+    /// Every series the agent's state makes: one row each.
+    pub fn series(&self) -> [Snapshot; 15] {
+        use Kind::{Counter as C, Gauge as G};
+        let one = Snapshot::one;
+        [
+            one(
+                "observer_records_lost_total",
+                C,
+                "Packets the probes could not record because the ring buffer was full: their \
+                 traversals are missing from every metric above and from the streams.",
+                self.records_lost,
+            ),
+            one(
+                "observer_packets_seen_total",
+                C,
+                "Packets that entered the observed namespace's hooks.",
+                self.packets_seen,
+            ),
+            one(
+                "observer_unusable_records_total",
+                C,
+                "Records the agent could not turn into a report (logged).",
+                self.unusable_records,
+            ),
+            one(
+                "observer_attach_failures_total",
+                C,
+                "Probe attachments that failed (interfaces left without tcx probes, failed \
+                 re-plans).",
+                self.attach_failures,
+            ),
+            one(
+                "observer_subscriber_skipped_total",
+                C,
+                "Traversals a streaming client did not receive because it read too slowly \
+                 (its stream says how many).",
+                self.subscriber_skipped,
+            ),
+            one(
+                "observer_name_read_failures_total",
+                C,
+                "Reads that Kubernetes names come from that failed (the node's rules for \
+                 services, the API server's watch for pods; each logged): names may be \
+                 missing or stale.",
+                self.name_read_failures,
+            ),
+            one(
+                "observer_mark_changes_unattributed_total",
+                C,
+                "Packets whose mark changes before some probe point could not be attributed \
+                 to a table (they waited in a queue or changed CPU between two probes): \
+                 those changes are missing from observer_mark_changes_total.",
+                self.unattributed,
+            ),
+            one(
+                "observer_probes_attached",
+                G,
+                "Netfilter probes attached.",
+                self.netfilter_probes,
+            ),
+            one(
+                "observer_interfaces",
+                G,
+                "Interfaces in the namespace (each with tcx probes while traversals are \
+                 recorded).",
+                self.interfaces,
+            ),
+            one(
+                "observer_ruleset_generation",
+                G,
+                "Probe plan generation: grows when a ruleset change re-plans the probes.",
+                self.ruleset_generation,
+            ),
+            one(
+                "observer_subscribers",
+                G,
+                "Streaming clients connected.",
+                self.subscribers,
+            ),
+            one(
+                "observer_flight_recorder_drops",
+                G,
+                "Dropped traversals held by the flight recorder.",
+                self.flight_recorder_held,
+            ),
+            one(
+                "observer_flight_recorder_capacity",
+                G,
+                "How many dropped traversals the flight recorder holds at most.",
+                self.flight_recorder_capacity,
+            ),
+            one(
+                "observer_tracing",
+                G,
+                "1 while whole traversals are recorded (--mode trace, or a streaming client \
+                 is connected); 0 while the probes only count.",
+                u64::from(self.tracing),
+            ),
+            one(
+                "observer_ready",
+                G,
+                "1 once the probes are attached.",
+                u64::from(self.ready),
+            ),
+        ]
+    }
 }
 
-/// Tier 0's last read (`super::tier0`): its series, rendered, and how the read went.
+/// Tier 0's last read (`super::tier0`): its series, and how the read went.
 #[derive(Clone, Debug, Default)]
 pub struct Tier0 {
-    pub text: String,
+    pub series: Vec<Snapshot>,
     pub read_seconds: f64,
     /// Reads that failed in this round (each is logged).
     pub errors: u64,
@@ -142,61 +408,173 @@ struct Tier0State {
     reads_total: u64,
 }
 
-/// Counters shared between the event loop (writer) and the HTTP server (reader).
-pub struct Metrics {
-    node: String,
-    counters: Mutex<Counters>,
+/// What is read elsewhere and written when scraped: the agent's state, tier 0's and
+/// tier 1's last reads. The registry's one [`Collector`].
+#[derive(Default)]
+pub struct Scraped {
     health: Mutex<Health>,
     tier0: Mutex<Tier0State>,
-    /// Tier 1's series, rendered (`super::tier1`).
-    tier1: Mutex<String>,
-    /// `--mode` and the tiers it runs, for `observer_agent_mode`.
-    mode: Mutex<(&'static str, &'static str)>,
+    tier1: Mutex<Vec<Snapshot>>,
+}
+
+impl std::fmt::Debug for Scraped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scraped").finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Collector for Scraped {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let health = lock(&self.health).series();
+        for s in &health {
+            s.encode(&mut encoder)?;
+        }
+        for s in lock(&self.tier1).iter() {
+            s.encode(&mut encoder)?;
+        }
+        let t = lock(&self.tier0);
+        // Nothing until the first read ends (its time says it did).
+        if t.reads_total > 0 {
+            for s in &t.last.series {
+                s.encode(&mut encoder)?;
+            }
+            let seconds = encoder.encode_descriptor(
+                "observer_tier0_read",
+                "How long the last read of every rule counter and conntrack's statistics took.",
+                Some(&Unit::Seconds),
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(t.last.read_seconds).encode(seconds)?;
+            Snapshot::one(
+                "observer_tier0_read_errors_total",
+                Kind::Counter,
+                "Reads of rule counters or conntrack statistics that failed (logged; their \
+                 series keep the last values).",
+                t.errors_total,
+            )
+            .encode(&mut encoder)?;
+        }
+        Ok(())
+    }
+}
+
+/// The registry and the handles of what the agent counts itself; shared between the event
+/// loop and tier 0's thread (writers) and the HTTP server (reader).
+pub struct Metrics {
+    registry: Registry,
+    /// Tier 2's counters, in [`Counter::ALL`]'s order.
+    probes: [Family<Labels, PromCounter>; 5],
+    /// Series each of them holds, counted as they are opened (under this lock), so that
+    /// none passes [`MAX_SERIES`].
+    opened: Mutex<[usize; 5]>,
+    overflow: PromCounter,
+    mode: Family<Labels, Gauge>,
+    scraped: Arc<Scraped>,
+}
+
+/// A help text as `Registry::register` takes it (it adds the full stop).
+fn registered(help: &str) -> &str {
+    help.strip_suffix('.').unwrap_or(help)
 }
 
 impl Metrics {
     /// `node`: the value of the `node` label on every series (NODE_NAME in Kubernetes).
     pub fn new(node: &str) -> Self {
+        let mut registry = Registry::with_labels(std::iter::once((
+            Cow::Borrowed("node"),
+            Cow::Owned(node.to_string()),
+        )));
+        let probes: [Family<Labels, PromCounter>; 5] = Default::default();
+        for (c, family) in Counter::ALL.iter().zip(&probes) {
+            let name = c.name().strip_suffix("_total").unwrap_or(c.name());
+            registry.register(name, registered(c.help()), family.clone());
+        }
+        let overflow = PromCounter::default();
+        registry.register(
+            "observer_metrics_overflow",
+            "Counts not kept because a metric already had its maximum number of series",
+            overflow.clone(),
+        );
+        let mode = Family::<Labels, Gauge>::default();
+        registry.register(
+            "observer_agent_mode",
+            "The agent's --mode and the tiers that make its series (0: the kernel's own rule \
+             and conntrack counters; 1: drops at kfree_skb; 2: per-table brackets)",
+            mode.clone(),
+        );
+        registry.register(
+            "observer_build",
+            "The observer's version",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        let scraped = Arc::new(Scraped::default());
+        registry.register_collector(Box::new(scraped.clone()));
         Self {
-            node: node.to_string(),
-            counters: Mutex::default(),
-            health: Mutex::default(),
-            tier0: Mutex::default(),
-            tier1: Mutex::default(),
-            mode: Mutex::new(("", "")),
+            registry,
+            probes,
+            opened: Mutex::default(),
+            overflow,
+            mode,
+            scraped,
         }
     }
 
     /// Says which mode the agent runs and which tiers make its series.
     pub fn set_mode(&self, mode: &'static str, tiers: &'static str) {
-        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = (mode, tiers);
+        self.mode.clear();
+        self.mode
+            .get_or_create(&vec![("mode", mode.into()), ("tiers", tiers.into())])
+            .set(1);
     }
 
     /// Tier 1's series as last read (replaces the previous ones).
-    pub fn set_tier1(&self, text: String) {
-        *self.tier1.lock().unwrap_or_else(|e| e.into_inner()) = text;
+    pub fn set_tier1(&self, series: Vec<Snapshot>) {
+        *lock(&self.scraped.tier1) = series;
     }
 
     /// Tier 0's series as last read (replaces the previous read's).
     pub fn set_tier0(&self, t: Tier0) {
-        let mut s = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.scraped.tier0);
         s.errors_total += t.errors;
         s.reads_total += 1;
         s.last = t;
     }
 
+    fn family(&self, counter: Counter) -> &Family<Labels, PromCounter> {
+        &self.probes[counter as usize]
+    }
+
+    fn key(counter: Counter, labels: &[&str]) -> Labels {
+        debug_assert_eq!(labels.len(), counter.labels().len());
+        counter
+            .labels()
+            .iter()
+            .zip(labels)
+            .map(|(k, v)| (*k, v.to_string()))
+            .collect()
+    }
+
     /// Adds `n` to a counter. `labels` are the values of [`Counter::labels`], in order.
     pub fn add(&self, counter: Counter, labels: &[&str], n: u64) {
-        debug_assert_eq!(labels.len(), counter.labels().len());
-        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
-        let series = c.series.entry(counter).or_default();
-        let key: Labels = labels.iter().map(|s| s.to_string()).collect();
-        if let Some(v) = series.get_mut(&key) {
-            *v += n;
-        } else if series.len() < MAX_SERIES {
-            series.insert(key, n);
+        let family = self.family(counter);
+        let key = Self::key(counter, labels);
+        if let Some(c) = family.get(&key) {
+            c.inc_by(n);
+            return;
+        }
+        let mut opened = lock(&self.opened);
+        let opened = &mut opened[counter as usize];
+        if let Some(c) = family.get(&key) {
+            c.inc_by(n);
+        } else if *opened < MAX_SERIES {
+            *opened += 1;
+            family.get_or_create(&key).inc_by(n);
         } else {
-            c.overflow += n;
+            self.overflow.inc_by(n);
         }
     }
 
@@ -255,197 +633,35 @@ impl Metrics {
 
     /// The current value of one series (tests, and the lead's in-kernel mode's checks).
     pub fn get(&self, counter: Counter, labels: &[&str]) -> u64 {
-        let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
-        let key: Labels = labels.iter().map(|s| s.to_string()).collect();
-        c.series
-            .get(&counter)
-            .and_then(|s| s.get(&key))
-            .copied()
-            .unwrap_or(0)
+        self.family(counter)
+            .get(&Self::key(counter, labels))
+            .map_or(0, |c| c.get())
     }
 
     pub fn set_health(&self, h: Health) {
-        *self.health.lock().unwrap_or_else(|e| e.into_inner()) = h;
+        *lock(&self.scraped.health) = h;
     }
 
     pub fn health(&self) -> Health {
-        self.health
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        lock(&self.scraped.health).clone()
     }
 
-    /// Everything, in the Prometheus text exposition format (version 0.0.4).
-    pub fn render(&self) -> String {
+    /// Everything, in `format`.
+    pub fn encode(&self, format: Format) -> String {
+        use prometheus_client::encoding::{prometheus_text, text};
         let mut out = String::with_capacity(8192);
-        let node = escape(&self.node);
-        let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
-        for counter in Counter::ALL {
-            let name = counter.name();
-            let _ = writeln!(out, "# HELP {name} {}", counter.help());
-            let _ = writeln!(out, "# TYPE {name} counter");
-            for (labels, v) in c.series.get(&counter).into_iter().flatten() {
-                let _ = write!(out, "{name}{{node=\"{node}\"");
-                for (k, l) in counter.labels().iter().zip(labels) {
-                    let _ = write!(out, ",{k}=\"{}\"", escape(l));
-                }
-                let _ = writeln!(out, "}} {v}");
-            }
-        }
-        let overflow = c.overflow;
-        drop(c);
-        let h = self.health();
-        let mut one = |name: &str, kind: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            let _ = writeln!(out, "{name}{{node=\"{node}\"}} {v}");
+        // Writing to a String cannot fail; the encoders only pass on the writer's errors.
+        let _ = match format {
+            Format::OpenMetrics => text::encode(&mut out, &self.registry),
+            Format::Text => prometheus_text::encode(&mut out, &self.registry),
         };
-        one(
-            "observer_metrics_overflow_total",
-            "counter",
-            "Counts not kept because a metric already had its maximum number of series.",
-            overflow,
-        );
-        one(
-            "observer_records_lost_total",
-            "counter",
-            "Packets the probes could not record because the ring buffer was full: their \
-             traversals are missing from every metric above and from the streams.",
-            h.records_lost,
-        );
-        one(
-            "observer_packets_seen_total",
-            "counter",
-            "Packets that entered the observed namespace's hooks.",
-            h.packets_seen,
-        );
-        one(
-            "observer_unusable_records_total",
-            "counter",
-            "Records the agent could not turn into a report (logged).",
-            h.unusable_records,
-        );
-        one(
-            "observer_attach_failures_total",
-            "counter",
-            "Probe attachments that failed (interfaces left without tcx probes, failed re-plans).",
-            h.attach_failures,
-        );
-        one(
-            "observer_subscriber_skipped_total",
-            "counter",
-            "Traversals a streaming client did not receive because it read too slowly (its \
-             stream says how many).",
-            h.subscriber_skipped,
-        );
-        one(
-            "observer_name_read_failures_total",
-            "counter",
-            "Reads that Kubernetes names come from that failed (the node's rules for services, \
-             the API server's watch for pods; each logged): names may be missing or stale.",
-            h.name_read_failures,
-        );
-        one(
-            "observer_probes_attached",
-            "gauge",
-            "Netfilter probes attached.",
-            h.netfilter_probes,
-        );
-        one(
-            "observer_interfaces",
-            "gauge",
-            "Interfaces in the namespace (each with tcx probes while traversals are recorded).",
-            h.interfaces,
-        );
-        one(
-            "observer_ruleset_generation",
-            "gauge",
-            "Probe plan generation: grows when a ruleset change re-plans the probes.",
-            h.ruleset_generation,
-        );
-        one(
-            "observer_subscribers",
-            "gauge",
-            "Streaming clients connected.",
-            h.subscribers,
-        );
-        one(
-            "observer_flight_recorder_drops",
-            "gauge",
-            "Dropped traversals held by the flight recorder.",
-            h.flight_recorder_held,
-        );
-        one(
-            "observer_flight_recorder_capacity",
-            "gauge",
-            "How many dropped traversals the flight recorder holds at most.",
-            h.flight_recorder_capacity,
-        );
-        one(
-            "observer_mark_changes_unattributed_total",
-            "counter",
-            "Packets whose mark changes before some probe point could not be attributed to a              table (they waited in a queue or changed CPU between two probes): those changes              are missing from observer_mark_changes_total.",
-            h.unattributed,
-        );
-        one(
-            "observer_tracing",
-            "gauge",
-            "1 while whole traversals are recorded (--mode trace, or a streaming client is              connected); 0 while the probes only count.",
-            u64::from(h.tracing),
-        );
-        one(
-            "observer_ready",
-            "gauge",
-            "1 once the probes are attached.",
-            u64::from(h.ready),
-        );
-        let (mode, tiers) = *self.mode.lock().unwrap_or_else(|e| e.into_inner());
-        if !mode.is_empty() {
-            let _ = writeln!(
-                out,
-                "# HELP observer_agent_mode The agent's --mode and the tiers that make its \
-                 series (0: the kernel's own rule and conntrack counters; 1: drops at \
-                 kfree_skb; 2: per-table brackets).\n# TYPE observer_agent_mode gauge\n\
-                 observer_agent_mode{{node=\"{node}\",mode=\"{mode}\",tiers=\"{tiers}\"}} 1"
-            );
-        }
-        out.push_str(&self.tier1.lock().unwrap_or_else(|e| e.into_inner()));
-        {
-            let t = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
-            if t.reads_total > 0 {
-                out.push_str(&t.last.text);
-                let _ = writeln!(
-                    out,
-                    "# HELP observer_tier0_read_seconds How long the last read of every rule \
-                     counter and conntrack's statistics took.\n# TYPE observer_tier0_read_seconds \
-                     gauge\nobserver_tier0_read_seconds{{node=\"{node}\"}} {}",
-                    t.last.read_seconds
-                );
-                let _ = writeln!(
-                    out,
-                    "# HELP observer_tier0_read_errors_total Reads of rule counters or conntrack \
-                     statistics that failed (logged; their series keep the last values).\n\
-                     # TYPE observer_tier0_read_errors_total counter\n\
-                     observer_tier0_read_errors_total{{node=\"{node}\"}} {}",
-                    t.errors_total
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "# HELP observer_build_info The observer's version.\n# TYPE observer_build_info \
-             gauge\nobserver_build_info{{node=\"{node}\",version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
         out
     }
-}
 
-/// A label value, escaped as the exposition format says.
-fn escape(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+    /// Everything in the text format 0.0.4 (what a scrape without `Accept` gets).
+    pub fn render(&self) -> String {
+        self.encode(Format::Text)
+    }
 }
 
 #[cfg(test)]
@@ -528,8 +744,233 @@ mod tests {
         );
     }
 
+    /// A small promtool: what `promtool check metrics` (2.42) and the text format 0.0.4 ask
+    /// of `text`. Each sample's name has its own HELP and TYPE before it, given once;
+    /// counters' names end in `_total`; a family's samples are together; no OpenMetrics line.
+    fn lint_text(text: &str) -> Result<(), String> {
+        let mut typed: BTreeMap<&str, &str> = BTreeMap::new();
+        let mut helped = std::collections::BTreeSet::new();
+        let mut done = std::collections::BTreeSet::new();
+        let mut current = "";
+        for l in text.lines() {
+            if let Some(rest) = l.strip_prefix("# ") {
+                let mut w = rest.splitn(3, ' ');
+                let (what, name) = (w.next().unwrap_or(""), w.next().unwrap_or(""));
+                match what {
+                    "HELP" if !helped.insert(name) => return Err(format!("two HELP: {l}")),
+                    "TYPE" => {
+                        let kind = w.next().unwrap_or("");
+                        if typed.insert(name, kind).is_some() {
+                            return Err(format!("two TYPE: {l}"));
+                        }
+                        if kind == "counter" && !name.ends_with("_total") {
+                            return Err(format!("counter without _total: {l}"));
+                        }
+                    }
+                    "HELP" => {}
+                    _ => return Err(format!("not the text format 0.0.4: {l}")),
+                }
+                continue;
+            }
+            let name = l.split(['{', ' ']).next().unwrap_or("");
+            if !typed.contains_key(name) || !helped.contains(name) {
+                return Err(format!("no help text or type for {name}: {l}"));
+            }
+            if name != current {
+                if !done.insert(name) {
+                    return Err(format!("{name}'s samples are not together"));
+                }
+                current = name;
+            }
+            l.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .ok_or(format!("no value: {l}"))?;
+        }
+        Ok(())
+    }
+
+    /// Every kind of series the agent writes, one of each at least.
+    fn full() -> Metrics {
+        let m = Metrics::new("node-1");
+        m.set_mode("kernel", "0,1");
+        m.add(
+            Counter::Drops,
+            &["ipv4", "FORWARD", "filter", "NO_SOCKET"],
+            3,
+        );
+        m.add(Counter::Packets, &["ipv4", "FORWARD", "filter"], 9);
+        m.set_health(Health {
+            ready: true,
+            records_lost: 2,
+            ..Health::default()
+        });
+        m.set_tier1(vec![
+            Snapshot::labelled(
+                "observer_kernel_drops_total",
+                Kind::Counter,
+                "Drops.",
+                vec![("tier", "1".into()), ("reason", "NO_SOCKET".into())],
+                4,
+            ),
+            Snapshot::one("observer_drop_samples_total", Kind::Counter, "Samples.", 1),
+        ]);
+        m.set_tier0(Tier0 {
+            series: group(
+                [
+                    (
+                        0,
+                        vec![("tier", "0".into()), ("comment", "say \"hi\"\\\n".into())],
+                        5,
+                    ),
+                    (1, vec![("tier", "0".into())], 7),
+                    (0, vec![("tier", "0".into()), ("comment", "b".into())], 6),
+                ],
+                |f| match f {
+                    0 => ("observer_rule_drops_total", "Rule drops.", Kind::Counter),
+                    _ => ("observer_conntrack_entries", "Entries.", Kind::Gauge),
+                },
+            ),
+            read_seconds: 0.25,
+            errors: 1,
+        });
+        m
+    }
+
     #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    fn the_text_format_is_what_promtool_asks_for() {
+        let t = full().encode(Format::Text);
+        lint_text(&t).unwrap_or_else(|e| panic!("{e}\n{t}"));
+        for line in [
+            "# HELP observer_drops_total Packets the kernel dropped,",
+            "# TYPE observer_drops_total counter",
+            "observer_drops_total{node=\"node-1\",family=\"ipv4\",hook=\"FORWARD\",table=\"filter\",reason=\"NO_SOCKET\"} 3",
+            "# TYPE observer_rule_drops_total counter",
+            "observer_rule_drops_total{node=\"node-1\",tier=\"0\",comment=\"b\"} 6",
+            "# TYPE observer_conntrack_entries gauge",
+            "observer_conntrack_entries{node=\"node-1\",tier=\"0\"} 7",
+            "observer_kernel_drops_total{node=\"node-1\",tier=\"1\",reason=\"NO_SOCKET\"} 4",
+            "observer_records_lost_total{node=\"node-1\"} 2",
+            "observer_ready{node=\"node-1\"} 1",
+            "observer_agent_mode{node=\"node-1\",mode=\"kernel\",tiers=\"0,1\"} 1",
+            "# TYPE observer_build_info gauge",
+            "observer_tier0_read_seconds{node=\"node-1\"} 0.25",
+            "observer_tier0_read_errors_total{node=\"node-1\"} 1",
+        ] {
+            assert!(
+                t.lines().any(|l| l.starts_with(line)),
+                "no line {line}:\n{t}"
+            );
+        }
+        assert!(
+            t.contains(&format!(
+                "observer_build_info{{node=\"node-1\",version=\"{}\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
+            "{t}"
+        );
+        // Label values escaped as the format says; help texts end with one full stop.
+        assert!(t.contains("comment=\"say \\\"hi\\\"\\\\\\n\"} 5"), "{t}");
+        assert!(!t.contains(".."), "{t}");
+        // The lint catches what the crate's OpenMetrics output would break.
+        let open = full().encode(Format::OpenMetrics);
+        assert!(lint_text(&open).is_err());
+    }
+
+    #[test]
+    fn openmetrics_names_families_and_ends_with_eof() {
+        let t = full().encode(Format::OpenMetrics);
+        assert!(t.ends_with("# EOF\n"), "{t}");
+        for line in [
+            "# TYPE observer_drops counter",
+            "observer_drops_total{node=\"node-1\",family=\"ipv4\",hook=\"FORWARD\",table=\"filter\",reason=\"NO_SOCKET\"} 3",
+            "# TYPE observer_rule_drops counter",
+            "# TYPE observer_build info",
+            "# UNIT observer_tier0_read_seconds seconds",
+            "observer_tier0_read_seconds{node=\"node-1\"} 0.25",
+        ] {
+            assert!(
+                t.lines().any(|l| l.starts_with(line)),
+                "no line {line}:\n{t}"
+            );
+        }
+        // The same samples in both formats.
+        let samples = |t: &str| {
+            let mut v: Vec<String> = t
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(str::to_string)
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(samples(&t), samples(&full().encode(Format::Text)));
+    }
+
+    #[test]
+    fn a_family_without_series_is_not_written() {
+        let m = Metrics::new("n");
+        m.set_tier1(vec![Snapshot {
+            name: "observer_kernel_drops_total",
+            help: "Drops.",
+            kind: Kind::Counter,
+            series: Vec::new(),
+        }]);
+        let t = m.render();
+        assert!(!t.contains("observer_kernel_drops"), "{t}");
+        assert!(!t.contains("observer_drops_total"), "{t}");
+        assert!(t.contains("observer_ready{node=\"n\"} 0"), "{t}");
+    }
+
+    #[test]
+    fn tier0_waits_for_its_first_read() {
+        let m = Metrics::new("n");
+        assert!(!m.render().contains("observer_tier0_read_seconds"));
+        m.set_tier0(Tier0::default());
+        assert!(
+            m.render()
+                .contains("observer_tier0_read_seconds{node=\"n\"} 0")
+        );
+    }
+
+    #[test]
+    fn the_scrapers_accept_header_chooses_the_format() {
+        for (accept, format) in [
+            // Prometheus 2.42 (Debian's), and 3.x's default scrape protocols.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                     version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                Format::OpenMetrics,
+            ),
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,\
+                     application/openmetrics-text;version=0.0.1;q=0.4,text/plain;\
+                     version=1.0.0;escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,\
+                     */*;q=0.1",
+                ),
+                Format::OpenMetrics,
+            ),
+            // A scraper set to the text format first, curl, a browser, none.
+            (
+                Some("text/plain;version=0.0.4;q=1,application/openmetrics-text;q=0.5"),
+                Format::Text,
+            ),
+            (Some("*/*"), Format::Text),
+            (
+                Some("text/html,application/xhtml+xml,*/*;q=0.8"),
+                Format::Text,
+            ),
+            (None, Format::Text),
+            (Some("application/openmetrics-text;q=0"), Format::Text),
+            (
+                Some("Application/OpenMetrics-Text; q=0.9"),
+                Format::OpenMetrics,
+            ),
+        ] {
+            assert_eq!(Format::negotiate(accept), format, "{accept:?}");
+        }
     }
 }

@@ -166,7 +166,6 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         tier0::Tier0Options {
             interval: opts.rules_interval,
             cap: opts.rule_series_cap,
-            node: opts.node.clone(),
             marks: marks.clone(),
             drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
         },
@@ -212,7 +211,6 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
                 opts.drop_sample_gap,
                 &opts.drop_reasons_ignored,
                 layout.drop_reasons.clone(),
-                &opts.node,
                 hub.clone(),
                 drop_counters,
             )?)

@@ -1,8 +1,9 @@
 //! Tier 0 in the agent (issue 20): what netfilter already counts, read every
 //! `--rules-interval` on a thread of its own (never on the event loop): every rule's
 //! counters and conntrack's statistics through `observer_nfstats`, handed to [`Metrics`] as
-//! rendered series; and a second thread adding up conntrack's events (new connections, NAT,
-//! ctmark), for services whose rules carry no counter. No probe runs for either.
+//! snapshots it writes when scraped; and a second thread adding up conntrack's events (new
+//! connections, NAT, ctmark), for services whose rules carry no counter. No probe runs for
+//! either.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,14 +11,13 @@ use std::time::{Duration, Instant};
 use log::warn;
 use observer_nfstats::{RuleReader, Series, conntrack, ctevents, series};
 
-use super::metrics::{Metrics, Tier0};
+use super::metrics::{Kind, Metrics, Snapshot, Tier0};
 use observer_model::marks::MarkDictionary;
 
 pub struct Tier0Options {
     pub interval: Duration,
     /// Series the rule families may hold together.
     pub cap: usize,
-    pub node: String,
     pub marks: MarkDictionary,
     /// Where each read's drop-rule counters go (tier 1 confirms its samples' rules by
     /// them).
@@ -31,7 +31,8 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
     let mut reader = RuleReader::new().map_err(std::io::Error::other)?;
     let events = listen_to_conntrack(opts.cap)?;
     let mut series = Series::new(opts.cap);
-    let labels: series::Labels = vec![("node", opts.node.clone()), ("tier", "0".into())];
+    // `node` comes from the registry.
+    let labels: series::Labels = vec![("tier", "0".into())];
     let name = move |bit: u32| {
         opts.marks
             .name(bit)
@@ -71,7 +72,7 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
             series.set_events(ev.lock().unwrap_or_else(|e| e.into_inner()).clone());
         }
         metrics.set_tier0(Tier0 {
-            text: series::render(&series.samples(&labels)),
+            series: snapshots(series.samples(&labels)),
             read_seconds: start.elapsed().as_secs_f64(),
             errors,
         });
@@ -87,6 +88,22 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
             }
         })?;
     Ok(())
+}
+
+/// Tier 0's series as the metrics write them: a snapshot per family (`observer_nfstats`'
+/// [`series::Family`] names and describes them).
+pub fn snapshots(samples: Vec<series::Sample>) -> Vec<Snapshot> {
+    super::metrics::group(
+        samples.into_iter().map(|s| (s.family, s.labels, s.value)),
+        |f| {
+            let kind = if f.counter() {
+                Kind::Counter
+            } else {
+                Kind::Gauge
+            };
+            (f.name(), f.help(), kind)
+        },
+    )
 }
 
 /// Adds up conntrack's events on a thread of its own; `None` (logged) where this
@@ -119,4 +136,59 @@ fn listen_to_conntrack(cap: usize) -> std::io::Result<Option<Arc<Mutex<ctevents:
             }
         })?;
     Ok(Some(counts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::commands::agent::metrics::Format;
+    use observer_nfstats::{Action, Backend, Count, Rule};
+
+    #[test]
+    fn a_read_is_written_with_help_type_and_escaped_labels() {
+        let drop = Rule {
+            backend: Backend::Legacy,
+            family: "ipv4",
+            table: "filter".into(),
+            chain: "FORWARD".into(),
+            position: 1,
+            handle: None,
+            iptables: true,
+            comment: Some("say \"hi\"".into()),
+            action: Action::Drop,
+            count: Some(Count {
+                packets: 4,
+                bytes: 0,
+            }),
+        };
+        let mut s = Series::new(observer_nfstats::DEFAULT_CAP);
+        s.update(&[drop], &|b| format!("{b:#x}"));
+        let m = Metrics::new("n");
+        m.set_tier0(Tier0 {
+            series: snapshots(s.samples(&vec![("tier", "0".into())])),
+            read_seconds: 0.5,
+            errors: 0,
+        });
+        let text = m.encode(Format::Text);
+        for line in [
+            "# TYPE observer_rule_drops_total counter",
+            "observer_rule_drops_total{node=\"n\",tier=\"0\",family=\"ipv4\",table=\"filter\",\
+             chain=\"FORWARD\",rule=\"FORWARD#1\",action=\"drop\",comment=\"say \\\"hi\\\"\",\
+             calico_id=\"\",service=\"\"} 4",
+            "# TYPE observer_rule_series_left_out gauge",
+            "observer_rule_series_left_out{node=\"n\",tier=\"0\"} 0",
+            "observer_tier0_read_seconds{node=\"n\"} 0.5",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no line {line}:\n{text}");
+        }
+        let open = m.encode(Format::OpenMetrics);
+        assert!(
+            open.contains("# TYPE observer_rule_drops counter\n"),
+            "{open}"
+        );
+        assert!(
+            open.contains("# TYPE observer_rule_series_left_out gauge\n"),
+            "{open}"
+        );
+    }
 }

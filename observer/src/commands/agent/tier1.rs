@@ -8,7 +8,6 @@
 //! and unit-tested; [`Naming`] is the only part that reads the node.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 use std::io::BufRead;
 use std::net::IpAddr;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -21,6 +20,8 @@ use observer_rules::{CtState, Simulator, StageInput, Verdict};
 use serde::Serialize;
 
 use observer_model::Hook;
+
+use super::metrics::{Kind, Labels, Snapshot};
 
 /// Samples waiting to be named; past this they are counted as lost.
 const QUEUE: usize = 64;
@@ -182,37 +183,40 @@ fn nearest(r: impl BufRead, addr: u64) -> Option<String> {
     best.map(|(a, n)| format!("{n}+{:#x}", addr - a))
 }
 
-/// Renders tier 1's series: drops by key, and its own counters.
-pub fn render(
-    node: &str,
+/// Tier 1's series: drops by key, and its own counters (`tier="1"` on each).
+pub fn series(
     keys: &BTreeMap<DropKey, u64>,
     stats: &[u64],
     reason: &dyn Fn(u32) -> String,
     location: &mut dyn FnMut(u64) -> String,
     naming: &NamingCounts,
-) -> String {
-    let mut out = String::new();
-    out.push_str(
-        "# HELP observer_kernel_drops_total Packets of the observed namespace the kernel \
-         dropped, counted by the kfree_skb program alone (tier 1): by the kernel's reason, \
-         the function that dropped them, family and IP protocol.\n\
-         # TYPE observer_kernel_drops_total counter\n",
-    );
-    for (k, n) in keys {
-        let family = match k.family {
-            4 => "ipv4",
-            6 => "ipv6",
-            _ => "other",
-        };
-        let _ = writeln!(
-            out,
-            "observer_kernel_drops_total{{node=\"{node}\",tier=\"1\",family=\"{family}\",\
-             reason=\"{}\",location=\"{}\",protocol=\"{}\"}} {n}",
-            reason(k.reason),
-            location(k.location),
-            protocol_name(k.protocol)
-        );
-    }
+) -> Vec<Snapshot> {
+    let tier = || -> Labels { vec![("tier", "1".into())] };
+    let mut out = vec![Snapshot {
+        name: "observer_kernel_drops_total",
+        help: "Packets of the observed namespace the kernel dropped, counted by the kfree_skb \
+               program alone (tier 1): by the kernel's reason, the function that dropped \
+               them, family and IP protocol.",
+        kind: Kind::Counter,
+        series: keys
+            .iter()
+            .map(|(k, n)| {
+                let family = match k.family {
+                    4 => "ipv4",
+                    6 => "ipv6",
+                    _ => "other",
+                };
+                let mut l = tier();
+                l.extend([
+                    ("family", family.to_string()),
+                    ("reason", reason(k.reason)),
+                    ("location", location(k.location)),
+                    ("protocol", protocol_name(k.protocol)),
+                ]);
+                (l, *n)
+            })
+            .collect(),
+    }];
     let stat = |i: u32| stats.get(i as usize).copied().unwrap_or(0);
     use observer_common::counts::drop_stats as s;
     for (name, help, v) in [
@@ -245,28 +249,27 @@ pub fn render(
             stat(s::REASON_FILTERED),
         ),
     ] {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{node=\"{node}\",tier=\"1\"}} {v}"
-        );
+        out.push(Snapshot::labelled(name, Kind::Counter, help, tier(), v));
     }
-    out.push_str(
-        "# HELP observer_drop_sample_rules_total NETFILTER_DROP samples by how their rule was \
-         named: confirmed (the simulated rule's counter advanced across the drop), \
-         unconfirmed (it did not, or the counters could not say), undecidable (the \
-         simulation could not name one rule).\n\
-         # TYPE observer_drop_sample_rules_total counter\n",
-    );
-    for (k, v) in [
-        ("confirmed", naming.confirmed),
-        ("unconfirmed", naming.unconfirmed),
-        ("undecidable", naming.undecidable),
-    ] {
-        let _ = writeln!(
-            out,
-            "observer_drop_sample_rules_total{{node=\"{node}\",tier=\"1\",naming=\"{k}\"}} {v}"
-        );
-    }
+    out.push(Snapshot {
+        name: "observer_drop_sample_rules_total",
+        help: "NETFILTER_DROP samples by how their rule was named: confirmed (the simulated \
+               rule's counter advanced across the drop), unconfirmed (it did not, or the \
+               counters could not say), undecidable (the simulation could not name one rule).",
+        kind: Kind::Counter,
+        series: [
+            ("confirmed", naming.confirmed),
+            ("unconfirmed", naming.unconfirmed),
+            ("undecidable", naming.undecidable),
+        ]
+        .into_iter()
+        .map(|(k, v)| {
+            let mut l = tier();
+            l.push(("naming", k.into()));
+            (l, v)
+        })
+        .collect(),
+    });
     out
 }
 
@@ -645,12 +648,11 @@ pub struct Tier1 {
     locations: Locations,
     naming: Naming,
     reasons: HashMap<u32, String>,
-    node: String,
-    /// When the series were last rendered.
+    /// When the series were last read.
     rendered: Option<std::time::Instant>,
 }
 
-/// The series are read from the kernel and rendered at most this often (a per-CPU hash
+/// The series are read from the kernel at most this often (a per-CPU hash
 /// map of up to 4,096 keys costs two syscalls a key).
 const RENDER_EVERY: Duration = Duration::from_secs(1);
 
@@ -664,7 +666,6 @@ impl Tier1 {
         gap: Option<Duration>,
         ignored: &[String],
         reasons: HashMap<u32, String>,
-        node: &str,
         hub: Arc<super::hub::Hub>,
         last_read: LastRead,
     ) -> anyhow::Result<Self> {
@@ -687,13 +688,12 @@ impl Tier1 {
             locations: Locations::default(),
             naming,
             reasons,
-            node: node.to_string(),
             rendered: None,
         })
     }
 
     /// Reads the samples that came, hands them on (NETFILTER_DROP ones to the namer), and
-    /// renders the series.
+    /// reads the series.
     pub fn poll(
         &mut self,
         probes: &crate::kernel::probes::Probes,
@@ -740,16 +740,9 @@ impl Tier1 {
         let reasons = std::mem::take(&mut self.reasons);
         let reason = |r: u32| reasons.get(&r).cloned().unwrap_or_else(|| r.to_string());
         let locations = &mut self.locations;
-        let text = render(
-            &self.node,
-            &keys,
-            &stats,
-            &reason,
-            &mut |a| locations.name(a),
-            &naming,
-        );
+        let series = series(&keys, &stats, &reason, &mut |a| locations.name(a), &naming);
         self.reasons = reasons;
-        metrics.set_tier1(text);
+        metrics.set_tier1(series);
     }
 }
 
@@ -980,14 +973,15 @@ mod tests {
             },
             7,
         );
-        let text = render(
-            "n1",
+        let m = super::super::metrics::Metrics::new("n1");
+        m.set_tier1(series(
             &keys,
             &[0, 2, 0, 1, 0],
             &|_| "NETFILTER_DROP".into(),
             &mut |_| "nf_hook_slow+0x8c".into(),
             &NamingCounts::default(),
-        );
+        ));
+        let text = m.render();
         assert!(text.contains(
             "observer_kernel_drops_total{node=\"n1\",tier=\"1\",family=\"ipv4\",\
              reason=\"NETFILTER_DROP\",location=\"nf_hook_slow+0x8c\",protocol=\"udp\"} 7"
