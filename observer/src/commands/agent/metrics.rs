@@ -152,6 +152,8 @@ pub struct Metrics {
     tier1: Mutex<String>,
     /// `--mode` and the tiers it runs, for `observer_agent_mode`.
     mode: Mutex<(&'static str, &'static str)>,
+    /// Tier 2's series (arming), rendered by `super::tier2` alone: kept apart.
+    tier2: Mutex<String>,
 }
 
 impl Metrics {
@@ -164,7 +166,13 @@ impl Metrics {
             tier0: Mutex::default(),
             tier1: Mutex::default(),
             mode: Mutex::new(("", "")),
+            tier2: Mutex::default(),
         }
+    }
+
+    /// Tier 2's series (`super::tier2::Tier2::render`), replacing the previous ones.
+    pub fn set_tier2(&self, text: String) {
+        *self.tier2.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
 
     /// Says which mode the agent runs and which tiers make its series.
@@ -410,6 +418,7 @@ impl Metrics {
             );
         }
         out.push_str(&self.tier1.lock().unwrap_or_else(|e| e.into_inner()));
+        out.push_str(&self.tier2.lock().unwrap_or_else(|e| e.into_inner()));
         {
             let t = self.tier0.lock().unwrap_or_else(|e| e.into_inner());
             if t.reads_total > 0 {

@@ -16,6 +16,7 @@ pub mod metrics;
 mod names_only;
 pub mod tier0;
 pub mod tier1;
+pub mod tier2;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -73,6 +74,8 @@ pub struct AgentOptions {
     pub drop_sample_gap: Option<Duration>,
     /// Tier 1: drop reasons the kernel neither counts by key nor samples.
     pub drop_reasons_ignored: Vec<String>,
+    /// Tier 2: when the brackets are armed without a streaming client.
+    pub tier2: tier2::Tier2Options,
 }
 
 /// What the probes do while no streaming client wants traces.
@@ -154,7 +157,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     metrics.set_mode(
         opts.mode.name(),
         match opts.mode {
-            AgentMode::Kernel => "0,1",
+            AgentMode::Kernel => "0,1,2",
             AgentMode::Brackets | AgentMode::Trace => "0,2",
         },
     );
@@ -179,10 +182,18 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let arming = Arc::new(tier2::Arming::default());
     rt.block_on(async {
         // Listening first: connections made while the probes attach wait in the backlog and
         // are answered once they are (the runtime has one thread); /readyz then says ready.
-        serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
+        serve(
+            &opts,
+            metrics.clone(),
+            hub.clone(),
+            names.clone(),
+            arming.clone(),
+        )
+        .await?;
         names.watch_pods(opts.node.clone());
         let mut probes = match opts.mode {
             AgentMode::Trace => attach_probes(
@@ -224,6 +235,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             names.clone(),
             naming,
             tier1,
+            tier2::Tier2::new(opts.tier2.clone(), arming),
         )
         .await
     })
@@ -234,6 +246,7 @@ async fn serve(
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     names: Arc<crate::k8s::Names>,
+    arming: Arc<tier2::Arming>,
 ) -> Result<()> {
     let m = tokio::net::TcpListener::bind(&opts.metrics_addr)
         .await
@@ -265,7 +278,7 @@ async fn serve(
     })?;
     std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} root-only", opts.socket.display()))?;
-    let api = http::api_router(hub, names);
+    let api = http::api_router(hub, names, arming);
     let api2 = api.clone();
     tokio::spawn(async move {
         if let Err(e) = axum::serve(u, api2).await {
@@ -303,14 +316,18 @@ struct Agent {
     marks_file: Option<PathBuf>,
     /// Service names, from the node as the session reads it after each ruleset change.
     names: Arc<crate::k8s::Names>,
-    /// Always-on mode: when the last streaming client left.
-    unwatched_since: Option<Instant>,
+    /// Always-on mode: when a streaming client was last connected.
+    last_client: Option<Instant>,
     /// The probes' filter while recording for subscribers (None: every packet).
     kernel_filter: Option<String>,
     /// The default mode's tier 1 (drops by key and their samples).
     tier1: Option<tier1::Tier1>,
     /// A node read only for names was let go: freed memory to hand back (super::memory).
     release_pending: bool,
+    /// Tier 2: the brackets armed for a bounded time (super::tier2).
+    tier2: tier2::Tier2,
+    /// The `node` label.
+    node: String,
 }
 
 impl Agent {
@@ -344,7 +361,8 @@ impl Agent {
             line: (line || dropped).then(|| self.pipeline.render(&report, Output::Line)),
         };
         self.hub.dispatch(&rec, &rendered);
-        if dropped {
+        // Armed: the arm's flows go to the flight recorder whole, dropped or not.
+        if dropped || self.tier2.captures(&rec, &self.pipeline.ctx.tuple) {
             self.hub
                 .flight
                 .lock()
@@ -437,14 +455,24 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
     });
 }
 
-/// Always-on mode: records traversals while a streaming client is connected, and goes back
-/// to counting only [`TRACING_LINGER`] after the last one left.
+/// Always-on mode: records traversals while a streaming client is connected or tier 2 is
+/// armed, and goes back to counting only when the arm ends, or [`TRACING_LINGER`] after
+/// the last client left.
 fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
-    let watched = agent.hub.subscribers() > 0;
-    if watched {
-        agent.unwatched_since = None;
-        // The probes keep what any subscriber wants; the hub then gives each its own.
-        let wanted = agent.hub.kernel_filter();
+    let clients = agent.hub.subscribers() > 0;
+    let armed = agent.tier2.armed_filter();
+    if clients {
+        agent.last_client = Some(Instant::now());
+    }
+    let lingering = !clients
+        && armed.is_none()
+        && agent
+            .last_client
+            .is_some_and(|t| t.elapsed() < TRACING_LINGER);
+    if clients || armed.is_some() {
+        // The probes keep what any subscriber or the arm wants; the hub then gives each
+        // subscriber its own.
+        let wanted = tier2::union(clients.then(|| agent.hub.kernel_filter()), armed);
         let changed = !probes.tracing() || wanted != agent.kernel_filter;
         let program = match &wanted {
             Some(expr) if changed => crate::filter::compile(expr, &|name| {
@@ -460,12 +488,13 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing() {
-            // The default mode brackets the tables only for as long as someone streams.
+            // The default mode brackets the tables only for as long as someone streams or
+            // tier 2 is armed.
             if agent.mode == AgentMode::Kernel {
                 let live = match attach_brackets(probes) {
                     Ok(live) => live,
                     Err(e) => {
-                        warn!("attaching the per-table probes for a streaming client: {e:#}");
+                        warn!("attaching the per-table probes: {e:#}");
                         return;
                     }
                 };
@@ -475,7 +504,7 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
                 agent.rules_changed(&live, file.as_ref(), true);
             }
             if let Err(e) = probes.start_tracing(&program) {
-                warn!("recording traversals for a streaming client: {e:#}");
+                warn!("recording traversals: {e:#}");
                 return;
             }
         } else if changed && let Err(e) = probes.set_filter(&program) {
@@ -483,19 +512,16 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             return;
         }
         agent.kernel_filter = wanted;
-    } else if probes.tracing() {
-        let since = *agent.unwatched_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= TRACING_LINGER {
-            agent.unwatched_since = None;
-            if let Err(e) = probes.stop_tracing() {
-                warn!("back to counting only: {e:#}");
+    } else if probes.tracing() && !lingering {
+        agent.last_client = None;
+        if let Err(e) = probes.stop_tracing() {
+            warn!("back to counting only: {e:#}");
+        }
+        if agent.mode == AgentMode::Kernel {
+            if let Err(e) = probes.detach_netfilter() {
+                warn!("detaching the per-table probes: {e:#}");
             }
-            if agent.mode == AgentMode::Kernel {
-                if let Err(e) = probes.detach_netfilter() {
-                    warn!("detaching the per-table probes: {e:#}");
-                }
-                memory::drop_namer(&mut agent.pipeline);
-            }
+            memory::drop_namer(&mut agent.pipeline);
         }
     }
 }
@@ -516,12 +542,17 @@ impl Consumer for Agent {
             self.release_pending = false;
             memory::release();
         }
-        if let Some(t) = self.tier1.as_mut() {
+        let rates = self.tier1.as_mut().and_then(|t| {
             t.poll(probes, &self.hub, &self.metrics);
-        }
+            t.take_rates()
+        });
+        let now = Instant::now();
+        self.tier2.tick(rates.as_deref(), now);
         if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
         }
+        self.tier2.publish(probes.netfilter_links() as u64, now);
+        self.metrics.set_tier2(self.tier2.render(&self.node));
         if tick.scanned {
             self.read_counts(probes);
             self.interfaces = crate::kernel::netns::interfaces().len() as u64;
@@ -591,6 +622,7 @@ async fn event_loop(
         std::collections::HashMap<u32, String>,
     ),
     tier1: Option<tier1::Tier1>,
+    tier2: tier2::Tier2,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipeline,
@@ -605,10 +637,12 @@ async fn event_loop(
         reasons: naming.1,
         marks_file: opts.marks_file.clone(),
         names,
-        unwatched_since: None,
+        last_client: None,
         kernel_filter: None,
         tier1,
         release_pending: false,
+        tier2,
+        node: opts.node.clone(),
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);
