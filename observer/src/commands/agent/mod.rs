@@ -488,6 +488,7 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing() {
+            let attaching = Instant::now();
             // The default mode brackets the tables only for as long as someone streams or
             // tier 2 is armed.
             if agent.mode == AgentMode::Kernel {
@@ -507,6 +508,11 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
                 warn!("recording traversals: {e:#}");
                 return;
             }
+            info!(
+                "per-table brackets recording after {:.2} s",
+                attaching.elapsed().as_secs_f64()
+            );
+            agent.tier2.attached_after(attaching.elapsed());
         } else if changed && let Err(e) = probes.set_filter(&program) {
             warn!("setting the probes' filter for the streaming clients: {e:#}");
             return;

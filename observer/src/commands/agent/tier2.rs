@@ -371,6 +371,17 @@ impl Tier2 {
         });
     }
 
+    /// The brackets took `d` to attach (reading the ruleset, loading and verifying the
+    /// programs): the arm in force counts from when they were there.
+    pub fn attached_after(&mut self, d: Duration) {
+        if let Some(a) = self.armed.as_mut() {
+            a.until += d;
+            if a.reason.is_condition() {
+                self.condition_at = Some(a.until);
+            }
+        }
+    }
+
     /// A condition may arm: none armed by a condition now, and the cooldown passed.
     fn condition_may_arm(&self, now: Instant) -> bool {
         self.condition_at
