@@ -147,6 +147,10 @@ enum Task {
         /// with the defaults on a quiet machine).
         #[arg(long, conflicts_with = "rules_read_only")]
         agent: bool,
+        /// Measure target/release/observer as it is: no build first (e.g. to measure
+        /// a binary built before a change).
+        #[arg(long)]
+        no_build: bool,
     },
     /// Sends 64-byte UDP datagrams to ADDR as fast as one thread can for SECONDS and prints
     /// how many it sent (the bench's drop flood; run inside a lab namespace).
@@ -188,12 +192,15 @@ fn main() -> Result<()> {
             rounds,
             rules_read_only,
             agent,
+            no_build,
         } => {
             if !rules_read_only {
-                bench(seconds, runs, rounds, agent)?;
+                bench(seconds, runs, rounds, agent, no_build)?;
             }
             let tc = setup()?;
-            build(&tc, true)?;
+            if !no_build {
+                build(&tc, true)?;
+            }
             need_root("bench")?;
             bench_rules_read(&observer_bin(true))
         }
@@ -771,10 +778,13 @@ fn in_lab<T>(
     task: &str,
     prefix: &str,
     mode: &str,
+    build_first: bool,
     job: impl FnOnce(&Path) -> Result<T>,
 ) -> Result<T> {
     let tc = setup()?;
-    build(&tc, true)?;
+    if build_first {
+        build(&tc, true)?;
+    }
     need_root(task)?;
     let bin = observer_bin(true);
     run(Command::new(&bin).args(["lab", "up", "--prefix", prefix, "--mode", mode]))?;
@@ -785,7 +795,7 @@ fn in_lab<T>(
 
 fn demo(mode: &str) -> Result<()> {
     let prefix = "obs";
-    in_lab("demo", prefix, mode, |bin| {
+    in_lab("demo", prefix, mode, true, |bin| {
         let node = format!("{prefix}-node");
         // New interfaces announce themselves (IPv6 DAD and MLD reports, a few over the first
         // seconds): let that pass, so that the first screen shows the demo's flows.
@@ -1362,7 +1372,7 @@ fn range(v: &[f64]) -> String {
     }
 }
 
-fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool) -> Result<()> {
+fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool, no_build: bool) -> Result<()> {
     let runs = runs.max(1);
     let rounds = rounds.max(1);
     // The phases run, the baseline first.
@@ -1407,7 +1417,7 @@ fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool) -> Result<()> {
     let mut sigint_ms = None;
     let mut loads = Vec::new();
     let started = Instant::now();
-    in_lab("bench", prefix, "iptables", |bin| {
+    in_lab("bench", prefix, "iptables", !no_build, |bin| {
         flood_rule(prefix, "-I")?;
         // One phase's rates: its observer started, `runs` runs of each workload taking
         // turns, their medians; the observer's figures added to `stats`.

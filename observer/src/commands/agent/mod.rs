@@ -8,6 +8,7 @@
 //! and on `--listen` when given. SIGTERM or SIGINT: detach, close the streams, exit 0.
 
 pub mod client;
+mod drop_rules;
 pub mod http;
 pub mod hub;
 pub mod kcounts;

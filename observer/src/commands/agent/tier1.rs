@@ -596,8 +596,12 @@ fn name_loop(
         {
             // The old one goes before the new one is built (never two at once).
             drop(sim.take());
-            let live = crate::kernel::upkeep::read_live();
-            sim = Some((live.simulator(), std::time::Instant::now()));
+            // Only the tables that can drop, compiled off the event loop's thread, one copy
+            // of them at a time (super::drop_rules).
+            sim = Some((
+                super::drop_rules::read().into_simulator(),
+                std::time::Instant::now(),
+            ));
         }
         let Some((sim_now, _)) = sim.as_ref() else {
             continue;
