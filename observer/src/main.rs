@@ -171,8 +171,8 @@ struct ReplayArgs {
     curl -s -X POST --unix-socket /run/observer/agent.sock 'http://x/v1/arm?seconds=30&filter=udp'\n  \
     observer agent --arm-drop-rate NETFILTER_DROP=100 --window 2s/60s\n\n\
 Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, output, sample, \
-count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address) and \
-/v1/version, /v1/arm (GET: tier 2's state; POST ?seconds=N&filter=EXPR: per-table brackets for \
+count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address), \
+/v1/version and /v1/arm (GET: tier 2's state; POST ?seconds=N&filter=EXPR: per-table brackets for \
 N seconds, their traversals into the flight recorder) on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
 --listen 127.0.0.1:9966). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
 {\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \

@@ -126,6 +126,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         crate::kernel::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
+    tier2_flags_fit(&opts, &layout)?;
     // The default mode reads only what names need (super::names_only): the whole model
     // of a large ruleset is half a gigabyte.
     let live = if opts.mode == AgentMode::Kernel {
@@ -240,6 +241,28 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         )
         .await
     })
+}
+
+/// `--arm-drop-rate` reads tier 1's counts (the default mode), by this kernel's reasons.
+fn tier2_flags_fit(opts: &AgentOptions, layout: &KernelLayout) -> Result<()> {
+    if !opts.tier2.drop_rates.is_empty() && opts.mode != AgentMode::Kernel {
+        anyhow::bail!(
+            "--arm-drop-rate needs the default mode (--mode kernel): it reads tier 1's drop \
+             counts, which --mode {} does not keep",
+            opts.mode.name()
+        );
+    }
+    for r in &opts.tier2.drop_rates {
+        if let Some(name) = &r.reason
+            && !layout.drop_reasons.values().any(|n| n == name)
+        {
+            anyhow::bail!(
+                "--arm-drop-rate {name}=...: this kernel has no such drop reason (names are \
+                 enum skb_drop_reason's without SKB_DROP_REASON_, e.g. NETFILTER_DROP)"
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn serve(
