@@ -135,6 +135,18 @@ impl LiveNode {
     /// Reads the node (the calling thread's network namespace). Never fails as a whole:
     /// see [`LiveNode::failures`].
     pub fn read() -> Self {
+        Self::read_with(&|t| t, &|| {
+            Some(run("nft", &["-j", "list", "ruleset"], "nftables"))
+        })
+    }
+
+    /// As [`LiveNode::read`], but `save` rewrites each `iptables-save`/`ip6tables-save`
+    /// text before it is parsed, and `nft` reads nftables' listing (None: nothing to read).
+    /// What needs only part of the ruleset (naming a dropped packet's rule) reads less.
+    pub fn read_with(
+        save: &dyn Fn(String) -> String,
+        nft: &dyn Fn() -> Option<Result<String, LiveError>>,
+    ) -> Self {
         let mut failures = Vec::new();
         let mut keep = |r: Result<String, LiveError>| match r {
             Ok(t) => Some(t),
@@ -144,9 +156,9 @@ impl LiveNode {
             }
         };
         let texts = LiveTexts {
-            iptables: keep(run("iptables-save", &["-c"], "iptables")),
-            ip6tables: keep(run("ip6tables-save", &["-c"], "iptables")),
-            nft: keep(run("nft", &["-j", "list", "ruleset"], "nftables")),
+            iptables: keep(run("iptables-save", &["-c"], "iptables")).map(save),
+            ip6tables: keep(run("ip6tables-save", &["-c"], "iptables")).map(save),
+            nft: nft().and_then(&mut keep),
             ipset: keep(run("ipset", &["save"], "ipset")),
             routes: ["-4", "-6"]
                 .iter()
@@ -265,6 +277,29 @@ impl LiveNode {
     }
 
     /// A simulator over a copy of this state, kept for as long as the state is current.
+    /// As [`LiveNode::simulator`], moving the ruleset instead of copying it (the node's
+    /// texts are let go first): one copy of a large ruleset at a time.
+    pub fn into_simulator(self) -> Simulator<'static> {
+        let LiveNode {
+            texts,
+            ruleset,
+            ipsets,
+            routes,
+            iface_addrs,
+            bridges,
+            iptables_text,
+            ..
+        } = self;
+        drop((texts, iptables_text));
+        let mut sim = Simulator::owned(ruleset.ipv4, ruleset.ipv6, ipsets, routes);
+        if let Some(n) = &ruleset.nft {
+            sim = sim.with_nft(n);
+        }
+        sim.iface_addrs = iface_addrs;
+        sim.bridges = bridges;
+        sim
+    }
+
     pub fn simulator(&self) -> Simulator<'static> {
         let mut sim = Simulator::owned(
             self.ruleset.ipv4.clone(),

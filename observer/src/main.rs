@@ -175,10 +175,13 @@ struct ReplayArgs {
     observer agent                                   # on a node, as root (the DaemonSet runs this)\n  \
     observer agent --netns obs-node --metrics-addr 127.0.0.1:9965 --socket /tmp/obs.sock\n  \
     curl -s 127.0.0.1:9965/metrics | grep observer_drops_total\n  \
-    curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n\n\
+    curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n  \
+    curl -s -X POST --unix-socket /run/observer/agent.sock 'http://x/v1/arm?seconds=30&filter=udp'\n  \
+    observer agent --arm-drop-rate NETFILTER_DROP=100 --window 2s/60s\n\n\
 Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, output, sample, \
-count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address) and \
-/v1/version on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
+count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address), \
+/v1/version and /v1/arm (GET: tier 2's state; POST ?seconds=N&filter=EXPR: per-table brackets for \
+N seconds, their traversals into the flight recorder) on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
 --listen 127.0.0.1:9966). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
 {\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \
 {\"agent\": {\"end\": ...}} line with what the stream carried. SIGTERM or SIGINT: the probes \
@@ -236,6 +239,31 @@ struct AgentArgs {
     /// (repeat it; names as in observer_kernel_drops_total, e.g. NOT_SPECIFIED).
     #[arg(long, value_name = "REASON")]
     drop_reasons_ignored: Vec<String>,
+    /// Tier 2: arm the per-table brackets for --arm-seconds when a drop reason's rate
+    /// (tier 1's counts, read each second) goes above RATE packets per second:
+    /// REASON=RATE (e.g. NETFILTER_DROP=100) or RATE alone for any reason; repeat it. The
+    /// traversals of the flows tier 1 sampled go to the flight recorder whole.
+    #[arg(long, value_name = "[REASON=]RATE", value_parser = agent::tier2::parse_drop_rate)]
+    arm_drop_rate: Vec<agent::tier2::DropRate>,
+    /// Tier 2: arm the brackets for --arm-seconds when conntrack's insert_failed grows
+    /// (read each second; the DNS five-second delay shows up there).
+    #[arg(long)]
+    arm_on_insert_failed: bool,
+    /// Tier 2: how long an arm by --arm-drop-rate or --arm-on-insert-failed lasts, in
+    /// seconds (1 to 600).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    arm_seconds: f64,
+    /// Tier 2: the least time from the end of an arm by a condition to the next, in
+    /// seconds (0 to 86400): a lasting flood of drops arms the brackets at most
+    /// --arm-seconds in every --arm-cooldown.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    arm_cooldown: f64,
+    /// Tier 2's duty cycle: arm the brackets for ON at the start of every PERIOD, e.g.
+    /// 2s/60s (units ms, s, m, h): a rolling sample of whole traversals in the flight
+    /// recorder for about ON/PERIOD of --mode brackets' cost. ON at least 1 s and at most
+    /// half of PERIOD.
+    #[arg(long, value_name = "ON/PERIOD", value_parser = agent::tier2::parse_window)]
+    window: Option<agent::tier2::Window>,
     /// Benchmarks only: attach the probes of --mode but let each return at once (the
     /// hooks' own cost).
     #[arg(long, hide = true)]
@@ -380,6 +408,23 @@ fn run(cli: Cli) -> Result<()> {
                         anyhow::anyhow!("--drop-sample-gap must be a number of seconds, e.g. 0.1")
                     })?,
                 drop_reasons_ignored: a.drop_reasons_ignored,
+                tier2: agent::tier2::Tier2Options {
+                    arm_seconds: Some(a.arm_seconds)
+                        .filter(|s| (1.0..=600.0).contains(s))
+                        .map(Duration::from_secs_f64)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("--arm-seconds must be 1 to 600 (seconds armed)")
+                        })?,
+                    cooldown: Some(a.arm_cooldown)
+                        .filter(|s| (0.0..=86400.0).contains(s))
+                        .map(Duration::from_secs_f64)
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("--arm-cooldown must be 0 to 86400 seconds")
+                        })?,
+                    drop_rates: a.arm_drop_rate,
+                    insert_failed: a.arm_on_insert_failed,
+                    window: a.window,
+                },
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

@@ -16,6 +16,7 @@ use bytes::Bytes;
 
 use super::hub::{Hub, Request};
 use super::metrics::{Format, Metrics};
+use super::tier2::{ArmRequest, Arming};
 use crate::k8s::Names;
 use crate::pipeline::Output;
 
@@ -52,11 +53,14 @@ async fn readyz(State(m): State<Arc<Metrics>>) -> Response {
     }
 }
 
-/// The streaming API, and the names the agent knows addresses by.
-pub fn api_router(hub: Arc<Hub>, names: Arc<Names>) -> Router {
+/// The streaming API, the names the agent knows addresses by, and tier 2's arming.
+pub fn api_router(hub: Arc<Hub>, names: Arc<Names>, arming: Arc<Arming>) -> Router {
     let names_route = Router::new()
         .route("/v1/names", get(serve_names))
         .with_state(names);
+    let arm_route = Router::new()
+        .route("/v1/arm", get(arm_status).post(arm))
+        .with_state(arming);
     Router::new()
         .route("/v1/traces", get(traces))
         .route("/v1/drops", get(drops))
@@ -64,6 +68,59 @@ pub fn api_router(hub: Arc<Hub>, names: Arc<Names>) -> Router {
         .route("/v1/version", get(version))
         .with_state(hub)
         .merge(names_route)
+        .merge(arm_route)
+}
+
+fn json(status: StatusCode, v: &impl serde::Serialize) -> Response {
+    let mut body = serde_json::to_string(v).unwrap_or_default();
+    body.push('\n');
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `GET /v1/arm`: whether the brackets are armed, why, for how long still, and the links
+/// the agent holds.
+async fn arm_status(State(a): State<Arc<Arming>>) -> Response {
+    json(StatusCode::OK, &a.status())
+}
+
+/// `seconds` (1 to 600) and `filter` of an arm request.
+pub fn parse_arm(q: &HashMap<String, String>) -> Result<ArmRequest, String> {
+    let max = super::tier2::MAX_ARM.as_secs();
+    let s = q
+        .get("seconds")
+        .ok_or_else(|| format!("give seconds=N (1 to {max}): how long to arm the brackets"))?;
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("seconds `{s}` is not a number"))?;
+    if !secs.is_finite() || !(1.0..=max as f64).contains(&secs) {
+        return Err(format!("seconds `{s}` is out of range: give 1 to {max}"));
+    }
+    let filter = q.get("filter").filter(|f| !f.trim().is_empty()).cloned();
+    if let Some(f) = &filter {
+        crate::filter::compile(f, &|name| crate::kernel::netns::ifindex(name))
+            .map_err(|e| format!("bad filter: {e}"))?;
+    }
+    Ok(ArmRequest {
+        seconds: Duration::from_secs_f64(secs),
+        filter,
+    })
+}
+
+/// `POST /v1/arm?seconds=N[&filter=EXPR]`: per-table brackets for N seconds, the
+/// traversals the filter keeps (every one without) captured into the flight recorder.
+async fn arm(State(a): State<Arc<Arming>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    match parse_arm(&q) {
+        Ok(r) => {
+            let body = serde_json::json!({
+                "arming": true,
+                "seconds": r.seconds.as_secs_f64(),
+                "filter": r.filter,
+            });
+            a.request(r);
+            json(StatusCode::ACCEPTED, &body)
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, e + "\n").into_response(),
+    }
 }
 
 /// What the cluster plugin checks before it streams (`k8s::cluster::check`).
@@ -177,6 +234,26 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn arm_requests_are_bounded() {
+        let r = parse_arm(&q(&[("seconds", "5"), ("filter", "udp port 53")])).unwrap();
+        assert_eq!(r.seconds, Duration::from_secs(5));
+        assert_eq!(r.filter.as_deref(), Some("udp port 53"));
+        for (bad, says) in [
+            (&[("seconds", "0")][..], "1 to 600"),
+            (&[("seconds", "601")][..], "1 to 600"),
+            (&[("seconds", "x")][..], "not a number"),
+            (&[][..], "give seconds"),
+            (
+                &[("seconds", "5"), ("filter", "udp port")][..],
+                "bad filter",
+            ),
+        ] {
+            let e = parse_arm(&q(bad)).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
     }
 
     #[test]

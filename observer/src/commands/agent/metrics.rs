@@ -415,6 +415,16 @@ pub struct Scraped {
     health: Mutex<Health>,
     tier0: Mutex<Tier0State>,
     tier1: Mutex<Vec<Snapshot>>,
+    /// Tier 2's (`super::tier2`), from the event loop's last tick; None before it.
+    tier2: Mutex<Option<Tier2Series>>,
+}
+
+/// Tier 2's series as the event loop last saw them, and the seconds it was armed (a
+/// counter of fractional seconds, written apart from the whole-number snapshots).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tier2Series {
+    pub series: Vec<Snapshot>,
+    pub armed_seconds: f64,
 }
 
 impl std::fmt::Debug for Scraped {
@@ -435,6 +445,19 @@ impl Collector for Scraped {
         }
         for s in lock(&self.tier1).iter() {
             s.encode(&mut encoder)?;
+        }
+        if let Some(t2) = lock(&self.tier2).as_ref() {
+            for s in &t2.series {
+                s.encode(&mut encoder)?;
+            }
+            let mut family = encoder.encode_descriptor(
+                "observer_tier2_armed",
+                "Seconds the per-table brackets were armed (streaming clients not counted).",
+                Some(&Unit::Seconds),
+                MetricType::Counter,
+            )?;
+            let labels: Labels = vec![("tier", "2".to_string())];
+            ConstCounter::new(t2.armed_seconds).encode(family.encode_family(&labels)?)?;
         }
         let t = lock(&self.tier0);
         // Nothing until the first read ends (its time says it did).
@@ -521,6 +544,11 @@ impl Metrics {
             mode,
             scraped,
         }
+    }
+
+    /// Tier 2's series (`super::tier2::Tier2::series`), replacing the previous ones.
+    pub fn set_tier2(&self, t: Tier2Series) {
+        *lock(&self.scraped.tier2) = Some(t);
     }
 
     /// Says which mode the agent runs and which tiers make its series.

@@ -8,6 +8,7 @@
 //! and on `--listen` when given. SIGTERM or SIGINT: detach, close the streams, exit 0.
 
 pub mod client;
+mod drop_rules;
 pub mod http;
 pub mod hub;
 pub mod kcounts;
@@ -16,6 +17,7 @@ pub mod metrics;
 mod names_only;
 pub mod tier0;
 pub mod tier1;
+pub mod tier2;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -74,6 +76,8 @@ pub struct AgentOptions {
     pub drop_sample_gap: Option<Duration>,
     /// Tier 1: drop reasons the kernel neither counts by key nor samples.
     pub drop_reasons_ignored: Vec<String>,
+    /// Tier 2: when the brackets are armed without a streaming client.
+    pub tier2: tier2::Tier2Options,
 }
 
 /// What the probes do while no streaming client wants traces.
@@ -123,6 +127,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         crate::kernel::netns::enter(ns)?;
     }
     let layout = KernelLayout::from_kernel()?;
+    tier2_flags_fit(&opts, &layout)?;
     // The default mode reads only what names need (super::names_only): the whole model
     // of a large ruleset is half a gigabyte.
     let live = if opts.mode == AgentMode::Kernel {
@@ -155,7 +160,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     metrics.set_mode(
         opts.mode.name(),
         match opts.mode {
-            AgentMode::Kernel => "0,1",
+            AgentMode::Kernel => "0,1,2",
             AgentMode::Brackets | AgentMode::Trace => "0,2",
         },
     );
@@ -184,9 +189,17 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         .thread_name("observer-http")
         .enable_all()
         .build()?;
+    let arming = Arc::new(tier2::Arming::default());
     rt.block_on(async {
         // Listening first: /readyz says "not ready" until the probes are attached.
-        serve(&opts, metrics.clone(), hub.clone(), names.clone()).await?;
+        serve(
+            &opts,
+            metrics.clone(),
+            hub.clone(),
+            names.clone(),
+            arming.clone(),
+        )
+        .await?;
         names.watch_pods(opts.node.clone());
         let mut probes = match opts.mode {
             AgentMode::Trace => attach_probes(
@@ -227,9 +240,32 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             names.clone(),
             naming,
             tier1,
+            tier2::Tier2::new(opts.tier2.clone(), arming),
         )
         .await
     })
+}
+
+/// `--arm-drop-rate` reads tier 1's counts (the default mode), by this kernel's reasons.
+fn tier2_flags_fit(opts: &AgentOptions, layout: &KernelLayout) -> Result<()> {
+    if !opts.tier2.drop_rates.is_empty() && opts.mode != AgentMode::Kernel {
+        anyhow::bail!(
+            "--arm-drop-rate needs the default mode (--mode kernel): it reads tier 1's drop \
+             counts, which --mode {} does not keep",
+            opts.mode.name()
+        );
+    }
+    for r in &opts.tier2.drop_rates {
+        if let Some(name) = &r.reason
+            && !layout.drop_reasons.values().any(|n| n == name)
+        {
+            anyhow::bail!(
+                "--arm-drop-rate {name}=...: this kernel has no such drop reason (names are \
+                 enum skb_drop_reason's without SKB_DROP_REASON_, e.g. NETFILTER_DROP)"
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn serve(
@@ -237,6 +273,7 @@ async fn serve(
     metrics: Arc<Metrics>,
     hub: Arc<Hub>,
     names: Arc<crate::k8s::Names>,
+    arming: Arc<tier2::Arming>,
 ) -> Result<()> {
     let m = tokio::net::TcpListener::bind(&opts.metrics_addr)
         .await
@@ -268,7 +305,7 @@ async fn serve(
     })?;
     std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("making {} root-only", opts.socket.display()))?;
-    let api = http::api_router(hub, names);
+    let api = http::api_router(hub, names, arming);
     let api2 = api.clone();
     tokio::spawn(async move {
         if let Err(e) = axum::serve(u, api2).await {
@@ -306,14 +343,16 @@ struct Agent {
     marks_file: Option<PathBuf>,
     /// Service names, from the node as the session reads it after each ruleset change.
     names: Arc<crate::k8s::Names>,
-    /// Always-on mode: when the last streaming client left.
-    unwatched_since: Option<Instant>,
+    /// Always-on mode: when a streaming client was last connected.
+    last_client: Option<Instant>,
     /// The probes' filter while recording for subscribers (None: every packet).
     kernel_filter: Option<String>,
     /// The default mode's tier 1 (drops by key and their samples).
     tier1: Option<tier1::Tier1>,
     /// A node read only for names was let go: freed memory to hand back (super::memory).
     release_pending: bool,
+    /// Tier 2: the brackets armed for a bounded time (super::tier2).
+    tier2: tier2::Tier2,
 }
 
 impl Agent {
@@ -324,7 +363,11 @@ impl Agent {
             // In the always-on modes the kernel counts every packet itself.
             on: self.mode == AgentMode::Trace,
         };
-        let mut hub = HubSink(&self.hub);
+        let mut hub = HubSink {
+            hub: &self.hub,
+            tier2: &mut self.tier2,
+            tuple: self.pipeline.ctx.tuple,
+        };
         let sinks: [&mut dyn Sink; 2] = [&mut metrics, &mut hub];
         // Neither sink fails: what a subscriber cannot take is skipped and counted there.
         match self.pipeline.handle_to(raw, self.lost_now, sinks) {
@@ -412,8 +455,13 @@ impl Sink for MetricsSink<'_> {
 
 /// The subscribers and the flight recorder, as a sink of the pipeline: each subscriber's
 /// filter decides from the decoded record, each rendering is made once for all who want
-/// it, and a dropped traversal is kept in all three forms for later `drops` requests.
-struct HubSink<'a>(&'a Hub);
+/// it, and a dropped traversal (or one an arm of tier 2 keeps) is kept in all three forms
+/// for later `drops` requests.
+struct HubSink<'a> {
+    hub: &'a Hub,
+    tier2: &'a mut tier2::Tier2,
+    tuple: crate::kernel::btf::TupleLayout,
+}
 
 impl Sink for HubSink<'_> {
     fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
@@ -423,20 +471,21 @@ impl Sink for HubSink<'_> {
             return Ok(());
         };
         let dropped = report.traversal().fate.kind == observer_model::FateKind::Dropped;
-        let (tree, line) = self.0.wanted(rec);
+        let (tree, line) = self.hub.wanted(rec);
         let rendered = Rendered {
             json: json.clone(),
             tree: (tree || dropped).then(|| h.render(report, Output::Tree)),
             line: (line || dropped).then(|| h.render(report, Output::Line)),
         };
-        self.0.dispatch(rec, &rendered);
-        if dropped {
-            self.0
+        self.hub.dispatch(rec, &rendered);
+        // Armed: the arm's flows go to the flight recorder whole, dropped or not.
+        if dropped || self.tier2.captures(rec, &self.tuple) {
+            self.hub
                 .flight
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push(Held {
-                    rec: rec.clone(),
+                    rec: *rec,
                     rendered,
                 });
         }
@@ -474,14 +523,24 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
     });
 }
 
-/// Always-on mode: records traversals while a streaming client is connected, and goes back
-/// to counting only [`TRACING_LINGER`] after the last one left.
+/// Always-on mode: records traversals while a streaming client is connected or tier 2 is
+/// armed, and goes back to counting only when the arm ends, or [`TRACING_LINGER`] after
+/// the last client left.
 fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
-    let watched = agent.hub.subscribers() > 0;
-    if watched {
-        agent.unwatched_since = None;
-        // The probes keep what any subscriber wants; the hub then gives each its own.
-        let wanted = agent.hub.kernel_filter();
+    let clients = agent.hub.subscribers() > 0;
+    let armed = agent.tier2.armed_filter();
+    if clients {
+        agent.last_client = Some(Instant::now());
+    }
+    let lingering = !clients
+        && armed.is_none()
+        && agent
+            .last_client
+            .is_some_and(|t| t.elapsed() < TRACING_LINGER);
+    if clients || armed.is_some() {
+        // The probes keep what any subscriber or the arm wants; the hub then gives each
+        // subscriber its own.
+        let wanted = tier2::union(clients.then(|| agent.hub.kernel_filter()), armed);
         let changed = !probes.tracing() || wanted != agent.kernel_filter;
         let program = match &wanted {
             Some(expr) if changed => crate::filter::compile(expr, &|name| {
@@ -497,12 +556,14 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing() {
-            // The default mode brackets the tables only for as long as someone streams.
+            let attaching = Instant::now();
+            // The default mode brackets the tables only for as long as someone streams or
+            // tier 2 is armed.
             if agent.mode == AgentMode::Kernel {
                 let live = match attach_brackets(probes) {
                     Ok(live) => live,
                     Err(e) => {
-                        warn!("attaching the per-table probes for a streaming client: {e:#}");
+                        warn!("attaching the per-table probes: {e:#}");
                         return;
                     }
                 };
@@ -512,27 +573,29 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
                 agent.rules_changed(&live, file.as_ref(), true);
             }
             if let Err(e) = probes.start_tracing(&program) {
-                warn!("recording traversals for a streaming client: {e:#}");
+                warn!("recording traversals: {e:#}");
                 return;
             }
+            info!(
+                "per-table brackets recording after {:.2} s",
+                attaching.elapsed().as_secs_f64()
+            );
+            agent.tier2.attached_after(attaching.elapsed());
         } else if changed && let Err(e) = probes.set_filter(&program) {
             warn!("setting the probes' filter for the streaming clients: {e:#}");
             return;
         }
         agent.kernel_filter = wanted;
-    } else if probes.tracing() {
-        let since = *agent.unwatched_since.get_or_insert_with(Instant::now);
-        if since.elapsed() >= TRACING_LINGER {
-            agent.unwatched_since = None;
-            if let Err(e) = probes.stop_tracing() {
-                warn!("back to counting only: {e:#}");
+    } else if probes.tracing() && !lingering {
+        agent.last_client = None;
+        if let Err(e) = probes.stop_tracing() {
+            warn!("back to counting only: {e:#}");
+        }
+        if agent.mode == AgentMode::Kernel {
+            if let Err(e) = probes.detach_netfilter() {
+                warn!("detaching the per-table probes: {e:#}");
             }
-            if agent.mode == AgentMode::Kernel {
-                if let Err(e) = probes.detach_netfilter() {
-                    warn!("detaching the per-table probes: {e:#}");
-                }
-                memory::drop_namer(&mut agent.pipeline);
-            }
+            memory::drop_namer(&mut agent.pipeline);
         }
     }
 }
@@ -553,12 +616,17 @@ impl Consumer for Agent {
             self.release_pending = false;
             memory::release();
         }
-        if let Some(t) = self.tier1.as_mut() {
+        let rates = self.tier1.as_mut().and_then(|t| {
             t.poll(probes, &self.hub, &self.metrics);
-        }
+            t.take_rates()
+        });
+        let now = Instant::now();
+        self.tier2.tick(rates.as_deref(), now);
         if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
         }
+        self.tier2.publish(probes.netfilter_links() as u64, now);
+        self.metrics.set_tier2(self.tier2.series());
         if tick.scanned {
             self.read_counts(probes);
             self.interfaces = crate::kernel::netns::interfaces().len() as u64;
@@ -633,6 +701,7 @@ async fn event_loop(
         std::collections::HashMap<u32, String>,
     ),
     tier1: Option<tier1::Tier1>,
+    tier2: tier2::Tier2,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipeline,
@@ -647,10 +716,11 @@ async fn event_loop(
         reasons: naming.1,
         marks_file: opts.marks_file.clone(),
         names,
-        unwatched_since: None,
+        last_client: None,
         kernel_filter: None,
         tier1,
         release_pending: false,
+        tier2,
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);

@@ -599,8 +599,12 @@ fn name_loop(
         {
             // The old one goes before the new one is built (never two at once).
             drop(sim.take());
-            let live = crate::kernel::upkeep::read_live();
-            sim = Some((live.simulator(), std::time::Instant::now()));
+            // Only the tables that can drop, compiled off the event loop's thread, one copy
+            // of them at a time (super::drop_rules).
+            sim = Some((
+                super::drop_rules::read().into_simulator(),
+                std::time::Instant::now(),
+            ));
         }
         let Some((sim_now, _)) = sim.as_ref() else {
             continue;
@@ -650,6 +654,12 @@ pub struct Tier1 {
     reasons: HashMap<u32, String>,
     /// When the series were last read.
     rendered: Option<std::time::Instant>,
+    /// Tier 2's input: drops by reason at the last read, and when it was.
+    totals: Option<(std::time::Instant, HashMap<String, u64>)>,
+    /// Flows sampled since the last read, by reason (at most tier2::MAX_FLOWS each).
+    flows: HashMap<String, Vec<(IpAddr, IpAddr)>>,
+    /// Each reason's rate over the last two reads, until tier 2 takes it.
+    rates: Option<Vec<super::tier2::ReasonRate>>,
 }
 
 /// The series are read from the kernel at most this often (a per-CPU hash
@@ -689,7 +699,47 @@ impl Tier1 {
             naming,
             reasons,
             rendered: None,
+            totals: None,
+            flows: HashMap::new(),
+            rates: None,
         })
+    }
+
+    /// Each drop reason's rate between tier 1's last two reads (once per read), with the
+    /// flows sampled meanwhile: tier 2's `--arm-drop-rate`.
+    pub fn take_rates(&mut self) -> Option<Vec<super::tier2::ReasonRate>> {
+        self.rates.take()
+    }
+
+    /// Turns a read of the keyed counts into rates by reason, against the read before.
+    fn rates_from(&mut self, keys: &BTreeMap<DropKey, u64>) {
+        let mut totals: HashMap<String, u64> = HashMap::new();
+        for (k, n) in keys {
+            let name = self
+                .reasons
+                .get(&k.reason)
+                .cloned()
+                .unwrap_or_else(|| k.reason.to_string());
+            *totals.entry(name).or_default() += n;
+        }
+        let now = std::time::Instant::now();
+        let flows = std::mem::take(&mut self.flows);
+        if let Some((at, before)) = &self.totals {
+            let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+            self.rates = Some(
+                totals
+                    .iter()
+                    .map(|(reason, n)| super::tier2::ReasonRate {
+                        reason: reason.clone(),
+                        per_second: n.saturating_sub(before.get(reason).copied().unwrap_or(0))
+                            as f64
+                            / secs,
+                        flows: flows.get(reason).cloned().unwrap_or_default(),
+                    })
+                    .collect(),
+            );
+        }
+        self.totals = Some((now, totals));
     }
 
     /// Reads the samples that came, hands them on (NETFILTER_DROP ones to the namer), and
@@ -718,6 +768,12 @@ impl Tier1 {
                 continue;
             };
             drop(item);
+            if let (Some(src), Some(dst)) = (s.src, s.dst) {
+                let f = self.flows.entry(s.reason.clone()).or_default();
+                if f.len() < super::tier2::MAX_FLOWS && !f.contains(&(src, dst)) {
+                    f.push((src, dst));
+                }
+            }
             if s.reason == "NETFILTER_DROP" {
                 self.naming.push(s);
             } else {
@@ -735,6 +791,7 @@ impl Tier1 {
                 return;
             }
         };
+        self.rates_from(&keys);
         let stats = probes.drop_stats().unwrap_or_default();
         let naming = *self.naming.counts.lock().unwrap_or_else(|e| e.into_inner());
         let reasons = std::mem::take(&mut self.reasons);
