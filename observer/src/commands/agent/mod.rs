@@ -166,17 +166,6 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     );
     // Tier 1 confirms its samples' rules with tier 0's counters.
     let drop_counters = tier1::LastRead::default();
-    // Tier 0 in every mode: it costs the datapath nothing.
-    tier0::spawn(
-        tier0::Tier0Options {
-            interval: opts.rules_interval,
-            cap: opts.rule_series_cap,
-            marks: marks.clone(),
-            drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
-        },
-        metrics.clone(),
-    )
-    .context("reading the rules' counters (run as root, or with CAP_NET_ADMIN and CAP_NET_RAW)")?;
     let hub = Arc::new(Hub::new(
         layout.tuple,
         FlightRecorder::new(opts.flight_recorder, opts.flight_recorder_bytes),
@@ -218,6 +207,21 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // Loading the probes parsed the kernel's BTF: handed back.
         drop(live);
         memory::release();
+        // Tier 0 in every mode: it costs the datapath nothing. Started once the probes are
+        // loaded: its first read of a large ruleset and the parse of the kernel's BTF would
+        // otherwise hold their memory at the same time (the agent's peak).
+        tier0::spawn(
+            tier0::Tier0Options {
+                interval: opts.rules_interval,
+                cap: opts.rule_series_cap,
+                marks: marks.clone(),
+                drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
+            },
+            metrics.clone(),
+        )
+        .context(
+            "reading the rules' counters (run as root, or with CAP_NET_ADMIN and CAP_NET_RAW)",
+        )?;
         let tier1 = if opts.mode == AgentMode::Kernel {
             Some(tier1::Tier1::start(
                 &mut probes,
