@@ -204,6 +204,7 @@ impl Walk {
                     name,
                     physdev_in,
                     physdev_out,
+                    flooded: false,
                 }),
         }
     }

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::Duration;
 
+use observer_tests::agent::{Agent, Client, METRICS, http_get, sample};
 use observer_tests::lab::{Lab, Tail, tcp_client, tcp_echo, udp_sink};
 use observer_tests::{privileged, run};
 use serde_json::Value;
@@ -193,6 +194,47 @@ fn prime(lab: &Lab, gw: &'static str) {
     let node = lab.ns("node");
     run(&["ip", "netns", "exec", &node, "ip", "neigh", "flush", "all"]);
     run(&["ip", "netns", "exec", &node, "conntrack", "-F"]);
+}
+
+/// The MAC address of `role`'s eth0.
+fn mac_of(lab: &Lab, role: &str) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns(role),
+        "ip",
+        "-j",
+        "link",
+        "show",
+        "eth0",
+    ]);
+    let links: Value = serde_json::from_slice(&out.stdout).expect("ip -j link");
+    links[0]["address"].as_str().expect("a MAC").to_string()
+}
+
+/// The bridge port cni0's forwarding database has `mac` behind (learned, not local).
+fn fdb_port_of(lab: &Lab, mac: &str) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "bridge",
+        "-j",
+        "fdb",
+        "show",
+        "br",
+        "cni0",
+    ]);
+    let fdb: Value = serde_json::from_slice(&out.stdout).expect("bridge -j fdb");
+    fdb.as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["mac"] == mac && e["state"] != "permanent")
+        .and_then(|e| e["ifname"].as_str())
+        .unwrap_or_else(|| panic!("{mac} not in cni0's fdb: {fdb}"))
+        .to_string()
 }
 
 fn stats(path: &std::path::Path) -> Value {
@@ -410,6 +452,8 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
     udp_send(&lab, "pod", "10.244.0.6:9");
     std::thread::sleep(Duration::from_millis(1500));
     let after = counters(&lab, "iptables-save");
+    // The port the bridge would have sent the frame out of: where its FDB has pod2's MAC.
+    let fdb_port = fdb_port_of(&lab, &mac_of(&lab, "pod2"));
     let (reports, stderr) = tail.stop();
     let drop = first(&reports, "10.244.0.5", "10.244.0.6:9");
     assert_eq!(drop["incomplete"], false, "{drop:#}\n{stderr}");
@@ -417,8 +461,14 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
     assert_eq!(drop["fate"]["hook"], "FORWARD");
     assert_eq!(drop["fate"]["table"], "filter");
     assert_eq!(drop["route"], "bridged");
-    assert_eq!(bridge(drop).0, "cni0");
-    assert_eq!(bridge(drop).1, POD_PORT);
+    // In by the pod's port, to leave by pod2's (read at FORWARD before the rule dropped
+    // it), the port the bridge's FDB has for pod2's MAC.
+    assert_eq!(bridge(drop), ("cni0", POD_PORT, POD2_PORT), "{drop:#}");
+    assert_eq!(
+        fdb_port, POD2_PORT,
+        "the bridge learned pod2 behind its port"
+    );
+    assert!(drop["egress"].is_null(), "it never left: {drop:#}");
     // The kernel counted the policy's DROP rule once, for this frame.
     let kernel = increments(&before, &after);
     assert_eq!(
@@ -426,15 +476,22 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
         Some(&1),
         "{kernel:?}"
     );
-    // The port it was to leave by is not seen (it died first): a rule that needs it is
-    // undecidable, said so, not guessed.
+    // With the out port known, the rule matching `--physdev-out` is decided: tail names
+    // the rules the kernel counted, and the FORWARD stage agrees with the drop.
     let fwd = drop["stages"]
         .as_array()
         .unwrap()
         .iter()
         .find(|s| s["hook"] == "FORWARD")
         .expect("a FORWARD stage");
-    assert_eq!(fwd["check"]["result"], "undecidable", "{fwd:#}");
+    assert_eq!(fwd["check"]["result"], "agrees", "{fwd:#}");
+    let d = diff(&kernel, &named(&reports, "ipv4"));
+    assert!(
+        d.is_empty(),
+        "rules named by tail differ from the kernel's counters:\n{}\n{}",
+        d.join("\n"),
+        summary(&reports)
+    );
     let s = stats(&stats_file);
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
@@ -511,4 +568,155 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
     let s = stats(&stats_file);
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
+}
+
+#[test]
+fn a_flooded_frames_copies_say_which_port_each_left_by() {
+    if !privileged("a_flooded_frames_copies_say_which_port_each_left_by") {
+        return;
+    }
+    let lab = Lab::up_with_mode("brf", "bridge");
+    prime(&lab, "10.244.0.1:9");
+    // pod2 learns the pod's MAC (its neighbour entry stays reachable for the send below).
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7000");
+    udp_send(&lab, "pod2", "10.244.0.5:7000");
+    sink.join().unwrap();
+    let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
+    let tail = Tail::start_with(&lab, &["--stats", stats_file.to_str().unwrap()]);
+    let node = lab.ns("node");
+    // The bridge forgets where the MACs are: the next frame to the pod is unknown unicast,
+    // flooded to every port (hairpin on: the port it came in by too).
+    run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "flush", "dev", "cni0",
+    ]);
+    let pod_mac = mac_of(&lab, "pod");
+    let fdb = run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "show", "br", "cni0",
+    ]);
+    assert!(
+        !String::from_utf8_lossy(&fdb.stdout).contains(&pod_mac),
+        "cni0 does not know the pod's MAC before the frame"
+    );
+    let before = counters(&lab, "iptables-save");
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7001");
+    udp_send(&lab, "pod2", "10.244.0.5:7001");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = counters(&lab, "iptables-save");
+    let (reports, stderr) = tail.stop();
+    let all = summary(&reports);
+    let flow: Vec<&Value> = reports
+        .iter()
+        .filter(|r| dst(r) == "10.244.0.5:7001" || r["bridge"]["flooded"] == true)
+        .collect();
+    // The kernel's count of bridged frames at FORWARD (the physdev rule matches every
+    // one): one per port the frame was flooded to.
+    let kernel = increments(&before, &after);
+    let copies = kernel
+        .get(&("filter".into(), "FORWARD".into(), 1))
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(copies, 2, "flooded to both ports: {kernel:?}\n{all}");
+    assert_eq!(flow.len(), 2, "one report per copy:\n{all}\n{stderr}");
+    // The original: whole, in by pod2's port; the copy: flagged, counted, its port named.
+    let original: Vec<&&Value> = flow
+        .iter()
+        .filter(|r| r["bridge"]["flooded"] == false)
+        .collect();
+    let copy: Vec<&&Value> = flow
+        .iter()
+        .filter(|r| r["bridge"]["flooded"] == true)
+        .collect();
+    assert_eq!((original.len(), copy.len()), (1, 1), "{all}");
+    let (original, copy) = (original[0], copy[0]);
+    assert_eq!(original["incomplete"], false, "{original:#}");
+    assert_eq!(original["route"], "bridged");
+    assert_eq!(bridge(original).1, POD2_PORT);
+    assert_eq!(copy["incomplete"], true, "{copy:#}");
+    assert!(
+        copy["incomplete_reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("a copy cni0 made flooding the frame to several ports"),
+        "{copy:#}"
+    );
+    assert_eq!(copy["route"], "bridged");
+    assert_eq!(hooks(copy), ["FORWARD", "POSTROUTING"], "{copy:#}");
+    assert_eq!(copy["fate"]["kind"], "forwarded", "{copy:#}");
+    // Each left by its own port, the two ports of the bridge, as TC egress saw them.
+    let mut outs = [bridge(original).2.to_string(), bridge(copy).2.to_string()];
+    outs.sort();
+    assert_eq!(outs, [POD_PORT, POD2_PORT], "{all}");
+    for r in [original, copy] {
+        assert_eq!(r["egress"]["iface"], bridge(r).2, "{r:#}");
+    }
+    let s = stats(&stats_file);
+    let _ = std::fs::remove_file(&stats_file);
+    assert_accounted(&s);
+    assert_eq!(s["flooded_copies"], 1, "{s}");
+}
+
+/// The agent streams bridged reports with their bridge: in its default mode (nothing per
+/// packet until a client streams, then the tables bracketed) and in `--mode brackets`.
+#[test]
+fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
+    if !privileged("the_agent_streams_bridged_reports_with_their_bridge_in_both_modes") {
+        return;
+    }
+    let lab = Lab::up_with_mode("bra", "bridge");
+    prime(&lab, "10.244.0.1:9");
+    for mode in [&[][..], &["--mode", "brackets"][..]] {
+        let agent = Agent::start_with(&lab, mode);
+        let sock = agent.socket.to_str().unwrap().to_string();
+        let tail = Client::start(&[
+            "tail",
+            "--agent",
+            &sock,
+            "--json",
+            "--filter",
+            "port 22 or udp port 9",
+            "--timeout",
+            "15",
+        ]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, body) = http_get(&lab, METRICS, "/metrics");
+            if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{mode:?}: the agent did not start tracing for its client: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+        assert_eq!(tcp_client(&lab, "pod2", "10.244.0.5:22").unwrap(), b"ping");
+        echo.join().unwrap();
+        udp_send(&lab, "pod", "10.244.0.6:9");
+        let (lines, err) = tail.finish(Duration::from_secs(40));
+        let reports: Vec<Value> = lines
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let all = summary(&reports);
+        let p2p = first(&reports, "10.244.0.6", "10.244.0.5:22");
+        assert_eq!(p2p["route"], "bridged", "{mode:?}: {p2p:#}");
+        assert_eq!(
+            bridge(p2p),
+            ("cni0", POD2_PORT, POD_PORT),
+            "{mode:?}: {p2p:#}"
+        );
+        assert_eq!(p2p["ingress"]["iface"], POD2_PORT);
+        assert_eq!(p2p["egress"]["iface"], POD_PORT);
+        assert_eq!(p2p["incomplete"], false, "{mode:?}: {p2p:#}\n{err}");
+        let dropped = first(&reports, "10.244.0.5", "10.244.0.6:9");
+        assert_eq!(dropped["fate"]["kind"], "dropped", "{mode:?}: {all}");
+        assert_eq!(
+            bridge(dropped),
+            ("cni0", POD_PORT, POD2_PORT),
+            "{mode:?}: {dropped:#}"
+        );
+        drop(agent);
+    }
 }

@@ -74,6 +74,9 @@ pub struct Summary {
     pub lost: u64,
     /// Of `printed`, those flagged incomplete.
     pub incomplete: u64,
+    /// Of `incomplete`, copies a bridge made of a frame it flooded to several ports: each
+    /// reported from the bridge's FORWARD with the port it left by.
+    pub flooded_copies: u64,
     /// Packets left out by `--filter`.
     pub filtered: u64,
     /// Packets left out by `--sample`.
@@ -135,6 +138,14 @@ impl std::fmt::Display for Summary {
                 f,
                 "; rules named: {} traversals where they disagree with the kernel, {} undecidable",
                 self.rules_disagree, self.rules_undecidable
+            )?;
+        }
+        if self.flooded_copies > 0 {
+            write!(
+                f,
+                "; {} of the incomplete are copies of flooded frames (reported from the \
+                 bridge's FORWARD, with the port each left by)",
+                self.flooded_copies
             )?;
         }
         if let Some(r) = &self.record {
@@ -384,6 +395,7 @@ impl Consumer for Printer<'_> {
             .unwrap_or_else(|e| Outcome::Unusable(e.to_string()));
         match outcome {
             Outcome::Report {
+                report,
                 bytes,
                 incomplete,
                 rules_disagree,
@@ -393,6 +405,13 @@ impl Consumer for Printer<'_> {
                 self.out.put(bytes);
                 self.formatted += 1;
                 self.summary.incomplete += u64::from(incomplete);
+                self.summary.flooded_copies += u64::from(
+                    report
+                        .traversal()
+                        .bridge
+                        .as_ref()
+                        .is_some_and(|b| b.flooded),
+                );
                 self.summary.rules_disagree += u64::from(rules_disagree);
                 self.summary.rules_undecidable += u64::from(rules_undecidable);
             }

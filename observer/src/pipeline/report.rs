@@ -170,13 +170,27 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         }
         r => r,
     };
+    let flooded = ports.is_some_and(|p| annotate::flooded_copy(t, &p));
     let bridge = ports.map(|p| observer_model::BridgeCrossing {
         name: ifname(p.bridge),
         physdev_in: p.physdev_in.map(ifname),
         physdev_out: p.physdev_out.map(ifname),
+        flooded,
     });
     let fate = annotate::fate(t, end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
+    let flood_reason;
+    if let Some(p) = ports.filter(|_| flooded) {
+        // Not "first seen after its start": where its start is, and which port it took.
+        flood_reason = format!(
+            "a copy {} made flooding the frame to several ports (unknown destination, \
+             broadcast or multicast), first seen at its FORWARD: where the frame entered is \
+             the original's report",
+            ifname(p.bridge)
+        );
+        reasons.retain(|r| *r != missing_text(observer_common::traversal::missing::START)[0]);
+        reasons.insert(0, &flood_reason);
+    }
     if fate.kind == FateKind::Incomplete {
         reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));
     }
@@ -227,7 +241,8 @@ fn bridge_notes(
         .position(|r| matches!(r.point, Point::Netfilter(NfHook::Forward, _)));
     match (through_bridge_xmit, forward) {
         (Some(x), Some(f)) if x < f => vec![format!(
-            "sent through {}'s own transmit while the node resolved the neighbour of its new              destination (DNAT to the same bridge), then bridged{}",
+            "sent through {}'s own transmit while the node resolved the neighbour of its new \
+             destination (DNAT to the same bridge), then bridged{}",
             ifname(p.bridge),
             p.physdev_out
                 .map(|o| format!(" to {}", ifname(o)))
