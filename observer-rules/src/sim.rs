@@ -386,6 +386,9 @@ struct Pkt {
     bridged: bool,
     /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
     bridge_family: Option<String>,
+    /// A bridged frame whose out port is not known: why (bridge chains matching the
+    /// output device are then undecidable, not a miss).
+    out_port_unknown: Option<String>,
     /// False when simulating one observed stage: whether br_netfilter holds the packet is
     /// not part of what the probes hand us, so `physdev` stays undecidable there.
     nf_bridge_known: bool,
@@ -638,6 +641,7 @@ impl<'a> Simulator<'a> {
                     }
                 ),
                 bridge_family: None,
+                out_port_unknown: None,
                 nf_bridge_known: input.ports != SeenPorts::Unknown,
                 nf_bridge_observed: input.ports != SeenPorts::Unknown,
                 orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
@@ -740,6 +744,7 @@ impl<'a> Simulator<'a> {
             nf_bridge: None,
             bridged: false,
             bridge_family: None,
+            out_port_unknown: None,
             nf_bridge_known: true,
             nf_bridge_observed: false,
             orig: (spec.ct_state == CtState::New)

@@ -58,6 +58,12 @@ enum Command {
         /// hang off the bridge cni0 with br_netfilter on (`traffic` then sends its flows).
         #[arg(long, value_enum, default_value = "iptables", global = true)]
         mode: lab::Mode,
+        /// With `up --mode bridge`: also an nft `bridge`-family table (`bridge obs-l2`) whose
+        /// chains count bridged frames and drop udp to port 7003 bridged to pod2, as
+        /// ebtables/nft bridge filters do (tail annotates bridged reports with what they
+        /// did: simulated, confirmed by their counters).
+        #[arg(long, global = true)]
+        bridge_chains: bool,
     },
 }
 
@@ -415,11 +421,18 @@ fn run(cli: Cli) -> Result<()> {
             action,
             prefix,
             mode,
+            bridge_chains,
         } => {
             let lab = lab::Lab::with_mode(&prefix, mode);
             match action {
                 LabAction::Up => {
+                    if bridge_chains && mode != lab::Mode::Bridge {
+                        anyhow::bail!("--bridge-chains goes with --mode bridge");
+                    }
                     lab.up()?;
+                    if bridge_chains {
+                        lab::bridge::add_bridge_chains(&lab)?;
+                    }
                     println!(
                         "lab `{prefix}` is up; observe the node with: observer tail --netns {}",
                         lab.node()

@@ -475,6 +475,10 @@ impl Simulator<'_> {
             }
         }
         let out_port = out_name.as_deref();
+        if let PhysOut::Unknown(why) = &out {
+            pkt.out_port_unknown =
+                Some(format!("the bridge port it leaves by is not known ({why})"));
+        }
         b.bridge = Some((bridge.to_string(), Some(port.to_string()), out_name.clone()));
         // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
         // -1 on older ones; at equal priority a chain is taken as registered after the
