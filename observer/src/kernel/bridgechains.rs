@@ -44,8 +44,9 @@ pub struct SimulatedChain {
     pub chain: String,
     pub priority: i32,
     pub verdict: Verdict,
-    /// The rules the simulation says match, in order: (key, text, action).
-    pub rules: Vec<(RuleKey, String, String)>,
+    /// The rules the simulation says match, in order: (key, text, action, decided); a rule
+    /// not decided (the walk stopped there) comes last, with `decided` false.
+    pub rules: Vec<(RuleKey, String, String, bool)>,
     /// Why the chain could not be decided (the walk stopped there).
     pub undecidable: Option<String>,
 }
@@ -117,6 +118,7 @@ pub fn simulate(sim: &Simulator<'_>, spec: &PacketSpec) -> Vec<SimulatedChain> {
                         (table.clone(), chain.clone(), *handle),
                         r.text.clone(),
                         r.action.clone(),
+                        r.undecidable.is_none(),
                     )),
                     RuleId::Iptables { .. } => None,
                 })
@@ -177,6 +179,21 @@ pub fn notes(
     after: &CounterRead,
 ) -> Vec<String> {
     let mut out = Vec::new();
+    // Chains that let the frame through without a rule matching: one line for all.
+    if chains
+        .iter()
+        .all(|c| c.rules.is_empty() && c.undecidable.is_none() && c.verdict == Verdict::Accept)
+    {
+        let names: Vec<String> = chains
+            .iter()
+            .map(|c| format!("bridge {} {} ({})", c.table, c.chain, c.hook.name()))
+            .collect();
+        out.push(format!(
+            "bridge-family chains {} (simulated on the live ruleset, not observed): accept, no rule matches",
+            names.join(", ")
+        ));
+        return out;
+    }
     for c in chains {
         let mut line = format!(
             "bridge-family chain bridge {} {} ({} {}; simulated on the live ruleset, not observed: no probe attaches to bridge hooks here): {}",
@@ -193,12 +210,19 @@ pub fn notes(
             line.push_str(", no rule matches (nothing to confirm)");
         }
         out.push(line);
-        for (key, text, action) in &c.rules {
-            let judged = match confirm(key, frame, before, after) {
-                Confirmation::Confirmed(n) => {
+        for (key, text, action, decided) in &c.rules {
+            let judged = match (decided, confirm(key, frame, before, after)) {
+                (true, Confirmation::Confirmed(n)) => {
                     format!("confirmed: its counter advanced by {n} across the frame")
                 }
-                Confirmation::Unconfirmed(why) => format!("unconfirmed: {why}"),
+                (true, Confirmation::Unconfirmed(why)) => format!("unconfirmed: {why}"),
+                // Nothing simulated to confirm: what the counter says, as a kernel fact.
+                (false, Confirmation::Confirmed(n)) => format!(
+                    "not decided by the simulation; the kernel counted {n} packet(s) on it across the frame"
+                ),
+                (false, Confirmation::Unconfirmed(why)) => {
+                    format!("not decided by the simulation; its counter cannot say: {why}")
+                }
             };
             out.push(format!(
                 "  bridge {} {} handle {} {} => {action} ({judged})",
@@ -351,7 +375,32 @@ impl BridgeChains {
                 return Some(vec![format!("bridge-family chains: not simulated ({why})")]);
             }
         };
-        let chains = simulate(&self.sim.as_ref()?.0, &spec);
+        let mut chains = simulate(&self.sim.as_ref()?.0, &spec);
+        if spec.out_iface.is_none() {
+            // The simulator's reason speaks of the node resolving a neighbour (explain's
+            // case); here the frame was bridged by its sender's choice of MAC.
+            let unread = if t
+                .stages
+                .iter()
+                .any(|s| s.hook == observer_model::Hook::Forward)
+            {
+                "the probes could not record it at IP FORWARD"
+            } else {
+                "the probes read it at IP FORWARD, which this frame did not reach"
+            };
+            for c in &mut chains {
+                if c.undecidable
+                    .as_deref()
+                    .is_some_and(|w| w.starts_with("oifname:"))
+                {
+                    c.undecidable = Some(format!(
+                        "oifname: the port it was to leave by is not known ({unread}, and the node's neighbour and fdb tables, read at most {} s ago, do not place {})",
+                        SIM_MAX_AGE.as_secs(),
+                        spec.dst
+                    ));
+                }
+            }
+        }
         if chains.is_empty() {
             return Some(vec![
                 "bridge-family chains: none runs for this frame (simulated on the live ruleset)"
@@ -443,6 +492,7 @@ mod tests {
                 key(),
                 "udp dport 7002 counter packets 9 bytes 90".into(),
                 "continue".into(),
+                true,
             )],
             undecidable: None,
         }];
@@ -458,6 +508,20 @@ mod tests {
         assert_eq!(
             n[1],
             "  bridge filter forward handle 4 udp dport 7002 counter => continue (confirmed: its counter advanced by 1 across the frame)"
+        );
+        // Chains where nothing matched share one line.
+        let quiet = vec![
+            SimulatedChain {
+                rules: Vec::new(),
+                ..chains[0].clone()
+            };
+            2
+        ];
+        assert_eq!(
+            notes(&quiet, (100, 110), None, &read((120, 130), Some(6))),
+            [
+                "bridge-family chains bridge filter forward (FORWARD), bridge filter forward (FORWARD) (simulated on the live ruleset, not observed): accept, no rule matches"
+            ]
         );
         // Never called observed: only "not observed".
         assert!(
