@@ -58,10 +58,10 @@ impl RuleReader {
 
     /// Every nf_tables rule of family `nfproto`, with or without an action
     /// ([`nft::read_family`]).
-    pub fn read_family(&mut self, nfproto: u8) -> Result<Vec<nft::Parsed>, Error> {
+    pub fn read_family(&mut self, nfproto: u8) -> Result<(usize, Vec<nft::Parsed>), Error> {
         match self.nft.as_mut() {
             Some(s) => nft::read_family(s, nfproto),
-            None => Ok(Vec::new()),
+            None => Ok((0, Vec::new())),
         }
     }
 

@@ -120,12 +120,17 @@ fn chains(sock: &mut Socket) -> Result<Vec<Chain>, Error> {
     Ok(chains)
 }
 
-/// Every rule of the nf_tables tables of family `nfproto` (`NFPROTO_BRIDGE` 7, ...) as the
-/// kernel describes it, counting rules without a verdict included (what the bridge
-/// family's chains usually hold): one dump per chain of that family.
-pub fn read_family(sock: &mut Socket, nfproto: u8) -> Result<Vec<Parsed>, Error> {
+/// The chains of the nf_tables tables of family `nfproto` (`NFPROTO_BRIDGE` 7, ...), and
+/// every rule of theirs as the kernel describes it, counting rules without a verdict
+/// included (what the bridge family's chains usually hold): one dump per chain.
+pub fn read_family(sock: &mut Socket, nfproto: u8) -> Result<(usize, Vec<Parsed>), Error> {
     let mut out = Vec::new();
-    for (family, table, chain) in chains(sock)?.into_iter().filter(|c| c.0 == nfproto) {
+    let chains: Vec<Chain> = chains(sock)?
+        .into_iter()
+        .filter(|c| c.0 == nfproto)
+        .collect();
+    let n = chains.len();
+    for (family, table, chain) in chains {
         let attrs = [
             encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
             encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
@@ -148,7 +153,7 @@ pub fn read_family(sock: &mut Socket, nfproto: u8) -> Result<Vec<Parsed>, Error>
             other => other?,
         }
     }
-    Ok(out)
+    Ok((n, out))
 }
 
 /// One chain's rules with an action, numbered by their place in the chain.

@@ -657,13 +657,14 @@ fn a_flooded_frames_copies_say_which_port_each_left_by() {
 }
 
 /// The agent streams bridged reports with their bridge: in its default mode (nothing per
-/// packet until a client streams, then the tables bracketed) and in `--mode brackets`.
+/// packet until a client streams, then the tables bracketed) and in `--mode brackets`,
+/// with what the node's bridge-family chains did (simulated, confirmed by counters).
 #[test]
 fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
     if !privileged("the_agent_streams_bridged_reports_with_their_bridge_in_both_modes") {
         return;
     }
-    let lab = Lab::up_with_mode("bra", "bridge");
+    let lab = Lab::up_with_args("bra", "bridge", &["--bridge-chains"]);
     prime(&lab, "10.244.0.1:9");
     for mode in [&[][..], &["--mode", "brackets"][..]] {
         let agent = Agent::start_with(&lab, mode);
@@ -674,7 +675,7 @@ fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
             &sock,
             "--json",
             "--filter",
-            "port 22 or udp port 9",
+            "port 22 or udp port 9 or udp port 7002",
             "--timeout",
             "15",
         ]);
@@ -694,6 +695,13 @@ fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
         assert_eq!(tcp_client(&lab, "pod2", "10.244.0.5:22").unwrap(), b"ping");
         echo.join().unwrap();
         udp_send(&lab, "pod", "10.244.0.6:9");
+        // By now the agent has read the bridge family's counters (its first bridged
+        // report): the frame below is judged against a read before it.
+        std::thread::sleep(Duration::from_millis(500));
+        let l2_before = l2_counters(&lab);
+        let sink = udp_sink(&lab, "pod2", "10.244.0.6:7002");
+        udp_send(&lab, "pod", "10.244.0.6:7002");
+        sink.join().unwrap();
         let (lines, err) = tail.finish(Duration::from_secs(40));
         let reports: Vec<Value> = lines
             .iter()
@@ -716,6 +724,20 @@ fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
             bridge(dropped),
             ("cni0", POD_PORT, POD2_PORT),
             "{mode:?}: {dropped:#}"
+        );
+        let l2_after = l2_counters(&lab);
+        assert_eq!(
+            l2_after.get(&4).copied().unwrap_or(0) - l2_before.get(&4).copied().unwrap_or(0),
+            1,
+            "the bridge forward chain counted the frame"
+        );
+        let counted = first(&reports, "10.244.0.5", "10.244.0.6:7002");
+        let n = notes(counted);
+        assert!(
+            n.iter()
+                .any(|l| l.contains("bridge obs-l2 forward handle 4 ")
+                    && l.ends_with("(confirmed: its counter advanced by 1 across the frame)")),
+            "{mode:?}: {n:#?}"
         );
         drop(agent);
     }

@@ -289,10 +289,15 @@ pub fn has_bridge_chains(sim: &Simulator<'_>) -> bool {
     })
 }
 
-/// The live side: the compiled ruleset (kept [`SIM_MAX_AGE`]) and the counter reads.
-/// Must be used in the observed namespace.
+/// The live side: the compiled ruleset (kept [`SIM_MAX_AGE`], and only where the node has
+/// bridge-family chains: the cheap check is one netlink dump of that family) and the
+/// counter reads. Must be used in the observed namespace.
 pub struct BridgeChains {
-    sim: Option<(Simulator<'static>, Instant, bool)>,
+    sim: Option<Simulator<'static>>,
+    /// When the node was last checked for bridge-family chains.
+    checked: Option<Instant>,
+    /// Bridge-family chains, as last read.
+    chains: usize,
     reader: Option<observer_nfstats::RuleReader>,
     reads: std::collections::VecDeque<CounterRead>,
 }
@@ -310,35 +315,39 @@ impl BridgeChains {
 
     fn start(live: Option<&observer_rules::LiveNode>) -> Self {
         let mut b = Self {
-            sim: live.map(|l| {
-                let sim = l.simulator();
-                let has = has_bridge_chains(&sim);
-                (sim, Instant::now(), has)
-            }),
+            sim: None,
+            checked: None,
+            chains: 0,
             reader: observer_nfstats::RuleReader::new()
                 .map_err(|e| warn!("bridge-family chains: cannot read rule counters: {e}"))
                 .ok(),
             reads: Default::default(),
         };
-        if b.refresh() {
-            b.read_counters();
+        // The first counter read: the "before" of the first frames.
+        b.read_counters();
+        b.checked = Some(Instant::now());
+        if b.chains > 0 {
+            b.sim = Some(match live {
+                Some(l) => l.simulator(),
+                None => crate::kernel::upkeep::read_live().simulator(),
+            });
         }
         b
     }
 
-    /// Reads the ruleset again when it is old; whether the node has bridge-family chains.
+    /// Checks again for bridge-family chains when the last check is old, and reads the
+    /// ruleset again then where there are some; whether there are.
     fn refresh(&mut self) -> bool {
-        if self
-            .sim
-            .as_ref()
-            .is_none_or(|(_, at, _)| at.elapsed() > SIM_MAX_AGE)
-        {
+        if self.checked.is_none_or(|at| at.elapsed() > SIM_MAX_AGE) {
+            self.checked = Some(Instant::now());
+            self.read_counters();
+            // The old one goes before the new one is built (never two at once).
             drop(self.sim.take());
-            let sim = crate::kernel::upkeep::read_live().simulator();
-            let has = has_bridge_chains(&sim);
-            self.sim = Some((sim, Instant::now(), has));
+            if self.chains > 0 {
+                self.sim = Some(crate::kernel::upkeep::read_live().simulator());
+            }
         }
-        self.sim.as_ref().is_some_and(|s| s.2)
+        self.chains > 0 && self.sim.as_ref().is_some_and(has_bridge_chains)
     }
 
     fn read_counters(&mut self) {
@@ -347,7 +356,8 @@ impl BridgeChains {
         };
         let started_ns = crate::kernel::upkeep::now_ns();
         match reader.read_family(NFPROTO_BRIDGE) {
-            Ok(rules) => {
+            Ok((chains, rules)) => {
+                self.chains = chains;
                 self.reads.push_back(CounterRead {
                     started_ns,
                     ended_ns: crate::kernel::upkeep::now_ns(),
@@ -375,7 +385,7 @@ impl BridgeChains {
                 return Some(vec![format!("bridge-family chains: not simulated ({why})")]);
             }
         };
-        let mut chains = simulate(&self.sim.as_ref()?.0, &spec);
+        let mut chains = simulate(self.sim.as_ref()?, &spec);
         if spec.out_iface.is_none() {
             // The simulator's reason speaks of the node resolving a neighbour (explain's
             // case); here the frame was bridged by its sender's choice of MAC.

@@ -311,6 +311,9 @@ struct Agent {
     tier1: Option<tier1::Tier1>,
     /// A node read only for names was let go: freed memory to hand back (super::memory).
     release_pending: bool,
+    /// Bridged reports' notes on the nft bridge family's chains (simulated, confirmed by
+    /// counters; `kernel::bridgechains`): made on the first bridged report.
+    bridge_chains: Option<crate::kernel::bridgechains::BridgeChains>,
 }
 
 impl Agent {
@@ -330,6 +333,22 @@ impl Agent {
                 self.unusable += 1;
                 return;
             }
+        };
+        // What the node's bridge-family chains did to a bridged frame (simulated,
+        // confirmed by counters), as tail says it.
+        let (report, json) = match report.traversal().bridge.as_ref().and_then(|_| {
+            self.bridge_chains
+                .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
+                .annotate(report.traversal(), (rec.ts_first, rec.ts_last))
+        }) {
+            Some(notes) => {
+                let mut t = (**report.traversal()).clone();
+                t.notes.extend(notes);
+                let report = crate::pipeline::Report::new(t);
+                let json = self.pipeline.render(&report, Output::Json);
+                (report, json)
+            }
+            None => (report, json),
         };
         let t = report.traversal();
         // In the always-on mode the kernel counts every packet itself.
@@ -609,6 +628,7 @@ async fn event_loop(
         kernel_filter: None,
         tier1,
         release_pending: false,
+        bridge_chains: None,
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);
