@@ -22,6 +22,9 @@ use observer_rules::{PacketSpec, Simulator};
 const SIM_MAX_AGE: Duration = Duration::from_secs(10);
 /// Counter reads kept: a frame is compared with the newest that ended before it began.
 const READS_KEPT: usize = 8;
+/// The least time between two counter reads (a burst of bridged frames costs one dump per
+/// gap, not one per frame).
+const READ_GAP: Duration = Duration::from_millis(50);
 
 /// A bridge-family rule's identity: (table, chain, handle).
 pub type RuleKey = (String, String, u64);
@@ -156,7 +159,13 @@ pub fn confirm(
     before: Option<&CounterRead>,
     after: &CounterRead,
 ) -> Confirmation {
-    let Some(before) = before.filter(|b| b.ended_ns < frame.0 && after.started_ns > frame.1) else {
+    if after.started_ns <= frame.1 {
+        return Confirmation::Unconfirmed(format!(
+            "no counter read after the frame yet (at most one every {} ms)",
+            READ_GAP.as_millis()
+        ));
+    }
+    let Some(before) = before.filter(|b| b.ended_ns < frame.0) else {
         return Confirmation::Unconfirmed(
             "no counter read before the frame to compare with".into(),
         );
@@ -417,7 +426,11 @@ impl BridgeChains {
                     .into(),
             ]);
         }
-        if self.reads.back().is_none_or(|r| r.started_ns <= frame.1) {
+        let now = crate::kernel::upkeep::now_ns();
+        if self.reads.back().is_none_or(|r| {
+            r.started_ns <= frame.1
+                && now.saturating_sub(r.started_ns) >= READ_GAP.as_nanos() as u64
+        }) {
             self.read_counters();
         }
         let after = self.reads.back()?.clone();
@@ -466,7 +479,7 @@ mod tests {
                 Some(&read((10, 20), Some(5))),
                 &read((105, 130), Some(7))
             ),
-            Confirmation::Unconfirmed(_)
+            Confirmation::Unconfirmed(w) if w.contains("no counter read after")
         ));
         assert!(matches!(
             confirm(&key(), frame, Some(&read((10, 20), None)), &read((120, 130), None)),
