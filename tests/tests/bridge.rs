@@ -804,6 +804,13 @@ fn bridge_family_chains_are_simulated_and_confirmed_by_their_counters() {
     sink.join().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     udp_send(&lab, "pod", "10.244.0.6:7003");
+    std::thread::sleep(Duration::from_millis(300));
+    // A ClusterIP DNATed to a pod on the same bridge: the bridge forward chain sees the
+    // pod's address (rule 6), on the first packet and on the later ones, whose DNAT is
+    // conntrack's stored translation.
+    let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+    assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
+    echo.join().unwrap();
     std::thread::sleep(Duration::from_millis(1000));
     let after = l2_counters(&lab);
     let (reports, stderr) = tail.stop();
@@ -857,6 +864,31 @@ fn bridge_family_chains_are_simulated_and_confirmed_by_their_counters() {
         n.iter().any(|l| l.contains(" handle 5 ")
             && l.contains("=> drop (confirmed: its counter advanced by 1 across the frame)")),
         "{n:#?}"
+    );
+    assert!(
+        advanced(6) >= 3,
+        "the tcp flow's frames to the pod: {after:?}"
+    );
+    let to_svc: Vec<&Value> = reports
+        .iter()
+        .filter(|r| src(r).starts_with("10.244.0.6") && dst(r) == "10.96.0.2:22")
+        .collect();
+    assert!(to_svc.len() >= 3, "{all}");
+    for r in &to_svc {
+        let n = notes(r);
+        assert!(
+            n.iter()
+                .any(|l| l.contains(" handle 6 ip daddr 10.244.0.5 tcp dport 22 ")),
+            "the forward chain matched the DNATed address: {n:#?}"
+        );
+    }
+    let first_svc = first(&reports, "10.244.0.6", "10.96.0.2:22");
+    assert!(
+        notes(first_svc)
+            .iter()
+            .any(|l| l.contains(" handle 6 ") && l.contains("(confirmed: its counter advanced by")),
+        "{:#?}",
+        notes(first_svc)
     );
     // Nothing calls a bridge chain observed, and the counter values read with the
     // ruleset are not shown as if current.

@@ -54,18 +54,41 @@ pub struct SimulatedChain {
     pub undecidable: Option<String>,
 }
 
-/// The frame as the simulator takes it: its first headers, the bridge port it came in by
-/// and the one it left by, its mark and its connection's state. `Err` says why it cannot.
-pub fn spec_of(t: &Traversal) -> Result<PacketSpec, String> {
+/// Which headers a walk starts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Headers {
+    /// As the frame entered (what bridge `prerouting` chains see).
+    Entry,
+    /// After IP PREROUTING (DNAT, marks): what bridge `forward` and `postrouting` chains
+    /// see. The simulator applies only the nat rules of a new connection, not conntrack's
+    /// stored translation, so later packets of a DNATed connection are walked from here.
+    AfterPrerouting,
+}
+
+/// The frame as the simulator takes it: its headers as `at` says, the bridge port it came
+/// in by and the one it left by, its mark and its connection's state. `Err` says why it
+/// cannot.
+pub fn spec_of(t: &Traversal, at: Headers) -> Result<PacketSpec, String> {
     let b = t.bridge.as_ref().ok_or("not bridged")?;
     let port = b.physdev_in.clone().ok_or(
         "the bridge port it came in by is not known (a flooded copy, or sent by the node)",
     )?;
-    let first = t
-        .stages
-        .iter()
-        .find_map(|s| s.before.as_ref())
-        .ok_or("no stage saw its headers")?;
+    let entry = || t.stages.iter().find_map(|s| s.before.as_ref());
+    let first = match at {
+        Headers::Entry => entry(),
+        Headers::AfterPrerouting => t
+            .stages
+            .iter()
+            .find(|s| s.hook != observer_model::Hook::PreRouting)
+            .and_then(|s| s.before.as_ref())
+            .or_else(|| {
+                t.stages
+                    .iter()
+                    .rev()
+                    .find_map(|s| s.after.as_ref().or(s.before.as_ref()))
+            }),
+    }
+    .ok_or("no stage saw its headers")?;
     let proto = t.proto.ok_or("its protocol is not known")?.number();
     let ct_state = t
         .stages
@@ -388,13 +411,32 @@ impl BridgeChains {
         if !self.refresh() {
             return None;
         }
-        let spec = match spec_of(t) {
-            Ok(s) => s,
-            Err(why) => {
+        let (spec, later) = match (
+            spec_of(t, Headers::Entry),
+            spec_of(t, Headers::AfterPrerouting),
+        ) {
+            (Ok(s), Ok(l)) => (s, l),
+            (Err(why), _) | (_, Err(why)) => {
                 return Some(vec![format!("bridge-family chains: not simulated ({why})")]);
             }
         };
-        let mut chains = simulate(self.sim.as_ref()?, &spec);
+        let sim = self.sim.as_ref()?;
+        // Bridge prerouting chains see the frame as it entered; the later ones see it as IP
+        // PREROUTING left it (walked again from there: see `Headers`).
+        let mut chains: Vec<SimulatedChain> = simulate(sim, &spec)
+            .into_iter()
+            .filter(|c| c.hook == observer_model::Hook::PreRouting)
+            .collect();
+        if chains
+            .iter()
+            .all(|c| c.verdict == Verdict::Accept && c.undecidable.is_none())
+        {
+            chains.extend(
+                simulate(sim, &later)
+                    .into_iter()
+                    .filter(|c| c.hook != observer_model::Hook::PreRouting),
+            );
+        }
         if spec.out_iface.is_none() {
             // The simulator's reason speaks of the node resolving a neighbour (explain's
             // case); here the frame was bridged by its sender's choice of MAC.

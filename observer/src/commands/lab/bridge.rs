@@ -49,7 +49,8 @@ pub const DENIED_PORT: u16 = 9;
 /// The nft `bridge`-family table `observer lab up --mode bridge --bridge-chains` adds: a
 /// forward chain before br_netfilter's IP hooks would run (priority -200) that counts the
 /// bridged udp frames to [`L2_COUNTED_PORT`] and drops those to [`L2_DENIED_PORT`] leaving by
-/// pod2's port, and a prerouting chain counting frames from the pod's port. BPF netfilter
+/// pod2's port, and counts tcp to the pod's port 22 (a ClusterIP's frames after their DNAT),
+/// and a prerouting chain counting frames from the pod's port. BPF netfilter
 /// links cannot attach to the bridge family: tail simulates these chains and confirms each
 /// rule by its counter.
 pub const BRIDGE_TABLE: &str = "bridge obs-l2";
@@ -67,6 +68,7 @@ pub fn bridge_chains_ruleset() -> String {
          \t\ttype filter hook forward priority -200; policy accept;\n\
          \t\tudp dport {L2_COUNTED_PORT} counter comment \"bridged udp/{L2_COUNTED_PORT}\"\n\
          \t\toifname \"{POD2_PORT}\" udp dport {L2_DENIED_PORT} counter drop comment \"l2 policy: deny udp/{L2_DENIED_PORT} to pod2\"\n\
+         \t\tip daddr {POD_IP} tcp dport 22 counter comment \"to the registry's endpoint (after the ClusterIP's DNAT)\"\n\
          \t}}\n\
          }}\n"
     )
