@@ -159,6 +159,9 @@ pub enum SeenPorts {
     NoBridge,
     /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
     Port { physin: String, physout: PhysOut },
+    /// A copy the bridge made flooding a frame: bridged (to `physout` at this stage), the
+    /// port it came in by not known (`--physdev-in` is undecidable, the rest is decided).
+    FloodedCopy { physout: PhysOut },
 }
 
 /// One walk as it goes: the model's stages so far, the routing decision, how it ended.
@@ -354,7 +357,8 @@ pub enum PhysOut {
 /// br_netfilter's record of a frame that entered through a bridge port (`nf_bridge_info`).
 #[derive(Debug, Clone, PartialEq)]
 struct NfBridge {
-    physin: String,
+    /// None: not known (a flooded copy seen from the bridge's FORWARD on).
+    physin: Option<String>,
     physout: PhysOut,
 }
 
@@ -628,7 +632,11 @@ impl<'a> Simulator<'a> {
                 icmp: input.icmp,
                 nf_bridge: match &input.ports {
                     SeenPorts::Port { physin, physout } => Some(NfBridge {
-                        physin: physin.clone(),
+                        physin: Some(physin.clone()),
+                        physout: physout.clone(),
+                    }),
+                    SeenPorts::FloodedCopy { physout } => Some(NfBridge {
+                        physin: None,
                         physout: physout.clone(),
                     }),
                     SeenPorts::Unknown | SeenPorts::NoBridge => None,
@@ -638,6 +646,8 @@ impl<'a> Simulator<'a> {
                     SeenPorts::Port {
                         physout: PhysOut::Port(_) | PhysOut::Unknown(_),
                         ..
+                    } | SeenPorts::FloodedCopy {
+                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
                     }
                 ),
                 bridge_family: None,

@@ -71,6 +71,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         }
     }
     let ports = annotate::bridge_ports(t);
+    let flooded = ports.is_some_and(|p| annotate::flooded_copy(t, &p));
     let entered = annotate::entered_without_port(t);
     let mut snapshots = Snapshots::new(t, ctx.snapshots);
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
@@ -137,7 +138,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                         after,
                         stage,
                         first_ct,
-                        ports: stage_ports(ports, entered, *hook),
+                        ports: stage_ports(ports, entered, flooded, *hook),
                     },
                     ifname,
                 );
@@ -170,7 +171,6 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         }
         r => r,
     };
-    let flooded = ports.is_some_and(|p| annotate::flooded_copy(t, &p));
     let bridge = ports.map(|p| observer_model::BridgeCrossing {
         name: ifname(p.bridge),
         physdev_in: p.physdev_in.map(ifname),
@@ -258,18 +258,11 @@ fn bridge_notes(
 fn stage_ports(
     ports: Option<annotate::BridgePorts>,
     entered_without_port: bool,
+    flooded: bool,
     hook: NfHook,
 ) -> crate::pipeline::rulenames::StagePorts {
     use crate::pipeline::rulenames::{StageOut, StagePorts};
     let Some(p) = ports else {
-        return if entered_without_port {
-            StagePorts::NoBridge
-        } else {
-            StagePorts::Unknown
-        };
-    };
-    let Some(physin) = p.physdev_in else {
-        // Sent by the node to a port: br_netfilter keeps no record of it.
         return if entered_without_port {
             StagePorts::NoBridge
         } else {
@@ -281,6 +274,17 @@ fn stage_ports(
             p.physdev_out.map_or(StageOut::Unseen, StageOut::Port)
         }
         _ => StageOut::None,
+    };
+    let Some(physin) = p.physdev_in else {
+        // A flooded copy: bridged, its in port unknown. Sent by the node to a port:
+        // br_netfilter keeps no record of it.
+        return if flooded {
+            StagePorts::FloodedCopy { physout }
+        } else if entered_without_port {
+            StagePorts::NoBridge
+        } else {
+            StagePorts::Unknown
+        };
     };
     StagePorts::Port { physin, physout }
 }

@@ -82,6 +82,9 @@ pub enum StagePorts {
     NoBridge,
     /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
     Port { physin: u32, physout: StageOut },
+    /// A copy the bridge made flooding a frame (first seen at its FORWARD): bridged, the
+    /// port it came in by not known.
+    FloodedCopy { physout: StageOut },
 }
 
 /// [`StagePorts::Port`]'s out port at a stage.
@@ -109,23 +112,34 @@ impl StagePorts {
                 };
                 2 << 62 | tag << 60 | (u64::from(physin) & M) << 30 | (out & M)
             }
+            StagePorts::FloodedCopy { physout } => {
+                let (tag, out) = match physout {
+                    StageOut::None => (0, 0),
+                    StageOut::Port(o) => (1, u64::from(o)),
+                    StageOut::Unseen => (2, 0),
+                };
+                3 << 62 | tag << 60 | (out & M)
+            }
         }
     }
 
     fn seen(self, ifname: &dyn Fn(u32) -> String) -> SeenPorts {
+        let out = |physout| match physout {
+            StageOut::None => PhysOut::None,
+            StageOut::Port(o) => PhysOut::Port(ifname(o)),
+            StageOut::Unseen => PhysOut::Unknown(
+                "physdev: the bridge port it was to leave by was not seen (it ended before)".into(),
+            ),
+        };
         match self {
             StagePorts::Unknown => SeenPorts::Unknown,
             StagePorts::NoBridge => SeenPorts::NoBridge,
             StagePorts::Port { physin, physout } => SeenPorts::Port {
                 physin: ifname(physin),
-                physout: match physout {
-                    StageOut::None => PhysOut::None,
-                    StageOut::Port(o) => PhysOut::Port(ifname(o)),
-                    StageOut::Unseen => PhysOut::Unknown(
-                        "physdev: the bridge port it was to leave by was not seen (it ended before)"
-                            .into(),
-                    ),
-                },
+                physout: out(physout),
+            },
+            StagePorts::FloodedCopy { physout } => SeenPorts::FloodedCopy {
+                physout: out(physout),
             },
         }
     }
