@@ -206,7 +206,7 @@ pub mod direct {
     }
 
     /// The slots the probes load directly (the loader refuses any other placeholder).
-    pub const SLOTS: [u32; 10] = [
+    pub const SLOTS: [u32; 11] = [
         super::config::STATE_HOOK,
         super::config::STATE_PF,
         super::config::STATE_IN,
@@ -217,6 +217,7 @@ pub mod direct {
         super::config::SKB_HEAD,
         super::config::SKB_NETWORK_HEADER,
         super::config::SKB_NFCT,
+        super::config::SKB_DEV,
     ];
 }
 

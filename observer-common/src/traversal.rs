@@ -94,7 +94,11 @@ pub mod step {
 pub struct Visit {
     /// One of [`crate::hook`].
     pub hook: u8,
-    pub _pad: [u8; 3],
+    /// At a FORWARD visit, the ifindex (24 bits, little-endian) of the device the skb was
+    /// on (`skb->dev`) where it was neither of the hook's devices: a bridged frame's out
+    /// port, br_netfilter's `physoutdev`, known there before the frame leaves (or a rule
+    /// drops it). Zero elsewhere, and for an ifindex that does not fit 24 bits.
+    pub port: [u8; 3],
     /// Bit `p` set: netfilter probe program `p` saw the packet in this visit (bit 0 for TC).
     pub programs: u32,
     pub ifindex_in: u32,
@@ -366,15 +370,47 @@ fn open_visit(rec: &mut TraversalRecord, hook: u8, ifindex_in: u32, ifindex_out:
     v.hook = hook;
     // SAFETY: plain bytes of a live visit (volatile: a 3-byte fill becomes `memset`).
     unsafe {
-        core::ptr::write_volatile(&mut v._pad[0], 0);
-        core::ptr::write_volatile(&mut v._pad[1], 0);
-        core::ptr::write_volatile(&mut v._pad[2], 0);
+        core::ptr::write_volatile(&mut v.port[0], 0);
+        core::ptr::write_volatile(&mut v.port[1], 0);
+        core::ptr::write_volatile(&mut v.port[2], 0);
     }
     v.programs = bit;
     v.ifindex_in = ifindex_in;
     v.ifindex_out = ifindex_out;
     rec.nvisits = (n + 1) as u8;
     rec.cur_visit = n as u8;
+}
+
+impl Visit {
+    /// [`Visit::port`] as an ifindex (`None`: none recorded).
+    pub fn port(&self) -> Option<u32> {
+        let p =
+            u32::from(self.port[0]) | u32::from(self.port[1]) << 8 | u32::from(self.port[2]) << 16;
+        (p != 0).then_some(p)
+    }
+}
+
+/// Ifindexes [`Visit::port`] can hold.
+pub const PORT_LIMIT: u32 = 1 << 24;
+
+/// Notes `dev` (the ifindex of `skb->dev`) as the port of the record's current visit if
+/// that visit is a FORWARD one and `dev` is neither of its devices (at a bridged frame's
+/// FORWARD, br_netfilter gives the hook the bridge as both devices while the skb is already
+/// on the port it is to leave by). Branch-light: every value but a fitting port writes zero.
+#[inline(always)]
+pub fn note_port(rec: &mut TraversalRecord, dev: u32) {
+    if rec.nvisits == 0 {
+        return;
+    }
+    let Some(v) = rec.visits.get_mut(rec.cur_visit as usize) else {
+        return;
+    };
+    if v.hook != crate::hook::FORWARD {
+        return;
+    }
+    let keep = dev < PORT_LIMIT && dev != v.ifindex_in && dev != v.ifindex_out;
+    let p = if keep { dev } else { 0 };
+    v.port = [p as u8, (p >> 8) as u8, (p >> 16) as u8];
 }
 
 /// XOR of two 16-byte fields folded into one word: zero when they are equal. Branch-free,
@@ -1403,6 +1439,39 @@ mod tests {
         assert!(
             !continues_into_bridge(&rec),
             "a record past PREROUTING is stale"
+        );
+    }
+
+    #[test]
+    fn a_bridged_frames_out_port_is_noted_at_forward_only() {
+        let bridged = |dev: u32| {
+            let mut rec = fresh();
+            let mut r = reading(hook::PRE_ROUTING, 0, 80);
+            (r.header.ifindex_in, r.header.ifindex_out) = (4, 0);
+            add_reading(&mut rec, &r, 0);
+            note_port(&mut rec, dev);
+            assert_eq!(rec.visits[0].port(), None, "no port outside FORWARD");
+            r.header.hook = hook::FORWARD;
+            (r.header.ifindex_in, r.header.ifindex_out) = (4, 4);
+            add_reading(&mut rec, &r, 1);
+            note_port(&mut rec, dev);
+            rec.visits[1].port()
+        };
+        assert_eq!(bridged(7), Some(7), "skb->dev is the out port");
+        assert_eq!(bridged(0x00ab_cdef), Some(0x00ab_cdef));
+        assert_eq!(bridged(4), None, "routed: skb->dev is a hook device");
+        assert_eq!(bridged(PORT_LIMIT), None, "too large to hold: not claimed");
+        // A visit opened later starts without a port.
+        let mut rec = fresh();
+        let mut r = reading(hook::FORWARD, 0, 80);
+        (r.header.ifindex_in, r.header.ifindex_out) = (4, 4);
+        add_reading(&mut rec, &r, 1);
+        note_port(&mut rec, 9);
+        r.header.hook = hook::POST_ROUTING;
+        add_reading(&mut rec, &r, 1);
+        assert_eq!(
+            (rec.visits[0].port(), rec.visits[1].port()),
+            (Some(9), None)
         );
     }
 }

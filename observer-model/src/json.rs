@@ -382,7 +382,11 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
         opt_string(out, b.physdev_in.as_deref())?;
         out.write_all(b",\"physdev_out\":")?;
         opt_string(out, b.physdev_out.as_deref())?;
-        out.write_all(b"}")?;
+        out.write_all(if b.flooded {
+            b",\"flooded\":true}"
+        } else {
+            b",\"flooded\":false}"
+        })?;
     }
     if let Some(e) = &t.encap {
         out.write_all(b",\"encap\":")?;
@@ -675,6 +679,7 @@ mod tests {
                 name: "cni0".into(),
                 physdev_in: Some("veth1a2b3c4d".into()),
                 physdev_out: None,
+                flooded: false,
             }),
             encap: Some(crate::Encapsulation {
                 kind: "vxlan",

@@ -320,6 +320,9 @@ impl Traversal {
                 (None, Some(o)) => write!(out, "  bridge {} to {o}", b.name),
                 (None, None) => write!(out, "  bridge {}", b.name),
             };
+            if b.flooded {
+                out.push_str(" (flooded copy)");
+            }
         }
         if let Some(x) = &self.encap {
             let _ = write!(
@@ -642,6 +645,7 @@ mod tests {
             name: "cni0".into(),
             physdev_in: Some("veth2c3d4e5f".into()),
             physdev_out: Some("veth1a2b3c4d".into()),
+            flooded: false,
         });
         let tree = b.render_tree();
         assert!(
@@ -658,6 +662,15 @@ mod tests {
         );
         b.bridge.as_mut().unwrap().physdev_out = None;
         assert!(b.render_tree().contains("  bridge cni0 from veth2c3d4e5f"));
+        let copy = b.bridge.as_mut().unwrap();
+        (copy.physdev_in, copy.physdev_out, copy.flooded) =
+            (None, Some("veth2c3d4e5f".into()), true);
+        assert!(
+            b.render_tree()
+                .contains("  bridge cni0 to veth2c3d4e5f (flooded copy)"),
+            "{}",
+            b.render_tree()
+        );
     }
 
     #[test]

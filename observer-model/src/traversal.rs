@@ -205,8 +205,13 @@ pub struct BridgeCrossing {
     pub name: String,
     /// The port it entered through (`--physdev-in`).
     pub physdev_in: Option<String>,
-    /// The port it left through (`--physdev-out`).
+    /// The port it left through (`--physdev-out`); for a frame a FORWARD rule dropped,
+    /// the port it was to leave by.
     pub physdev_out: Option<String>,
+    /// A copy the bridge made of a frame it flooded to several ports (unknown
+    /// destination, broadcast or multicast): first seen at the bridge's FORWARD, so where
+    /// it entered belongs to the original frame's report (flagged incomplete, counted).
+    pub flooded: bool,
 }
 
 /// A VXLAN packet as the probes read it where it was first seen: the outer header (the

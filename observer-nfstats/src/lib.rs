@@ -56,6 +56,15 @@ impl RuleReader {
         })
     }
 
+    /// Every nf_tables rule of family `nfproto`, with or without an action
+    /// ([`nft::read_family`]).
+    pub fn read_family(&mut self, nfproto: u8) -> Result<(usize, Vec<nft::Parsed>), Error> {
+        match self.nft.as_mut() {
+            Some(s) => nft::read_family(s, nfproto),
+            None => Ok((0, Vec::new())),
+        }
+    }
+
     /// Every rule with an action, nf_tables first, then legacy tables.
     pub fn read(&mut self) -> Result<Vec<Rule>, Error> {
         let mut rules = Vec::new();

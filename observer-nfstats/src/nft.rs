@@ -120,6 +120,42 @@ fn chains(sock: &mut Socket) -> Result<Vec<Chain>, Error> {
     Ok(chains)
 }
 
+/// The chains of the nf_tables tables of family `nfproto` (`NFPROTO_BRIDGE` 7, ...), and
+/// every rule of theirs as the kernel describes it, counting rules without a verdict
+/// included (what the bridge family's chains usually hold): one dump per chain.
+pub fn read_family(sock: &mut Socket, nfproto: u8) -> Result<(usize, Vec<Parsed>), Error> {
+    let mut out = Vec::new();
+    let chains: Vec<Chain> = chains(sock)?
+        .into_iter()
+        .filter(|c| c.0 == nfproto)
+        .collect();
+    let n = chains.len();
+    for (family, table, chain) in chains {
+        let attrs = [
+            encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
+            encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
+        ]
+        .concat();
+        let dumped = sock.dump(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
+            family,
+            &attrs,
+            |m| {
+                if m.kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE
+                    && let Some(parsed) = parse_rule(m.payload)
+                {
+                    out.push(parsed);
+                }
+            },
+        );
+        match dumped {
+            Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            other => other?,
+        }
+    }
+    Ok((n, out))
+}
+
 /// One chain's rules with an action, numbered by their place in the chain.
 fn read_chain(
     sock: &mut Socket,

@@ -159,6 +159,9 @@ pub enum SeenPorts {
     NoBridge,
     /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
     Port { physin: String, physout: PhysOut },
+    /// A copy the bridge made flooding a frame: bridged (to `physout` at this stage), the
+    /// port it came in by not known (`--physdev-in` is undecidable, the rest is decided).
+    FloodedCopy { physout: PhysOut },
 }
 
 /// One walk as it goes: the model's stages so far, the routing decision, how it ended.
@@ -204,6 +207,7 @@ impl Walk {
                     name,
                     physdev_in,
                     physdev_out,
+                    flooded: false,
                 }),
         }
     }
@@ -353,7 +357,8 @@ pub enum PhysOut {
 /// br_netfilter's record of a frame that entered through a bridge port (`nf_bridge_info`).
 #[derive(Debug, Clone, PartialEq)]
 struct NfBridge {
-    physin: String,
+    /// None: not known (a flooded copy seen from the bridge's FORWARD on).
+    physin: Option<String>,
     physout: PhysOut,
 }
 
@@ -385,6 +390,9 @@ struct Pkt {
     bridged: bool,
     /// While a bridge-family chain runs: the bridge of the ports (`meta ibrname/obrname`).
     bridge_family: Option<String>,
+    /// A bridged frame whose out port is not known: why (bridge chains matching the
+    /// output device are then undecidable, not a miss).
+    out_port_unknown: Option<String>,
     /// False when simulating one observed stage: whether br_netfilter holds the packet is
     /// not part of what the probes hand us, so `physdev` stays undecidable there.
     nf_bridge_known: bool,
@@ -624,7 +632,11 @@ impl<'a> Simulator<'a> {
                 icmp: input.icmp,
                 nf_bridge: match &input.ports {
                     SeenPorts::Port { physin, physout } => Some(NfBridge {
-                        physin: physin.clone(),
+                        physin: Some(physin.clone()),
+                        physout: physout.clone(),
+                    }),
+                    SeenPorts::FloodedCopy { physout } => Some(NfBridge {
+                        physin: None,
                         physout: physout.clone(),
                     }),
                     SeenPorts::Unknown | SeenPorts::NoBridge => None,
@@ -634,9 +646,12 @@ impl<'a> Simulator<'a> {
                     SeenPorts::Port {
                         physout: PhysOut::Port(_) | PhysOut::Unknown(_),
                         ..
+                    } | SeenPorts::FloodedCopy {
+                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
                     }
                 ),
                 bridge_family: None,
+                out_port_unknown: None,
                 nf_bridge_known: input.ports != SeenPorts::Unknown,
                 nf_bridge_observed: input.ports != SeenPorts::Unknown,
                 orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
@@ -739,6 +754,7 @@ impl<'a> Simulator<'a> {
             nf_bridge: None,
             bridged: false,
             bridge_family: None,
+            out_port_unknown: None,
             nf_bridge_known: true,
             nf_bridge_observed: false,
             orig: (spec.ct_state == CtState::New)

@@ -355,6 +355,29 @@ fn nft_bridge_tables_run_around_br_netfilter() {
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Drop);
     assert_eq!(&*e.branches[0].stages.last().unwrap().table, "f");
+    // The out port not known (no fdb): a bridge chain's `oifname` is undecidable there,
+    // not a miss (the frame may well leave by vethb and be dropped).
+    r.fdb_json = None;
+    let e = explain(&r).unwrap();
+    assert_eq!(
+        e.verdict(),
+        Verdict::Undecidable,
+        "{:?}",
+        e.branches[0].notes
+    );
+    let fwd = e.branches[0]
+        .stages
+        .iter()
+        .find(|s| s.chain.as_ref().is_some_and(|c| c.name == "fwd"))
+        .expect("the bridge forward chain ran");
+    assert!(
+        fwd.rules.iter().any(|r| r
+            .undecidable
+            .as_deref()
+            .is_some_and(|w| w.contains("oifname"))),
+        "{:?}",
+        fwd.rules
+    );
 }
 
 const RULES6: &str = "*filter

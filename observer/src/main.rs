@@ -66,6 +66,12 @@ enum Command {
         /// its flows; `down` removes it as any lab).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2), global = true)]
         nodes: u8,
+        /// With `up --mode bridge`: also an nft `bridge`-family table (`bridge obs-l2`) whose
+        /// chains count bridged frames and drop udp to port 7003 bridged to pod2, as
+        /// ebtables/nft bridge filters do (tail annotates bridged reports with what they
+        /// did: simulated, confirmed by their counters).
+        #[arg(long, global = true)]
+        bridge_chains: bool,
     },
 }
 
@@ -471,6 +477,7 @@ fn run(cli: Cli) -> Result<()> {
             prefix,
             mode,
             nodes,
+            bridge_chains,
         } => {
             let lab = if nodes == 2 {
                 lab::Lab::two_nodes(&prefix)
@@ -488,7 +495,13 @@ fn run(cli: Cli) -> Result<()> {
                     );
                 }
                 LabAction::Up => {
+                    if bridge_chains && mode != lab::Mode::Bridge {
+                        anyhow::bail!("--bridge-chains goes with --mode bridge");
+                    }
                     lab.up()?;
+                    if bridge_chains {
+                        lab::bridge::add_bridge_chains(&lab)?;
+                    }
                     println!(
                         "lab `{prefix}` is up; observe the node with: observer tail --netns {}",
                         lab.node()

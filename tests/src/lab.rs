@@ -43,17 +43,24 @@ impl Lab {
 
     /// A lab whose kube-proxy runs in `mode` (`iptables` or `nftables`).
     pub fn up_with_mode(tag: &str, mode: &str) -> Self {
+        Self::up_with_args(tag, mode, &[])
+    }
+
+    /// A lab in `mode` with more `lab up` arguments (`--bridge-chains`).
+    pub fn up_with_args(tag: &str, mode: &str, extra: &[&str]) -> Self {
         let prefix = unique_prefix(tag);
         let lab = Self { prefix };
-        run(&[
-            observer_bin().to_str().unwrap(),
-            "lab",
-            "up",
-            "--prefix",
-            &lab.prefix,
-            "--mode",
-            mode,
-        ]);
+        let mut args = vec![
+            observer_bin().to_str().unwrap().to_string(),
+            "lab".into(),
+            "up".into(),
+            "--prefix".into(),
+            lab.prefix.clone(),
+            "--mode".into(),
+            mode.into(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        run(&args.iter().map(String::as_str).collect::<Vec<_>>());
         lab
     }
 

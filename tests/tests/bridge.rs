@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::Duration;
 
+use observer_tests::agent::{Agent, Client, METRICS, http_get, sample};
 use observer_tests::lab::{Lab, Tail, tcp_client, tcp_echo, udp_sink};
 use observer_tests::{privileged, run};
 use serde_json::Value;
@@ -193,6 +194,47 @@ fn prime(lab: &Lab, gw: &'static str) {
     let node = lab.ns("node");
     run(&["ip", "netns", "exec", &node, "ip", "neigh", "flush", "all"]);
     run(&["ip", "netns", "exec", &node, "conntrack", "-F"]);
+}
+
+/// The MAC address of `role`'s eth0.
+fn mac_of(lab: &Lab, role: &str) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns(role),
+        "ip",
+        "-j",
+        "link",
+        "show",
+        "eth0",
+    ]);
+    let links: Value = serde_json::from_slice(&out.stdout).expect("ip -j link");
+    links[0]["address"].as_str().expect("a MAC").to_string()
+}
+
+/// The bridge port cni0's forwarding database has `mac` behind (learned, not local).
+fn fdb_port_of(lab: &Lab, mac: &str) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "bridge",
+        "-j",
+        "fdb",
+        "show",
+        "br",
+        "cni0",
+    ]);
+    let fdb: Value = serde_json::from_slice(&out.stdout).expect("bridge -j fdb");
+    fdb.as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["mac"] == mac && e["state"] != "permanent")
+        .and_then(|e| e["ifname"].as_str())
+        .unwrap_or_else(|| panic!("{mac} not in cni0's fdb: {fdb}"))
+        .to_string()
 }
 
 fn stats(path: &std::path::Path) -> Value {
@@ -410,6 +452,8 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
     udp_send(&lab, "pod", "10.244.0.6:9");
     std::thread::sleep(Duration::from_millis(1500));
     let after = counters(&lab, "iptables-save");
+    // The port the bridge would have sent the frame out of: where its FDB has pod2's MAC.
+    let fdb_port = fdb_port_of(&lab, &mac_of(&lab, "pod2"));
     let (reports, stderr) = tail.stop();
     let drop = first(&reports, "10.244.0.5", "10.244.0.6:9");
     assert_eq!(drop["incomplete"], false, "{drop:#}\n{stderr}");
@@ -417,8 +461,14 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
     assert_eq!(drop["fate"]["hook"], "FORWARD");
     assert_eq!(drop["fate"]["table"], "filter");
     assert_eq!(drop["route"], "bridged");
-    assert_eq!(bridge(drop).0, "cni0");
-    assert_eq!(bridge(drop).1, POD_PORT);
+    // In by the pod's port, to leave by pod2's (read at FORWARD before the rule dropped
+    // it), the port the bridge's FDB has for pod2's MAC.
+    assert_eq!(bridge(drop), ("cni0", POD_PORT, POD2_PORT), "{drop:#}");
+    assert_eq!(
+        fdb_port, POD2_PORT,
+        "the bridge learned pod2 behind its port"
+    );
+    assert!(drop["egress"].is_null(), "it never left: {drop:#}");
     // The kernel counted the policy's DROP rule once, for this frame.
     let kernel = increments(&before, &after);
     assert_eq!(
@@ -426,15 +476,22 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
         Some(&1),
         "{kernel:?}"
     );
-    // The port it was to leave by is not seen (it died first): a rule that needs it is
-    // undecidable, said so, not guessed.
+    // With the out port known, the rule matching `--physdev-out` is decided: tail names
+    // the rules the kernel counted, and the FORWARD stage agrees with the drop.
     let fwd = drop["stages"]
         .as_array()
         .unwrap()
         .iter()
         .find(|s| s["hook"] == "FORWARD")
         .expect("a FORWARD stage");
-    assert_eq!(fwd["check"]["result"], "undecidable", "{fwd:#}");
+    assert_eq!(fwd["check"]["result"], "agrees", "{fwd:#}");
+    let d = diff(&kernel, &named(&reports, "ipv4"));
+    assert!(
+        d.is_empty(),
+        "rules named by tail differ from the kernel's counters:\n{}\n{}",
+        d.join("\n"),
+        summary(&reports)
+    );
     let s = stats(&stats_file);
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
@@ -508,6 +565,352 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
     assert!(!kernel.is_empty());
     let bad = not_agreeing(&reports);
     assert!(bad.is_empty(), "stages not agreeing:\n{}", bad.join("\n"));
+    let s = stats(&stats_file);
+    let _ = std::fs::remove_file(&stats_file);
+    assert_accounted(&s);
+}
+
+#[test]
+fn a_flooded_frames_copies_say_which_port_each_left_by() {
+    if !privileged("a_flooded_frames_copies_say_which_port_each_left_by") {
+        return;
+    }
+    let lab = Lab::up_with_mode("brf", "bridge");
+    prime(&lab, "10.244.0.1:9");
+    // pod2 learns the pod's MAC (its neighbour entry stays reachable for the send below).
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7000");
+    udp_send(&lab, "pod2", "10.244.0.5:7000");
+    sink.join().unwrap();
+    let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
+    let tail = Tail::start_with(&lab, &["--stats", stats_file.to_str().unwrap()]);
+    let node = lab.ns("node");
+    // The bridge forgets where the MACs are: the next frame to the pod is unknown unicast,
+    // flooded to every port (hairpin on: the port it came in by too).
+    run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "flush", "dev", "cni0",
+    ]);
+    let pod_mac = mac_of(&lab, "pod");
+    let fdb = run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "show", "br", "cni0",
+    ]);
+    assert!(
+        !String::from_utf8_lossy(&fdb.stdout).contains(&pod_mac),
+        "cni0 does not know the pod's MAC before the frame"
+    );
+    let before = counters(&lab, "iptables-save");
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7001");
+    udp_send(&lab, "pod2", "10.244.0.5:7001");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = counters(&lab, "iptables-save");
+    let (reports, stderr) = tail.stop();
+    let all = summary(&reports);
+    let flow: Vec<&Value> = reports
+        .iter()
+        .filter(|r| dst(r) == "10.244.0.5:7001" || r["bridge"]["flooded"] == true)
+        .collect();
+    // The kernel's count of bridged frames at FORWARD (the physdev rule matches every
+    // one): one per port the frame was flooded to.
+    let kernel = increments(&before, &after);
+    let copies = kernel
+        .get(&("filter".into(), "FORWARD".into(), 1))
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(copies, 2, "flooded to both ports: {kernel:?}\n{all}");
+    assert_eq!(flow.len(), 2, "one report per copy:\n{all}\n{stderr}");
+    // The original: whole, in by pod2's port; the copy: flagged, counted, its port named.
+    let original: Vec<&&Value> = flow
+        .iter()
+        .filter(|r| r["bridge"]["flooded"] == false)
+        .collect();
+    let copy: Vec<&&Value> = flow
+        .iter()
+        .filter(|r| r["bridge"]["flooded"] == true)
+        .collect();
+    assert_eq!((original.len(), copy.len()), (1, 1), "{all}");
+    let (original, copy) = (original[0], copy[0]);
+    assert_eq!(original["incomplete"], false, "{original:#}");
+    assert_eq!(original["route"], "bridged");
+    assert_eq!(bridge(original).1, POD2_PORT);
+    assert_eq!(copy["incomplete"], true, "{copy:#}");
+    assert!(
+        copy["incomplete_reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("a copy cni0 made flooding the frame to several ports"),
+        "{copy:#}"
+    );
+    assert_eq!(copy["route"], "bridged");
+    assert_eq!(hooks(copy), ["FORWARD", "POSTROUTING"], "{copy:#}");
+    assert_eq!(copy["fate"]["kind"], "forwarded", "{copy:#}");
+    // Each left by its own port, the two ports of the bridge, as TC egress saw them.
+    let mut outs = [bridge(original).2.to_string(), bridge(copy).2.to_string()];
+    outs.sort();
+    assert_eq!(outs, [POD_PORT, POD2_PORT], "{all}");
+    for r in [original, copy] {
+        assert_eq!(r["egress"]["iface"], bridge(r).2, "{r:#}");
+    }
+    // The copy's rules are named too (bridged, its out port known; only a rule matching
+    // `--physdev-in` would wait for its in port): every rule named equals the kernel's
+    // counters, every stage agrees. The nat table is counted once: the kernel consults it
+    // for whichever copy reaches POSTROUTING first, then the connection's source
+    // manipulation is set up (IPS_SRC_NAT_DONE) and the other copy walks no nat rule.
+    let d = diff(&kernel, &named(&reports, "ipv4"));
+    assert!(
+        d.is_empty(),
+        "rules named by tail differ from the kernel's counters:\n{}\n{all}",
+        d.join("\n")
+    );
+    let bad = not_agreeing(&reports);
+    assert!(bad.is_empty(), "stages not agreeing:\n{}", bad.join("\n"));
+    let s = stats(&stats_file);
+    let _ = std::fs::remove_file(&stats_file);
+    assert_accounted(&s);
+    assert_eq!(s["flooded_copies"], 1, "{s}");
+}
+
+/// The agent streams bridged reports with their bridge: in its default mode (nothing per
+/// packet until a client streams, then the tables bracketed) and in `--mode brackets`,
+/// with what the node's bridge-family chains did (simulated, confirmed by counters).
+#[test]
+fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
+    if !privileged("the_agent_streams_bridged_reports_with_their_bridge_in_both_modes") {
+        return;
+    }
+    let lab = Lab::up_with_args("bra", "bridge", &["--bridge-chains"]);
+    prime(&lab, "10.244.0.1:9");
+    for mode in [&[][..], &["--mode", "brackets"][..]] {
+        let agent = Agent::start_with(&lab, mode);
+        let sock = agent.socket.to_str().unwrap().to_string();
+        let tail = Client::start(&[
+            "tail",
+            "--agent",
+            &sock,
+            "--json",
+            "--filter",
+            "port 22 or udp port 9 or udp port 7002",
+            "--timeout",
+            "15",
+        ]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (status, body) = http_get(&lab, METRICS, "/metrics");
+            if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{mode:?}: the agent did not start tracing for its client: {body}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+        assert_eq!(tcp_client(&lab, "pod2", "10.244.0.5:22").unwrap(), b"ping");
+        echo.join().unwrap();
+        udp_send(&lab, "pod", "10.244.0.6:9");
+        // By now the agent has read the bridge family's counters (its first bridged
+        // report): the frame below is judged against a read before it.
+        std::thread::sleep(Duration::from_millis(500));
+        let l2_before = l2_counters(&lab);
+        let sink = udp_sink(&lab, "pod2", "10.244.0.6:7002");
+        udp_send(&lab, "pod", "10.244.0.6:7002");
+        sink.join().unwrap();
+        let (lines, err) = tail.finish(Duration::from_secs(40));
+        let reports: Vec<Value> = lines
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let all = summary(&reports);
+        let p2p = first(&reports, "10.244.0.6", "10.244.0.5:22");
+        assert_eq!(p2p["route"], "bridged", "{mode:?}: {p2p:#}");
+        assert_eq!(
+            bridge(p2p),
+            ("cni0", POD2_PORT, POD_PORT),
+            "{mode:?}: {p2p:#}"
+        );
+        assert_eq!(p2p["ingress"]["iface"], POD2_PORT);
+        assert_eq!(p2p["egress"]["iface"], POD_PORT);
+        assert_eq!(p2p["incomplete"], false, "{mode:?}: {p2p:#}\n{err}");
+        let dropped = first(&reports, "10.244.0.5", "10.244.0.6:9");
+        assert_eq!(dropped["fate"]["kind"], "dropped", "{mode:?}: {all}");
+        assert_eq!(
+            bridge(dropped),
+            ("cni0", POD_PORT, POD2_PORT),
+            "{mode:?}: {dropped:#}"
+        );
+        let l2_after = l2_counters(&lab);
+        assert_eq!(
+            l2_after.get(&4).copied().unwrap_or(0) - l2_before.get(&4).copied().unwrap_or(0),
+            1,
+            "the bridge forward chain counted the frame"
+        );
+        let counted = first(&reports, "10.244.0.5", "10.244.0.6:7002");
+        let n = notes(counted);
+        assert!(
+            n.iter()
+                .any(|l| l.contains("bridge obs-l2 forward handle 4 ")
+                    && l.ends_with("(confirmed: its counter advanced by 1 across the frame)")),
+            "{mode:?}: {n:#?}"
+        );
+        drop(agent);
+    }
+}
+
+/// Packet counters of the rules of the node's nft table `bridge obs-l2`, by handle.
+fn l2_counters(lab: &Lab) -> BTreeMap<u64, u64> {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "nft",
+        "-j",
+        "list",
+        "table",
+        "bridge",
+        "obs-l2",
+    ]);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nft -j");
+    let mut counts = BTreeMap::new();
+    for item in v["nftables"].as_array().into_iter().flatten() {
+        let r = &item["rule"];
+        let Some(handle) = r["handle"].as_u64() else {
+            continue;
+        };
+        for e in r["expr"].as_array().into_iter().flatten() {
+            if let Some(p) = e["counter"]["packets"].as_u64() {
+                counts.insert(handle, p);
+            }
+        }
+    }
+    counts
+}
+
+fn notes(r: &Value) -> Vec<&str> {
+    r["notes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect()
+}
+
+/// The nft `bridge` family's chains cannot be bracketed (no BPF netfilter link for
+/// NFPROTO_BRIDGE): tail says what they did, simulated on the live ruleset, each rule
+/// confirmed by its own counter, and never calls it observed.
+#[test]
+fn bridge_family_chains_are_simulated_and_confirmed_by_their_counters() {
+    if !privileged("bridge_family_chains_are_simulated_and_confirmed_by_their_counters") {
+        return;
+    }
+    let lab = Lab::up_with_args("brn", "bridge", &["--bridge-chains"]);
+    // The node learns pod2's MAC (its ARP request for the gateway) and the bridge learns
+    // where pod2 is: tail reads both at start, which places a frame the bridge chains drop.
+    udp_send(&lab, "pod2", "10.244.0.1:9");
+    udp_send(&lab, "pod", "10.244.0.1:9");
+    std::thread::sleep(Duration::from_millis(200));
+    let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
+    let tail = Tail::start_with(&lab, &["--stats", stats_file.to_str().unwrap()]);
+    let before = l2_counters(&lab);
+    let sink = udp_sink(&lab, "pod2", "10.244.0.6:7002");
+    udp_send(&lab, "pod", "10.244.0.6:7002");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    udp_send(&lab, "pod", "10.244.0.6:7003");
+    std::thread::sleep(Duration::from_millis(300));
+    // A ClusterIP DNATed to a pod on the same bridge: the bridge forward chain sees the
+    // pod's address (rule 6), on the first packet and on the later ones, whose DNAT is
+    // conntrack's stored translation.
+    let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+    assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
+    echo.join().unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let after = l2_counters(&lab);
+    let (reports, stderr) = tail.stop();
+    let all = summary(&reports);
+    let advanced =
+        |h: u64| after.get(&h).copied().unwrap_or(0) - before.get(&h).copied().unwrap_or(0);
+    // The kernel: the prerouting rule (3) and the forward count (4) saw the udp/7002
+    // frame, the forward drop (5) the udp/7003 one.
+    assert_eq!(
+        (advanced(3), advanced(4), advanced(5)),
+        (1, 1, 1),
+        "{before:?} {after:?}"
+    );
+
+    let counted = first(&reports, "10.244.0.5", "10.244.0.6:7002");
+    assert_eq!(counted["route"], "bridged", "{counted:#}");
+    let n = notes(counted);
+    assert!(
+        n.iter().any(|l| l.starts_with("bridge-family chain bridge obs-l2 prerouting (PREROUTING -300; simulated on the live ruleset, not observed")),
+        "{n:#?}\n{stderr}"
+    );
+    assert!(
+        n.iter().any(|l| l
+            .starts_with("bridge-family chain bridge obs-l2 forward (FORWARD -200; simulated")
+            && l.ends_with(": accept")),
+        "{n:#?}"
+    );
+    for handle in [3, 4] {
+        assert!(
+            n.iter().any(|l| l.contains("obs-l2 ")
+                && l.contains(&format!(" handle {handle} "))
+                && l.ends_with("(confirmed: its counter advanced by 1 across the frame)")),
+            "rule {handle} confirmed by its counter: {n:#?}"
+        );
+    }
+
+    // Dropped by the bridge forward chain before br_netfilter's IP FORWARD: the probes saw
+    // it die after PREROUTING; the simulation names the rule, its counter confirms it.
+    let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped:#}");
+    assert_eq!(dropped["fate"]["reason"], "NETFILTER_DROP", "{dropped:#}");
+    assert_eq!(hooks(dropped), ["PREROUTING"], "{dropped:#}");
+    let n = notes(dropped);
+    assert!(
+        n.iter().any(|l| l
+            .starts_with("bridge-family chain bridge obs-l2 forward (FORWARD -200; simulated")
+            && l.ends_with(": drop")),
+        "{n:#?}\n{all}"
+    );
+    assert!(
+        n.iter().any(|l| l.contains(" handle 5 ")
+            && l.contains("=> drop (confirmed: its counter advanced by 1 across the frame)")),
+        "{n:#?}"
+    );
+    assert!(
+        advanced(6) >= 3,
+        "the tcp flow's frames to the pod: {after:?}"
+    );
+    let to_svc: Vec<&Value> = reports
+        .iter()
+        .filter(|r| src(r).starts_with("10.244.0.6") && dst(r) == "10.96.0.2:22")
+        .collect();
+    assert!(to_svc.len() >= 3, "{all}");
+    for r in &to_svc {
+        let n = notes(r);
+        assert!(
+            n.iter()
+                .any(|l| l.contains(" handle 6 ip daddr 10.244.0.5 tcp dport 22 ")),
+            "the forward chain matched the DNATed address: {n:#?}"
+        );
+    }
+    let first_svc = first(&reports, "10.244.0.6", "10.96.0.2:22");
+    assert!(
+        notes(first_svc)
+            .iter()
+            .any(|l| l.contains(" handle 6 ") && l.contains("(confirmed: its counter advanced by")),
+        "{:#?}",
+        notes(first_svc)
+    );
+    // Nothing calls a bridge chain observed, and the counter values read with the
+    // ruleset are not shown as if current.
+    for r in &reports {
+        for l in notes(r) {
+            assert!(!l.replace("not observed", "").contains("observed"), "{l}");
+            assert!(!l.contains("counter packets"), "{l}");
+        }
+    }
     let s = stats(&stats_file);
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);

@@ -787,7 +787,13 @@ fn in_lab<T>(
     }
     need_root(task)?;
     let bin = observer_bin(true);
-    run(Command::new(&bin).args(["lab", "up", "--prefix", prefix, "--mode", mode]))?;
+    let mut up = Command::new(&bin);
+    up.args(["lab", "up", "--prefix", prefix, "--mode", mode]);
+    if mode == "bridge" && task == "demo" {
+        // The bridge demo shows the nft bridge-family chains too (simulated, confirmed).
+        up.arg("--bridge-chains");
+    }
+    run(&mut up)?;
     let result = job(&bin);
     run(Command::new(&bin).args(["lab", "down", "--prefix", prefix]))?;
     result

@@ -11,8 +11,8 @@
 
 use observer_common::counts::{IPS_DST_NAT, IPS_SRC_NAT};
 use observer_common::traversal::{
-    add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing, pass_unchanged,
-    reuse_headers,
+    add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing, note_port,
+    pass_unchanged, reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
 use observer_ebpf::inflight::{
@@ -156,7 +156,25 @@ fn glance_settles(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -
         return false;
     }
     let (dev_in, dev_out) = devices_of(state_p);
-    enter_unchanged(f.rec, &g, dev_in, dev_out, &w.pkt, program)
+    if !enter_unchanged(f.rec, &g, dev_in, dev_out, &w.pkt, program) {
+        return false;
+    }
+    if hook_no == hook::FORWARD {
+        note_port(f.rec, skb_dev(skb_p));
+    }
+    true
+}
+
+/// The ifindex of the device the skb is on (`skb->dev`; 0: none). At a bridged frame's
+/// FORWARD it is the port the bridge chose ([`note_port`]).
+#[inline(always)]
+fn skb_dev(skb_p: *const u8) -> u32 {
+    let dev = direct::<*const u8, { config::SKB_DEV }>(skb_p);
+    if dev.is_null() {
+        0
+    } else {
+        direct::<u32, { config::NETDEV_IFINDEX }>(dev)
+    }
 }
 
 /// Bytes from the network header that a hook's first point reads for the short way: an
@@ -313,6 +331,9 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
     }
     if rec.decision == decision::KEEP {
         add_reading(rec, ev, program);
+        if hook_no == hook::FORWARD {
+            note_port(rec, skb_dev(skb_p));
+        }
         // A fragment at the first PREROUTING probe is about to be held by defragmentation
         // (-400), to be freed on whatever CPU frees the datagram it completes.
         if program == 0 && hook_no == hook::PRE_ROUTING && ev.header.flags & flags::FRAGMENT != 0 {

@@ -80,12 +80,21 @@ impl Simulator<'_> {
         {
             return Tri::No;
         }
-        if let Some((name, neg)) = &p.physin
-            && iface_match(name, Some(&nb.physin)) == *neg
-        {
-            return Tri::No;
+        // A flooded copy's in port is not known: `--physdev-in` undecidable, unless the
+        // out port already fails the rule.
+        let mut physin_unknown = None;
+        if let Some((name, neg)) = &p.physin {
+            match &nb.physin {
+                Some(i) if iface_match(name, Some(i)) == *neg => return Tri::No,
+                Some(_) => {}
+                None => {
+                    physin_unknown = Some(Tri::Unknown(
+                        "physdev-in: the port a flooded copy came in by is not known".into(),
+                    ))
+                }
+            }
         }
-        match (&p.physout, outdev) {
+        let out = match (&p.physout, outdev) {
             (None, _) => Tri::Yes,
             (Some(_), Err(why)) => Tri::Unknown(why.clone()),
             (Some(_), Ok(None)) => Tri::No,
@@ -96,6 +105,11 @@ impl Simulator<'_> {
                     Tri::No
                 }
             }
+        };
+        match (out, physin_unknown) {
+            (Tri::No, _) => Tri::No,
+            (_, Some(unknown)) => unknown,
+            (out, None) => out,
         }
     }
 
@@ -293,7 +307,7 @@ impl Simulator<'_> {
         let orig_dst = pkt.dst;
         if calls {
             pkt.nf_bridge = Some(NfBridge {
-                physin: port.to_string(),
+                physin: Some(port.to_string()),
                 physout: PhysOut::None,
             });
             // setup_pre_routing: the bridge is the input device of the IP hooks.
@@ -456,6 +470,10 @@ impl Simulator<'_> {
             }
         }
         let out_port = out_name.as_deref();
+        if let PhysOut::Unknown(why) = &out {
+            pkt.out_port_unknown =
+                Some(format!("the bridge port it leaves by is not known ({why})"));
+        }
         b.bridge = Some((bridge.to_string(), Some(port.to_string()), out_name.clone()));
         // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
         // -1 on older ones; at equal priority a chain is taken as registered after the

@@ -426,6 +426,12 @@ impl Simulator<'_> {
                 MetaKey::NfProto => n(if pkt.v6 { 10 } else { 2 }),
                 MetaKey::Protocol => n(if pkt.v6 { 0x86dd } else { 0x0800 }),
                 MetaKey::IifName => Ev::Val(Atom::S(in_if(hook, pkt).unwrap_or("").to_string())),
+                MetaKey::OifName if pkt.bridge_family.is_some() && out_if(hook, pkt).is_none() => {
+                    match &pkt.out_port_unknown {
+                        Some(why) => Ev::Unknown(format!("oifname: {why}")),
+                        None => Ev::Val(Atom::S(String::new())),
+                    }
+                }
                 MetaKey::OifName => Ev::Val(Atom::S(out_if(hook, pkt).unwrap_or("").to_string())),
                 // nft_meta_bridge: the bridge of the port, "" without one.
                 MetaKey::IbrName | MetaKey::ObrName if t.family == "bridge" => {

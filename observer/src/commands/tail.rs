@@ -74,6 +74,9 @@ pub struct Summary {
     pub lost: u64,
     /// Of `printed`, those flagged incomplete.
     pub incomplete: u64,
+    /// Of `incomplete`, copies a bridge made of a frame it flooded to several ports: each
+    /// reported from the bridge's FORWARD with the port it left by.
+    pub flooded_copies: u64,
     /// Packets left out by `--filter`.
     pub filtered: u64,
     /// Packets left out by `--sample`.
@@ -137,6 +140,14 @@ impl std::fmt::Display for Summary {
                 self.rules_disagree, self.rules_undecidable
             )?;
         }
+        if self.flooded_copies > 0 {
+            write!(
+                f,
+                "; {} of the incomplete are copies of flooded frames (reported from the \
+                 bridge's FORWARD, with the port each left by)",
+                self.flooded_copies
+            )?;
+        }
         if let Some(r) = &self.record {
             write!(f, "; {} records recorded", r.records)?;
             if r.failed > 0 {
@@ -186,6 +197,15 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     let live = read_live();
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
+    // Read now, where the node has bridge tables: its first counter read is the "before"
+    // of the first bridged frames.
+    let bridge_chains = (opts.rules
+        && live
+            .ruleset
+            .nft
+            .as_ref()
+            .is_some_and(|n| n.tables.iter().any(|t| t.family == "bridge")))
+    .then(|| crate::kernel::bridgechains::BridgeChains::from_live(&live));
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let recorder = match &opts.record {
         Some(path) => Some(Recorder::create(
@@ -237,6 +257,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         recorder,
         pcap,
         out: Writer::new(raw_stdout()?),
+        bridge_chains,
         formatted: 0,
         summary: Summary::default(),
     };
@@ -321,6 +342,9 @@ struct Printer<'a> {
     recorder: Option<Recorder>,
     pcap: Option<Pcap>,
     out: Writer,
+    /// Bridged reports' notes on the nft bridge family's chains (simulated, confirmed by
+    /// counters): made on the first bridged report.
+    bridge_chains: Option<crate::kernel::bridgechains::BridgeChains>,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
     summary: Summary,
@@ -329,6 +353,24 @@ struct Printer<'a> {
 impl Printer<'_> {
     fn count_reached(&self) -> bool {
         self.opts.count.is_some_and(|n| self.formatted >= n)
+    }
+
+    /// Notes on what the node's bridge-family chains did to a bridged frame (simulated on
+    /// the live ruleset, each rule confirmed by its counter), `None` for other reports.
+    fn bridge_chain_notes(
+        &mut self,
+        raw: &[u8],
+        report: &crate::pipeline::Report,
+    ) -> Option<Vec<String>> {
+        let t = report.traversal();
+        t.bridge.as_ref()?;
+        if !self.opts.rules {
+            return None;
+        }
+        let rec = crate::pipeline::decode::decode(raw).ok()?;
+        self.bridge_chains
+            .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
+            .annotate(t, (rec.ts_first, rec.ts_last))
     }
 
     /// The pipeline's sinks besides stdout, and the pipeline.
@@ -384,15 +426,31 @@ impl Consumer for Printer<'_> {
             .unwrap_or_else(|e| Outcome::Unusable(e.to_string()));
         match outcome {
             Outcome::Report {
+                report,
                 bytes,
                 incomplete,
                 rules_disagree,
                 rules_undecidable,
                 ..
             } => {
+                let bytes = match self.bridge_chain_notes(raw, &report) {
+                    Some(notes) => {
+                        let mut t = (**report.traversal()).clone();
+                        t.notes.extend(notes);
+                        crate::pipeline::Report::new(t).render(self.pipeline.ctx.output)
+                    }
+                    None => bytes,
+                };
                 self.out.put(bytes);
                 self.formatted += 1;
                 self.summary.incomplete += u64::from(incomplete);
+                self.summary.flooded_copies += u64::from(
+                    report
+                        .traversal()
+                        .bridge
+                        .as_ref()
+                        .is_some_and(|b| b.flooded),
+                );
                 self.summary.rules_disagree += u64::from(rules_disagree);
                 self.summary.rules_undecidable += u64::from(rules_undecidable);
             }

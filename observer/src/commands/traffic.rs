@@ -160,6 +160,26 @@ pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
     done.push(format!(
         "pod -> pod2 {denied} udp (the network policy drops it in FORWARD)"
     ));
+
+    // With `--bridge-chains`: frames the nft bridge-family table counts and drops.
+    let table: Vec<&str> = b::BRIDGE_TABLE.split(' ').collect();
+    if lab
+        .exec("node", &[&["nft", "list", "table"][..], &table].concat())
+        .is_ok()
+    {
+        let counted: SocketAddr = format!("{}:{}", b::POD2_IP, b::L2_COUNTED_PORT).parse()?;
+        udp_send(&lab.ns("pod"), counted, b"counted")?;
+        done.push(format!(
+            "pod -> pod2 {counted} udp (counted by `{}`'s prerouting and forward chains)",
+            b::BRIDGE_TABLE
+        ));
+        let l2_denied: SocketAddr = format!("{}:{}", b::POD2_IP, b::L2_DENIED_PORT).parse()?;
+        udp_send(&lab.ns("pod"), l2_denied, b"l2 denied")?;
+        done.push(format!(
+            "pod -> pod2 {l2_denied} udp (dropped by `{}`'s forward chain, before IP FORWARD)",
+            b::BRIDGE_TABLE
+        ));
+    }
     Ok(done)
 }
 

@@ -2,6 +2,7 @@
 //! (Aya for TC, observer's own loader for netfilter programs), keeping them attached while
 //! rules and interfaces change, and the kernel's symbols and namespaces.
 
+pub mod bridgechains;
 pub mod btf;
 pub mod kallsyms;
 pub mod netns;

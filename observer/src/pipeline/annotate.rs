@@ -91,23 +91,43 @@ pub fn bridge_ports(t: &Traversal) -> Option<BridgePorts> {
         _ => None,
     };
     let (pin, pout) = (port(tc_in, nf_in), port(tc_out, nf_out));
-    let bridge = pin.or(pout)?.1;
+    // FORWARD with one device as both: a bridge forwarding a frame from port to port, whose
+    // out port the probes read there (`skb->dev`, br_netfilter's `physoutdev`), before the
+    // frame leaves or a rule drops it.
+    let forwarding_bridge = nf()
+        .find(|r| {
+            matches!(r.point, Point::Netfilter(NfHook::Forward, _))
+                && r.ifindex_in != 0
+                && r.ifindex_in == r.ifindex_out
+        })
+        .map(|r| r.ifindex_in);
+    let fport = t.forward_port.zip(forwarding_bridge);
+    let bridge = pin.or(pout).or(fport)?.1;
     let (physdev_in, physdev_out) = (
         pin.filter(|p| p.1 == bridge).map(|p| p.0),
-        pout.filter(|p| p.1 == bridge).map(|p| p.0),
+        pout.or(fport).filter(|p| p.1 == bridge).map(|p| p.0),
     );
-    let bridged = physdev_in.is_some()
-        && nf().any(|r| {
-            matches!(r.point, Point::Netfilter(NfHook::Forward, _))
-                && r.ifindex_in == bridge
-                && r.ifindex_out == bridge
-        });
+    let bridged = (physdev_in.is_some() || fport.is_some()) && forwarding_bridge == Some(bridge);
     Some(BridgePorts {
         bridge,
         physdev_in,
         physdev_out,
         bridged,
     })
+}
+
+/// Whether `t` is a copy the bridge made of a frame it flooded to several ports (unknown
+/// destination, broadcast, multicast: `br_flood` clones the skb for every port but the
+/// last): first seen at the bridge's FORWARD (its start, TC ingress and PREROUTING, was the
+/// original skb's), bridged there to the port read at FORWARD.
+pub fn flooded_copy(t: &Traversal, p: &BridgePorts) -> bool {
+    p.bridged
+        && p.physdev_in.is_none()
+        && t.forward_port.is_some()
+        && t.missing & observer_common::traversal::missing::START != 0
+        && t.records
+            .first()
+            .is_some_and(|r| matches!(r.point, Point::Netfilter(NfHook::Forward, _)))
 }
 
 /// Whether the packet entered where no bridge port was involved: at TC ingress of the device
@@ -400,6 +420,7 @@ mod tests {
             closed: Closed::Egress,
             drop: None,
             missing: 0,
+            forward_port: None,
         }
     }
 
@@ -469,5 +490,47 @@ mod tests {
         ]);
         assert_eq!(bridge_ports(&plain), None);
         assert!(entered_without_port(&plain));
+    }
+
+    #[test]
+    fn the_out_port_read_at_forward_names_where_a_dropped_or_flooded_frame_went() {
+        // Dropped by a FORWARD rule: no TC egress, the port read at FORWARD.
+        let mut dropped = traversal(vec![
+            at(Point::TcIngress, PORT1, 0),
+            nf(NfHook::PreRouting, BR, 0),
+            nf(NfHook::Forward, BR, BR),
+        ]);
+        dropped.closed = Closed::Dropped;
+        assert_eq!(
+            bridge_ports(&dropped).map(|p| (p.physdev_out, p.bridged)),
+            Some((None, true)),
+            "without the port, only that it was bridged"
+        );
+        dropped.forward_port = Some(PORT2);
+        let p = bridge_ports(&dropped).unwrap();
+        assert_eq!(
+            (p.bridge, p.physdev_in, p.physdev_out, p.bridged),
+            (BR, Some(PORT1), Some(PORT2), true)
+        );
+        // A copy the bridge flooded: first seen at FORWARD, its out port known there.
+        let mut clone = traversal(vec![
+            nf(NfHook::Forward, BR, BR),
+            nf(NfHook::PostRouting, 0, BR),
+            at(Point::TcEgress, 0, PORT2),
+        ]);
+        clone.forward_port = Some(PORT2);
+        let p = bridge_ports(&clone).unwrap();
+        assert_eq!(
+            (p.bridge, p.physdev_in, p.physdev_out, p.bridged),
+            (BR, None, Some(PORT2), true)
+        );
+        // Routed: skb->dev at FORWARD is the input device, never noted as a port.
+        let routed = traversal(vec![
+            at(Point::TcIngress, ETH2, 0),
+            nf(NfHook::PreRouting, ETH2, 0),
+            nf(NfHook::Forward, ETH2, ETH2),
+            at(Point::TcEgress, 0, ETH2),
+        ]);
+        assert_eq!(bridge_ports(&routed), None);
     }
 }

@@ -83,6 +83,10 @@ pub struct Traversal {
     pub drop: Option<Drop>,
     /// Bits of [`observer_common::traversal::missing`]: what the record could not hold.
     pub missing: u8,
+    /// The device the skb was on at FORWARD where it was neither of the hook's devices: a
+    /// bridged frame's out port (br_netfilter's `physoutdev`), known even when a FORWARD
+    /// rule drops it ([`observer_common::traversal::Visit::port`]).
+    pub forward_port: Option<u32>,
 }
 
 /// Probe plans by (family, hook), for one plan generation: an array, since every record's
@@ -345,6 +349,10 @@ pub fn assemble(
         closed,
         drop,
         missing: rec.incomplete,
+        forward_port: visits
+            .iter()
+            .filter(|v| v.hook == hook::FORWARD)
+            .find_map(observer_common::traversal::Visit::port),
     })
 }
 

@@ -71,6 +71,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         }
     }
     let ports = annotate::bridge_ports(t);
+    let flooded = ports.is_some_and(|p| annotate::flooded_copy(t, &p));
     let entered = annotate::entered_without_port(t);
     let mut snapshots = Snapshots::new(t, ctx.snapshots);
     // A fragment merged by defragmentation never reached a table: no stages, no drop.
@@ -137,7 +138,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                         after,
                         stage,
                         first_ct,
-                        ports: stage_ports(ports, entered, *hook),
+                        ports: stage_ports(ports, entered, flooded, *hook),
                     },
                     ifname,
                 );
@@ -174,9 +175,22 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
         name: ifname(p.bridge),
         physdev_in: p.physdev_in.map(ifname),
         physdev_out: p.physdev_out.map(ifname),
+        flooded,
     });
     let fate = annotate::fate(t, end_point(t, family, ctx.plans), route, &ctx.names);
     let mut reasons: Vec<&str> = missing_text(t.missing);
+    let flood_reason;
+    if let Some(p) = ports.filter(|_| flooded) {
+        // Not "first seen after its start": where its start is, and which port it took.
+        flood_reason = format!(
+            "a copy {} made flooding the frame to several ports (unknown destination, \
+             broadcast or multicast), first seen at its FORWARD: where the frame entered is \
+             the original's report",
+            ifname(p.bridge)
+        );
+        reasons.retain(|r| *r != missing_text(observer_common::traversal::missing::START)[0]);
+        reasons.insert(0, &flood_reason);
+    }
     if fate.kind == FateKind::Incomplete {
         reasons.insert(0, fate.reason.as_deref().unwrap_or("end not seen"));
     }
@@ -256,7 +270,8 @@ fn bridge_notes(
         .position(|r| matches!(r.point, Point::Netfilter(NfHook::Forward, _)));
     match (through_bridge_xmit, forward) {
         (Some(x), Some(f)) if x < f => vec![format!(
-            "sent through {}'s own transmit while the node resolved the neighbour of its new              destination (DNAT to the same bridge), then bridged{}",
+            "sent through {}'s own transmit while the node resolved the neighbour of its new \
+             destination (DNAT to the same bridge), then bridged{}",
             ifname(p.bridge),
             p.physdev_out
                 .map(|o| format!(" to {}", ifname(o)))
@@ -272,18 +287,11 @@ fn bridge_notes(
 fn stage_ports(
     ports: Option<annotate::BridgePorts>,
     entered_without_port: bool,
+    flooded: bool,
     hook: NfHook,
 ) -> crate::pipeline::rulenames::StagePorts {
     use crate::pipeline::rulenames::{StageOut, StagePorts};
     let Some(p) = ports else {
-        return if entered_without_port {
-            StagePorts::NoBridge
-        } else {
-            StagePorts::Unknown
-        };
-    };
-    let Some(physin) = p.physdev_in else {
-        // Sent by the node to a port: br_netfilter keeps no record of it.
         return if entered_without_port {
             StagePorts::NoBridge
         } else {
@@ -295,6 +303,17 @@ fn stage_ports(
             p.physdev_out.map_or(StageOut::Unseen, StageOut::Port)
         }
         _ => StageOut::None,
+    };
+    let Some(physin) = p.physdev_in else {
+        // A flooded copy: bridged, its in port unknown. Sent by the node to a port:
+        // br_netfilter keeps no record of it.
+        return if flooded {
+            StagePorts::FloodedCopy { physout }
+        } else if entered_without_port {
+            StagePorts::NoBridge
+        } else {
+            StagePorts::Unknown
+        };
     };
     StagePorts::Port { physin, physout }
 }

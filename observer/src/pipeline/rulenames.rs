@@ -30,6 +30,21 @@ use observer_model::Hook as NfHook;
 const IPS_SRC_NAT: u64 = 1 << 4;
 const IPS_DST_NAT: u64 = 1 << 5;
 const IPS_CONFIRMED: u64 = 1 << 3;
+/// `IPS_SRC_NAT_DONE`, `IPS_DST_NAT_DONE`: the nat core has set up that manipulation for the
+/// connection (`nf_nat_initialized`) and consults no nat rule for it again.
+const IPS_SRC_NAT_DONE: u64 = 1 << 7;
+const IPS_DST_NAT_DONE: u64 = 1 << 8;
+
+/// Whether the iptables nat table of `hook` is no longer consulted for a connection whose
+/// status is `status`: its manipulation was set up already, by an earlier packet of the
+/// connection (two copies of one new frame, or packets racing before it is confirmed).
+fn nat_initialized(hook: NfHook, status: u64) -> bool {
+    match hook {
+        NfHook::PreRouting | NfHook::LocalOut => status & IPS_DST_NAT_DONE != 0,
+        NfHook::LocalIn | NfHook::PostRouting => status & IPS_SRC_NAT_DONE != 0,
+        NfHook::Forward => false,
+    }
+}
 
 /// Entries in each of the cache's two generations (about 200 bytes each; the rules
 /// themselves are shared between entries that name the same ones).
@@ -82,6 +97,9 @@ pub enum StagePorts {
     NoBridge,
     /// It entered through port `physin`; `physout` as br_netfilter has it at this stage.
     Port { physin: u32, physout: StageOut },
+    /// A copy the bridge made flooding a frame (first seen at its FORWARD): bridged, the
+    /// port it came in by not known.
+    FloodedCopy { physout: StageOut },
 }
 
 /// [`StagePorts::Port`]'s out port at a stage.
@@ -109,23 +127,34 @@ impl StagePorts {
                 };
                 2 << 62 | tag << 60 | (u64::from(physin) & M) << 30 | (out & M)
             }
+            StagePorts::FloodedCopy { physout } => {
+                let (tag, out) = match physout {
+                    StageOut::None => (0, 0),
+                    StageOut::Port(o) => (1, u64::from(o)),
+                    StageOut::Unseen => (2, 0),
+                };
+                3 << 62 | tag << 60 | (out & M)
+            }
         }
     }
 
     fn seen(self, ifname: &dyn Fn(u32) -> String) -> SeenPorts {
+        let out = |physout| match physout {
+            StageOut::None => PhysOut::None,
+            StageOut::Port(o) => PhysOut::Port(ifname(o)),
+            StageOut::Unseen => PhysOut::Unknown(
+                "physdev: the bridge port it was to leave by was not seen (it ended before)".into(),
+            ),
+        };
         match self {
             StagePorts::Unknown => SeenPorts::Unknown,
             StagePorts::NoBridge => SeenPorts::NoBridge,
             StagePorts::Port { physin, physout } => SeenPorts::Port {
                 physin: ifname(physin),
-                physout: match physout {
-                    StageOut::None => PhysOut::None,
-                    StageOut::Port(o) => PhysOut::Port(ifname(o)),
-                    StageOut::Unseen => PhysOut::Unknown(
-                        "physdev: the bridge port it was to leave by was not seen (it ended before)"
-                            .into(),
-                    ),
-                },
+                physout: out(physout),
+            },
+            StagePorts::FloodedCopy { physout } => SeenPorts::FloodedCopy {
+                physout: out(physout),
             },
         }
     }
@@ -162,7 +191,8 @@ fn key(
         (
             c.info,
             c.mark,
-            c.status & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED),
+            c.status
+                & (IPS_SRC_NAT | IPS_DST_NAT | IPS_CONFIRMED | IPS_SRC_NAT_DONE | IPS_DST_NAT_DONE),
         )
     });
     Words::new([
@@ -301,8 +331,17 @@ impl RuleNamer {
             in_iface: iface(b.ifindex_in),
             out_iface: iface(b.ifindex_out),
             mark: b.mark,
-            // No entry at all (conntrack not loaded, or before it): a new packet.
-            ct_state: ct.map_or(CtState::New, |c| c.state()),
+            // No entry at all (conntrack not loaded, or before it): a new packet. A new
+            // connection whose manipulation at this hook was set up already walks no nat
+            // rule (the window of an iptables nat stage holds that table alone): as for a
+            // later packet, conntrack applies what is stored.
+            ct_state: match ct {
+                None => CtState::New,
+                Some(c) if &*s.stage.table == "nat" && nat_initialized(s.hook, c.status) => {
+                    CtState::Established
+                }
+                Some(c) => c.state(),
+            },
             ct_mark: Some(ct.map_or(0, |c| c.mark)),
             dnat_done: ct.is_some_and(|c| c.status & IPS_DST_NAT != 0),
             snat_done: ct.is_some_and(|c| c.status & IPS_SRC_NAT != 0),

@@ -357,6 +357,9 @@ struct Agent {
     release_pending: bool,
     /// Tier 2: the brackets armed for a bounded time (super::tier2).
     tier2: tier2::Tier2,
+    /// Bridged reports' notes on the nft bridge family's chains (simulated, confirmed by
+    /// counters; `kernel::bridgechains`): made on the first bridged report.
+    bridge_chains: Option<crate::kernel::bridgechains::BridgeChains>,
 }
 
 impl Agent {
@@ -371,6 +374,7 @@ impl Agent {
             hub: &self.hub,
             tier2: &mut self.tier2,
             tuple: self.pipeline.ctx.tuple,
+            bridge_chains: &mut self.bridge_chains,
         };
         let sinks: [&mut dyn Sink; 2] = [&mut metrics, &mut hub];
         // Neither sink fails: what a subscriber cannot take is skipped and counted there.
@@ -465,6 +469,8 @@ struct HubSink<'a> {
     hub: &'a Hub,
     tier2: &'a mut tier2::Tier2,
     tuple: crate::kernel::btf::TupleLayout,
+    /// Bridged reports' notes on the node's bridge-family chains (made on the first).
+    bridge_chains: &'a mut Option<crate::kernel::bridgechains::BridgeChains>,
 }
 
 impl Sink for HubSink<'_> {
@@ -474,12 +480,35 @@ impl Sink for HubSink<'_> {
         else {
             return Ok(());
         };
+        // What the node's bridge-family chains did to a bridged frame (simulated, confirmed
+        // by counters), as tail says it: the report with those notes, made apart from the
+        // cached one.
+        let annotated = report.traversal().bridge.as_ref().and_then(|_| {
+            self.bridge_chains
+                .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
+                .annotate(report.traversal(), (rec.ts_first, rec.ts_last))
+                .map(|notes| {
+                    let mut t = (**report.traversal()).clone();
+                    t.notes.extend(notes);
+                    crate::pipeline::Report::new(t)
+                })
+        });
+        let (report, json) = match &annotated {
+            Some(r) => (r, r.render(Output::Json)),
+            None => (report, json.clone()),
+        };
         let dropped = report.traversal().fate.kind == observer_model::FateKind::Dropped;
         let (tree, line) = self.hub.wanted(rec);
+        // Renderings of the cached report are counted in the cache's bound; an annotated
+        // one is not kept there.
+        let render = |o| match annotated {
+            Some(_) => report.render(o),
+            None => h.render(report, o),
+        };
         let rendered = Rendered {
-            json: json.clone(),
-            tree: (tree || dropped).then(|| h.render(report, Output::Tree)),
-            line: (line || dropped).then(|| h.render(report, Output::Line)),
+            json,
+            tree: (tree || dropped).then(|| render(Output::Tree)),
+            line: (line || dropped).then(|| render(Output::Line)),
         };
         self.hub.dispatch(rec, &rendered);
         // Armed: the arm's flows go to the flight recorder whole, dropped or not.
@@ -725,6 +754,7 @@ async fn event_loop(
         tier1,
         release_pending: false,
         tier2,
+        bridge_chains: None,
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);

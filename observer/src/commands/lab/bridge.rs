@@ -46,6 +46,45 @@ pub const REGISTRY_IP6: &str = "fd00:96::2";
 /// The network policy's port: udp to this port leaving through POD2_PORT is dropped in FORWARD.
 pub const DENIED_PORT: u16 = 9;
 
+/// The nft `bridge`-family table `observer lab up --mode bridge --bridge-chains` adds: a
+/// forward chain before br_netfilter's IP hooks would run (priority -200) that counts the
+/// bridged udp frames to [`L2_COUNTED_PORT`] and drops those to [`L2_DENIED_PORT`] leaving by
+/// pod2's port, and counts tcp to the pod's port 22 (a ClusterIP's frames after their DNAT),
+/// and a prerouting chain counting frames from the pod's port. BPF netfilter
+/// links cannot attach to the bridge family: tail simulates these chains and confirms each
+/// rule by its counter.
+pub const BRIDGE_TABLE: &str = "bridge obs-l2";
+pub const L2_COUNTED_PORT: u16 = 7002;
+pub const L2_DENIED_PORT: u16 = 7003;
+
+pub fn bridge_chains_ruleset() -> String {
+    format!(
+        "table {BRIDGE_TABLE} {{\n\
+         \tchain prerouting {{\n\
+         \t\ttype filter hook prerouting priority -300; policy accept;\n\
+         \t\tiifname \"{POD_PORT}\" udp dport {L2_COUNTED_PORT} counter comment \"frames from the pod\"\n\
+         \t}}\n\
+         \tchain forward {{\n\
+         \t\ttype filter hook forward priority -200; policy accept;\n\
+         \t\tudp dport {L2_COUNTED_PORT} counter comment \"bridged udp/{L2_COUNTED_PORT}\"\n\
+         \t\toifname \"{POD2_PORT}\" udp dport {L2_DENIED_PORT} counter drop comment \"l2 policy: deny udp/{L2_DENIED_PORT} to pod2\"\n\
+         \t\tip daddr {POD_IP} tcp dport 22 counter comment \"to the registry's endpoint (after the ClusterIP's DNAT)\"\n\
+         \t}}\n\
+         }}\n"
+    )
+}
+
+/// Adds [`bridge_chains_ruleset`] to the bridge lab's node.
+pub fn add_bridge_chains(lab: &Lab) -> Result<()> {
+    pipe(
+        &["ip", "netns", "exec", &lab.node(), "nft", "-f", "-"],
+        &bridge_chains_ruleset(),
+    )
+    .context(
+        "loading the bridge lab's nft bridge-family table (is the `nftables` package installed?)",
+    )
+}
+
 /// Builds the bridge node on the namespaces `Lab::up` created.
 pub(super) fn up(lab: &Lab) -> Result<()> {
     let (client, node, pod, pod2, ext, node2) = (
