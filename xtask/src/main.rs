@@ -1646,6 +1646,26 @@ fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool, no_build: bool)
         .map(|(w, l)| format!("{} {}", l.short(), spread(&noise[w])))
         .collect();
     println!("  {:<42} {}", "noise (baselines)", noise_cells.join("  "));
+    // Tier 2's duty cycle: armed for ON of every PERIOD, the agent costs what --mode
+    // brackets costs while armed and what the default mode costs otherwise.
+    let brackets = PHASES.len() - 1;
+    if sel.contains(&AGENT_DEFAULT) && sel.contains(&brackets) {
+        let (on, period) = (2.0, 60.0);
+        let cells: Vec<String> = WORKLOADS
+            .iter()
+            .enumerate()
+            .map(|(w, l)| {
+                let d = median(&mut ratio[AGENT_DEFAULT][w].clone());
+                let b = median(&mut ratio[brackets][w].clone());
+                format!("{} {:.3}", l.short(), (on * b + (period - on) * d) / period)
+            })
+            .collect();
+        println!(
+            "\nThe agent's default mode with `--window 2s/60s` (brackets armed 2 s of every 60, \
+             the rest as the default mode), its average ratio from the two phases above: {}",
+            cells.join("  ")
+        );
+    }
     if !agent_only {
         println!(
             "\nseen/printed/lost: packets, summed over the rounds, from tail's --stats (the floor \
