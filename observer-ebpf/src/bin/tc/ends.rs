@@ -52,6 +52,12 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
             return 0;
         }
     }
+    // Counting only (the agent's default mode while nobody streams): no traversal is
+    // followed, so a drop elsewhere (another namespace's socket under a flood) ends here,
+    // without the slot scan and the fallback map's lookup below.
+    if counts::count_only() {
+        return 0;
+    }
     let left_out = if let Some(lo) = find_left_out(skb) {
         lo.end();
         true
