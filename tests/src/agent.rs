@@ -246,21 +246,36 @@ impl Client {
     }
 }
 
-/// `GET path` on the agent's unix socket: the body.
-pub fn unix_get(socket: &std::path::Path, path: &str) -> String {
+/// One request on the agent's unix socket, raw: (status, body), read within 10 s.
+pub fn unix_request(socket: &std::path::Path, method: &str, target: &str) -> (u16, String) {
     let mut s = std::os::unix::net::UnixStream::connect(socket)
         .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let length = if method == "POST" {
+        "Content-Length: 0\r\n"
+    } else {
+        ""
+    };
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+        "{method} {target} HTTP/1.1\r\nHost: agent\r\n{length}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).unwrap();
+    let _ = s.read_to_end(&mut buf);
     let text = String::from_utf8_lossy(&buf).into_owned();
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    text.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// `GET path` on the agent's unix socket: the body (the answer must be 200).
+pub fn unix_get(socket: &std::path::Path, path: &str) -> String {
+    let (status, body) = unix_request(socket, "GET", path);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
 }

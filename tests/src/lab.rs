@@ -387,3 +387,22 @@ pub fn udp_sink(lab: &Lab, role: &str, addr: &'static str) -> std::thread::JoinH
         let _ = s.recv(&mut buf);
     })
 }
+
+/// Drops UDP to the pod's `port` in the lab node's FORWARD chain (inserted first).
+pub fn drop_udp_port(lab: &Lab, port: u16) {
+    crate::run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "iptables",
+        "-I",
+        "FORWARD",
+        "-p",
+        "udp",
+        "--dport",
+        &port.to_string(),
+        "-j",
+        "DROP",
+    ]);
+}

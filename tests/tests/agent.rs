@@ -8,29 +8,11 @@ use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
     Agent, Client, METRICS, encode, http_get, http_get_accept, sample, try_http_get, unix_get,
+    unix_request,
 };
-use observer_tests::lab::Lab;
+use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{privileged, run};
 use serde_json::Value;
-
-/// Drops UDP to 172.17.0.5:`port` in the node's FORWARD/filter (as flows.rs does).
-fn drop_udp_port(lab: &Lab, port: u16) {
-    run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "iptables",
-        "-I",
-        "FORWARD",
-        "-p",
-        "udp",
-        "--dport",
-        &port.to_string(),
-        "-j",
-        "DROP",
-    ]);
-}
 
 /// Sends `n` datagrams from the lab's client to the pod's `port`.
 fn send_udp(lab: &Lab, port: u16, n: usize) {
@@ -675,28 +657,6 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
     assert!(status.success());
 }
 
-/// One request on the streaming socket, raw: (status, body), read within 10 s.
-fn unix_request(socket: &std::path::Path, target: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {target} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf);
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
 #[test]
 fn a_deep_filter_is_refused_and_the_agent_still_serves() {
     if !privileged("a_deep_filter_is_refused_and_the_agent_still_serves") {
@@ -709,7 +669,7 @@ fn a_deep_filter_is_refused_and_the_agent_still_serves() {
     // as deep and overflowed the request handler's stack, killing the agent.
     let n = 30_000;
     let deep = format!("{}udp{}", "(".repeat(n), ")".repeat(n));
-    let (status, body) = unix_request(&agent.socket, &format!("/v1/traces?filter={deep}"));
+    let (status, body) = unix_request(&agent.socket, "GET", &format!("/v1/traces?filter={deep}"));
     assert_eq!(status, 400, "{}", &body[..body.len().min(300)]);
     assert!(
         body.contains("filter too deep"),
@@ -720,7 +680,7 @@ fn a_deep_filter_is_refused_and_the_agent_still_serves() {
         "/v1/traces?filter={}",
         encode(&format!("{}udp", "not ".repeat(n / 3)))
     );
-    let (status, _) = unix_request(&agent.socket, &nots);
+    let (status, _) = unix_request(&agent.socket, "GET", &nots);
     assert_eq!(status, 400);
     assert!(
         agent.child.as_mut().unwrap().try_wait().unwrap().is_none(),

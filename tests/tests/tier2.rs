@@ -4,12 +4,11 @@
 //! counted from the agent's fds (`link_type: netfilter` in fdinfo) and checked against the
 //! kernel's own list (`bpftool link show`).
 
-use std::io::{Read, Write};
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{Agent, Client, METRICS, http_get, sample, unix_get};
-use observer_tests::lab::Lab;
+use observer_tests::agent::{Agent, Client, METRICS, http_get, sample, unix_get, unix_request};
+use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
@@ -61,48 +60,8 @@ fn kernel_links() -> Vec<u64> {
         .unwrap_or_default()
 }
 
-/// `POST target` on the agent's unix socket: (status, body).
-fn unix_post(socket: &std::path::Path, target: &str) -> (u16, String) {
-    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "POST {target} HTTP/1.1\r\nHost: agent\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = Vec::new();
-    let _ = s.read_to_end(&mut buf);
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
 fn arm_status(agent: &Agent) -> Value {
     serde_json::from_str(&unix_get(&agent.socket, "/v1/arm")).unwrap()
-}
-
-/// Drops UDP to 172.17.0.5:`port` in the node's FORWARD chain.
-fn drop_udp_port(lab: &Lab, port: u16) {
-    run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "iptables",
-        "-I",
-        "FORWARD",
-        "-p",
-        "udp",
-        "--dport",
-        &port.to_string(),
-        "-j",
-        "DROP",
-    ]);
 }
 
 /// `n` datagrams from the lab's client to the pod's `port`, `gap` apart.
@@ -162,14 +121,18 @@ fn an_api_arm_attaches_the_brackets_and_the_kernel_sees_them_go_when_it_ends() {
     );
     assert_eq!(arm_status(&agent)["armed"], false);
     // Bad requests say why and arm nothing.
-    assert_eq!(unix_post(&agent.socket, "/v1/arm?seconds=0").0, 400);
     assert_eq!(
-        unix_post(&agent.socket, "/v1/arm?seconds=5&filter=udp%20port").0,
+        unix_request(&agent.socket, "POST", "/v1/arm?seconds=0").0,
+        400
+    );
+    assert_eq!(
+        unix_request(&agent.socket, "POST", "/v1/arm?seconds=5&filter=udp%20port").0,
         400
     );
     const ARM: u64 = 10;
-    let (status, body) = unix_post(
+    let (status, body) = unix_request(
         &agent.socket,
+        "POST",
         &format!("/v1/arm?seconds={ARM}&filter=udp%20dst%20port%207301"),
     );
     assert_eq!(status, 202, "{body}");
