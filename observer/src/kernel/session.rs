@@ -196,6 +196,10 @@ impl Session {
         let mut ruleset = RulesetReader::default();
         let batch = self.opts.batch;
         let why: &'static str = loop {
+            // Only recording traversals fills the ring buffer at packet rate; otherwise (the
+            // agent counting, its drop samples rate-limited) the 100 ms tick drains it, and
+            // an idle agent is not woken a hundred times a second for nothing.
+            let fast_drain = self.probes.tracing();
             tokio::select! {
                 biased;
                 _ = sigint.recv() => break "SIGINT",
@@ -255,6 +259,10 @@ impl Session {
                     if let Some(why) = c.on_tick(t) {
                         break why;
                     }
+                    if !fast_drain {
+                        let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
+                        if let Some(why) = stop { break why; }
+                    }
                 }
                 guard = self.ring.readable_mut() => {
                     let mut guard = guard?;
@@ -264,7 +272,7 @@ impl Session {
                     }
                     if let Some(why) = stop { break why; }
                 }
-                _ = drain_tick.tick() => {
+                _ = drain_tick.tick(), if fast_drain => {
                     let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
                     if let Some(why) = stop { break why; }
                 }
