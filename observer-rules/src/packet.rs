@@ -11,7 +11,7 @@ use crate::net::parse_u32;
 pub use observer_model::CtState;
 
 /// A packet to explain. `in_iface` absent means the packet is sent by this host (OUTPUT).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PacketSpec {
     pub proto: u8,
     pub src: IpAddr,
