@@ -598,32 +598,26 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
             ("set", "return-nomatch" | "update-counters" | "update-subcounters") => {
                 Cond::Always(None)
             }
-            ("tcp" | "udp" | "sctp" | "udplite", "dport" | "destination-port")
-            | ("multiport", "dports" | "destination-ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 1,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
-            ("tcp" | "udp" | "sctp" | "udplite", "sport" | "source-port")
-            | ("multiport", "sports" | "source-ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 0,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
-            ("multiport", "ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 2,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
+            (
+                "tcp" | "udp" | "sctp" | "udplite",
+                "sport" | "source-port" | "dport" | "destination-port",
+            )
+            | ("multiport", "sports" | "source-ports" | "dports" | "destination-ports" | "ports") =>
+            {
+                match parse_ports(a) {
+                    Some(ranges) => Cond::Ports {
+                        // s(ource), d(estination), or either (multiport --ports).
+                        which: match o.name.as_bytes()[0] {
+                            b's' => 0,
+                            b'd' => 1,
+                            _ => 2,
+                        },
+                        ranges,
+                        neg: o.neg,
+                    },
+                    None => unknown(name, o),
+                }
+            }
             ("tcp", "tcp-flags") => match (
                 tcp_flag_bits(a),
                 o.args.get(1).and_then(|c| tcp_flag_bits(c)),

@@ -648,29 +648,30 @@ enum TableResult {
 
 impl<'a> Simulator<'a> {
     pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
-        Self {
-            step_limit: step_limit(v4, v6, None),
-            tables: [prepare(v4, false), prepare(v6, true)],
-            files: [Cow::Borrowed(v4), Cow::Borrowed(v6)],
-            ipsets: Cow::Borrowed(ipsets),
-            routes: Cow::Borrowed(routes),
-            iface_addrs: HashMap::new(),
-            nft: None,
-            nft_skip_iptables: [false; 2],
-            ipt_handles: HashMap::new(),
-            bridges: Bridges::default(),
-        }
+        Self::of(
+            [Cow::Borrowed(v4), Cow::Borrowed(v6)],
+            Cow::Borrowed(ipsets),
+            Cow::Borrowed(routes),
+        )
     }
 
     /// A simulator that owns its inputs, to keep for as long as they are current (the live
     /// tracer keeps one per ruleset generation).
     pub fn owned(v4: SaveFile, v6: SaveFile, ipsets: Ipsets, routes: Routes) -> Simulator<'static> {
-        Simulator {
-            step_limit: step_limit(&v4, &v6, None),
-            tables: [prepare(&v4, false), prepare(&v6, true)],
-            files: [Cow::Owned(v4), Cow::Owned(v6)],
-            ipsets: Cow::Owned(ipsets),
-            routes: Cow::Owned(routes),
+        Simulator::of(
+            [Cow::Owned(v4), Cow::Owned(v6)],
+            Cow::Owned(ipsets),
+            Cow::Owned(routes),
+        )
+    }
+
+    fn of(files: [Cow<'a, SaveFile>; 2], ipsets: Cow<'a, Ipsets>, routes: Cow<'a, Routes>) -> Self {
+        Self {
+            step_limit: step_limit(&files[0], &files[1], None),
+            tables: [prepare(&files[0], false), prepare(&files[1], true)],
+            files,
+            ipsets,
+            routes,
             iface_addrs: HashMap::new(),
             nft: None,
             nft_skip_iptables: [false; 2],

@@ -10,11 +10,12 @@ use serde_json::Value;
 
 use super::program::{
     Base, BitOp, CtKey, Expr, FibResult, Field, MapData, MetaKey, NatKind, Op, PChain, PRule, PSet,
-    PTable, Program, Rhs, SetRef, Stmt, Target, hook_of,
+    PTable, Program, Rhs, SetRef, Stmt, Target,
 };
 use super::text::{expr_text, rule_text};
 use super::value::{Atom, SetData, Ty, atom, element};
 use super::{NftRuleset, NftSet, NftTable};
+use crate::sim::Hook;
 
 /// Compiles every table of `rs`.
 pub fn compile(rs: &NftRuleset) -> Program {
@@ -58,7 +59,7 @@ fn compile_table(t: &NftTable) -> PTable {
         .map(|c| PChain {
             name: c.name.clone(),
             handle: c.handle,
-            base: c.hook.as_deref().and_then(hook_of).map(|hook| Base {
+            base: c.hook.as_deref().and_then(Hook::from_nft).map(|hook| Base {
                 hook,
                 priority: c
                     .priority

@@ -227,17 +227,6 @@ pub struct Program {
     pub tables: Vec<PTable>,
 }
 
-pub(super) fn hook_of(name: &str) -> Option<Hook> {
-    Some(match name {
-        "prerouting" => Hook::PreRouting,
-        "input" => Hook::LocalIn,
-        "forward" => Hook::Forward,
-        "output" => Hook::LocalOut,
-        "postrouting" => Hook::PostRouting,
-        _ => return None,
-    })
-}
-
 /// A base chain scheduled on a hook: table and chain indices, the priority where the kernel
 /// runs it and its own priority.
 #[derive(Debug, Clone, Copy)]
