@@ -5,12 +5,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use observer::commands::agent::client::LineReader;
 use observer::commands::replay::{ReplayOptions, replay};
 use observer::output::recording::Reader;
 use observer::pipeline::Output;
 use observer_model::marks::MarkDictionary;
 use observer_rules::{Ipsets, Routes, Simulator, parse_nft_json, parse_packet_spec, parse_save};
+
+#[path = "../../fuzz/oracles/line_reader.rs"]
+mod line_reader;
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
@@ -156,38 +158,6 @@ fn routes_and_marks() {
 #[test]
 fn agent_line_reader() {
     for (path, data) in inputs("agent_line_reader", "seeds-lines") {
-        let Some((&cuts, data)) = data.split_first() else {
-            continue;
-        };
-        let max = 64;
-        let mut want = Vec::new();
-        let mut too_long = false;
-        let mut rest = data;
-        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-            if nl + 1 > max {
-                too_long = true;
-                break;
-            }
-            want.push(rest[..=nl].to_vec());
-            rest = &rest[nl + 1..];
-        }
-        too_long |= rest.len() > max;
-        let mut got = Vec::new();
-        let mut reader = LineReader::new(max);
-        let mut failed = false;
-        for piece in data.chunks(usize::from(cuts % 17) + 1) {
-            let fed = reader.feed(piece, |l| {
-                got.push(l.to_vec());
-                Ok(())
-            });
-            if fed.is_err() {
-                failed = true;
-                break;
-            }
-        }
-        assert_eq!(failed, too_long, "{}", path.display());
-        if !failed {
-            assert_eq!(got, want, "{}", path.display());
-        }
+        line_reader::check(&data, &path.display().to_string());
     }
 }
