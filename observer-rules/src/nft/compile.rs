@@ -30,19 +30,18 @@ struct Cx<'a> {
     set_keys: Vec<Vec<Ty>>,
 }
 
+/// Each item's index by its name.
+fn by_name<T>(items: &[T], name: impl Fn(&T) -> &String) -> HashMap<&str, usize> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (name(x).as_str(), i))
+        .collect()
+}
+
 fn compile_table(t: &NftTable) -> PTable {
-    let chains: HashMap<&str, usize> = t
-        .chains
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.name.as_str(), i))
-        .collect();
-    let sets: HashMap<&str, usize> = t
-        .sets
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.name.as_str(), i))
-        .collect();
+    let chains = by_name(&t.chains, |c| &c.name);
+    let sets = by_name(&t.sets, |s| &s.name);
     let cx = Cx {
         chains,
         sets,
