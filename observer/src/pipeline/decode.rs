@@ -117,6 +117,29 @@ pub(crate) fn icmp_id_of(proto: u8, sport: u16, dport: u16) -> Option<u16> {
     observer_model::Icmp::is_echo(proto, kind).then_some(sport)
 }
 
+/// Whether a probe read a packet's IP header (`bits`, its flags, without `NO_L3`, IP version 4 or 6),
+/// and its ports (a protocol with ports, `NO_L4` not set).
+pub(crate) fn headers_read(bits: u8, ip_version: u8, l4proto: u8) -> (bool, bool) {
+    let l3 = bits & flags::NO_L3 == 0 && (ip_version == 4 || ip_version == 6);
+    (
+        l3,
+        l3 && bits & flags::NO_L4 == 0 && matches!(l4proto, 6 | 17 | 132 | 136),
+    )
+}
+
+/// Whether the packet an ICMP error quotes (or a VXLAN packet carries) has its ports read.
+pub(crate) fn quoted_ports(l4proto: u8) -> bool {
+    matches!(l4proto, 6 | 17 | 132)
+}
+
+/// An endpoint as a probe read it: the address of its family, the port if `ports`, else 0.
+pub(crate) fn endpoint(a: &[u8; 16], port: u16, v4: bool, ports: bool) -> Endpoint {
+    Endpoint {
+        addr: addr(a, v4),
+        port: if ports { port } else { 0 },
+    }
+}
+
 pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
     if v4 {
         IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
@@ -217,13 +240,7 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
     };
     let p = ev.packet;
     let v4 = p.ip_version == 4;
-    let has_l3 = h.flags & flags::NO_L3 == 0 && (p.ip_version == 4 || p.ip_version == 6);
-    let has_ports =
-        has_l3 && h.flags & flags::NO_L4 == 0 && matches!(p.l4proto, 6 | 17 | 132 | 136);
-    let endpoint = |a: &[u8; 16], port: u16| Endpoint {
-        addr: addr(a, v4),
-        port: if has_ports { port } else { 0 },
-    };
+    let (has_l3, has_ports) = headers_read(h.flags, p.ip_version, p.l4proto);
     let ct = (h.flags & flags::CT != 0).then(|| Conntrack {
         info: ev.ct.ctinfo,
         mark: ev.ct.mark,
@@ -242,8 +259,8 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
         skb: h.skb,
         ifindex_in: h.ifindex_in,
         ifindex_out: h.ifindex_out,
-        src: has_l3.then(|| endpoint(&p.saddr, p.sport)),
-        dst: has_l3.then(|| endpoint(&p.daddr, p.dport)),
+        src: has_l3.then(|| endpoint(&p.saddr, p.sport, v4, has_ports)),
+        dst: has_l3.then(|| endpoint(&p.daddr, p.dport, v4, has_ports)),
         proto: p.l4proto,
         has_ports,
         tcp_flags: p.tcp_flags,
@@ -253,12 +270,12 @@ pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, 
         encap: None,
         inner: (h.flags & flags::INNER != 0 && h.flags & flags::ENCAP == 0).then(|| {
             let i = ev.inner;
-            let ports = matches!(i.l4proto, 6 | 17 | 132);
-            let at = |a: &[u8; 16], port: u16| Endpoint {
-                addr: addr(a, v4),
-                port: if ports { port } else { 0 },
-            };
-            (at(&i.saddr, i.sport), at(&i.daddr, i.dport), i.l4proto)
+            let ports = quoted_ports(i.l4proto);
+            (
+                endpoint(&i.saddr, i.sport, v4, ports),
+                endpoint(&i.daddr, i.dport, v4, ports),
+                i.l4proto,
+            )
         }),
         fragment: h.flags & flags::FRAGMENT != 0,
         icmp: icmp_of(p.l4proto, p.dport),
