@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use crate::iptables::{Basic, Item, Opt, Rule, Target};
 use crate::net::{Net, parse_mark_mask, parse_u32};
-use crate::packet::{TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, TCP_URG, proto_number};
+use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, proto_number, tcp_flag};
 
 pub const CT_NEW: u8 = 1;
 pub const CT_ESTABLISHED: u8 = 2;
@@ -260,14 +260,10 @@ fn tcp_flag_bits(s: &str) -> Option<u8> {
     let mut f = 0u8;
     for n in s.split(',') {
         f |= match n {
-            "FIN" => TCP_FIN,
-            "SYN" => TCP_SYN,
-            "RST" => TCP_RST,
-            "PSH" => TCP_PSH,
-            "ACK" => TCP_ACK,
-            "URG" => TCP_URG,
             "ALL" => 0x3f,
             "NONE" => 0,
+            // Upper-case, as iptables-save writes them.
+            _ if n == n.to_ascii_uppercase() => tcp_flag(&n.to_ascii_lowercase())?,
             _ => return None,
         };
     }
