@@ -67,3 +67,25 @@ pub fn named(reports: &[Value], family: &str) -> Counts {
     }
     counts
 }
+
+/// Each rule whose count differs between the kernel's counters and tail's naming, with
+/// both counts.
+pub fn diff(kernel: &Counts, tail: &Counts) -> Vec<String> {
+    kernel
+        .keys()
+        .chain(tail.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .filter(|k| kernel.get(*k) != tail.get(*k))
+        .map(|k| {
+            format!(
+                "{}/{}#{}: kernel {}, tail {}",
+                k.0,
+                k.1,
+                k.2,
+                kernel.get(k).copied().unwrap_or(0),
+                tail.get(k).copied().unwrap_or(0)
+            )
+        })
+        .collect()
+}

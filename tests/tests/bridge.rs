@@ -10,33 +10,13 @@ use std::time::Duration;
 
 use observer_tests::agent::{Agent, Client, METRICS, http_get, sample};
 use observer_tests::lab::{Lab, Tail, tcp_client, tcp_echo, udp_sink};
-use observer_tests::rules::{Counts, increments, lab_counters, named};
+use observer_tests::rules::{Counts, diff, increments, lab_counters, named};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
 const POD: &str = "10.244.0.5";
 const POD_PORT: &str = "veth1a2b3c4d";
 const POD2_PORT: &str = "veth2c3d4e5f";
-
-fn diff(kernel: &Counts, tail: &Counts) -> Vec<String> {
-    kernel
-        .keys()
-        .chain(tail.keys())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| kernel.get(*k) != tail.get(*k))
-        .map(|k| {
-            format!(
-                "{}/{}#{}: kernel {}, tail {}",
-                k.0,
-                k.1,
-                k.2,
-                kernel.get(k).copied().unwrap_or(0),
-                tail.get(k).copied().unwrap_or(0)
-            )
-        })
-        .collect()
-}
 
 fn src(r: &Value) -> &str {
     r["stages"][0]["before"]["src"].as_str().unwrap_or("")

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use observer_tests::lab::{Lab, Tail, first_dst, tcp_client, tcp_echo};
-use observer_tests::rules::{Counts, lab_counters, named};
+use observer_tests::rules::{Counts, diff, lab_counters, named};
 use observer_tests::{privileged, run};
 use serde_json::Value;
 
@@ -69,23 +69,7 @@ fn rules_named_by_tail_equal_the_kernels_rule_counters() {
         kernel.len() >= 10,
         "the demo flows hit the lab's rules: {kernel:?}"
     );
-    let diff: Vec<String> = kernel
-        .keys()
-        .chain(tail_named.keys())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| kernel.get(*k) != tail_named.get(*k))
-        .map(|k| {
-            format!(
-                "{}/{}#{}: kernel {}, tail {}",
-                k.0,
-                k.1,
-                k.2,
-                kernel.get(k).copied().unwrap_or(0),
-                tail_named.get(k).copied().unwrap_or(0)
-            )
-        })
-        .collect();
+    let diff = diff(&kernel, &tail_named);
     assert!(
         diff.is_empty(),
         "rules named by tail differ from the kernel's counters:\n{}\ntraversals:\n{}",
