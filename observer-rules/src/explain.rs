@@ -183,7 +183,7 @@ pub fn explain_with_bridges(
             && nft
                 .tables
                 .iter()
-                .any(|t| t.is_iptables() && t.family == fam)
+                .any(|t| t.is_iptables() && t.id.family == fam)
         {
             notes.push(format!(
                 "the nft ruleset holds iptables-nft tables ({fam}), simulated from the nft dump where their rules use no `xt` extension; pass {} output to simulate them fully",
@@ -221,7 +221,7 @@ fn nft_has_tables(nft: Option<&NftRuleset>, v6: bool) -> bool {
     nft.is_some_and(|n| {
         n.tables
             .iter()
-            .any(|t| t.family == fam || t.family == "inet")
+            .any(|t| t.id.family == fam || t.id.family == "inet")
     })
 }
 

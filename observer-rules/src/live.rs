@@ -363,7 +363,7 @@ fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
     let chain = nft
         .tables
         .iter()
-        .filter(|t| t.name == "kube-proxy")
+        .filter(|t| t.id.name == "kube-proxy")
         .flat_map(|t| &t.chains)
         .find(|c| c.name == "mark-for-masquerade")?;
     chain.rules.iter().find_map(|r| or_value(&r.expr.value()))

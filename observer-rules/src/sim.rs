@@ -689,14 +689,14 @@ impl<'a> Simulator<'a> {
             self.nft_skip_iptables[fam] = !self.files[fam].tables.is_empty();
         }
         for t in rs.tables.iter().filter(|t| t.is_iptables()) {
-            let fam = usize::from(t.family == "ip6");
+            let fam = usize::from(t.id.family == "ip6");
             if !self.nft_skip_iptables[fam] {
                 continue;
             }
             for c in &t.chains {
                 for (i, r) in c.rules.iter().enumerate() {
                     self.ipt_handles
-                        .insert((fam, t.name.clone(), c.name.clone(), i + 1), r.handle);
+                        .insert((fam, t.id.name.clone(), c.name.clone(), i + 1), r.handle);
                 }
             }
         }
@@ -1014,8 +1014,8 @@ impl<'a> Simulator<'a> {
                     let t = &p.tables[s.table];
                     let c = &t.chains[s.chain];
                     (
-                        t.name.clone(),
-                        Some((t.family.clone(), c.name.clone())),
+                        t.id.name.clone(),
+                        Some((t.id.family.clone(), c.name.clone())),
                         c.base.as_ref().is_some_and(|b| b.nat),
                     )
                 }

@@ -86,9 +86,7 @@ fn compile_table(t: &NftTable) -> PTable {
         })
         .collect();
     PTable {
-        family: t.family.clone(),
-        name: t.name.clone(),
-        handle: t.handle,
+        id: t.id.clone(),
         chains: pchains,
         sets: psets,
         iptables: t.is_iptables(),

@@ -144,10 +144,10 @@ impl Simulator<'_> {
             let t = &prog.tables[s.table];
             let mut stage = Stage::open(
                 hook,
-                t.name.clone(),
+                t.id.name.clone(),
                 s.priority,
                 pkt,
-                Some((t.family.clone(), t.chains[s.chain].name.clone())),
+                Some((t.id.family.clone(), t.chains[s.chain].name.clone())),
             );
             let res = self.run_nft_chain(s, hook, pkt, &mut stage, ch);
             let v = stage.close(res, pkt);

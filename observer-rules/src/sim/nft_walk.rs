@@ -104,7 +104,7 @@ impl Simulator<'_> {
                     stage.rules.push(m);
                     return TableResult::Undecidable(format!(
                         "{} {} {} handle {}: {why}",
-                        t.family, t.name, chain.name, rule.handle
+                        t.id.family, t.id.name, chain.name, rule.handle
                     ));
                 }
                 Outcome::Matched(target, desc) => (target, desc),
@@ -419,7 +419,7 @@ impl Simulator<'_> {
                 }
                 MetaKey::OifName => Ev::Val(Atom::S(out_if(hook, pkt).unwrap_or("").to_string())),
                 // nft_meta_bridge: the bridge of the port, "" without one.
-                MetaKey::IbrName | MetaKey::ObrName if t.family == "bridge" => {
+                MetaKey::IbrName | MetaKey::ObrName if t.id.family == "bridge" => {
                     let port = if *k == MetaKey::IbrName {
                         in_if(hook, pkt)
                     } else {
@@ -634,7 +634,7 @@ fn verdict_desc(t: &PTable, v: &Target, said: &[String]) -> String {
 
 fn nft_matched(t: &PTable, chain: &str, rule: &PRule, ri: usize, action: String) -> MatchedRule {
     MatchedRule {
-        table: t.name.clone(),
+        table: t.id.name.clone(),
         chain: chain.to_string(),
         index: ri + 1,
         text: rule.text.clone(),
@@ -643,7 +643,7 @@ fn nft_matched(t: &PTable, chain: &str, rule: &PRule, ri: usize, action: String)
         comments: rule.comment.iter().cloned().collect(),
         mark: None,
         nft: Some(NftRuleRef {
-            family: t.family.clone(),
+            family: t.id.family.clone(),
             handle: rule.handle,
             native: true,
         }),
