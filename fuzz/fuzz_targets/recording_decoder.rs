@@ -5,28 +5,11 @@
 
 #![no_main]
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-
 use libfuzzer_sys::fuzz_target;
-use observer::commands::replay::{ReplayOptions, replay};
-use observer::output::recording::Reader;
-use observer::pipeline::Output;
+
+#[path = "../oracles/recording.rs"]
+mod recording;
 
 fuzz_target!(|data: &[u8]| {
-    for (format, output) in [(1u32, Output::Json), (2, Output::Tree)] {
-        let mut file = b"OBSVREC\n".to_vec();
-        file.extend_from_slice(&format.to_le_bytes());
-        file.extend_from_slice(data);
-        let Ok(reader) = Reader::new("fuzz", &file[..]) else {
-            continue;
-        };
-        let opts = ReplayOptions {
-            file: PathBuf::from("fuzz"),
-            output,
-            count: None,
-            filter: None,
-        };
-        let _ = replay(reader, &HashMap::new(), &opts, &mut std::io::sink());
-    }
+    recording::replays(data);
 });

@@ -636,27 +636,14 @@ pub struct K8s {
 impl Serialize for Rule {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut m = s.serialize_map(None)?;
+        if let RuleId::Nft { family, .. } = &self.id {
+            m.serialize_entry("family", family)?;
+        }
+        m.serialize_entry("table", self.id.table())?;
+        m.serialize_entry("chain", self.id.chain())?;
         match &self.id {
-            RuleId::Iptables {
-                table,
-                chain,
-                index,
-            } => {
-                m.serialize_entry("table", table)?;
-                m.serialize_entry("chain", chain)?;
-                m.serialize_entry("index", index)?;
-            }
-            RuleId::Nft {
-                family,
-                table,
-                chain,
-                handle,
-            } => {
-                m.serialize_entry("family", family)?;
-                m.serialize_entry("table", table)?;
-                m.serialize_entry("chain", chain)?;
-                m.serialize_entry("handle", handle)?;
-            }
+            RuleId::Iptables { index, .. } => m.serialize_entry("index", index)?,
+            RuleId::Nft { handle, .. } => m.serialize_entry("handle", handle)?,
         }
         m.serialize_entry("text", &self.text)?;
         m.serialize_entry("action", &self.action)?;

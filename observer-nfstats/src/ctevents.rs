@@ -142,6 +142,21 @@ impl Counts {
     }
 }
 
+/// Sets the `SOL_SOCKET` option `name` of `fd` to `value`, best effort: a socket that
+/// keeps its default still works.
+fn socket_option<T>(fd: &OwnedFd, name: libc::c_int, value: &T) {
+    // SAFETY: `value` is a valid `T` for the call, its size given with it; our own fd.
+    let _ = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>() as u32,
+        )
+    };
+}
+
 /// A ctnetlink socket subscribed to new and destroyed connections, in the calling thread's
 /// namespace.
 pub struct Listener {
@@ -152,29 +167,16 @@ pub struct Listener {
 impl Listener {
     pub fn open() -> Result<Self, Error> {
         let fd = crate::netlink::netfilter_socket()?;
-        // SAFETY: setsockopt and bind with valid, sized arguments on our own fd.
+        // A larger queue; without the privilege to force it, the default one.
+        socket_option(&fd, libc::SO_RCVBUFFORCE, &RCVBUF);
+        // Wakes the reader once a second without events (it may have to stop).
+        let timeout = libc::timeval {
+            tv_sec: 1,
+            tv_usec: 0,
+        };
+        socket_option(&fd, libc::SO_RCVTIMEO, &timeout);
+        // SAFETY: bind with a valid, sized address on our own fd.
         unsafe {
-            // A larger queue; without the privilege to force it, the default one.
-            let rcvbuf = RCVBUF;
-            let _ = libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                (&raw const rcvbuf).cast(),
-                std::mem::size_of::<libc::c_int>() as u32,
-            );
-            // Wakes the reader once a second without events (it may have to stop).
-            let timeout = libc::timeval {
-                tv_sec: 1,
-                tv_usec: 0,
-            };
-            let _ = libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const timeout).cast(),
-                std::mem::size_of::<libc::timeval>() as u32,
-            );
             let mut addr: libc::sockaddr_nl = std::mem::zeroed();
             addr.nl_family = libc::AF_NETLINK as u16;
             addr.nl_groups = GROUPS;

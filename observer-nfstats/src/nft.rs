@@ -52,8 +52,14 @@ pub fn family_name(nfproto: u8) -> &'static str {
     }
 }
 
-/// A chain: (nfproto, table, name).
-type Chain = (u8, String, String);
+/// A chain of an nf_tables table, as the kernel names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    /// The table's family (`NFPROTO_*`).
+    pub nfproto: u8,
+    pub table: String,
+    pub name: String,
+}
 
 /// Reads nf_tables rules again and again, dumping only what may hold a rule with an action.
 ///
@@ -127,88 +133,67 @@ pub fn read_family(sock: &mut Socket, nfproto: u8) -> Result<(usize, Vec<Parsed>
     let mut out = Vec::new();
     let chains: Vec<Chain> = chains(sock)?
         .into_iter()
-        .filter(|c| c.0 == nfproto)
+        .filter(|c| c.nfproto == nfproto)
         .collect();
-    let n = chains.len();
-    for (family, table, chain) in chains {
-        let attrs = [
-            encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
-            encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
-        ]
-        .concat();
-        let dumped = sock.dump(
-            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
-            family,
-            &attrs,
-            |m| {
-                if m.kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE
-                    && let Some(parsed) = parse_rule(m.payload)
-                {
-                    out.push(parsed);
-                }
-            },
-        );
-        match dumped {
-            Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            other => other?,
-        }
+    for chain in &chains {
+        dump_chain(sock, chain, |parsed| out.push(parsed))?;
     }
-    Ok((n, out))
+    Ok((chains.len(), out))
 }
 
-/// One chain's rules with an action, numbered by their place in the chain.
-fn read_chain(
-    sock: &mut Socket,
-    (nfproto, table, chain): &Chain,
-    rules: &mut Vec<Rule>,
-) -> Result<(), Error> {
+/// Hands each rule of `chain` to `each`, in chain order, as the kernel describes it; a
+/// chain that went since it was listed holds none.
+fn dump_chain(sock: &mut Socket, chain: &Chain, mut each: impl FnMut(Parsed)) -> Result<(), Error> {
     let attrs = [
-        encode_attr(NFTA_RULE_TABLE, format!("{table}\0").as_bytes()),
-        encode_attr(NFTA_RULE_CHAIN, format!("{chain}\0").as_bytes()),
+        encode_attr(NFTA_RULE_TABLE, format!("{}\0", chain.table).as_bytes()),
+        encode_attr(NFTA_RULE_CHAIN, format!("{}\0", chain.name).as_bytes()),
     ]
     .concat();
-    let mut position = 0;
     let dumped = sock.dump(
         (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE,
-        *nfproto,
+        chain.nfproto,
         &attrs,
         |m| {
-            if m.kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE {
-                return;
-            }
-            if let Some(parsed) = parse_rule(m.payload) {
-                // The dump lists the chain's rules in order: the place is the count so far.
-                position += 1;
-                if let Some(rule) = parsed.into_rule(position) {
-                    rules.push(rule);
-                }
+            if m.kind == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE
+                && let Some(parsed) = parse_rule(m.payload)
+            {
+                each(parsed);
             }
         },
     );
     match dumped {
-        // The chain went since the list was made: nothing of it to count.
         Err(Error::Kernel(e)) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
     }
 }
 
-/// A chain message's (family, table, chain).
-fn parse_chain(payload: &[u8]) -> Option<(u8, String, String)> {
+/// One chain's rules with an action, numbered by their place in the chain.
+fn read_chain(sock: &mut Socket, chain: &Chain, rules: &mut Vec<Rule>) -> Result<(), Error> {
+    let mut position = 0;
+    dump_chain(sock, chain, |parsed| {
+        // The dump lists the chain's rules in order: the place is the count so far.
+        position += 1;
+        if let Some(rule) = parsed.into_rule(position) {
+            rules.push(rule);
+        }
+    })
+}
+
+/// A chain message's chain.
+fn parse_chain(payload: &[u8]) -> Option<Chain> {
     let nfproto = *payload.first()?;
     let attrs = Attrs(payload.get(4..)?);
-    Some((
+    Some(Chain {
         nfproto,
-        attrs.get(NFTA_CHAIN_TABLE)?.str(),
-        attrs.get(NFTA_CHAIN_NAME)?.str(),
-    ))
+        table: attrs.get(NFTA_CHAIN_TABLE)?.str(),
+        name: attrs.get(NFTA_CHAIN_NAME)?.str(),
+    })
 }
 
 /// One rule as the kernel described it, whatever it does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Parsed {
-    pub nfproto: u8,
-    pub table: String,
-    pub chain: String,
+    pub chain: Chain,
     pub handle: u64,
     pub comment: Option<String>,
     pub action: Option<Action>,
@@ -218,14 +203,14 @@ pub struct Parsed {
 impl Parsed {
     /// The rule, if it does something that makes a series.
     pub fn into_rule(self, position: u32) -> Option<Rule> {
-        let family = family_name(self.nfproto);
+        let family = family_name(self.chain.nfproto);
         let action = self.action?;
         Some(Rule {
             backend: Backend::Nft,
             family,
-            iptables: iptables_table(family, &self.table),
-            table: self.table,
-            chain: self.chain,
+            iptables: iptables_table(family, &self.chain.table),
+            table: self.chain.table,
+            chain: self.chain.name,
             position,
             handle: Some(self.handle),
             comment: self.comment,
@@ -248,9 +233,11 @@ pub fn parse_rule(payload: &[u8]) -> Option<Parsed> {
     let nfproto = *payload.first()?;
     let attrs = Attrs(payload.get(4..)?);
     let mut p = Parsed {
-        nfproto,
-        table: attrs.get(NFTA_RULE_TABLE)?.str(),
-        chain: attrs.get(NFTA_RULE_CHAIN)?.str(),
+        chain: Chain {
+            nfproto,
+            table: attrs.get(NFTA_RULE_TABLE)?.str(),
+            name: attrs.get(NFTA_RULE_CHAIN)?.str(),
+        },
         handle: attrs.get(NFTA_RULE_HANDLE)?.be64()?,
         comment: attrs.get(NFTA_RULE_USERDATA).and_then(|u| comment(u.value)),
         action: None,

@@ -53,14 +53,18 @@ pub struct Bridges {
     pub have_fdb: bool,
 }
 
-fn json_array<'a>(v: &'a Value, what: &str) -> Result<&'a Vec<Value>, ParseError> {
-    v.as_array()
-        .ok_or_else(|| ParseError::new(1, 1, format!("{what}: expected a JSON array")))
-}
-
-fn parse(text: &str, what: &str) -> Result<Value, ParseError> {
-    serde_json::from_str(text)
-        .map_err(|e| ParseError::new(e.line(), e.column(), format!("{what}: {e}")))
+/// The entries of `text`, a JSON array (`what` names it in errors).
+fn entries(text: &str, what: &str) -> Result<Vec<Value>, ParseError> {
+    match serde_json::from_str(text)
+        .map_err(|e| ParseError::new(e.line(), e.column(), format!("{what}: {e}")))?
+    {
+        Value::Array(a) => Ok(a),
+        _ => Err(ParseError::new(
+            1,
+            1,
+            format!("{what}: expected a JSON array"),
+        )),
+    }
 }
 
 fn s<'a>(v: &'a Value, k: &str) -> Option<&'a str> {
@@ -80,9 +84,7 @@ impl Bridges {
 
     /// Reads `bridge -j [-d] link` output: every entry is a port with its `master`.
     pub fn add_bridge_link_json(&mut self, text: &str) -> Result<(), ParseError> {
-        let what = "`bridge -j link` JSON";
-        let v = parse(text, what)?;
-        for e in json_array(&v, what)? {
+        for e in &entries(text, "`bridge -j link` JSON")? {
             let (Some(name), Some(master)) = (s(e, "ifname"), s(e, "master")) else {
                 continue;
             };
@@ -101,9 +103,7 @@ impl Bridges {
     /// Reads `ip -j [-d] link` output. With `-d` the kinds tell bridges from bonds and VRFs;
     /// without it every master is taken for a bridge (pass `bridge -j link` to be sure).
     pub fn add_ip_link_json(&mut self, text: &str) -> Result<(), ParseError> {
-        let what = "`ip -j link` JSON";
-        let v = parse(text, what)?;
-        for e in json_array(&v, what)? {
+        for e in &entries(text, "`ip -j link` JSON")? {
             let Some(name) = s(e, "ifname") else { continue };
             let info = e.get("linkinfo");
             let kind = info.and_then(|i| s(i, "info_kind"));
@@ -141,10 +141,9 @@ impl Bridges {
 
     /// Reads `ip -j neigh show` output (both families may be concatenated as two arrays).
     pub fn add_neigh_json(&mut self, text: &str) -> Result<(), ParseError> {
-        let what = "`ip -j neigh` JSON";
-        let v = parse(text, what)?;
+        let list = entries(text, "`ip -j neigh` JSON")?;
         self.have_neigh = true;
-        for e in json_array(&v, what)? {
+        for e in &list {
             let (Some(dst), Some(dev)) = (s(e, "dst"), s(e, "dev")) else {
                 continue;
             };
@@ -176,10 +175,9 @@ impl Bridges {
 
     /// Reads `bridge -j fdb show` output: learnt and static entries of bridge ports.
     pub fn add_fdb_json(&mut self, text: &str) -> Result<(), ParseError> {
-        let what = "`bridge -j fdb` JSON";
-        let v = parse(text, what)?;
+        let list = entries(text, "`bridge -j fdb` JSON")?;
         self.have_fdb = true;
-        for e in json_array(&v, what)? {
+        for e in &list {
             let (Some(mac), Some(port), Some(master)) =
                 (s(e, "mac"), s(e, "ifname"), s(e, "master"))
             else {

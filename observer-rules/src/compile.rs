@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use crate::iptables::{Basic, Item, Opt, Rule, Target};
 use crate::net::{Net, parse_mark_mask, parse_u32};
-use crate::packet::{TCP_ACK, TCP_FIN, TCP_PSH, TCP_RST, TCP_SYN, TCP_URG, proto_number};
+use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, proto_number, tcp_flag};
 
 pub const CT_NEW: u8 = 1;
 pub const CT_ESTABLISHED: u8 = 2;
@@ -260,14 +260,10 @@ fn tcp_flag_bits(s: &str) -> Option<u8> {
     let mut f = 0u8;
     for n in s.split(',') {
         f |= match n {
-            "FIN" => TCP_FIN,
-            "SYN" => TCP_SYN,
-            "RST" => TCP_RST,
-            "PSH" => TCP_PSH,
-            "ACK" => TCP_ACK,
-            "URG" => TCP_URG,
             "ALL" => 0x3f,
             "NONE" => 0,
+            // Upper-case, as iptables-save writes them.
+            _ if n == n.to_ascii_uppercase() => tcp_flag(&n.to_ascii_lowercase())?,
             _ => return None,
         };
     }
@@ -598,32 +594,26 @@ fn compile_module(name: &str, opts: &[Opt], v6: bool, out: &mut Vec<Cond>) {
             ("set", "return-nomatch" | "update-counters" | "update-subcounters") => {
                 Cond::Always(None)
             }
-            ("tcp" | "udp" | "sctp" | "udplite", "dport" | "destination-port")
-            | ("multiport", "dports" | "destination-ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 1,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
-            ("tcp" | "udp" | "sctp" | "udplite", "sport" | "source-port")
-            | ("multiport", "sports" | "source-ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 0,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
-            ("multiport", "ports") => match parse_ports(a) {
-                Some(ranges) => Cond::Ports {
-                    which: 2,
-                    ranges,
-                    neg: o.neg,
-                },
-                None => unknown(name, o),
-            },
+            (
+                "tcp" | "udp" | "sctp" | "udplite",
+                "sport" | "source-port" | "dport" | "destination-port",
+            )
+            | ("multiport", "sports" | "source-ports" | "dports" | "destination-ports" | "ports") =>
+            {
+                match parse_ports(a) {
+                    Some(ranges) => Cond::Ports {
+                        // s(ource), d(estination), or either (multiport --ports).
+                        which: match o.name.as_bytes()[0] {
+                            b's' => 0,
+                            b'd' => 1,
+                            _ => 2,
+                        },
+                        ranges,
+                        neg: o.neg,
+                    },
+                    None => unknown(name, o),
+                }
+            }
             ("tcp", "tcp-flags") => match (
                 tcp_flag_bits(a),
                 o.args.get(1).and_then(|c| tcp_flag_bits(c)),

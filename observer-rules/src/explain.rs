@@ -19,6 +19,7 @@ use crate::check::Family;
 use crate::error::ParseError;
 use crate::ipset::{Ipsets, parse_ipsets};
 use crate::iptables::{SaveFile, parse_save_family};
+use crate::live::BridgeTexts;
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
@@ -41,17 +42,10 @@ pub struct ExplainRequest {
     pub packet: String,
     /// Interface addresses for MASQUERADE/REDIRECT when routes do not name them.
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
-    /// `bridge -j [-d] link` output: bridge ports (and hairpin mode with `-d`).
-    pub bridge_links_json: Option<String>,
-    /// `ip -j [-d] link` output: bridge ports by their `master`, bridges' own
-    /// `nf_call_iptables` with `-d`.
-    pub links_json: Option<String>,
-    /// `ip -j neigh show` output: which MAC a destination behind a bridge has.
-    pub neigh_json: Option<String>,
-    /// `bridge -j fdb show` output: which port learnt a MAC.
-    pub fdb_json: Option<String>,
-    /// `net.bridge.bridge-nf-call-iptables` / `-ip6tables`; None assumes the kernel's 1.
-    pub bridge_nf_call: [Option<bool>; 2],
+    /// Bridge ports, neighbours, fdb and br_netfilter's switches, as the commands print
+    /// them (`bridge -j -d link`, `ip -j -d link`, `ip -j neigh`, `bridge -j fdb`); a
+    /// switch not given assumes the kernel's 1.
+    pub bridge: BridgeTexts,
 }
 
 /// The rules of both families (and nft, if given).
@@ -139,7 +133,10 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     let texts: Vec<&str> = req.routes_json.iter().map(String::as_str).collect();
     let routes = Routes::parse_json(&texts).map_err(ExplainError::Routes)?;
     let rs = Ruleset { ipv4, ipv6, nft };
-    let bridges = bridges_of(req).map_err(ExplainError::Bridges)?;
+    let (bridges, mut unparsed) = req.bridge.parse();
+    if !unparsed.is_empty() {
+        return Err(ExplainError::Bridges(unparsed.swap_remove(0).1));
+    }
     Ok(explain_with_bridges(
         &rs,
         &ipsets,
@@ -148,25 +145,6 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
         &packet,
         &req.iface_addrs,
     ))
-}
-
-/// The bridge facts of a request, from whichever of its inputs were given.
-fn bridges_of(req: &ExplainRequest) -> Result<Bridges, ParseError> {
-    let mut b = Bridges::default();
-    if let Some(t) = &req.links_json {
-        b.add_ip_link_json(t)?;
-    }
-    if let Some(t) = &req.bridge_links_json {
-        b.add_bridge_link_json(t)?;
-    }
-    if let Some(t) = &req.neigh_json {
-        b.add_neigh_json(t)?;
-    }
-    if let Some(t) = &req.fdb_json {
-        b.add_fdb_json(t)?;
-    }
-    b.call_tables = req.bridge_nf_call;
-    Ok(b)
 }
 
 /// Simulates `packet` against already-loaded inputs, without bridge facts.
@@ -205,7 +183,7 @@ pub fn explain_with_bridges(
             && nft
                 .tables
                 .iter()
-                .any(|t| t.is_iptables() && t.family == fam)
+                .any(|t| t.is_iptables() && t.id.family == fam)
         {
             notes.push(format!(
                 "the nft ruleset holds iptables-nft tables ({fam}), simulated from the nft dump where their rules use no `xt` extension; pass {} output to simulate them fully",
@@ -243,7 +221,7 @@ fn nft_has_tables(nft: Option<&NftRuleset>, v6: bool) -> bool {
     nft.is_some_and(|n| {
         n.tables
             .iter()
-            .any(|t| t.family == fam || t.family == "inet")
+            .any(|t| t.id.family == fam || t.id.family == "inet")
     })
 }
 

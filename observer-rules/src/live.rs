@@ -91,6 +91,35 @@ pub struct BridgeTexts {
     pub bridge_nf_call: [Option<bool>; 2],
 }
 
+impl BridgeTexts {
+    /// The bridge facts of the texts given; a text that does not parse adds nothing and is
+    /// listed with the command that printed it, in the order they are read.
+    pub fn parse(&self) -> (Bridges, Vec<(&'static str, crate::ParseError)>) {
+        let mut bridges = Bridges::default();
+        let mut unparsed = Vec::new();
+        type Add = fn(&mut Bridges, &str) -> Result<(), crate::ParseError>;
+        let inputs: [(&Option<String>, &str, Add); 4] = [
+            (&self.links, "ip -j -d link show", Bridges::add_ip_link_json),
+            (
+                &self.bridge_links,
+                "bridge -j -d link show",
+                Bridges::add_bridge_link_json,
+            ),
+            (&self.neigh, "ip -j neigh show", Bridges::add_neigh_json),
+            (&self.fdb, "bridge -j fdb show", Bridges::add_fdb_json),
+        ];
+        for (text, cmd, add) in inputs {
+            if let Some(t) = text
+                && let Err(e) = add(&mut bridges, t)
+            {
+                unparsed.push((cmd, e));
+            }
+        }
+        bridges.call_tables = self.bridge_nf_call;
+        (bridges, unparsed)
+    }
+}
+
 /// The node as read at one moment.
 #[derive(Debug, Default)]
 pub struct LiveNode {
@@ -238,27 +267,8 @@ impl LiveNode {
                 None => failures.push(unreadable("ip -j addr show", &"not a list of links")),
             }
         }
-        let mut bridges = Bridges::default();
-        type Add = fn(&mut Bridges, &str) -> Result<(), crate::ParseError>;
-        let bt = &texts.bridge;
-        let inputs: [(&Option<String>, &str, Add); 4] = [
-            (&bt.links, "ip -j -d link show", Bridges::add_ip_link_json),
-            (
-                &bt.bridge_links,
-                "bridge -j -d link show",
-                Bridges::add_bridge_link_json,
-            ),
-            (&bt.neigh, "ip -j neigh show", Bridges::add_neigh_json),
-            (&bt.fdb, "bridge -j fdb show", Bridges::add_fdb_json),
-        ];
-        for (text, cmd, add) in inputs {
-            if let Some(t) = text
-                && let Err(e) = add(&mut bridges, t)
-            {
-                failures.push(unreadable(cmd, &e));
-            }
-        }
-        bridges.call_tables = bt.bridge_nf_call;
+        let (bridges, unparsed) = texts.bridge.parse();
+        failures.extend(unparsed.iter().map(|(cmd, e)| unreadable(cmd, e)));
         node.bridges = bridges;
         node.failures = failures;
         node.texts = texts;
@@ -353,7 +363,7 @@ fn nft_masquerade_bit(nft: &NftRuleset) -> Option<u32> {
     let chain = nft
         .tables
         .iter()
-        .filter(|t| t.name == "kube-proxy")
+        .filter(|t| t.id.name == "kube-proxy")
         .flat_map(|t| &t.chains)
         .find(|c| c.name == "mark-for-masquerade")?;
     chain.rules.iter().find_map(|r| or_value(&r.expr.value()))

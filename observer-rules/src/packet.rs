@@ -11,7 +11,7 @@ use crate::net::parse_u32;
 pub use observer_model::CtState;
 
 /// A packet to explain. `in_iface` absent means the packet is sent by this host (OUTPUT).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PacketSpec {
     pub proto: u8,
     pub src: IpAddr,
@@ -165,18 +165,26 @@ fn parse_endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
     ))
 }
 
+/// A TCP flag's bit by its name as nft and packet specs write it (iptables writes the
+/// names upper-case).
+pub fn tcp_flag(name: &str) -> Option<u8> {
+    Some(match name {
+        "fin" => TCP_FIN,
+        "syn" => TCP_SYN,
+        "rst" => TCP_RST,
+        "psh" => TCP_PSH,
+        "ack" => TCP_ACK,
+        "urg" => TCP_URG,
+        _ => return None,
+    })
+}
+
 fn parse_flags(s: &str) -> Option<u8> {
     let mut f = 0;
     for name in s.split(',') {
         f |= match name.to_ascii_lowercase().as_str() {
-            "fin" => TCP_FIN,
-            "syn" => TCP_SYN,
-            "rst" => TCP_RST,
-            "psh" => TCP_PSH,
-            "ack" => TCP_ACK,
-            "urg" => TCP_URG,
             "none" => 0,
-            _ => return None,
+            n => tcp_flag(n)?,
         };
     }
     Some(f)

@@ -99,6 +99,46 @@ pub(crate) struct Stage {
 }
 
 impl Stage {
+    /// A table (or base chain) about to run, the packet as it enters it.
+    fn open(
+        hook: Hook,
+        table: String,
+        priority: i32,
+        pkt: &Pkt,
+        nft_chain: Option<(String, String)>,
+    ) -> Self {
+        let before = pkt.snapshot();
+        Stage {
+            hook,
+            table,
+            priority,
+            before: before.clone(),
+            after: before,
+            verdict: Verdict::Accept,
+            rules: Vec::new(),
+            policy: None,
+            nat: None,
+            note: None,
+            ct: None,
+            nft_chain,
+        }
+    }
+
+    /// The table is done with `res`: the packet as it leaves, the verdict (an undecidable
+    /// result noted), the conntrack entry after it.
+    fn close(&mut self, res: TableResult, pkt: &Pkt) -> Verdict {
+        self.after = pkt.snapshot();
+        self.verdict = match res {
+            TableResult::Verdict(v) => v,
+            TableResult::Undecidable(why) => {
+                self.note = Some(why);
+                Verdict::Undecidable
+            }
+        };
+        self.ct = pkt.ct_view();
+        self.verdict
+    }
+
     fn into_model(self) -> model::Stage {
         model::Stage {
             hook: self.hook,
@@ -128,22 +168,12 @@ pub struct StageInput {
     pub hook: Hook,
     /// Exclusive bounds: chains running at a priority strictly between them.
     pub window: (i32, i32),
-    pub proto: u8,
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    pub sport: Option<u16>,
-    pub dport: Option<u16>,
-    pub in_iface: Option<String>,
-    pub out_iface: Option<String>,
-    pub mark: u32,
-    pub ct_state: CtState,
-    pub ct_mark: Option<u32>,
+    /// The packet; its `ct_mark` is taken as given (None: not known), and `local` is not
+    /// read (the stage's hook says where the packet goes).
+    pub packet: PacketSpec,
     /// The connection's destination / source was translated (`--ctstate DNAT/SNAT`).
     pub dnat_done: bool,
     pub snat_done: bool,
-    pub tcp_flags: u8,
-    /// ICMP type and code.
-    pub icmp: (u8, u8),
     /// br_netfilter's record of the packet, as observed where it was (tail): the bridge
     /// ports decide `physdev` without the node's bridge facts.
     pub ports: SeenPorts,
@@ -410,6 +440,51 @@ struct Pkt {
     fx: RefCell<Effects>,
 }
 
+/// Where a walk through one table (or native base chain) is: (chain, next rule) frames,
+/// the chains jumped to on top; the bottom frame's end means the base chain's policy.
+struct Frames(Vec<(usize, usize)>);
+
+impl Frames {
+    fn new(base: usize) -> Self {
+        Frames(vec![(base, 0)])
+    }
+
+    /// The next rule to evaluate, (chain, rule), past the chains whose rules are all done
+    /// (`rules` counts a chain's rules); None when the base chain is done too.
+    fn next(&mut self, rules: impl Fn(usize) -> usize) -> Option<(usize, usize)> {
+        loop {
+            let (ci, pos) = self.0.last_mut()?;
+            if *pos < rules(*ci) {
+                *pos += 1;
+                return Some((*ci, *pos - 1));
+            }
+            self.0.pop();
+        }
+    }
+
+    /// `return`: back to the rule after the jump.
+    fn ret(&mut self) {
+        self.0.pop();
+    }
+
+    /// `jump`: the chain runs, then the rule after this one; an error past [`MAX_DEPTH`].
+    fn jump(&mut self, chain: usize) -> Result<(), String> {
+        if self.0.len() >= MAX_DEPTH {
+            return Err(format!("jump depth over {MAX_DEPTH} (loop?)"));
+        }
+        self.0.push((chain, 0));
+        Ok(())
+    }
+
+    /// `goto`: the chain takes the current one's place (from the base chain, the goto'd
+    /// chain's end is the policy).
+    fn goto(&mut self, chain: usize) {
+        if let Some(top) = self.0.last_mut() {
+            *top = (chain, 0);
+        }
+    }
+}
+
 /// What evaluating one rule's matches did besides answering (`recent --set`, assumptions).
 #[derive(Debug, Clone, Default)]
 struct Effects {
@@ -418,6 +493,44 @@ struct Effects {
 }
 
 impl Pkt {
+    /// The packet `spec` describes, before any rule ran, from no bridge; `dnat_done` and
+    /// `snat_done` say which translations its connection already has.
+    fn new(spec: &PacketSpec, dnat_done: bool, snat_done: bool) -> Self {
+        Pkt {
+            v6: spec.is_v6(),
+            proto: spec.proto,
+            src: spec.src,
+            dst: spec.dst,
+            sport: spec.sport,
+            dport: spec.dport,
+            src_label: None,
+            dst_label: None,
+            in_iface: spec.in_iface.clone(),
+            out_iface: spec.out_iface.clone(),
+            mark: spec.mark,
+            ct_mark: spec.ct_mark,
+            state: spec.ct_state,
+            dnat_done,
+            snat_done,
+            ct_attached: false,
+            tcp_flags: spec.tcp_flags(),
+            icmp: spec
+                .icmp
+                .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
+            nf_bridge: None,
+            bridged: false,
+            bridge_family: None,
+            out_port_unknown: None,
+            nf_bridge_known: true,
+            nf_bridge_observed: false,
+            orig: (spec.ct_state == CtState::New && !dnat_done && !snat_done)
+                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
+            recent_set: Vec::new(),
+            assumed: Vec::new(),
+            fx: RefCell::default(),
+        }
+    }
+
     fn ct_view(&self) -> Option<(CtState, Option<u32>)> {
         match self.state {
             CtState::Untracked => Some((CtState::Untracked, None)),
@@ -535,29 +648,30 @@ enum TableResult {
 
 impl<'a> Simulator<'a> {
     pub fn new(v4: &'a SaveFile, v6: &'a SaveFile, ipsets: &'a Ipsets, routes: &'a Routes) -> Self {
-        Self {
-            step_limit: step_limit(v4, v6, None),
-            tables: [prepare(v4, false), prepare(v6, true)],
-            files: [Cow::Borrowed(v4), Cow::Borrowed(v6)],
-            ipsets: Cow::Borrowed(ipsets),
-            routes: Cow::Borrowed(routes),
-            iface_addrs: HashMap::new(),
-            nft: None,
-            nft_skip_iptables: [false; 2],
-            ipt_handles: HashMap::new(),
-            bridges: Bridges::default(),
-        }
+        Self::of(
+            [Cow::Borrowed(v4), Cow::Borrowed(v6)],
+            Cow::Borrowed(ipsets),
+            Cow::Borrowed(routes),
+        )
     }
 
     /// A simulator that owns its inputs, to keep for as long as they are current (the live
     /// tracer keeps one per ruleset generation).
     pub fn owned(v4: SaveFile, v6: SaveFile, ipsets: Ipsets, routes: Routes) -> Simulator<'static> {
-        Simulator {
-            step_limit: step_limit(&v4, &v6, None),
-            tables: [prepare(&v4, false), prepare(&v6, true)],
-            files: [Cow::Owned(v4), Cow::Owned(v6)],
-            ipsets: Cow::Owned(ipsets),
-            routes: Cow::Owned(routes),
+        Simulator::of(
+            [Cow::Owned(v4), Cow::Owned(v6)],
+            Cow::Owned(ipsets),
+            Cow::Owned(routes),
+        )
+    }
+
+    fn of(files: [Cow<'a, SaveFile>; 2], ipsets: Cow<'a, Ipsets>, routes: Cow<'a, Routes>) -> Self {
+        Self {
+            step_limit: step_limit(&files[0], &files[1], None),
+            tables: [prepare(&files[0], false), prepare(&files[1], true)],
+            files,
+            ipsets,
+            routes,
             iface_addrs: HashMap::new(),
             nft: None,
             nft_skip_iptables: [false; 2],
@@ -575,14 +689,14 @@ impl<'a> Simulator<'a> {
             self.nft_skip_iptables[fam] = !self.files[fam].tables.is_empty();
         }
         for t in rs.tables.iter().filter(|t| t.is_iptables()) {
-            let fam = usize::from(t.family == "ip6");
+            let fam = usize::from(t.id.family == "ip6");
             if !self.nft_skip_iptables[fam] {
                 continue;
             }
             for c in &t.chains {
                 for (i, r) in c.rules.iter().enumerate() {
                     self.ipt_handles
-                        .insert((fam, t.name.clone(), c.name.clone(), i + 1), r.handle);
+                        .insert((fam, t.id.name.clone(), c.name.clone(), i + 1), r.handle);
                 }
             }
         }
@@ -611,56 +725,30 @@ impl<'a> Simulator<'a> {
     /// per random outcome (`statistic`, `numgen`), each with its probability.
     pub fn simulate_stage(&self, input: &StageInput) -> Vec<Branch> {
         self.every_outcome(|ch| {
-            let mut pkt = Pkt {
-                v6: input.src.is_ipv6(),
-                proto: input.proto,
-                src: input.src,
-                dst: input.dst,
-                sport: input.sport,
-                dport: input.dport,
-                src_label: None,
-                dst_label: None,
-                in_iface: input.in_iface.clone(),
-                out_iface: input.out_iface.clone(),
-                mark: input.mark,
-                ct_mark: input.ct_mark,
-                state: input.ct_state,
-                dnat_done: input.dnat_done,
-                snat_done: input.snat_done,
-                ct_attached: false,
-                tcp_flags: input.tcp_flags,
-                icmp: input.icmp,
-                nf_bridge: match &input.ports {
-                    SeenPorts::Port { physin, physout } => Some(NfBridge {
-                        physin: Some(physin.clone()),
-                        physout: physout.clone(),
-                    }),
-                    SeenPorts::FloodedCopy { physout } => Some(NfBridge {
-                        physin: None,
-                        physout: physout.clone(),
-                    }),
-                    SeenPorts::Unknown | SeenPorts::NoBridge => None,
-                },
-                bridged: matches!(
-                    &input.ports,
-                    SeenPorts::Port {
-                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
-                        ..
-                    } | SeenPorts::FloodedCopy {
-                        physout: PhysOut::Port(_) | PhysOut::Unknown(_),
-                    }
-                ),
-                bridge_family: None,
-                out_port_unknown: None,
-                nf_bridge_known: input.ports != SeenPorts::Unknown,
-                nf_bridge_observed: input.ports != SeenPorts::Unknown,
-                orig: (input.ct_state == CtState::New && !input.dnat_done && !input.snat_done)
-                    .then_some((input.src, input.dst, input.sport, input.dport)),
-                recent_set: Vec::new(),
-                assumed: Vec::new(),
-                fx: RefCell::default(),
+            let mut pkt = Pkt::new(&input.packet, input.dnat_done, input.snat_done);
+            pkt.nf_bridge = match &input.ports {
+                SeenPorts::Port { physin, physout } => Some(NfBridge {
+                    physin: Some(physin.clone()),
+                    physout: physout.clone(),
+                }),
+                SeenPorts::FloodedCopy { physout } => Some(NfBridge {
+                    physin: None,
+                    physout: physout.clone(),
+                }),
+                SeenPorts::Unknown | SeenPorts::NoBridge => None,
             };
-            let mut b = Walk::new(input.out_iface.clone());
+            pkt.bridged = matches!(
+                &input.ports,
+                SeenPorts::Port {
+                    physout: PhysOut::Port(_) | PhysOut::Unknown(_),
+                    ..
+                } | SeenPorts::FloodedCopy {
+                    physout: PhysOut::Port(_) | PhysOut::Unknown(_),
+                }
+            );
+            pkt.nf_bridge_known = input.ports != SeenPorts::Unknown;
+            pkt.nf_bridge_observed = input.ports != SeenPorts::Unknown;
+            let mut b = Walk::new(input.packet.out_iface.clone());
             let fam = usize::from(pkt.v6);
             self.run_hook(fam, input.hook, &mut pkt, &mut b, ch, Some(input.window));
             b.finish()
@@ -728,41 +816,11 @@ impl<'a> Simulator<'a> {
 
     fn walk(&self, spec: &PacketSpec, ch: &mut Chooser) -> Walk {
         let fam = usize::from(spec.is_v6());
-        let mut pkt = Pkt {
-            v6: spec.is_v6(),
-            proto: spec.proto,
-            src: spec.src,
-            dst: spec.dst,
-            sport: spec.sport,
-            dport: spec.dport,
-            src_label: None,
-            dst_label: None,
-            in_iface: spec.in_iface.clone(),
-            out_iface: spec.out_iface.clone(),
-            mark: spec.mark,
-            ct_mark: spec
-                .ct_mark
-                .or((spec.ct_state == CtState::New).then_some(0)),
-            state: spec.ct_state,
-            dnat_done: false,
-            snat_done: false,
-            ct_attached: false,
-            tcp_flags: spec.tcp_flags(),
-            icmp: spec
-                .icmp
-                .unwrap_or(if spec.is_v6() { (128, 0) } else { (8, 0) }),
-            nf_bridge: None,
-            bridged: false,
-            bridge_family: None,
-            out_port_unknown: None,
-            nf_bridge_known: true,
-            nf_bridge_observed: false,
-            orig: (spec.ct_state == CtState::New)
-                .then_some((spec.src, spec.dst, spec.sport, spec.dport)),
-            recent_set: Vec::new(),
-            assumed: Vec::new(),
-            fx: RefCell::default(),
-        };
+        let mut pkt = Pkt::new(spec, false, false);
+        // Unless the spec says otherwise, a new connection's ct mark is 0.
+        pkt.ct_mark = spec
+            .ct_mark
+            .or((spec.ct_state == CtState::New).then_some(0));
         let mut b = Walk::new(None);
         if let Some(dev) = &spec.in_iface
             && let Some(why) = Routes::ipv6_receive_drop(spec.src, spec.dst, dev)
@@ -956,27 +1014,13 @@ impl<'a> Simulator<'a> {
                     let t = &p.tables[s.table];
                     let c = &t.chains[s.chain];
                     (
-                        t.name.clone(),
-                        Some((t.family.clone(), c.name.clone())),
+                        t.id.name.clone(),
+                        Some((t.id.family.clone(), c.name.clone())),
                         c.base.as_ref().is_some_and(|b| b.nat),
                     )
                 }
             };
-            let before = pkt.snapshot();
-            let mut stage = Stage {
-                hook,
-                table,
-                priority,
-                before: before.clone(),
-                after: before,
-                verdict: Verdict::Accept,
-                rules: Vec::new(),
-                policy: None,
-                nat: None,
-                note: None,
-                ct: None,
-                nft_chain,
-            };
+            let mut stage = Stage::open(hook, table, priority, pkt, nft_chain);
             // Conntrack runs at -200 on PREROUTING and OUTPUT: earlier chains see no entry.
             pkt.ct_attached = !(matches!(hook, Hook::PreRouting | Hook::LocalOut) && at <= -200);
             if is_nat && pkt.state != CtState::New {
@@ -1007,16 +1051,7 @@ impl<'a> Simulator<'a> {
                 Entry::Nft(s) => self.run_nft_chain(s, hook, pkt, &mut stage, ch),
             };
             nat_done |= is_nat && stage.nat.is_some();
-            stage.after = pkt.snapshot();
-            let verdict = match res {
-                TableResult::Verdict(v) => v,
-                TableResult::Undecidable(why) => {
-                    stage.note = Some(why);
-                    Verdict::Undecidable
-                }
-            };
-            stage.verdict = verdict;
-            stage.ct = pkt.ct_view();
+            let verdict = stage.close(res, pkt);
             b.stages.push(stage.into_model());
             b.notes.append(&mut pkt.assumed);
             if verdict != Verdict::Accept {
@@ -1048,23 +1083,16 @@ impl<'a> Simulator<'a> {
             Some("DROP") => Verdict::Drop,
             _ => Verdict::Accept,
         };
-        // (chain, next rule) frames; the bottom frame's end means the base policy.
-        let mut stack: Vec<(usize, usize)> = vec![(base, 0)];
+        let mut frames = Frames::new(base);
         loop {
-            let Some(&mut (ci, ref mut pos)) = stack.last_mut() else {
+            let Some((ci, ri)) = frames.next(|ci| table.chains[ci].rules.len()) else {
                 stage.policy = Some(base_chain.policy.clone().unwrap_or_else(|| "ACCEPT".into()));
                 return TableResult::Verdict(policy());
             };
-            let chain = &table.chains[ci];
-            if *pos >= chain.rules.len() {
-                stack.pop();
-                continue;
-            }
             if !ch.step() {
                 return ch.out_of_steps(stage);
             }
-            let ri = *pos;
-            *pos += 1;
+            let chain = &table.chains[ci];
             let rule = &chain.rules[ri];
             let comp = &pt.compiled[ci][ri];
             let tri = self.eval(&comp.conds, hook, pkt, ch);
@@ -1111,27 +1139,16 @@ impl<'a> Simulator<'a> {
             match next {
                 Flow::Continue => {}
                 Flow::Stop(v) => return TableResult::Verdict(v),
-                Flow::Return => {
-                    stack.pop();
-                }
+                Flow::Return => frames.ret(),
                 Flow::Jump(name, goto) => {
                     let Some(&target) = pt.index.get(name) else {
                         return TableResult::Undecidable(format!("jump to missing chain {name}"));
                     };
                     if goto {
-                        stack.pop();
-                        if stack.is_empty() {
-                            // goto from the base chain: the goto'd chain's end is the policy.
-                            stack.push((target, 0));
-                            continue;
-                        }
+                        frames.goto(target);
+                    } else if let Err(why) = frames.jump(target) {
+                        return TableResult::Undecidable(why);
                     }
-                    if stack.len() >= MAX_DEPTH {
-                        return TableResult::Undecidable(format!(
-                            "jump depth over {MAX_DEPTH} (loop?)"
-                        ));
-                    }
-                    stack.push((target, 0));
                 }
                 Flow::Unknown(why) => {
                     if let Some(m) = stage.rules.last_mut() {

@@ -1,6 +1,7 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::commands::{agent, explain, kubectl, lab, replay, tail, traffic};
+use observer::commands::{agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic};
+use observer::pipeline::OutputArgs;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -89,12 +90,8 @@ struct TailArgs {
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
     netns: Option<String>,
-    /// How to print each traversal.
-    #[arg(long, value_enum, default_value = "tree")]
-    output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
-    #[arg(long, conflicts_with = "output")]
-    json: bool,
+    #[command(flatten)]
+    output: OutputArgs,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
     /// (e.g. "tcp and port 22", "host 10.10.10.2", "iface cali1a2b", "mark 0x4000/0x4000").
     /// A packet matches by its current addresses or its connection's original or reply
@@ -156,16 +153,13 @@ struct TailArgs {
     observer replay --json node.obsrec | jq -c .fate\n\n\
 The file holds the raw records with the probe plan, kernel layout, interface names, kernel \
 symbols and mark names they need (docs/recording.md); a recording of another format or record \
-layout is refused with the version that can read it.")]
+layout is refused with the version that can read it. It holds records, not a format: any \
+--output works.")]
 struct ReplayArgs {
     /// A file written by `observer tail --record FILE`.
     file: PathBuf,
-    /// How to print each traversal (the recording holds records, not a format: any works).
-    #[arg(long, value_enum, default_value = "tree")]
-    output: tail::Output,
-    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
-    #[arg(long, conflicts_with = "output")]
-    json: bool,
+    #[command(flatten)]
+    output: OutputArgs,
     /// Stop after printing N traversals.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
@@ -284,29 +278,14 @@ struct DropsArgs {
     /// The agent's unix socket path, or HOST:PORT (its --listen).
     #[arg(long, value_name = "ADDR", default_value = agent::DEFAULT_SOCKET)]
     agent: String,
-    /// How to print each traversal.
-    #[arg(long, value_enum, default_value = "tree")]
-    output: tail::Output,
-    /// Same as --output json.
-    #[arg(long, conflicts_with = "output")]
-    json: bool,
+    #[command(flatten)]
+    output: OutputArgs,
     /// Only the drops this pcap-filter subset keeps (docs/filter.md).
     #[arg(long, value_name = "EXPR")]
     filter: Option<String>,
     /// Only the newest N.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
-}
-
-/// `--timeout`: a finite, non-negative number of seconds, at most a year.
-fn parse_seconds(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !secs.is_finite() || !(0.0..=365.0 * 86400.0).contains(&secs) {
-        return Err(format!("`{s}` is out of range: give 0 to 31536000 seconds"));
-    }
-    Ok(Duration::from_secs_f64(secs))
 }
 
 #[derive(Subcommand)]
@@ -351,7 +330,7 @@ fn run(cli: Cli) -> Result<()> {
             let summary = agent::client::run(
                 &agent::client::ClientOptions {
                     agent: a.agent.unwrap_or_default(),
-                    output: if a.json { tail::Output::Json } else { a.output },
+                    output: a.output.format(),
                     filter: a.filter,
                     sample: a.sample,
                     count: a.count,
@@ -367,7 +346,7 @@ fn run(cli: Cli) -> Result<()> {
             let summary = agent::client::run(
                 &agent::client::ClientOptions {
                     agent: a.agent,
-                    output: if a.json { tail::Output::Json } else { a.output },
+                    output: a.output.format(),
                     filter: a.filter,
                     sample: 1,
                     count: a.count,
@@ -438,7 +417,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Tail(a) => {
             let summary = tail::run(tail::TailOptions {
                 netns: a.netns,
-                output: if a.json { tail::Output::Json } else { a.output },
+                output: a.output.format(),
                 marks_file: a.marks,
                 filter: a.filter,
                 sample: a.sample,
@@ -459,7 +438,7 @@ fn run(cli: Cli) -> Result<()> {
             let summary = replay::run(
                 &replay::ReplayOptions {
                     file: a.file,
-                    output: if a.json { tail::Output::Json } else { a.output },
+                    output: a.output.format(),
                     count: a.count,
                     filter: a.filter,
                 },

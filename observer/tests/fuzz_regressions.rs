@@ -2,15 +2,17 @@
 //! `cargo xtask fuzz`), and the targets' seeds, run through the same checks as the targets
 //! (`fuzz/fuzz_targets/`), in the normal test suite: no panic, and the targets' assertions.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use observer::commands::agent::client::LineReader;
-use observer::commands::replay::{ReplayOptions, replay};
-use observer::output::recording::Reader;
-use observer::pipeline::Output;
 use observer_model::marks::MarkDictionary;
-use observer_rules::{Ipsets, Routes, Simulator, parse_nft_json, parse_packet_spec, parse_save};
+use observer_rules::{Ipsets, Routes, Simulator, parse_packet_spec, parse_save};
+
+#[path = "../../fuzz/oracles/line_reader.rs"]
+mod line_reader;
+#[path = "../../fuzz/oracles/nft.rs"]
+mod nft;
+#[path = "../../fuzz/oracles/recording.rs"]
+mod recording;
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
@@ -72,26 +74,7 @@ fn parse_iptables_save() {
 #[test]
 fn parse_nft_json_target() {
     for (_, data) in inputs("parse_nft_json", "seeds-nft") {
-        let Some(Ok(nft)) = text(&data).map(parse_nft_json) else {
-            continue;
-        };
-        let empty = Default::default();
-        let ipsets = Ipsets::default();
-        let routes = Routes::parse_json(&[
-            r#"[{"dst":"default","gateway":"10.0.0.254","dev":"eth1","flags":[]},
-                {"type":"local","dst":"10.0.0.2","dev":"eth0","table":"local","flags":[]}]"#,
-        ])
-        .unwrap();
-        let sim = Simulator::new(&empty, &empty, &ipsets, &routes).with_nft(&nft);
-        for spec in [
-            "tcp 10.0.0.1:1000 -> 10.0.0.2:22 in eth0",
-            "udp 10.0.0.1:53 -> 10.9.0.2:53 in eth0",
-            "tcp 10.0.0.2:40000 -> 10.9.0.2:80",
-            "icmp 10.0.0.1 -> 10.0.0.2 in eth0 local state established",
-            "udp [2001:db8::1]:1 -> [2001:db8::2]:2 in eth0 out eth1",
-        ] {
-            let _ = sim.simulate(&parse_packet_spec(spec).unwrap());
-        }
+        nft::check(&data);
     }
 }
 
@@ -108,26 +91,10 @@ fn filter_parser() {
 
 #[test]
 fn recording_decoder() {
-    let mut replayed = 0;
-    for (_, data) in inputs("recording_decoder", "seeds-recording") {
-        for (format, output) in [(1u32, Output::Json), (2, Output::Tree)] {
-            let mut file = b"OBSVREC\n".to_vec();
-            file.extend_from_slice(&format.to_le_bytes());
-            file.extend_from_slice(&data);
-            let Ok(reader) = Reader::new("fuzz", &file[..]) else {
-                continue;
-            };
-            let opts = ReplayOptions {
-                file: PathBuf::from("fuzz"),
-                output,
-                count: None,
-                filter: None,
-            };
-            if replay(reader, &HashMap::new(), &opts, &mut std::io::sink()).is_ok() {
-                replayed += 1;
-            }
-        }
-    }
+    let replayed: usize = inputs("recording_decoder", "seeds-recording")
+        .iter()
+        .map(|(_, data)| recording::replays(data))
+        .sum();
     assert!(replayed > 0, "the seed (the golden recording) replays");
 }
 
@@ -156,38 +123,6 @@ fn routes_and_marks() {
 #[test]
 fn agent_line_reader() {
     for (path, data) in inputs("agent_line_reader", "seeds-lines") {
-        let Some((&cuts, data)) = data.split_first() else {
-            continue;
-        };
-        let max = 64;
-        let mut want = Vec::new();
-        let mut too_long = false;
-        let mut rest = data;
-        while let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-            if nl + 1 > max {
-                too_long = true;
-                break;
-            }
-            want.push(rest[..=nl].to_vec());
-            rest = &rest[nl + 1..];
-        }
-        too_long |= rest.len() > max;
-        let mut got = Vec::new();
-        let mut reader = LineReader::new(max);
-        let mut failed = false;
-        for piece in data.chunks(usize::from(cuts % 17) + 1) {
-            let fed = reader.feed(piece, |l| {
-                got.push(l.to_vec());
-                Ok(())
-            });
-            if fed.is_err() {
-                failed = true;
-                break;
-            }
-        }
-        assert_eq!(failed, too_long, "{}", path.display());
-        if !failed {
-            assert_eq!(got, want, "{}", path.display());
-        }
+        line_reader::check(&data, &path.display().to_string());
     }
 }

@@ -102,6 +102,13 @@ impl Drop for Agent {
     }
 }
 
+/// The agent's metrics (`GET /metrics` on [`METRICS`]), which must answer 200.
+pub fn scrape(lab: &Lab) -> String {
+    let (status, body) = http_get(lab, METRICS, "/metrics");
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
 /// `GET path` on `addr` from inside the lab's node namespace: (status, body).
 pub fn http_get(lab: &Lab, addr: &'static str, path: &str) -> (u16, String) {
     try_http_get(lab, addr, path).unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"))

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod lab;
 pub mod nft_shapes;
 pub mod raw;
+pub mod rules;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -171,5 +172,17 @@ pub fn run_in_with_stdin(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), St
         Ok(())
     } else {
         Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// Polls `f` every 100 ms until it is true; panics naming `what` after `within`.
+pub fn wait_for(what: &str, within: std::time::Duration, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out ({within:?}) waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }

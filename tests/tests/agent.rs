@@ -7,11 +7,11 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
-    Agent, Client, METRICS, encode, http_get, http_get_accept, sample, try_http_get, unix_get,
-    unix_request,
+    Agent, Client, METRICS, encode, http_get, http_get_accept, sample, scrape, try_http_get,
+    unix_get, unix_request,
 };
 use observer_tests::lab::{Lab, drop_udp_port};
-use observer_tests::{privileged, run};
+use observer_tests::{privileged, run, wait_for};
 use serde_json::Value;
 
 /// Sends `n` datagrams from the lab's client to the pod's `port`.
@@ -24,20 +24,6 @@ fn send_udp(lab: &Lab, port: u16, n: usize) {
             std::thread::sleep(Duration::from_millis(5));
         }
     });
-}
-
-fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn scrape(lab: &Lab) -> String {
-    let (status, body) = http_get(lab, METRICS, "/metrics");
-    assert_eq!(status, 200, "{body}");
-    body
 }
 
 /// Prometheus (Debian's), in the lab's node namespace on loopback, scraping the agent
@@ -192,22 +178,7 @@ fn prometheus_sees_every_forward_drop_and_promtool_accepts_the_metrics() {
         "a GET without Accept gets the text format 0.0.4: {text}"
     );
     // promtool's own linter accepts the exposition.
-    let mut p = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian package `prometheus`)");
-    std::io::Write::write_all(p.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
-    drop(p.stdin.take());
-    let out = p.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    promtool_accepts(&text);
     drop(prom);
 
     // SIGTERM: detached, exit 0, within 2 s.

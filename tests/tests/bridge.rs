@@ -10,83 +10,13 @@ use std::time::Duration;
 
 use observer_tests::agent::{Agent, Client, METRICS, http_get, sample};
 use observer_tests::lab::{Lab, Tail, tcp_client, tcp_echo, udp_sink};
+use observer_tests::rules::{Counts, diff, increments, lab_counters, named};
 use observer_tests::{privileged, run};
 use serde_json::Value;
-
-type Counts = BTreeMap<(String, String, usize), u64>;
 
 const POD: &str = "10.244.0.5";
 const POD_PORT: &str = "veth1a2b3c4d";
 const POD2_PORT: &str = "veth2c3d4e5f";
-
-/// Packet counters of every rule of `save` (`iptables-save` or `ip6tables-save`) on the
-/// node, keyed (table, chain, index).
-fn counters(lab: &Lab, save: &str) -> Counts {
-    let out = run(&["ip", "netns", "exec", &lab.ns("node"), save, "-c"]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    let file = observer_rules::parse_save(&text).expect("-save -c parses");
-    let mut counts = Counts::new();
-    for t in &file.tables {
-        for c in &t.chains {
-            for (i, r) in c.rules.iter().enumerate() {
-                let k = r.counters.expect("-c prints counters");
-                counts.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
-            }
-        }
-    }
-    counts
-}
-
-fn increments(before: &Counts, after: &Counts) -> Counts {
-    after
-        .iter()
-        .filter_map(|(k, v)| {
-            let d = v - before.get(k).copied().unwrap_or(0);
-            (d > 0).then(|| (k.clone(), d))
-        })
-        .collect()
-}
-
-/// The rules named in the `family` traversals of `reports`, once per stage naming them.
-fn named(reports: &[Value], family: &str) -> Counts {
-    let mut counts = Counts::new();
-    for r in reports.iter().filter(|r| r["family"] == family) {
-        for s in r["stages"].as_array().into_iter().flatten() {
-            for rule in s["rules"].as_array().into_iter().flatten() {
-                let Some(index) = rule["index"].as_u64() else {
-                    continue;
-                };
-                let key = (
-                    rule["table"].as_str().unwrap().to_string(),
-                    rule["chain"].as_str().unwrap().to_string(),
-                    index as usize,
-                );
-                *counts.entry(key).or_default() += 1;
-            }
-        }
-    }
-    counts
-}
-
-fn diff(kernel: &Counts, tail: &Counts) -> Vec<String> {
-    kernel
-        .keys()
-        .chain(tail.keys())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| kernel.get(*k) != tail.get(*k))
-        .map(|k| {
-            format!(
-                "{}/{}#{}: kernel {}, tail {}",
-                k.0,
-                k.1,
-                k.2,
-                kernel.get(k).copied().unwrap_or(0),
-                tail.get(k).copied().unwrap_or(0)
-            )
-        })
-        .collect()
-}
 
 fn src(r: &Value) -> &str {
     r["stages"][0]["before"]["src"].as_str().unwrap_or("")
@@ -281,7 +211,7 @@ fn bridged_ipv4_flows_are_whole_with_their_ports_and_the_kernels_rules() {
     let tail = Tail::start_with(&lab, &["--stats", stats_file.to_str().unwrap()]);
     // Read once the probes are attached: the node's own packets before (an IGMP report
     // as its bridge comes up) are counted by the kernel but were never the observer's.
-    let before = counters(&lab, "iptables-save");
+    let before = lab_counters(&lab, "node", "iptables-save");
     // The ClusterIP first, the node's neighbour entry for the pod still unresolved.
     let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 4);
     assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
@@ -302,7 +232,7 @@ fn bridged_ipv4_flows_are_whole_with_their_ports_and_the_kernels_rules() {
     udp_send(&lab, "pod", "10.244.0.1:5353");
     sink.join().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
-    let after = counters(&lab, "iptables-save");
+    let after = lab_counters(&lab, "node", "iptables-save");
     let (reports, stderr) = tail.stop();
     let neigh = run(&[
         "ip",
@@ -448,10 +378,10 @@ fn a_forward_rule_drops_a_bridged_frame_and_the_report_says_where() {
     prime(&lab, "10.244.0.1:9");
     let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
     let tail = Tail::start_with(&lab, &["--stats", stats_file.to_str().unwrap()]);
-    let before = counters(&lab, "iptables-save");
+    let before = lab_counters(&lab, "node", "iptables-save");
     udp_send(&lab, "pod", "10.244.0.6:9");
     std::thread::sleep(Duration::from_millis(1500));
-    let after = counters(&lab, "iptables-save");
+    let after = lab_counters(&lab, "node", "iptables-save");
     // The port the bridge would have sent the frame out of: where its FDB has pod2's MAC.
     let fdb_port = fdb_port_of(&lab, &mac_of(&lab, "pod2"));
     let (reports, stderr) = tail.stop();
@@ -509,7 +439,7 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
         &lab,
         &["--stats", stats_file.to_str().unwrap(), "--filter", "tcp"],
     );
-    let before = counters(&lab, "ip6tables-save");
+    let before = lab_counters(&lab, "node", "ip6tables-save");
     let echo = tcp_echo(&lab, "pod", "[fd00:10:244::5]:22", 3);
     assert_eq!(
         tcp_client(&lab, "pod2", "[fd00:96::2]:22").unwrap(),
@@ -522,7 +452,7 @@ fn bridged_ipv6_flows_are_whole_with_their_ports() {
     );
     echo.join().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
-    let after = counters(&lab, "ip6tables-save");
+    let after = lab_counters(&lab, "node", "ip6tables-save");
     let (reports, stderr) = tail.stop();
     let all = summary(&reports);
     assert!(
@@ -597,12 +527,12 @@ fn a_flooded_frames_copies_say_which_port_each_left_by() {
         !String::from_utf8_lossy(&fdb.stdout).contains(&pod_mac),
         "cni0 does not know the pod's MAC before the frame"
     );
-    let before = counters(&lab, "iptables-save");
+    let before = lab_counters(&lab, "node", "iptables-save");
     let sink = udp_sink(&lab, "pod", "10.244.0.5:7001");
     udp_send(&lab, "pod2", "10.244.0.5:7001");
     sink.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    let after = counters(&lab, "iptables-save");
+    let after = lab_counters(&lab, "node", "iptables-save");
     let (reports, stderr) = tail.stop();
     let all = summary(&reports);
     let flow: Vec<&Value> = reports

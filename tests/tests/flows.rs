@@ -5,7 +5,7 @@
 use std::net::UdpSocket;
 
 use observer_tests::lab::{
-    Lab, TIMEOUT, Tail, first_dst, tcp_client, tcp_echo, traced_roundtrip, udp_sink,
+    Lab, TIMEOUT, Tail, drop_udp_port, first_dst, tcp_client, tcp_echo, traced_roundtrip, udp_sink,
 };
 use observer_tests::{privileged, run};
 use serde_json::Value;
@@ -113,21 +113,7 @@ fn packet_dropped_by_a_filter_forward_rule_names_table_and_reason() {
         return;
     }
     let lab = Lab::up("f3");
-    run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "iptables",
-        "-I",
-        "FORWARD",
-        "-p",
-        "udp",
-        "--dport",
-        "7777",
-        "-j",
-        "DROP",
-    ]);
+    drop_udp_port(&lab, 7777);
     let tail = Tail::start(&lab);
     lab.run_in("client", || {
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{METRICS, http_get, sample, try_http_get, unix_get};
-use observer_tests::lab::Lab;
+use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{in_ci, privileged, run};
 use serde_json::Value;
 
@@ -77,21 +77,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         return;
     };
     let lab = Lab::up("img");
-    run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "iptables",
-        "-I",
-        "FORWARD",
-        "-p",
-        "udp",
-        "--dport",
-        "7777",
-        "-j",
-        "DROP",
-    ]);
+    drop_udp_port(&lab, 7777);
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
     let c = &pod["containers"][0];

@@ -4,36 +4,17 @@
 //! VXLAN frames captured on the destination node's underlay interface (outer and inner
 //! headers), against the reports and the journey stitched from them.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use observer_model::stitch::{LegRole, NodeReport, Wanted, stitch};
 use observer_tests::lab::{Lab, TIMEOUT, Tail, tcp_client, tcp_echo};
-use observer_tests::{privileged, run};
+use observer_tests::privileged;
+use observer_tests::rules::{Counts, lab_counters};
 use serde_json::Value;
 
 const POD: &str = "10.244.0.5";
 const POD2: &str = "10.244.1.5";
 const SERVICE: &str = "10.96.0.30";
-
-type Counts = BTreeMap<(String, String, usize), u64>;
-
-/// Packet counters of every iptables rule of the lab namespace `role`.
-fn counters(lab: &Lab, role: &str) -> Counts {
-    let out = run(&["ip", "netns", "exec", &lab.ns(role), "iptables-save", "-c"]);
-    let file = observer_rules::parse_save(&String::from_utf8_lossy(&out.stdout))
-        .expect("iptables-save -c parses");
-    let mut counts = Counts::new();
-    for t in &file.tables {
-        for c in &t.chains {
-            for (i, r) in c.rules.iter().enumerate() {
-                let k = r.counters.expect("-c prints counters");
-                counts.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
-            }
-        }
-    }
-    counts
-}
 
 fn increment(before: &Counts, after: &Counts, table: &str, chain: &str, index: usize) -> u64 {
     let k = (table.to_string(), chain.to_string(), index);
@@ -182,7 +163,10 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
         return;
     }
     let lab = Lab::up_two_nodes("ov");
-    let before = (counters(&lab, "node"), counters(&lab, "node2"));
+    let before = (
+        lab_counters(&lab, "node", "iptables-save"),
+        lab_counters(&lab, "node2", "iptables-save"),
+    );
     let echo = tcp_echo(&lab, "pod2", "10.244.1.5:8080", 1);
     let tails = [
         Tail::start_on(&lab, "node", &[], &[]),
@@ -209,7 +193,10 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
     let [a, b] = tails;
     let (node_reports, _) = a.stop();
     let (node2_reports, _) = b.stop();
-    let after = (counters(&lab, "node"), counters(&lab, "node2"));
+    let after = (
+        lab_counters(&lab, "node", "iptables-save"),
+        lab_counters(&lab, "node2", "iptables-save"),
+    );
 
     // The kernel's counters on both nodes: DNAT on node only (node2 sees pod2's address
     // already), the policy's DROP on node2 only.

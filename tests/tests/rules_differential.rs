@@ -234,7 +234,7 @@ static LATE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 /// Packets the simulator translated (DNAT, SNAT, MASQUERADE, REDIRECT), for coverage.
 static NATTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-type Counts = BTreeMap<(String, String, usize), u64>;
+use observer_tests::rules::{Counts, increments, rule_counters};
 
 /// Per-rule packet counters, keyed (table, chain, index); with the legacy back end also the
 /// built-in chains' policy counters, keyed with index 0 (nft keeps none for policies).
@@ -252,7 +252,7 @@ fn counters(lab: &Lab) -> Counts {
             "printer differs from iptables-save"
         );
     }
-    let mut out = Counts::new();
+    let mut out = rule_counters(&file);
     for t in &file.tables {
         for c in &t.chains {
             if lab.legacy
@@ -261,23 +261,9 @@ fn counters(lab: &Lab) -> Counts {
             {
                 out.insert((t.name.clone(), c.name.clone(), 0), k.packets);
             }
-            for (i, r) in c.rules.iter().enumerate() {
-                let k = r.counters.expect("-c prints counters");
-                out.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
-            }
         }
     }
     out
-}
-
-fn delta(before: &Counts, after: &Counts) -> Counts {
-    after
-        .iter()
-        .filter_map(|(k, v)| {
-            let d = v - before.get(k).copied().unwrap_or(0);
-            (d > 0).then(|| (k.clone(), d))
-        })
-        .collect()
 }
 
 struct Outcome {
@@ -353,12 +339,12 @@ fn check_one(
     } else {
         lab.client.run(move || send_raw(&p));
     }
-    let mut got = delta(&before, &counters(lab));
+    let mut got = increments(&before, &counters(lab));
     if got != want {
         // Softirq processing may lag the send on a busy machine; look once more.
         LATE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(100));
-        got = delta(&before, &counters(lab));
+        got = increments(&before, &counters(lab));
     }
     let hits = want.values().sum();
     Some(((got != want).then_some((got, want)), hits, verdict))

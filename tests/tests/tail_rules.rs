@@ -4,60 +4,12 @@
 //! stage's check must agree with what the kernel did. In the nftables lab the native
 //! kube-proxy rules are named by handle, as `nft -a list ruleset` shows them.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use observer_tests::lab::{Lab, Tail, first_dst, tcp_client, tcp_echo};
+use observer_tests::rules::{Counts, diff, lab_counters, named};
 use observer_tests::{privileged, run};
 use serde_json::Value;
-
-type Counts = BTreeMap<(String, String, usize), u64>;
-
-/// Packet counters of every iptables rule of the lab node, keyed (table, chain, index).
-fn counters(lab: &Lab) -> Counts {
-    let out = run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "iptables-save",
-        "-c",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    let file = observer_rules::parse_save(&text).expect("iptables-save -c parses");
-    let mut counts = Counts::new();
-    for t in &file.tables {
-        for c in &t.chains {
-            for (i, r) in c.rules.iter().enumerate() {
-                let k = r.counters.expect("-c prints counters");
-                counts.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
-            }
-        }
-    }
-    counts
-}
-
-/// The iptables rules named in the IPv4 traversals of `reports` (IPv6 ones name
-/// ip6tables rules, counted by `ip6tables-save`), once per stage that names them.
-fn named(reports: &[Value]) -> Counts {
-    let mut counts = Counts::new();
-    for r in reports.iter().filter(|r| r["family"] == "ipv4") {
-        for s in r["stages"].as_array().into_iter().flatten() {
-            for rule in s["rules"].as_array().into_iter().flatten() {
-                let Some(index) = rule["index"].as_u64() else {
-                    continue;
-                };
-                let key = (
-                    rule["table"].as_str().unwrap().to_string(),
-                    rule["chain"].as_str().unwrap().to_string(),
-                    index as usize,
-                );
-                *counts.entry(key).or_default() += 1;
-            }
-        }
-    }
-    counts
-}
 
 /// Every stage check that is not an agreement, with its traversal's flow.
 fn not_agreeing(reports: &[Value]) -> Vec<String> {
@@ -93,13 +45,13 @@ fn rules_named_by_tail_equal_the_kernels_rule_counters() {
     }
     let lab = Lab::up("tr");
     lab.reset_counters();
-    let before = counters(&lab);
+    let before = lab_counters(&lab, "node", "iptables-save");
     let tail = Tail::start(&lab);
     lab.traffic();
     // Quiet: the flows are done (their sockets closed); the counters are read before the
     // tail stops, so both saw the same packets.
     std::thread::sleep(Duration::from_millis(1500));
-    let after = counters(&lab);
+    let after = lab_counters(&lab, "node", "iptables-save");
     let (reports, stderr) = tail.stop();
     assert!(
         !reports.iter().any(|r| r["incomplete"] == true),
@@ -112,28 +64,12 @@ fn rules_named_by_tail_equal_the_kernels_rule_counters() {
             (d > 0).then(|| (k.clone(), d))
         })
         .collect();
-    let tail_named = named(&reports);
+    let tail_named = named(&reports, "ipv4");
     assert!(
         kernel.len() >= 10,
         "the demo flows hit the lab's rules: {kernel:?}"
     );
-    let diff: Vec<String> = kernel
-        .keys()
-        .chain(tail_named.keys())
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| kernel.get(*k) != tail_named.get(*k))
-        .map(|k| {
-            format!(
-                "{}/{}#{}: kernel {}, tail {}",
-                k.0,
-                k.1,
-                k.2,
-                kernel.get(k).copied().unwrap_or(0),
-                tail_named.get(k).copied().unwrap_or(0)
-            )
-        })
-        .collect();
+    let diff = diff(&kernel, &tail_named);
     assert!(
         diff.is_empty(),
         "rules named by tail differ from the kernel's counters:\n{}\ntraversals:\n{}",
@@ -260,11 +196,11 @@ fn nftables_lab_names_the_native_kube_proxy_rules() {
     );
     // No KUBE-* iptables rule exists in this mode, so none is named.
     assert!(
-        named(&reports)
+        named(&reports, "ipv4")
             .keys()
             .all(|(_, chain, _)| !chain.starts_with("KUBE-")),
         "{:?}",
-        named(&reports)
+        named(&reports, "ipv4")
     );
 }
 

@@ -7,27 +7,10 @@
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{Agent, Client, METRICS, http_get, sample, unix_get, unix_request};
+use observer_tests::agent::{Agent, Client, sample, scrape, unix_get, unix_request};
 use observer_tests::lab::{Lab, drop_udp_port};
-use observer_tests::{privileged, run};
+use observer_tests::{privileged, run, wait_for};
 use serde_json::Value;
-
-fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !f() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out ({within:?}) waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn scrape(lab: &Lab) -> String {
-    let (status, body) = http_get(lab, METRICS, "/metrics");
-    assert_eq!(status, 200, "{body}");
-    body
-}
 
 /// The ids of the netfilter links the process holds (its fds' fdinfo).
 fn netfilter_links(pid: u32) -> Vec<u64> {

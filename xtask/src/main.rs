@@ -874,13 +874,8 @@ fn test(extra: &[String]) -> Result<()> {
 /// Runs an iperf3 server in the pod and a client in the client namespace (traffic stays in
 /// the lab's namespaces); returns the client's JSON report.
 fn iperf3(prefix: &str, client_args: &[&str]) -> Result<serde_json::Value> {
-    let pod = format!("{prefix}-pod");
     let client = format!("{prefix}-client");
-    let mut server = Command::new("ip")
-        .args(["netns", "exec", &pod, "iperf3", "-s", "-1", "-p", "5201"])
-        .stdout(Stdio::null())
-        .spawn()?;
-    std::thread::sleep(Duration::from_millis(300));
+    let mut server = iperf3_server(prefix)?;
     let out = output(
         Command::new("ip")
             .args(["netns", "exec", &client, "iperf3", "-J", "-p", "5201"])
@@ -889,6 +884,20 @@ fn iperf3(prefix: &str, client_args: &[&str]) -> Result<serde_json::Value> {
     let _ = server.wait();
     Ok(serde_json::from_str(&out?)?)
 }
+
+/// An iperf3 server for one test in the lab's pod (port 5201), given time to listen.
+fn iperf3_server(prefix: &str) -> Result<std::process::Child> {
+    let server = Command::new("ip")
+        .args(["netns", "exec", &format!("{prefix}-pod")])
+        .args(["iperf3", "-s", "-1", "-p", "5201"])
+        .stdout(Stdio::null())
+        .spawn()?;
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(server)
+}
+
+/// iperf3 client arguments of a flood to the lab's pod: unlimited 64-byte UDP datagrams.
+const UDP_FLOOD: [&str; 7] = ["-c", "172.17.0.5", "-u", "-b", "0", "-l", "64"];
 
 /// TCP throughput client -> ClusterIP (DNAT, masquerade) -> pod, in bit/s.
 fn tcp_rate(prefix: &str, seconds: u32) -> Result<f64> {
@@ -904,17 +913,7 @@ fn tcp_rate(prefix: &str, seconds: u32) -> Result<f64> {
 fn udp_rate(prefix: &str, seconds: u32) -> Result<f64> {
     let v = iperf3(
         prefix,
-        &[
-            "-c",
-            "172.17.0.5",
-            "-u",
-            "-b",
-            "0",
-            "-l",
-            "64",
-            "-t",
-            &seconds.to_string(),
-        ],
+        &[&UDP_FLOOD[..], &["-t", &seconds.to_string()]].concat(),
     )?;
     let sum = &v["end"]["sum"];
     let sent = sum["packets"]
@@ -1697,26 +1696,11 @@ fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool, no_build: bool)
 fn sigint_during_flood(bin: &Path, prefix: &str) -> Result<Duration> {
     let node = format!("{prefix}-node");
     let mut tail = start_tail(bin, &["--netns", &node, "--json"], Stdio::null())?;
-    let mut server = Command::new("ip")
-        .args(["netns", "exec", &format!("{prefix}-pod")])
-        .args(["iperf3", "-s", "-1", "-p", "5201"])
-        .stdout(Stdio::null())
-        .spawn()?;
-    std::thread::sleep(Duration::from_millis(300));
+    let mut server = iperf3_server(prefix)?;
     let mut client = Command::new("ip")
         .args(["netns", "exec", &format!("{prefix}-client")])
-        .args([
-            "iperf3",
-            "-p",
-            "5201",
-            "-c",
-            "172.17.0.5",
-            "-u",
-            "-b",
-            "0",
-            "-l",
-            "64",
-        ])
+        .args(["iperf3", "-p", "5201"])
+        .args(UDP_FLOOD)
         .args(["-t", "4"])
         .stdout(Stdio::null())
         .spawn()?;

@@ -10,11 +10,12 @@ use serde_json::Value;
 
 use super::program::{
     Base, BitOp, CtKey, Expr, FibResult, Field, MapData, MetaKey, NatKind, Op, PChain, PRule, PSet,
-    PTable, Program, Rhs, SetRef, Stmt, Target, hook_of,
+    PTable, Program, Rhs, SetRef, Stmt, Target,
 };
 use super::text::{expr_text, rule_text};
 use super::value::{Atom, SetData, Ty, atom, element};
 use super::{NftRuleset, NftSet, NftTable};
+use crate::sim::Hook;
 
 /// Compiles every table of `rs`.
 pub fn compile(rs: &NftRuleset) -> Program {
@@ -29,19 +30,18 @@ struct Cx<'a> {
     set_keys: Vec<Vec<Ty>>,
 }
 
+/// Each item's index by its name.
+fn by_name<T>(items: &[T], name: impl Fn(&T) -> &String) -> HashMap<&str, usize> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (name(x).as_str(), i))
+        .collect()
+}
+
 fn compile_table(t: &NftTable) -> PTable {
-    let chains: HashMap<&str, usize> = t
-        .chains
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.name.as_str(), i))
-        .collect();
-    let sets: HashMap<&str, usize> = t
-        .sets
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.name.as_str(), i))
-        .collect();
+    let chains = by_name(&t.chains, |c| &c.name);
+    let sets = by_name(&t.sets, |s| &s.name);
     let cx = Cx {
         chains,
         sets,
@@ -58,7 +58,7 @@ fn compile_table(t: &NftTable) -> PTable {
         .map(|c| PChain {
             name: c.name.clone(),
             handle: c.handle,
-            base: c.hook.as_deref().and_then(hook_of).map(|hook| Base {
+            base: c.hook.as_deref().and_then(Hook::from_nft).map(|hook| Base {
                 hook,
                 priority: c
                     .priority
@@ -86,9 +86,7 @@ fn compile_table(t: &NftTable) -> PTable {
         })
         .collect();
     PTable {
-        family: t.family.clone(),
-        name: t.name.clone(),
-        handle: t.handle,
+        id: t.id.clone(),
         chains: pchains,
         sets: psets,
         iptables: t.is_iptables(),

@@ -53,11 +53,18 @@ pub struct NftRuleset {
     pub tables: Vec<NftTable>,
 }
 
+/// Which table: its family and name, and its handle (handles grow with creation, which
+/// orders hooks of equal priority).
 #[derive(Debug, Clone, PartialEq)]
-pub struct NftTable {
+pub struct TableId {
     pub family: String,
     pub name: String,
     pub handle: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NftTable {
+    pub id: TableId,
     pub chains: Vec<NftChain>,
     pub sets: Vec<NftSet>,
 }
@@ -100,8 +107,8 @@ const IPTABLES_TABLES: &[&str] = &["raw", "mangle", "nat", "filter", "security"]
 impl NftTable {
     /// Tables iptables-nft manages; their rules also appear in `iptables-save`.
     pub fn is_iptables(&self) -> bool {
-        matches!(self.family.as_str(), "ip" | "ip6")
-            && IPTABLES_TABLES.contains(&self.name.as_str())
+        matches!(self.id.family.as_str(), "ip" | "ip6")
+            && IPTABLES_TABLES.contains(&self.id.name.as_str())
     }
 
     pub fn set(&self, name: &str) -> Option<&NftSet> {
@@ -114,7 +121,7 @@ impl NftRuleset {
     pub fn native_base_chains(&self, family: &str, hook: &str) -> Vec<(String, &NftChain)> {
         let mut out = Vec::new();
         for t in &self.tables {
-            if t.is_iptables() || !(t.family == family || t.family == "inet") {
+            if t.is_iptables() || !(t.id.family == family || t.id.family == "inet") {
                 continue;
             }
             for c in &t.chains {
@@ -122,7 +129,7 @@ impl NftRuleset {
                     .as_deref()
                     .is_some_and(|h| h.eq_ignore_ascii_case(hook))
                 {
-                    out.push((format!("{} {}", t.family, t.name), c));
+                    out.push((format!("{} {}", t.id.family, t.id.name), c));
                 }
             }
         }
@@ -261,9 +268,11 @@ impl Builder {
                 .insert((t.family.clone(), t.name.clone()), self.rs.tables.len());
             self.chain_ix.push(HashMap::new());
             self.rs.tables.push(NftTable {
-                family: t.family,
-                name: t.name,
-                handle: t.handle.unwrap_or(0),
+                id: TableId {
+                    family: t.family,
+                    name: t.name,
+                    handle: t.handle.unwrap_or(0),
+                },
                 chains: Vec::new(),
                 sets: Vec::new(),
             });

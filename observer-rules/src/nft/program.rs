@@ -4,6 +4,7 @@
 
 use std::net::IpAddr;
 
+use super::TableId;
 use super::value::{Atom, SetData, Ty};
 use crate::sim::Hook;
 
@@ -211,10 +212,8 @@ pub struct Base {
 
 #[derive(Debug, Clone)]
 pub struct PTable {
-    pub family: String,
-    pub name: String,
-    /// Handles grow with creation, which orders hooks of equal priority (see `hook_chains`).
-    pub handle: u64,
+    /// Its handle orders hooks of equal priority (see `hook_chains`).
+    pub id: TableId,
     pub chains: Vec<PChain>,
     pub sets: Vec<PSet>,
     /// A table iptables-nft manages (`ip filter`, `ip6 nat`...).
@@ -225,17 +224,6 @@ pub struct PTable {
 #[derive(Debug, Clone, Default)]
 pub struct Program {
     pub tables: Vec<PTable>,
-}
-
-pub(super) fn hook_of(name: &str) -> Option<Hook> {
-    Some(match name {
-        "prerouting" => Hook::PreRouting,
-        "input" => Hook::LocalIn,
-        "forward" => Hook::Forward,
-        "output" => Hook::LocalOut,
-        "postrouting" => Hook::PostRouting,
-        _ => return None,
-    })
 }
 
 /// A base chain scheduled on a hook: table and chain indices, the priority where the kernel
@@ -262,7 +250,7 @@ impl Program {
         let fam = if v6 { "ip6" } else { "ip" };
         let mut out = Vec::new();
         for (ti, t) in self.tables.iter().enumerate() {
-            if !(t.family == fam || t.family == "inet") || (t.iptables && skip_iptables) {
+            if !(t.id.family == fam || t.id.family == "inet") || (t.iptables && skip_iptables) {
                 continue;
             }
             for (ci, c) in t.chains.iter().enumerate() {
@@ -279,7 +267,7 @@ impl Program {
                         b.priority
                     },
                     priority: b.priority,
-                    created: (t.handle, c.handle),
+                    created: (t.id.handle, c.handle),
                 });
             }
         }
@@ -293,7 +281,7 @@ impl Program {
     pub fn bridge_chains(&self, hook: Hook) -> Vec<Scheduled> {
         let mut out = Vec::new();
         for (ti, t) in self.tables.iter().enumerate() {
-            if t.family != "bridge" {
+            if t.id.family != "bridge" {
                 continue;
             }
             for (ci, c) in t.chains.iter().enumerate() {
@@ -305,7 +293,7 @@ impl Program {
                     chain: ci,
                     at: b.priority,
                     priority: b.priority,
-                    created: (t.handle, c.handle),
+                    created: (t.id.handle, c.handle),
                 });
             }
         }
@@ -319,9 +307,9 @@ impl Program {
         let t = self
             .tables
             .iter()
-            .find(|t| t.family == fam && t.name == table)?;
+            .find(|t| t.id.family == fam && t.id.name == table)?;
         let c = t.chains.iter().find(|c| c.name == chain)?;
-        Some((t.handle, c.handle))
+        Some((t.id.handle, c.handle))
     }
 }
 

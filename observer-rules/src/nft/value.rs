@@ -151,15 +151,9 @@ fn named(ty: Ty, s: &str) -> Option<u128> {
             _ => s.parse().ok()?,
         },
         (Ty::TcpFlags, _) => match s {
-            "fin" => 1,
-            "syn" => 2,
-            "rst" => 4,
-            "psh" => 8,
-            "ack" => 16,
-            "urg" => 32,
             "ecn" => 64,
             "cwr" => 128,
-            _ => return None,
+            _ => u128::from(crate::packet::tcp_flag(s)?),
         },
         _ => s.parse().ok()?,
     })

@@ -8,8 +8,7 @@
 //! run where the kernel runs them around br_netfilter's own hooks.
 
 use super::{
-    Chooser, Hook, NfBridge, PhysOut, Pkt, Simulator, Stage, TableResult, Tri, Verdict, Walk,
-    iface_match,
+    Chooser, Hook, NfBridge, PhysOut, Pkt, Simulator, Stage, Tri, Verdict, Walk, iface_match,
 };
 use crate::compile::Physdev;
 use crate::packet::PacketSpec;
@@ -143,32 +142,15 @@ impl Simulator<'_> {
             .filter(|s| keep(s.priority))
         {
             let t = &prog.tables[s.table];
-            let before = pkt.snapshot();
-            let mut stage = Stage {
+            let mut stage = Stage::open(
                 hook,
-                table: t.name.clone(),
-                priority: s.priority,
-                before: before.clone(),
-                after: before,
-                verdict: Verdict::Accept,
-                rules: Vec::new(),
-                policy: None,
-                nat: None,
-                note: None,
-                ct: None,
-                nft_chain: Some((t.family.clone(), t.chains[s.chain].name.clone())),
-            };
+                t.id.name.clone(),
+                s.priority,
+                pkt,
+                Some((t.id.family.clone(), t.chains[s.chain].name.clone())),
+            );
             let res = self.run_nft_chain(s, hook, pkt, &mut stage, ch);
-            stage.after = pkt.snapshot();
-            stage.verdict = match res {
-                TableResult::Verdict(v) => v,
-                TableResult::Undecidable(why) => {
-                    stage.note = Some(why);
-                    Verdict::Undecidable
-                }
-            };
-            stage.ct = pkt.ct_view();
-            let v = stage.verdict;
+            let v = stage.close(res, pkt);
             b.stages.push(stage.into_model());
             if v != Verdict::Accept {
                 b.verdict = v;

@@ -5,8 +5,8 @@
 //! chain (or `return` in it) applies its policy.
 
 use super::{
-    CtState, Flow, Hook, MAX_DEPTH, MatchedRule, NftRuleRef, Pkt, Simulator, Stage, TableResult,
-    Tri, Verdict,
+    CtState, Flow, Frames, Hook, MatchedRule, NftRuleRef, Pkt, Simulator, Stage, TableResult, Tri,
+    Verdict,
 };
 use crate::compile::Action;
 use crate::nft::program::{
@@ -80,9 +80,9 @@ impl Simulator<'_> {
         let t = &prog.tables[s.table];
         let base = &t.chains[s.chain];
         let policy_drop = base.base.as_ref().is_some_and(|b| b.policy_drop);
-        let mut stack: Vec<(usize, usize)> = vec![(s.chain, 0)];
+        let mut frames = Frames::new(s.chain);
         loop {
-            let Some(&mut (ci, ref mut pos)) = stack.last_mut() else {
+            let Some((ci, ri)) = frames.next(|ci| t.chains[ci].rules.len()) else {
                 stage.policy = Some(if policy_drop { "drop" } else { "accept" }.into());
                 return TableResult::Verdict(if policy_drop {
                     Verdict::Drop
@@ -90,16 +90,10 @@ impl Simulator<'_> {
                     Verdict::Accept
                 });
             };
-            let chain = &t.chains[ci];
-            if *pos >= chain.rules.len() {
-                stack.pop();
-                continue;
-            }
             if !ch.step() {
                 return ch.out_of_steps(stage);
             }
-            let ri = *pos;
-            *pos += 1;
+            let chain = &t.chains[ci];
             let rule = &chain.rules[ri];
             let mark_before = pkt.mark;
             let (target, desc) = match self.nft_rule(t, rule, hook, pkt, stage, ch) {
@@ -110,7 +104,7 @@ impl Simulator<'_> {
                     stage.rules.push(m);
                     return TableResult::Undecidable(format!(
                         "{} {} {} handle {}: {why}",
-                        t.family, t.name, chain.name, rule.handle
+                        t.id.family, t.id.name, chain.name, rule.handle
                     ));
                 }
                 Outcome::Matched(target, desc) => (target, desc),
@@ -125,22 +119,13 @@ impl Simulator<'_> {
                 Target::Accept => return TableResult::Verdict(Verdict::Accept),
                 Target::Drop => return TableResult::Verdict(Verdict::Drop),
                 Target::Reject => return TableResult::Verdict(Verdict::Reject),
-                Target::Return => {
-                    stack.pop();
-                }
+                Target::Return => frames.ret(),
                 Target::Jump(c) => {
-                    if stack.len() >= MAX_DEPTH {
-                        return TableResult::Undecidable(format!(
-                            "jump depth over {MAX_DEPTH} (loop?)"
-                        ));
-                    }
-                    stack.push((c, 0));
-                }
-                Target::Goto(c) => {
-                    if let Some(top) = stack.last_mut() {
-                        *top = (c, 0);
+                    if let Err(why) = frames.jump(c) {
+                        return TableResult::Undecidable(why);
                     }
                 }
+                Target::Goto(c) => frames.goto(c),
                 Target::Missing(name) => {
                     return TableResult::Undecidable(format!("jump to missing chain {name}"));
                 }
@@ -434,7 +419,7 @@ impl Simulator<'_> {
                 }
                 MetaKey::OifName => Ev::Val(Atom::S(out_if(hook, pkt).unwrap_or("").to_string())),
                 // nft_meta_bridge: the bridge of the port, "" without one.
-                MetaKey::IbrName | MetaKey::ObrName if t.family == "bridge" => {
+                MetaKey::IbrName | MetaKey::ObrName if t.id.family == "bridge" => {
                     let port = if *k == MetaKey::IbrName {
                         in_if(hook, pkt)
                     } else {
@@ -649,7 +634,7 @@ fn verdict_desc(t: &PTable, v: &Target, said: &[String]) -> String {
 
 fn nft_matched(t: &PTable, chain: &str, rule: &PRule, ri: usize, action: String) -> MatchedRule {
     MatchedRule {
-        table: t.name.clone(),
+        table: t.id.name.clone(),
         chain: chain.to_string(),
         index: ri + 1,
         text: rule.text.clone(),
@@ -658,7 +643,7 @@ fn nft_matched(t: &PTable, chain: &str, rule: &PRule, ri: usize, action: String)
         comments: rule.comment.iter().cloned().collect(),
         mark: None,
         nft: Some(NftRuleRef {
-            family: t.family.clone(),
+            family: t.id.family.clone(),
             handle: rule.handle,
             native: true,
         }),

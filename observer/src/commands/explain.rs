@@ -179,12 +179,14 @@ pub fn run(a: ExplainArgs) -> Result<String> {
                 .collect::<Result<_>>()?,
             packet: a.packet.clone(),
             iface_addrs: Default::default(),
-            bridge_links_json: read(&a.bridge_links, cap)?,
-            links_json: read(&a.links, cap)?,
-            neigh_json: read(&a.neigh, cap)?,
-            fdb_json: read(&a.fdb, cap)?,
-            bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
-                .map(|v| v.map(|v| v == 1)),
+            bridge: observer_rules::BridgeTexts {
+                bridge_links: read(&a.bridge_links, cap)?,
+                links: read(&a.links, cap)?,
+                neigh: read(&a.neigh, cap)?,
+                fdb: read(&a.fdb, cap)?,
+                bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
+                    .map(|v| v.map(|v| v == 1)),
+            },
         };
         observer_rules::explain(&req)?
     };

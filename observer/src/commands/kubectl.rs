@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand};
 
 use super::agent::client::{self, ClientOptions};
 use crate::k8s::cluster::{self, Agent, Where};
-use crate::pipeline::Output;
+use crate::pipeline::{Output, OutputArgs};
 
 /// True when the binary was started by a name that makes it the kubectl plugin.
 pub fn invoked_as_plugin(argv0: &std::ffi::OsStr) -> bool {
@@ -56,7 +56,8 @@ pub struct PluginCli {
 #[derive(Subcommand, Debug)]
 pub enum PluginCommand {
     /// Stream the reports of one node, a pod's node, or every node, merged; each report
-    /// names its node.
+    /// names its node (a tree's and a line's first line start with [NODE], a JSON object
+    /// gets a "node" key).
     Tail(PluginTail),
     /// Print every node's flight recorder of recent drops, newest first, each with its node.
     Drops(PluginDrops),
@@ -99,20 +100,22 @@ pub struct Target {
     pub all_nodes: bool,
 }
 
+/// What `tail` and `drops` ask of the agents alike: which nodes, which reports, printed how.
+#[derive(Args, Debug)]
+pub struct Selection {
+    #[command(flatten)]
+    pub target: Target,
+    #[command(flatten)]
+    pub output: OutputArgs,
+    /// Only the reports this filter keeps (docs/filter.md), applied by each agent.
+    #[arg(long, value_name = "EXPR")]
+    pub filter: Option<String>,
+}
+
 #[derive(Args, Debug)]
 pub struct PluginTail {
     #[command(flatten)]
-    pub target: Target,
-    /// How to print each traversal (a tree's and a line's first line start with [NODE];
-    /// JSON objects get a "node" key).
-    #[arg(long, value_enum, default_value = "tree")]
-    pub output: Output,
-    /// Same as --output json.
-    #[arg(long, conflicts_with = "output")]
-    pub json: bool,
-    /// The --filter language (docs/filter.md), applied by each agent.
-    #[arg(long, value_name = "EXPR")]
-    pub filter: Option<String>,
+    pub selection: Selection,
     /// Keep one flow in N.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub sample: u32,
@@ -120,8 +123,8 @@ pub struct PluginTail {
     #[arg(long, value_name = "N")]
     pub count: Option<u64>,
     /// Stop after SECS seconds.
-    #[arg(long, value_name = "SECS")]
-    pub timeout: Option<f64>,
+    #[arg(long, value_name = "SECS", value_parser = super::parse_seconds)]
+    pub timeout: Option<Duration>,
     /// Also trace the packets that carry this stream: the port-forward's connection to the
     /// agent on the node's loopback and kubelet's streaming port (10250). Left out by
     /// default: each report sent would make packets, and those more reports.
@@ -132,16 +135,7 @@ pub struct PluginTail {
 #[derive(Args, Debug)]
 pub struct PluginDrops {
     #[command(flatten)]
-    pub target: Target,
-    /// How to print each traversal.
-    #[arg(long, value_enum, default_value = "tree")]
-    pub output: Output,
-    /// Same as --output json.
-    #[arg(long, conflicts_with = "output")]
-    pub json: bool,
-    /// Only the drops this filter keeps (docs/filter.md).
-    #[arg(long, value_name = "EXPR")]
-    pub filter: Option<String>,
+    pub selection: Selection,
     /// Only the newest N of each node.
     #[arg(long, value_name = "N")]
     pub count: Option<u64>,
@@ -209,40 +203,32 @@ pub fn run(
         port: c.agent_port,
         timeout: Duration::from_secs_f64(c.connect_timeout),
     };
-    let (target, path, output, mut filter, sample, count, timeout) = match cli.command {
-        PluginCommand::Tail(t) => {
-            if t.target.node.is_none() && t.target.pod.is_none() && !t.target.all_nodes {
+    let (
+        Selection {
+            target,
+            output,
+            mut filter,
+        },
+        path,
+        sample,
+        count,
+        timeout,
+    ) = match cli.command {
+        PluginCommand::Tail(mut t) => {
+            let target = &t.selection.target;
+            if target.node.is_none() && target.pod.is_none() && !target.all_nodes {
                 anyhow::bail!("say which nodes: --node NODE, --pod NAMESPACE/NAME or --all-nodes");
             }
-            let timeout = match t.timeout {
-                Some(s) if s.is_finite() && (0.0..=365.0 * 86400.0).contains(&s) => {
-                    Some(Duration::from_secs_f64(s))
-                }
-                Some(s) => anyhow::bail!("--timeout {s}: give 0 to 31536000 seconds"),
-                None => None,
-            };
-            let output = if t.json { Output::Json } else { t.output };
-            let filter = if t.trace_own_stream {
-                t.filter
-            } else {
-                Some(without_own_stream(t.filter.as_deref(), c.agent_port))
-            };
-            (
-                t.target,
-                "/v1/traces",
-                output,
-                filter,
-                t.sample,
-                t.count,
-                timeout,
-            )
+            if !t.trace_own_stream {
+                let f = without_own_stream(t.selection.filter.as_deref(), c.agent_port);
+                t.selection.filter = Some(f);
+            }
+            (t.selection, "/v1/traces", t.sample, t.count, t.timeout)
         }
-        PluginCommand::Drops(d) => {
-            let output = if d.json { Output::Json } else { d.output };
-            (d.target, "/v1/drops", output, d.filter, 1, d.count, None)
-        }
+        PluginCommand::Drops(d) => (d.selection, "/v1/drops", 1, d.count, None),
         PluginCommand::Trace(t) => return trace::run(rt, client, cli.cluster, t, out),
     };
+    let output = output.format();
     // Find the agents, and check each answers as this version does.
     let (chosen, checked) = rt.block_on(async {
         let all = cluster::agents(&client, &w).await?;

@@ -153,34 +153,12 @@ impl Lab {
         if self.mode == Mode::Bridge {
             return bridge::up(self);
         }
-        let (client, node, pod, pod2, ext) = (
-            self.ns("client"),
-            self.ns("node"),
-            self.ns("pod"),
-            self.ns("pod2"),
-            self.ns("ext"),
-        );
-        veth(&node, "eth0", &client, "eth0")?;
-        veth(&node, "eth1", &ext, "eth0")?;
-        veth(&node, "cali1a2b", &pod, "eth0")?;
-        veth(&node, "cali2c3d", &pod2, "eth0")?;
-
-        self.sh(
-            "client",
-            &format!(
-                "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
-             ip -6 addr add {CLIENT_IP6}/64 dev eth0 nodad; ip -6 route add default via {NODE_IP6}"
-            ),
-        )?;
-        self.sh("ext", &format!("ip addr add {EXT_IP}/24 dev eth0"))?;
+        let node = self.node();
+        veth(&node, "cali1a2b", &self.ns("pod"), "eth0")?;
+        veth(&node, "cali2c3d", &self.ns("pod2"), "eth0")?;
+        self.outside_up(&format!("ip addr add {EXT_IP}/24 dev eth0"))?;
         for (role, ip) in [("pod", POD_IP), ("pod2", POD2_IP)] {
-            self.sh(
-                role,
-                &format!(
-                    "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
-                 ip route add default via {POD_GW}"
-                ),
-            )?;
+            self.routed_pod_up(role, ip)?;
         }
         self.sh("pod", &format!(
             "ip -6 addr add {POD_IP6}/64 dev eth0 nodad; ip -6 route add default via 2001:db8:2::1"
@@ -270,6 +248,36 @@ impl Lab {
 
     pub fn sh(&self, role: &str, script: &str) -> Result<String> {
         self.exec(role, &["sh", "-ec", script])
+    }
+
+    /// The node's outside: the client on its eth0 (v4 and v6, routed by the node), and ext
+    /// on its eth1, set up by `ext_script`.
+    fn outside_up(&self, ext_script: &str) -> Result<()> {
+        let node = self.node();
+        veth(&node, "eth0", &self.ns("client"), "eth0")?;
+        veth(&node, "eth1", &self.ns("ext"), "eth0")?;
+        self.sh("ext", ext_script)?;
+        self.sh(
+            "client",
+            &format!(
+                "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
+                 ip -6 addr add {CLIENT_IP6}/64 dev eth0 nodad; ip -6 route add default via {NODE_IP6}"
+            ),
+        )?;
+        Ok(())
+    }
+
+    /// A Calico-style pod (`role`): its /32 address on eth0, routed by the link-local
+    /// gateway its node answers for on the veth.
+    fn routed_pod_up(&self, role: &str, ip: &str) -> Result<()> {
+        self.sh(
+            role,
+            &format!(
+                "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
+                 ip route add default via {POD_GW}"
+            ),
+        )?;
+        Ok(())
     }
 }
 

@@ -217,13 +217,17 @@ impl Consumer for Replayer<'_> {
     fn on_record(&mut self, raw: &[u8], lost_now: u64) -> Next {
         let summary = &mut self.summary;
         summary.records += 1;
-        if let (Some(prog), Ok(rec)) = (&self.filter, decode(raw))
-            && !crate::filter::eval::keeps(prog, &rec, &self.tuple)
+        let decoded = decode(raw);
+        if let (Some(prog), Ok(rec)) = (&self.filter, &decoded)
+            && !crate::filter::eval::keeps(prog, rec, &self.tuple)
         {
             summary.filtered += 1;
             return Next::More;
         }
-        match self.pipeline.handle_to(raw, lost_now, [&mut *self.sink]) {
+        match self
+            .pipeline
+            .handle_decoded_to(raw, decoded, lost_now, [&mut *self.sink])
+        {
             Ok(Outcome::Report { incomplete, .. }) => {
                 summary.printed += 1;
                 summary.incomplete += u64::from(incomplete);

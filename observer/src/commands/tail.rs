@@ -204,7 +204,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
             .ruleset
             .nft
             .as_ref()
-            .is_some_and(|n| n.tables.iter().any(|t| t.family == "bridge")))
+            .is_some_and(|n| n.tables.iter().any(|t| t.id.family == "bridge")))
     .then(|| crate::kernel::bridgechains::BridgeChains::from_live(&live));
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let recorder = match &opts.record {

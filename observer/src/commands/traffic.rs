@@ -80,26 +80,38 @@ pub fn udp_send(ns: &str, to: SocketAddr, msg: &'static [u8]) -> Result<()> {
     .map_err(|_| anyhow::anyhow!("client thread panicked"))?
 }
 
+/// Waits for an echo server's thread to end, with its result.
+fn joined(server: std::thread::JoinHandle<Result<()>>) -> Result<()> {
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server panicked"))?
+}
+
+/// One TCP connection from the lab's `client` (role, destination) to an echo server the
+/// lab's `server` (role, address) runs for it, echoed back.
+fn echoed(
+    lab: &Lab,
+    server: (&str, SocketAddr),
+    client: (&str, SocketAddr),
+    msg: &'static [u8],
+) -> Result<()> {
+    let h = tcp_echo_server(&lab.ns(server.0), server.1, 1)?;
+    tcp_roundtrip(&lab.ns(client.0), client.1, msg)?;
+    joined(h)
+}
+
 /// The demo's flows. Returns a line per flow saying what was sent.
 pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
     let mut done = Vec::new();
     let svc: SocketAddr = format!("{}:22", lab::CLUSTER_IP).parse()?;
     let pod: SocketAddr = format!("{}:22", lab::POD_IP).parse()?;
-    let server = tcp_echo_server(&lab.ns("pod"), pod, 1)?;
-    tcp_roundtrip(&lab.ns("client"), svc, b"hello registry")?;
-    server
-        .join()
-        .map_err(|_| anyhow::anyhow!("server panicked"))??;
+    echoed(lab, ("pod", pod), ("client", svc), b"hello registry")?;
     done.push(format!(
         "client -> ClusterIP {svc} (kube-proxy DNAT to {pod}, masquerade)"
     ));
 
     let ext: SocketAddr = format!("{}:8080", lab::EXT_IP).parse()?;
-    let server = tcp_echo_server(&lab.ns("ext"), ext, 1)?;
-    tcp_roundtrip(&lab.ns("pod2"), ext, b"hello outside")?;
-    server
-        .join()
-        .map_err(|_| anyhow::anyhow!("server panicked"))??;
+    echoed(lab, ("ext", ext), ("pod2", ext), b"hello outside")?;
     done.push(format!(
         "pod2 {} -> external {ext} (Calico nat-outgoing)",
         lab::POD2_IP
@@ -117,9 +129,6 @@ pub fn demo_flows(lab: &Lab) -> Result<Vec<String>> {
 pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
     use crate::commands::lab::bridge as b;
     let mut done = Vec::new();
-    let joined = |h: std::thread::JoinHandle<Result<()>>| {
-        h.join().map_err(|_| anyhow::anyhow!("server panicked"))?
-    };
     let registry: SocketAddr = format!("{}:22", b::REGISTRY_IP).parse()?;
     let pod: SocketAddr = format!("{}:22", b::POD_IP).parse()?;
     let server = tcp_echo_server(&lab.ns("pod"), pod, 3)?;
@@ -142,17 +151,13 @@ pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
 
     let remote: SocketAddr = format!("{}:80", b::REMOTE_SVC_IP).parse()?;
     let remote_pod: SocketAddr = format!("{}:80", b::REMOTE_POD_IP).parse()?;
-    let server = tcp_echo_server(&lab.ns("node2"), remote_pod, 1)?;
-    tcp_roundtrip(&lab.ns("pod2"), remote, b"hello node2")?;
-    joined(server)?;
+    echoed(lab, ("node2", remote_pod), ("pod2", remote), b"hello node2")?;
     done.push(format!(
         "pod2 -> ClusterIP {remote} (DNAT to {remote_pod} on the other node, routed)"
     ));
 
     let ext: SocketAddr = format!("{}:8080", lab::EXT_IP).parse()?;
-    let server = tcp_echo_server(&lab.ns("ext"), ext, 1)?;
-    tcp_roundtrip(&lab.ns("pod"), ext, b"hello outside")?;
-    joined(server)?;
+    echoed(lab, ("ext", ext), ("pod", ext), b"hello outside")?;
     done.push(format!("pod -> external {ext} (flannel masquerade)"));
 
     let denied: SocketAddr = format!("{}:{}", b::POD2_IP, b::DENIED_PORT).parse()?;
@@ -187,14 +192,14 @@ pub fn bridge_flows(lab: &Lab) -> Result<Vec<String>> {
 pub fn overlay_flows(lab: &Lab) -> Result<Vec<String>> {
     use crate::commands::lab::overlay as o;
     let mut done = Vec::new();
-    let joined = |h: std::thread::JoinHandle<Result<()>>| {
-        h.join().map_err(|_| anyhow::anyhow!("server panicked"))?
-    };
     let svc: SocketAddr = format!("{}:{}", o::SERVICE_IP, o::SERVICE_PORT).parse()?;
     let endpoint: SocketAddr = format!("{}:{}", o::POD2_IP, o::TARGET_PORT).parse()?;
-    let server = tcp_echo_server(&lab.ns("pod2"), endpoint, 1)?;
-    tcp_roundtrip(&lab.ns("pod"), svc, b"hello across the overlay")?;
-    joined(server)?;
+    echoed(
+        lab,
+        ("pod2", endpoint),
+        ("pod", svc),
+        b"hello across the overlay",
+    )?;
     done.push(format!(
         "pod {} -> ClusterIP {svc} (DNAT on node to {endpoint}, VXLAN VNI {} over {} to node2)",
         o::POD_IP,
@@ -203,9 +208,7 @@ pub fn overlay_flows(lab: &Lab) -> Result<Vec<String>> {
     ));
 
     let pod: SocketAddr = format!("{}:{}", o::POD_IP, o::TARGET_PORT).parse()?;
-    let server = tcp_echo_server(&lab.ns("pod"), pod, 1)?;
-    tcp_roundtrip(&lab.ns("pod2"), pod, b"hello back")?;
-    joined(server)?;
+    echoed(lab, ("pod", pod), ("pod2", pod), b"hello back")?;
     done.push(format!(
         "pod2 {} -> pod {pod} (routed through node2's {} to node)",
         o::POD2_IP,

@@ -475,7 +475,7 @@ impl<'a> Parser<'a> {
             return Err(self.err(v, msg));
         };
         let bits = if ip.is_ipv4() { 32 } else { 128 };
-        self.addr_prim(v, d, ip, bits, q)
+        self.masked(v, d, ip, prefix_mask(ip, bits), q)
     }
 
     fn net(&mut self, d: u8, q: Qualifier<'_>) -> Result<Prim, FilterError> {
@@ -494,7 +494,9 @@ impl<'a> Parser<'a> {
         let max = if ip.is_ipv4() { 32 } else { 128 };
         if let Some(l) = len_text {
             return match l.parse::<u32>() {
-                Ok(bits) if bits <= max && !l.starts_with('+') => self.addr_prim(v, d, ip, bits, q),
+                Ok(bits) if bits <= max && !l.starts_with('+') => {
+                    self.masked(v, d, ip, prefix_mask(ip, bits), q)
+                }
                 _ => Err(self.err(
                     v,
                     format!("expected a prefix length from 0 to {max} after `/`"),
@@ -515,26 +517,7 @@ impl<'a> Parser<'a> {
             mb[..4].copy_from_slice(&mask.octets());
             return self.masked(v, d, ip, mb, q);
         }
-        self.addr_prim(v, d, ip, max, q)
-    }
-
-    fn addr_prim(
-        &self,
-        v: Token<'_>,
-        d: u8,
-        ip: IpAddr,
-        bits: u32,
-        q: Qualifier<'_>,
-    ) -> Result<Prim, FilterError> {
-        let total = if ip.is_ipv4() { 32 } else { 128 };
-        let m: u128 = if bits == 0 {
-            0
-        } else {
-            u128::MAX << (128 - bits)
-        };
-        let mut mask = [0; 16];
-        mask[..total as usize / 8].copy_from_slice(&m.to_be_bytes()[..total as usize / 8]);
-        self.masked(v, d, ip, mask, q)
+        self.masked(v, d, ip, prefix_mask(ip, max), q)
     }
 
     fn masked(
@@ -699,4 +682,17 @@ pub(super) fn unknown_word(w: &str) -> String {
         );
     }
     format!("unknown keyword `{w}`: expected one of {PRIMITIVES}")
+}
+
+/// The mask of a `bits`-long prefix of `ip`'s family, left-aligned in 16 bytes.
+fn prefix_mask(ip: IpAddr, bits: u32) -> [u8; 16] {
+    let total = if ip.is_ipv4() { 32 } else { 128 };
+    let m: u128 = if bits == 0 {
+        0
+    } else {
+        u128::MAX << (128 - bits)
+    };
+    let mut mask = [0; 16];
+    mask[..total as usize / 8].copy_from_slice(&m.to_be_bytes()[..total as usize / 8]);
+    mask
 }

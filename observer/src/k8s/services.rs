@@ -104,7 +104,7 @@ impl ServiceNames {
     /// From `nft -j list ruleset`: kube-proxy's `service-ips` verdict maps.
     pub fn from_nft(rules: &NftRuleset) -> Self {
         let mut out = Self::default();
-        for t in rules.tables.iter().filter(|t| t.name == "kube-proxy") {
+        for t in rules.tables.iter().filter(|t| t.id.name == "kube-proxy") {
             for set in t.sets.iter().filter(|s| s.name == "service-ips") {
                 let elems = set.elems.as_ref().map(|e| e.value());
                 let Some(elems) = elems.as_ref().and_then(|e| e.as_array()) else {

@@ -295,10 +295,10 @@ fn without_counts(text: &str) -> String {
 pub fn bridge_counters(rules: &[observer_nfstats::nft::Parsed]) -> HashMap<RuleKey, Option<u64>> {
     rules
         .iter()
-        .filter(|r| r.nfproto == NFPROTO_BRIDGE)
+        .filter(|r| r.chain.nfproto == NFPROTO_BRIDGE)
         .map(|r| {
             (
-                (r.table.clone(), r.chain.clone(), r.handle),
+                (r.chain.table.clone(), r.chain.name.clone(), r.handle),
                 r.count.map(|c| c.packets),
             )
         })

@@ -180,11 +180,10 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
     const MODE_MEM: u8 = 0x60;
     const ALU64_ADD_K: u8 = 0x07;
     const ALU_ADD_K: u8 = 0x04;
-    let mut patched = 0;
-    for_each_insn(insns, |i, insn| {
+    patch_insns(insns, |i, insn| {
         let op = insn[0];
         let off = i16::from_le_bytes([insn[2], insn[3]]);
-        let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
+        let imm = imm_of(insn);
         if op & 0x07 == CLASS_LDX && op & 0xe0 == MODE_MEM && off > 0 {
             if let Some(slot) = direct::slot_of(off as usize) {
                 if !direct::SLOTS.contains(&slot) {
@@ -196,7 +195,7 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
                     .filter(|&v| v < direct::BASE as u64)
                     .ok_or_else(|| (i, format!("no offset for slot {slot}")))?;
                 insn[2..4].copy_from_slice(&(real as i16).to_le_bytes());
-                patched += 1;
+                return Ok(true);
             }
         } else if (op == ALU64_ADD_K || op == ALU_ADD_K)
             && imm > 0
@@ -204,25 +203,30 @@ fn patch_fields(insns: &mut [u8], fields: &[u64]) -> Result<usize, (usize, Strin
         {
             return Err((i, format!("placeholder added in opcode {op:#04x}")));
         }
-        Ok(())
-    })?;
-    Ok(patched)
+        Ok(false)
+    })
 }
 
-/// Calls `f` with the index and bytes of every instruction of `insns` (the second half of
-/// an `ld_imm64` is not one); stops at its first error.
-fn for_each_insn(
+/// Calls `patch` with the index and bytes of every instruction of `insns` (the second half
+/// of an `ld_imm64` is not one), which says whether it rewrote it; stops at its first
+/// error. Returns how many were rewritten.
+fn patch_insns(
     insns: &mut [u8],
-    mut f: impl FnMut(usize, &mut [u8]) -> Result<(), (usize, String)>,
-) -> Result<(), (usize, String)> {
-    let mut i = 0;
+    mut patch: impl FnMut(usize, &mut [u8]) -> Result<bool, (usize, String)>,
+) -> Result<usize, (usize, String)> {
+    let (mut i, mut patched) = (0, 0);
     while i + INSN <= insns.len() {
         let insn = &mut insns[i..i + INSN];
         let wide = insn[0] == LD_IMM64;
-        f(i / INSN, insn)?;
+        patched += usize::from(patch(i / INSN, insn)?);
         i += if wide { 2 * INSN } else { INSN };
     }
-    Ok(())
+    Ok(patched)
+}
+
+/// An instruction's 32-bit immediate.
+fn imm_of(insn: &[u8]) -> i32 {
+    i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]])
 }
 
 /// An ELF object's bytes in 8-byte aligned memory, as the ELF parser wants them.
@@ -296,11 +300,10 @@ fn patch_calls(insns: &mut [u8], rdonly_cast: Option<u32>) -> Result<usize, (usi
     const MOV64_X: u8 = 0xbf;
     /// `src_reg` of a call to a kernel function (its BTF id in `imm`, `off` 0: vmlinux).
     const PSEUDO_KFUNC_CALL: u8 = 2;
-    let mut patched = 0;
-    for_each_insn(insns, |i, insn| {
-        let imm = i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]);
+    patch_insns(insns, |i, insn| {
+        let imm = imm_of(insn);
         if insn[0] != CALL || (imm != kfunc::DIRECT_READS && imm != kfunc::UNTRUSTED) {
-            return Ok(());
+            return Ok(false);
         }
         if insn[1] != 0 || insn[2..4] != [0, 0] {
             return Err((i, "placeholder call with operands".into()));
@@ -327,10 +330,8 @@ fn patch_calls(insns: &mut [u8], rdonly_cast: Option<u32>) -> Result<usize, (usi
             (_, None) => [MOV64_X, 0x10, 0, 0, 0, 0, 0, 0],
         };
         insn.copy_from_slice(&new);
-        patched += 1;
-        Ok(())
-    })?;
-    Ok(patched)
+        Ok(true)
+    })
 }
 
 /// Rewrites the `ld_imm64` at byte `offset` to load map `fd`. None if it is not an ld_imm64.

@@ -251,7 +251,7 @@ pub fn legacy_users(family: NfFamily, names: &str) -> Vec<(NfFamily, NfHook, i32
 pub fn base_chains(nft: &observer_rules::NftRuleset) -> Vec<(NfFamily, NfHook, i32)> {
     let mut out = Vec::new();
     for t in &nft.tables {
-        let families: &[NfFamily] = match t.family.as_str() {
+        let families: &[NfFamily] = match t.id.family.as_str() {
             "ip" => &[NfFamily::Ipv4],
             "ip6" => &[NfFamily::Ipv6],
             "inet" => &NfFamily::ALL,

@@ -14,7 +14,9 @@ use observer_common::{flags, hook};
 
 use crate::kernel::btf::TupleLayout;
 use crate::kernel::plan::HookPlan;
-use crate::pipeline::decode::{Conntrack, Endpoint, Observation, Point, Tuple, addr, tuple};
+use crate::pipeline::decode::{
+    Conntrack, Observation, Point, Tuple, endpoint, headers_read, quoted_ports, tuple,
+};
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 /// Why a traversal ended.
@@ -193,13 +195,7 @@ fn observation(
 ) -> Observation {
     let o = &s.outer;
     let v4 = o.ip_version == 4;
-    let has_l3 = o.flags & flags::NO_L3 == 0 && (o.ip_version == 4 || o.ip_version == 6);
-    let has_ports =
-        has_l3 && o.flags & flags::NO_L4 == 0 && matches!(o.l4proto, 6 | 17 | 132 | 136);
-    let endpoint = |a: &[u8; 16], port: u16| Endpoint {
-        addr: addr(a, v4),
-        port: if has_ports { port } else { 0 },
-    };
+    let (has_l3, has_ports) = headers_read(o.flags, o.ip_version, o.l4proto);
     let ct_v4 = family != Some(NfFamily::Ipv6) && v4;
     let ct = (o.flags & flags::CT != 0).then(|| {
         let (original, reply) = tuples.get(ct_v4);
@@ -214,12 +210,12 @@ fn observation(
     // The packet inside: an ICMP error's quote, or what a VXLAN packet carries (the same
     // family as the outer header: the step does not say another).
     let carried = s.inner.filter(|_| o.flags & flags::INNER != 0).map(|i| {
-        let ports = matches!(i.l4proto, 6 | 17 | 132);
-        let e = |a: &[u8; 16], port: u16| Endpoint {
-            addr: addr(a, v4),
-            port: if ports { port } else { 0 },
-        };
-        (i, (e(&i.saddr, i.sport), e(&i.daddr, i.dport), i.l4proto))
+        let ports = quoted_ports(i.l4proto);
+        let (src, dst) = (
+            endpoint(&i.saddr, i.sport, v4, ports),
+            endpoint(&i.daddr, i.dport, v4, ports),
+        );
+        (i, (src, dst, i.l4proto))
     });
     Observation {
         point,
@@ -228,8 +224,8 @@ fn observation(
         skb: rec.skb,
         ifindex_in: ifindex.0,
         ifindex_out: ifindex.1,
-        src: has_l3.then(|| endpoint(&o.saddr, o.sport)),
-        dst: has_l3.then(|| endpoint(&o.daddr, o.dport)),
+        src: has_l3.then(|| endpoint(&o.saddr, o.sport, v4, has_ports)),
+        dst: has_l3.then(|| endpoint(&o.daddr, o.dport, v4, has_ports)),
         proto: o.l4proto,
         has_ports,
         tcp_flags: o.tcp_flags,

@@ -4,7 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord};
-use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, family, flags, hook, kind};
+use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, flags, kind};
 
 use crate::kernel::btf::TupleLayout;
 use observer_model::{Family as NfFamily, Hook as NfHook};
@@ -117,6 +117,29 @@ pub(crate) fn icmp_id_of(proto: u8, sport: u16, dport: u16) -> Option<u16> {
     observer_model::Icmp::is_echo(proto, kind).then_some(sport)
 }
 
+/// Whether a probe read a packet's IP header (`bits`, its flags, without `NO_L3`, IP version 4 or 6),
+/// and its ports (a protocol with ports, `NO_L4` not set).
+pub(crate) fn headers_read(bits: u8, ip_version: u8, l4proto: u8) -> (bool, bool) {
+    let l3 = bits & flags::NO_L3 == 0 && (ip_version == 4 || ip_version == 6);
+    (
+        l3,
+        l3 && bits & flags::NO_L4 == 0 && matches!(l4proto, 6 | 17 | 132 | 136),
+    )
+}
+
+/// Whether the packet an ICMP error quotes (or a VXLAN packet carries) has its ports read.
+pub(crate) fn quoted_ports(l4proto: u8) -> bool {
+    matches!(l4proto, 6 | 17 | 132)
+}
+
+/// An endpoint as a probe read it: the address of its family, the port if `ports`, else 0.
+pub(crate) fn endpoint(a: &[u8; 16], port: u16, v4: bool, ports: bool) -> Endpoint {
+    Endpoint {
+        addr: addr(a, v4),
+        port: if ports { port } else { 0 },
+    }
+}
+
 pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
     if v4 {
         IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
@@ -140,16 +163,6 @@ pub(crate) fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tu
         },
         proto: raw[l.protonum],
     }
-}
-
-fn check_size<T>(bytes: &[u8]) -> Result<(), DecodeError> {
-    if bytes.len() != size_of::<T>() {
-        return Err(DecodeError::Size {
-            got: bytes.len(),
-            want: size_of::<T>(),
-        });
-    }
-    Ok(())
 }
 
 /// Decodes one ring-buffer record: a traversal, written up to its last step.
@@ -194,78 +207,6 @@ pub fn encode_record(rec: &TraversalRecord) -> Vec<u8> {
     rec.written_bytes().to_vec()
 }
 
-/// Decodes one probe reading (a [`PacketEvent`]); the probes no longer write these, but
-/// tests describe packets with them.
-pub fn decode_packet(bytes: &[u8], layout: &TupleLayout) -> Result<Observation, DecodeError> {
-    check_size::<PacketEvent>(bytes)?;
-    // SAFETY: PacketEvent is repr(C) plain data of exactly this size; read_unaligned copes
-    // with any alignment of the ring-buffer slice.
-    let ev: PacketEvent = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
-    let h = ev.header;
-    let point = match h.hook {
-        hook::TC_INGRESS => Point::TcIngress,
-        hook::TC_EGRESS => Point::TcEgress,
-        n => Point::Netfilter(
-            NfHook::from_raw(n).ok_or(DecodeError::UnknownHook(n))?,
-            h.slot as usize,
-        ),
-    };
-    let fam = match h.family {
-        family::IPV4 => Some(NfFamily::Ipv4),
-        family::IPV6 => Some(NfFamily::Ipv6),
-        _ => None,
-    };
-    let p = ev.packet;
-    let v4 = p.ip_version == 4;
-    let has_l3 = h.flags & flags::NO_L3 == 0 && (p.ip_version == 4 || p.ip_version == 6);
-    let has_ports =
-        has_l3 && h.flags & flags::NO_L4 == 0 && matches!(p.l4proto, 6 | 17 | 132 | 136);
-    let endpoint = |a: &[u8; 16], port: u16| Endpoint {
-        addr: addr(a, v4),
-        port: if has_ports { port } else { 0 },
-    };
-    let ct = (h.flags & flags::CT != 0).then(|| Conntrack {
-        info: ev.ct.ctinfo,
-        mark: ev.ct.mark,
-        status: ev.ct.status,
-        original: tuple(&ev.ct.orig, layout, fam != Some(NfFamily::Ipv6) && v4),
-        reply: tuple(&ev.ct.reply, layout, fam != Some(NfFamily::Ipv6) && v4),
-    });
-    Ok(Observation {
-        point,
-        family: fam.or(match p.ip_version {
-            4 => Some(NfFamily::Ipv4),
-            6 => Some(NfFamily::Ipv6),
-            _ => None,
-        }),
-        ts_ns: h.ts_ns,
-        skb: h.skb,
-        ifindex_in: h.ifindex_in,
-        ifindex_out: h.ifindex_out,
-        src: has_l3.then(|| endpoint(&p.saddr, p.sport)),
-        dst: has_l3.then(|| endpoint(&p.daddr, p.dport)),
-        proto: p.l4proto,
-        has_ports,
-        tcp_flags: p.tcp_flags,
-        len: p.len,
-        mark: p.mark,
-        ct,
-        encap: None,
-        inner: (h.flags & flags::INNER != 0 && h.flags & flags::ENCAP == 0).then(|| {
-            let i = ev.inner;
-            let ports = matches!(i.l4proto, 6 | 17 | 132);
-            let at = |a: &[u8; 16], port: u16| Endpoint {
-                addr: addr(a, v4),
-                port: if ports { port } else { 0 },
-            };
-            (at(&i.saddr, i.sport), at(&i.daddr, i.dport), i.l4proto)
-        }),
-        fragment: h.flags & flags::FRAGMENT != 0,
-        icmp: icmp_of(p.l4proto, p.dport),
-        icmp_id: icmp_id_of(p.l4proto, p.sport, p.dport),
-    })
-}
-
 /// Encodes an event to the bytes the ring buffer would carry (for tests and benchmarks).
 pub fn encode(ev: &PacketEvent) -> Vec<u8> {
     // SAFETY: PacketEvent is repr(C) plain data without padding (asserted in observer-common).
@@ -281,6 +222,7 @@ pub fn encode(ev: &PacketEvent) -> Vec<u8> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+    use observer_common::{family, hook};
 
     pub const LAYOUT: TupleLayout = TupleLayout {
         src_addr: 0,
@@ -334,6 +276,16 @@ pub mod tests {
         ev
     }
 
+    /// What the pipeline reads of one probe reading, recorded as the probes record it.
+    fn observations(ev: PacketEvent) -> Vec<Observation> {
+        use crate::kernel::plan::full_plan;
+        use crate::pipeline::correlate::{assemble, index_plans, tests::record_of};
+        let rec = record_of(&[ev], observer_common::traversal::end::EGRESS);
+        assemble(&rec, &index_plans(&full_plan(None)), &LAYOUT)
+            .unwrap()
+            .records
+    }
+
     #[test]
     fn decodes_packet_with_conntrack() {
         let ev = tcp_event(
@@ -350,7 +302,7 @@ pub mod tests {
             (([198, 51, 100, 10], 40000), ([10, 10, 10, 2], 22)),
             (([172, 17, 0, 5], 22), ([198, 51, 100, 10], 40000)),
         );
-        let o = decode_packet(&encode(&ev), &LAYOUT).unwrap();
+        let o = &observations(ev)[0];
         assert_eq!(o.point, Point::Netfilter(NfHook::PreRouting, 3));
         assert_eq!(o.family, Some(NfFamily::Ipv4));
         assert_eq!(o.skb, 0xffff_8880_1234_0000);
@@ -375,7 +327,7 @@ pub mod tests {
             0,
         );
         ev.packet.l4proto = 1;
-        let o = decode_packet(&encode(&ev), &LAYOUT).unwrap();
+        let o = &observations(ev)[0];
         assert_eq!(o.point, Point::TcEgress);
         assert!(!o.has_ports);
         assert_eq!(o.src.unwrap().port, 0);

@@ -48,6 +48,24 @@ pub enum Output {
     Line,
 }
 
+/// `--output` and its shorthand `--json`, for every command that prints traversals.
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct OutputArgs {
+    /// How to print each traversal.
+    #[arg(long, value_enum, default_value = "tree")]
+    pub output: Output,
+    /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
+    #[arg(long, conflicts_with = "output")]
+    pub json: bool,
+}
+
+impl OutputArgs {
+    /// The format asked for.
+    pub fn format(self) -> Output {
+        if self.json { Output::Json } else { self.output }
+    }
+}
+
 /// Interface names and kernel symbols, from the running system or from a recording.
 pub trait NameSource {
     /// The interface's name (`-` for 0, `if<N>` when unknown).
@@ -475,8 +493,20 @@ impl Pipeline {
         lost_now: u64,
         sinks: impl IntoIterator<Item = &'s mut (dyn Sink + 'o)>,
     ) -> std::io::Result<Outcome> {
+        self.handle_decoded_to(raw, decode(raw), lost_now, sinks)
+    }
+
+    /// [`Pipeline::handle_to`] for a record its caller decoded already (`decoded` is
+    /// `decode(raw)`), to look at it first.
+    pub fn handle_decoded_to<'s, 'o: 's>(
+        &mut self,
+        raw: &[u8],
+        decoded: Result<TraversalRecord, DecodeError>,
+        lost_now: u64,
+        sinks: impl IntoIterator<Item = &'s mut (dyn Sink + 'o)>,
+    ) -> std::io::Result<Outcome> {
         self.learned = None;
-        let (rec, outcome) = match decode(raw) {
+        let (rec, outcome) = match decoded {
             Ok(mut rec) => {
                 let outcome = self.render_record(&mut rec, lost_now);
                 (Some(rec), outcome)

@@ -20,7 +20,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use observer_model::{self as model, Check, CheckResult, Endpoint, Rules, Snapshot, Verdict};
-use observer_rules::{Branch, CtState, LiveNode, PhysOut, SeenPorts, Simulator, StageInput};
+use observer_rules::{
+    Branch, CtState, LiveNode, PacketSpec, PhysOut, SeenPorts, Simulator, StageInput,
+};
 
 use crate::pipeline::decode::{Conntrack, Observation};
 use crate::pipeline::keys::{Prehashed, Words, addr_words};
@@ -323,32 +325,34 @@ impl RuleNamer {
         let input = StageInput {
             hook: s.hook,
             window: s.window,
-            proto: b.proto,
-            src: src.addr,
-            dst: dst.addr,
-            sport: b.has_ports.then_some(src.port),
-            dport: b.has_ports.then_some(dst.port),
-            in_iface: iface(b.ifindex_in),
-            out_iface: iface(b.ifindex_out),
-            mark: b.mark,
-            // No entry at all (conntrack not loaded, or before it): a new packet. A new
-            // connection whose manipulation at this hook was set up already walks no nat
-            // rule (the window of an iptables nat stage holds that table alone): as for a
-            // later packet, conntrack applies what is stored.
-            ct_state: match ct {
-                None => CtState::New,
-                Some(c) if &*s.stage.table == "nat" && nat_initialized(s.hook, c.status) => {
-                    CtState::Established
-                }
-                Some(c) => c.state(),
+            packet: PacketSpec {
+                proto: b.proto,
+                src: src.addr,
+                dst: dst.addr,
+                sport: b.has_ports.then_some(src.port),
+                dport: b.has_ports.then_some(dst.port),
+                in_iface: iface(b.ifindex_in),
+                out_iface: iface(b.ifindex_out),
+                mark: b.mark,
+                // No entry at all (conntrack not loaded, or before it): a new packet. A new
+                // connection whose manipulation at this hook was set up already walks no nat
+                // rule (the window of an iptables nat stage holds that table alone): as for a
+                // later packet, conntrack applies what is stored.
+                ct_state: match ct {
+                    None => CtState::New,
+                    Some(c) if &*s.stage.table == "nat" && nat_initialized(s.hook, c.status) => {
+                        CtState::Established
+                    }
+                    Some(c) => c.state(),
+                },
+                ct_mark: Some(ct.map_or(0, |c| c.mark)),
+                tcp_flags: Some(b.tcp_flags),
+                // None: echo request, as the simulator defaults it.
+                icmp: b.icmp,
+                local: false,
             },
-            ct_mark: Some(ct.map_or(0, |c| c.mark)),
             dnat_done: ct.is_some_and(|c| c.status & IPS_DST_NAT != 0),
             snat_done: ct.is_some_and(|c| c.status & IPS_SRC_NAT != 0),
-            tcp_flags: b.tcp_flags,
-            icmp: b
-                .icmp
-                .unwrap_or(if src.addr.is_ipv6() { (128, 0) } else { (8, 0) }),
             ports: s.ports.seen(ifname),
         };
         let branches = self.sim.simulate_stage(&input);

@@ -16,7 +16,8 @@ use observer_rules::packet::CtState;
 use observer_rules::{LiveNode, PacketSpec, Verdict};
 use observer_tests::{Netns, privileged, unique_prefix};
 
-use super::{Counts, Rng, delta, quiet_veth};
+use super::{Counts, Rng, quiet_veth};
+use observer_tests::rules::increments;
 
 /// Rulesets per family: the fixed rules plus this many seeded sets of random physdev rules.
 const RANDOM_RULESETS: usize = 3;
@@ -415,16 +416,7 @@ fn ipt_counters(node: &Netns, v6: bool) -> Counts {
     });
     let file = observer_rules::iptables::parse_save(&text)
         .unwrap_or_else(|e| panic!("our parser rejects the save: {e}\n{text}"));
-    let mut out = Counts::new();
-    for t in &file.tables {
-        for c in &t.chains {
-            for (i, r) in c.rules.iter().enumerate() {
-                let k = r.counters.expect("-c prints counters");
-                out.insert((t.name.clone(), c.name.clone(), i + 1), k.packets);
-            }
-        }
-    }
-    out
+    observer_tests::rules::rule_counters(&file)
 }
 
 /// Who sends a flow: a pod through its bridge port, or the node itself.
@@ -726,14 +718,14 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             dport: flow.dport,
         };
         sender.run(move || observer_tests::raw::send_raw(&probe));
-        let mut got = delta(&before, &counters(&n.node, a.v6));
+        let mut got = increments(&before, &counters(&n.node, a.v6));
         // Softirq processing (and ARP resolution for the first packet) may lag the send.
         for _ in 0..20 {
             if got == want {
                 break;
             }
             std::thread::sleep(Duration::from_millis(100));
-            got = delta(&before, &counters(&n.node, a.v6));
+            got = increments(&before, &counters(&n.node, a.v6));
         }
         if std::env::var_os("OBSERVER_DIFF_VERBOSE").is_some() {
             eprintln!(

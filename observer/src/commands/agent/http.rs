@@ -170,15 +170,7 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
         None => None,
     };
     let timeout = match q.get("timeout") {
-        Some(t) => {
-            let secs: f64 = t
-                .parse()
-                .map_err(|_| format!("timeout `{t}` is not a number of seconds"))?;
-            if !secs.is_finite() || !(0.0..=365.0 * 86400.0).contains(&secs) {
-                return Err(format!("timeout `{t}` is out of range: give 0 to 31536000"));
-            }
-            Some(Duration::from_secs_f64(secs))
-        }
+        Some(t) => Some(crate::commands::parse_seconds(t).map_err(|e| format!("timeout {e}"))?),
         None => None,
     };
     Ok(Request {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use log::warn;
 use observer_common::counts::{DropKey, DropSample, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER};
-use observer_rules::{CtState, Simulator, StageInput, Verdict};
+use observer_rules::{CtState, PacketSpec, Simulator, StageInput, Verdict};
 use serde::Serialize;
 
 use observer_model::Hook;
@@ -431,20 +431,23 @@ pub fn candidates(sim: &Simulator<'_>, s: &Sample) -> Result<Vec<RuleId>, String
         let stage = StageInput {
             hook,
             window: (i32::MIN, i32::MAX),
-            proto: s.protocol,
-            src,
-            dst,
-            sport: s.sport,
-            dport: s.dport,
-            in_iface: if input { s.interface.clone() } else { None },
-            out_iface: if input { None } else { s.interface.clone() },
-            mark: s.mark,
-            ct_state,
-            ct_mark: s.ct.map(|c| c.mark),
+            packet: PacketSpec {
+                proto: s.protocol,
+                src,
+                dst,
+                sport: s.sport,
+                dport: s.dport,
+                in_iface: if input { s.interface.clone() } else { None },
+                out_iface: if input { None } else { s.interface.clone() },
+                mark: s.mark,
+                ct_state,
+                ct_mark: s.ct.map(|c| c.mark),
+                tcp_flags: Some(0),
+                icmp: Some((0, 0)),
+                local: false,
+            },
             dnat_done: status & (1 << 5) != 0,
             snat_done: status & (1 << 4) != 0,
-            tcp_flags: 0,
-            icmp: (0, 0),
             // The tracepoint does not say which bridge port: decided from the node's facts.
             ports: observer_rules::SeenPorts::Unknown,
         };

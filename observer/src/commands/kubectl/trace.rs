@@ -12,9 +12,9 @@ use anyhow::{Result, bail};
 use clap::Args;
 use observer_model::stitch::{self, NodeReport, Wanted};
 
-use super::{ClusterArgs, NodeEnd, PluginCli, PluginCommand, PluginTail, Target};
+use super::{ClusterArgs, NodeEnd, PluginCli, PluginCommand, PluginTail, Selection, Target};
 use crate::k8s::cluster::{self, Destination};
-use crate::pipeline::Output;
+use crate::pipeline::{Output, OutputArgs};
 
 #[derive(Args, Debug)]
 pub struct PluginTrace {
@@ -82,17 +82,21 @@ pub fn run(
     let addrs: Vec<String> = src_ips.iter().chain(&dst_ips).cloned().collect();
     let tail = PluginCli {
         command: PluginCommand::Tail(PluginTail {
-            target: Target {
-                node: None,
-                pod: None,
-                all_nodes: true,
+            selection: Selection {
+                target: Target {
+                    node: None,
+                    pod: None,
+                    all_nodes: true,
+                },
+                output: OutputArgs {
+                    output: Output::Json,
+                    json: true,
+                },
+                filter: Some(filter(&addrs)),
             },
-            output: Output::Json,
-            json: true,
-            filter: Some(filter(&addrs)),
             sample: 1,
             count: None,
-            timeout: Some(t.timeout),
+            timeout: Some(std::time::Duration::from_secs_f64(t.timeout)),
             // The filter names pods and VXLAN ports only: the stream's own packets (loopback
             // tcp to the agent, kubelet's 10250) cannot match it, and excluding them would
             // multiply its alternatives past what the probes take.

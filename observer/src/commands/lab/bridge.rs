@@ -87,32 +87,14 @@ pub fn add_bridge_chains(lab: &Lab) -> Result<()> {
 
 /// Builds the bridge node on the namespaces `Lab::up` created.
 pub(super) fn up(lab: &Lab) -> Result<()> {
-    let (client, node, pod, pod2, ext, node2) = (
-        lab.ns("client"),
-        lab.node(),
-        lab.ns("pod"),
-        lab.ns("pod2"),
-        lab.ns("ext"),
-        lab.ns("node2"),
-    );
-    use super::{CLIENT_IP, CLIENT_IP6, EXT_IP, NODE_EXT_IP, NODE_IP, NODE_IP6};
-    veth(&node, "eth0", &client, "eth0")?;
-    veth(&node, "eth1", &ext, "eth0")?;
-    veth(&node, "eth2", &node2, "eth0")?;
-    veth(&node, POD_PORT, &pod, "eth0")?;
-    veth(&node, POD2_PORT, &pod2, "eth0")?;
-
-    lab.sh(
-        "client",
-        &format!(
-            "ip addr add {CLIENT_IP}/24 dev eth0; ip route add default via {NODE_IP}; \
-             ip -6 addr add {CLIENT_IP6}/64 dev eth0 nodad; ip -6 route add default via {NODE_IP6}"
-        ),
-    )?;
-    lab.sh(
-        "ext",
-        &format!("ip addr add {EXT_IP}/24 dev eth0; ip route add 10.244.0.0/16 via {NODE_EXT_IP}"),
-    )?;
+    use super::{EXT_IP, NODE_EXT_IP, NODE_IP, NODE_IP6};
+    let node = lab.node();
+    veth(&node, "eth2", &lab.ns("node2"), "eth0")?;
+    veth(&node, POD_PORT, &lab.ns("pod"), "eth0")?;
+    veth(&node, POD2_PORT, &lab.ns("pod2"), "eth0")?;
+    lab.outside_up(&format!(
+        "ip addr add {EXT_IP}/24 dev eth0; ip route add 10.244.0.0/16 via {NODE_EXT_IP}"
+    ))?;
     for (role, ip, ip6) in [("pod", POD_IP, POD_IP6), ("pod2", POD2_IP, POD2_IP6)] {
         lab.sh(
             role,

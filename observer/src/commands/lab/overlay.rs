@@ -39,7 +39,7 @@ pub const POD_IP: &str = "10.244.0.5";
 pub const POD2_IP: &str = "10.244.1.5";
 pub const POD_PORT: &str = "cali1a2b";
 pub const POD2_PORT: &str = "cali3c4d";
-pub const POD_GW: &str = "169.254.1.1";
+pub use super::POD_GW;
 /// `default/web`: tcp 80 -> POD2_IP:8080, udp 9 -> POD2_IP:9 (dropped on node2 by the policy).
 pub const SERVICE_IP: &str = "10.96.0.30";
 pub const SERVICE_PORT: u16 = 80;
@@ -90,13 +90,7 @@ pub(super) fn up(lab: &Lab) -> Result<()> {
     veth(&lab.node(), POD_PORT, &lab.ns("pod"), "eth0")?;
     veth(&lab.ns("node2"), POD2_PORT, &lab.ns("pod2"), "eth0")?;
     for (role, ip) in [("pod", POD_IP), ("pod2", POD2_IP)] {
-        lab.sh(
-            role,
-            &format!(
-                "ip addr add {ip}/32 dev eth0; ip route add {POD_GW} dev eth0; \
-                 ip route add default via {POD_GW}"
-            ),
-        )?;
+        lab.routed_pod_up(role, ip)?;
     }
     for (me, peer) in [(&NODES[0], &NODES[1]), (&NODES[1], &NODES[0])] {
         // As flanneld sets up its vxlan backend: the device with its VNI and port bound to
