@@ -51,6 +51,12 @@ pub struct Journey {
     /// Why it is not complete.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub missing: Option<String>,
+    /// True when the legs were predicted from the nodes' rulesets (`explain`), not
+    /// observed: no packet was seen.
+    pub predicted: bool,
+    /// What the prediction assumed or could not decide.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -159,7 +165,7 @@ fn wanted(w: &Wanted, r: &Value) -> bool {
 }
 
 /// The last rule of the stage where the traversal ended.
-fn end_of(node: &str, r: &Value) -> End {
+pub fn end_of(node: &str, r: &Value) -> End {
     let f = &r["fate"];
     let (hook, table) = (f["hook"].as_str(), f["table"].as_str());
     let rule = r["stages"].as_array().and_then(|stages| {
@@ -231,6 +237,8 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
             complete: missing.is_none(),
             missing,
             legs,
+            predicted: false,
+            notes: Vec::new(),
         })
     };
     let left = last_tuple(&first.report)?;
@@ -325,6 +333,12 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
 pub fn render(j: &Journey) -> String {
     use std::fmt::Write;
     let mut out = String::new();
+    if j.predicted {
+        let _ = writeln!(
+            out,
+            "PREDICTED from each node's ruleset by `explain` (no packet was observed):"
+        );
+    }
     for (n, leg) in j.legs.iter().enumerate() {
         let r = &leg.report;
         let p = &r["packet"];
@@ -398,7 +412,8 @@ pub fn render(j: &Journey) -> String {
         );
     }
     if let Some(e) = &j.end {
-        let _ = write!(out, "end: {} on {}", e.kind, e.node);
+        let what = if j.predicted { "predicted end" } else { "end" };
+        let _ = write!(out, "{what}: {} on {}", e.kind, e.node);
         if let (Some(h), Some(t)) = (&e.hook, &e.table) {
             let _ = write!(out, " in {h} {t}");
         }
@@ -409,6 +424,9 @@ pub fn render(j: &Journey) -> String {
     }
     if let Some(m) = &j.missing {
         let _ = writeln!(out, "incomplete: {m}");
+    }
+    for n in &j.notes {
+        let _ = writeln!(out, "note: {n}");
     }
     out
 }
