@@ -54,6 +54,7 @@ fn client(addr: &str, timeout: Option<Duration>) -> (anyhow::Result<ClientSummar
         sample: 1,
         count: None,
         timeout,
+        stop: None,
     };
     let t = Instant::now();
     let r = run(&opts, "/v1/traces", Sink::default());

@@ -155,7 +155,8 @@ pub struct NodeEnd {
 }
 
 /// Runs the plugin with the user's kubeconfig; stdout gets the reports, stderr each node's
-/// summary or error. Fails when any node could not be shown whole.
+/// summary or error. `tail` and `drops` fail when any node could not be shown whole; `trace`
+/// when no journey, or an incomplete one while a node failed (see its --help).
 pub fn main(cli: PluginCli) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -167,9 +168,9 @@ pub fn main(cli: PluginCli) -> Result<()> {
         )
     })?;
     let out: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(std::io::stdout())));
-    let ends = run(rt, client, cli, out)?;
+    let outcome = run_outcome(rt, client, cli, out)?;
     let mut failed = 0;
-    for e in &ends {
+    for e in &outcome.ends {
         match &e.result {
             Ok(s) => eprintln!("node {}: {s}", e.node),
             Err(s) => {
@@ -178,13 +179,22 @@ pub fn main(cli: PluginCli) -> Result<()> {
             }
         }
     }
-    if failed > 0 {
+    if failed > 0 && outcome.failures_fail {
         anyhow::bail!(
             "{failed} of {} nodes could not be shown whole (named above)",
-            ends.len()
+            outcome.ends.len()
         );
     }
     Ok(())
+}
+
+/// What a run of the plugin ended with.
+pub struct Outcome {
+    /// Each node's end, in node order.
+    pub ends: Vec<NodeEnd>,
+    /// Whether a node that failed makes the run fail: always for `tail` and `drops`; for
+    /// `trace` only when its journey is incomplete (the missing leg may be that node's).
+    pub failures_fail: bool,
 }
 
 /// The plugin's work on `client`'s cluster, reports to `out`; each node's end, in node
@@ -196,19 +206,43 @@ pub fn run(
     cli: PluginCli,
     out: Arc<Mutex<Box<dyn Write + Send>>>,
 ) -> Result<Vec<NodeEnd>> {
-    let c = &cli.cluster;
-    if !(c.connect_timeout.is_finite() && c.connect_timeout > 0.0 && c.connect_timeout < 3600.0) {
-        anyhow::bail!(
-            "--connect-timeout {}: give 0 to 3600 seconds",
-            c.connect_timeout
-        );
+    run_outcome(rt, client, cli, out).map(|o| o.ends)
+}
+
+/// As [`run`], saying whether the nodes that failed make the run fail.
+pub fn run_outcome(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cli: PluginCli,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+) -> Result<Outcome> {
+    match cli.command {
+        PluginCommand::Trace(t) => trace::run(rt, client, cli.cluster, t, out),
+        command => Ok(Outcome {
+            ends: stream(
+                rt,
+                client,
+                PluginCli {
+                    command,
+                    cluster: cli.cluster,
+                },
+                out,
+                None,
+            )?,
+            failures_fail: true,
+        }),
     }
-    let w = Where {
-        namespace: c.namespace.clone(),
-        selector: c.selector.clone(),
-        port: c.agent_port,
-        timeout: Duration::from_secs_f64(c.connect_timeout),
-    };
+}
+
+/// `tail` or `drops` from the chosen nodes, until each ends or `stop` turns true.
+pub fn stream(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cli: PluginCli,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<Vec<NodeEnd>> {
+    let w = where_of(&cli.cluster)?;
     let (target, path, output, mut filter, sample, count, timeout) = match cli.command {
         PluginCommand::Tail(t) => {
             if t.target.node.is_none() && t.target.pod.is_none() && !t.target.all_nodes {
@@ -225,7 +259,7 @@ pub fn run(
             let filter = if t.trace_own_stream {
                 t.filter
             } else {
-                Some(without_own_stream(t.filter.as_deref(), c.agent_port))
+                Some(without_own_stream(t.filter.as_deref(), w.port))
             };
             (
                 t.target,
@@ -241,7 +275,7 @@ pub fn run(
             let output = if d.json { Output::Json } else { d.output };
             (d.target, "/v1/drops", output, d.filter, 1, d.count, None)
         }
-        PluginCommand::Trace(t) => return trace::run(rt, client, cli.cluster, t, out),
+        PluginCommand::Trace(_) => anyhow::bail!("trace is not a stream: use run"),
     };
     // Find the agents, and check each answers as this version does.
     let (chosen, checked) = rt.block_on(async {
@@ -327,6 +361,7 @@ pub fn run(
                 sample,
                 count,
                 timeout,
+                stop: stop.clone(),
             };
             let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
             let node = a.node.clone();
@@ -362,6 +397,22 @@ pub fn run(
     }
     ends.sort_by(|a, b| a.node.cmp(&b.node));
     Ok(ends)
+}
+
+/// Where the agents are, from the flags.
+pub fn where_of(c: &ClusterArgs) -> Result<Where> {
+    if !(c.connect_timeout.is_finite() && c.connect_timeout > 0.0 && c.connect_timeout < 3600.0) {
+        anyhow::bail!(
+            "--connect-timeout {}: give 0 to 3600 seconds",
+            c.connect_timeout
+        );
+    }
+    Ok(Where {
+        namespace: c.namespace.clone(),
+        selector: c.selector.clone(),
+        port: c.agent_port,
+        timeout: Duration::from_secs_f64(c.connect_timeout),
+    })
 }
 
 /// `filter` (parenthesized) without the packets that carry the stream itself: the
