@@ -276,6 +276,7 @@ pub fn predict(
             outer_dst: Endpoint::new(under_dst, Some(vx.port)),
             inner: inner.clone(),
             overlay,
+            inner_ip_id: None,
         };
         // Sent by the node itself (OUTPUT, POSTROUTING).
         let carrier = spec(17, under_src, None, under_dst, Some(vx.port));

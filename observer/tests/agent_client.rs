@@ -55,6 +55,7 @@ fn client(addr: &str, timeout: Option<Duration>) -> (anyhow::Result<ClientSummar
         count: None,
         timeout,
         stop: None,
+        ip_ids: false,
     };
     let t = Instant::now();
     let r = run(&opts, "/v1/traces", Sink::default());

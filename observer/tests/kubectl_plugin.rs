@@ -966,6 +966,15 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         assert_eq!(got["encap"]["inner"]["dst"], endpoint);
         assert_eq!(got["encap"]["overlay"], "flannel.1");
         assert_eq!(j["legs"][3]["report"]["ingress"]["iface"], "flannel.1");
+        // One packet by its IPv4 identification: the same on both nodes (NAT keeps it),
+        // carried inside VXLAN packets that share theirs.
+        let id = src["packet"]["ip_id"].as_u64();
+        assert!(id.is_some(), "{j:#}");
+        assert_eq!(j["legs"][3]["report"]["packet"]["ip_id"].as_u64(), id);
+        assert_eq!(sent["encap"]["inner_ip_id"].as_u64(), id);
+        assert_eq!(got["encap"]["inner_ip_id"].as_u64(), id);
+        assert!(sent["packet"]["ip_id"].is_u64(), "{sent:#}");
+        assert_eq!(sent["packet"]["ip_id"], got["packet"]["ip_id"]);
     }
     assert_eq!(dropped["end"]["node"], "lab-node2");
     assert_eq!(dropped["end"]["kind"], "dropped");

@@ -127,6 +127,9 @@ pub struct PluginTail {
     /// default: each report sent would make packets, and those more reports.
     #[arg(long)]
     pub trace_own_stream: bool,
+    /// Reports with each packet's IPv4 identification (`trace` asks for it).
+    #[arg(skip)]
+    pub ip_ids: bool,
 }
 
 #[derive(Args, Debug)]
@@ -243,6 +246,7 @@ pub fn stream(
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Result<Vec<NodeEnd>> {
     let w = where_of(&cli.cluster)?;
+    let ip_ids = matches!(&cli.command, PluginCommand::Tail(t) if t.ip_ids);
     let (target, path, output, mut filter, sample, count, timeout) = match cli.command {
         PluginCommand::Tail(t) => {
             if t.target.node.is_none() && t.target.pod.is_none() && !t.target.all_nodes {
@@ -362,6 +366,7 @@ pub fn stream(
                 count,
                 timeout,
                 stop: stop.clone(),
+                ip_ids,
             };
             let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
             let node = a.node.clone();

@@ -298,6 +298,8 @@ pub struct Pipeline {
     /// Traversals already modelled (and their renderings), by record content; `None` for a
     /// record that could not be modelled.
     cache: RenderCache<Option<Report>>,
+    /// Reports carry the IPv4 identification the probes record ([`Pipeline::set_ip_ids`]).
+    ip_ids: bool,
     /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
     pub packet_info: bool,
     /// Whether the names each report looked up are noted for the sinks (the recording
@@ -388,6 +390,7 @@ impl Pipeline {
             replans: Vec::new(),
             names,
             cache: RenderCache::default(),
+            ip_ids: false,
             packet_info: false,
             learn_names: false,
             learned: None,
@@ -442,6 +445,14 @@ impl Pipeline {
         for s in sinks {
             s.ruleset(namer.generation, texts, &marks);
         }
+    }
+
+    /// Whether reports carry each packet's IPv4 identification (`packet.ip_id`,
+    /// `encap.inner_ip_id`): what names one packet across nodes (`kubectl observer trace`).
+    /// Off by default: it makes every packet's record, and so its report, different, and
+    /// the cache of renderings, which gives a flow's packets one shared report, misses.
+    pub fn set_ip_ids(&mut self, on: bool) {
+        self.ip_ids = on;
     }
 
     fn clear_caches(&mut self) {
@@ -516,6 +527,13 @@ impl Pipeline {
             .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
         {
             rec.incomplete |= missing::REPLANNED;
+        }
+        if !self.ip_ids {
+            // Not asked for: forgotten before the record is keyed (see `set_ip_ids`).
+            let n = usize::from(rec.nsteps).min(rec.steps.len());
+            for s in &mut rec.steps[..n] {
+                s.ip_id = 0;
+            }
         }
         let lost = lost_now.saturating_sub(self.reported_lost);
         self.reported_lost = self.reported_lost.max(lost_now);

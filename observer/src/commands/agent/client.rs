@@ -26,6 +26,8 @@ pub struct ClientOptions {
     /// Set to true by the caller when it has what it wanted: the client stops there, as
     /// after SIGINT (`kubectl observer trace` once its journey is whole).
     pub stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Ask for reports with each packet's IPv4 identification (`ip_id=1`).
+    pub ip_ids: bool,
 }
 
 /// What a client received.
@@ -86,6 +88,9 @@ fn query(opts: &ClientOptions) -> String {
     }
     if let Some(t) = opts.timeout {
         q.push(("timeout", t.as_secs_f64().to_string()));
+    }
+    if opts.ip_ids {
+        q.push(("ip_id", "1".to_string()));
     }
     serde_urlencoded::to_string(q).unwrap_or_default()
 }

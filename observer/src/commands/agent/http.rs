@@ -238,12 +238,22 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
         }
         None => None,
     };
+    let ip_ids = match q.get("ip_id").map(String::as_str) {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(v) => {
+            return Err(format!(
+                "ip_id `{v}`: give 1 (reports carry the IPv4 ID) or 0"
+            ));
+        }
+    };
     Ok(Request {
         program,
         expr,
         output,
         count,
         timeout,
+        ip_ids,
     })
 }
 

@@ -36,6 +36,9 @@ pub struct Request {
     pub output: Output,
     pub count: Option<u64>,
     pub timeout: Option<Duration>,
+    /// Reports with each packet's IPv4 identification (`ip_id=1`): while any subscriber
+    /// asks, every report is made for its own packet (see `Pipeline::set_ip_ids`).
+    pub ip_ids: bool,
 }
 
 /// One traversal, rendered in the modes someone needs.
@@ -244,6 +247,11 @@ impl Hub {
 
     pub fn subscribers(&self) -> usize {
         self.subs().len()
+    }
+
+    /// Whether a subscriber asked for the packets' IPv4 identifications.
+    pub fn wants_ip_ids(&self) -> bool {
+        self.subs().iter().any(|s| s.req.ip_ids)
     }
 
     /// The filter the probes need to serve every subscriber: what any of them keeps (each
@@ -470,6 +478,7 @@ mod tests {
             output,
             count,
             timeout: None,
+            ip_ids: false,
         }
     }
 

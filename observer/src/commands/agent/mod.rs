@@ -644,6 +644,7 @@ impl Consumer for Agent {
         self.lost_now = tick.lost_now;
         self.hub.set_lost(tick.lost_now);
         self.hub.tick();
+        self.pipeline.set_ip_ids(self.hub.wants_ip_ids());
         let probes = tick.probes;
         if self.release_pending {
             self.release_pending = false;

@@ -117,6 +117,7 @@ pub fn run(
             // tcp to the agent, kubelet's 10250) cannot match it, and excluding them would
             // multiply its alternatives past what the probes take.
             trace_own_stream: true,
+            ip_ids: true,
         }),
         cluster: cluster_args,
     };
