@@ -145,6 +145,8 @@ impl NameSource for LiveNames {
 pub struct RecordedNames {
     pub ifnames: HashMap<u32, String>,
     pub symbols: HashMap<u64, String>,
+    /// The recorded `ip -j -d link show` (the ruleset frame's texts): the VXLAN devices.
+    pub links: Option<String>,
 }
 
 impl NameSource for RecordedNames {
@@ -154,6 +156,9 @@ impl NameSource for RecordedNames {
             None if index == 0 => "-".into(),
             None => format!("if{index}"),
         }
+    }
+    fn overlay(&self, vni: u32, port: u16) -> Option<String> {
+        crate::kernel::netns::vxlan_device_in(self.links.as_deref()?, vni, port)
     }
     fn symbol(&self, addr: u64) -> String {
         self.symbols
