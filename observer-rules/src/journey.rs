@@ -83,10 +83,10 @@ fn vtep_underlay(node: &LiveNode, dev: &str, gateway: IpAddr) -> Option<IpAddr> 
 }
 
 /// The node (and its interface) that owns `addr`.
-fn owner<'a>(
-    nodes: &'a [(String, LiveNode)],
+fn owner(
+    nodes: &[(String, LiveNode)],
     addr: IpAddr,
-) -> Option<(&'a str, &'a LiveNode, String)> {
+) -> Option<(&str, &LiveNode, String)> {
     nodes.iter().find_map(|(name, n)| {
         n.iface_addrs
             .iter()
