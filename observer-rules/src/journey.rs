@@ -83,10 +83,7 @@ fn vtep_underlay(node: &LiveNode, dev: &str, gateway: IpAddr) -> Option<IpAddr> 
 }
 
 /// The node (and its interface) that owns `addr`.
-fn owner(
-    nodes: &[(String, LiveNode)],
-    addr: IpAddr,
-) -> Option<(&str, &LiveNode, String)> {
+fn owner(nodes: &[(String, LiveNode)], addr: IpAddr) -> Option<(&str, &LiveNode, String)> {
     nodes.iter().find_map(|(name, n)| {
         n.iface_addrs
             .iter()

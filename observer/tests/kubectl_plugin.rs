@@ -927,11 +927,12 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         (j, t.elapsed())
     };
     let trace = |args: &[&str]| {
-        let mut all = vec!["--timeout", "15"];
+        let mut all = vec!["--timeout", "40"];
         all.extend_from_slice(args);
         let (j, took) = run(&all);
-        // It returns once the journey is whole, not at --timeout.
-        assert!(took < Duration::from_secs(14), "{took:?}");
+        // It returns once the journey is whole, not at --timeout (seen: tcp/80 in about
+        // 2 s, udp/9 in 8 to 16 s, the lab's flows sent every 300 ms).
+        assert!(took < Duration::from_secs(35), "{args:?}: {took:?}");
         j
     };
     let dropped = trace(&["--port", "9", "--proto", "udp"]);

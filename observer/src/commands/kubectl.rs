@@ -44,7 +44,8 @@ ln -s \"$(command -v observer)\" ~/.local/bin/kubectl-observer), or `cargo xtask
     kubectl observer tail --pod default/web-0 --count 20\n  \
     kubectl observer tail --all-nodes --json --timeout 30 | jq -c '{node, fate}'\n  \
     kubectl observer drops --output line\n  \
-    kubectl observer trace default/client-0 default/web --port 80 --timeout 20"
+    kubectl observer trace default/client-0 default/web --port 80 --timeout 20\n  \
+    kubectl observer trace default/client-0 default/web --port 9 --proto udp --predict"
 )]
 pub struct PluginCli {
     #[command(subcommand)]
@@ -63,7 +64,8 @@ pub enum PluginCommand {
     /// Follow one packet from a pod to a pod or service across nodes: the source node's
     /// traversal (DNAT, marks, SNAT, encapsulation), the overlay's VXLAN packet on both
     /// nodes, then the destination node's (decapsulation, policy, delivery or drop), matched
-    /// by the packet's tuple after NAT and the VXLAN outer header.
+    /// by the packet's tuple after NAT, its IPv4 identification and the VXLAN outer header;
+    /// or, with --predict, the same journey predicted on every node's ruleset.
     Trace(trace::PluginTrace),
 }
 

@@ -188,6 +188,9 @@ pub struct Hub {
     lost_now: std::sync::atomic::AtomicU64,
     /// Traversals skipped for slow subscribers, since start.
     skipped_total: std::sync::atomic::AtomicU64,
+    /// A subscriber asked for the packets' IPv4 identifications: set when one subscribes,
+    /// recomputed at each tick (when subscribers leave).
+    ip_ids: std::sync::atomic::AtomicBool,
 }
 
 impl Hub {
@@ -198,6 +201,7 @@ impl Hub {
             flight: Mutex::new(flight),
             lost_now: 0.into(),
             skipped_total: 0.into(),
+            ip_ids: false.into(),
         }
     }
 
@@ -231,7 +235,14 @@ impl Hub {
         if count_zero {
             finish(sub, "count", self.lost());
         } else {
-            self.subs().push(sub);
+            let ids = sub.req.ip_ids;
+            let mut subs = self.subs();
+            subs.push(sub);
+            // Under the lock: a tick recomputing the flag sees this subscriber.
+            if ids {
+                self.ip_ids
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         Some(rx)
     }
@@ -249,9 +260,10 @@ impl Hub {
         self.subs().len()
     }
 
-    /// Whether a subscriber asked for the packets' IPv4 identifications.
+    /// Whether a subscriber asked for the packets' IPv4 identifications (one atomic load:
+    /// asked for every record).
     pub fn wants_ip_ids(&self) -> bool {
-        self.subs().iter().any(|s| s.req.ip_ids)
+        self.ip_ids.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The filter the probes need to serve every subscriber: what any of them keeps (each
@@ -358,6 +370,8 @@ impl Hub {
                 i += 1;
             }
         }
+        let ids = subs.iter().any(|s| s.req.ip_ids);
+        self.ip_ids.store(ids, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Ends every stream (the agent stops).

@@ -234,7 +234,10 @@ pub fn run(
 }
 
 /// `--predict`: every node's ruleset read by its agent, the journey simulated on them.
-#[expect(clippy::too_many_arguments, reason = "the trace's parts, read once by its caller")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the trace's parts, read once by its caller"
+)]
 fn predict(
     rt: &tokio::runtime::Runtime,
     client: &kube::Client,
