@@ -293,7 +293,15 @@ pub struct PacketInfo {
     pub len: u32,
     /// `skb->mark`.
     pub mark: u32,
+    /// IPv4's identification field (host order) | [`IP_ID_READ`]; 0 when not read (IPv6
+    /// has no such field outside its fragment header, or no IP header was read).
+    pub ip_id: u32,
+    pub _pad2: u32,
 }
+
+/// Set in an `ip_id` (of [`PacketInfo`], [`InnerInfo`], [`traversal::Step`]) when the field
+/// holds an IPv4 identification: 0 is a valid identification.
+pub const IP_ID_READ: u32 = 1 << 16;
 
 /// Conntrack entry attached to the skb (`skb->_nfct`), valid when `flags::CT` is set.
 #[repr(C)]
@@ -347,13 +355,17 @@ pub struct InnerInfo {
     /// With `flags::ENCAP`: the VXLAN network identifier (24 bits, big-endian); otherwise
     /// unused.
     pub vni: [u8; 3],
+    /// The carried (or quoted) IPv4 header's identification | [`IP_ID_READ`], as
+    /// [`PacketInfo::ip_id`].
+    pub ip_id: u32,
+    pub _pad: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<EventHeader>() == 32);
-const _: () = assert!(core::mem::size_of::<PacketInfo>() == 48);
+const _: () = assert!(core::mem::size_of::<PacketInfo>() == 56);
 const _: () = assert!(core::mem::size_of::<CtInfo>() == 16 + 2 * CT_TUPLE_BYTES);
-const _: () = assert!(core::mem::size_of::<InnerInfo>() == 40);
-const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 48 + 112 + 40);
+const _: () = assert!(core::mem::size_of::<InnerInfo>() == 48);
+const _: () = assert!(core::mem::size_of::<PacketEvent>() == 32 + 56 + 112 + 48);
 // The fields `traversal::copy_words` copies and compares as 8-byte words.
 const _: () = {
     use core::mem::{align_of, offset_of};

@@ -148,6 +148,17 @@ fn ip_header(
     }
 }
 
+/// An IPv4 header's identification | [`crate::IP_ID_READ`]; 0 for IPv6 (no such field
+/// outside its fragment header).
+#[inline(always)]
+fn ip_id(version: u8, hdr: &[u8; 40]) -> u32 {
+    if version == 4 {
+        u32::from(u16::from_be_bytes([hdr[4], hdr[5]])) | crate::IP_ID_READ
+    } else {
+        0
+    }
+}
+
 /// Parses an IPv4 or IPv6 header from `hdr` (at least 40 bytes of the network header) into
 /// `ev`; returns the header length.
 #[inline(always)]
@@ -159,6 +170,7 @@ pub fn parse_l3(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
     };
     p.ip_version = version;
     p.l4proto = proto;
+    p.ip_id = ip_id(version, hdr);
     if version == 4 {
         let frag = u16::from_be_bytes([hdr[6], hdr[7]]);
         // Non-first fragments carry no L4 header.
@@ -222,8 +234,9 @@ pub fn is_icmp_error(ev: &PacketEvent) -> bool {
 #[inline(always)]
 pub fn parse_inner(hdr: &[u8; 40], ev: &mut PacketEvent) -> Option<usize> {
     let i = &mut ev.inner;
-    let (_, proto, ihl) = ip_header(hdr, &mut i.saddr, &mut i.daddr)?;
+    let (version, proto, ihl) = ip_header(hdr, &mut i.saddr, &mut i.daddr)?;
     i.l4proto = proto;
+    i.ip_id = ip_id(version, hdr);
     ev.header.flags |= flags::INNER;
     Some(ihl)
 }
@@ -290,6 +303,23 @@ mod tests {
             None => None,
         };
         (ev, r)
+    }
+
+    #[test]
+    fn the_ipv4_identification_is_read_and_said_read_even_when_zero() {
+        let udp = [0x9c, 0x40, 0x14, 0xe9, 0, 8, 0, 0];
+        let mut p = ipv4(17, [1, 1, 1, 1], [2, 2, 2, 2], &udp);
+        p[4..6].copy_from_slice(&0xbeefu16.to_be_bytes());
+        let (ev, _) = parse(&p);
+        assert_eq!(ev.packet.ip_id, 0xbeef | crate::IP_ID_READ);
+        p[4..6].copy_from_slice(&[0, 0]);
+        assert_eq!(parse(&p).0.packet.ip_id, crate::IP_ID_READ);
+        // IPv6: none.
+        let mut v6 = std::vec![0x60, 0, 0, 0, 0, 8, 17, 64];
+        v6.extend([0u8; 32]);
+        v6.extend(udp);
+        let (ev, _) = parse(&v6);
+        assert_eq!((ev.packet.ip_version, ev.packet.ip_id), (6, 0));
     }
 
     #[test]

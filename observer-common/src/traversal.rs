@@ -128,7 +128,10 @@ pub struct Step {
     pub ct_mark: u32,
     /// Low 32 bits of `nf_conn.status`.
     pub ct_status: u32,
-    pub _pad2: u32,
+    /// The IPv4 identification (of the packet, or of the carried/quoted one in an
+    /// [`step::INNER_STATE`] step) | [`crate::IP_ID_READ`]; 0 when not read (IPv6, no IP
+    /// header, or a recording made before this field: it was padding, always zero).
+    pub ip_id: u32,
     pub saddr: [u8; 16],
     pub daddr: [u8; 16],
 }
@@ -483,7 +486,6 @@ fn next_step(rec: &mut TraversalRecord, visit: usize, program: u8) -> Option<&mu
     // SAFETY: plain fields of a live step (volatile: see `copy_words`).
     unsafe {
         core::ptr::write_volatile(&mut s._pad, 0);
-        core::ptr::write_volatile(&mut s._pad2, 0);
     }
     Some(s)
 }
@@ -551,6 +553,7 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
         s.dport = p.dport;
         s.mark = p.mark;
         s.len = p.len;
+        s.ip_id = p.ip_id;
         copy16(&mut s.saddr, &p.saddr);
         copy16(&mut s.daddr, &p.daddr);
         s.ctinfo = (r.ct.ctinfo & ct_mask) as u8;
@@ -580,6 +583,7 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
             s.l4proto = i.l4proto;
             s.sport = i.sport;
             s.dport = i.dport;
+            s.ip_id = i.ip_id;
             // Volatile: a run of zero stores otherwise becomes a `memset` call.
             // SAFETY: plain fields of a live step.
             unsafe {
@@ -626,6 +630,7 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     p.l4proto = s.l4proto;
     p.ip_version = s.ip_version;
     p.tcp_flags = s.tcp_flags;
+    p.ip_id = s.ip_id;
     r.header.flags = (r.header.flags & !HEADER_FLAGS) | (s.flags & HEADER_FLAGS);
     if s.flags & flags::INNER != 0
         && let Some(i) = rec.steps.get(rec.last_inner as usize)
@@ -636,6 +641,7 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
         q.sport = i.sport;
         q.dport = i.dport;
         q.l4proto = i.l4proto;
+        q.ip_id = i.ip_id;
         let vni = i.mark.to_be_bytes();
         q.vni = [vni[1], vni[2], vni[3]];
     }

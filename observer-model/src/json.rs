@@ -171,6 +171,9 @@ fn packet<W: Write>(out: &mut W, p: &Packet) -> io::Result<()> {
         header_keys(out, h)?;
         out.write_all(b"}")
     })?;
+    if let Some(id) = p.ip_id {
+        write!(out, ",\"ip_id\":{id}")?;
+    }
     out.write_all(b"}")
 }
 
@@ -667,6 +670,7 @@ mod tests {
                         id: None,
                     }),
                 }),
+                ip_id: Some(65535),
             }),
             ingress: Some(Iface {
                 iface: "eth0".into(),
@@ -693,6 +697,7 @@ mod tests {
                     proto: Protocol::Tcp,
                 },
                 overlay: Some(AWKWARD.into()),
+                inner_ip_id: None,
             }),
             stages: stages(),
             fate: fate(),

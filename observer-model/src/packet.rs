@@ -322,6 +322,11 @@ pub struct Packet {
     pub proto: Protocol,
     pub first: Headers,
     pub last: Option<Headers>,
+    /// IPv4's identification field, when recorded: NAT keeps it, so it names the packet on
+    /// the next node too. None for IPv6 (no such field outside fragments), for predictions,
+    /// and where reports were not asked to carry it (it makes every packet's report
+    /// different, which the renderings' cache would otherwise share).
+    pub ip_id: Option<u16>,
 }
 
 impl Packet {
@@ -334,7 +339,7 @@ impl Packet {
 impl Serialize for Packet {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let h = &self.first;
-        let mut m = s.serialize_map(Some(8))?;
+        let mut m = s.serialize_map(Some(8 + usize::from(self.ip_id.is_some())))?;
         m.serialize_entry("family", &self.family)?;
         m.serialize_entry("proto", &self.proto)?;
         m.serialize_entry("src", &h.src.host)?;
@@ -343,6 +348,9 @@ impl Serialize for Packet {
         m.serialize_entry("dport", &h.dst.port)?;
         m.serialize_entry("icmp", &h.icmp)?;
         m.serialize_entry("last", &self.last)?;
+        if let Some(id) = self.ip_id {
+            m.serialize_entry("ip_id", &id)?;
+        }
         m.end()
     }
 }

@@ -588,6 +588,7 @@ mod tests {
                     icmp: None,
                 },
                 last: None,
+                ip_id: None,
             }),
             ingress: None,
             egress: None,
@@ -712,6 +713,7 @@ mod tests {
                     icmp: None,
                 },
                 last: None,
+                ip_id: None,
             }),
             ingress: Some(crate::traversal::Iface {
                 iface: "eth0\x1b[31m".into(),

@@ -5,11 +5,14 @@
 //! routed network, the next node's traversal of the packet as it left.
 //!
 //! A packet is recognised on the next node by its identity after NAT: its tuple as it left
-//! (protocol, addresses, ports), and across an overlay also the outer header (underlay
-//! addresses and UDP source port, which the sender derives from the inner flow) and the VNI.
-//! The probes do not record the IP ID, so packets of one flow with the same tuple are told
-//! apart by order: the n-th carrier after the source's traversal goes with it. Pure code
-//! over reports: no kernel, no cluster.
+//! (protocol, addresses, ports), its IPv4 identification (`packet.ip_id`: NAT keeps it, and
+//! a VXLAN packet's report carries the one of the packet inside, `encap.inner_ip_id`), and
+//! across an overlay also the outer header (underlay addresses and UDP source port, which
+//! the sender derives from the inner flow, the VNI, and the VXLAN packet's own
+//! identification). Where a report has no identification (IPv6 has none outside fragments;
+//! reports not asked for it), packets of one flow with the same tuple are told apart by
+//! order: the n-th carrier after the source's traversal goes with it. Pure code over
+//! reports: no kernel, no cluster.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -51,6 +54,12 @@ pub struct Journey {
     /// Why it is not complete.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub missing: Option<String>,
+    /// True when the legs were predicted from the nodes' rulesets (`explain`), not
+    /// observed: no packet was seen.
+    pub predicted: bool,
+    /// What the prediction assumed or could not decide.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -139,6 +148,22 @@ fn outer(r: &Value) -> Option<(String, String, u64)> {
     ))
 }
 
+/// The packet's IPv4 identification, when its report carries it.
+fn ip_id(r: &Value) -> Option<u64> {
+    r["packet"]["ip_id"].as_u64()
+}
+
+/// The identification of the packet a VXLAN packet carries.
+fn inner_ip_id(r: &Value) -> Option<u64> {
+    r["encap"]["inner_ip_id"].as_u64()
+}
+
+/// Two identifications of one packet: equal, or one not known (then the tuple and order
+/// decide).
+fn same_id(a: Option<u64>, b: Option<u64>) -> bool {
+    a.is_none() || b.is_none() || a == b
+}
+
 fn direction(r: &Value) -> &str {
     r["encap"]["direction"].as_str().unwrap_or("")
 }
@@ -159,7 +184,7 @@ fn wanted(w: &Wanted, r: &Value) -> bool {
 }
 
 /// The last rule of the stage where the traversal ended.
-fn end_of(node: &str, r: &Value) -> End {
+pub fn end_of(node: &str, r: &Value) -> End {
     let f = &r["fate"];
     let (hook, table) = (f["hook"].as_str(), f["table"].as_str());
     let rule = r["stages"].as_array().and_then(|stages| {
@@ -231,6 +256,8 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
             complete: missing.is_none(),
             missing,
             legs,
+            predicted: false,
+            notes: Vec::new(),
         })
     };
     let left = last_tuple(&first.report)?;
@@ -245,11 +272,12 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
     let sent = later(at, Some(&first.node), None).find(|(_, n)| {
         direction(&n.report) == "encapsulated"
             && carried(&n.report).as_ref() == Some(&left)
+            && same_id(ip_id(&first.report), inner_ip_id(&n.report))
             && n.report["encap"]["overlay"]
                 .as_str()
                 .is_none_or(|o| o == out)
     });
-    let (next_from, next_node, arrived) = if let Some((_, c)) = sent {
+    let (next_from, next_node, arrived, arrived_id) = if let Some((_, c)) = sent {
         legs.push(Leg {
             node: c.node.clone(),
             role: LegRole::Carrier,
@@ -260,6 +288,8 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
             n.node != c.node
                 && direction(&n.report) == "decapsulated"
                 && (outer(&n.report), carried(&n.report)) == id
+                && same_id(ip_id(&c.report), ip_id(&n.report))
+                && same_id(inner_ip_id(&c.report), inner_ip_id(&n.report))
         }) else {
             return journey(
                 legs,
@@ -280,20 +310,25 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
             j,
             r.node.clone(),
             r.report["encap"]["overlay"].as_str().map(str::to_string),
+            inner_ip_id(&r.report),
         )
     } else {
-        (0, String::new(), None)
+        (0, String::new(), None, None)
     };
     // The packet itself on the next node: first seen with the tuple it left with (after
     // the carrier when there was one, entering through the overlay device).
     let on_next = if next_node.is_empty() {
         later(at, None, Some(&first.node)).find(|(_, n)| {
-            n.report.get("encap").is_none() && first_tuple(&n.report) == Some(left.clone())
+            n.report.get("encap").is_none()
+                && first_tuple(&n.report) == Some(left.clone())
+                && same_id(ip_id(&first.report), ip_id(&n.report))
         })
     } else {
         later(next_from, Some(&next_node), None).find(|(_, n)| {
             n.report.get("encap").is_none()
                 && first_tuple(&n.report) == Some(left.clone())
+                && same_id(ip_id(&first.report), ip_id(&n.report))
+                && same_id(arrived_id, ip_id(&n.report))
                 && arrived
                     .as_ref()
                     .is_none_or(|o| iface(&n.report, "ingress") == *o)
@@ -325,12 +360,18 @@ fn stitch_from(at: usize, reports: &[NodeReport]) -> Option<Journey> {
 pub fn render(j: &Journey) -> String {
     use std::fmt::Write;
     let mut out = String::new();
+    if j.predicted {
+        let _ = writeln!(
+            out,
+            "PREDICTED from each node's ruleset by `explain` (no packet was observed):"
+        );
+    }
     for (n, leg) in j.legs.iter().enumerate() {
         let r = &leg.report;
         let p = &r["packet"];
         let _ = write!(
             out,
-            "{}. [{}] {:<11} {} {}:{} -> {}:{}",
+            "{}. [{}] {:<11} {} {}:{} -> {}:{}{}",
             n + 1,
             leg.node,
             match leg.role {
@@ -342,7 +383,11 @@ pub fn render(j: &Journey) -> String {
             text(&p["src"]),
             p["sport"],
             text(&p["dst"]),
-            p["dport"]
+            p["dport"],
+            p["ip_id"]
+                .as_u64()
+                .map(|id| format!(" id {id}"))
+                .unwrap_or_default()
         );
         for (k, label) in [("ingress", "in"), ("egress", "out")] {
             if let Some(i) = r[k]["iface"].as_str() {
@@ -398,7 +443,8 @@ pub fn render(j: &Journey) -> String {
         );
     }
     if let Some(e) = &j.end {
-        let _ = write!(out, "end: {} on {}", e.kind, e.node);
+        let what = if j.predicted { "predicted end" } else { "end" };
+        let _ = write!(out, "{what}: {} on {}", e.kind, e.node);
         if let (Some(h), Some(t)) = (&e.hook, &e.table) {
             let _ = write!(out, " in {h} {t}");
         }
@@ -409,6 +455,9 @@ pub fn render(j: &Journey) -> String {
     }
     if let Some(m) = &j.missing {
         let _ = writeln!(out, "incomplete: {m}");
+    }
+    for n in &j.notes {
+        let _ = writeln!(out, "note: {n}");
     }
     out
 }
@@ -628,6 +677,50 @@ mod tests {
             text.contains("vxlan encapsulated vni 1 192.168.60.1:57412 -> 192.168.60.2:4789"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn packets_of_one_flow_are_told_apart_by_their_ip_id_not_their_order() {
+        // Two datagrams of the same flow (same tuple, same outer source port); the first
+        // VXLAN packet was lost on the underlay: node-b saw only the second.
+        let id = |mut r: Value, id: u64, inner: Option<u64>| {
+            r["packet"]["ip_id"] = json!(id);
+            if let Some(i) = inner {
+                r["encap"]["inner_ip_id"] = json!(i);
+            }
+            r
+        };
+        let c = cluster(true);
+        let (src, sent, got, dest) = (&c[3].report, &c[5].report, &c[6].report, &c[7].report);
+        let reports = vec![
+            at("node-a", id(src.clone(), 100, None)),
+            at("node-a", id(src.clone(), 101, None)),
+            at("node-a", id(sent.clone(), 500, Some(100))),
+            at("node-a", id(sent.clone(), 501, Some(101))),
+            at("node-b", id(got.clone(), 501, Some(101))),
+            at("node-b", id(dest.clone(), 101, None)),
+        ];
+        let j = stitch(&wanted_udp9(), &reports).expect("found");
+        assert!(j.complete, "{:?}", j.missing);
+        let ids: Vec<Option<u64>> = j.legs.iter().map(|l| ip_id(&l.report)).collect();
+        assert_eq!(ids, [Some(101), Some(501), Some(501), Some(101)]);
+        assert!(render(&j).contains("10.96.0.30:9 id 101"), "{}", render(&j));
+        // Without the identifications, order pairs the first datagram with the second's
+        // arrival: what the IDs prevent.
+        let strip = |mut r: Value| {
+            r["packet"].as_object_mut().unwrap().remove("ip_id");
+            if let Some(e) = r.get_mut("encap") {
+                e.as_object_mut().unwrap().remove("inner_ip_id");
+            }
+            r
+        };
+        let blind: Vec<NodeReport> = reports
+            .iter()
+            .map(|n| at(&n.node, strip(n.report.clone())))
+            .collect();
+        let j = stitch(&wanted_udp9(), &blind).expect("found");
+        assert!(j.complete);
+        assert_eq!(j.legs[1].report, strip(reports[2].report.clone()));
     }
 
     #[test]

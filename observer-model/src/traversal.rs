@@ -233,6 +233,10 @@ pub struct Encapsulation {
     /// This namespace's VXLAN device with that VNI and port (`flannel.1`, `vxlan.calico`);
     /// null when none is known (a replay, or the device is gone).
     pub overlay: Option<String>,
+    /// The carried packet's IPv4 identification, when recorded (absent: IPv6, or not
+    /// asked for; see [`crate::Packet::ip_id`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inner_ip_id: Option<u16>,
 }
 
 /// One random outcome of a prediction.

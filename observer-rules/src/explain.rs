@@ -379,6 +379,7 @@ fn predicted_packet(p: &PacketSpec, stages: &[model::Stage]) -> Packet {
         proto,
         first,
         last,
+        ip_id: None,
     }
 }
 

@@ -120,6 +120,87 @@ impl BridgeTexts {
     }
 }
 
+impl LiveTexts {
+    /// What the commands print on the node (the calling thread's network namespace), not
+    /// parsed, with every read that failed: what a cluster plugin fetches from an agent to
+    /// simulate on (`GET /v1/ruleset`).
+    pub fn read() -> (Self, Vec<LiveError>) {
+        Self::read_with(&|t| t, &|| {
+            Some(run("nft", &["-j", "list", "ruleset"], "nftables"))
+        })
+    }
+
+    /// As [`LiveTexts::read`], `save` rewriting each `iptables-save` text, `nft` reading
+    /// nftables' listing (see [`LiveNode::read_with`]).
+    pub fn read_with(
+        save: &dyn Fn(String) -> String,
+        nft: &dyn Fn() -> Option<Result<String, LiveError>>,
+    ) -> (Self, Vec<LiveError>) {
+        let mut failures = Vec::new();
+        let mut keep = |r: Result<String, LiveError>| match r {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failures.push(e);
+                None
+            }
+        };
+        let texts = LiveTexts {
+            iptables: keep(run("iptables-save", &["-c"], "iptables")).map(save),
+            ip6tables: keep(run("ip6tables-save", &["-c"], "iptables")).map(save),
+            nft: nft().and_then(&mut keep),
+            ipset: keep(run("ipset", &["save"], "ipset")),
+            routes: ["-4", "-6"]
+                .iter()
+                .filter_map(|v| {
+                    keep(run(
+                        "ip",
+                        &["-j", v, "route", "show", "table", "all"],
+                        "iproute2",
+                    ))
+                })
+                .collect(),
+            addrs: keep(run("ip", &["-j", "addr", "show"], "iproute2")),
+            bridge: Box::new(BridgeTexts {
+                bridge_links: keep(run("bridge", &["-j", "-d", "link", "show"], "iproute2")),
+                links: keep(run("ip", &["-j", "-d", "link", "show"], "iproute2")),
+                neigh: keep(run("ip", &["-j", "neigh", "show"], "iproute2")),
+                fdb: keep(run("bridge", &["-j", "fdb", "show"], "iproute2")),
+                bridge_nf_call: ["iptables", "ip6tables"].map(|f| {
+                    // /proc/sys/net is the reading thread's namespace; absent: no br_netfilter.
+                    let path = format!("/proc/sys/net/bridge/bridge-nf-call-{f}");
+                    match std::fs::read_to_string(&path) {
+                        Ok(v) => Some(v.trim() != "0"),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(false),
+                        Err(_) => None,
+                    }
+                }),
+            }),
+        };
+        (texts, failures)
+    }
+
+    /// The bytes the texts hold (what a copy of them costs).
+    pub fn len(&self) -> usize {
+        let b = &self.bridge;
+        [
+            &self.iptables,
+            &self.ip6tables,
+            &self.nft,
+            &self.ipset,
+            &self.addrs,
+        ]
+        .into_iter()
+        .chain([&b.bridge_links, &b.links, &b.neigh, &b.fdb])
+        .map(|t| t.as_ref().map_or(0, String::len))
+        .chain(self.routes.iter().map(String::len))
+        .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The node as read at one moment.
 #[derive(Debug, Default)]
 pub struct LiveNode {
@@ -176,46 +257,7 @@ impl LiveNode {
         save: &dyn Fn(String) -> String,
         nft: &dyn Fn() -> Option<Result<String, LiveError>>,
     ) -> Self {
-        let mut failures = Vec::new();
-        let mut keep = |r: Result<String, LiveError>| match r {
-            Ok(t) => Some(t),
-            Err(e) => {
-                failures.push(e);
-                None
-            }
-        };
-        let texts = LiveTexts {
-            iptables: keep(run("iptables-save", &["-c"], "iptables")).map(save),
-            ip6tables: keep(run("ip6tables-save", &["-c"], "iptables")).map(save),
-            nft: nft().and_then(&mut keep),
-            ipset: keep(run("ipset", &["save"], "ipset")),
-            routes: ["-4", "-6"]
-                .iter()
-                .filter_map(|v| {
-                    keep(run(
-                        "ip",
-                        &["-j", v, "route", "show", "table", "all"],
-                        "iproute2",
-                    ))
-                })
-                .collect(),
-            addrs: keep(run("ip", &["-j", "addr", "show"], "iproute2")),
-            bridge: Box::new(BridgeTexts {
-                bridge_links: keep(run("bridge", &["-j", "-d", "link", "show"], "iproute2")),
-                links: keep(run("ip", &["-j", "-d", "link", "show"], "iproute2")),
-                neigh: keep(run("ip", &["-j", "neigh", "show"], "iproute2")),
-                fdb: keep(run("bridge", &["-j", "fdb", "show"], "iproute2")),
-                bridge_nf_call: ["iptables", "ip6tables"].map(|f| {
-                    // /proc/sys/net is the reading thread's namespace; absent: no br_netfilter.
-                    let path = format!("/proc/sys/net/bridge/bridge-nf-call-{f}");
-                    match std::fs::read_to_string(&path) {
-                        Ok(v) => Some(v.trim() != "0"),
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(false),
-                        Err(_) => None,
-                    }
-                }),
-            }),
-        };
+        let (texts, mut failures) = LiveTexts::read_with(save, nft);
         let mut node = Self::parse(texts);
         failures.append(&mut node.failures);
         node.failures = failures;

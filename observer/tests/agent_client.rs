@@ -54,6 +54,8 @@ fn client(addr: &str, timeout: Option<Duration>) -> (anyhow::Result<ClientSummar
         sample: 1,
         count: None,
         timeout,
+        stop: None,
+        ip_ids: false,
     };
     let t = Instant::now();
     let r = run(&opts, "/v1/traces", Sink::default());

@@ -383,6 +383,11 @@ fn start_with_apps(
 
 /// Runs the plugin's `args` against the stand-in at `url`: (stdout, each node's end).
 fn plugin(url: &str, args: &[&str]) -> anyhow::Result<(String, Vec<NodeEnd>)> {
+    plugin_outcome(url, args).map(|(s, o)| (s, o.ends))
+}
+
+/// As [`plugin`], with whether the nodes that failed make the run fail.
+fn plugin_outcome(url: &str, args: &[&str]) -> anyhow::Result<(String, kubectl::Outcome)> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -396,9 +401,9 @@ fn plugin(url: &str, args: &[&str]) -> anyhow::Result<(String, Vec<NodeEnd>)> {
     let buf = Arc::new(Mutex::new(Vec::new()));
     let out: Arc<Mutex<Box<dyn Write + Send>>> =
         Arc::new(Mutex::new(Box::new(Shared(buf.clone()))));
-    let ends = kubectl::run(rt, client, cli, out)?;
+    let outcome = kubectl::run_outcome(rt, client, cli, out)?;
     let s = String::from_utf8(buf.lock().unwrap().clone()).unwrap();
-    Ok((s, ends))
+    Ok((s, outcome))
 }
 
 struct Shared(Arc<Mutex<Vec<u8>>>);
@@ -857,11 +862,18 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         ("default/pod-b".to_string(), ("lab-node2", "10.244.1.5")),
     ]);
     let services = HashMap::from([("default/web".to_string(), "10.96.0.30")]);
+    // A third node whose agent never answers: named, but not on the journey.
+    let silent = AgentPod {
+        node: "lab-node3",
+        agent: None,
+        netns: None,
+    };
     let (url, _c) = start_with_apps(
         Vec::new(),
         vec![
             ("observer-1".into(), agent("node")),
             ("observer-2".into(), agent("node2")),
+            ("observer-3".into(), silent),
         ],
         None,
         apps,
@@ -881,21 +893,46 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
             }
         })
     };
-    let trace = |args: &[&str]| {
+    let run = |args: &[&str]| {
         let mut all = vec![
             "trace",
             "default/pod-a",
             "default/web",
-            "--timeout",
-            "15",
+            "--connect-timeout",
+            "2",
             "--json",
         ];
         all.extend_from_slice(args);
-        let (out, ends) = plugin(&url, &all)
+        let t = Instant::now();
+        let (out, o) = plugin_outcome(&url, &all)
             .unwrap_or_else(|e| panic!("{e:#}; agents: {} {}", node.log(), node2.log()));
-        assert_eq!(ends.len(), 2, "{ends:?}");
-        assert!(ends.iter().all(|e| e.result.is_ok()), "{ends:?}");
+        let ends: Vec<(&str, bool)> = o
+            .ends
+            .iter()
+            .map(|e| (e.node.as_str(), e.result.is_ok()))
+            .collect();
+        assert_eq!(
+            ends,
+            [
+                ("lab-node", true),
+                ("lab-node2", true),
+                ("lab-node3", false)
+            ],
+            "{:?}",
+            o.ends
+        );
+        // The silent node is named, and does not fail a journey printed whole.
+        assert!(!o.failures_fail, "{:?}", o.ends);
         let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        (j, t.elapsed())
+    };
+    let trace = |args: &[&str]| {
+        let mut all = vec!["--timeout", "40"];
+        all.extend_from_slice(args);
+        let (j, took) = run(&all);
+        // It returns once the journey is whole, not at --timeout (seen: tcp/80 in about
+        // 2 s, udp/9 in 8 to 16 s, the lab's flows sent every 300 ms).
+        assert!(took < Duration::from_secs(35), "{args:?}: {took:?}");
         j
     };
     let dropped = trace(&["--port", "9", "--proto", "udp"]);
@@ -904,6 +941,7 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
     traffic.join().unwrap();
     for (j, endpoint) in [(&dropped, "10.244.1.5:9"), (&delivered, "10.244.1.5:8080")] {
         assert_eq!(j["complete"], true, "{j:#}");
+        assert_eq!(j["predicted"], false, "{j:#}");
         let legs: Vec<(&str, &str)> = j["legs"]
             .as_array()
             .unwrap()
@@ -929,6 +967,15 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         assert_eq!(got["encap"]["inner"]["dst"], endpoint);
         assert_eq!(got["encap"]["overlay"], "flannel.1");
         assert_eq!(j["legs"][3]["report"]["ingress"]["iface"], "flannel.1");
+        // One packet by its IPv4 identification: the same on both nodes (NAT keeps it),
+        // carried inside VXLAN packets that share theirs.
+        let id = src["packet"]["ip_id"].as_u64();
+        assert!(id.is_some(), "{j:#}");
+        assert_eq!(j["legs"][3]["report"]["packet"]["ip_id"].as_u64(), id);
+        assert_eq!(sent["encap"]["inner_ip_id"].as_u64(), id);
+        assert_eq!(got["encap"]["inner_ip_id"].as_u64(), id);
+        assert!(sent["packet"]["ip_id"].is_u64(), "{sent:#}");
+        assert_eq!(sent["packet"]["ip_id"], got["packet"]["ip_id"]);
     }
     assert_eq!(dropped["end"]["node"], "lab-node2");
     assert_eq!(dropped["end"]["kind"], "dropped");
@@ -945,6 +992,59 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
     assert_eq!(
         delivered["legs"][3]["report"]["egress"]["iface"],
         "cali3c4d"
+    );
+    // --predict: the same journeys from the two agents' rulesets (GET /v1/ruleset), no
+    // packet needed; the same legs, and the same end and rule as observed.
+    for (observed, args) in [
+        (&dropped, ["--port", "9", "--proto", "udp"]),
+        (&delivered, ["--port", "80", "--proto", "tcp"]),
+    ] {
+        let mut all = vec!["--predict"];
+        all.extend_from_slice(&args);
+        let (p, _) = run(&all);
+        assert_eq!(p["predicted"], true, "{p:#}");
+        assert_eq!(p["complete"], true, "{p:#}");
+        let roles = |j: &serde_json::Value| -> Vec<(String, String)> {
+            j["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| (l["node"].to_string(), l["role"].to_string()))
+                .collect()
+        };
+        assert_eq!(roles(&p), roles(observed), "{p:#}");
+        assert_eq!(p["end"], observed["end"], "{p:#}");
+        assert_eq!(p["legs"][0]["report"]["source"], "predicted");
+        assert_eq!(
+            p["legs"][0]["report"]["nat"][0]["to"],
+            observed["legs"][0]["report"]["nat"][0]["to"]
+        );
+        assert_eq!(
+            p["legs"][1]["report"]["encap"]["outer_dst"],
+            observed["legs"][1]["report"]["encap"]["outer_dst"]
+        );
+    }
+    // As text, it says it is a prediction.
+    let (text, _) = plugin(
+        &url,
+        &[
+            "trace",
+            "default/pod-a",
+            "default/web",
+            "--connect-timeout",
+            "2",
+            "--predict",
+            "--port",
+            "9",
+            "--proto",
+            "udp",
+        ],
+    )
+    .unwrap();
+    assert!(text.starts_with("PREDICTED"), "{text}");
+    assert!(
+        text.contains("predicted end: dropped on lab-node2"),
+        "{text}"
     );
     drop(node2);
     drop(node);

@@ -678,6 +678,26 @@ fn a_deep_filter_is_refused_and_the_agent_still_serves() {
     let (lines, err) = c.finish(Duration::from_secs(30));
     assert_eq!(lines.len(), 3, "{lines:#?} {err}");
     assert!(lines.iter().all(|l| l.contains("7004")), "{lines:#?}");
+    // What `kubectl observer trace --predict` reads of the node, on the socket too: the
+    // node's own texts (its rule dropping udp/7004 among them), versioned.
+    let v: serde_json::Value =
+        serde_json::from_str(&unix_get(&agent.socket, "/v1/version")).unwrap();
+    assert_eq!(v["ruleset"], 1, "{v}");
+    let r: serde_json::Value =
+        serde_json::from_str(&unix_get(&agent.socket, "/v1/ruleset")).unwrap();
+    assert_eq!(r["format"], 1);
+    let rules = r["texts"]["iptables"].as_str().unwrap_or_default();
+    assert!(
+        rules.contains("--dport 7004") && rules.contains("-j DROP"),
+        "{rules}"
+    );
+    assert!(
+        r["texts"]["routes"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()),
+        "{r}"
+    );
+    assert!(r["failures"].is_array(), "{r}");
 }
 
 /// `promtool check metrics` accepts `text`.

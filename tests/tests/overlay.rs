@@ -168,9 +168,17 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
         lab_counters(&lab, "node2", "iptables-save"),
     );
     let echo = tcp_echo(&lab, "pod2", "10.244.1.5:8080", 1);
+    // node2's tail also records: its replay names the overlay device as the tail did.
+    let recording = std::env::temp_dir().join(format!("{}-node2.rec", lab.prefix));
+    let _ = std::fs::remove_file(&recording);
     let tails = [
         Tail::start_on(&lab, "node", &[], &[]),
-        Tail::start_on(&lab, "node2", &[], &[]),
+        Tail::start_on(
+            &lab,
+            "node2",
+            &["--record", recording.to_str().unwrap()],
+            &[],
+        ),
     ];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let frames = capture(&lab, "node2", stop.clone());
@@ -196,6 +204,33 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
     let after = (
         lab_counters(&lab, "node", "iptables-save"),
         lab_counters(&lab, "node2", "iptables-save"),
+    );
+    let replay = std::process::Command::new(observer_tests::lab::observer_bin())
+        .args(["replay", "--json"])
+        .arg(&recording)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&recording);
+    assert!(replay.status.success(), "{replay:?}");
+    let replayed: Vec<Value> = String::from_utf8_lossy(&replay.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let carriers = |rs: &[Value]| -> Vec<Value> {
+        rs.iter()
+            .filter(|r| r["encap"]["direction"] == "decapsulated")
+            .map(|r| r["encap"].clone())
+            .collect()
+    };
+    // Live and replayed: the same carriers, the overlay named (not null) in both.
+    assert!(!carriers(&node2_reports).is_empty());
+    assert_eq!(carriers(&replayed), carriers(&node2_reports));
+    assert!(
+        carriers(&replayed)
+            .iter()
+            .all(|e| e["overlay"] == "flannel.1"),
+        "{:#?}",
+        carriers(&replayed)
     );
 
     // The kernel's counters on both nodes: DNAT on node only (node2 sees pod2's address

@@ -44,7 +44,8 @@ ln -s \"$(command -v observer)\" ~/.local/bin/kubectl-observer), or `cargo xtask
     kubectl observer tail --pod default/web-0 --count 20\n  \
     kubectl observer tail --all-nodes --json --timeout 30 | jq -c '{node, fate}'\n  \
     kubectl observer drops --output line\n  \
-    kubectl observer trace default/client-0 default/web --port 80 --timeout 20"
+    kubectl observer trace default/client-0 default/web --port 80 --timeout 20\n  \
+    kubectl observer trace default/client-0 default/web --port 9 --proto udp --predict"
 )]
 pub struct PluginCli {
     #[command(subcommand)]
@@ -64,7 +65,8 @@ pub enum PluginCommand {
     /// Follow one packet from a pod to a pod or service across nodes: the source node's
     /// traversal (DNAT, marks, SNAT, encapsulation), the overlay's VXLAN packet on both
     /// nodes, then the destination node's (decapsulation, policy, delivery or drop), matched
-    /// by the packet's tuple after NAT and the VXLAN outer header.
+    /// by the packet's tuple after NAT, its IPv4 identification and the VXLAN outer header;
+    /// or, with --predict, the same journey predicted on every node's ruleset.
     Trace(trace::PluginTrace),
 }
 
@@ -130,6 +132,9 @@ pub struct PluginTail {
     /// default: each report sent would make packets, and those more reports.
     #[arg(long)]
     pub trace_own_stream: bool,
+    /// Reports with each packet's IPv4 identification (`trace` asks for it).
+    #[arg(skip)]
+    pub ip_ids: bool,
 }
 
 #[derive(Args, Debug)]
@@ -149,7 +154,8 @@ pub struct NodeEnd {
 }
 
 /// Runs the plugin with the user's kubeconfig; stdout gets the reports, stderr each node's
-/// summary or error. Fails when any node could not be shown whole.
+/// summary or error. `tail` and `drops` fail when any node could not be shown whole; `trace`
+/// when no journey, or an incomplete one while a node failed (see its --help).
 pub fn main(cli: PluginCli) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -161,9 +167,9 @@ pub fn main(cli: PluginCli) -> Result<()> {
         )
     })?;
     let out: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(std::io::stdout())));
-    let ends = run(rt, client, cli, out)?;
+    let outcome = run_outcome(rt, client, cli, out)?;
     let mut failed = 0;
-    for e in &ends {
+    for e in &outcome.ends {
         match &e.result {
             Ok(s) => eprintln!("node {}: {s}", e.node),
             Err(s) => {
@@ -172,13 +178,22 @@ pub fn main(cli: PluginCli) -> Result<()> {
             }
         }
     }
-    if failed > 0 {
+    if failed > 0 && outcome.failures_fail {
         anyhow::bail!(
             "{failed} of {} nodes could not be shown whole (named above)",
-            ends.len()
+            outcome.ends.len()
         );
     }
     Ok(())
+}
+
+/// What a run of the plugin ended with.
+pub struct Outcome {
+    /// Each node's end, in node order.
+    pub ends: Vec<NodeEnd>,
+    /// Whether a node that failed makes the run fail: always for `tail` and `drops`; for
+    /// `trace` only when its journey is incomplete (the missing leg may be that node's).
+    pub failures_fail: bool,
 }
 
 /// The plugin's work on `client`'s cluster, reports to `out`; each node's end, in node
@@ -190,19 +205,44 @@ pub fn run(
     cli: PluginCli,
     out: Arc<Mutex<Box<dyn Write + Send>>>,
 ) -> Result<Vec<NodeEnd>> {
-    let c = &cli.cluster;
-    if !(c.connect_timeout.is_finite() && c.connect_timeout > 0.0 && c.connect_timeout < 3600.0) {
-        anyhow::bail!(
-            "--connect-timeout {}: give 0 to 3600 seconds",
-            c.connect_timeout
-        );
+    run_outcome(rt, client, cli, out).map(|o| o.ends)
+}
+
+/// As [`run`], saying whether the nodes that failed make the run fail.
+pub fn run_outcome(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cli: PluginCli,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+) -> Result<Outcome> {
+    match cli.command {
+        PluginCommand::Trace(t) => trace::run(rt, client, cli.cluster, t, out),
+        command => Ok(Outcome {
+            ends: stream(
+                rt,
+                client,
+                PluginCli {
+                    command,
+                    cluster: cli.cluster,
+                },
+                out,
+                None,
+            )?,
+            failures_fail: true,
+        }),
     }
-    let w = Where {
-        namespace: c.namespace.clone(),
-        selector: c.selector.clone(),
-        port: c.agent_port,
-        timeout: Duration::from_secs_f64(c.connect_timeout),
-    };
+}
+
+/// `tail` or `drops` from the chosen nodes, until each ends or `stop` turns true.
+pub fn stream(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cli: PluginCli,
+    out: Arc<Mutex<Box<dyn Write + Send>>>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<Vec<NodeEnd>> {
+    let w = where_of(&cli.cluster)?;
+    let ip_ids = matches!(&cli.command, PluginCommand::Tail(t) if t.ip_ids);
     let (
         Selection {
             target,
@@ -220,13 +260,13 @@ pub fn run(
                 anyhow::bail!("say which nodes: --node NODE, --pod NAMESPACE/NAME or --all-nodes");
             }
             if !t.trace_own_stream {
-                let f = without_own_stream(t.selection.filter.as_deref(), c.agent_port);
+                let f = without_own_stream(t.selection.filter.as_deref(), w.port);
                 t.selection.filter = Some(f);
             }
             (t.selection, "/v1/traces", t.sample, t.count, t.timeout)
         }
         PluginCommand::Drops(d) => (d.selection, "/v1/drops", 1, d.count, None),
-        PluginCommand::Trace(t) => return trace::run(rt, client, cli.cluster, t, out),
+        PluginCommand::Trace(_) => anyhow::bail!("trace is not a stream: use run"),
     };
     let output = output.format();
     // Find the agents, and check each answers as this version does.
@@ -313,6 +353,8 @@ pub fn run(
                 sample,
                 count,
                 timeout,
+                stop: stop.clone(),
+                ip_ids,
             };
             let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
             let node = a.node.clone();
@@ -348,6 +390,22 @@ pub fn run(
     }
     ends.sort_by(|a, b| a.node.cmp(&b.node));
     Ok(ends)
+}
+
+/// Where the agents are, from the flags.
+pub fn where_of(c: &ClusterArgs) -> Result<Where> {
+    if !(c.connect_timeout.is_finite() && c.connect_timeout > 0.0 && c.connect_timeout < 3600.0) {
+        anyhow::bail!(
+            "--connect-timeout {}: give 0 to 3600 seconds",
+            c.connect_timeout
+        );
+    }
+    Ok(Where {
+        namespace: c.namespace.clone(),
+        selector: c.selector.clone(),
+        port: c.agent_port,
+        timeout: Duration::from_secs_f64(c.connect_timeout),
+    })
 }
 
 /// `filter` (parenthesized) without the packets that carry the stream itself: the

@@ -95,6 +95,9 @@ impl NameSource for Shared {
     fn symbol(&self, addr: u64) -> String {
         self.0.borrow().symbol(addr)
     }
+    fn overlay(&self, vni: u32, port: u16) -> Option<String> {
+        self.0.borrow().overlay(vni, port)
+    }
 }
 
 /// Prints the recording's reports to `out`.
@@ -268,6 +271,12 @@ impl Consumer for Replayer<'_> {
             Replan::Ruleset { live, recorded, .. } => {
                 let (generation, marks) = recorded.unwrap_or((0, &[]));
                 self.sink.ruleset(generation, &live.texts, marks);
+                // The overlay devices as the tail saw them (`encap.overlay`).
+                let links = live.texts.bridge.links.clone();
+                if links != self.names.borrow().links {
+                    self.names.borrow_mut().links = links;
+                    self.pipeline.forget_names();
+                }
                 // Rules named as the tail named them, from the ruleset it read.
                 for f in &live.failures {
                     log::warn!(

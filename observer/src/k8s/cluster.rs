@@ -303,9 +303,17 @@ pub async fn connect(
     Ok(stream)
 }
 
-/// Asks the agent its version (`GET /v1/version`) over a port-forward: the same streaming
-/// API, or a clear refusal.
-pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String, ClusterError> {
+/// `GET path` of the agent over a port-forward, answered within `timeout`, its body at most
+/// `limit` bytes: (status, body).
+async fn get(
+    client: &kube::Client,
+    w: &Where,
+    a: &Agent,
+    path: &'static str,
+    what: &'static str,
+    timeout: Duration,
+    limit: usize,
+) -> Result<(hyper::StatusCode, Bytes), ClusterError> {
     let io = connect(client, w, a).await?;
     let unreachable = |message: String| ClusterError::Unreachable {
         node: a.node.clone(),
@@ -320,7 +328,7 @@ pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        let req = hyper::Request::get("/v1/version")
+        let req = hyper::Request::get(path)
             .header(hyper::header::HOST, "localhost")
             .body(Empty::<Bytes>::new())
             .map_err(|e| unreachable(e.to_string()))?;
@@ -329,23 +337,42 @@ pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String
             .await
             .map_err(|e| unreachable(format!("no answer ({e})")))?;
         let status = res.status();
-        let body = res
-            .into_body()
+        let body = http_body_util::Limited::new(res.into_body(), limit)
             .collect()
             .await
-            .map_err(|e| unreachable(format!("reading /v1/version: {e}")))?
+            .map_err(|e| unreachable(format!("reading {path} (at most {limit} bytes): {e}")))?
             .to_bytes();
         Ok::<_, ClusterError>((status, body))
     };
-    let (status, body) =
-        tokio::time::timeout(w.timeout, ask)
-            .await
-            .map_err(|_| ClusterError::Timeout {
-                node: a.node.clone(),
-                pod: a.pod.clone(),
-                timeout: w.timeout,
-                what: "its streaming API (/v1/version)",
-            })??;
+    tokio::time::timeout(timeout, ask)
+        .await
+        .map_err(|_| ClusterError::Timeout {
+            node: a.node.clone(),
+            pod: a.pod.clone(),
+            timeout,
+            what,
+        })?
+}
+
+/// Asks the agent its version (`GET /v1/version`) over a port-forward: the same streaming
+/// API, or a clear refusal.
+pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String, ClusterError> {
+    let unreachable = |message: String| ClusterError::Unreachable {
+        node: a.node.clone(),
+        pod: a.pod.clone(),
+        port: w.port,
+        message,
+    };
+    let (status, body) = get(
+        client,
+        w,
+        a,
+        "/v1/version",
+        "its streaming API (/v1/version)",
+        w.timeout,
+        64 << 10,
+    )
+    .await?;
     let version = |found: String| ClusterError::Version {
         node: a.node.clone(),
         pod: a.pod.clone(),
@@ -375,6 +402,75 @@ pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String
     }
     Ok(agent)
 }
+
+/// The largest ruleset read from an agent (`/v1/ruleset`; the agent serves at most 128 MiB
+/// of texts, JSON-escaped here).
+pub const MAX_RULESET_BODY: usize = 256 << 20;
+
+/// What the agent on `a`'s node reads of its node for `explain` (`GET /v1/ruleset`): the
+/// texts, and the reads that failed there. Reading a large ruleset takes time: `w.timeout`
+/// plus a minute.
+pub async fn ruleset(
+    client: &kube::Client,
+    w: &Where,
+    a: &Agent,
+) -> Result<(observer_rules::LiveTexts, Vec<String>), ClusterError> {
+    let unreachable = |message: String| ClusterError::Unreachable {
+        node: a.node.clone(),
+        pod: a.pod.clone(),
+        port: w.port,
+        message,
+    };
+    let timeout = w.timeout + Duration::from_secs(60);
+    let (status, body) = get(
+        client,
+        w,
+        a,
+        "/v1/ruleset",
+        "its read of the node's rules (/v1/ruleset)",
+        timeout,
+        MAX_RULESET_BODY,
+    )
+    .await?;
+    if status == hyper::StatusCode::NOT_FOUND {
+        return Err(ClusterError::Version {
+            node: a.node.clone(),
+            pod: a.pod.clone(),
+            found: "it has no /v1/ruleset, so it is older than `trace --predict`".into(),
+            ours: env!("CARGO_PKG_VERSION"),
+        });
+    }
+    if !status.is_success() {
+        return Err(unreachable(format!(
+            "/v1/ruleset answered HTTP {status}: {}",
+            String::from_utf8_lossy(&body).trim()
+        )));
+    }
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        format: u64,
+        texts: observer_rules::LiveTexts,
+        #[serde(default)]
+        failures: Vec<String>,
+    }
+    let r: Answer = serde_json::from_slice(&body)
+        .map_err(|e| unreachable(format!("/v1/ruleset is not the ruleset JSON expected: {e}")))?;
+    if r.format != RULESET_FORMAT {
+        return Err(ClusterError::Version {
+            node: a.node.clone(),
+            pod: a.pod.clone(),
+            found: format!(
+                "its /v1/ruleset is format {}, this plugin reads {RULESET_FORMAT}",
+                r.format
+            ),
+            ours: env!("CARGO_PKG_VERSION"),
+        });
+    }
+    Ok((r.texts, r.failures))
+}
+
+/// The version of `/v1/ruleset`'s body this plugin reads.
+pub const RULESET_FORMAT: u64 = 1;
 
 /// A unix socket at `path` (in a directory only this user can enter: the stream carries
 /// what this user's credentials may see) that forwards each connection to the agent through

@@ -101,7 +101,12 @@ pub fn vxlan_device(vni: u32, port: u16) -> Option<String> {
 pub fn vxlan_device_in(json: &str, vni: u32, port: u16) -> Option<String> {
     let links: Vec<serde_json::Value> = serde_json::from_str(json).ok()?;
     links.iter().find_map(|l| {
-        let data = l.get("linkinfo")?.get("info_data")?;
+        let info = l.get("linkinfo")?;
+        // Geneve's data has an id and a port too.
+        if info.get("info_kind")?.as_str()? != "vxlan" {
+            return None;
+        }
+        let data = info.get("info_data")?;
         let id = data.get("id")?.as_u64()?;
         let p = data.get("port")?.as_u64()?;
         (id == u64::from(vni) && p == u64::from(port))

@@ -356,6 +356,7 @@ pub fn packet(t: &Traversal) -> Option<Packet> {
         proto: Protocol::from_number(first_seen.proto),
         first,
         last,
+        ip_id: t.records.iter().find_map(|o| o.ip_id),
     })
 }
 
@@ -410,6 +411,7 @@ mod tests {
             fragment: false,
             icmp: None,
             icmp_id: None,
+            ip_id: None,
         }
     }
 

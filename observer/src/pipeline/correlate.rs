@@ -238,10 +238,11 @@ fn observation(
         // A VXLAN packet's inner step keeps its VNI where a step's mark is.
         encap: carried
             .filter(|(i, _)| i.flags & flags::ENCAP != 0)
-            .map(|(i, (s, d, p))| (i.mark, s, d, p)),
+            .map(|(i, (s, d, p))| (i.mark, s, d, p, crate::pipeline::decode::ip_id_of(i.ip_id))),
         fragment: o.flags & flags::FRAGMENT != 0,
         icmp: crate::pipeline::decode::icmp_of(o.l4proto, o.dport),
         icmp_id: crate::pipeline::decode::icmp_id_of(o.l4proto, o.sport, o.dport),
+        ip_id: crate::pipeline::decode::ip_id_of(o.ip_id),
     }
 }
 

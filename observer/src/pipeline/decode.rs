@@ -94,14 +94,22 @@ pub struct Observation {
     pub ct: Option<Conntrack>,
     /// For ICMP errors: the packet they quote (source, destination, protocol).
     pub inner: Option<(Endpoint, Endpoint, u8)>,
-    /// For VXLAN packets: the VNI and the packet carried (source, destination, protocol).
-    pub encap: Option<(u32, Endpoint, Endpoint, u8)>,
+    /// For VXLAN packets: the VNI and the packet carried (source, destination, protocol,
+    /// its IPv4 identification when recorded).
+    pub encap: Option<(u32, Endpoint, Endpoint, u8, Option<u16>)>,
     /// An IPv4 fragment.
     pub fragment: bool,
     /// ICMP and ICMPv6: the message's type and code (the probes read them where ports are).
     pub icmp: Option<(u8, u8)>,
     /// An ICMP(v6) echo request or reply: its identifier.
     pub icmp_id: Option<u16>,
+    /// The IPv4 identification field, when recorded (never for IPv6).
+    pub ip_id: Option<u16>,
+}
+
+/// An `ip_id` as the probes keep it ([`observer_common::IP_ID_READ`] set when read).
+pub(crate) fn ip_id_of(raw: u32) -> Option<u16> {
+    (raw & observer_common::IP_ID_READ != 0).then_some(raw as u16)
 }
 
 /// Type and code of an ICMP(v6) message, which the probes keep where ports are.

@@ -163,6 +163,8 @@ impl NameSource for LiveNames {
 pub struct RecordedNames {
     pub ifnames: HashMap<u32, String>,
     pub symbols: HashMap<u64, String>,
+    /// The recorded `ip -j -d link show` (the ruleset frame's texts): the VXLAN devices.
+    pub links: Option<String>,
 }
 
 impl NameSource for RecordedNames {
@@ -172,6 +174,9 @@ impl NameSource for RecordedNames {
             None if index == 0 => "-".into(),
             None => format!("if{index}"),
         }
+    }
+    fn overlay(&self, vni: u32, port: u16) -> Option<String> {
+        crate::kernel::netns::vxlan_device_in(self.links.as_deref()?, vni, port)
     }
     fn symbol(&self, addr: u64) -> String {
         self.symbols
@@ -316,6 +321,8 @@ pub struct Pipeline {
     /// Traversals already modelled (and their renderings), by record content; `None` for a
     /// record that could not be modelled.
     cache: RenderCache<Option<Report>>,
+    /// Reports carry the IPv4 identification the probes record ([`Pipeline::set_ip_ids`]).
+    ip_ids: bool,
     /// Whether reports come with their [`PacketInfo`] (`--pcapng`).
     pub packet_info: bool,
     /// Whether the names each report looked up are noted for the sinks (the recording
@@ -406,6 +413,7 @@ impl Pipeline {
             replans: Vec::new(),
             names,
             cache: RenderCache::default(),
+            ip_ids: false,
             packet_info: false,
             learn_names: false,
             learned: None,
@@ -460,6 +468,14 @@ impl Pipeline {
         for s in sinks {
             s.ruleset(namer.generation, texts, &marks);
         }
+    }
+
+    /// Whether reports carry each packet's IPv4 identification (`packet.ip_id`,
+    /// `encap.inner_ip_id`): what names one packet across nodes (`kubectl observer trace`).
+    /// Off by default: it makes every packet's record, and so its report, different, and
+    /// the cache of renderings, which gives a flow's packets one shared report, misses.
+    pub fn set_ip_ids(&mut self, on: bool) {
+        self.ip_ids = on;
     }
 
     fn clear_caches(&mut self) {
@@ -546,6 +562,13 @@ impl Pipeline {
             .any(|&(from, to)| rec.ts_first <= to && rec.ts_last >= from)
         {
             rec.incomplete |= missing::REPLANNED;
+        }
+        if !self.ip_ids {
+            // Not asked for: forgotten before the record is keyed (see `set_ip_ids`).
+            let n = usize::from(rec.nsteps).min(rec.steps.len());
+            for s in &mut rec.steps[..n] {
+                s.ip_id = 0;
+            }
         }
         let lost = lost_now.saturating_sub(self.reported_lost);
         self.reported_lost = self.reported_lost.max(lost_now);

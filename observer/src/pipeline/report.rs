@@ -228,7 +228,7 @@ fn encapsulation(
     route: Option<observer_model::Route>,
 ) -> Option<observer_model::Encapsulation> {
     let r = t.records.iter().find(|r| r.encap.is_some())?;
-    let (vni, src, dst, proto) = r.encap?;
+    let (vni, src, dst, proto, inner_ip_id) = r.encap?;
     Some(observer_model::Encapsulation {
         kind: "vxlan",
         direction: match route {
@@ -245,6 +245,7 @@ fn encapsulation(
             proto: Protocol::from_number(proto),
         },
         overlay: None,
+        inner_ip_id,
     })
 }
 

@@ -23,6 +23,11 @@ pub struct ClientOptions {
     pub sample: u32,
     pub count: Option<u64>,
     pub timeout: Option<Duration>,
+    /// Set to true by the caller when it has what it wanted: the client stops there, as
+    /// after SIGINT (`kubectl observer trace` once its journey is whole).
+    pub stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Ask for reports with each packet's IPv4 identification (`ip_id=1`).
+    pub ip_ids: bool,
 }
 
 /// What a client received.
@@ -84,6 +89,9 @@ fn query(opts: &ClientOptions) -> String {
     if let Some(t) = opts.timeout {
         q.push(("timeout", t.as_secs_f64().to_string()));
     }
+    if opts.ip_ids {
+        q.push(("ip_id", "1".to_string()));
+    }
     serde_urlencoded::to_string(q).unwrap_or_default()
 }
 
@@ -121,20 +129,34 @@ pub fn run<W: Write + Send + 'static>(
 enum Stop {
     Sigint,
     Deadline,
+    /// The caller's `stop` said so.
+    Asked,
 }
 
 /// Runs futures until SIGINT or the local deadline, whichever comes first.
 struct Guard {
     sigint: tokio::signal::unix::Signal,
     deadline: Option<tokio::time::Instant>,
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Guard {
     async fn run<T>(&mut self, f: impl std::future::Future<Output = T>) -> Result<T, Stop> {
         let deadline = self.deadline;
+        let mut stop = self.stop.clone();
         tokio::select! {
             biased;
             _ = self.sigint.recv() => Err(Stop::Sigint),
+            () = async {
+                // A dropped sender never asks.
+                let asked = match stop.as_mut() {
+                    Some(s) => s.wait_for(|v| *v).await.is_ok(),
+                    None => false,
+                };
+                if !asked {
+                    std::future::pending::<()>().await;
+                }
+            } => Err(Stop::Asked),
             () = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
@@ -207,6 +229,7 @@ async fn stream<W: Write + Send + 'static>(
         deadline: opts
             .timeout
             .map(|t| tokio::time::Instant::now() + t.saturating_add(TIMEOUT_GRACE)),
+        stop: opts.stop.clone(),
     };
     let mut printer = Printer::new(out);
     let r = receive(opts, path, &mut guard, &mut printer, &mut summary).await;
@@ -215,6 +238,10 @@ async fn stream<W: Write + Send + 'static>(
         Ok(()) => {}
         Err(Stopped::Stop(Stop::Sigint)) => {
             summary.stopped_by = "SIGINT";
+            return Ok(summary);
+        }
+        Err(Stopped::Stop(Stop::Asked)) => {
+            summary.stopped_by = "the caller (it had what it asked for)";
             return Ok(summary);
         }
         Err(Stopped::Stop(Stop::Deadline)) => bail!(
@@ -232,9 +259,16 @@ async fn stream<W: Write + Send + 'static>(
             .run(tokio::task::spawn_blocking(move || t.join()))
             .await;
         summary.printed = printer.printed();
-        if joined.is_err() {
-            summary.stopped_by = "SIGINT";
-            return Ok(summary);
+        match joined {
+            Err(Stop::Asked) => {
+                summary.stopped_by = "the caller (it had what it asked for)";
+                return Ok(summary);
+            }
+            Err(_) => {
+                summary.stopped_by = "SIGINT";
+                return Ok(summary);
+            }
+            Ok(_) => {}
         }
     }
     if printer

@@ -66,6 +66,7 @@ pub fn api_router(hub: Arc<Hub>, names: Arc<Names>, arming: Arc<Arming>) -> Rout
         .route("/v1/drops", get(drops))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/v1/version", get(version))
+        .route("/v1/ruleset", get(ruleset))
         .with_state(hub)
         .merge(names_route)
         .merge(arm_route)
@@ -128,6 +129,7 @@ async fn version() -> Response {
     let body = serde_json::json!({
         "observer": env!("CARGO_PKG_VERSION"),
         "api": crate::k8s::cluster::API_VERSION,
+        "ruleset": RULESET_FORMAT,
     });
     (
         [(header::CONTENT_TYPE, "application/json")],
@@ -135,6 +137,61 @@ async fn version() -> Response {
     )
         .into_response()
 }
+
+/// The largest ruleset `GET /v1/ruleset` serves: a 20,000-service kube-proxy dump is
+/// tens of MiB.
+pub const MAX_RULESET_BYTES: usize = 128 << 20;
+
+/// One read of the node's rules at a time: each runs `iptables-save` and friends.
+static RULESET_READING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `GET /v1/ruleset`: what the node's rule, set, route, address and bridge commands print,
+/// read now (on a blocking thread, not the event loop), as `observer explain --live` reads
+/// them: `{"format": 1, "observer": VERSION, "texts": {...}, "failures": [...]}`. The
+/// cluster plugin simulates on it (`kubectl observer trace --predict`).
+async fn ruleset() -> Response {
+    use std::sync::atomic::Ordering;
+    if RULESET_READING.swap(true, Ordering::AcqRel) {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            "the node's rules are being read for another client; try again in a moment\n",
+        )
+            .into_response();
+    }
+    let read = tokio::task::spawn_blocking(observer_rules::LiveTexts::read).await;
+    RULESET_READING.store(false, Ordering::Release);
+    let Ok((texts, failures)) = read else {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "reading the node's rules failed (see the agent's log)\n",
+        )
+            .into_response();
+    };
+    if texts.len() > MAX_RULESET_BYTES {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the node's rules are {} bytes, more than the {MAX_RULESET_BYTES} this agent \
+                 serves: run `observer explain --live` on the node\n",
+                texts.len()
+            ),
+        )
+            .into_response();
+    }
+    let failures: Vec<String> = failures.iter().map(ToString::to_string).collect();
+    json(
+        StatusCode::OK,
+        &serde_json::json!({
+            "format": RULESET_FORMAT,
+            "observer": env!("CARGO_PKG_VERSION"),
+            "texts": texts,
+            "failures": failures,
+        }),
+    )
+}
+
+/// The version of `/v1/ruleset`'s body (`texts` is [`observer_rules::LiveTexts`]).
+pub use crate::k8s::cluster::RULESET_FORMAT;
 
 async fn serve_names(State(names): State<Arc<Names>>) -> Response {
     let mut body = names.to_json().to_string();
@@ -173,12 +230,22 @@ pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
         Some(t) => Some(crate::commands::parse_seconds(t).map_err(|e| format!("timeout {e}"))?),
         None => None,
     };
+    let ip_ids = match q.get("ip_id").map(String::as_str) {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(v) => {
+            return Err(format!(
+                "ip_id `{v}`: give 1 (reports carry the IPv4 ID) or 0"
+            ));
+        }
+    };
     Ok(Request {
         program,
         expr,
         output,
         count,
         timeout,
+        ip_ids,
     })
 }
 

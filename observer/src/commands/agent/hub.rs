@@ -36,6 +36,9 @@ pub struct Request {
     pub output: Output,
     pub count: Option<u64>,
     pub timeout: Option<Duration>,
+    /// Reports with each packet's IPv4 identification (`ip_id=1`): while any subscriber
+    /// asks, every report is made for its own packet (see `Pipeline::set_ip_ids`).
+    pub ip_ids: bool,
 }
 
 /// One traversal, rendered in the modes someone needs.
@@ -185,6 +188,9 @@ pub struct Hub {
     lost_now: std::sync::atomic::AtomicU64,
     /// Traversals skipped for slow subscribers, since start.
     skipped_total: std::sync::atomic::AtomicU64,
+    /// A subscriber asked for the packets' IPv4 identifications: set when one subscribes,
+    /// recomputed at each tick (when subscribers leave).
+    ip_ids: std::sync::atomic::AtomicBool,
 }
 
 impl Hub {
@@ -195,6 +201,7 @@ impl Hub {
             flight: Mutex::new(flight),
             lost_now: 0.into(),
             skipped_total: 0.into(),
+            ip_ids: false.into(),
         }
     }
 
@@ -228,7 +235,14 @@ impl Hub {
         if count_zero {
             finish(sub, "count", self.lost());
         } else {
-            self.subs().push(sub);
+            let ids = sub.req.ip_ids;
+            let mut subs = self.subs();
+            subs.push(sub);
+            // Under the lock: a tick recomputing the flag sees this subscriber.
+            if ids {
+                self.ip_ids
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         Some(rx)
     }
@@ -244,6 +258,12 @@ impl Hub {
 
     pub fn subscribers(&self) -> usize {
         self.subs().len()
+    }
+
+    /// Whether a subscriber asked for the packets' IPv4 identifications (one atomic load:
+    /// asked for every record).
+    pub fn wants_ip_ids(&self) -> bool {
+        self.ip_ids.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The filter the probes need to serve every subscriber: what any of them keeps (each
@@ -350,6 +370,8 @@ impl Hub {
                 i += 1;
             }
         }
+        let ids = subs.iter().any(|s| s.req.ip_ids);
+        self.ip_ids.store(ids, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Ends every stream (the agent stops).
@@ -470,6 +492,7 @@ mod tests {
             output,
             count,
             timeout: None,
+            ip_ids: false,
         }
     }
 

@@ -377,6 +377,7 @@ impl Agent {
             bridge_chains: &mut self.bridge_chains,
         };
         let sinks: [&mut dyn Sink; 2] = [&mut metrics, &mut hub];
+        self.pipeline.set_ip_ids(self.hub.wants_ip_ids());
         // Neither sink fails: what a subscriber cannot take is skipped and counted there.
         match self.pipeline.handle_to(raw, self.lost_now, sinks) {
             Ok(Outcome::Report { .. }) => {}

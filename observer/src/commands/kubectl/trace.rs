@@ -12,11 +12,18 @@ use anyhow::{Result, bail};
 use clap::Args;
 use observer_model::stitch::{self, NodeReport, Wanted};
 
-use super::{ClusterArgs, NodeEnd, PluginCli, PluginCommand, PluginTail, Selection, Target};
+use super::{ClusterArgs, NodeEnd, Outcome, PluginCli, PluginCommand, PluginTail, Selection, Target};
 use crate::k8s::cluster::{self, Destination};
 use crate::pipeline::{Output, OutputArgs};
 
 #[derive(Args, Debug)]
+#[command(
+    after_help = "Exit status: 0 when a journey was printed whole (it returns as soon as \
+it is, not after --timeout), or printed incomplete while every node answered; a node that \
+failed is named on stderr either way. 1 when no packet was seen (or predicted), when the \
+journey is incomplete and some node failed (its leg may be the missing one), or on an error \
+that leaves nothing to show (RBAC, no agent)."
+)]
 pub struct PluginTrace {
     /// The pod that sends.
     #[arg(value_name = "NAMESPACE/POD")]
@@ -31,13 +38,22 @@ pub struct PluginTrace {
     /// Only a packet of this protocol.
     #[arg(long, value_parser = ["tcp", "udp", "icmp"])]
     pub proto: Option<String>,
-    /// Watch for this many seconds: send the packet meanwhile (the agents report what they
-    /// see; nothing is sent for you).
+    /// Watch for at most this many seconds: send the packet meanwhile (the agents report
+    /// what they see; nothing is sent for you). The trace ends as soon as a journey is whole.
     #[arg(long, value_name = "SECS", default_value_t = 10.0)]
     pub timeout: f64,
     /// Print the journey as one JSON object (its legs are the agents' reports).
     #[arg(long)]
     pub json: bool,
+    /// Send nothing and watch nothing: predict the journey with `observer explain` on each
+    /// node's ruleset, as its agent reads it now (`GET /v1/ruleset` through the same
+    /// port-forward): the source node with the packet entering from the pod's veth, the
+    /// VXLAN packet to the node its overlay entries name, that node with the packet
+    /// entering from its overlay device. Printed in the observed journey's shape, marked
+    /// PREDICTED ("predicted": true in --json). The source port is not known: rules
+    /// matching it are undecidable.
+    #[arg(long, conflicts_with = "timeout")]
+    pub predict: bool,
 }
 
 /// The filter each agent applies: the pods' (or service's) addresses, and VXLAN packets,
@@ -57,10 +73,11 @@ pub fn run(
     cluster_args: ClusterArgs,
     t: PluginTrace,
     out: Arc<Mutex<Box<dyn Write + Send>>>,
-) -> Result<Vec<NodeEnd>> {
+) -> Result<Outcome> {
     if !(t.timeout.is_finite() && t.timeout > 0.0 && t.timeout <= 3600.0) {
         bail!("--timeout {}: give 0 to 3600 seconds", t.timeout);
     }
+    let w = super::where_of(&cluster_args)?;
     let ((src_node, src_ips), dst) = rt.block_on(async {
         let src = cluster::pod_node(&client, &t.from).await?;
         let dst = cluster::destination(&client, &t.to).await?;
@@ -78,6 +95,9 @@ pub fn run(
     };
     if dst_ips.is_empty() {
         bail!("{} has no address to send to", t.to);
+    }
+    if t.predict {
+        return predict(&rt, &client, &w, &t, &src_node, &src_ips, &dst_ips, &out);
     }
     let addrs: Vec<String> = src_ips.iter().chain(&dst_ips).cloned().collect();
     let tail = PluginCli {
@@ -101,26 +121,77 @@ pub fn run(
             // tcp to the agent, kubelet's 10250) cannot match it, and excluding them would
             // multiply its alternatives past what the probes take.
             trace_own_stream: true,
+            ip_ids: true,
         }),
         cluster: cluster_args,
     };
     let buf = Arc::new(Mutex::new(Vec::new()));
     let sink: Arc<Mutex<Box<dyn Write + Send>>> =
         Arc::new(Mutex::new(Box::new(Collect(buf.clone()))));
-    let ends = super::run(rt, client, tail, sink)?;
+    let wanted: Vec<Wanted> = src_ips
+        .iter()
+        .map(|src| Wanted {
+            src: src.clone(),
+            dst: dst_ips.clone(),
+            port: t.port,
+            proto: t.proto.clone(),
+        })
+        .collect();
+    // Watches what came in, a few times a second, and stops the streams once a journey is
+    // whole (bounded by the trace's own time).
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (buf, wanted, done) = (buf.clone(), wanted.clone(), done.clone());
+        let deadline = std::time::Instant::now()
+            + std::time::Duration::from_secs_f64(t.timeout)
+            + w.timeout
+            + std::time::Duration::from_secs(5);
+        std::thread::spawn(move || {
+            let mut reports = Vec::new();
+            let mut read = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed)
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                let new = {
+                    let b = buf.lock().unwrap_or_else(|p| p.into_inner());
+                    let end = b.iter().rposition(|&c| c == b'\n').map_or(read, |i| i + 1);
+                    let new = String::from_utf8_lossy(&b[read.min(end)..end]).into_owned();
+                    read = end;
+                    new
+                };
+                if new.is_empty() {
+                    continue;
+                }
+                reports.extend(node_reports(&new));
+                if wanted
+                    .iter()
+                    .any(|w| stitch::stitch(w, &reports).is_some_and(|j| j.complete))
+                {
+                    let _ = stop_tx.send(true);
+                    return;
+                }
+            }
+        })
+    };
+    let ends = super::stream(rt, client, tail, sink, Some(stop_rx));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = watcher.join();
+    let ends = ends?;
     let text = String::from_utf8_lossy(&buf.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
     let reports = node_reports(&text);
-    let journey = src_ips.iter().find_map(|src| {
-        stitch::stitch(
-            &Wanted {
-                src: src.clone(),
-                dst: dst_ips.clone(),
-                port: t.port,
-                proto: t.proto.clone(),
-            },
-            &reports,
-        )
-    });
+    // A whole journey of any of the source's addresses, else the first one found.
+    let journeys: Vec<_> = wanted
+        .iter()
+        .filter_map(|w| stitch::stitch(w, &reports))
+        .collect();
+    let journey = journeys
+        .iter()
+        .position(|j| j.complete)
+        .or((!journeys.is_empty()).then_some(0))
+        .map(|i| journeys[i].clone());
+    let complete = journey.as_ref().is_some_and(|j| j.complete);
     let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
     match journey {
         Some(j) if t.json => {
@@ -160,7 +231,135 @@ pub fn run(
         }
     }
     o.flush()?;
-    Ok(ends)
+    Ok(Outcome {
+        ends,
+        failures_fail: !complete,
+    })
+}
+
+/// `--predict`: every node's ruleset read by its agent, the journey simulated on them.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the trace's parts, read once by its caller"
+)]
+fn predict(
+    rt: &tokio::runtime::Runtime,
+    client: &kube::Client,
+    w: &cluster::Where,
+    t: &PluginTrace,
+    src_node: &str,
+    src_ips: &[String],
+    dst_ips: &[String],
+    out: &Arc<Mutex<Box<dyn Write + Send>>>,
+) -> Result<Outcome> {
+    let proto_name = t.proto.as_deref().unwrap_or("tcp");
+    let proto = observer_rules::packet::proto_number(proto_name)
+        .ok_or_else(|| anyhow::anyhow!("--proto {proto_name}: give tcp, udp or icmp"))?;
+    if proto != 1 && t.port.is_none() {
+        bail!(
+            "--predict needs the port the packet is sent to: give --port (and --proto udp for UDP)"
+        );
+    }
+    // Each node's agent: its version, then its ruleset.
+    let (agents, reads) = rt.block_on(async {
+        let all = cluster::agents(client, w).await?;
+        if all.is_empty() {
+            return Err(cluster::ClusterError::NoAgents {
+                namespace: w.namespace.clone(),
+                selector: w.selector.clone(),
+            });
+        }
+        let reads = futures_util::future::join_all(all.iter().map(|a| async move {
+            cluster::check(client, w, a).await?;
+            cluster::ruleset(client, w, a).await
+        }))
+        .await;
+        Ok((all, reads))
+    })?;
+    let mut ends = Vec::new();
+    let mut nodes = Vec::new();
+    let mut notes = Vec::new();
+    for (a, r) in agents.into_iter().zip(reads) {
+        match r {
+            Err(e @ cluster::ClusterError::Forbidden { .. }) => return Err(e.into()),
+            Err(e) => ends.push(NodeEnd {
+                node: a.node,
+                result: Err(e.to_string()),
+            }),
+            Ok((texts, failures)) => {
+                let bytes = texts.len();
+                for f in failures {
+                    notes.push(format!("node {}: reading the node: {f}", a.node));
+                }
+                nodes.push((a.node.clone(), observer_rules::LiveNode::parse(texts)));
+                ends.push(NodeEnd {
+                    node: a.node,
+                    result: Ok(format!("ruleset read ({bytes} bytes)")),
+                });
+            }
+        }
+    }
+    ends.sort_by(|a, b| a.node.cmp(&b.node));
+    if let Some(e) = ends
+        .iter()
+        .find(|e| e.node == src_node && e.result.is_err())
+    {
+        bail!(
+            "the source pod's node {src_node} gave no ruleset: {}",
+            e.result.as_ref().err().map(String::as_str).unwrap_or("")
+        );
+    }
+    let mut marks = observer_model::MarkDictionary::default();
+    for (_, n) in &nodes {
+        n.learn_marks(&mut marks);
+    }
+    // The first source address with a destination of its family.
+    let pair = src_ips.iter().find_map(|s| {
+        let s: std::net::IpAddr = s.parse().ok()?;
+        let d = dst_ips
+            .iter()
+            .filter_map(|d| d.parse::<std::net::IpAddr>().ok())
+            .find(|d| d.is_ipv6() == s.is_ipv6())?;
+        Some((s, d))
+    });
+    let Some((src, dst)) = pair else {
+        bail!(
+            "{} ({}) and {} ({}) have no addresses of one family",
+            t.from,
+            src_ips.join(", "),
+            t.to,
+            dst_ips.join(", ")
+        );
+    };
+    let ask = observer_rules::journey::Ask {
+        node: src_node.to_string(),
+        src,
+        dst,
+        proto,
+        sport: None,
+        dport: t.port,
+    };
+    let mut j = observer_rules::journey::predict(&ask, &nodes, &marks)
+        .map_err(|e| anyhow::anyhow!("cannot predict: {e}"))?;
+    j.notes.extend(notes);
+    for e in &ends {
+        if let Err(err) = &e.result {
+            j.notes
+                .push(format!("node {} gave no ruleset: {err}", e.node));
+        }
+    }
+    let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
+    if t.json {
+        serde_json::to_writer(&mut *o, &j)?;
+        writeln!(o)?;
+    } else {
+        write!(o, "{}", stitch::render(&j))?;
+    }
+    o.flush()?;
+    Ok(Outcome {
+        ends,
+        failures_fail: !j.complete,
+    })
 }
 
 /// The JSON lines the agents streamed, each tagged with its node, as the stitcher's input
