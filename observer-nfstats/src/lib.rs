@@ -10,6 +10,7 @@
 pub mod conntrack;
 pub mod ctevents;
 pub mod netlink;
+pub mod nftrace;
 pub mod nft;
 pub mod rules;
 pub mod series;

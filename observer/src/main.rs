@@ -84,7 +84,7 @@ struct TailArgs {
     /// Ask a running `observer agent` instead of attaching probes here: its unix socket
     /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
     /// by the agent for this client alone; the reports are the same.
-    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor"])]
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains"])]
     agent: Option<String>,
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
@@ -135,6 +135,15 @@ struct TailArgs {
     /// what the kernel did).
     #[arg(long)]
     no_rules: bool,
+    /// Observe the nft `bridge` family's chains instead of simulating them: observer adds
+    /// its own bridge-family table `observer-trace-<pid>` (chains first on every bridge hook
+    /// whose only rules set `meta nftrace` on IPv4/IPv6 frames: no frame's fate changes) and
+    /// reads nf_tables' trace events, so a bridged report names each bridge-family chain
+    /// and rule the frame met, a drop there included. The table is owned by observer's
+    /// netlink socket: the kernel removes it when observer exits, even on SIGKILL. Users of
+    /// `nft monitor trace` on the node see its frames while it runs (docs/architecture.md).
+    #[arg(long)]
+    trace_bridge_chains: bool,
     /// Also save every traversal record, with the probe plan, kernel layout, interface
     /// names, kernel symbols and mark names its report needs, to FILE; `observer replay
     /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
@@ -451,6 +460,7 @@ fn run(cli: Cli) -> Result<()> {
                 rules: !a.no_rules,
                 record: a.record,
                 pcapng: a.pcapng,
+                trace_bridge_chains: a.trace_bridge_chains,
             })?;
             eprintln!("{summary}");
             Ok(())
