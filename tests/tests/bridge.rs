@@ -915,3 +915,196 @@ fn bridge_family_chains_are_simulated_and_confirmed_by_their_counters() {
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
 }
+
+/// The bridge-family tables of the lab's node (`nft list tables bridge`).
+fn bridge_tables(lab: &Lab) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "nft",
+        "list",
+        "tables",
+        "bridge",
+    ]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits (2 s at most) until the trace table `name` is gone from the node.
+fn gone(lab: &Lab, name: &str) -> bool {
+    for _ in 0..40 {
+        if !bridge_tables(lab).contains(name) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// The `obs-l2` rule events `nft -a monitor trace` printed, per handle: (count, verdicts).
+fn monitor_rules(text: &str) -> BTreeMap<u64, (u64, Vec<String>)> {
+    let mut out: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
+    for l in text.lines() {
+        if !l.contains(" bridge obs-l2 ") || !l.contains(" rule ") {
+            continue;
+        }
+        let Some(handle) = l
+            .split("# handle ")
+            .nth(1)
+            .and_then(|h| h.split_whitespace().next())
+            .and_then(|h| h.parse().ok())
+        else {
+            continue;
+        };
+        let verdict = l
+            .split("(verdict ")
+            .nth(1)
+            .map(|v| v.trim_end_matches(')').to_string())
+            .unwrap_or_default();
+        let e = out.entry(handle).or_default();
+        e.0 += 1;
+        e.1.push(verdict);
+    }
+    out
+}
+
+/// `--trace-bridge-chains`: the nft `bridge` family's chains are OBSERVED through
+/// nf_tables' trace. A frame accepted through them and one the bridge forward chain drops
+/// are reported with the chains and rules that the kernel's own `nft monitor trace` shows
+/// and that the rules' counters count; observer's trace table exists only while it runs
+/// and is removed by the kernel when it exits, after SIGINT and after SIGKILL.
+#[test]
+fn bridge_family_chains_are_observed_through_the_nftables_trace() {
+    if !privileged("bridge_family_chains_are_observed_through_the_nftables_trace") {
+        return;
+    }
+    let lab = Lab::up_with_args("brt", "bridge", &["--bridge-chains"]);
+    udp_send(&lab, "pod2", "10.244.0.1:9");
+    udp_send(&lab, "pod", "10.244.0.1:9");
+    std::thread::sleep(Duration::from_millis(200));
+    let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
+    let tail = Tail::start_with(
+        &lab,
+        &[
+            "--trace-bridge-chains",
+            "--stats",
+            stats_file.to_str().unwrap(),
+        ],
+    );
+    let table = format!("observer-trace-{}", tail.pid());
+    assert!(
+        bridge_tables(&lab).contains(&format!("table bridge {table}")),
+        "the trace table while tail runs: {}",
+        bridge_tables(&lab)
+    );
+    // The kernel's own view of the same frames: `nft monitor trace` reads the events
+    // observer's table causes.
+    let monitor = std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.ns("node"), "nft", "-a", "monitor", "trace"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nft monitor trace");
+    std::thread::sleep(Duration::from_millis(500));
+    let before = l2_counters(&lab);
+    let sink = udp_sink(&lab, "pod2", "10.244.0.6:7002");
+    udp_send(&lab, "pod", "10.244.0.6:7002");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    udp_send(&lab, "pod", "10.244.0.6:7003");
+    std::thread::sleep(Duration::from_millis(500));
+    let after = l2_counters(&lab);
+    run(&["kill", "-INT", &monitor.id().to_string()]);
+    let monitor = monitor.wait_with_output().expect("nft monitor exits");
+    let monitored = monitor_rules(&String::from_utf8_lossy(&monitor.stdout));
+    let (reports, stderr) = tail.stop();
+    let all = summary(&reports);
+    assert!(gone(&lab, &table), "removed at exit: {}", bridge_tables(&lab));
+    let advanced =
+        |h: u64| after.get(&h).copied().unwrap_or(0) - before.get(&h).copied().unwrap_or(0);
+    assert_eq!(
+        (advanced(3), advanced(4), advanced(5)),
+        (1, 1, 1),
+        "{before:?} {after:?}"
+    );
+
+    let counted = first(&reports, "10.244.0.5", "10.244.0.6:7002");
+    assert_eq!(counted["route"], "bridged", "{counted:#}");
+    let n = notes(counted);
+    assert!(
+        n.iter().any(|l| *l
+            == "bridge-family chain bridge obs-l2 prerouting (PREROUTING -300; observed by nf_tables trace): accept (policy)"),
+        "{n:#?}\n{stderr}"
+    );
+    assert!(
+        n.iter().any(|l| *l
+            == "bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): accept (policy)"),
+        "{n:#?}"
+    );
+    let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped:#}");
+    assert_eq!(hooks(dropped), ["PREROUTING"], "{dropped:#}");
+    let d = notes(dropped);
+    assert!(
+        d.iter().any(|l| *l
+            == "bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"),
+        "{d:#?}\n{all}"
+    );
+    // Each rule the reports say the frames met, with its verdict, is one the kernel's
+    // trace printed and its counter counted: as many times in each.
+    let mut reported: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
+    for r in [counted, dropped] {
+        for l in notes(r) {
+            assert!(!l.contains("simulated"), "observed, not simulated: {l}");
+            assert!(!l.contains("observer-trace"), "never the trace table: {l}");
+            let Some(rest) = l.strip_prefix("  bridge obs-l2 ") else {
+                continue;
+            };
+            let handle: u64 = rest
+                .split(" handle ")
+                .nth(1)
+                .and_then(|h| h.split(' ').next())
+                .and_then(|h| h.parse().ok())
+                .unwrap_or_else(|| panic!("a handle in {l}"));
+            let verdict = l
+                .rsplit(" => ")
+                .next()
+                .unwrap()
+                .trim_end_matches(" (observed)")
+                .to_string();
+            let e = reported.entry(handle).or_default();
+            e.0 += 1;
+            e.1.push(verdict);
+        }
+    }
+    assert_eq!(
+        reported.keys().copied().collect::<Vec<_>>(),
+        [3, 4, 5],
+        "{reported:?}"
+    );
+    for (handle, (n, verdicts)) in &reported {
+        assert_eq!(*n, advanced(*handle), "rule {handle}: its counter");
+        assert_eq!(
+            monitored.get(handle),
+            Some(&(*n, verdicts.clone())),
+            "rule {handle}: nft monitor trace printed {monitored:?}"
+        );
+    }
+    let s = stats(&stats_file);
+    let _ = std::fs::remove_file(&stats_file);
+    assert_accounted(&s);
+    assert!(
+        s["bridge_trace"]["observed"].as_u64().unwrap() >= 2
+            && s["bridge_trace"]["dropped"].as_u64().unwrap() >= 1,
+        "{s}"
+    );
+
+    // SIGKILL: nothing of observer runs at exit, and the kernel still removes the table.
+    let tail = Tail::start_with(&lab, &["--trace-bridge-chains"]);
+    let table = format!("observer-trace-{}", tail.pid());
+    assert!(bridge_tables(&lab).contains(&table));
+    run(&["kill", "-KILL", &tail.pid().to_string()]);
+    assert!(gone(&lab, &table), "removed after SIGKILL: {}", bridge_tables(&lab));
+    drop(tail);
+}
