@@ -10,8 +10,8 @@
 pub mod conntrack;
 pub mod ctevents;
 pub mod netlink;
-pub mod nftrace;
 pub mod nft;
+pub mod nftrace;
 pub mod rules;
 pub mod series;
 pub mod xtables;

@@ -95,7 +95,8 @@ pub const BRIDGE_HOOKS: [(u32, &str); 5] = [
 ];
 
 /// The rule comment of the trace table's rules (`nft list ruleset` shows it).
-pub const RULE_COMMENT: &str = "observer --trace-bridge-chains: sets nftrace only; removed when observer exits";
+pub const RULE_COMMENT: &str =
+    "observer --trace-bridge-chains: sets nftrace only; removed when observer exits";
 
 /// Ethertypes the trace rules select: IPv4 and IPv6 (what the probes report).
 const ETHERTYPES: [u16; 2] = [0x0800, 0x86dd];
@@ -407,8 +408,14 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
     Some(TraceEvent {
         id: u32_of(NFTA_TRACE_ID)?,
         family,
-        table: attrs.get(NFTA_TRACE_TABLE).map(|a| a.str()).unwrap_or_default(),
-        chain: attrs.get(NFTA_TRACE_CHAIN).map(|a| a.str()).unwrap_or_default(),
+        table: attrs
+            .get(NFTA_TRACE_TABLE)
+            .map(|a| a.str())
+            .unwrap_or_default(),
+        chain: attrs
+            .get(NFTA_TRACE_CHAIN)
+            .map(|a| a.str())
+            .unwrap_or_default(),
         handle: attrs.get(NFTA_TRACE_RULE_HANDLE).and_then(|a| a.be64()),
         kind: u32_of(NFTA_TRACE_TYPE)?,
         verdict: verdict
@@ -499,7 +506,9 @@ impl TraceTable {
             }
         }
         if acked < acks {
-            return Err(Error::Malformed("the trace table's creation was not acknowledged"));
+            return Err(Error::Malformed(
+                "the trace table's creation was not acknowledged",
+            ));
         }
         // SAFETY: setsockopt with valid, sized arguments on our own fd.
         let joined = unsafe {
@@ -607,7 +616,10 @@ mod tests {
         assert_eq!(msgs[1].payload[0], NFPROTO_BRIDGE);
         let t = Attrs(&msgs[1].payload[4..]);
         assert_eq!(t.get(NFTA_TABLE_NAME).unwrap().str(), "observer-trace-1");
-        assert_eq!(t.get(NFTA_TABLE_FLAGS).unwrap().be32(), Some(NFT_TABLE_F_OWNER));
+        assert_eq!(
+            t.get(NFTA_TABLE_FLAGS).unwrap().be32(),
+            Some(NFT_TABLE_F_OWNER)
+        );
         // The forward chain: hook 2 at INT_MIN, policy accept.
         let c = Attrs(&msgs[5].payload[4..]);
         assert_eq!(c.get(NFTA_CHAIN_NAME).unwrap().str(), "forward");
@@ -639,7 +651,10 @@ mod tests {
             .get(NFTA_EXPR_DATA)
             .unwrap()
             .nested();
-        assert_eq!(last.get(NFTA_META_KEY).unwrap().be32(), Some(NFT_META_NFTRACE));
+        assert_eq!(
+            last.get(NFTA_META_KEY).unwrap().be32(),
+            Some(NFT_META_NFTRACE)
+        );
         let cmp = r
             .get(NFTA_RULE_EXPRESSIONS)
             .unwrap()
@@ -687,7 +702,10 @@ mod tests {
         let f = flow_of(&v4, &[0x9c, 0x40, 0x1b, 0x5a, 0, 18]).unwrap();
         assert_eq!(f.src.to_string(), "10.244.0.5");
         assert_eq!(f.dst.to_string(), "10.244.0.6");
-        assert_eq!((f.proto, f.sport, f.dport, f.ip_id), (17, Some(40000), Some(7002), Some(0x1234)));
+        assert_eq!(
+            (f.proto, f.sport, f.dport, f.ip_id),
+            (17, Some(40000), Some(7002), Some(0x1234))
+        );
         // ICMP: no ports.
         v4[9] = 1;
         assert_eq!(flow_of(&v4, &[8, 0, 0, 0]).unwrap().dport, None);

@@ -1001,7 +1001,15 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     // The kernel's own view of the same frames: `nft monitor trace` reads the events
     // observer's table causes.
     let monitor = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.ns("node"), "nft", "-a", "monitor", "trace"])
+        .args([
+            "netns",
+            "exec",
+            &lab.ns("node"),
+            "nft",
+            "-a",
+            "monitor",
+            "trace",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -1020,7 +1028,11 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     let monitored = monitor_rules(&String::from_utf8_lossy(&monitor.stdout));
     let (reports, stderr) = tail.stop();
     let all = summary(&reports);
-    assert!(gone(&lab, &table), "removed at exit: {}", bridge_tables(&lab));
+    assert!(
+        gone(&lab, &table),
+        "removed at exit: {}",
+        bridge_tables(&lab)
+    );
     let advanced =
         |h: u64| after.get(&h).copied().unwrap_or(0) - before.get(&h).copied().unwrap_or(0);
     assert_eq!(
@@ -1033,13 +1045,11 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     assert_eq!(counted["route"], "bridged", "{counted:#}");
     let n = notes(counted);
     assert!(
-        n.iter().any(|l| *l
-            == "bridge-family chain bridge obs-l2 prerouting (PREROUTING -300; observed by nf_tables trace): accept (policy)"),
+        n.contains(&"bridge-family chain bridge obs-l2 prerouting (PREROUTING -300; observed by nf_tables trace): accept (policy)"),
         "{n:#?}\n{stderr}"
     );
     assert!(
-        n.iter().any(|l| *l
-            == "bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): accept (policy)"),
+        n.contains(&"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): accept (policy)"),
         "{n:#?}"
     );
     let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
@@ -1047,8 +1057,7 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     assert_eq!(hooks(dropped), ["PREROUTING"], "{dropped:#}");
     let d = notes(dropped);
     assert!(
-        d.iter().any(|l| *l
-            == "bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"),
+        d.contains(&"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"),
         "{d:#?}\n{all}"
     );
     // Each rule the reports say the frames met, with its verdict, is one the kernel's
@@ -1105,6 +1114,10 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     let table = format!("observer-trace-{}", tail.pid());
     assert!(bridge_tables(&lab).contains(&table));
     run(&["kill", "-KILL", &tail.pid().to_string()]);
-    assert!(gone(&lab, &table), "removed after SIGKILL: {}", bridge_tables(&lab));
+    assert!(
+        gone(&lab, &table),
+        "removed after SIGKILL: {}",
+        bridge_tables(&lab)
+    );
     drop(tail);
 }

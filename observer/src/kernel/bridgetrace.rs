@@ -154,9 +154,7 @@ impl Grouper {
     /// are among `flows`; taken.
     pub fn take(&mut self, flows: &[FlowKey], since: u64) -> Option<Group> {
         let g = self.groups.iter_mut().find(|g| {
-            !g.used
-                && g.received_ns >= since
-                && g.flows.iter().any(|f| flows.contains(&key_of(f)))
+            !g.used && g.received_ns >= since && g.flows.iter().any(|f| flows.contains(&key_of(f)))
         })?;
         g.used = true;
         Some(std::mem::take(g))
@@ -245,15 +243,13 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
     let mut chains: Vec<((&str, &str), Vec<&TraceEvent>)> = Vec::new();
     for e in &g.events {
         let k = (e.table.as_str(), e.chain.as_str());
-        match chains.iter_mut().rev().next() {
+        match chains.last_mut() {
             Some((last, evs)) if *last == k => evs.push(e),
             _ => chains.push((k, vec![e])),
         }
     }
     if chains.is_empty() {
-        out.push(
-            "bridge-family chains (observed by nf_tables trace): the frame met none".into(),
-        );
+        out.push("bridge-family chains (observed by nf_tables trace): the frame met none".into());
         return out;
     }
     for ((table, chain), evs) in &chains {
@@ -442,7 +438,10 @@ mod tests {
     #[test]
     fn a_drop_event_from_the_kernel_parses_with_its_rule_and_headers() {
         let e = parse(TRACE, &hex(DROP)).expect("a trace event");
-        assert_eq!((e.family, e.table.as_str(), e.chain.as_str()), (7, "obs-l2", "forward"));
+        assert_eq!(
+            (e.family, e.table.as_str(), e.chain.as_str()),
+            (7, "obs-l2", "forward")
+        );
         assert_eq!(e.handle, Some(5));
         assert_eq!(e.kind, TRACETYPE_RULE);
         assert!(e.drops());
@@ -451,7 +450,13 @@ mod tests {
         let f = e.flow().unwrap();
         assert_eq!(
             key_of(&f),
-            (17, "10.244.0.5".parse().unwrap(), "10.244.0.6".parse().unwrap(), Some(33842), Some(7003))
+            (
+                17,
+                "10.244.0.5".parse().unwrap(),
+                "10.244.0.6".parse().unwrap(),
+                Some(33842),
+                Some(7003)
+            )
         );
         assert_eq!(f.ip_id, Some(0xa20b));
         // Any other message is not a trace event.
@@ -475,7 +480,13 @@ mod tests {
         g.add(ev("obs-l2", "prerouting", None, TRACETYPE_POLICY, 1), 100);
         g.add(drop, 100);
         // An IP-family event of the same frame is not the bridge's.
-        g.add(TraceEvent { family: 2, ..ev("filter", "FORWARD", Some(7), 3, -1) }, 100);
+        g.add(
+            TraceEvent {
+                family: 2,
+                ..ev("filter", "FORWARD", Some(7), 3, -1)
+            },
+            100,
+        );
         // The same id entering prerouting again: a new frame (the skb was reused).
         let mut second = first.clone();
         second.network[19] = 7;
@@ -487,7 +498,10 @@ mod tests {
         assert_eq!(a.own_hooks, ["prerouting"]);
         // Taken by headers, once, and only by a traversal that began before it was read.
         let k = key_of(&a.flows[0]);
-        assert!(g.take(&[k], 150).is_none(), "read before the traversal began");
+        assert!(
+            g.take(&[k], 150).is_none(),
+            "read before the traversal began"
+        );
         let taken = g.take(&[k], 50).expect("matches");
         assert_eq!(taken.events[1].handle, Some(5));
         assert!(g.take(&[k], 50).is_none(), "taken once");
@@ -502,8 +516,14 @@ mod tests {
     #[test]
     fn notes_name_each_chain_and_rule_and_say_observed() {
         let mut names = Names::default();
-        names.chains.insert(("obs-l2".into(), "forward".into()), ("forward".into(), -200));
-        names.chains.insert(("obs-l2".into(), "prerouting".into()), ("prerouting".into(), -300));
+        names.chains.insert(
+            ("obs-l2".into(), "forward".into()),
+            ("forward".into(), -200),
+        );
+        names.chains.insert(
+            ("obs-l2".into(), "prerouting".into()),
+            ("prerouting".into(), -300),
+        );
         names.rules.insert(
             ("obs-l2".into(), "forward".into(), 5),
             "udp dport 7003 counter packets 1 bytes 31 drop".into(),
