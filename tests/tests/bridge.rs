@@ -1021,6 +1021,15 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     sink.join().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     udp_send(&lab, "pod", "10.244.0.6:7003");
+    // A ClusterIP DNATed to a pod on the same bridge, its first packet sent while the node
+    // resolves the pod (through cni0's own transmit): the bridge forward chain sees the
+    // pod's address (rule 6) on every packet from the client.
+    let node = lab.ns("node");
+    run(&["ip", "netns", "exec", &node, "ip", "neigh", "flush", "all"]);
+    run(&["ip", "netns", "exec", &node, "conntrack", "-F"]);
+    let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+    assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
+    echo.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let after = l2_counters(&lab);
     run(&["kill", "-INT", &monitor.id().to_string()]);
@@ -1062,8 +1071,20 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     );
     // Each rule the reports say the frames met, with its verdict, is one the kernel's
     // trace printed and its counter counted: as many times in each.
+    let to_svc: Vec<&Value> = reports
+        .iter()
+        .filter(|r| src(r).starts_with("10.244.0.6") && dst(r) == "10.96.0.2:22")
+        .collect();
+    assert!(to_svc.len() >= 3, "{all}");
+    assert!(
+        notes(to_svc[0])
+            .iter()
+            .any(|l| l.starts_with("sent through cni0's own transmit")),
+        "the first packet, sent while the node resolved the pod: {:#?}",
+        notes(to_svc[0])
+    );
     let mut reported: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
-    for r in [counted, dropped] {
+    for r in [counted, dropped].into_iter().chain(to_svc.iter().copied()) {
         for l in notes(r) {
             assert!(!l.contains("simulated"), "observed, not simulated: {l}");
             assert!(!l.contains("observer-trace"), "never the trace table: {l}");
@@ -1089,7 +1110,7 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     }
     assert_eq!(
         reported.keys().copied().collect::<Vec<_>>(),
-        [3, 4, 5],
+        [3, 4, 5, 6],
         "{reported:?}"
     );
     for (handle, (n, verdicts)) in &reported {
@@ -1103,6 +1124,7 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     let s = stats(&stats_file);
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
+    assert_eq!(s["bridge_trace"]["unmatched"], 0, "{s}");
     assert!(
         s["bridge_trace"]["observed"].as_u64().unwrap() >= 2
             && s["bridge_trace"]["dropped"].as_u64().unwrap() >= 1,
