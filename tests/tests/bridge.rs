@@ -1032,7 +1032,8 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     echo.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let after = l2_counters(&lab);
-    run(&["kill", "-INT", &monitor.id().to_string()]);
+    // SIGTERM: a background shell may have left SIGINT ignored for its children.
+    run(&["kill", "-TERM", &monitor.id().to_string()]);
     let monitor = monitor.wait_with_output().expect("nft monitor exits");
     let monitored = monitor_rules(&String::from_utf8_lossy(&monitor.stdout));
     let (reports, stderr) = tail.stop();

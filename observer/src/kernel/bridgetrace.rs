@@ -42,6 +42,12 @@ pub struct Group {
     pub flows: Vec<Flow>,
     /// The user's bridge-family chains' events (the trace table's own are left out).
     pub events: Vec<TraceEvent>,
+    /// The interface it came in by at its first bridge hook that names one (`NFTA_TRACE_IIF`:
+    /// the bridge port, also for a flooded copy, whose first bridge hook is forward).
+    pub in_port: Option<u32>,
+    /// The interface it left by at its first bridge hook that names one (`NFTA_TRACE_OIF`:
+    /// the port a bridged frame, or each flooded copy, was forwarded to).
+    pub out_port: Option<u32>,
     /// The trace table's hooks it met so far (`nftrace::BRIDGE_HOOKS` names).
     own_hooks: Vec<String>,
     used: bool,
@@ -132,6 +138,12 @@ impl Grouper {
             open.expect("an open group")
         };
         let g = &mut self.groups[i];
+        if g.in_port.is_none() {
+            g.in_port = e.iif;
+        }
+        if g.out_port.is_none() {
+            g.out_port = e.oif;
+        }
         if let Some(f) = e.flow()
             && !g.flows.contains(&f)
         {
@@ -151,10 +163,21 @@ impl Grouper {
     }
 
     /// The oldest group not yet taken, received at or after `since` (ns), whose headers
-    /// are among `flows`; taken.
-    pub fn take(&mut self, flows: &[FlowKey], since: u64) -> Option<Group> {
+    /// are among `flows` and whose bridge ports are `ports` (in, out) where both sides
+    /// know them (a flooded frame's copies differ only there); taken.
+    pub fn take(
+        &mut self,
+        flows: &[FlowKey],
+        since: u64,
+        ports: (Option<u32>, Option<u32>),
+    ) -> Option<Group> {
+        let agrees = |a: Option<u32>, b: Option<u32>| a.zip(b).is_none_or(|(a, b)| a == b);
         let g = self.groups.iter_mut().find(|g| {
-            !g.used && g.received_ns >= since && g.flows.iter().any(|f| flows.contains(&key_of(f)))
+            !g.used
+                && g.received_ns >= since
+                && agrees(g.in_port, ports.0)
+                && agrees(g.out_port, ports.1)
+                && g.flows.iter().any(|f| flows.contains(&key_of(f)))
         })?;
         g.used = true;
         Some(std::mem::take(g))
@@ -293,6 +316,12 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
     out
 }
 
+fn flooded_in_port_note(name: &str, index: u32) -> String {
+    format!(
+        "the bridge port this flooded copy's frame came in by: {name} (ifindex {index}), as nf_tables trace saw it at the bridge hooks"
+    )
+}
+
 fn hook_name(h: &str) -> String {
     match h {
         "input" => "INPUT".into(),
@@ -392,14 +421,30 @@ impl BridgeTrace {
     /// whether a bridge-family rule dropped it; `None` when no traced frame matches.
     pub fn annotate(&mut self, t: &Traversal, since: u64) -> Option<(Vec<String>, bool)> {
         self.drain();
-        let Some(g) = self.grouper.take(&flows_of(t), since) else {
+        let port = |p: Option<&String>| p.and_then(|n| crate::kernel::netns::ifindex(n));
+        let ports = t.bridge.as_ref().map_or((None, None), |b| {
+            (port(b.physdev_in.as_ref()), port(b.physdev_out.as_ref()))
+        });
+        let Some(g) = self.grouper.take(&flows_of(t), since, ports) else {
             self.counts.unmatched += 1;
             return None;
         };
         let dropped = g.dropped();
         self.counts.observed += 1;
         self.counts.dropped += u64::from(dropped);
-        Some((notes(&g, &self.names), dropped))
+        let mut out = notes(&g, &self.names);
+        // A flooded copy's in port: the probes cannot read it (br_netfilter keeps it in the
+        // skb's extensions), the trace's first bridge hook names it.
+        if let (Some(b), Some(port)) = (&t.bridge, g.in_port)
+            && b.physdev_in.is_none()
+            && b.flooded
+        {
+            out.insert(
+                0,
+                flooded_in_port_note(&crate::kernel::netns::ifname(port), port),
+            );
+        }
+        Some((out, dropped))
     }
 }
 
@@ -499,12 +544,21 @@ mod tests {
         // Taken by headers, once, and only by a traversal that began before it was read.
         let k = key_of(&a.flows[0]);
         assert!(
-            g.take(&[k], 150).is_none(),
+            g.take(&[k], 150, (None, None)).is_none(),
             "read before the traversal began"
         );
-        let taken = g.take(&[k], 50).expect("matches");
+        assert!(
+            g.take(&[k], 50, (None, Some(5))).is_none(),
+            "a copy that left by another port"
+        );
+        let taken = g.take(&[k], 50, (Some(5), Some(6))).expect("matches");
+        assert_eq!(
+            (taken.in_port, taken.out_port),
+            (Some(5), Some(6)),
+            "the iif and oif of its first bridge hooks"
+        );
         assert_eq!(taken.events[1].handle, Some(5));
-        assert!(g.take(&[k], 50).is_none(), "taken once");
+        assert!(g.take(&[k], 50, (None, None)).is_none(), "taken once");
         // Output after prerouting is the same frame (br_netfilter sending through the
         // bridge device); output twice is not.
         assert!(!starts_new_frame(&["prerouting".into()], "output"));
