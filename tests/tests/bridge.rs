@@ -1030,6 +1030,14 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
     assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
     echo.join().unwrap();
+    // A frame flooded (the bridge forgot where the pod is): each copy's report names the
+    // port the frame came in by, which the probes cannot read for a copy, from the trace.
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7000");
+    run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "flush", "dev", "cni0",
+    ]);
+    udp_send(&lab, "pod2", "10.244.0.5:7000");
+    sink.join().unwrap();
     std::thread::sleep(Duration::from_millis(500));
     let after = l2_counters(&lab);
     // SIGTERM: a background shell may have left SIGINT ignored for its children.
@@ -1084,6 +1092,20 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
         "the first packet, sent while the node resolved the pod: {:#?}",
         notes(to_svc[0])
     );
+    let copies: Vec<&Value> = reports
+        .iter()
+        .filter(|r| dst(r) == "10.244.0.5:7000" && r["bridge"]["flooded"] == true)
+        .collect();
+    assert!(!copies.is_empty(), "a flooded copy: {all}");
+    for c in &copies {
+        assert!(
+            notes(c).iter().any(|l| l.starts_with(&format!(
+                "the bridge port this flooded copy's frame came in by: {POD2_PORT} "
+            ))),
+            "{:#?}",
+            notes(c)
+        );
+    }
     let mut reported: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
     for r in [counted, dropped].into_iter().chain(to_svc.iter().copied()) {
         for l in notes(r) {
