@@ -268,6 +268,14 @@ struct AgentArgs {
     /// seconds (1 to 600).
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     arm_seconds: f64,
+    /// Observe the nft `bridge` family's chains through nf_tables' trace instead of
+    /// simulating them, as `observer tail --trace-bridge-chains` does: a bridge-family table
+    /// `observer-trace-<pid>` of the agent's own (its chains only set `meta nftrace` on
+    /// IPv4/IPv6 frames; the kernel removes it when the agent exits, even on SIGKILL).
+    /// Every bridged IP frame is then traced while the agent runs; `nft monitor trace`
+    /// users see it.
+    #[arg(long)]
+    trace_bridge_chains: bool,
     /// Tier 2: the least time from the end of an arm by a condition to the next, in
     /// seconds (0 to 86400): a lasting flood of drops arms the brackets at most
     /// --arm-seconds in every --arm-cooldown.
@@ -440,6 +448,7 @@ fn run(cli: Cli) -> Result<()> {
                     insert_failed: a.arm_on_insert_failed,
                     window: a.window,
                 },
+                trace_bridge_chains: a.trace_bridge_chains,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())

@@ -1166,3 +1166,82 @@ fn bridge_family_chains_are_observed_through_the_nftables_trace() {
     );
     drop(tail);
 }
+
+/// `observer agent --trace-bridge-chains`: a streamed report of a frame the bridge forward
+/// chain drops names the rule, observed through nf_tables' trace; the agent's trace table
+/// exists while it runs and is gone once it exits.
+#[test]
+fn the_agent_observes_bridge_family_chains_through_the_trace() {
+    if !privileged("the_agent_observes_bridge_family_chains_through_the_trace") {
+        return;
+    }
+    let lab = Lab::up_with_args("brg", "bridge", &["--bridge-chains"]);
+    udp_send(&lab, "pod2", "10.244.0.1:9");
+    udp_send(&lab, "pod", "10.244.0.1:9");
+    std::thread::sleep(Duration::from_millis(200));
+    let agent = Agent::start_with(&lab, &["--mode", "brackets", "--trace-bridge-chains"]);
+    let table = format!("observer-trace-{}", agent.pid());
+    assert!(
+        bridge_tables(&lab).contains(&table),
+        "{}",
+        bridge_tables(&lab)
+    );
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let tail = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp port 7003",
+        "--timeout",
+        "10",
+    ]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = http_get(&lab, METRICS, "/metrics");
+        if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not start tracing for its client: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = l2_counters(&lab);
+    udp_send(&lab, "pod", "10.244.0.6:7003");
+    let (lines, err) = tail.finish(Duration::from_secs(30));
+    let after = l2_counters(&lab);
+    assert_eq!(
+        after.get(&5).copied().unwrap_or(0) - before.get(&5).copied().unwrap_or(0),
+        1,
+        "the bridge forward chain dropped the frame"
+    );
+    let reports: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped:#}\n{err}");
+    let n = notes(dropped);
+    assert!(
+        n.contains(
+            &"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"
+        ),
+        "{n:#?}"
+    );
+    assert!(
+        n.iter()
+            .any(|l| l.starts_with("  bridge obs-l2 forward handle 5 ")
+                && l.ends_with("=> drop (observed)")),
+        "{n:#?}"
+    );
+    let (status, stderr, _) = agent.stop("TERM");
+    assert!(status.success(), "{stderr}");
+    assert!(
+        gone(&lab, &table),
+        "removed at exit: {}",
+        bridge_tables(&lab)
+    );
+}

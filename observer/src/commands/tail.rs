@@ -392,30 +392,12 @@ impl Printer<'_> {
         let t = report.traversal();
         t.bridge.as_ref()?;
         let rec = crate::pipeline::decode::decode(raw).ok()?;
-        let mut out = Vec::new();
-        if let Some(trace) = &mut self.bridge_trace {
-            if let Some((notes, _dropped)) = trace.annotate(t, rec.ts_first) {
-                return Some(notes);
-            }
-            out.push(
-                "bridge-family chains: no nf_tables trace event matched this frame (not an IP \
-                 frame the trace table marks, or its events were lost)"
-                    .to_string(),
-            );
-        }
-        if !self.opts.rules {
-            return (!out.is_empty()).then_some(out);
-        }
-        match self
-            .bridge_chains
-            .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
-            .annotate(t, (rec.ts_first, rec.ts_last))
-        {
-            Some(sim) => out.extend(sim),
-            None if out.is_empty() => return None,
-            None => {}
-        }
-        Some(out)
+        crate::kernel::bridgetrace::bridged_notes(
+            self.bridge_trace.as_mut(),
+            self.opts.rules.then_some(&mut self.bridge_chains),
+            t,
+            (rec.ts_first, rec.ts_last),
+        )
     }
 
     /// The pipeline's sinks besides stdout, and the pipeline.

@@ -448,6 +448,38 @@ impl BridgeTrace {
     }
 }
 
+/// The notes of a bridged report on the bridge-family chains: observed where `trace` has
+/// the frame's events; else said so, and simulated where `sim` is given (tail without
+/// `--no-rules`, the agent). `None` for a report that crossed no bridge, or with nothing
+/// to say.
+pub fn bridged_notes(
+    trace: Option<&mut BridgeTrace>,
+    sim: Option<&mut Option<crate::kernel::bridgechains::BridgeChains>>,
+    t: &Traversal,
+    frame: (u64, u64),
+) -> Option<Vec<String>> {
+    t.bridge.as_ref()?;
+    let mut out = Vec::new();
+    if let Some(trace) = trace {
+        if let Some((notes, _dropped)) = trace.annotate(t, frame.0) {
+            return Some(notes);
+        }
+        out.push(
+            "bridge-family chains: no nf_tables trace event matched this frame (not an IP \
+             frame the trace table marks, or its events were lost)"
+                .to_string(),
+        );
+    }
+    if let Some(sim) = sim
+        && let Some(notes) = sim
+            .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
+            .annotate(t, frame)
+    {
+        out.extend(notes);
+    }
+    (!out.is_empty()).then_some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
