@@ -141,7 +141,7 @@ struct TailArgs {
     /// reads nf_tables' trace events, so a bridged report names each bridge-family chain
     /// and rule the frame met, a drop there included. The table is owned by observer's
     /// netlink socket: the kernel removes it when observer exits, even on SIGKILL. Users of
-    /// `nft monitor trace` on the node see its frames while it runs (docs/architecture.md).
+    /// `nft monitor trace` on the node see its frames while it runs (docs/rules.md).
     #[arg(long)]
     trace_bridge_chains: bool,
     /// Also save every traversal record, with the probe plan, kernel layout, interface
@@ -273,7 +273,7 @@ struct AgentArgs {
     /// `observer-trace-<pid>` of the agent's own (its chains only set `meta nftrace` on
     /// IPv4/IPv6 frames; the kernel removes it when the agent exits, even on SIGKILL).
     /// Every bridged IP frame is then traced while the agent runs; `nft monitor trace`
-    /// users see it.
+    /// users see it (docs/rules.md).
     #[arg(long)]
     trace_bridge_chains: bool,
     /// Tier 2: the least time from the end of an arm by a condition to the next, in
