@@ -158,7 +158,12 @@ impl Grouper {
             // event without a handle): the policy event that follows says it.
             && !(e.kind == TRACETYPE_RULE && e.handle.is_none())
         {
-            g.events.push(e);
+            // Their headers are in `flows` already: a kept event holds only what notes say.
+            g.events.push(TraceEvent {
+                network: Vec::new(),
+                transport: Vec::new(),
+                ..e
+            });
         }
     }
 
