@@ -168,20 +168,35 @@ impl Grouper {
     }
 
     /// The oldest group not yet taken, received at or after `since` (ns), whose headers
-    /// are among `flows` and whose bridge ports are `ports` (in, out) where both sides
-    /// know them (a flooded frame's copies differ only there); taken.
+    /// are among `flows`, whose bridge ports are `ports` (in, out) where both sides know
+    /// them, and which began where the frame did: a flooded copy at the bridge's forward
+    /// hook (it is a clone made there, out by its own port), a frame that entered by a port
+    /// at prerouting (the copies of a flooded frame differ from it and each other only
+    /// there); taken.
     pub fn take(
         &mut self,
         flows: &[FlowKey],
         since: u64,
         ports: (Option<u32>, Option<u32>),
+        flooded: bool,
     ) -> Option<Group> {
         let agrees = |a: Option<u32>, b: Option<u32>| a.zip(b).is_none_or(|(a, b)| a == b);
+        let began = |g: &Group| {
+            let first = g.own_hooks.first().map(String::as_str);
+            if flooded {
+                first == Some("forward") && g.out_port.is_some() == ports.1.is_some()
+            } else if ports.0.is_some() {
+                first == Some("prerouting")
+            } else {
+                true
+            }
+        };
         let g = self.groups.iter_mut().find(|g| {
             !g.used
                 && g.received_ns >= since
                 && agrees(g.in_port, ports.0)
                 && agrees(g.out_port, ports.1)
+                && began(g)
                 && g.flows.iter().any(|f| flows.contains(&key_of(f)))
         })?;
         g.used = true;
@@ -430,7 +445,8 @@ impl BridgeTrace {
         let ports = t.bridge.as_ref().map_or((None, None), |b| {
             (port(b.physdev_in.as_ref()), port(b.physdev_out.as_ref()))
         });
-        let Some(g) = self.grouper.take(&flows_of(t), since, ports) else {
+        let flooded = t.bridge.as_ref().is_some_and(|b| b.flooded);
+        let Some(g) = self.grouper.take(&flows_of(t), since, ports, flooded) else {
             self.counts.unmatched += 1;
             return None;
         };
@@ -581,21 +597,42 @@ mod tests {
         // Taken by headers, once, and only by a traversal that began before it was read.
         let k = key_of(&a.flows[0]);
         assert!(
-            g.take(&[k], 150, (None, None)).is_none(),
+            g.take(&[k], 150, (None, None), false).is_none(),
             "read before the traversal began"
         );
         assert!(
-            g.take(&[k], 50, (None, Some(5))).is_none(),
+            g.take(&[k], 50, (None, Some(5)), false).is_none(),
             "a copy that left by another port"
         );
-        let taken = g.take(&[k], 50, (Some(5), Some(6))).expect("matches");
+        assert!(
+            g.take(&[k], 50, (None, Some(6)), true).is_none(),
+            "a flooded copy's group begins at forward"
+        );
+        let taken = g
+            .take(&[k], 50, (Some(5), Some(6)), false)
+            .expect("matches");
         assert_eq!(
             (taken.in_port, taken.out_port),
             (Some(5), Some(6)),
             "the iif and oif of its first bridge hooks"
         );
         assert_eq!(taken.events[1].handle, Some(5));
-        assert!(g.take(&[k], 50, (None, None)).is_none(), "taken once");
+        assert!(
+            g.take(&[k], 50, (None, None), false).is_none(),
+            "taken once"
+        );
+        // A flooded copy: a clone first met at forward, out by its own port.
+        let copy = TraceEvent {
+            id: 8,
+            chain: "forward".into(),
+            oif: Some(9),
+            ..first.clone()
+        };
+        g.add(copy, 300);
+        let c = g
+            .take(&[k], 50, (None, Some(9)), true)
+            .expect("the copy's group");
+        assert_eq!((c.id, c.in_port, c.out_port), (8, Some(5), Some(9)));
         // Output after prerouting is the same frame (br_netfilter sending through the
         // bridge device); output twice is not.
         assert!(!starts_new_frame(&["prerouting".into()], "output"));
