@@ -11,6 +11,7 @@ pub mod conntrack;
 pub mod ctevents;
 pub mod netlink;
 pub mod nft;
+pub mod nftrace;
 pub mod rules;
 pub mod series;
 pub mod xtables;

@@ -85,7 +85,7 @@ struct TailArgs {
     /// Ask a running `observer agent` instead of attaching probes here: its unix socket
     /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
     /// by the agent for this client alone; the reports are the same.
-    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor"])]
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains"])]
     agent: Option<String>,
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
@@ -132,6 +132,15 @@ struct TailArgs {
     /// what the kernel did).
     #[arg(long)]
     no_rules: bool,
+    /// Observe the nft `bridge` family's chains instead of simulating them: observer adds
+    /// its own bridge-family table `observer-trace-<pid>` (chains first on every bridge hook
+    /// whose only rules set `meta nftrace` on IPv4/IPv6 frames: no frame's fate changes) and
+    /// reads nf_tables' trace events, so a bridged report names each bridge-family chain
+    /// and rule the frame met, a drop there included. The table is owned by observer's
+    /// netlink socket: the kernel removes it when observer exits, even on SIGKILL. Users of
+    /// `nft monitor trace` on the node see its frames while it runs (docs/rules.md).
+    #[arg(long)]
+    trace_bridge_chains: bool,
     /// Also save every traversal record, with the probe plan, kernel layout, interface
     /// names, kernel symbols and mark names its report needs, to FILE; `observer replay
     /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
@@ -253,6 +262,14 @@ struct AgentArgs {
     /// seconds (1 to 600).
     #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     arm_seconds: f64,
+    /// Observe the nft `bridge` family's chains through nf_tables' trace instead of
+    /// simulating them, as `observer tail --trace-bridge-chains` does: a bridge-family table
+    /// `observer-trace-<pid>` of the agent's own (its chains only set `meta nftrace` on
+    /// IPv4/IPv6 frames; the kernel removes it when the agent exits, even on SIGKILL).
+    /// Every bridged IP frame is then traced while the agent runs; `nft monitor trace`
+    /// users see it (docs/rules.md).
+    #[arg(long)]
+    trace_bridge_chains: bool,
     /// Tier 2: the least time from the end of an arm by a condition to the next, in
     /// seconds (0 to 86400): a lasting flood of drops arms the brackets at most
     /// --arm-seconds in every --arm-cooldown.
@@ -414,6 +431,7 @@ fn run(cli: Cli) -> Result<()> {
                     insert_failed: a.arm_on_insert_failed,
                     window: a.window,
                 },
+                trace_bridge_chains: a.trace_bridge_chains,
             })?;
             eprintln!("observer agent: stopped by {stopped_by}");
             Ok(())
@@ -434,6 +452,7 @@ fn run(cli: Cli) -> Result<()> {
                 rules: !a.no_rules,
                 record: a.record,
                 pcapng: a.pcapng,
+                trace_bridge_chains: a.trace_bridge_chains,
             })?;
             eprintln!("{summary}");
             Ok(())

@@ -845,3 +845,333 @@ fn bridge_family_chains_are_simulated_and_confirmed_by_their_counters() {
     let _ = std::fs::remove_file(&stats_file);
     assert_accounted(&s);
 }
+
+/// The bridge-family tables of the lab's node (`nft list tables bridge`).
+fn bridge_tables(lab: &Lab) -> String {
+    let out = run(&[
+        "ip",
+        "netns",
+        "exec",
+        &lab.ns("node"),
+        "nft",
+        "list",
+        "tables",
+        "bridge",
+    ]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits (2 s at most) until the trace table `name` is gone from the node.
+fn gone(lab: &Lab, name: &str) -> bool {
+    for _ in 0..40 {
+        if !bridge_tables(lab).contains(name) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// The `obs-l2` rule events `nft -a monitor trace` printed, per handle: (count, verdicts).
+fn monitor_rules(text: &str) -> BTreeMap<u64, (u64, Vec<String>)> {
+    let mut out: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
+    for l in text.lines() {
+        if !l.contains(" bridge obs-l2 ") || !l.contains(" rule ") {
+            continue;
+        }
+        let Some(handle) = l
+            .split("# handle ")
+            .nth(1)
+            .and_then(|h| h.split_whitespace().next())
+            .and_then(|h| h.parse().ok())
+        else {
+            continue;
+        };
+        let verdict = l
+            .split("(verdict ")
+            .nth(1)
+            .map(|v| v.trim_end_matches(')').to_string())
+            .unwrap_or_default();
+        let e = out.entry(handle).or_default();
+        e.0 += 1;
+        e.1.push(verdict);
+    }
+    out
+}
+
+/// `--trace-bridge-chains`: the nft `bridge` family's chains are OBSERVED through
+/// nf_tables' trace. A frame accepted through them and one the bridge forward chain drops
+/// are reported with the chains and rules that the kernel's own `nft monitor trace` shows
+/// and that the rules' counters count; observer's trace table exists only while it runs
+/// and is removed by the kernel when it exits, after SIGINT and after SIGKILL.
+#[test]
+fn bridge_family_chains_are_observed_through_the_nftables_trace() {
+    if !privileged("bridge_family_chains_are_observed_through_the_nftables_trace") {
+        return;
+    }
+    let lab = Lab::up_with_args("brt", "bridge", &["--bridge-chains"]);
+    udp_send(&lab, "pod2", "10.244.0.1:9");
+    udp_send(&lab, "pod", "10.244.0.1:9");
+    std::thread::sleep(Duration::from_millis(200));
+    let stats_file = std::env::temp_dir().join(format!("{}-stats.json", lab.prefix));
+    let tail = Tail::start_with(
+        &lab,
+        &[
+            "--trace-bridge-chains",
+            "--stats",
+            stats_file.to_str().unwrap(),
+        ],
+    );
+    let table = format!("observer-trace-{}", tail.pid());
+    assert!(
+        bridge_tables(&lab).contains(&format!("table bridge {table}")),
+        "the trace table while tail runs: {}",
+        bridge_tables(&lab)
+    );
+    // The kernel's own view of the same frames: `nft monitor trace` reads the events
+    // observer's table causes.
+    let monitor = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lab.ns("node"),
+            "nft",
+            "-a",
+            "monitor",
+            "trace",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("nft monitor trace");
+    std::thread::sleep(Duration::from_millis(500));
+    let before = l2_counters(&lab);
+    let sink = udp_sink(&lab, "pod2", "10.244.0.6:7002");
+    udp_send(&lab, "pod", "10.244.0.6:7002");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    udp_send(&lab, "pod", "10.244.0.6:7003");
+    // A ClusterIP DNATed to a pod on the same bridge, its first packet sent while the node
+    // resolves the pod (through cni0's own transmit): the bridge forward chain sees the
+    // pod's address (rule 6) on every packet from the client.
+    let node = lab.ns("node");
+    run(&["ip", "netns", "exec", &node, "ip", "neigh", "flush", "all"]);
+    run(&["ip", "netns", "exec", &node, "conntrack", "-F"]);
+    let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
+    assert_eq!(tcp_client(&lab, "pod2", "10.96.0.2:22").unwrap(), b"ping");
+    echo.join().unwrap();
+    // A frame flooded (the bridge forgot where the pod is): each copy's report names the
+    // port the frame came in by, which the probes cannot read for a copy, from the trace.
+    let sink = udp_sink(&lab, "pod", "10.244.0.5:7000");
+    run(&[
+        "ip", "netns", "exec", &node, "bridge", "fdb", "flush", "dev", "cni0",
+    ]);
+    udp_send(&lab, "pod2", "10.244.0.5:7000");
+    sink.join().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = l2_counters(&lab);
+    // SIGTERM: a background shell may have left SIGINT ignored for its children.
+    run(&["kill", "-TERM", &monitor.id().to_string()]);
+    let monitor = monitor.wait_with_output().expect("nft monitor exits");
+    let monitored = monitor_rules(&String::from_utf8_lossy(&monitor.stdout));
+    let (reports, stderr) = tail.stop();
+    let all = summary(&reports);
+    assert!(
+        gone(&lab, &table),
+        "removed at exit: {}",
+        bridge_tables(&lab)
+    );
+    let advanced =
+        |h: u64| after.get(&h).copied().unwrap_or(0) - before.get(&h).copied().unwrap_or(0);
+    assert_eq!(
+        (advanced(3), advanced(4), advanced(5)),
+        (1, 1, 1),
+        "{before:?} {after:?}"
+    );
+
+    let counted = first(&reports, "10.244.0.5", "10.244.0.6:7002");
+    assert_eq!(counted["route"], "bridged", "{counted:#}");
+    let n = notes(counted);
+    assert!(
+        n.contains(&"bridge-family chain bridge obs-l2 prerouting (PREROUTING -300; observed by nf_tables trace): accept (policy)"),
+        "{n:#?}\n{stderr}"
+    );
+    assert!(
+        n.contains(&"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): accept (policy)"),
+        "{n:#?}"
+    );
+    let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped:#}");
+    assert_eq!(hooks(dropped), ["PREROUTING"], "{dropped:#}");
+    let d = notes(dropped);
+    assert!(
+        d.contains(&"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"),
+        "{d:#?}\n{all}"
+    );
+    // Each rule the reports say the frames met, with its verdict, is one the kernel's
+    // trace printed and its counter counted: as many times in each.
+    let to_svc: Vec<&Value> = reports
+        .iter()
+        .filter(|r| src(r).starts_with("10.244.0.6") && dst(r) == "10.96.0.2:22")
+        .collect();
+    assert!(to_svc.len() >= 3, "{all}");
+    assert!(
+        notes(to_svc[0])
+            .iter()
+            .any(|l| l.starts_with("sent through cni0's own transmit")),
+        "the first packet, sent while the node resolved the pod: {:#?}",
+        notes(to_svc[0])
+    );
+    let copies: Vec<&Value> = reports
+        .iter()
+        .filter(|r| dst(r) == "10.244.0.5:7000" && r["bridge"]["flooded"] == true)
+        .collect();
+    assert!(!copies.is_empty(), "a flooded copy: {all}");
+    for c in &copies {
+        assert!(
+            notes(c).iter().any(|l| l.starts_with(&format!(
+                "the bridge port this flooded copy's frame came in by: {POD2_PORT} "
+            ))),
+            "{:#?}",
+            notes(c)
+        );
+    }
+    let mut reported: BTreeMap<u64, (u64, Vec<String>)> = BTreeMap::new();
+    for r in [counted, dropped].into_iter().chain(to_svc.iter().copied()) {
+        for l in notes(r) {
+            assert!(!l.contains("simulated"), "observed, not simulated: {l}");
+            assert!(!l.contains("observer-trace"), "never the trace table: {l}");
+            let Some(rest) = l.strip_prefix("  bridge obs-l2 ") else {
+                continue;
+            };
+            let handle: u64 = rest
+                .split(" handle ")
+                .nth(1)
+                .and_then(|h| h.split(' ').next())
+                .and_then(|h| h.parse().ok())
+                .unwrap_or_else(|| panic!("a handle in {l}"));
+            let verdict = l
+                .rsplit(" => ")
+                .next()
+                .unwrap()
+                .trim_end_matches(" (observed)")
+                .to_string();
+            let e = reported.entry(handle).or_default();
+            e.0 += 1;
+            e.1.push(verdict);
+        }
+    }
+    assert_eq!(
+        reported.keys().copied().collect::<Vec<_>>(),
+        [3, 4, 5, 6],
+        "{reported:?}"
+    );
+    for (handle, (n, verdicts)) in &reported {
+        assert_eq!(*n, advanced(*handle), "rule {handle}: its counter");
+        assert_eq!(
+            monitored.get(handle),
+            Some(&(*n, verdicts.clone())),
+            "rule {handle}: nft monitor trace printed {monitored:?}"
+        );
+    }
+    let s = stats(&stats_file);
+    let _ = std::fs::remove_file(&stats_file);
+    assert_accounted(&s);
+    assert_eq!(s["bridge_trace"]["unmatched"], 0, "{s}");
+    assert!(
+        s["bridge_trace"]["observed"].as_u64().unwrap() >= 2
+            && s["bridge_trace"]["dropped"].as_u64().unwrap() >= 1,
+        "{s}"
+    );
+
+    // SIGKILL: nothing of observer runs at exit, and the kernel still removes the table.
+    let tail = Tail::start_with(&lab, &["--trace-bridge-chains"]);
+    let table = format!("observer-trace-{}", tail.pid());
+    assert!(bridge_tables(&lab).contains(&table));
+    run(&["kill", "-KILL", &tail.pid().to_string()]);
+    assert!(
+        gone(&lab, &table),
+        "removed after SIGKILL: {}",
+        bridge_tables(&lab)
+    );
+    drop(tail);
+}
+
+/// `observer agent --trace-bridge-chains`: a streamed report of a frame the bridge forward
+/// chain drops names the rule, observed through nf_tables' trace; the agent's trace table
+/// exists while it runs and is gone once it exits.
+#[test]
+fn the_agent_observes_bridge_family_chains_through_the_trace() {
+    if !privileged("the_agent_observes_bridge_family_chains_through_the_trace") {
+        return;
+    }
+    let lab = Lab::up_with_args("brg", "bridge", &["--bridge-chains"]);
+    udp_send(&lab, "pod2", "10.244.0.1:9");
+    udp_send(&lab, "pod", "10.244.0.1:9");
+    std::thread::sleep(Duration::from_millis(200));
+    let agent = Agent::start_with(&lab, &["--mode", "brackets", "--trace-bridge-chains"]);
+    let table = format!("observer-trace-{}", agent.pid());
+    assert!(
+        bridge_tables(&lab).contains(&table),
+        "{}",
+        bridge_tables(&lab)
+    );
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let tail = Client::start(&[
+        "tail",
+        "--agent",
+        &sock,
+        "--json",
+        "--filter",
+        "udp port 7003",
+        "--timeout",
+        "10",
+    ]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = http_get(&lab, METRICS, "/metrics");
+        if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent did not start tracing for its client: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = l2_counters(&lab);
+    udp_send(&lab, "pod", "10.244.0.6:7003");
+    let (lines, err) = tail.finish(Duration::from_secs(30));
+    let after = l2_counters(&lab);
+    assert_eq!(
+        after.get(&5).copied().unwrap_or(0) - before.get(&5).copied().unwrap_or(0),
+        1,
+        "the bridge forward chain dropped the frame"
+    );
+    let reports: Vec<Value> = lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let dropped = first(&reports, "10.244.0.5", "10.244.0.6:7003");
+    assert_eq!(dropped["fate"]["kind"], "dropped", "{dropped:#}\n{err}");
+    let n = notes(dropped);
+    assert!(
+        n.contains(
+            &"bridge-family chain bridge obs-l2 forward (FORWARD -200; observed by nf_tables trace): drop by rule handle 5"
+        ),
+        "{n:#?}"
+    );
+    assert!(
+        n.iter()
+            .any(|l| l.starts_with("  bridge obs-l2 forward handle 5 ")
+                && l.ends_with("=> drop (observed)")),
+        "{n:#?}"
+    );
+    let (status, stderr, _) = agent.stop("TERM");
+    assert!(status.success(), "{stderr}");
+    assert!(
+        gone(&lab, &table),
+        "removed at exit: {}",
+        bridge_tables(&lab)
+    );
+}

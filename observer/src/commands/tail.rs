@@ -53,6 +53,9 @@ pub struct TailOptions {
     /// Name the rules of each stage from the live ruleset (and check them against the
     /// kernel).
     pub rules: bool,
+    /// Observe the nft bridge family's chains through nf_tables' trace (a table of
+    /// observer's own, removed by the kernel when observer exits) instead of simulating them.
+    pub trace_bridge_chains: bool,
 }
 
 /// Records handled before the event loop looks at signals and timers again: at about
@@ -94,6 +97,10 @@ pub struct Summary {
     pub rules_disagree: u64,
     /// Of `printed`, traversals where some stage's rules could not be decided.
     pub rules_undecidable: u64,
+    /// With `--trace-bridge-chains`: what nf_tables' trace showed of the bridge family's
+    /// chains.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bridge_trace: Option<crate::kernel::bridgetrace::TraceCounts>,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
     /// With `--record`: what the recording holds.
@@ -147,6 +154,17 @@ impl std::fmt::Display for Summary {
                  bridge's FORWARD, with the port each left by)",
                 self.flooded_copies
             )?;
+        }
+        if let Some(b) = &self.bridge_trace {
+            write!(
+                f,
+                "; bridge-family chains observed for {} bridged reports ({} dropped there), {} \
+                 bridged reports no trace event matched (simulated instead)",
+                b.observed, b.dropped, b.unmatched
+            )?;
+            if b.overruns > 0 {
+                write!(f, ", trace events lost {} times (queue full)", b.overruns)?;
+            }
         }
         if let Some(r) = &self.record {
             write!(f, "; {} records recorded", r.records)?;
@@ -206,6 +224,12 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
             .as_ref()
             .is_some_and(|n| n.tables.iter().any(|t| t.id.family == "bridge")))
     .then(|| crate::kernel::bridgechains::BridgeChains::from_live(&live));
+    // Before the probes: a node that cannot have the table says so before anything attaches.
+    let bridge_trace = if opts.trace_bridge_chains {
+        Some(crate::kernel::bridgetrace::BridgeTrace::open(&live)?)
+    } else {
+        None
+    };
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let recorder = match &opts.record {
         Some(path) => Some(Recorder::create(
@@ -258,6 +282,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         pcap,
         out: Writer::new(raw_stdout()?),
         bridge_chains,
+        bridge_trace,
         formatted: 0,
         summary: Summary::default(),
     };
@@ -345,6 +370,8 @@ struct Printer<'a> {
     /// Bridged reports' notes on the nft bridge family's chains (simulated, confirmed by
     /// counters): made on the first bridged report.
     bridge_chains: Option<crate::kernel::bridgechains::BridgeChains>,
+    /// `--trace-bridge-chains`: the trace table and the frames its events describe.
+    bridge_trace: Option<crate::kernel::bridgetrace::BridgeTrace>,
     /// Traversals formatted for output (the writer thread says how many reached stdout).
     formatted: u64,
     summary: Summary,
@@ -364,13 +391,13 @@ impl Printer<'_> {
     ) -> Option<Vec<String>> {
         let t = report.traversal();
         t.bridge.as_ref()?;
-        if !self.opts.rules {
-            return None;
-        }
         let rec = crate::pipeline::decode::decode(raw).ok()?;
-        self.bridge_chains
-            .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
-            .annotate(t, (rec.ts_first, rec.ts_last))
+        crate::kernel::bridgetrace::bridged_notes(
+            self.bridge_trace.as_mut(),
+            self.opts.rules.then_some(&mut self.bridge_chains),
+            t,
+            (rec.ts_first, rec.ts_last),
+        )
     }
 
     /// The pipeline's sinks besides stdout, and the pipeline.
@@ -472,6 +499,10 @@ impl Consumer for Printer<'_> {
 
     fn on_tick(&mut self, tick: Tick<'_>) -> Option<&'static str> {
         self.flush_files();
+        // Events wait in the socket's queue until read: read them while they are few.
+        if let Some(t) = &mut self.bridge_trace {
+            t.drain();
+        }
         self.out.push();
         if tick.names_changed {
             self.pipeline.forget_names();
@@ -497,6 +528,9 @@ impl Consumer for Printer<'_> {
                     RuleNamer::new(live, generation)
                 });
                 self.pipeline.ruleset_changed(marks, namer);
+                if let Some(t) = &mut self.bridge_trace {
+                    t.names_from(live);
+                }
                 let (pipeline, sinks) = self.split();
                 pipeline.ruleset_to(&live.texts, sinks);
             }
@@ -522,6 +556,7 @@ impl Consumer for Printer<'_> {
     fn on_stop(&mut self, stop: Stop<'_>) {
         let summary = &mut self.summary;
         summary.not_printed += stop.undrained;
+        summary.bridge_trace = self.bridge_trace.as_ref().map(|t| t.counts);
         // Then a moment for stdout's reader (30 ms, and up to 20 more to end the report
         // being written); what it has not taken by then is counted.
         let (written, unwritten) = self.out.finish(Duration::from_millis(30));

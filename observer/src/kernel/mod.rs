@@ -3,6 +3,7 @@
 //! rules and interfaces change, and the kernel's symbols and namespaces.
 
 pub mod bridgechains;
+pub mod bridgetrace;
 pub mod btf;
 pub mod kallsyms;
 pub mod netns;

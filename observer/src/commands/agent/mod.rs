@@ -78,6 +78,9 @@ pub struct AgentOptions {
     pub drop_reasons_ignored: Vec<String>,
     /// Tier 2: when the brackets are armed without a streaming client.
     pub tier2: tier2::Tier2Options,
+    /// Observe the nft bridge family's chains through nf_tables' trace
+    /// (`kernel::bridgetrace`) instead of simulating them.
+    pub trace_bridge_chains: bool,
 }
 
 /// What the probes do while no streaming client wants traces.
@@ -136,6 +139,12 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         read_live()
     };
     let marks = mark_dictionary(&live, opts.marks_file.as_ref())?;
+    // Before the probes: a node that cannot have the table says so before anything attaches.
+    let bridge_trace = if opts.trace_bridge_chains {
+        Some(crate::kernel::bridgetrace::BridgeTrace::open(&live)?)
+    } else {
+        None
+    };
     let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
     let ctx = PipelineContext {
         // The streams' JSON is the one rendering every record gets (the flight recorder
@@ -245,6 +254,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             naming,
             tier1,
             tier2::Tier2::new(opts.tier2.clone(), arming),
+            bridge_trace,
         )
         .await
     })
@@ -360,6 +370,8 @@ struct Agent {
     /// Bridged reports' notes on the nft bridge family's chains (simulated, confirmed by
     /// counters; `kernel::bridgechains`): made on the first bridged report.
     bridge_chains: Option<crate::kernel::bridgechains::BridgeChains>,
+    /// `--trace-bridge-chains`: the trace table and the frames its events describe.
+    bridge_trace: Option<crate::kernel::bridgetrace::BridgeTrace>,
 }
 
 impl Agent {
@@ -375,6 +387,7 @@ impl Agent {
             tier2: &mut self.tier2,
             tuple: self.pipeline.ctx.tuple,
             bridge_chains: &mut self.bridge_chains,
+            bridge_trace: self.bridge_trace.as_mut(),
         };
         let sinks: [&mut dyn Sink; 2] = [&mut metrics, &mut hub];
         self.pipeline.set_ip_ids(self.hub.wants_ip_ids());
@@ -472,6 +485,7 @@ struct HubSink<'a> {
     tuple: crate::kernel::btf::TupleLayout,
     /// Bridged reports' notes on the node's bridge-family chains (made on the first).
     bridge_chains: &'a mut Option<crate::kernel::bridgechains::BridgeChains>,
+    bridge_trace: Option<&'a mut crate::kernel::bridgetrace::BridgeTrace>,
 }
 
 impl Sink for HubSink<'_> {
@@ -485,14 +499,17 @@ impl Sink for HubSink<'_> {
         // by counters), as tail says it: the report with those notes, made apart from the
         // cached one.
         let annotated = report.traversal().bridge.as_ref().and_then(|_| {
-            self.bridge_chains
-                .get_or_insert_with(crate::kernel::bridgechains::BridgeChains::read)
-                .annotate(report.traversal(), (rec.ts_first, rec.ts_last))
-                .map(|notes| {
-                    let mut t = (**report.traversal()).clone();
-                    t.notes.extend(notes);
-                    crate::pipeline::Report::new(t)
-                })
+            crate::kernel::bridgetrace::bridged_notes(
+                self.bridge_trace.as_deref_mut(),
+                Some(self.bridge_chains),
+                report.traversal(),
+                (rec.ts_first, rec.ts_last),
+            )
+            .map(|notes| {
+                let mut t = (**report.traversal()).clone();
+                t.notes.extend(notes);
+                crate::pipeline::Report::new(t)
+            })
         });
         let (report, json) = match &annotated {
             Some(r) => (r, r.render(Output::Json)),
@@ -643,6 +660,10 @@ impl Consumer for Agent {
 
     fn on_tick(&mut self, tick: Tick<'_>) -> Option<&'static str> {
         self.lost_now = tick.lost_now;
+        // Trace events wait in the socket's queue until read: read them while they are few.
+        if let Some(t) = &mut self.bridge_trace {
+            t.drain();
+        }
         self.hub.set_lost(tick.lost_now);
         self.hub.tick();
         let probes = tick.probes;
@@ -683,6 +704,11 @@ impl Consumer for Agent {
                 // kube-proxy's services change with its rules, plan or no plan: read from
                 // the node the session read off the loop's thread.
                 self.names.set_services(live);
+                if let Some(t) = &mut self.bridge_trace
+                    && !light
+                {
+                    t.names_from(live);
+                }
                 // Counted under the plan in force: labelled before it changes.
                 self.read_counts(probes);
                 let file = self.marks_file.clone();
@@ -736,6 +762,7 @@ async fn event_loop(
     ),
     tier1: Option<tier1::Tier1>,
     tier2: tier2::Tier2,
+    bridge_trace: Option<crate::kernel::bridgetrace::BridgeTrace>,
 ) -> Result<&'static str> {
     let mut agent = Agent {
         pipeline,
@@ -756,6 +783,7 @@ async fn event_loop(
         release_pending: false,
         tier2,
         bridge_chains: None,
+        bridge_trace,
     };
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);

@@ -1,0 +1,715 @@
+//! nf_tables' own packet trace, for the chains no probe can bracket (the nft `bridge`
+//! family: BPF netfilter links refuse `NFPROTO_BRIDGE`). A [`TraceTable`] is a bridge-family
+//! table that this process creates over its own `NETLINK_NETFILTER` socket with
+//! `NFT_TABLE_F_OWNER`: the kernel deletes it when that socket closes, so it is gone when
+//! the process ends however it ends (exit, panic, SIGKILL). Its one base chain per bridge
+//! hook, at the lowest priority, sets `meta nftrace` on IPv4 and IPv6 frames and does
+//! nothing else (policy accept, no verdict): no frame's fate changes. The same socket then
+//! reads the trace events (`NFNLGRP_NFTRACE`) that nf_tables sends for every traced frame's
+//! chains and matched rules.
+//!
+//! Building the messages and parsing the events are pure and unit-tested from bytes; only
+//! [`TraceTable::create`] and [`TraceTable::drain`] touch the kernel.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use crate::Error;
+use crate::netlink::{Attrs, encode_attr};
+
+const NFNL_SUBSYS_NFTABLES: u16 = 10;
+const NFNL_MSG_BATCH_BEGIN: u16 = 16;
+const NFNL_MSG_BATCH_END: u16 = 17;
+const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_TRACE: u16 = 17;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLM_F_CREATE: u16 = 0x400;
+const NLMSG_ERROR: u16 = 2;
+const NLA_F_NESTED: u16 = 0x8000;
+const NFPROTO_BRIDGE: u8 = 7;
+const NFT_TABLE_F_OWNER: u32 = 2;
+const NFTA_TABLE_NAME: u16 = 1;
+const NFTA_TABLE_FLAGS: u16 = 2;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_RULE_USERDATA: u16 = 7;
+const NFTA_LIST_ELEM: u16 = 1;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_META_DREG: u16 = 1;
+const NFTA_META_KEY: u16 = 2;
+const NFTA_META_SREG: u16 = 3;
+const NFT_META_PROTOCOL: u32 = 1;
+const NFT_META_NFTRACE: u32 = 12;
+const NFTA_CMP_SREG: u16 = 1;
+const NFTA_CMP_OP: u16 = 2;
+const NFTA_CMP_DATA: u16 = 3;
+const NFT_CMP_EQ: u32 = 0;
+const NFTA_DATA_VALUE: u16 = 1;
+const NFTA_IMMEDIATE_DREG: u16 = 1;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFT_REG_1: u32 = 1;
+const NF_ACCEPT: u32 = 1;
+/// nftnl's rule comment in `NFTA_RULE_USERDATA` (what `nft list` shows as `comment`).
+const NFTNL_UDATA_RULE_COMMENT: u8 = 0;
+const NFTA_TRACE_TABLE: u16 = 1;
+const NFTA_TRACE_CHAIN: u16 = 2;
+const NFTA_TRACE_RULE_HANDLE: u16 = 3;
+const NFTA_TRACE_TYPE: u16 = 4;
+const NFTA_TRACE_VERDICT: u16 = 5;
+const NFTA_TRACE_ID: u16 = 6;
+const NFTA_TRACE_NETWORK_HEADER: u16 = 8;
+const NFTA_TRACE_TRANSPORT_HEADER: u16 = 9;
+const NFTA_TRACE_IIF: u16 = 10;
+const NFTA_TRACE_OIF: u16 = 12;
+const NFTA_TRACE_MARK: u16 = 14;
+const NFTA_TRACE_NFPROTO: u16 = 15;
+const NFTA_TRACE_POLICY: u16 = 16;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+/// `NFNLGRP_NFTRACE`.
+const NFNLGRP_NFTRACE: u32 = 9;
+const SOL_NETLINK: libc::c_int = 270;
+const NETLINK_ADD_MEMBERSHIP: libc::c_int = 1;
+const RCVBUF: libc::c_int = 4 << 20;
+/// Messages read per [`TraceTable::drain`] at most (it is called again on the next tick).
+const DRAIN_MAX: usize = 100_000;
+
+/// The bridge hooks (`NF_BR_*`), in the order a bridged frame meets them.
+pub const BRIDGE_HOOKS: [(u32, &str); 5] = [
+    (0, "prerouting"),
+    (1, "input"),
+    (2, "forward"),
+    (3, "output"),
+    (4, "postrouting"),
+];
+
+/// The rule comment of the trace table's rules (`nft list ruleset` shows it).
+pub const RULE_COMMENT: &str =
+    "observer --trace-bridge-chains: sets nftrace only; removed when observer exits";
+
+/// Ethertypes the trace rules select: IPv4 and IPv6 (what the probes report).
+const ETHERTYPES: [u16; 2] = [0x0800, 0x86dd];
+
+fn nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
+    encode_attr(kind | NLA_F_NESTED, &inner.concat())
+}
+
+fn be32(kind: u16, v: u32) -> Vec<u8> {
+    encode_attr(kind, &v.to_be_bytes())
+}
+
+fn string(kind: u16, s: &str) -> Vec<u8> {
+    let mut v = s.as_bytes().to_vec();
+    v.push(0);
+    encode_attr(kind, &v)
+}
+
+/// One nfnetlink message: header, `nfgenmsg` (family, version 0, `res_id` big-endian),
+/// attributes.
+fn message(kind: u16, flags: u16, family: u8, res_id: u16, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    let len = (16 + 4 + attrs.len()) as u32;
+    let mut m = Vec::with_capacity(len as usize);
+    m.extend_from_slice(&len.to_ne_bytes());
+    m.extend_from_slice(&kind.to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.push(family);
+    m.push(0);
+    m.extend_from_slice(&res_id.to_be_bytes());
+    m.extend_from_slice(attrs);
+    m
+}
+
+fn expr(name: &str, data: &[Vec<u8>]) -> Vec<u8> {
+    nest(
+        NFTA_LIST_ELEM,
+        &[string(NFTA_EXPR_NAME, name), nest(NFTA_EXPR_DATA, data)],
+    )
+}
+
+/// `meta protocol <ethertype> meta nftrace set 1`, as nf_tables expressions.
+fn trace_rule_exprs(ethertype: u16) -> Vec<u8> {
+    nest(
+        NFTA_RULE_EXPRESSIONS,
+        &[
+            expr(
+                "meta",
+                &[
+                    be32(NFTA_META_KEY, NFT_META_PROTOCOL),
+                    be32(NFTA_META_DREG, NFT_REG_1),
+                ],
+            ),
+            expr(
+                "cmp",
+                &[
+                    be32(NFTA_CMP_SREG, NFT_REG_1),
+                    be32(NFTA_CMP_OP, NFT_CMP_EQ),
+                    nest(
+                        NFTA_CMP_DATA,
+                        &[encode_attr(NFTA_DATA_VALUE, &ethertype.to_be_bytes())],
+                    ),
+                ],
+            ),
+            expr(
+                "immediate",
+                &[
+                    be32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
+                    nest(NFTA_IMMEDIATE_DATA, &[encode_attr(NFTA_DATA_VALUE, &[1])]),
+                ],
+            ),
+            expr(
+                "meta",
+                &[
+                    be32(NFTA_META_KEY, NFT_META_NFTRACE),
+                    be32(NFTA_META_SREG, NFT_REG_1),
+                ],
+            ),
+        ],
+    )
+}
+
+/// The comment as nftnl stores it: a TLV (type, length, NUL-terminated text).
+fn comment_udata(text: &str) -> Vec<u8> {
+    let text = &text.as_bytes()[..text.len().min(250)];
+    let mut v = vec![NFTNL_UDATA_RULE_COMMENT, (text.len() + 1) as u8];
+    v.extend_from_slice(text);
+    v.push(0);
+    v
+}
+
+/// The batch that creates the trace table `table` (owned by the sending socket) with one
+/// base chain per hook of `hooks` (`NF_BR_*`) at `priority`, each with the trace rules.
+/// Every message inside asks for an acknowledgement; the count is returned with it.
+pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec<u8>, usize) {
+    let nft = |m: u16| (NFNL_SUBSYS_NFTABLES << 8) | m;
+    let create = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK;
+    let mut seq = seq;
+    let mut next = || {
+        seq = seq.wrapping_add(1);
+        seq
+    };
+    let mut out = message(
+        NFNL_MSG_BATCH_BEGIN,
+        NLM_F_REQUEST,
+        0,
+        NFNL_SUBSYS_NFTABLES,
+        next(),
+        &[],
+    );
+    let mut acks = 0;
+    let table_attrs = [
+        string(NFTA_TABLE_NAME, table),
+        be32(NFTA_TABLE_FLAGS, NFT_TABLE_F_OWNER),
+    ]
+    .concat();
+    out.extend(message(
+        nft(NFT_MSG_NEWTABLE),
+        create,
+        NFPROTO_BRIDGE,
+        0,
+        next(),
+        &table_attrs,
+    ));
+    acks += 1;
+    for &hook in hooks {
+        let name = BRIDGE_HOOKS
+            .iter()
+            .find(|h| h.0 == hook)
+            .map_or("hook", |h| h.1);
+        let chain = [
+            string(NFTA_CHAIN_TABLE, table),
+            string(NFTA_CHAIN_NAME, name),
+            nest(
+                NFTA_CHAIN_HOOK,
+                &[
+                    be32(NFTA_HOOK_HOOKNUM, hook),
+                    be32(NFTA_HOOK_PRIORITY, priority as u32),
+                ],
+            ),
+            be32(NFTA_CHAIN_POLICY, NF_ACCEPT),
+            string(NFTA_CHAIN_TYPE, "filter"),
+        ]
+        .concat();
+        out.extend(message(
+            nft(NFT_MSG_NEWCHAIN),
+            create,
+            NFPROTO_BRIDGE,
+            0,
+            next(),
+            &chain,
+        ));
+        acks += 1;
+        for ethertype in ETHERTYPES {
+            let rule = [
+                string(NFTA_RULE_TABLE, table),
+                string(NFTA_RULE_CHAIN, name),
+                trace_rule_exprs(ethertype),
+                encode_attr(NFTA_RULE_USERDATA, &comment_udata(RULE_COMMENT)),
+            ]
+            .concat();
+            out.extend(message(
+                nft(NFT_MSG_NEWRULE),
+                create | 0x800, // NLM_F_APPEND
+                NFPROTO_BRIDGE,
+                0,
+                next(),
+                &rule,
+            ));
+            acks += 1;
+        }
+    }
+    out.extend(message(
+        NFNL_MSG_BATCH_END,
+        NLM_F_REQUEST,
+        0,
+        NFNL_SUBSYS_NFTABLES,
+        next(),
+        &[],
+    ));
+    (out, acks)
+}
+
+/// One nf_tables trace event.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TraceEvent {
+    /// The same for every event of one skb (a hash of it; two skbs may share one).
+    pub id: u32,
+    /// The family of the table (`nfgenmsg`): 7 for bridge.
+    pub family: u8,
+    pub table: String,
+    pub chain: String,
+    /// The rule that matched (`None` for a chain's policy or return).
+    pub handle: Option<u64>,
+    /// `NFT_TRACETYPE_*`: 1 policy, 2 return, 3 rule.
+    pub kind: u32,
+    /// The verdict code (`NF_DROP` 0, `NF_ACCEPT` 1, `NFT_CONTINUE` -1, `NFT_JUMP` -3, ...).
+    pub verdict: Option<i32>,
+    /// The chain a jump or goto went to.
+    pub target: Option<String>,
+    /// The chain's policy, on a policy event.
+    pub policy: Option<u32>,
+    pub iif: Option<u32>,
+    pub oif: Option<u32>,
+    pub mark: Option<u32>,
+    pub nfproto: Option<u32>,
+    /// The first bytes of the network header and of the transport header.
+    pub network: Vec<u8>,
+    pub transport: Vec<u8>,
+}
+
+pub const TRACETYPE_POLICY: u32 = 1;
+pub const TRACETYPE_RETURN: u32 = 2;
+pub const TRACETYPE_RULE: u32 = 3;
+
+impl TraceEvent {
+    /// The verdict in `nft monitor trace`'s words.
+    pub fn verdict_name(&self) -> String {
+        let code = match (self.kind, self.verdict, self.policy) {
+            (TRACETYPE_POLICY, _, Some(p)) => p as i32,
+            (_, Some(v), _) => v,
+            (TRACETYPE_RETURN, None, _) => return "return".into(),
+            _ => return "continue".into(),
+        };
+        let to = self.target.as_deref().unwrap_or("?");
+        match code {
+            0 => "drop".into(),
+            1 => "accept".into(),
+            2 => "stolen".into(),
+            3 => "queue".into(),
+            -1 => "continue".into(),
+            -2 => "break".into(),
+            -3 => format!("jump {to}"),
+            -4 => format!("goto {to}"),
+            -5 => "return".into(),
+            c if c & 0xffff == 3 => "queue".into(),
+            c => format!("verdict {c}"),
+        }
+    }
+
+    /// Whether this event ended the frame with a drop.
+    pub fn drops(&self) -> bool {
+        let code = match self.kind {
+            TRACETYPE_POLICY => self.policy.map(|p| p as i32).or(self.verdict),
+            _ => self.verdict,
+        };
+        code == Some(0)
+    }
+
+    /// The packet's addresses, protocol, ports and IPv4 ID, from the network and transport
+    /// headers the event carries.
+    pub fn flow(&self) -> Option<Flow> {
+        flow_of(&self.network, &self.transport)
+    }
+}
+
+/// What identifies a frame in its headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Flow {
+    pub proto: u8,
+    pub src: std::net::IpAddr,
+    pub dst: std::net::IpAddr,
+    pub sport: Option<u16>,
+    pub dport: Option<u16>,
+    /// IPv4's identification field (`None` for IPv6).
+    pub ip_id: Option<u16>,
+}
+
+/// A frame's [`Flow`] from the first bytes of its network and transport headers.
+pub fn flow_of(network: &[u8], transport: &[u8]) -> Option<Flow> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let (proto, src, dst, ip_id) = match network.first()? >> 4 {
+        4 if network.len() >= 20 => (
+            network[9],
+            IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&network[12..16]).ok()?)),
+            IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&network[16..20]).ok()?)),
+            Some(u16::from_be_bytes([network[4], network[5]])),
+        ),
+        6 if network.len() >= 40 => (
+            network[6],
+            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&network[8..24]).ok()?)),
+            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&network[24..40]).ok()?)),
+            None,
+        ),
+        _ => return None,
+    };
+    let ports = matches!(proto, 6 | 17 | 132 | 136) && transport.len() >= 4;
+    Some(Flow {
+        proto,
+        src,
+        dst,
+        sport: ports.then(|| u16::from_be_bytes([transport[0], transport[1]])),
+        dport: ports.then(|| u16::from_be_bytes([transport[2], transport[3]])),
+        ip_id,
+    })
+}
+
+/// One nfnetlink message (type and payload after the netlink header) as a trace event;
+/// `None` for any other message.
+pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
+    if kind != (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_TRACE {
+        return None;
+    }
+    let family = *payload.first()?;
+    let attrs = Attrs(payload.get(4..)?);
+    let u32_of = |k| attrs.get(k).and_then(|a| a.be32());
+    let verdict = attrs.get(NFTA_TRACE_VERDICT).map(|a| a.nested());
+    Some(TraceEvent {
+        id: u32_of(NFTA_TRACE_ID)?,
+        family,
+        table: attrs
+            .get(NFTA_TRACE_TABLE)
+            .map(|a| a.str())
+            .unwrap_or_default(),
+        chain: attrs
+            .get(NFTA_TRACE_CHAIN)
+            .map(|a| a.str())
+            .unwrap_or_default(),
+        handle: attrs.get(NFTA_TRACE_RULE_HANDLE).and_then(|a| a.be64()),
+        kind: u32_of(NFTA_TRACE_TYPE)?,
+        verdict: verdict
+            .and_then(|v| v.get(NFTA_VERDICT_CODE))
+            .and_then(|a| a.be32())
+            .map(|c| c as i32),
+        target: verdict
+            .and_then(|v| v.get(NFTA_VERDICT_CHAIN))
+            .map(|a| a.str()),
+        policy: u32_of(NFTA_TRACE_POLICY),
+        iif: u32_of(NFTA_TRACE_IIF),
+        oif: u32_of(NFTA_TRACE_OIF),
+        mark: u32_of(NFTA_TRACE_MARK),
+        nfproto: u32_of(NFTA_TRACE_NFPROTO),
+        network: attrs
+            .get(NFTA_TRACE_NETWORK_HEADER)
+            .map(|a| a.value.to_vec())
+            .unwrap_or_default(),
+        transport: attrs
+            .get(NFTA_TRACE_TRANSPORT_HEADER)
+            .map(|a| a.value.to_vec())
+            .unwrap_or_default(),
+    })
+}
+
+/// The trace table, alive as long as this value (its socket) is.
+pub struct TraceTable {
+    fd: OwnedFd,
+    pub name: String,
+    buf: Vec<u8>,
+    /// Times the socket's queue overflowed (trace events lost there).
+    pub overruns: u64,
+    /// Trace events read.
+    pub events: u64,
+}
+
+impl TraceTable {
+    /// Creates `name` (bridge family, owned by a new socket in the calling thread's
+    /// namespace) with a chain on each of `hooks` at `priority`, then subscribes that socket
+    /// to the trace events.
+    pub fn create(name: &str, hooks: &[u32], priority: i32) -> Result<Self, Error> {
+        let fd = crate::netlink::netfilter_socket()?;
+        // SAFETY: setsockopt with valid, sized arguments on our own fd.
+        unsafe {
+            let rcvbuf = RCVBUF;
+            let _ = libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                (&raw const rcvbuf).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            );
+        }
+        let mut t = Self {
+            fd,
+            name: name.to_string(),
+            buf: vec![0; 256 * 1024],
+            overruns: 0,
+            events: 0,
+        };
+        let (batch, acks) = create_batch(name, hooks, priority, 0);
+        t.send(&batch)?;
+        let mut acked = 0;
+        // Bounded: one answer per message asked, and the kernel sends nothing else here.
+        for _ in 0..acks * 4 {
+            if acked == acks {
+                break;
+            }
+            let n = t.recv(0)?;
+            let mut rest = &t.buf[..n];
+            while rest.len() >= 16 {
+                let len = u32::from_ne_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
+                let kind = u16::from_ne_bytes([rest[4], rest[5]]);
+                if len < 16 || len > rest.len() {
+                    return Err(Error::Malformed("netlink message length"));
+                }
+                if kind == NLMSG_ERROR {
+                    let errno = rest
+                        .get(16..20)
+                        .map(|e| i32::from_ne_bytes(e.try_into().expect("4 bytes")))
+                        .unwrap_or(0);
+                    if errno != 0 {
+                        return Err(Error::Kernel(std::io::Error::from_raw_os_error(-errno)));
+                    }
+                    acked += 1;
+                }
+                rest = &rest[((len + 3) & !3).min(rest.len())..];
+            }
+        }
+        if acked < acks {
+            return Err(Error::Malformed(
+                "the trace table's creation was not acknowledged",
+            ));
+        }
+        // SAFETY: setsockopt with valid, sized arguments on our own fd.
+        let joined = unsafe {
+            let group = NFNLGRP_NFTRACE;
+            libc::setsockopt(
+                t.fd.as_raw_fd(),
+                SOL_NETLINK,
+                NETLINK_ADD_MEMBERSHIP,
+                (&raw const group).cast(),
+                std::mem::size_of::<u32>() as u32,
+            )
+        };
+        if joined < 0 {
+            return Err(Error::Open(std::io::Error::last_os_error()));
+        }
+        Ok(t)
+    }
+
+    fn send(&self, req: &[u8]) -> Result<(), Error> {
+        // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
+        let sent = unsafe {
+            let mut to: libc::sockaddr_nl = std::mem::zeroed();
+            to.nl_family = libc::AF_NETLINK as u16;
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                req.as_ptr().cast(),
+                req.len(),
+                0,
+                (&raw const to).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(Error::Kernel(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    /// One datagram; `Ok(0)` when none waits (with `MSG_DONTWAIT`).
+    fn recv(&mut self, flags: libc::c_int) -> Result<usize, Error> {
+        loop {
+            // SAFETY: recv into our own buffer, at most its length.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    self.buf.as_mut_ptr().cast(),
+                    self.buf.len(),
+                    flags,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::EAGAIN) => return Ok(0),
+                Some(libc::ENOBUFS) => self.overruns += 1,
+                _ => return Err(Error::Kernel(e)),
+            }
+        }
+    }
+
+    /// Every trace event waiting, without blocking (at most [`DRAIN_MAX`] messages), each
+    /// handed to `each` with its raw payload.
+    pub fn drain(&mut self, mut each: impl FnMut(TraceEvent, &[u8])) -> Result<(), Error> {
+        let mut messages = 0;
+        while messages < DRAIN_MAX {
+            let n = self.recv(libc::MSG_DONTWAIT)?;
+            if n == 0 {
+                return Ok(());
+            }
+            let (msgs, _) = crate::netlink::split(&self.buf[..n])?;
+            messages += msgs.len().max(1);
+            for m in &msgs {
+                if let Some(e) = parse(m.kind, m.payload) {
+                    self.events += 1;
+                    each(e, m.payload);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::netlink::{Attrs, split};
+
+    #[test]
+    fn the_batch_creates_an_owned_table_chains_and_trace_only_rules() {
+        let (batch, acks) = create_batch("observer-trace-1", &[0, 2], i32::MIN, 0);
+        // table + 2 chains + 2 rules each.
+        assert_eq!(acks, 7);
+        let (msgs, _) = split(&batch).unwrap();
+        let kinds: Vec<u16> = msgs.iter().map(|m| m.kind).collect();
+        assert_eq!(
+            kinds,
+            [16, 0xa00, 0xa03, 0xa06, 0xa06, 0xa03, 0xa06, 0xa06, 17]
+        );
+        // Batch begin and end name nf_tables as the subsystem (res_id, big-endian).
+        assert_eq!(msgs[0].payload[..4], [0, 0, 0, 10]);
+        // The table: bridge family, NFT_TABLE_F_OWNER and nothing else (never persist).
+        assert_eq!(msgs[1].payload[0], NFPROTO_BRIDGE);
+        let t = Attrs(&msgs[1].payload[4..]);
+        assert_eq!(t.get(NFTA_TABLE_NAME).unwrap().str(), "observer-trace-1");
+        assert_eq!(
+            t.get(NFTA_TABLE_FLAGS).unwrap().be32(),
+            Some(NFT_TABLE_F_OWNER)
+        );
+        // The forward chain: hook 2 at INT_MIN, policy accept.
+        let c = Attrs(&msgs[5].payload[4..]);
+        assert_eq!(c.get(NFTA_CHAIN_NAME).unwrap().str(), "forward");
+        let hook = c.get(NFTA_CHAIN_HOOK).unwrap().nested();
+        assert_eq!(hook.get(NFTA_HOOK_HOOKNUM).unwrap().be32(), Some(2));
+        assert_eq!(
+            hook.get(NFTA_HOOK_PRIORITY).unwrap().be32(),
+            Some(i32::MIN as u32)
+        );
+        assert_eq!(c.get(NFTA_CHAIN_POLICY).unwrap().be32(), Some(NF_ACCEPT));
+        // A rule: meta protocol, cmp, immediate 1, meta set nftrace; no verdict expression.
+        let r = Attrs(&msgs[6].payload[4..]);
+        let names: Vec<String> = r
+            .get(NFTA_RULE_EXPRESSIONS)
+            .unwrap()
+            .nested()
+            .into_iter()
+            .map(|e| e.nested().get(NFTA_EXPR_NAME).unwrap().str())
+            .collect();
+        assert_eq!(names, ["meta", "cmp", "immediate", "meta"]);
+        let last = r
+            .get(NFTA_RULE_EXPRESSIONS)
+            .unwrap()
+            .nested()
+            .into_iter()
+            .last()
+            .unwrap()
+            .nested()
+            .get(NFTA_EXPR_DATA)
+            .unwrap()
+            .nested();
+        assert_eq!(
+            last.get(NFTA_META_KEY).unwrap().be32(),
+            Some(NFT_META_NFTRACE)
+        );
+        let cmp = r
+            .get(NFTA_RULE_EXPRESSIONS)
+            .unwrap()
+            .nested()
+            .into_iter()
+            .nth(1)
+            .unwrap()
+            .nested()
+            .get(NFTA_EXPR_DATA)
+            .unwrap()
+            .nested();
+        assert_eq!(
+            cmp.get(NFTA_CMP_DATA)
+                .unwrap()
+                .nested()
+                .get(NFTA_DATA_VALUE)
+                .unwrap()
+                .value,
+            [0x08, 0x00]
+        );
+        let udata = r.get(NFTA_RULE_USERDATA).unwrap().value;
+        assert_eq!(udata[0], NFTNL_UDATA_RULE_COMMENT);
+        assert_eq!(udata[1] as usize, RULE_COMMENT.len() + 1);
+        // Every message inside the batch asks for its acknowledgement.
+        for m in &batch_flags(&batch)[1..8] {
+            assert_ne!(m & NLM_F_ACK, 0);
+        }
+    }
+
+    fn batch_flags(buf: &[u8]) -> Vec<u16> {
+        let mut out = Vec::new();
+        let mut rest = buf;
+        while rest.len() >= 16 {
+            let len = u32::from_ne_bytes(rest[0..4].try_into().unwrap()) as usize;
+            out.push(u16::from_ne_bytes([rest[6], rest[7]]));
+            rest = &rest[len..];
+        }
+        out
+    }
+
+    #[test]
+    fn flows_come_from_the_network_and_transport_headers() {
+        let mut v4 = vec![0x45, 0, 0, 38, 0x12, 0x34, 0x40, 0, 64, 17, 0, 0];
+        v4.extend([10, 244, 0, 5, 10, 244, 0, 6]);
+        let f = flow_of(&v4, &[0x9c, 0x40, 0x1b, 0x5a, 0, 18]).unwrap();
+        assert_eq!(f.src.to_string(), "10.244.0.5");
+        assert_eq!(f.dst.to_string(), "10.244.0.6");
+        assert_eq!(
+            (f.proto, f.sport, f.dport, f.ip_id),
+            (17, Some(40000), Some(7002), Some(0x1234))
+        );
+        // ICMP: no ports.
+        v4[9] = 1;
+        assert_eq!(flow_of(&v4, &[8, 0, 0, 0]).unwrap().dport, None);
+        assert_eq!(flow_of(&v4[..12], &[]), None);
+        assert_eq!(flow_of(&[0x60; 20], &[]), None);
+    }
+}
