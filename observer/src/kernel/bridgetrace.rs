@@ -255,13 +255,13 @@ impl Names {
     pub fn of(nft: Option<&observer_rules::nft::NftRuleset>) -> Self {
         let mut n = Self::default();
         for t in nft.iter().flat_map(|r| &r.tables) {
-            if t.family != "bridge" {
+            if t.id.family != "bridge" {
                 continue;
             }
             for c in &t.chains {
                 if let (Some(h), Some(p)) = (&c.hook, c.priority) {
                     n.chains
-                        .insert((t.name.clone(), c.name.clone()), (h.clone(), p));
+                        .insert((t.id.name.clone(), c.name.clone()), (h.clone(), p));
                 }
                 for r in &c.rules {
                     let v = r.expr.value();
@@ -270,7 +270,7 @@ impl Names {
                         r.comment.as_deref(),
                     );
                     n.rules
-                        .insert((t.name.clone(), c.name.clone(), r.handle), text);
+                        .insert((t.id.name.clone(), c.name.clone(), r.handle), text);
                 }
             }
         }
