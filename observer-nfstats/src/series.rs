@@ -133,7 +133,10 @@ type RuleKey = (
 /// Rule counters and conntrack statistics kept as series across reads.
 pub struct Series {
     cap: usize,
-    last: HashMap<RuleKey, u64>,
+    /// Each rule's packets at the last read, and whether its series all exist (were added
+    /// to): then a rule whose count has not moved has nothing to add, and its series are
+    /// not built again (most of a large ruleset's rules, on most reads).
+    last: HashMap<RuleKey, (u64, bool)>,
     totals: BTreeMap<(Family, Labels), u64>,
     uncounted: Vec<Labels>,
     left_out: u64,
@@ -198,18 +201,23 @@ impl Series {
                 }
                 continue;
             };
-            let before = self.last.get(&key).copied().unwrap_or(0);
+            let (before, counted) = self.last.get(&key).copied().unwrap_or((0, false));
             // Fewer than last time: the rule was made again (counters start at zero).
             let delta = if count.packets >= before {
                 count.packets - before
             } else {
                 count.packets
             };
-            seen.insert(key, count.packets);
+            // Its series exist (series are never removed) and nothing is to be added.
+            if counted && delta == 0 {
+                seen.insert(key, (count.packets, true));
+                continue;
+            }
             let targets = series_of(r, mark_name);
             let fits = targets
                 .iter()
                 .all(|t| self.totals.contains_key(t) || self.totals.len() < self.cap);
+            seen.insert(key, (count.packets, fits));
             if !fits {
                 self.left_out += 1;
                 self.left_out_packets += delta;
