@@ -112,6 +112,13 @@ pub trait Consumer {
     }
     /// After a read: whether the probes are re-planned for it (the agent's default mode has
     /// no per-table probes while nobody streams). Never after a light read.
+    /// Whether the probes may be writing records now, so that the ring is drained every
+    /// 10 ms; otherwise every 100 ms (a loop that wakes a hundred times a second costs an
+    /// idle agent more than its reads of a large ruleset).
+    fn records_flow(&self, _probes: &Probes) -> bool {
+        true
+    }
+
     fn replans(&self, _probes: &Probes) -> bool {
         true
     }
@@ -212,6 +219,10 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
+                    if !c.records_flow(&self.probes) {
+                        let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
+                        if let Some(why) = stop { break why; }
+                    }
                     self.probes.flush_log();
                     let light = c.light_read(&self.probes);
                     if let Some((since, live, light)) = ruleset.poll_with(light) {
@@ -264,7 +275,7 @@ impl Session {
                     }
                     if let Some(why) = stop { break why; }
                 }
-                _ = drain_tick.tick() => {
+                _ = drain_tick.tick(), if c.records_flow(&self.probes) => {
                     let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
                     if let Some(why) = stop { break why; }
                 }
