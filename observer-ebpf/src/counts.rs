@@ -10,11 +10,14 @@ use aya_ebpf::{
 };
 use observer_common::config;
 use observer_common::counts::{
-    self, DROP_KEYS, DropKey, DropKeyCache, DropSample, LAST_POINTS, LastPoint, MARK_CLEARED, MARK_SET, PACKETS,
-    REASONS, ROW, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER, UNATTRIBUTED, drop_stats,
+    self, DROP_KEYS, DropKey, DropKeyCache, DropSample, LAST_POINTS, LastPoint, MARK_CLEARED,
+    MARK_SET, PACKETS, REASONS, ROW, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER, UNATTRIBUTED,
+    drop_stats,
 };
 
-use crate::{cfg, direct, direct_reads, entry_of, load_u64_untrusted, now, read, read_into, read_word};
+use crate::{
+    cfg, direct, direct_reads, entry_of, load_u64_untrusted, now, read, read_into, read_word,
+};
 
 /// Counter rows, one per point ([`counts::point`]).
 #[map]
@@ -350,7 +353,10 @@ fn count_key(key: &DropKey) {
         let Some(s) = take_slot(cache) else {
             return;
         };
-        if DROP_KEYED.insert(key, &u64::from(s), u64::from(BPF_NOEXIST)).is_err() {
+        if DROP_KEYED
+            .insert(key, &u64::from(s), u64::from(BPF_NOEXIST))
+            .is_err()
+        {
             // Another CPU added the key meanwhile (then ours is 0 there: set it), or the
             // map is full.
             match DROP_KEYED.get_ptr_mut(key) {

@@ -101,8 +101,8 @@ impl RawBtf {
             let (kind, vlen) = ((info >> 24) & 0x1f, info & 0xffff);
             let extra = match kind {
                 KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
-                KIND_PTR | KIND_FWD | KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST
-                | KIND_RESTRICT | KIND_FUNC | KIND_FLOAT | KIND_TYPE_TAG => 0,
+                KIND_PTR | KIND_FWD | KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT
+                | KIND_FUNC | KIND_FLOAT | KIND_TYPE_TAG => 0,
                 KIND_ARRAY => 12,
                 KIND_STRUCT | KIND_UNION | KIND_DATASEC | KIND_ENUM64 => 12 * vlen as usize,
                 KIND_ENUM | KIND_FUNC_PROTO => 8 * vlen as usize,
@@ -210,16 +210,14 @@ impl RawBtf {
         let mut bits = 0u64;
         let mut steps = path.split('.').peekable();
         while let Some(step) = steps.next() {
-            let (off, member_type) = self.member(&t, step, 0)?;
-            let Place::Byte(_) = off else {
-                return Some(Place::Bits);
-            };
-            bits += match off {
-                Place::Byte(b) => b,
-                Place::Bits => 0,
-            };
-            if steps.peek().is_some() {
-                t = self.resolve(member_type)?;
+            match self.member(&t, step, 0)? {
+                (Place::Byte(b), member_type) => {
+                    bits += b;
+                    if steps.peek().is_some() {
+                        t = self.resolve(member_type)?;
+                    }
+                }
+                (Place::Bits, _) => return Some(Place::Bits),
             }
         }
         if bits % 8 != 0 {
