@@ -441,6 +441,43 @@ mod tests {
         assert_eq!(unlabelled(Family::LeftOutPackets), Some(20));
     }
 
+    /// A read where nothing moved changes no series (their series are not built again), and
+    /// the rules the cap left out are still counted as left out at every read.
+    #[test]
+    fn a_read_where_nothing_moved_keeps_every_series_and_the_left_out() {
+        let mut s = Series::new(2);
+        let rules: Vec<Rule> = (1..=3)
+            .map(|i| rule("FORWARD", i, Action::Drop, Some(u64::from(i) * 10)))
+            .collect();
+        s.update(&rules, NAME);
+        let before = s.samples(&vec![]);
+        s.update(&rules, NAME);
+        assert_eq!(s.samples(&vec![]), before);
+        let left_out = |s: &Series| {
+            s.samples(&vec![])
+                .iter()
+                .find(|x| x.family == Family::LeftOut)
+                .map(|x| x.value)
+        };
+        assert_eq!(left_out(&s), Some(1));
+        // One rule moves, the others do not: only it adds.
+        let mut moved = rules.clone();
+        moved[1].count = Some(Count {
+            packets: 25,
+            bytes: 0,
+        });
+        s.update(&moved, NAME);
+        assert_eq!(
+            value(&s, Family::RuleDrops, ("rule", "FORWARD#1")),
+            Some(10)
+        );
+        assert_eq!(
+            value(&s, Family::RuleDrops, ("rule", "FORWARD#2")),
+            Some(25)
+        );
+        assert_eq!(left_out(&s), Some(1));
+    }
+
     #[test]
     fn services_marks_nat_and_uncounted() {
         let mut sep = rule(
