@@ -220,7 +220,7 @@ impl RawBtf {
                 (Place::Bits, _) => return Some(Place::Bits),
             }
         }
-        if bits % 8 != 0 {
+        if !bits.is_multiple_of(8) {
             return Some(Place::Bits);
         }
         Some(Place::Byte(bits / 8))
@@ -242,7 +242,7 @@ impl RawBtf {
             };
             if m_name != 0 {
                 if self.name(m_name) == name {
-                    let place = if bitfield || bit_off % 8 != 0 {
+                    let place = if bitfield || !bit_off.is_multiple_of(8) {
                         Place::Bits
                     } else {
                         Place::Byte(bit_off)
