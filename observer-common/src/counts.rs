@@ -132,6 +132,21 @@ pub struct DropKey {
 
 /// Keys the tier 1 map holds at most; drops of keys past it count in `KEYS_FULL`.
 pub const DROP_KEYS: u32 = 4096;
+
+/// The tier 1 program's per-CPU memory of the last key it counted: a drop of the same key
+/// (a flood of one flow) adds to that key's counter without the hash map's lookup.
+/// `DROP_KEYED` maps a key to its counter's index + 1 on each CPU (0: none yet on that
+/// CPU); the counters are the per-CPU array `DROP_KEYED_COUNTS`, indexed on each CPU from
+/// 0 up (`next`), so that a count never moves and the sum a reader sees never falls.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DropKeyCache {
+    pub key: DropKey,
+    /// The key's counter index + 1 (0: the cache is empty).
+    pub slot: u32,
+    /// Counters this CPU has taken.
+    pub next: u32,
+}
 /// Bytes of the network header a sample carries (IPv4 with options and ports, IPv6 and
 /// ports).
 pub const SAMPLE_BYTES: usize = 80;

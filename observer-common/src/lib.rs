@@ -206,7 +206,7 @@ pub mod direct {
     }
 
     /// The slots the probes load directly (the loader refuses any other placeholder).
-    pub const SLOTS: [u32; 11] = [
+    pub const SLOTS: [u32; 13] = [
         super::config::STATE_HOOK,
         super::config::STATE_PF,
         super::config::STATE_IN,
@@ -218,6 +218,8 @@ pub mod direct {
         super::config::SKB_NETWORK_HEADER,
         super::config::SKB_NFCT,
         super::config::SKB_DEV,
+        super::config::NETDEV_NET,
+        super::config::NET_INUM,
     ];
 }
 

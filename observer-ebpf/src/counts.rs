@@ -10,11 +10,14 @@ use aya_ebpf::{
 };
 use observer_common::config;
 use observer_common::counts::{
-    self, DROP_KEYS, DropKey, DropSample, LAST_POINTS, LastPoint, MARK_CLEARED, MARK_SET, PACKETS,
-    REASONS, ROW, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER, UNATTRIBUTED, drop_stats,
+    self, DROP_KEYS, DropKey, DropKeyCache, DropSample, LAST_POINTS, LastPoint, MARK_CLEARED,
+    MARK_SET, PACKETS, REASONS, ROW, SAMPLE_BYTES, SAMPLE_CT, SAMPLE_HEADER, UNATTRIBUTED,
+    drop_stats,
 };
 
-use crate::{cfg, direct, entry_of, now, read, read_into, read_word};
+use crate::{
+    cfg, direct, direct_reads, entry_of, load_u64_untrusted, now, read, read_into, read_word,
+};
 
 /// Counter rows, one per point ([`counts::point`]).
 #[map]
@@ -168,7 +171,8 @@ pub fn drop_at(place: usize, reason: u64) {
 }
 
 /// Tier 1: drops by (location, reason, family, protocol), for drops whose last point is
-/// not known (the agent's default mode attaches no netfilter probe).
+/// not known (the agent's default mode attaches no netfilter probe). The value is, on each
+/// CPU, the index + 1 of the key's counter in `DROP_KEYED_COUNTS` ([`DropKeyCache`]).
 #[map]
 pub static DROP_KEYED: PerCpuHashMap<DropKey, u64> = PerCpuHashMap::with_max_entries(DROP_KEYS, 0);
 
@@ -199,9 +203,12 @@ pub fn keyed() -> bool {
 }
 
 /// Tier 1: counts a drop of the observed namespace by key and, within the rate limit,
-/// writes a sample of it. Never touches the packet.
+/// writes a sample of it. Never touches the packet. `skb_p` is the tracepoint's typed skb
+/// pointer (see `direct`), `skb` its address as a number. Per drop: a few direct loads
+/// (no helper call where the kernel allows direct reads), and the hash map's lookup only
+/// when the key differs from this CPU's last one ([`DropKeyCache`]).
 #[inline(always)]
-pub fn drop_keyed(skb: u64, location: u64, reason: u64) {
+pub fn drop_keyed(skb_p: *const u8, skb: u64, location: u64, reason: u64) {
     let (word, bit) = if reason < 64 {
         (config::DROP_REASONS_IGNORED, reason)
     } else {
@@ -212,13 +219,9 @@ pub fn drop_keyed(skb: u64, location: u64, reason: u64) {
         return;
     }
     // The network header: its first bytes say the family and protocol.
-    let l3 = match (cfg(config::SKB_HEAD), cfg(config::SKB_NETWORK_HEADER)) {
-        (Some(h), Some(n)) => match (read::<u64>(skb, h), read::<u16>(skb, n)) {
-            (Ok(head), Ok(nh)) if head != 0 && nh != u16::MAX => Some(head + u64::from(nh)),
-            _ => None,
-        },
-        _ => None,
-    };
+    let head = direct::<u64, { config::SKB_HEAD }>(skb_p);
+    let nh = direct::<u16, { config::SKB_NETWORK_HEADER }>(skb_p);
+    let l3 = (head != 0 && nh != u16::MAX).then(|| head + u64::from(nh));
     let mut key = DropKey {
         location,
         reason: reason as u32,
@@ -227,26 +230,21 @@ pub fn drop_keyed(skb: u64, location: u64, reason: u64) {
         pad: 0,
     };
     if let Some(l3) = l3
-        && let Ok(first) = read::<[u8; 10]>(l3, 0)
+        && let Some((version, v4_proto, v6_next)) = l3_first(l3)
     {
-        match first[0] >> 4 {
+        match version >> 4 {
             4 => {
                 key.family = 4;
-                key.protocol = first[9];
+                key.protocol = v4_proto;
             }
             6 => {
                 key.family = 6;
-                key.protocol = first[6];
+                key.protocol = v6_next;
             }
             _ => {}
         }
     }
-    if let Some(c) = DROP_KEYED.get_ptr_mut(&key) {
-        // SAFETY: per-CPU value, one program run at a time on this CPU.
-        unsafe { *c += 1 };
-    } else if DROP_KEYED.insert(&key, &1, u64::from(BPF_NOEXIST)).is_err() {
-        stat(drop_stats::KEYS_FULL);
-    }
+    count_key(&key);
     let Some(gap) = cfg(config::DROP_SAMPLE_GAP_NS) else {
         return;
     };
@@ -304,4 +302,95 @@ pub fn drop_keyed(skb: u64, location: u64, reason: u64) {
     }
     entry.submit(0);
     stat(drop_stats::SAMPLES);
+}
+
+/// Tier 1's counters, one per key on each CPU (`DROP_KEYED` holds the index + 1).
+#[map]
+pub static DROP_KEYED_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DROP_KEYS, 0);
+
+/// This CPU's last key ([`DropKeyCache`]).
+#[map]
+static DROP_KEY_CACHE: PerCpuArray<DropKeyCache> = PerCpuArray::with_max_entries(1, 0);
+
+/// The first byte of the network header at `l3` and the bytes where IPv4 keeps its
+/// protocol (9) and IPv6 its first next header (6): two loads where the kernel allows
+/// direct reads, one `bpf_probe_read_kernel` elsewhere.
+#[inline(always)]
+fn l3_first(l3: u64) -> Option<(u8, u8, u8)> {
+    if direct_reads() {
+        let a = load_u64_untrusted(l3).to_le_bytes();
+        let b = load_u64_untrusted(l3 + 8).to_le_bytes();
+        return Some((a[0], b[1], a[6]));
+    }
+    let first = read::<[u8; 10]>(l3, 0).ok()?;
+    Some((first[0], first[9], first[6]))
+}
+
+/// Adds one drop of `key`: to this CPU's last key's counter when it is the same key, else
+/// through the hash map (taking a counter for a key new on this CPU).
+#[inline(always)]
+fn count_key(key: &DropKey) {
+    let Some(cache) = DROP_KEY_CACHE.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: per-CPU entry, used by one program run at a time on this CPU.
+    let cache = unsafe { &mut *cache };
+    if cache.slot != 0 && cache.key == *key {
+        bump(cache.slot - 1);
+        return;
+    }
+    let slot = if let Some(v) = DROP_KEYED.get_ptr_mut(key) {
+        // SAFETY: per-CPU value, as above.
+        let v = unsafe { &mut *v };
+        if *v == 0 {
+            let Some(s) = take_slot(cache) else {
+                return;
+            };
+            *v = u64::from(s);
+        }
+        *v as u32
+    } else {
+        let Some(s) = take_slot(cache) else {
+            return;
+        };
+        if DROP_KEYED
+            .insert(key, &u64::from(s), u64::from(BPF_NOEXIST))
+            .is_err()
+        {
+            // Another CPU added the key meanwhile (then ours is 0 there: set it), or the
+            // map is full.
+            match DROP_KEYED.get_ptr_mut(key) {
+                // SAFETY: as above.
+                Some(v) => unsafe { *v = u64::from(s) },
+                None => {
+                    cache.next -= 1;
+                    stat(drop_stats::KEYS_FULL);
+                    return;
+                }
+            }
+        }
+        s
+    };
+    cache.key = *key;
+    cache.slot = slot;
+    bump(slot.wrapping_sub(1));
+}
+
+/// A new counter index + 1 on this CPU, or `None` (counted) when all are taken.
+#[inline(always)]
+fn take_slot(cache: &mut DropKeyCache) -> Option<u32> {
+    if cache.next >= DROP_KEYS {
+        stat(drop_stats::KEYS_FULL);
+        return None;
+    }
+    cache.next += 1;
+    Some(cache.next)
+}
+
+#[inline(always)]
+fn bump(i: u32) {
+    if let Some(c) = DROP_KEYED_COUNTS.get_ptr_mut(i) {
+        // SAFETY: per-CPU counter, one program run at a time on this CPU.
+        unsafe { *c += 1 };
+    }
 }

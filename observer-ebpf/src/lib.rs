@@ -526,6 +526,13 @@ fn load_u64(p: u64) -> u64 {
     v
 }
 
+/// One 8-byte load from kernel memory at `p` (the caller checked [`direct_reads`]; a
+/// fault reads zero).
+#[inline(always)]
+pub fn load_u64_untrusted(p: u64) -> u64 {
+    load_u64(untrusted(p))
+}
+
 /// Like [`load_u64`], four bytes.
 #[inline(always)]
 fn load_u32(p: u64) -> u32 {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
+use super::btf_raw::{KIND_ENUM, KIND_ENUM64, KIND_FUNC, KIND_STRUCT, KIND_UNION, Place, RawBtf};
 use observer_common::{
     CT_TUPLE_BYTES, CT_WINDOW_BYTES, SKB_WINDOW_BYTES, STATE_WINDOW_BYTES, config,
 };
@@ -22,8 +22,8 @@ pub enum BtfError {
         path: String,
         source: std::io::Error,
     },
-    #[error("cannot parse kernel BTF: {0:?}")]
-    Parse(btfparse::Error),
+    #[error("cannot parse kernel BTF: {0}")]
+    Parse(#[from] super::btf_raw::RawError),
     #[error("kernel BTF has no `{0}`; this kernel lacks what observer needs")]
     Missing(String),
     #[error("`{0}` is a bitfield; observer cannot read it")]
@@ -65,24 +65,6 @@ pub struct KernelLayout {
     pub rdonly_cast: Option<u32>,
 }
 
-struct Bytes(Vec<u8>);
-
-impl Readable for Bytes {
-    fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        match self.0.get(start..start.saturating_add(buffer.len())) {
-            Some(src) => {
-                buffer.copy_from_slice(src);
-                Ok(())
-            }
-            None => Err(btfparse::Error::new(
-                btfparse::ErrorKind::IOError,
-                "read past the end of the BTF data",
-            )),
-        }
-    }
-}
-
 impl KernelLayout {
     /// Reads the running kernel's BTF.
     pub fn from_kernel() -> Result<Self, BtfError> {
@@ -94,29 +76,31 @@ impl KernelLayout {
             path: path.display().to_string(),
             source,
         })?;
-        let info = TypeInformation::new(&Bytes(data)).map_err(BtfError::Parse)?;
+        // The raw bytes and an index of where each type starts (a few MiB), dropped when
+        // the layout is resolved: a full type graph of the kernel's BTF is tens of MiB.
+        let mut info = RawBtf::parse(data)?;
+        info.index(&NAMES);
         Self::from_types(&info)
     }
 
-    fn from_types(info: &TypeInformation) -> Result<Self, BtfError> {
+    fn from_types(info: &RawBtf) -> Result<Self, BtfError> {
+        const AGGREGATE: &[u32] = &[KIND_STRUCT, KIND_UNION];
         let off = |ty: &str, path: &str| -> Result<u64, BtfError> {
             let id = info
-                .id_of(ty)
+                .id_of(ty, AGGREGATE)
                 .ok_or_else(|| BtfError::Missing(format!("struct {ty}")))?;
             match info.offset_of(id, path) {
-                Ok((_, Offset::ByteOffset(o))) => Ok(u64::from(o)),
-                Ok((_, Offset::BitOffsetAndSize(..))) => {
-                    Err(BtfError::Bitfield(format!("{ty}.{path}")))
-                }
-                Err(_) => Err(BtfError::Missing(format!("{ty}.{path}"))),
+                Some(Place::Byte(o)) => Ok(o),
+                Some(Place::Bits) => Err(BtfError::Bitfield(format!("{ty}.{path}"))),
+                None => Err(BtfError::Missing(format!("{ty}.{path}"))),
             }
         };
         let size = |ty: &str| -> Result<usize, BtfError> {
             let id = info
-                .id_of(ty)
+                .id_of(ty, AGGREGATE)
                 .ok_or_else(|| BtfError::Missing(format!("struct {ty}")))?;
             info.size_of(id)
-                .map_err(|_| BtfError::Missing(format!("size of {ty}")))
+                .ok_or_else(|| BtfError::Missing(format!("size of {ty}")))
         };
 
         let mut config = vec![config::UNSET; config::COUNT as usize];
@@ -248,41 +232,45 @@ impl KernelLayout {
     }
 }
 
+/// The types [`KernelLayout`] asks about, indexed in one pass.
+const NAMES: [&str; 11] = [
+    "sk_buff",
+    "nf_hook_state",
+    "net_device",
+    "nf_conn",
+    "nf_conntrack_tuple_hash",
+    "nf_conntrack_tuple",
+    "net",
+    "sock",
+    "bpf_features",
+    "bpf_rdonly_cast",
+    "skb_drop_reason",
+];
+
 /// The BTF id of `bpf_rdonly_cast` if the kernel takes it with type id 0 (a cast to
 /// untrusted memory), which it announces in `enum bpf_features`.
-fn rdonly_cast(info: &TypeInformation) -> Option<u32> {
-    let features = info.id_of("bpf_features")?;
-    let Some(TypeVariant::Enum(e)) = info.from_id(features) else {
-        return None;
-    };
-    if !e
-        .named_value_list()
+fn rdonly_cast(info: &RawBtf) -> Option<u32> {
+    let features = info.id_of("bpf_features", &[KIND_ENUM, KIND_ENUM64])?;
+    if !info
+        .enum_values(features)
         .iter()
-        .any(|v| v.name == "BPF_FEAT_RDONLY_CAST_TO_VOID")
+        .any(|(name, _)| *name == "BPF_FEAT_RDONLY_CAST_TO_VOID")
     {
         return None;
     }
-    let id = info.id_of("bpf_rdonly_cast")?;
-    matches!(info.from_id(id), Some(TypeVariant::Func(_))).then_some(id)
+    info.id_of("bpf_rdonly_cast", &[KIND_FUNC])
 }
 
 /// Names of `enum skb_drop_reason`, whose numbering changes between kernels.
-fn drop_reasons(info: &TypeInformation) -> HashMap<u32, String> {
-    let Some(id) = info.id_of("skb_drop_reason") else {
+fn drop_reasons(info: &RawBtf) -> HashMap<u32, String> {
+    let Some(id) = info.id_of("skb_drop_reason", &[KIND_ENUM, KIND_ENUM64]) else {
         return HashMap::new();
     };
-    let Some(TypeVariant::Enum(e)) = info.from_id(id) else {
-        return HashMap::new();
-    };
-    e.named_value_list()
-        .iter()
-        .map(|v| {
-            let value = match v.value {
-                btfparse::Integer32Value::Signed(n) => n as u32,
-                btfparse::Integer32Value::Unsigned(n) => n,
-            };
-            let name = v.name.strip_prefix("SKB_DROP_REASON_").unwrap_or(&v.name);
-            (value, name.to_string())
+    info.enum_values(id)
+        .into_iter()
+        .map(|(name, value)| {
+            let name = name.strip_prefix("SKB_DROP_REASON_").unwrap_or(name);
+            (value as u32, name.to_string())
         })
         .collect()
 }
@@ -290,6 +278,110 @@ fn drop_reasons(info: &TypeInformation) -> HashMap<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The raw reader answers as a full BTF parser (btfparse) does, for every question
+    /// KernelLayout asks of the running kernel's BTF.
+    #[test]
+    fn the_raw_reader_agrees_with_a_full_parse() {
+        use btfparse::{Offset, Readable, TypeInformation, TypeVariant};
+        if !Path::new(VMLINUX).exists() {
+            eprintln!("!!! SKIPPED: no {VMLINUX} on this machine");
+            return;
+        }
+        struct Bytes(Vec<u8>);
+        impl Readable for Bytes {
+            fn read(&self, offset: u64, buffer: &mut [u8]) -> btfparse::Result<()> {
+                let s = offset as usize;
+                buffer.copy_from_slice(&self.0[s..s + buffer.len()]);
+                Ok(())
+            }
+        }
+        let data = std::fs::read(VMLINUX).unwrap();
+        let full = TypeInformation::new(&Bytes(data.clone())).unwrap();
+        let mut raw = RawBtf::parse(data).unwrap();
+        raw.index(&NAMES);
+        let pairs = [
+            ("sk_buff", "mark"),
+            ("sk_buff", "len"),
+            ("sk_buff", "head"),
+            ("sk_buff", "network_header"),
+            ("sk_buff", "_nfct"),
+            ("sk_buff", "dev"),
+            ("sk_buff", "tail"),
+            ("sk_buff", "sk"),
+            ("nf_hook_state", "hook"),
+            ("nf_hook_state", "pf"),
+            ("nf_hook_state", "in"),
+            ("nf_hook_state", "out"),
+            ("net_device", "ifindex"),
+            ("net_device", "nd_net.net"),
+            ("net", "ns.inum"),
+            ("sock", "__sk_common.skc_net.net"),
+            ("nf_conn", "mark"),
+            ("nf_conn", "status"),
+            ("nf_conn", "tuplehash"),
+            ("nf_conntrack_tuple_hash", "tuple"),
+            ("nf_conntrack_tuple", "src.u3"),
+            ("nf_conntrack_tuple", "src.u.all"),
+            ("nf_conntrack_tuple", "dst.u3"),
+            ("nf_conntrack_tuple", "dst.u.all"),
+            ("nf_conntrack_tuple", "dst.protonum"),
+        ];
+        for (ty, path) in pairs {
+            let want = match full.offset_of(full.id_of(ty).unwrap(), path) {
+                Ok((_, Offset::ByteOffset(o))) => Some(Place::Byte(u64::from(o))),
+                Ok((_, Offset::BitOffsetAndSize(..))) => Some(Place::Bits),
+                Err(_) => None,
+            };
+            let id = raw.id_of(ty, &[KIND_STRUCT, KIND_UNION]).unwrap();
+            assert_eq!(raw.offset_of(id, path), want, "{ty}.{path}");
+        }
+        for ty in ["nf_conntrack_tuple", "nf_conntrack_tuple_hash", "sk_buff"] {
+            let id = raw.id_of(ty, &[KIND_STRUCT, KIND_UNION]).unwrap();
+            assert_eq!(
+                raw.size_of(id),
+                full.size_of(full.id_of(ty).unwrap()).ok(),
+                "{ty}"
+            );
+        }
+        // A member that is not there, and a bitfield (sk_buff's pkt_type).
+        let skb = raw.id_of("sk_buff", &[KIND_STRUCT]).unwrap();
+        assert_eq!(raw.offset_of(skb, "no_such_member"), None);
+        assert_eq!(raw.offset_of(skb, "pkt_type"), Some(Place::Bits));
+        let Some(TypeVariant::Enum(e)) = full.from_id(full.id_of("skb_drop_reason").unwrap())
+        else {
+            panic!("skb_drop_reason is an enum");
+        };
+        let want: HashMap<u32, String> = e
+            .named_value_list()
+            .iter()
+            .map(|v| {
+                let value = match v.value {
+                    btfparse::Integer32Value::Signed(n) => n as u32,
+                    btfparse::Integer32Value::Unsigned(n) => n,
+                };
+                let name = v.name.strip_prefix("SKB_DROP_REASON_").unwrap_or(&v.name);
+                (value, name.to_string())
+            })
+            .collect();
+        assert_eq!(drop_reasons(&raw), want);
+        assert!(want.len() > 10);
+        let announced = full
+            .id_of("bpf_features")
+            .and_then(|id| full.from_id(id))
+            .is_some_and(|t| match t {
+                TypeVariant::Enum(e) => e
+                    .named_value_list()
+                    .iter()
+                    .any(|v| v.name == "BPF_FEAT_RDONLY_CAST_TO_VOID"),
+                _ => false,
+            });
+        assert_eq!(
+            rdonly_cast(&raw),
+            full.id_of("bpf_rdonly_cast")
+                .filter(|&id| announced && matches!(full.from_id(id), Some(TypeVariant::Func(_))))
+        );
+    }
 
     /// Runs on any machine with kernel BTF; the offsets must be plausible and distinct.
     #[test]

@@ -5,6 +5,7 @@
 pub mod bridgechains;
 pub mod bridgetrace;
 pub mod btf;
+pub mod btf_raw;
 pub mod kallsyms;
 pub mod netns;
 pub mod nf_link;

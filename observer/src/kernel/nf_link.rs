@@ -258,13 +258,26 @@ impl AlignedObject {
     }
 }
 
+/// The TC object's sections whose programs load fields directly (`observer_common::direct`,
+/// from a tracepoint's typed pointers): their placeholders get the BTF offsets, as the
+/// netfilter object's do ([`patch_fields`]). Only these: elsewhere in that object a load
+/// at such an offset would be another struct's field.
+pub const TC_DIRECT_SECTIONS: [&str; 1] = ["tp_btf/kfree_skb"];
+
 /// A copy of the ELF object `elf` (the TC object, which Aya loads) with the placeholder
 /// calls of its code sections rewritten as [`patch_calls`] does for the netfilter object,
-/// so that its programs read as the netfilter probes do. Aya passes kfunc calls through.
-pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<AlignedObject, NfError> {
+/// so that its programs read as the netfilter probes do, and the field placeholders of
+/// [`TC_DIRECT_SECTIONS`] replaced by the offsets in `fields` (the config). Aya passes
+/// kfunc calls through.
+pub fn patch_object_calls(
+    elf: &[u8],
+    rdonly_cast: Option<u32>,
+    fields: &[u64],
+) -> Result<AlignedObject, NfError> {
     let file = object::File::parse(elf)?;
     let mut copy = AlignedObject::copy_of(elf);
     let bytes = copy.bytes_mut();
+    let mut direct_sections = 0;
     for section in file.sections() {
         if section.kind() != object::SectionKind::Text {
             continue;
@@ -281,10 +294,23 @@ pub fn patch_object_calls(elf: &[u8], rdonly_cast: Option<u32>) -> Result<Aligne
                 offset: start as u64,
             })?;
         patch_calls(code, rdonly_cast).map_err(|(insn, what)| NfError::Placeholder {
-            prog: name,
+            prog: name.clone(),
             insn,
             what,
         })?;
+        if TC_DIRECT_SECTIONS.contains(&name.as_str()) {
+            direct_sections += 1;
+            patch_fields(code, fields).map_err(|(insn, what)| NfError::Placeholder {
+                prog: name,
+                insn,
+                what,
+            })?;
+        }
+    }
+    if direct_sections != TC_DIRECT_SECTIONS.len() {
+        return Err(NfError::NoProgram(format!(
+            "one of {TC_DIRECT_SECTIONS:?} (the TC object's direct loads)"
+        )));
     }
     Ok(copy)
 }

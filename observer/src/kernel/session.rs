@@ -112,6 +112,13 @@ pub trait Consumer {
     }
     /// After a read: whether the probes are re-planned for it (the agent's default mode has
     /// no per-table probes while nobody streams). Never after a light read.
+    /// Whether the probes may be writing records now, so that the ring is drained every
+    /// 10 ms; otherwise every 100 ms (a loop that wakes a hundred times a second costs an
+    /// idle agent more than its reads of a large ruleset).
+    fn records_flow(&self, _probes: &Probes) -> bool {
+        true
+    }
+
     fn replans(&self, _probes: &Probes) -> bool {
         true
     }
@@ -196,10 +203,6 @@ impl Session {
         let mut ruleset = RulesetReader::default();
         let batch = self.opts.batch;
         let why: &'static str = loop {
-            // Only recording traversals fills the ring buffer at packet rate; otherwise (the
-            // agent counting, its drop samples rate-limited) the 100 ms tick drains it, and
-            // an idle agent is not woken a hundred times a second for nothing.
-            let fast_drain = self.probes.tracing();
             tokio::select! {
                 biased;
                 _ = sigint.recv() => break "SIGINT",
@@ -216,6 +219,10 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
+                    if !c.records_flow(&self.probes) {
+                        let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
+                        if let Some(why) = stop { break why; }
+                    }
                     self.probes.flush_log();
                     let light = c.light_read(&self.probes);
                     if let Some((since, live, light)) = ruleset.poll_with(light) {
@@ -259,10 +266,6 @@ impl Session {
                     if let Some(why) = c.on_tick(t) {
                         break why;
                     }
-                    if !fast_drain {
-                        let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
-                        if let Some(why) = stop { break why; }
-                    }
                 }
                 guard = self.ring.readable_mut() => {
                     let mut guard = guard?;
@@ -272,7 +275,7 @@ impl Session {
                     }
                     if let Some(why) = stop { break why; }
                 }
-                _ = drain_tick.tick(), if fast_drain => {
+                _ = drain_tick.tick(), if c.records_flow(&self.probes) => {
                     let (_, stop) = drain(self.ring.get_mut(), c, self.lost_now, batch);
                     if let Some(why) = stop { break why; }
                 }

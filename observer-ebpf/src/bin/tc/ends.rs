@@ -18,15 +18,27 @@ use observer_ebpf::inflight::{
     Found, Logged, Place, begin, find, find_left_out, finish, opaque, socket_took,
 };
 use observer_ebpf::{
-    cfg, counts, field, nfct_of, read, read_ct, read_l3, read_skb_window, scratch, windows,
+    cfg, counts, direct, field, nfct_of, read, read_ct, read_l3, read_skb_window, scratch, windows,
 };
 
 /// The kernel freed a packet as dropped: `kfree_skb(skb, location, reason, rx_sk)`.
-#[btf_tracepoint(function = "kfree_skb")]
-pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
+/// Written out rather than with `#[btf_tracepoint]`, whose body becomes a function of its own
+/// in `.text`: the loader puts BTF offsets into this program's section only
+/// (`nf_link::TC_DIRECT_SECTIONS`), so its direct loads must stay in it.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "tp_btf/kfree_skb")]
+pub extern "C" fn observer_kfree_skb(ctx: *mut core::ffi::c_void) -> u32 {
+    kfree_skb(BtfTracePointContext::new(ctx)) as u32
+}
+
+#[inline(always)]
+fn kfree_skb(ctx: BtfTracePointContext) -> i32 {
     if floor() {
         return 0;
     }
+    // SAFETY: a tracing program's context is its arguments; the first is the skb, a typed
+    // kernel pointer to the verifier, from which `direct` loads fields.
+    let skb_p = unsafe { core::ptr::read_volatile(ctx.as_ptr() as *const *const u8) };
     let (skb, location, reason) = (
         arg(ctx.as_ptr(), 0),
         arg(ctx.as_ptr(), 1),
@@ -34,11 +46,11 @@ pub fn observer_kfree_skb(ctx: BtfTracePointContext) -> i32 {
     );
     // Counted only when the packet is known to be in the observed namespace: the counting
     // state outlives a packet that left it (a veth hands the same skb to its peer).
-    if counts::counting() && observed_netns(skb) == Some(true) {
+    if counts::counting() && observed_netns_direct(skb_p, skb) == Some(true) {
         let last = counts::last_point_of(skb);
         // Tier 1 (no netfilter probe attached): counted by key instead of by place.
         if last.is_none() && counts::count_only() && counts::keyed() {
-            counts::drop_keyed(skb, location, reason);
+            counts::drop_keyed(skb_p, skb, location, reason);
             return 0;
         }
         counts::drop_at(
@@ -205,6 +217,24 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
 #[inline(always)]
 fn in_observed_netns(skb: u64) -> bool {
     observed_netns(skb) != Some(false)
+}
+
+/// As [`observed_netns`], from the tracepoint's typed skb pointer `skb_p`: the device's
+/// namespace in three direct loads (offsets from BTF, put in by the loader; a fault reads
+/// zero), no helper call. Without a device, as [`observed_netns`] (the socket's).
+#[inline(always)]
+fn observed_netns_direct(skb_p: *const u8, skb: u64) -> Option<bool> {
+    let want = cfg(config::OBSERVED_NETNS)?;
+    let dev_p = direct::<*const u8, { config::SKB_DEV }>(skb_p);
+    if dev_p.is_null() {
+        return observed_netns(skb);
+    }
+    let net_p = direct::<*const u8, { config::NETDEV_NET }>(dev_p);
+    if net_p.is_null() {
+        return None;
+    }
+    let inum = direct::<u32, { config::NET_INUM }>(net_p);
+    Some(u64::from(inum) == want)
 }
 
 /// Whether the skb's device (or, without one, its socket) lives in the observed namespace;

@@ -734,6 +734,12 @@ impl Consumer for Agent {
             .then_some(names_only::read as fn() -> observer_rules::LiveNode)
     }
 
+    fn records_flow(&self, probes: &Probes) -> bool {
+        // The default mode writes no record while no per-table probe is attached (its
+        // drops go to tier 1's own ring).
+        self.mode != AgentMode::Kernel || probes.tracing() || probes.netfilter_links() > 0
+    }
+
     fn replans(&self, probes: &Probes) -> bool {
         // The default mode has per-table probes only while someone streams.
         self.mode != AgentMode::Kernel || probes.tracing()

@@ -178,41 +178,45 @@ impl Probes {
         // Both objects' placeholder calls are rewritten for this kernel (see
         // `observer_common::kfunc`).
         let rdonly_cast = direct_reads(layout);
-        let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast)?;
+        let tc_object = patch_object_calls(TC_OBJECT, rdonly_cast, &layout.config)?;
         let log_level = probe_log_level();
         if let Some(what) = unexpected_layout(&layout.config) {
             log::debug!(target: "observer::probes", "{what}");
         }
-        let mut loader = EbpfLoader::new();
-        if let Some(b) = events_bytes {
-            loader.map_max_entries("EVENTS", b);
-        }
-        // For tests only: a fallback map this small makes the probes meet what they must
-        // report when it is full (records written early, diagnostics in the log).
-        if let Some(n) = std::env::var("OBSERVER_TEST_FALLBACK_ENTRIES")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .filter(|&n| n > 0)
-        {
-            log::warn!(
-                "OBSERVER_TEST_FALLBACK_ENTRIES: the probes' fallback map holds {n} traversals"
-            );
-            loader.map_max_entries("PENDING", n);
-        }
-        let mut ebpf = loader
-            .override_global(aya_log::LEVEL, &log_level, false)
-            .map_max_entries(
-                "PACKETS",
-                if capture {
-                    PACKETS_BYTES
-                } else {
-                    min_ring_bytes()
-                },
-            )
-            .load(tc_object.bytes())
-            .context(
-                "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
-            )?;
+        // The loader holds its own parse of the kernel's BTF (tens of MiB) until dropped:
+        // gone before the tracepoints' parse below, so the two never peak together.
+        let mut ebpf = {
+            let mut loader = EbpfLoader::new();
+            if let Some(b) = events_bytes {
+                loader.map_max_entries("EVENTS", b);
+            }
+            // For tests only: a fallback map this small makes the probes meet what they must
+            // report when it is full (records written early, diagnostics in the log).
+            if let Some(n) = std::env::var("OBSERVER_TEST_FALLBACK_ENTRIES")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|&n| n > 0)
+            {
+                log::warn!(
+                    "OBSERVER_TEST_FALLBACK_ENTRIES: the probes' fallback map holds {n} traversals"
+                );
+                loader.map_max_entries("PENDING", n);
+            }
+            loader
+                .override_global(aya_log::LEVEL, &log_level, false)
+                .map_max_entries(
+                    "PACKETS",
+                    if capture {
+                        PACKETS_BYTES
+                    } else {
+                        min_ring_bytes()
+                    },
+                )
+                .load(tc_object.bytes())
+                .context(
+                    "loading the TC probe object (are you root? is /sys/kernel/btf/vmlinux present?)",
+                )?
+        };
         {
             let mut config: Array<_, u64> = Array::try_from(
                 ebpf.map_mut("CONFIG")

@@ -274,16 +274,41 @@ impl Probes {
         Ok(())
     }
 
-    /// Drops by key, summed over CPUs.
+    /// Drops by key, summed over CPUs: each CPU's counter of the key (`DROP_KEYED` holds
+    /// its index + 1 per CPU, see `counts::DropKeyCache`), each index read once.
     pub fn drop_keyed(&self) -> Result<std::collections::BTreeMap<counts::DropKey, u64>> {
         let map: aya::maps::PerCpuHashMap<_, counts::DropKey, u64> =
             aya::maps::PerCpuHashMap::try_from(
                 self.ebpf.map("DROP_KEYED").context("no DROP_KEYED map")?,
             )?;
-        let mut out = std::collections::BTreeMap::new();
+        let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(
+            self.ebpf
+                .map("DROP_KEYED_COUNTS")
+                .context("no DROP_KEYED_COUNTS map")?,
+        )?;
+        let mut slots = Vec::new();
         for kv in map.iter() {
             let (k, v) = kv?;
-            out.insert(k, v.iter().sum());
+            slots.push((k, v.iter().copied().collect::<Vec<u64>>()));
+        }
+        let mut read: std::collections::HashMap<u32, Vec<u64>> = std::collections::HashMap::new();
+        let mut out = std::collections::BTreeMap::new();
+        for (k, per_cpu) in slots {
+            let mut sum = 0u64;
+            for (cpu, &s) in per_cpu.iter().enumerate() {
+                if s == 0 || s > u64::from(counts::DROP_KEYS) {
+                    continue;
+                }
+                let i = (s - 1) as u32;
+                let values = match read.entry(i) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(counters.get(&i, 0)?.iter().copied().collect())
+                    }
+                };
+                sum += values.get(cpu).copied().unwrap_or(0);
+            }
+            out.insert(k, sum);
         }
         Ok(out)
     }

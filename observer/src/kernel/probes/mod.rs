@@ -138,12 +138,21 @@ mod tests {
             placeholders(TC_OBJECT) > 0,
             "the TC probes read through them"
         );
+        let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
         for cast in [Some(4242), None] {
-            let patched = patch_object_calls(TC_OBJECT, cast).expect("patched");
+            let patched = patch_object_calls(TC_OBJECT, cast, &layout.config).expect("patched");
             let bytes = patched.bytes();
             assert_eq!(placeholders(bytes), 0, "{cast:?}");
             assert!(object::File::parse(bytes).is_ok());
         }
+        // The drop tracepoint loads fields directly: without their offsets it cannot be
+        // patched, and the error names the instruction.
+        let mut no_dev = layout.config.clone();
+        no_dev[observer_common::config::NETDEV_NET as usize] = observer_common::config::UNSET;
+        assert!(matches!(
+            patch_object_calls(TC_OBJECT, None, &no_dev),
+            Err(NfError::Placeholder { .. })
+        ));
     }
 
     fn observer_tests_in_ci() -> bool {
