@@ -790,7 +790,7 @@ fn in_lab<T>(
     let mut up = Command::new(&bin);
     up.args(["lab", "up", "--prefix", prefix, "--mode", mode]);
     if mode == "bridge" && task == "demo" {
-        // The bridge demo shows the nft bridge-family chains too (simulated, confirmed).
+        // The bridge demo shows the nft bridge-family chains too (observed by the trace).
         up.arg("--bridge-chains");
     }
     run(&mut up)?;
@@ -806,7 +806,12 @@ fn demo(mode: &str) -> Result<()> {
         // New interfaces announce themselves (IPv6 DAD and MLD reports, a few over the first
         // seconds): let that pass, so that the first screen shows the demo's flows.
         std::thread::sleep(Duration::from_secs(3));
-        let mut tail = start_tail(bin, &["--netns", &node], Stdio::inherit())?;
+        let mut args = vec!["--netns", node.as_str()];
+        if mode == "bridge" {
+            // The bridge-family chains observed through nf_tables' trace (the lab is ours).
+            args.push("--trace-bridge-chains");
+        }
+        let mut tail = start_tail(bin, &args, Stdio::inherit())?;
         let sent = run(Command::new(bin).args(["lab", "traffic", "--prefix", prefix]));
         std::thread::sleep(Duration::from_millis(1500));
         stop(&mut tail)?;

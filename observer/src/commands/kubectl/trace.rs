@@ -12,7 +12,9 @@ use anyhow::{Result, bail};
 use clap::Args;
 use observer_model::stitch::{self, NodeReport, Wanted};
 
-use super::{ClusterArgs, NodeEnd, Outcome, PluginCli, PluginCommand, PluginTail, Selection, Target};
+use super::{
+    ClusterArgs, NodeEnd, Outcome, PluginCli, PluginCommand, PluginTail, Selection, Target,
+};
 use crate::k8s::cluster::{self, Destination};
 use crate::pipeline::{Output, OutputArgs};
 
