@@ -4,7 +4,7 @@
 //!
 //! The attribute walk is pure and unit-tested from bytes; only [`dump`] touches the kernel.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 use crate::Error;
 
@@ -17,6 +17,7 @@ const NLM_F_DUMP: u16 = 0x300;
 const NLM_F_DUMP_INTR: u16 = 0x10;
 /// Attribute type bits that are flags, not part of the type.
 const NLA_TYPE_MASK: u16 = 0x3fff;
+const NLA_F_NESTED: u16 = 0x8000;
 /// Bound on the messages of one dump (40,000 rules is a large node; this is ten times that).
 const MAX_MESSAGES: usize = 400_000;
 
@@ -144,6 +145,19 @@ pub fn dump_request(kind: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
 }
 
 fn request(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8> {
+    nfnl_message(kind, flags, family, 0, seq, attrs)
+}
+
+/// One nfnetlink message: header, `nfgenmsg` (family, version 0, `res_id` big-endian),
+/// then `attrs` (already encoded).
+pub fn nfnl_message(
+    kind: u16,
+    flags: u16,
+    family: u8,
+    res_id: u16,
+    seq: u32,
+    attrs: &[u8],
+) -> Vec<u8> {
     let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
     let mut m = Vec::with_capacity(len as usize);
     m.extend_from_slice(&len.to_ne_bytes());
@@ -151,7 +165,8 @@ fn request(kind: u16, flags: u16, family: u8, seq: u32, attrs: &[u8]) -> Vec<u8>
     m.extend_from_slice(&flags.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[family, 0, 0, 0]);
+    m.extend_from_slice(&[family, 0]);
+    m.extend_from_slice(&res_id.to_be_bytes());
     m.extend_from_slice(attrs);
     m
 }
@@ -165,6 +180,11 @@ pub fn encode_attr(kind: u16, value: &[u8]) -> Vec<u8> {
     v.extend_from_slice(value);
     v.resize(align4(len), 0);
     v
+}
+
+/// A nested attribute holding `inner` (each already encoded).
+pub fn encode_nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
+    encode_attr(kind | NLA_F_NESTED, &inner.concat())
 }
 
 /// A new `NETLINK_NETFILTER` socket in the calling thread's network namespace.
@@ -189,30 +209,46 @@ pub struct Socket {
     fd: OwnedFd,
     buf: Vec<u8>,
     seq: u32,
+    /// Times the socket's receive queue overflowed (`ENOBUFS`: multicast messages lost).
+    pub overruns: u64,
 }
 
 impl Socket {
     pub fn open() -> Result<Self, Error> {
-        let fd = netfilter_socket()?;
+        Self::with_buffer(64 * 1024)
+    }
+
+    /// A socket that reads datagrams of up to `size` bytes.
+    pub(crate) fn with_buffer(size: usize) -> Result<Self, Error> {
         Ok(Self {
-            fd,
-            buf: vec![0; 64 * 1024],
+            fd: netfilter_socket()?,
+            buf: vec![0; size],
             seq: 0,
+            overruns: 0,
         })
+    }
+
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// The first `n` bytes of the last datagram read.
+    pub(crate) fn received(&self, n: usize) -> &[u8] {
+        &self.buf[..n]
     }
 
     /// Sends a plain (not dump) request and returns the payload of the kernel's one answer.
     pub fn get(&mut self, kind: u16, family: u8) -> Result<Vec<u8>, Error> {
         self.seq = self.seq.wrapping_add(1);
         self.send(&request(kind, NLM_F_REQUEST, family, self.seq, &[]))?;
-        let n = self.recv()?;
+        let n = self.recv(0)?;
         let (msgs, _) = split(&self.buf[..n])?;
         msgs.first()
             .map(|m| m.payload.to_vec())
             .ok_or(Error::Malformed("no answer to a netlink request"))
     }
 
-    fn send(&self, req: &[u8]) -> Result<(), Error> {
+    pub(crate) fn send(&self, req: &[u8]) -> Result<(), Error> {
         // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
         let sent = unsafe {
             let mut to: libc::sockaddr_nl = std::mem::zeroed();
@@ -232,7 +268,9 @@ impl Socket {
         Ok(())
     }
 
-    fn recv(&mut self) -> Result<usize, Error> {
+    /// One datagram; `Ok(0)` when none waits (with `MSG_DONTWAIT`); an overflowed queue is
+    /// counted in [`Socket::overruns`] and reading goes on.
+    pub(crate) fn recv(&mut self, flags: libc::c_int) -> Result<usize, Error> {
         loop {
             // SAFETY: recv into our own buffer, at most its length.
             let n = unsafe {
@@ -240,15 +278,18 @@ impl Socket {
                     self.fd.as_raw_fd(),
                     self.buf.as_mut_ptr().cast(),
                     self.buf.len(),
-                    0,
+                    flags,
                 )
             };
             if n >= 0 {
                 return Ok(n as usize);
             }
             let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(Error::Kernel(e));
+            match e.raw_os_error() {
+                Some(libc::EINTR) => {}
+                Some(libc::EAGAIN) => return Ok(0),
+                Some(libc::ENOBUFS) => self.overruns += 1,
+                _ => return Err(Error::Kernel(e)),
             }
         }
     }
@@ -265,7 +306,7 @@ impl Socket {
         self.send(&dump_request(kind, family, self.seq, attrs))?;
         let mut messages = 0;
         loop {
-            let n = self.recv()?;
+            let n = self.recv(0)?;
             let (msgs, done) = split(&self.buf[..n])?;
             messages += msgs.len();
             msgs.iter().for_each(&mut each);
@@ -289,7 +330,7 @@ pub(crate) mod tests {
     }
 
     pub fn nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
-        attr(kind | 0x8000, &inner.concat())
+        encode_nest(kind, inner)
     }
 
     pub fn message(kind: u16, payload: &[u8]) -> Vec<u8> {

@@ -11,10 +11,10 @@
 //! Building the messages and parsing the events are pure and unit-tested from bytes; only
 //! [`TraceTable::create`] and [`TraceTable::drain`] touch the kernel.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 
 use crate::Error;
-use crate::netlink::{Attrs, encode_attr};
+use crate::netlink::{Attrs, Socket, encode_attr, encode_nest, nfnl_message};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 16;
@@ -27,7 +27,6 @@ const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 const NLM_F_CREATE: u16 = 0x400;
 const NLMSG_ERROR: u16 = 2;
-const NLA_F_NESTED: u16 = 0x8000;
 const NFPROTO_BRIDGE: u8 = 7;
 const NFT_TABLE_F_OWNER: u32 = 2;
 const NFTA_TABLE_NAME: u16 = 1;
@@ -101,10 +100,6 @@ pub const RULE_COMMENT: &str =
 /// Ethertypes the trace rules select: IPv4 and IPv6 (what the probes report).
 const ETHERTYPES: [u16; 2] = [0x0800, 0x86dd];
 
-fn nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
-    encode_attr(kind | NLA_F_NESTED, &inner.concat())
-}
-
 fn be32(kind: u16, v: u32) -> Vec<u8> {
     encode_attr(kind, &v.to_be_bytes())
 }
@@ -115,33 +110,19 @@ fn string(kind: u16, s: &str) -> Vec<u8> {
     encode_attr(kind, &v)
 }
 
-/// One nfnetlink message: header, `nfgenmsg` (family, version 0, `res_id` big-endian),
-/// attributes.
-fn message(kind: u16, flags: u16, family: u8, res_id: u16, seq: u32, attrs: &[u8]) -> Vec<u8> {
-    let len = (16 + 4 + attrs.len()) as u32;
-    let mut m = Vec::with_capacity(len as usize);
-    m.extend_from_slice(&len.to_ne_bytes());
-    m.extend_from_slice(&kind.to_ne_bytes());
-    m.extend_from_slice(&flags.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
-    m.push(family);
-    m.push(0);
-    m.extend_from_slice(&res_id.to_be_bytes());
-    m.extend_from_slice(attrs);
-    m
-}
-
 fn expr(name: &str, data: &[Vec<u8>]) -> Vec<u8> {
-    nest(
+    encode_nest(
         NFTA_LIST_ELEM,
-        &[string(NFTA_EXPR_NAME, name), nest(NFTA_EXPR_DATA, data)],
+        &[
+            string(NFTA_EXPR_NAME, name),
+            encode_nest(NFTA_EXPR_DATA, data),
+        ],
     )
 }
 
 /// `meta protocol <ethertype> meta nftrace set 1`, as nf_tables expressions.
 fn trace_rule_exprs(ethertype: u16) -> Vec<u8> {
-    nest(
+    encode_nest(
         NFTA_RULE_EXPRESSIONS,
         &[
             expr(
@@ -156,7 +137,7 @@ fn trace_rule_exprs(ethertype: u16) -> Vec<u8> {
                 &[
                     be32(NFTA_CMP_SREG, NFT_REG_1),
                     be32(NFTA_CMP_OP, NFT_CMP_EQ),
-                    nest(
+                    encode_nest(
                         NFTA_CMP_DATA,
                         &[encode_attr(NFTA_DATA_VALUE, &ethertype.to_be_bytes())],
                     ),
@@ -166,7 +147,7 @@ fn trace_rule_exprs(ethertype: u16) -> Vec<u8> {
                 "immediate",
                 &[
                     be32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
-                    nest(NFTA_IMMEDIATE_DATA, &[encode_attr(NFTA_DATA_VALUE, &[1])]),
+                    encode_nest(NFTA_IMMEDIATE_DATA, &[encode_attr(NFTA_DATA_VALUE, &[1])]),
                 ],
             ),
             expr(
@@ -200,7 +181,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
         seq = seq.wrapping_add(1);
         seq
     };
-    let mut out = message(
+    let mut out = nfnl_message(
         NFNL_MSG_BATCH_BEGIN,
         NLM_F_REQUEST,
         0,
@@ -214,7 +195,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
         be32(NFTA_TABLE_FLAGS, NFT_TABLE_F_OWNER),
     ]
     .concat();
-    out.extend(message(
+    out.extend(nfnl_message(
         nft(NFT_MSG_NEWTABLE),
         create,
         NFPROTO_BRIDGE,
@@ -231,7 +212,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
         let chain = [
             string(NFTA_CHAIN_TABLE, table),
             string(NFTA_CHAIN_NAME, name),
-            nest(
+            encode_nest(
                 NFTA_CHAIN_HOOK,
                 &[
                     be32(NFTA_HOOK_HOOKNUM, hook),
@@ -242,7 +223,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
             string(NFTA_CHAIN_TYPE, "filter"),
         ]
         .concat();
-        out.extend(message(
+        out.extend(nfnl_message(
             nft(NFT_MSG_NEWCHAIN),
             create,
             NFPROTO_BRIDGE,
@@ -259,7 +240,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
                 encode_attr(NFTA_RULE_USERDATA, &comment_udata(RULE_COMMENT)),
             ]
             .concat();
-            out.extend(message(
+            out.extend(nfnl_message(
                 nft(NFT_MSG_NEWRULE),
                 create | 0x800, // NLM_F_APPEND
                 NFPROTO_BRIDGE,
@@ -270,7 +251,7 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
             acks += 1;
         }
     }
-    out.extend(message(
+    out.extend(nfnl_message(
         NFNL_MSG_BATCH_END,
         NLM_F_REQUEST,
         0,
@@ -443,11 +424,8 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
 
 /// The trace table, alive as long as this value (its socket) is.
 pub struct TraceTable {
-    fd: OwnedFd,
+    sock: Socket,
     pub name: String,
-    buf: Vec<u8>,
-    /// Times the socket's queue overflowed (trace events lost there).
-    pub overruns: u64,
     /// Trace events read.
     pub events: u64,
 }
@@ -457,12 +435,12 @@ impl TraceTable {
     /// namespace) with a chain on each of `hooks` at `priority`, then subscribes that socket
     /// to the trace events.
     pub fn create(name: &str, hooks: &[u32], priority: i32) -> Result<Self, Error> {
-        let fd = crate::netlink::netfilter_socket()?;
+        let sock = Socket::with_buffer(256 * 1024)?;
         // SAFETY: setsockopt with valid, sized arguments on our own fd.
         unsafe {
             let rcvbuf = RCVBUF;
             let _ = libc::setsockopt(
-                fd.as_raw_fd(),
+                sock.fd().as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUFFORCE,
                 (&raw const rcvbuf).cast(),
@@ -470,22 +448,20 @@ impl TraceTable {
             );
         }
         let mut t = Self {
-            fd,
+            sock,
             name: name.to_string(),
-            buf: vec![0; 256 * 1024],
-            overruns: 0,
             events: 0,
         };
         let (batch, acks) = create_batch(name, hooks, priority, 0);
-        t.send(&batch)?;
+        t.sock.send(&batch)?;
         let mut acked = 0;
         // Bounded: one answer per message asked, and the kernel sends nothing else here.
         for _ in 0..acks * 4 {
             if acked == acks {
                 break;
             }
-            let n = t.recv(0)?;
-            let mut rest = &t.buf[..n];
+            let n = t.sock.recv(0)?;
+            let mut rest = t.sock.received(n);
             while rest.len() >= 16 {
                 let len = u32::from_ne_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
                 let kind = u16::from_ne_bytes([rest[4], rest[5]]);
@@ -514,7 +490,7 @@ impl TraceTable {
         let joined = unsafe {
             let group = NFNLGRP_NFTRACE;
             libc::setsockopt(
-                t.fd.as_raw_fd(),
+                t.sock.fd().as_raw_fd(),
                 SOL_NETLINK,
                 NETLINK_ADD_MEMBERSHIP,
                 (&raw const group).cast(),
@@ -527,49 +503,9 @@ impl TraceTable {
         Ok(t)
     }
 
-    fn send(&self, req: &[u8]) -> Result<(), Error> {
-        // SAFETY: the buffer is valid for its length; the kernel is the destination (pid 0).
-        let sent = unsafe {
-            let mut to: libc::sockaddr_nl = std::mem::zeroed();
-            to.nl_family = libc::AF_NETLINK as u16;
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                req.as_ptr().cast(),
-                req.len(),
-                0,
-                (&raw const to).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(Error::Kernel(std::io::Error::last_os_error()));
-        }
-        Ok(())
-    }
-
-    /// One datagram; `Ok(0)` when none waits (with `MSG_DONTWAIT`).
-    fn recv(&mut self, flags: libc::c_int) -> Result<usize, Error> {
-        loop {
-            // SAFETY: recv into our own buffer, at most its length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr().cast(),
-                    self.buf.len(),
-                    flags,
-                )
-            };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => {}
-                Some(libc::EAGAIN) => return Ok(0),
-                Some(libc::ENOBUFS) => self.overruns += 1,
-                _ => return Err(Error::Kernel(e)),
-            }
-        }
+    /// Times the socket's queue overflowed (trace events lost there).
+    pub fn overruns(&self) -> u64 {
+        self.sock.overruns
     }
 
     /// Every trace event waiting, without blocking (at most [`DRAIN_MAX`] messages), each
@@ -577,11 +513,11 @@ impl TraceTable {
     pub fn drain(&mut self, mut each: impl FnMut(TraceEvent, &[u8])) -> Result<(), Error> {
         let mut messages = 0;
         while messages < DRAIN_MAX {
-            let n = self.recv(libc::MSG_DONTWAIT)?;
+            let n = self.sock.recv(libc::MSG_DONTWAIT)?;
             if n == 0 {
                 return Ok(());
             }
-            let (msgs, _) = crate::netlink::split(&self.buf[..n])?;
+            let (msgs, _) = crate::netlink::split(self.sock.received(n))?;
             messages += msgs.len().max(1);
             for m in &msgs {
                 if let Some(e) = parse(m.kind, m.payload) {

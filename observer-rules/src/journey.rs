@@ -16,7 +16,7 @@ use observer_model::{Endpoint, MarkDictionary};
 use serde_json::Value;
 
 use crate::live::LiveNode;
-use crate::packet::{CtState, PacketSpec};
+use crate::packet::PacketSpec;
 use crate::route::RouteDecision;
 
 /// The packet to predict: from a pod's address, to a pod or a ClusterIP.
@@ -137,24 +137,6 @@ fn left(t: &Traversal) -> Option<(IpAddr, Option<u16>, IpAddr, Option<u16>)> {
     Some((ip_of(&h.src)?, h.src.port, ip_of(&h.dst)?, h.dst.port))
 }
 
-fn spec(proto: u8, src: IpAddr, sport: Option<u16>, dst: IpAddr, dport: Option<u16>) -> PacketSpec {
-    PacketSpec {
-        proto,
-        src,
-        dst,
-        sport,
-        dport,
-        in_iface: None,
-        out_iface: None,
-        mark: 0,
-        ct_state: CtState::New,
-        ct_mark: None,
-        tcp_flags: None,
-        icmp: None,
-        local: false,
-    }
-}
-
 fn finish(legs: Vec<Leg>, missing: Option<String>, notes: Vec<String>) -> Journey {
     let last = legs.last().expect("a source leg");
     Journey {
@@ -189,7 +171,7 @@ pub fn predict(
             ));
         }
     };
-    let mut p = spec(ask.proto, ask.src, ask.sport, ask.dst, ask.dport);
+    let mut p = PacketSpec::new(ask.proto, ask.src, ask.sport, ask.dst, ask.dport);
     p.in_iface = Some(in_iface);
     if ask.sport.is_none() && p.has_ports() {
         notes.push(
@@ -276,7 +258,7 @@ pub fn predict(
             inner_ip_id: None,
         };
         // Sent by the node itself (OUTPUT, POSTROUTING).
-        let carrier = spec(17, under_src, None, under_dst, Some(vx.port));
+        let carrier = PacketSpec::new(17, under_src, None, under_dst, Some(vx.port));
         let mut c = simulate(src_node, &carrier, marks);
         c.encap = Some(encap("encapsulated", Some(out.clone())));
         legs.push(leg(&ask.node, LegRole::Carrier, &c));
@@ -313,7 +295,11 @@ pub fn predict(
                 notes,
             ));
         };
-        (spec(ask.proto, isrc, isport, idst, idport), name, overlay)
+        (
+            PacketSpec::new(ask.proto, isrc, isport, idst, idport),
+            name,
+            overlay,
+        )
     } else {
         // A routed network: the node that owns the gateway, entering by that interface.
         let Some((name, _, iface)) = owner(nodes, gateway) else {
@@ -325,7 +311,11 @@ pub fn predict(
                 notes,
             ));
         };
-        (spec(ask.proto, isrc, isport, idst, idport), name, iface)
+        (
+            PacketSpec::new(ask.proto, isrc, isport, idst, idport),
+            name,
+            iface,
+        )
     };
     let node = &nodes
         .iter()

@@ -32,6 +32,32 @@ pub struct PacketSpec {
 }
 
 impl PacketSpec {
+    /// A new connection's first packet from `src` to `dst`, arriving from nowhere in
+    /// particular, no mark: what `parse` starts from before its options.
+    pub fn new(
+        proto: u8,
+        src: IpAddr,
+        sport: Option<u16>,
+        dst: IpAddr,
+        dport: Option<u16>,
+    ) -> Self {
+        PacketSpec {
+            proto,
+            src,
+            dst,
+            sport,
+            dport,
+            in_iface: None,
+            out_iface: None,
+            mark: 0,
+            ct_state: CtState::New,
+            ct_mark: None,
+            tcp_flags: None,
+            icmp: None,
+            local: false,
+        }
+    }
+
     pub fn is_v6(&self) -> bool {
         self.src.is_ipv6()
     }
@@ -222,21 +248,7 @@ pub fn parse_packet_spec(s: &str) -> Result<PacketSpec, PacketSpecError> {
     if src.is_ipv4() != dst.is_ipv4() {
         return Err(err(3, "source and destination are of different families"));
     }
-    let mut p = PacketSpec {
-        proto,
-        src,
-        dst,
-        sport,
-        dport,
-        in_iface: None,
-        out_iface: None,
-        mark: 0,
-        ct_state: CtState::New,
-        ct_mark: None,
-        tcp_flags: None,
-        icmp: None,
-        local: false,
-    };
+    let mut p = PacketSpec::new(proto, src, sport, dst, dport);
     if p.has_ports() && (sport.is_none() || dport.is_none()) {
         return Err(err(
             if sport.is_none() { 1 } else { 3 },

@@ -273,7 +273,7 @@ const NFPROTO_BRIDGE: u8 = 7;
 
 /// A rule's text without the counter values it had when the ruleset was read
 /// (`counter packets 1 bytes 29` -> `counter`): the note judges the counter itself.
-fn without_counts(text: &str) -> String {
+pub(crate) fn without_counts(text: &str) -> String {
     let words: Vec<&str> = text.split(' ').collect();
     let mut out = Vec::with_capacity(words.len());
     let mut i = 0;

@@ -328,7 +328,7 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
                 .map_or("(not in the ruleset read)", String::as_str);
             out.push(format!(
                 "  bridge {table} {chain} handle {handle} {} => {} (observed)",
-                without_counts(text),
+                super::bridgechains::without_counts(text),
                 e.verdict_name()
             ));
         }
@@ -348,25 +348,6 @@ fn hook_name(h: &str) -> String {
         "output" => "OUTPUT".into(),
         other => other.to_uppercase(),
     }
-}
-
-/// A rule's text without the counter values read with the ruleset.
-fn without_counts(text: &str) -> String {
-    let words: Vec<&str> = text.split(' ').collect();
-    let mut out = Vec::with_capacity(words.len());
-    let mut i = 0;
-    while i < words.len() {
-        out.push(words[i]);
-        if words[i] == "counter"
-            && words.get(i + 1) == Some(&"packets")
-            && words.get(i + 3) == Some(&"bytes")
-        {
-            i += 5;
-        } else {
-            i += 1;
-        }
-    }
-    out.join(" ")
 }
 
 /// What the trace showed, for the summary.
@@ -434,7 +415,7 @@ impl BridgeTrace {
         if let Err(e) = self.table.drain(|e, _| grouper.add(e, now)) {
             log::warn!("--trace-bridge-chains: reading trace events: {e}");
         }
-        self.counts.overruns = self.table.overruns;
+        self.counts.overruns = self.table.overruns();
     }
 
     /// The observed notes for a bridged report whose traversal began at `since` (ns), and
