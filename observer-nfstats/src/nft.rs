@@ -53,7 +53,7 @@ pub fn family_name(nfproto: u8) -> &'static str {
 }
 
 /// A chain of an nf_tables table, as the kernel names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Chain {
     /// The table's family (`NFPROTO_*`).
     pub nfproto: u8,

@@ -15,6 +15,7 @@ use std::os::fd::AsRawFd;
 
 use crate::Error;
 use crate::netlink::{Attrs, Socket, encode_attr, encode_nest, nfnl_message};
+use crate::nft::Chain;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 16;
@@ -267,10 +268,8 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
 pub struct TraceEvent {
     /// The same for every event of one skb (a hash of it; two skbs may share one).
     pub id: u32,
-    /// The family of the table (`nfgenmsg`): 7 for bridge.
-    pub family: u8,
-    pub table: String,
-    pub chain: String,
+    /// The chain the event is of (its family from `nfgenmsg`: 7 for bridge).
+    pub chain: Chain,
     /// The rule that matched (`None` for a chain's policy or return).
     pub handle: Option<u64>,
     /// `NFT_TRACETYPE_*`: 1 policy, 2 return, 3 rule.
@@ -388,15 +387,17 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
     let verdict = attrs.get(NFTA_TRACE_VERDICT).map(|a| a.nested());
     Some(TraceEvent {
         id: u32_of(NFTA_TRACE_ID)?,
-        family,
-        table: attrs
-            .get(NFTA_TRACE_TABLE)
-            .map(|a| a.str())
-            .unwrap_or_default(),
-        chain: attrs
-            .get(NFTA_TRACE_CHAIN)
-            .map(|a| a.str())
-            .unwrap_or_default(),
+        chain: Chain {
+            nfproto: family,
+            table: attrs
+                .get(NFTA_TRACE_TABLE)
+                .map(|a| a.str())
+                .unwrap_or_default(),
+            name: attrs
+                .get(NFTA_TRACE_CHAIN)
+                .map(|a| a.str())
+                .unwrap_or_default(),
+        },
         handle: attrs.get(NFTA_TRACE_RULE_HANDLE).and_then(|a| a.be64()),
         kind: u32_of(NFTA_TRACE_TYPE)?,
         verdict: verdict

@@ -24,12 +24,8 @@ use crate::route::RouteDecision;
 pub struct Ask {
     /// The node the source pod runs on.
     pub node: String,
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    /// IP protocol number (6 tcp, 17 udp, 1/58 icmp).
-    pub proto: u8,
-    pub sport: Option<u16>,
-    pub dport: Option<u16>,
+    /// The packet as the pod sends it (its interface is found from the node's routes).
+    pub packet: PacketSpec,
 }
 
 /// A node's VXLAN device, from `ip -j -d link show`.
@@ -161,19 +157,19 @@ pub fn predict(
         .ok_or_else(|| format!("no ruleset of node {} (the source pod's node)", ask.node))?;
     let mut notes = Vec::new();
     // The pod's packet enters the node by the device its address is routed to (its veth).
-    let in_iface = match src_node.routes.lookup(ask.src) {
+    let in_iface = match src_node.routes.lookup(ask.packet.src) {
         RouteDecision::Out { dev, .. } => dev,
         other => {
             return Err(format!(
                 "node {} has no route to the pod's address {} by a device ({other:?}): \
                  cannot tell which interface its packets enter by",
-                ask.node, ask.src
+                ask.node, ask.packet.src
             ));
         }
     };
-    let mut p = PacketSpec::new(ask.proto, ask.src, ask.sport, ask.dst, ask.dport);
+    let mut p = ask.packet.clone();
     p.in_iface = Some(in_iface);
-    if ask.sport.is_none() && p.has_ports() {
+    if p.sport.is_none() && p.has_ports() {
         notes.push(
             "the source port is not known (the pod's socket picks it): rules matching it are \
              undecidable"
@@ -245,7 +241,7 @@ pub fn predict(
         let inner = observer_model::traversal::Quoted {
             src: Endpoint::new(isrc, isport),
             dst: Endpoint::new(idst, idport),
-            proto: observer_model::Protocol::from_number(ask.proto),
+            proto: observer_model::Protocol::from_number(ask.packet.proto),
         };
         let encap = |direction, overlay: Option<String>| observer_model::traversal::Encapsulation {
             kind: "vxlan",
@@ -296,7 +292,7 @@ pub fn predict(
             ));
         };
         (
-            PacketSpec::new(ask.proto, isrc, isport, idst, idport),
+            PacketSpec::new(ask.packet.proto, isrc, isport, idst, idport),
             name,
             overlay,
         )
@@ -312,7 +308,7 @@ pub fn predict(
             ));
         };
         (
-            PacketSpec::new(ask.proto, isrc, isport, idst, idport),
+            PacketSpec::new(ask.packet.proto, isrc, isport, idst, idport),
             name,
             iface,
         )
@@ -401,11 +397,13 @@ mod tests {
     fn ask(proto: u8, dport: u16) -> Ask {
         Ask {
             node: "lab-node".into(),
-            src: "10.244.0.5".parse().unwrap(),
-            dst: "10.96.0.30".parse().unwrap(),
-            proto,
-            sport: Some(40000),
-            dport: Some(dport),
+            packet: PacketSpec::new(
+                proto,
+                "10.244.0.5".parse().unwrap(),
+                Some(40000),
+                "10.96.0.30".parse().unwrap(),
+                Some(dport),
+            ),
         }
     }
 

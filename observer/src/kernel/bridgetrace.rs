@@ -97,10 +97,10 @@ impl Grouper {
 
     /// Adds one event read at `now` (ns).
     pub fn add(&mut self, e: TraceEvent, now: u64) {
-        if e.family != NFPROTO_BRIDGE {
+        if e.chain.nfproto != NFPROTO_BRIDGE {
             return;
         }
-        let own = e.table == self.own_table;
+        let own = e.chain.table == self.own_table;
         let open = self
             .open
             .get(&e.id)
@@ -112,7 +112,7 @@ impl Grouper {
             Some(i) => {
                 own && e.kind == TRACETYPE_RULE
                     && e.handle.is_some()
-                    && starts_new_frame(&self.groups[i].own_hooks, &e.chain)
+                    && starts_new_frame(&self.groups[i].own_hooks, &e.chain.name)
             }
         };
         let i = if new {
@@ -151,7 +151,7 @@ impl Grouper {
         }
         if own {
             if e.kind == TRACETYPE_RULE && e.handle.is_some() {
-                g.own_hooks.push(e.chain);
+                g.own_hooks.push(e.chain.name);
             }
         } else if g.events.len() < EVENTS_PER_GROUP
             // The end of a chain's rules without a rule (this kernel reports it as a rule
@@ -285,7 +285,7 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
     // Chains in the order first met, each with its events.
     let mut chains: Vec<((&str, &str), Vec<&TraceEvent>)> = Vec::new();
     for e in &g.events {
-        let k = (e.table.as_str(), e.chain.as_str());
+        let k = (e.chain.table.as_str(), e.chain.name.as_str());
         match chains.last_mut() {
             Some((last, evs)) if *last == k => evs.push(e),
             _ => chains.push((k, vec![e])),
@@ -485,6 +485,7 @@ pub fn bridged_notes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use observer_nfstats::nft::Chain;
     use observer_nfstats::nftrace::parse;
 
     fn hex(s: &str) -> Vec<u8> {
@@ -503,9 +504,11 @@ mod tests {
     fn ev(table: &str, chain: &str, handle: Option<u64>, kind: u32, verdict: i32) -> TraceEvent {
         TraceEvent {
             id: 7,
-            family: NFPROTO_BRIDGE,
-            table: table.into(),
-            chain: chain.into(),
+            chain: Chain {
+                nfproto: NFPROTO_BRIDGE,
+                table: table.into(),
+                name: chain.into(),
+            },
             handle,
             kind,
             verdict: (kind != TRACETYPE_POLICY).then_some(verdict),
@@ -518,7 +521,11 @@ mod tests {
     fn a_drop_event_from_the_kernel_parses_with_its_rule_and_headers() {
         let e = parse(TRACE, &hex(DROP)).expect("a trace event");
         assert_eq!(
-            (e.family, e.table.as_str(), e.chain.as_str()),
+            (
+                e.chain.nfproto,
+                e.chain.table.as_str(),
+                e.chain.name.as_str()
+            ),
             (7, "obs-l2", "forward")
         );
         assert_eq!(e.handle, Some(5));
@@ -550,8 +557,8 @@ mod tests {
             ..parse(TRACE, &hex(DROP)).unwrap()
         };
         let mut first = drop.clone();
-        first.table = "observer-trace-1".into();
-        first.chain = "prerouting".into();
+        first.chain.table = "observer-trace-1".into();
+        first.chain.name = "prerouting".into();
         first.handle = Some(2);
         first.verdict = Some(-1);
         g.add(first.clone(), 100);
@@ -561,7 +568,10 @@ mod tests {
         // An IP-family event of the same frame is not the bridge's.
         g.add(
             TraceEvent {
-                family: 2,
+                chain: Chain {
+                    nfproto: 2,
+                    ..ev("filter", "FORWARD", Some(7), 3, -1).chain
+                },
                 ..ev("filter", "FORWARD", Some(7), 3, -1)
             },
             100,
@@ -605,7 +615,10 @@ mod tests {
         // A flooded copy: a clone first met at forward, out by its own port.
         let copy = TraceEvent {
             id: 8,
-            chain: "forward".into(),
+            chain: Chain {
+                name: "forward".into(),
+                ..first.chain.clone()
+            },
             oif: Some(9),
             ..first.clone()
         };

@@ -335,11 +335,7 @@ fn predict(
     };
     let ask = observer_rules::journey::Ask {
         node: src_node.to_string(),
-        src,
-        dst,
-        proto,
-        sport: None,
-        dport: t.port,
+        packet: observer_rules::PacketSpec::new(proto, src, None, dst, t.port),
     };
     let mut j = observer_rules::journey::predict(&ask, &nodes, &marks)
         .map_err(|e| anyhow::anyhow!("cannot predict: {e}"))?;
