@@ -150,15 +150,37 @@ fn get_with(
         )?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf)?;
-        let text = String::from_utf8_lossy(&buf).into_owned();
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        Ok((status, head.to_string(), body.to_string()))
+        Ok(response(&buf))
     })
+}
+
+/// An HTTP/1.1 response as read whole: (status, 0 when there is none; head; body).
+fn response(buf: &[u8]) -> (u16, String, String) {
+    let text = String::from_utf8_lossy(buf);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+/// Waits (up to 20 s) until the agent says it records traversals (`observer_tracing` 1),
+/// as it does once a streaming client is connected; `what` names the case on failure.
+pub fn wait_until_tracing(lab: &Lab, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = http_get(lab, METRICS, "/metrics");
+        if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the agent did not start tracing for its client: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Percent-encodes a query parameter.
@@ -270,14 +292,8 @@ pub fn unix_request(socket: &std::path::Path, method: &str, target: &str) -> (u1
     .unwrap();
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
+    let (status, _, body) = response(&buf);
+    (status, body)
 }
 
 /// `GET path` on the agent's unix socket: the body (the answer must be 200).

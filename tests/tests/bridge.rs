@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::Duration;
 
-use observer_tests::agent::{Agent, Client, METRICS, http_get, sample};
+use observer_tests::agent::{Agent, Client, wait_until_tracing};
 use observer_tests::lab::{Lab, Tail, tcp_client, tcp_echo, udp_sink};
 use observer_tests::rules::{Counts, diff, increments, lab_counters, named};
 use observer_tests::{privileged, run};
@@ -622,18 +622,7 @@ fn the_agent_streams_bridged_reports_with_their_bridge_in_both_modes() {
             "--timeout",
             "15",
         ]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let (status, body) = http_get(&lab, METRICS, "/metrics");
-            if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{mode:?}: the agent did not start tracing for its client: {body}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_until_tracing(&lab, &format!("{mode:?}"));
         let echo = tcp_echo(&lab, "pod", "10.244.0.5:22", 1);
         assert_eq!(tcp_client(&lab, "pod2", "10.244.0.5:22").unwrap(), b"ping");
         echo.join().unwrap();
@@ -1141,18 +1130,7 @@ fn the_agent_observes_bridge_family_chains_through_the_trace() {
         "--timeout",
         "10",
     ]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let (status, body) = http_get(&lab, METRICS, "/metrics");
-        if status == 200 && sample(&body, "observer_tracing", &[]) == 1.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent did not start tracing for its client: {body}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until_tracing(&lab, "--trace-bridge-chains");
     let before = l2_counters(&lab);
     udp_send(&lab, "pod", "10.244.0.6:7003");
     let (lines, err) = tail.finish(Duration::from_secs(30));
