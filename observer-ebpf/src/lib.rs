@@ -508,45 +508,36 @@ fn untrusted(addr: u64) -> u64 {
     }
 }
 
-/// One 8-byte load from `p`, memory [`untrusted`] returned: exactly one instruction
+/// A load of one `$t` from `p`, memory [`untrusted`] returned: exactly one instruction
 /// (`asm!`, whatever the address's alignment), which the verifier checks and the kernel
 /// guards (a fault reads zero).
-#[inline(always)]
-fn load_u64(p: u64) -> u64 {
-    let v: u64;
-    // SAFETY: as above; nothing is written.
-    unsafe {
-        core::arch::asm!(
-            "{0} = *(u64 *)({1} + 0)",
-            out(reg) v,
-            in(reg) p,
-            options(nostack, readonly, preserves_flags)
-        );
-    }
-    v
+macro_rules! one_load {
+    ($name:ident, $t:ty, $insn:literal) => {
+        #[inline(always)]
+        fn $name(p: u64) -> $t {
+            let v: $t;
+            // SAFETY: as above; nothing is written.
+            unsafe {
+                core::arch::asm!(
+                    $insn,
+                    out(reg) v,
+                    in(reg) p,
+                    options(nostack, readonly, preserves_flags)
+                );
+            }
+            v
+        }
+    };
 }
+
+one_load!(load_u64, u64, "{0} = *(u64 *)({1} + 0)");
+one_load!(load_u32, u32, "{0} = *(u32 *)({1} + 0)");
 
 /// One 8-byte load from kernel memory at `p` (the caller checked [`direct_reads`]; a
 /// fault reads zero).
 #[inline(always)]
 pub fn load_u64_untrusted(p: u64) -> u64 {
     load_u64(untrusted(p))
-}
-
-/// Like [`load_u64`], four bytes.
-#[inline(always)]
-fn load_u32(p: u64) -> u32 {
-    let v: u32;
-    // SAFETY: as for `load_u64`.
-    unsafe {
-        core::arch::asm!(
-            "{0} = *(u32 *)({1} + 0)",
-            out(reg) v,
-            in(reg) p,
-            options(nostack, readonly, preserves_flags)
-        );
-    }
-    v
 }
 
 /// A conntrack entry's mark and the low word of its status, loaded directly where

@@ -184,19 +184,27 @@ impl From<IpAddr> for Host {
     }
 }
 
-impl fmt::Display for Host {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut buf = Vec::with_capacity(40);
-        self.write_text(&mut buf).map_err(|_| fmt::Error)?;
-        f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
-    }
+/// `Display`, and `Serialize` as that string, through the type's `write_text`: the bytes the
+/// JSON writer writes, so an address reads the same however it is printed.
+macro_rules! text_impls {
+    ($t:ty) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let mut buf = Vec::with_capacity(48);
+                self.write_text(&mut buf).map_err(|_| fmt::Error)?;
+                f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+    };
 }
 
-impl Serialize for Host {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
+text_impls!(Host);
 
 /// Writes `n` in decimal at the start of `buf`; returns the digits written.
 fn decimal(buf: &mut [u8], n: u32) -> usize {
@@ -258,19 +266,7 @@ impl Endpoint {
     }
 }
 
-impl fmt::Display for Endpoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut buf = Vec::with_capacity(48);
-        self.write_text(&mut buf).map_err(|_| fmt::Error)?;
-        f.write_str(std::str::from_utf8(&buf).map_err(|_| fmt::Error)?)
-    }
-}
-
-impl Serialize for Endpoint {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
+text_impls!(Endpoint);
 
 /// The ICMP(v6) message a packet is: its type and code, and the echo identifier of an echo
 /// request or reply (None for other messages, and when a prediction does not know it).

@@ -75,6 +75,10 @@ const NFTA_TRACE_OIF: u16 = 12;
 const NFTA_TRACE_MARK: u16 = 14;
 const NFTA_TRACE_NFPROTO: u16 = 15;
 const NFTA_TRACE_POLICY: u16 = 16;
+/// `NFT_TRACETYPE_*`.
+const TRACETYPE_POLICY: u32 = 1;
+const TRACETYPE_RETURN: u32 = 2;
+const TRACETYPE_RULE: u32 = 3;
 const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 /// `NFNLGRP_NFTRACE`.
@@ -264,22 +268,14 @@ pub fn create_batch(table: &str, hooks: &[u32], priority: i32, seq: u32) -> (Vec
 }
 
 /// One nf_tables trace event.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceEvent {
     /// The same for every event of one skb (a hash of it; two skbs may share one).
     pub id: u32,
     /// The chain the event is of (its family from `nfgenmsg`: 7 for bridge).
     pub chain: Chain,
-    /// The rule that matched (`None` for a chain's policy or return).
-    pub handle: Option<u64>,
-    /// `NFT_TRACETYPE_*`: 1 policy, 2 return, 3 rule.
-    pub kind: u32,
-    /// The verdict code (`NF_DROP` 0, `NF_ACCEPT` 1, `NFT_CONTINUE` -1, `NFT_JUMP` -3, ...).
-    pub verdict: Option<i32>,
-    /// The chain a jump or goto went to.
-    pub target: Option<String>,
-    /// The chain's policy, on a policy event.
-    pub policy: Option<u32>,
+    /// What happened there.
+    pub traced: Traced,
     pub iif: Option<u32>,
     pub oif: Option<u32>,
     pub mark: Option<u32>,
@@ -289,42 +285,109 @@ pub struct TraceEvent {
     pub transport: Vec<u8>,
 }
 
-pub const TRACETYPE_POLICY: u32 = 1;
-pub const TRACETYPE_RETURN: u32 = 2;
-pub const TRACETYPE_RULE: u32 = 3;
+/// What a trace event reports (`NFTA_TRACE_TYPE`), with what that kind carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Traced {
+    /// A rule matched (`NFT_TRACETYPE_RULE`), with its verdict (None: it let the packet go
+    /// on). This kernel also reports the end of a chain's rules as a rule without a handle.
+    Rule {
+        handle: Option<u64>,
+        verdict: Option<Verdict>,
+    },
+    /// The chain returned to the one that jumped to it (`NFT_TRACETYPE_RETURN`).
+    Return(Option<Verdict>),
+    /// The base chain's policy decided (`NFT_TRACETYPE_POLICY`).
+    Policy(Option<Verdict>),
+}
+
+/// An nf_tables verdict (`NFTA_VERDICT_CODE`, and the chain of a jump or goto).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Drop,
+    Accept,
+    Stolen,
+    Queue,
+    Continue,
+    Break,
+    Jump(String),
+    Goto(String),
+    Return,
+    /// A code not named here.
+    Other(i32),
+}
+
+impl Verdict {
+    /// The verdict of `code` (`NF_DROP` 0, `NF_ACCEPT` 1, `NFT_CONTINUE` -1, `NFT_JUMP` -3,
+    /// ...; a queue verdict carries its queue number above the low 16 bits).
+    pub fn from_code(code: i32, chain: Option<String>) -> Self {
+        let to = || chain.clone().unwrap_or_else(|| "?".into());
+        match code {
+            0 => Verdict::Drop,
+            1 => Verdict::Accept,
+            2 => Verdict::Stolen,
+            3 => Verdict::Queue,
+            -1 => Verdict::Continue,
+            -2 => Verdict::Break,
+            -3 => Verdict::Jump(to()),
+            -4 => Verdict::Goto(to()),
+            -5 => Verdict::Return,
+            c if c & 0xffff == 3 => Verdict::Queue,
+            c => Verdict::Other(c),
+        }
+    }
+}
+
+impl std::fmt::Display for Verdict {
+    /// In `nft monitor trace`'s words.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Verdict::Drop => f.write_str("drop"),
+            Verdict::Accept => f.write_str("accept"),
+            Verdict::Stolen => f.write_str("stolen"),
+            Verdict::Queue => f.write_str("queue"),
+            Verdict::Continue => f.write_str("continue"),
+            Verdict::Break => f.write_str("break"),
+            Verdict::Jump(to) => write!(f, "jump {to}"),
+            Verdict::Goto(to) => write!(f, "goto {to}"),
+            Verdict::Return => f.write_str("return"),
+            Verdict::Other(c) => write!(f, "verdict {c}"),
+        }
+    }
+}
+
+impl Traced {
+    /// The verdict, where the event carries one.
+    pub fn verdict(&self) -> Option<&Verdict> {
+        match self {
+            Traced::Rule { verdict, .. } | Traced::Return(verdict) | Traced::Policy(verdict) => {
+                verdict.as_ref()
+            }
+        }
+    }
+
+    /// The rule that matched, by handle.
+    pub fn rule(&self) -> Option<u64> {
+        match self {
+            Traced::Rule { handle, .. } => *handle,
+            _ => None,
+        }
+    }
+}
 
 impl TraceEvent {
-    /// The verdict in `nft monitor trace`'s words.
+    /// The verdict in `nft monitor trace`'s words (a rule or a policy without one goes on:
+    /// `continue`; a return without one: `return`).
     pub fn verdict_name(&self) -> String {
-        let code = match (self.kind, self.verdict, self.policy) {
-            (TRACETYPE_POLICY, _, Some(p)) => p as i32,
-            (_, Some(v), _) => v,
-            (TRACETYPE_RETURN, None, _) => return "return".into(),
-            _ => return "continue".into(),
-        };
-        let to = self.target.as_deref().unwrap_or("?");
-        match code {
-            0 => "drop".into(),
-            1 => "accept".into(),
-            2 => "stolen".into(),
-            3 => "queue".into(),
-            -1 => "continue".into(),
-            -2 => "break".into(),
-            -3 => format!("jump {to}"),
-            -4 => format!("goto {to}"),
-            -5 => "return".into(),
-            c if c & 0xffff == 3 => "queue".into(),
-            c => format!("verdict {c}"),
+        match (&self.traced, self.traced.verdict()) {
+            (_, Some(v)) => v.to_string(),
+            (Traced::Return(_), None) => "return".into(),
+            _ => "continue".into(),
         }
     }
 
     /// Whether this event ended the frame with a drop.
     pub fn drops(&self) -> bool {
-        let code = match self.kind {
-            TRACETYPE_POLICY => self.policy.map(|p| p as i32).or(self.verdict),
-            _ => self.verdict,
-        };
-        code == Some(0)
+        self.traced.verdict() == Some(&Verdict::Drop)
     }
 
     /// The packet's addresses, protocol, ports and IPv4 ID, from the network and transport
@@ -385,6 +448,29 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
     let attrs = Attrs(payload.get(4..)?);
     let u32_of = |k| attrs.get(k).and_then(|a| a.be32());
     let verdict = attrs.get(NFTA_TRACE_VERDICT).map(|a| a.nested());
+    let code = verdict
+        .and_then(|v| v.get(NFTA_VERDICT_CODE))
+        .and_then(|a| a.be32())
+        .map(|c| c as i32);
+    let chain = verdict
+        .and_then(|v| v.get(NFTA_VERDICT_CHAIN))
+        .map(|a| a.str());
+    let verdict = code.map(|c| Verdict::from_code(c, chain));
+    let traced = match u32_of(NFTA_TRACE_TYPE)? {
+        TRACETYPE_RULE => Traced::Rule {
+            handle: attrs.get(NFTA_TRACE_RULE_HANDLE).and_then(|a| a.be64()),
+            verdict,
+        },
+        TRACETYPE_RETURN => Traced::Return(verdict),
+        // The policy's verdict is its own attribute; the verdict's, where it is absent.
+        TRACETYPE_POLICY => Traced::Policy(
+            u32_of(NFTA_TRACE_POLICY)
+                .map(|p| Verdict::from_code(p as i32, None))
+                .or(verdict),
+        ),
+        // `NFT_TRACETYPE_UNSPEC` and any type a later kernel adds: not an event we read.
+        _ => return None,
+    };
     Some(TraceEvent {
         id: u32_of(NFTA_TRACE_ID)?,
         chain: Chain {
@@ -398,16 +484,7 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
                 .map(|a| a.str())
                 .unwrap_or_default(),
         },
-        handle: attrs.get(NFTA_TRACE_RULE_HANDLE).and_then(|a| a.be64()),
-        kind: u32_of(NFTA_TRACE_TYPE)?,
-        verdict: verdict
-            .and_then(|v| v.get(NFTA_VERDICT_CODE))
-            .and_then(|a| a.be32())
-            .map(|c| c as i32),
-        target: verdict
-            .and_then(|v| v.get(NFTA_VERDICT_CHAIN))
-            .map(|a| a.str()),
-        policy: u32_of(NFTA_TRACE_POLICY),
+        traced,
         iif: u32_of(NFTA_TRACE_IIF),
         oif: u32_of(NFTA_TRACE_OIF),
         mark: u32_of(NFTA_TRACE_MARK),
@@ -630,6 +707,67 @@ mod tests {
             rest = &rest[len..];
         }
         out
+    }
+
+    #[test]
+    fn verdicts_read_as_nft_monitor_trace_words() {
+        let ev = |traced| TraceEvent {
+            id: 1,
+            chain: Chain::default(),
+            traced,
+            iif: None,
+            oif: None,
+            mark: None,
+            nfproto: None,
+            network: Vec::new(),
+            transport: Vec::new(),
+        };
+        let jump = Verdict::from_code(-3, Some("KUBE-SVC".into()));
+        for (traced, words, drops) in [
+            (
+                Traced::Rule {
+                    handle: Some(4),
+                    verdict: Some(jump),
+                },
+                "jump KUBE-SVC",
+                false,
+            ),
+            (
+                Traced::Rule {
+                    handle: None,
+                    verdict: None,
+                },
+                "continue",
+                false,
+            ),
+            (Traced::Return(None), "return", false),
+            (
+                Traced::Policy(Some(Verdict::from_code(0, None))),
+                "drop",
+                true,
+            ),
+            (
+                Traced::Rule {
+                    handle: Some(5),
+                    verdict: Some(Verdict::from_code(0x2_0003, None)),
+                },
+                "queue",
+                false,
+            ),
+            (
+                Traced::Return(Some(Verdict::from_code(7, None))),
+                "verdict 7",
+                false,
+            ),
+        ] {
+            let e = ev(traced);
+            assert_eq!(
+                (e.verdict_name().as_str(), e.drops()),
+                (words, drops),
+                "{e:?}"
+            );
+        }
+        assert_eq!(Verdict::from_code(-4, None).to_string(), "goto ?");
     }
 
     #[test]

@@ -6,15 +6,10 @@ use std::net::IpAddr;
 
 use crate::iptables::{Basic, Item, Opt, Rule, Target};
 use crate::net::{Net, parse_mark_mask, parse_u32};
-use crate::packet::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, proto_number, tcp_flag};
-
-pub const CT_NEW: u8 = 1;
-pub const CT_ESTABLISHED: u8 = 2;
-pub const CT_RELATED: u8 = 4;
-pub const CT_INVALID: u8 = 8;
-pub const CT_UNTRACKED: u8 = 16;
-pub const CT_SNAT: u8 = 32;
-pub const CT_DNAT: u8 = 64;
+use crate::packet::{
+    CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_SNAT, CT_UNTRACKED, TCP_ACK,
+    TCP_FIN, TCP_RST, TCP_SYN, proto_number, tcp_flag,
+};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Cond {
@@ -36,7 +31,8 @@ pub enum Cond {
         neg: bool,
     },
     CtState {
-        states: u8,
+        /// `crate::packet::CT_*` bits.
+        states: u16,
         neg: bool,
     },
     Set {
@@ -270,7 +266,7 @@ fn tcp_flag_bits(s: &str) -> Option<u8> {
     Some(f)
 }
 
-fn ct_states(s: &str) -> Option<u8> {
+fn ct_states(s: &str) -> Option<u16> {
     let mut st = 0;
     for n in s.split(',') {
         st |= match n {

@@ -81,6 +81,16 @@ pub const TCP_PSH: u8 = 8;
 pub const TCP_ACK: u8 = 16;
 pub const TCP_URG: u8 = 32;
 
+// Conntrack state bits as the kernel's matches test them (`NF_CT_STATE_BIT`: nft's `ct state`,
+// xt_conntrack's `--ctstate` and xt_state), with xt_conntrack's two virtual states.
+pub const CT_INVALID: u16 = 1;
+pub const CT_ESTABLISHED: u16 = 2;
+pub const CT_RELATED: u16 = 4;
+pub const CT_NEW: u16 = 8;
+pub const CT_UNTRACKED: u16 = 64;
+pub const CT_SNAT: u16 = 256;
+pub const CT_DNAT: u16 = 512;
+
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
     "packet spec, word {word}: {message} (expected e.g. `tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 [out IFACE] [mark 0x0] [state new]`)"

@@ -21,16 +21,15 @@ use observer_model::{
 };
 
 use crate::bridge::Bridges;
-use crate::compile::{
-    Action, CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Compiled, Cond,
-    compile,
-};
+use crate::compile::{Action, Compiled, Cond, compile};
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
 use crate::nft::NftRuleset;
 use crate::nft::compile::compile as compile_nft;
 use crate::nft::program::{Program, Scheduled, nat_core_priority};
-use crate::packet::{CtState, PacketSpec};
+use crate::packet::{
+    CT_DNAT, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, CtState, PacketSpec,
+};
 use crate::route::{RouteDecision, Routes};
 use matches::{ct_tuple, pkt_type, recent};
 
@@ -537,6 +536,19 @@ impl Pkt {
             CtState::Invalid => None,
             s if self.ct_attached => Some((s, self.ct_mark)),
             _ => None,
+        }
+    }
+
+    /// The state's bit as the kernel's matches read it (`ct state`, `--ctstate`): before
+    /// conntrack (raw) every packet reads as invalid, an untracked one as untracked.
+    fn ct_state_bit(&self) -> u16 {
+        match self.state {
+            CtState::Untracked => CT_UNTRACKED,
+            _ if !self.ct_attached => CT_INVALID,
+            CtState::New => CT_NEW,
+            CtState::Established => CT_ESTABLISHED,
+            CtState::Related => CT_RELATED,
+            CtState::Invalid => CT_INVALID,
         }
     }
 
@@ -1436,15 +1448,7 @@ impl<'a> Simulator<'a> {
                     ),
                 },
                 Cond::CtState { states, neg } => {
-                    let mut s = match pkt.state {
-                        // Before conntrack (raw) the kernel reports every packet as INVALID.
-                        CtState::Untracked => CT_UNTRACKED,
-                        _ if !pkt.ct_attached => CT_INVALID,
-                        CtState::New => CT_NEW,
-                        CtState::Established => CT_ESTABLISHED,
-                        CtState::Related => CT_RELATED,
-                        CtState::Invalid => CT_INVALID,
-                    };
+                    let mut s = pkt.ct_state_bit();
                     if pkt.dnat_done {
                         s |= CT_DNAT;
                     }

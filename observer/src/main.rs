@@ -2,6 +2,7 @@
 
 use observer::commands::{agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic};
 use observer::pipeline::OutputArgs;
+use observer::pipeline::subscription::Subscription;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -347,13 +348,15 @@ fn run(cli: Cli) -> Result<()> {
             let summary = agent::client::run(
                 &agent::client::ClientOptions {
                     agent: a.agent.unwrap_or_default(),
-                    output: a.output.format(),
-                    filter: a.filter,
-                    sample: a.sample,
-                    count: a.count,
-                    timeout: a.timeout,
+                    wants: Subscription {
+                        output: a.output.format(),
+                        filter: a.filter,
+                        sample: a.sample,
+                        count: a.count,
+                        timeout: a.timeout,
+                        ip_ids: false,
+                    },
                     stop: None,
-                    ip_ids: false,
                 },
                 "/v1/traces",
                 std::io::stdout(),
@@ -365,13 +368,12 @@ fn run(cli: Cli) -> Result<()> {
             let summary = agent::client::run(
                 &agent::client::ClientOptions {
                     agent: a.agent,
-                    output: a.output.format(),
-                    filter: a.filter,
-                    sample: 1,
-                    count: a.count,
-                    timeout: None,
+                    wants: Subscription {
+                        filter: a.filter,
+                        count: a.count,
+                        ..Subscription::new(a.output.format())
+                    },
                     stop: None,
-                    ip_ids: false,
                 },
                 "/v1/drops",
                 std::io::stdout(),
@@ -439,13 +441,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Tail(a) => {
             let summary = tail::run(tail::TailOptions {
                 netns: a.netns,
-                output: a.output.format(),
+                wants: Subscription {
+                    output: a.output.format(),
+                    filter: a.filter,
+                    sample: a.sample,
+                    count: a.count,
+                    timeout: a.timeout,
+                    ip_ids: false,
+                },
                 marks_file: a.marks,
-                filter: a.filter,
-                sample: a.sample,
-                count: a.count,
                 ready_file: a.ready_file,
-                timeout: a.timeout,
                 idle: Duration::from_millis(a.idle_ms),
                 stats_file: a.stats,
                 floor: a.floor,

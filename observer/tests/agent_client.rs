@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use observer::commands::agent::client::{ClientOptions, ClientSummary, MAX_LINE, run};
 use observer::pipeline::Output;
+use observer::pipeline::subscription::Subscription;
 
 /// Serves one connection on 127.0.0.1 with `answer`, after reading the request's headers.
 /// `answer` stops when the client hangs up (a write fails).
@@ -49,13 +50,11 @@ impl Write for Sink {
 fn client(addr: &str, timeout: Option<Duration>) -> (anyhow::Result<ClientSummary>, Duration) {
     let opts = ClientOptions {
         agent: addr.into(),
-        output: Output::Line,
-        filter: None,
-        sample: 1,
-        count: None,
-        timeout,
+        wants: Subscription {
+            timeout,
+            ..Subscription::new(Output::Line)
+        },
         stop: None,
-        ip_ids: false,
     };
     let t = Instant::now();
     let r = run(&opts, "/v1/traces", Sink::default());

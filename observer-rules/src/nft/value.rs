@@ -9,6 +9,8 @@ use std::net::IpAddr;
 
 use serde_json::Value;
 
+use crate::packet::{CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED};
+
 /// The type of an expression, which decides how a literal is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ty {
@@ -89,12 +91,6 @@ impl Pat {
     }
 }
 
-pub const CT_INVALID: u128 = 1;
-pub const CT_ESTABLISHED: u128 = 2;
-pub const CT_RELATED: u128 = 4;
-pub const CT_NEW: u128 = 8;
-pub const CT_UNTRACKED: u128 = 64;
-
 pub const STATUS_EXPECTED: u128 = 1;
 pub const STATUS_SEEN_REPLY: u128 = 2;
 pub const STATUS_ASSURED: u128 = 4;
@@ -105,11 +101,11 @@ pub const STATUS_DNAT: u128 = 32;
 fn named(ty: Ty, s: &str) -> Option<u128> {
     Some(match (ty, s) {
         (Ty::Proto, _) => u128::from(crate::packet::proto_number(s)?),
-        (Ty::CtState, "invalid") => CT_INVALID,
-        (Ty::CtState, "established") => CT_ESTABLISHED,
-        (Ty::CtState, "related") => CT_RELATED,
-        (Ty::CtState, "new") => CT_NEW,
-        (Ty::CtState, "untracked") => CT_UNTRACKED,
+        (Ty::CtState, "invalid") => u128::from(CT_INVALID),
+        (Ty::CtState, "established") => u128::from(CT_ESTABLISHED),
+        (Ty::CtState, "related") => u128::from(CT_RELATED),
+        (Ty::CtState, "new") => u128::from(CT_NEW),
+        (Ty::CtState, "untracked") => u128::from(CT_UNTRACKED),
         (Ty::CtStatus, "expected") => STATUS_EXPECTED,
         (Ty::CtStatus, "seen-reply") => STATUS_SEEN_REPLY,
         (Ty::CtStatus, "assured") => STATUS_ASSURED,
@@ -367,7 +363,7 @@ mod tests {
         assert_eq!(atom(&json!("tcp"), Ty::Proto), Ok(Atom::N(6)));
         assert_eq!(
             atom(&json!(["established", "related"]), Ty::CtState),
-            Ok(Atom::N(CT_ESTABLISHED | CT_RELATED))
+            Ok(Atom::N(u128::from(CT_ESTABLISHED | CT_RELATED)))
         );
         assert_eq!(atom(&json!("10.0.0.1"), Ty::Ipv4), Ok(Atom::N(0x0a00_0001)));
         assert!(atom(&json!("::1"), Ty::Ipv4).is_err());

@@ -114,27 +114,22 @@ impl Simulator<'_> {
 
     /// Runs the bridge-family base chains of `hook` whose priority `keep` accepts, with the
     /// bridge ports as devices; false when the frame stopped.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the walk state is threaded explicitly, as in run_hook"
-    )]
     fn run_bridge_chains(
         &self,
         hook: Hook,
         keep: impl Fn(i32) -> bool,
+        on: OnBridge,
         pkt: &mut Pkt,
         b: &mut Walk,
         ch: &mut Chooser,
-        bridge: &str,
-        ports: (Option<&str>, Option<&str>),
     ) -> bool {
         let Some(prog) = &self.nft else {
             return true;
         };
         let saved = (pkt.in_iface.clone(), pkt.out_iface.clone(), pkt.bridged);
-        pkt.in_iface = ports.0.map(str::to_string);
-        pkt.out_iface = ports.1.map(str::to_string);
-        pkt.bridge_family = Some(bridge.to_string());
+        pkt.in_iface = on.in_port.map(str::to_string);
+        pkt.out_iface = on.out_port.map(str::to_string);
+        pkt.bridge_family = Some(on.bridge.to_string());
         let mut go_on = true;
         for s in prog
             .bridge_chains(hook)
@@ -244,7 +239,14 @@ impl Simulator<'_> {
         b.notes
             .push(format!("sent through {bridge}: leaves by port {port}"));
         for hook in hooks {
-            if !self.run_bridge_chains(hook, |_| true, pkt, b, ch, &bridge, (None, Some(&port))) {
+            if !self.run_bridge_chains(
+                hook,
+                |_| true,
+                OnBridge::new(&bridge, None, Some(&port)),
+                pkt,
+                b,
+                ch,
+            ) {
                 return;
             }
         }
@@ -273,16 +275,16 @@ impl Simulator<'_> {
                 "{sysctl} not given: the kernel's default (1) is assumed, so bridged frames walk the IP hooks"
             ));
         }
+        let inbound = OnBridge::new(bridge, Some(port), None);
         // Bridge PREROUTING chains before br_netfilter's hook (at equal priority a chain is
         // taken as registered after the bridge, so it runs first).
         if !self.run_bridge_chains(
             Hook::PreRouting,
             |p| p <= BRNF,
+            inbound,
             &mut pkt,
             &mut b,
             ch,
-            bridge,
-            (Some(port), None),
         ) {
             return b;
         }
@@ -306,11 +308,10 @@ impl Simulator<'_> {
         if !self.run_bridge_chains(
             Hook::PreRouting,
             |p| p > BRNF,
+            inbound,
             &mut pkt,
             &mut b,
             ch,
-            bridge,
-            (Some(port), None),
         ) {
             return b;
         }
@@ -318,15 +319,7 @@ impl Simulator<'_> {
         let decision = self.bridge_decision(spec, &pkt, bridge, dnat);
         // Up to the bridge device (to it, or routed by it): its `input` chains first.
         if matches!(decision, Decision::Local | Decision::Routed(_))
-            && !self.run_bridge_chains(
-                Hook::LocalIn,
-                |_| true,
-                &mut pkt,
-                &mut b,
-                ch,
-                bridge,
-                (Some(port), None),
-            )
+            && !self.run_bridge_chains(Hook::LocalIn, |_| true, inbound, &mut pkt, &mut b, ch)
         {
             return b;
         }
@@ -457,18 +450,12 @@ impl Simulator<'_> {
                 Some(format!("the bridge port it leaves by is not known ({why})"));
         }
         b.bridge = Some((bridge.to_string(), Some(port.to_string()), out_name.clone()));
+        let through = OnBridge::new(bridge, Some(port), out_port);
+        let outbound = OnBridge::new(bridge, None, out_port);
         // Bridge FORWARD chains before br_netfilter's forward hook (priority 0 on this kernel,
         // -1 on older ones; at equal priority a chain is taken as registered after the
         // bridge, so it runs first: the kernel's counters agree), the ones above after it.
-        if !self.run_bridge_chains(
-            Hook::Forward,
-            |p| p <= BRNF,
-            &mut pkt,
-            &mut b,
-            ch,
-            bridge,
-            (Some(port), out_port),
-        ) {
+        if !self.run_bridge_chains(Hook::Forward, |p| p <= BRNF, through, &mut pkt, &mut b, ch) {
             return b;
         }
         if calls {
@@ -481,27 +468,11 @@ impl Simulator<'_> {
                 return b;
             }
         }
-        if !self.run_bridge_chains(
-            Hook::Forward,
-            |p| p > BRNF,
-            &mut pkt,
-            &mut b,
-            ch,
-            bridge,
-            (Some(port), out_port),
-        ) {
+        if !self.run_bridge_chains(Hook::Forward, |p| p > BRNF, through, &mut pkt, &mut b, ch) {
             return b;
         }
         // Bridge POSTROUTING chains, then br_nf_post_routing at the very end.
-        if !self.run_bridge_chains(
-            Hook::PostRouting,
-            |_| true,
-            &mut pkt,
-            &mut b,
-            ch,
-            bridge,
-            (None, out_port),
-        ) {
+        if !self.run_bridge_chains(Hook::PostRouting, |_| true, outbound, &mut pkt, &mut b, ch) {
             return b;
         }
         if calls {
@@ -510,5 +481,24 @@ impl Simulator<'_> {
             self.run_hook(fam, Hook::PostRouting, &mut pkt, &mut b, ch, None);
         }
         b
+    }
+}
+
+/// A frame's place on its bridge: the bridge-family chains see its ports as its devices
+/// (`iifname`/`oifname`), none where it has no port on that side.
+#[derive(Clone, Copy)]
+struct OnBridge<'a> {
+    bridge: &'a str,
+    in_port: Option<&'a str>,
+    out_port: Option<&'a str>,
+}
+
+impl<'a> OnBridge<'a> {
+    fn new(bridge: &'a str, in_port: Option<&'a str>, out_port: Option<&'a str>) -> Self {
+        Self {
+            bridge,
+            in_port,
+            out_port,
+        }
     }
 }

@@ -13,10 +13,7 @@ use crate::nft::program::{
     BitOp, CtKey, Expr, FibResult, Field, MapData, MetaKey, NatKind, Op, PRule, PSet, PTable, Rhs,
     Scheduled, SetRef, Stmt, Target,
 };
-use crate::nft::value::{
-    Atom, CT_ESTABLISHED, CT_INVALID, CT_NEW, CT_RELATED, CT_UNTRACKED, Look, STATUS_DNAT,
-    STATUS_SNAT,
-};
+use crate::nft::value::{Atom, Look, STATUS_DNAT, STATUS_SNAT};
 use crate::route::RouteDecision;
 
 /// A value, or why there is none: `Break` is the kernel's NFT_BREAK (the rule stops, not
@@ -497,14 +494,7 @@ impl Simulator<'_> {
         let n = |v: u128| Ev::Val(Atom::N(v));
         if k == CtKey::State {
             // nft_ct_get_eval: no entry reads as invalid (before conntrack) or untracked.
-            return n(match pkt.state {
-                CtState::Untracked => CT_UNTRACKED,
-                _ if !pkt.ct_attached => CT_INVALID,
-                CtState::New => CT_NEW,
-                CtState::Established => CT_ESTABLISHED,
-                CtState::Related => CT_RELATED,
-                CtState::Invalid => CT_INVALID,
-            });
+            return n(u128::from(pkt.ct_state_bit()));
         }
         // Every other ct key breaks the rule when there is no entry.
         if !pkt.has_ct() {

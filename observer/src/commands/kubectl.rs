@@ -15,6 +15,7 @@ use clap::{Args, Parser, Subcommand};
 
 use super::agent::client::{self, ClientOptions};
 use crate::k8s::cluster::{self, Agent, Where};
+use crate::pipeline::subscription::Subscription;
 use crate::pipeline::{Output, OutputArgs};
 
 /// True when the binary was started by a name that makes it the kubectl plugin.
@@ -242,33 +243,36 @@ pub fn stream(
     stop: Option<tokio::sync::watch::Receiver<bool>>,
 ) -> Result<Vec<NodeEnd>> {
     let w = where_of(&cli.cluster)?;
-    let ip_ids = matches!(&cli.command, PluginCommand::Tail(t) if t.ip_ids);
-    let (
-        Selection {
-            target,
-            output,
-            mut filter,
-        },
-        path,
-        sample,
-        count,
-        timeout,
-    ) = match cli.command {
-        PluginCommand::Tail(mut t) => {
-            let target = &t.selection.target;
+    let (target, path, mut wants) = match cli.command {
+        PluginCommand::Tail(t) => {
+            let target = t.selection.target;
             if target.node.is_none() && target.pod.is_none() && !target.all_nodes {
                 anyhow::bail!("say which nodes: --node NODE, --pod NAMESPACE/NAME or --all-nodes");
             }
+            let mut filter = t.selection.filter;
             if !t.trace_own_stream {
-                let f = without_own_stream(t.selection.filter.as_deref(), w.port);
-                t.selection.filter = Some(f);
+                filter = Some(without_own_stream(filter.as_deref(), w.port));
             }
-            (t.selection, "/v1/traces", t.sample, t.count, t.timeout)
+            let wants = Subscription {
+                output: t.selection.output.format(),
+                filter,
+                sample: t.sample,
+                count: t.count,
+                timeout: t.timeout,
+                ip_ids: t.ip_ids,
+            };
+            (target, "/v1/traces", wants)
         }
-        PluginCommand::Drops(d) => (d.selection, "/v1/drops", 1, d.count, None),
+        PluginCommand::Drops(d) => {
+            let wants = Subscription {
+                filter: d.selection.filter,
+                count: d.count,
+                ..Subscription::new(d.selection.output.format())
+            };
+            (d.selection.target, "/v1/drops", wants)
+        }
         PluginCommand::Trace(_) => anyhow::bail!("trace is not a stream: use run"),
     };
-    let output = output.format();
     // Find the agents, and check each answers as this version does.
     let (chosen, checked) = rt.block_on(async {
         let all = cluster::agents(&client, &w).await?;
@@ -282,7 +286,7 @@ pub fn stream(
                     .map(|ip| format!("host {ip}"))
                     .collect::<Vec<_>>()
                     .join(" or ");
-                filter = Some(match filter.take() {
+                wants.filter = Some(match wants.filter.take() {
                     Some(f) => format!("({hosts}) and {f}"),
                     None => hosts,
                 });
@@ -348,15 +352,10 @@ pub fn stream(
         .map(|(a, socket)| {
             let opts = ClientOptions {
                 agent: socket.display().to_string(),
-                output,
-                filter: filter.clone(),
-                sample,
-                count,
-                timeout,
+                wants: wants.clone(),
                 stop: stop.clone(),
-                ip_ids,
             };
-            let w = NodeWriter::new(&a.node, output, out.clone(), newest_first);
+            let w = NodeWriter::new(&a.node, wants.output, out.clone(), newest_first);
             let node = a.node.clone();
             let t = std::thread::spawn(move || {
                 let r = client::run(&opts, path, w.clone());

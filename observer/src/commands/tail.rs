@@ -22,24 +22,19 @@ use crate::output::pcapng::{PacketStore, PcapngStats, PcapngWriter, monotonic_to
 use crate::output::recording::{Header, Recorder};
 pub use crate::pipeline::Output;
 use crate::pipeline::rulenames::RuleNamer;
+use crate::pipeline::subscription::Subscription;
 use crate::pipeline::{
     Context as PipelineContext, Handled, LiveNames, Outcome, PacketInfo, Pipeline, Sink,
 };
-use observer_common::filter::FilterProgram;
 
 #[derive(Clone, Debug)]
 pub struct TailOptions {
     pub netns: Option<String>,
-    pub output: Output,
+    /// What to print, which traversals (the filter runs in the probes), until when.
+    pub wants: Subscription,
     /// TOML mark dictionary applied over the defaults and what the live ruleset shows.
     pub marks_file: Option<PathBuf>,
-    /// pcap-subset expression evaluated by the probes (docs/filter.md).
-    pub filter: Option<String>,
-    /// Keep one flow in N (0 or 1: all).
-    pub sample: u32,
-    pub count: Option<u64>,
     pub ready_file: Option<PathBuf>,
-    pub timeout: Option<Duration>,
     /// A traversal waiting in the probes' fallback map this long is reported as incomplete.
     pub idle: Duration,
     /// Where to write the summary as JSON at exit.
@@ -240,7 +235,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
     };
     let mut pipeline = Pipeline::new(
         PipelineContext {
-            output: opts.output,
+            output: opts.wants.output,
             netns,
             tuple: layout.tuple,
             drop_reasons: layout.drop_reasons.clone(),
@@ -255,12 +250,9 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
         pipeline.ruleset_to(&live.texts, [r as &mut dyn Sink]);
     }
     pipeline.packet_info = pcapng.is_some();
+    pipeline.set_ip_ids(opts.wants.ip_ids);
     // Interface names in the filter are those of the observed namespace, entered above.
-    let mut program = match &opts.filter {
-        Some(expr) => crate::filter::compile(expr, &|name| crate::kernel::netns::ifindex(name))?,
-        None => FilterProgram::KEEP_ALL,
-    };
-    program.sample = opts.sample;
+    let program = opts.wants.program()?;
     let mut probes = attach_probes(&layout, &program, &live, opts.floor)?;
     let pcap = match pcapng {
         Some(writer) => Some(Pcap {
@@ -295,7 +287,7 @@ pub fn run(opts: TailOptions) -> Result<Summary> {
             SessionOptions {
                 netns: opts.netns.clone(),
                 ready_file: opts.ready_file.clone(),
-                timeout: opts.timeout,
+                timeout: opts.wants.timeout,
                 idle: opts.idle,
                 batch: BATCH,
                 final_drain: FINAL_DRAIN,
@@ -379,7 +371,7 @@ struct Printer<'a> {
 
 impl Printer<'_> {
     fn count_reached(&self) -> bool {
-        self.opts.count.is_some_and(|n| self.formatted >= n)
+        self.opts.wants.count.is_some_and(|n| self.formatted >= n)
     }
 
     /// Notes on what the node's bridge-family chains did to a bridged frame (simulated on

@@ -17,7 +17,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 
 use observer_model::Traversal;
-use observer_nfstats::nftrace::{Flow, TRACETYPE_POLICY, TRACETYPE_RULE, TraceEvent, TraceTable};
+use observer_nfstats::nftrace::{Flow, TraceEvent, TraceTable, Traced, Verdict};
 
 /// Frames' event groups kept waiting for their report at most (the oldest are dropped
 /// first: frames no report asks for, such as those `--filter` leaves out).
@@ -110,8 +110,7 @@ impl Grouper {
         let new = match open {
             None => true,
             Some(i) => {
-                own && e.kind == TRACETYPE_RULE
-                    && e.handle.is_some()
+                own && e.traced.rule().is_some()
                     && starts_new_frame(&self.groups[i].own_hooks, &e.chain.name)
             }
         };
@@ -150,13 +149,13 @@ impl Grouper {
             g.flows.push(f);
         }
         if own {
-            if e.kind == TRACETYPE_RULE && e.handle.is_some() {
+            if e.traced.rule().is_some() {
                 g.own_hooks.push(e.chain.name);
             }
         } else if g.events.len() < EVENTS_PER_GROUP
             // The end of a chain's rules without a rule (this kernel reports it as a rule
             // event without a handle): the policy event that follows says it.
-            && !(e.kind == TRACETYPE_RULE && e.handle.is_none())
+            && !matches!(e.traced, Traced::Rule { handle: None, .. })
         {
             // Their headers are in `flows` already: a kept event holds only what notes say.
             g.events.push(TraceEvent {
@@ -304,13 +303,16 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
         let end = evs
             .iter()
             .rev()
-            .find(|e| e.kind == TRACETYPE_POLICY || e.drops() || e.verdict_name() == "accept")
-            .map(|e| match e.kind {
-                TRACETYPE_POLICY => format!("{} (policy)", e.verdict_name()),
+            .find(|e| {
+                matches!(e.traced, Traced::Policy(_))
+                    || matches!(e.traced.verdict(), Some(Verdict::Drop | Verdict::Accept))
+            })
+            .map(|e| match e.traced {
+                Traced::Policy(_) => format!("{} (policy)", e.verdict_name()),
                 _ => format!(
                     "{} by rule handle {}",
                     e.verdict_name(),
-                    e.handle.unwrap_or_default()
+                    e.traced.rule().unwrap_or_default()
                 ),
             })
             .unwrap_or_else(|| {
@@ -320,8 +322,10 @@ pub fn notes(g: &Group, names: &Names) -> Vec<String> {
         out.push(format!(
             "bridge-family chain bridge {table} {chain} ({at}; observed by nf_tables trace): {end}"
         ));
-        for e in evs.iter().filter(|e| e.kind == TRACETYPE_RULE) {
-            let Some(handle) = e.handle else { continue };
+        for e in evs {
+            let Some(handle) = e.traced.rule() else {
+                continue;
+            };
             let text = names
                 .rules
                 .get(&(table.to_string(), chain.to_string(), handle))
@@ -501,7 +505,7 @@ mod tests {
 
     const TRACE: u16 = (10 << 8) | 17;
 
-    fn ev(table: &str, chain: &str, handle: Option<u64>, kind: u32, verdict: i32) -> TraceEvent {
+    fn ev(table: &str, chain: &str, traced: Traced) -> TraceEvent {
         TraceEvent {
             id: 7,
             chain: Chain {
@@ -509,12 +513,18 @@ mod tests {
                 table: table.into(),
                 name: chain.into(),
             },
-            handle,
-            kind,
-            verdict: (kind != TRACETYPE_POLICY).then_some(verdict),
-            policy: (kind == TRACETYPE_POLICY).then_some(verdict as u32),
-            ..TraceEvent::default()
+            traced,
+            iif: None,
+            oif: None,
+            mark: None,
+            nfproto: None,
+            network: Vec::new(),
+            transport: Vec::new(),
         }
+    }
+
+    fn rule(handle: Option<u64>, verdict: Option<Verdict>) -> Traced {
+        Traced::Rule { handle, verdict }
     }
 
     #[test]
@@ -528,8 +538,7 @@ mod tests {
             ),
             (7, "obs-l2", "forward")
         );
-        assert_eq!(e.handle, Some(5));
-        assert_eq!(e.kind, TRACETYPE_RULE);
+        assert_eq!(e.traced, rule(Some(5), Some(Verdict::Drop)));
         assert!(e.drops());
         assert_eq!(e.verdict_name(), "drop");
         assert_eq!((e.iif, e.oif, e.nfproto), (Some(5), Some(6), Some(7)));
@@ -559,20 +568,29 @@ mod tests {
         let mut first = drop.clone();
         first.chain.table = "observer-trace-1".into();
         first.chain.name = "prerouting".into();
-        first.handle = Some(2);
-        first.verdict = Some(-1);
+        first.traced = rule(Some(2), Some(Verdict::Continue));
         g.add(first.clone(), 100);
-        g.add(ev("obs-l2", "prerouting", None, TRACETYPE_RULE, -1), 100);
-        g.add(ev("obs-l2", "prerouting", None, TRACETYPE_POLICY, 1), 100);
+        g.add(
+            ev("obs-l2", "prerouting", rule(None, Some(Verdict::Continue))),
+            100,
+        );
+        g.add(
+            ev(
+                "obs-l2",
+                "prerouting",
+                Traced::Policy(Some(Verdict::Accept)),
+            ),
+            100,
+        );
         g.add(drop, 100);
         // An IP-family event of the same frame is not the bridge's.
         g.add(
             TraceEvent {
                 chain: Chain {
                     nfproto: 2,
-                    ..ev("filter", "FORWARD", Some(7), 3, -1).chain
+                    ..ev("filter", "FORWARD", rule(Some(7), Some(Verdict::Continue))).chain
                 },
-                ..ev("filter", "FORWARD", Some(7), 3, -1)
+                ..ev("filter", "FORWARD", rule(Some(7), Some(Verdict::Continue)))
             },
             100,
         );
@@ -607,7 +625,7 @@ mod tests {
             (Some(5), Some(6)),
             "the iif and oif of its first bridge hooks"
         );
-        assert_eq!(taken.events[1].handle, Some(5));
+        assert_eq!(taken.events[1].traced.rule(), Some(5));
         assert!(
             g.take(&[k], 50, (None, None), false).is_none(),
             "taken once"
@@ -652,8 +670,12 @@ mod tests {
         );
         let g = Group {
             events: vec![
-                ev("obs-l2", "prerouting", None, TRACETYPE_POLICY, 1),
-                ev("obs-l2", "forward", Some(5), TRACETYPE_RULE, 0),
+                ev(
+                    "obs-l2",
+                    "prerouting",
+                    Traced::Policy(Some(Verdict::Accept)),
+                ),
+                ev("obs-l2", "forward", rule(Some(5), Some(Verdict::Drop))),
             ],
             ..Group::default()
         };

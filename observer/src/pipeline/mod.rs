@@ -17,6 +17,7 @@ pub mod render_cache;
 pub mod report;
 pub mod rulenames;
 pub mod snapshots;
+pub mod subscription;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -57,6 +58,17 @@ pub struct OutputArgs {
     /// Same as --output json: one JSON object per line (schema 3, see docs/json-schema.md).
     #[arg(long, conflicts_with = "output")]
     pub json: bool,
+}
+
+impl Output {
+    /// The word `--output` and the agent's `output=` take.
+    pub fn name(self) -> &'static str {
+        match self {
+            Output::Tree => "tree",
+            Output::Json => "json",
+            Output::Line => "line",
+        }
+    }
 }
 
 impl OutputArgs {

@@ -11,23 +11,18 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 
-use crate::pipeline::Output;
+use crate::pipeline::subscription::Subscription;
 
 /// What to ask the agent for.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
     /// A unix socket path, or HOST:PORT.
     pub agent: String,
-    pub output: Output,
-    pub filter: Option<String>,
-    pub sample: u32,
-    pub count: Option<u64>,
-    pub timeout: Option<Duration>,
+    /// What to ask for (the query string of the request).
+    pub wants: Subscription,
     /// Set to true by the caller when it has what it wanted: the client stops there, as
     /// after SIGINT (`kubectl observer trace` once its journey is whole).
     pub stop: Option<tokio::sync::watch::Receiver<bool>>,
-    /// Ask for reports with each packet's IPv4 identification (`ip_id=1`).
-    pub ip_ids: bool,
 }
 
 /// What a client received.
@@ -65,34 +60,6 @@ impl std::fmt::Display for ClientSummary {
 /// A unix socket path (has a `/`, or exists) or a TCP HOST:PORT.
 fn is_unix(addr: &str) -> bool {
     addr.contains('/') || Path::new(addr).exists()
-}
-
-fn query(opts: &ClientOptions) -> String {
-    let mut q: Vec<(&str, String)> = vec![(
-        "output",
-        match opts.output {
-            Output::Json => "json",
-            Output::Tree => "tree",
-            Output::Line => "line",
-        }
-        .to_string(),
-    )];
-    if let Some(f) = &opts.filter {
-        q.push(("filter", f.clone()));
-    }
-    if opts.sample > 1 {
-        q.push(("sample", opts.sample.to_string()));
-    }
-    if let Some(c) = opts.count {
-        q.push(("count", c.to_string()));
-    }
-    if let Some(t) = opts.timeout {
-        q.push(("timeout", t.as_secs_f64().to_string()));
-    }
-    if opts.ip_ids {
-        q.push(("ip_id", "1".to_string()));
-    }
-    serde_urlencoded::to_string(q).unwrap_or_default()
 }
 
 /// The longest line the agent may send: one report (a tree of a long traversal with its
@@ -227,6 +194,7 @@ async fn stream<W: Write + Send + 'static>(
     let mut guard = Guard {
         sigint: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?,
         deadline: opts
+            .wants
             .timeout
             .map(|t| tokio::time::Instant::now() + t.saturating_add(TIMEOUT_GRACE)),
         stop: opts.stop.clone(),
@@ -247,7 +215,7 @@ async fn stream<W: Write + Send + 'static>(
         Err(Stopped::Stop(Stop::Deadline)) => bail!(
             "{summary}: the agent did not end the stream within --timeout {:?} and {:?} more \
              (is it stalled?); stopped here",
-            opts.timeout.unwrap_or_default(),
+            opts.wants.timeout.unwrap_or_default(),
             TIMEOUT_GRACE
         ),
         Err(Stopped::Error(e)) => return Err(e),
@@ -310,7 +278,7 @@ async fn receive(
     printer: &mut Printer,
     summary: &mut ClientSummary,
 ) -> Result<(), Stopped> {
-    let uri = format!("{path}?{}", query(opts));
+    let uri = format!("{path}?{}", opts.wants.query());
     let host = if is_unix(&opts.agent) {
         "localhost".to_string()
     } else {

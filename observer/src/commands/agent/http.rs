@@ -18,7 +18,7 @@ use super::hub::{Hub, Request};
 use super::metrics::{Format, Metrics};
 use super::tier2::{ArmRequest, Arming};
 use crate::k8s::Names;
-use crate::pipeline::Output;
+use crate::pipeline::subscription::Subscription;
 
 /// Metrics and health.
 pub fn metrics_router(metrics: Arc<Metrics>) -> Router {
@@ -199,54 +199,13 @@ async fn serve_names(State(names): State<Arc<Names>>) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-/// `filter`, `output`, `sample`, `count`, `timeout` of a request.
+/// A subscriber's request: its query ([`Subscription::from_query`]) with the filter compiled
+/// for the namespace the agent is in.
 pub fn parse_request(q: &HashMap<String, String>) -> Result<Request, String> {
-    let output = match q.get("output").map(String::as_str) {
-        None | Some("json") => Output::Json,
-        Some("tree") => Output::Tree,
-        Some("line") => Output::Line,
-        Some(o) => return Err(format!("unknown output `{o}`: give json, tree or line")),
-    };
-    let expr = q.get("filter").filter(|f| !f.trim().is_empty()).cloned();
-    let mut program = match q.get("filter").filter(|f| !f.trim().is_empty()) {
-        // Interface names are those of the agent's namespace (the process is in it).
-        Some(expr) => crate::filter::compile(expr, &|name| crate::kernel::netns::ifindex(name))
-            .map_err(|e| format!("bad filter: {e}"))?,
-        None => observer_common::filter::FilterProgram::KEEP_ALL,
-    };
-    if let Some(s) = q.get("sample") {
-        program.sample = s
-            .parse()
-            .map_err(|_| format!("sample `{s}` is not a whole number (keep one flow in N)"))?;
-    }
-    let count = match q.get("count") {
-        Some(c) => Some(
-            c.parse()
-                .map_err(|_| format!("count `{c}` is not a whole number"))?,
-        ),
-        None => None,
-    };
-    let timeout = match q.get("timeout") {
-        Some(t) => Some(crate::commands::parse_seconds(t).map_err(|e| format!("timeout {e}"))?),
-        None => None,
-    };
-    let ip_ids = match q.get("ip_id").map(String::as_str) {
-        None | Some("0") => false,
-        Some("1") => true,
-        Some(v) => {
-            return Err(format!(
-                "ip_id `{v}`: give 1 (reports carry the IPv4 ID) or 0"
-            ));
-        }
-    };
-    Ok(Request {
-        program,
-        expr,
-        output,
-        count,
-        timeout,
-        ip_ids,
-    })
+    let wants = Subscription::from_query(q)?;
+    // Interface names are those of the agent's namespace (the process is in it).
+    let program = wants.program().map_err(|e| format!("bad filter: {e}"))?;
+    Ok(Request { program, wants })
 }
 
 fn ndjson(body: Body) -> Response {
@@ -287,6 +246,7 @@ async fn drops(State(hub): State<Arc<Hub>>, Query(q): Query<HashMap<String, Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipeline::Output;
 
     fn q(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs
@@ -325,12 +285,16 @@ mod tests {
             ("timeout", "2.5"),
         ]))
         .unwrap();
-        assert_eq!(r.output, Output::Line);
-        assert_eq!((r.program.sample, r.count), (4, Some(10)));
-        assert_eq!(r.timeout, Some(Duration::from_millis(2500)));
+        assert_eq!(r.wants.output, Output::Line);
+        assert_eq!((r.program.sample, r.wants.count), (4, Some(10)));
+        assert_eq!(r.wants.timeout, Some(Duration::from_millis(2500)));
         assert_ne!(r.program.enabled, 0);
         let defaults = parse_request(&q(&[])).unwrap();
-        assert_eq!((defaults.output, defaults.count), (Output::Json, None));
+        assert_eq!(
+            (defaults.wants.output, defaults.wants.count),
+            (Output::Json, None)
+        );
+        assert_eq!(defaults.program.enabled, 0);
         for (bad, says) in [
             (("output", "xml"), "json, tree or line"),
             (("filter", "udp port"), "bad filter"),

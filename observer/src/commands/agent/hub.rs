@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use crate::filter::eval::keeps;
 use crate::kernel::btf::TupleLayout;
 use crate::pipeline::Output;
+use crate::pipeline::subscription::Subscription;
 use observer_common::filter::FilterProgram;
 use observer_common::traversal::TraversalRecord;
 
@@ -29,16 +30,11 @@ pub const MAX_SUBSCRIBERS: usize = 32;
 /// What a subscriber asked for.
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// `wants.filter` compiled, with `wants.sample`.
     pub program: FilterProgram,
-    /// The filter as given (None: everything), for the kernel's filter that serves every
-    /// subscriber at once ([`Hub::kernel_filter`]).
-    pub expr: Option<String>,
-    pub output: Output,
-    pub count: Option<u64>,
-    pub timeout: Option<Duration>,
-    /// Reports with each packet's IPv4 identification (`ip_id=1`): while any subscriber
-    /// asks, every report is made for its own packet (see `Pipeline::set_ip_ids`).
-    pub ip_ids: bool,
+    /// As asked; its filter text is also what the kernel's filter that serves every
+    /// subscriber at once is made of ([`Hub::kernel_filter`]).
+    pub wants: Subscription,
 }
 
 /// One traversal, rendered in the modes someone needs.
@@ -220,8 +216,8 @@ impl Hub {
             }
         }
         let (tx, rx) = mpsc::channel(QUEUE);
-        let deadline = req.timeout.map(|t| Instant::now() + t);
-        let count_zero = req.count == Some(0);
+        let deadline = req.wants.timeout.map(|t| Instant::now() + t);
+        let count_zero = req.wants.count == Some(0);
         let sub = Subscriber {
             req,
             deadline,
@@ -235,7 +231,7 @@ impl Hub {
         if count_zero {
             finish(sub, "count", self.lost());
         } else {
-            let ids = sub.req.ip_ids;
+            let ids = sub.req.wants.ip_ids;
             let mut subs = self.subs();
             subs.push(sub);
             // Under the lock: a tick recomputing the flag sees this subscriber.
@@ -276,7 +272,7 @@ impl Hub {
         }
         let mut exprs: Vec<&str> = Vec::with_capacity(subs.len());
         for s in subs.iter() {
-            exprs.push(s.req.expr.as_deref()?);
+            exprs.push(s.req.wants.filter.as_deref()?);
         }
         exprs.sort_unstable();
         exprs.dedup();
@@ -299,10 +295,12 @@ impl Hub {
         let subs = self.subs();
         let mut want = (false, false);
         for s in subs.iter() {
-            if matches!(s.req.output, Output::Json) || !keeps(&s.req.program, rec, &self.tuple) {
+            if matches!(s.req.wants.output, Output::Json)
+                || !keeps(&s.req.program, rec, &self.tuple)
+            {
                 continue;
             }
-            match s.req.output {
+            match s.req.wants.output {
                 Output::Tree => want.0 = true,
                 Output::Line => want.1 = true,
                 Output::Json => {}
@@ -327,7 +325,7 @@ impl Hub {
                 i += 1;
                 continue;
             }
-            let Some(bytes) = r.get(s.req.output) else {
+            let Some(bytes) = r.get(s.req.wants.output) else {
                 // Not rendered in its mode (a pipeline failure, already logged): skipped.
                 s.skipped += 1;
                 s.pending_skips += 1;
@@ -336,7 +334,7 @@ impl Hub {
                 i += 1;
                 continue;
             };
-            let msg = frame(s.req.output, bytes);
+            let msg = frame(s.req.wants.output, bytes);
             if s.offer(&msg) {
                 s.sent += 1;
             } else {
@@ -345,7 +343,7 @@ impl Hub {
                 self.skipped_total
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            if s.req.count.is_some_and(|n| s.sent >= n) {
+            if s.req.wants.count.is_some_and(|n| s.sent >= n) {
                 let s = subs.swap_remove(i);
                 finish(s, "count", lost);
                 continue;
@@ -370,7 +368,7 @@ impl Hub {
                 i += 1;
             }
         }
-        let ids = subs.iter().any(|s| s.req.ip_ids);
+        let ids = subs.iter().any(|s| s.req.wants.ip_ids);
         self.ip_ids.store(ids, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -398,12 +396,13 @@ impl Hub {
             .collect();
         end.filtered = (f.held.len() - kept.len()) as u64;
         let skip = req
+            .wants
             .count
             .map_or(0, |n| kept.len().saturating_sub(n as usize));
         for h in &kept[skip..] {
-            match h.rendered.get(req.output) {
+            match h.rendered.get(req.wants.output) {
                 Some(b) => {
-                    out.push(frame(req.output, b));
+                    out.push(frame(req.wants.output, b));
                     end.sent += 1;
                 }
                 None => end.skipped += 1,
@@ -486,13 +485,12 @@ mod tests {
     }
 
     fn request(filter: &str, output: Output, count: Option<u64>) -> Request {
+        let mut wants = Subscription::new(output);
+        wants.filter = (!filter.trim().is_empty()).then(|| filter.to_string());
+        wants.count = count;
         Request {
             program: crate::filter::compile(filter, &|_| None).unwrap(),
-            expr: (!filter.trim().is_empty()).then(|| filter.to_string()),
-            output,
-            count,
-            timeout: None,
-            ip_ids: false,
+            wants,
         }
     }
 
