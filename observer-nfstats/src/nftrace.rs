@@ -72,8 +72,6 @@ const NFTA_TRACE_NETWORK_HEADER: u16 = 8;
 const NFTA_TRACE_TRANSPORT_HEADER: u16 = 9;
 const NFTA_TRACE_IIF: u16 = 10;
 const NFTA_TRACE_OIF: u16 = 12;
-const NFTA_TRACE_MARK: u16 = 14;
-const NFTA_TRACE_NFPROTO: u16 = 15;
 const NFTA_TRACE_POLICY: u16 = 16;
 /// `NFT_TRACETYPE_*`.
 const TRACETYPE_POLICY: u32 = 1;
@@ -276,13 +274,12 @@ pub struct TraceEvent {
     pub chain: Chain,
     /// What happened there.
     pub traced: Traced,
+    /// The interfaces it came in and goes out by, where the hook has them (bridge ports).
     pub iif: Option<u32>,
     pub oif: Option<u32>,
-    pub mark: Option<u32>,
-    pub nfproto: Option<u32>,
-    /// The first bytes of the network header and of the transport header.
-    pub network: Vec<u8>,
-    pub transport: Vec<u8>,
+    /// The packet's headers, read from the first bytes of its network and transport
+    /// headers the event carries (None where they are not IPv4 or IPv6).
+    pub flow: Option<Flow>,
 }
 
 /// What a trace event reports (`NFTA_TRACE_TYPE`), with what that kind carries.
@@ -389,12 +386,6 @@ impl TraceEvent {
     pub fn drops(&self) -> bool {
         self.traced.verdict() == Some(&Verdict::Drop)
     }
-
-    /// The packet's addresses, protocol, ports and IPv4 ID, from the network and transport
-    /// headers the event carries.
-    pub fn flow(&self) -> Option<Flow> {
-        flow_of(&self.network, &self.transport)
-    }
 }
 
 /// What identifies a frame in its headers.
@@ -487,16 +478,14 @@ pub fn parse(kind: u16, payload: &[u8]) -> Option<TraceEvent> {
         traced,
         iif: u32_of(NFTA_TRACE_IIF),
         oif: u32_of(NFTA_TRACE_OIF),
-        mark: u32_of(NFTA_TRACE_MARK),
-        nfproto: u32_of(NFTA_TRACE_NFPROTO),
-        network: attrs
-            .get(NFTA_TRACE_NETWORK_HEADER)
-            .map(|a| a.value.to_vec())
-            .unwrap_or_default(),
-        transport: attrs
-            .get(NFTA_TRACE_TRANSPORT_HEADER)
-            .map(|a| a.value.to_vec())
-            .unwrap_or_default(),
+        flow: flow_of(
+            attrs
+                .get(NFTA_TRACE_NETWORK_HEADER)
+                .map_or(&[], |a| a.value),
+            attrs
+                .get(NFTA_TRACE_TRANSPORT_HEADER)
+                .map_or(&[], |a| a.value),
+        ),
     })
 }
 
@@ -717,10 +706,7 @@ mod tests {
             traced,
             iif: None,
             oif: None,
-            mark: None,
-            nfproto: None,
-            network: Vec::new(),
-            transport: Vec::new(),
+            flow: None,
         };
         let jump = Verdict::from_code(-3, Some("KUBE-SVC".into()));
         for (traced, words, drops) in [

@@ -342,45 +342,58 @@ fn main() {
     }
 }
 
+impl TailArgs {
+    /// What to print, the same for a local tail and one from an agent.
+    fn wants(&self) -> Subscription {
+        Subscription {
+            output: self.output.format(),
+            filter: self.filter.clone(),
+            sample: self.sample,
+            count: self.count,
+            timeout: self.timeout,
+            ip_ids: false,
+        }
+    }
+}
+
+/// `secs` as a duration when `range` holds it; otherwise the error `says`.
+fn seconds_within(secs: f64, range: std::ops::RangeInclusive<f64>, says: &str) -> Result<Duration> {
+    if range.contains(&secs) {
+        Ok(Duration::from_secs_f64(secs))
+    } else {
+        anyhow::bail!("{says}")
+    }
+}
+
+/// Prints what an agent streams from `path`, then its summary on stderr.
+fn from_agent(opts: agent::client::ClientOptions, path: &str) -> Result<()> {
+    let summary = agent::client::run(&opts, path, std::io::stdout())?;
+    eprintln!("{summary}");
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Tail(a) if a.agent.is_some() => {
-            let summary = agent::client::run(
-                &agent::client::ClientOptions {
-                    agent: a.agent.unwrap_or_default(),
-                    wants: Subscription {
-                        output: a.output.format(),
-                        filter: a.filter,
-                        sample: a.sample,
-                        count: a.count,
-                        timeout: a.timeout,
-                        ip_ids: false,
-                    },
-                    stop: None,
+        Command::Tail(a) if a.agent.is_some() => from_agent(
+            agent::client::ClientOptions {
+                wants: a.wants(),
+                agent: a.agent.unwrap_or_default(),
+                stop: None,
+            },
+            "/v1/traces",
+        ),
+        Command::Drops(a) => from_agent(
+            agent::client::ClientOptions {
+                agent: a.agent,
+                wants: Subscription {
+                    filter: a.filter,
+                    count: a.count,
+                    ..Subscription::new(a.output.format())
                 },
-                "/v1/traces",
-                std::io::stdout(),
-            )?;
-            eprintln!("{summary}");
-            Ok(())
-        }
-        Command::Drops(a) => {
-            let summary = agent::client::run(
-                &agent::client::ClientOptions {
-                    agent: a.agent,
-                    wants: Subscription {
-                        filter: a.filter,
-                        count: a.count,
-                        ..Subscription::new(a.output.format())
-                    },
-                    stop: None,
-                },
-                "/v1/drops",
-                std::io::stdout(),
-            )?;
-            eprintln!("{summary}");
-            Ok(())
-        }
+                stop: None,
+            },
+            "/v1/drops",
+        ),
         Command::Agent(a) => {
             let node = a.node_name.unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -417,18 +430,16 @@ fn run(cli: Cli) -> Result<()> {
                     })?,
                 drop_reasons_ignored: a.drop_reasons_ignored,
                 tier2: agent::tier2::Tier2Options {
-                    arm_seconds: Some(a.arm_seconds)
-                        .filter(|s| (1.0..=600.0).contains(s))
-                        .map(Duration::from_secs_f64)
-                        .ok_or_else(|| {
-                            anyhow::anyhow!("--arm-seconds must be 1 to 600 (seconds armed)")
-                        })?,
-                    cooldown: Some(a.arm_cooldown)
-                        .filter(|s| (0.0..=86400.0).contains(s))
-                        .map(Duration::from_secs_f64)
-                        .ok_or_else(|| {
-                            anyhow::anyhow!("--arm-cooldown must be 0 to 86400 seconds")
-                        })?,
+                    arm_seconds: seconds_within(
+                        a.arm_seconds,
+                        1.0..=600.0,
+                        "--arm-seconds must be 1 to 600 (seconds armed)",
+                    )?,
+                    cooldown: seconds_within(
+                        a.arm_cooldown,
+                        0.0..=86400.0,
+                        "--arm-cooldown must be 0 to 86400 seconds",
+                    )?,
                     drop_rates: a.arm_drop_rate,
                     insert_failed: a.arm_on_insert_failed,
                     window: a.window,
@@ -440,15 +451,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Tail(a) => {
             let summary = tail::run(tail::TailOptions {
+                wants: a.wants(),
                 netns: a.netns,
-                wants: Subscription {
-                    output: a.output.format(),
-                    filter: a.filter,
-                    sample: a.sample,
-                    count: a.count,
-                    timeout: a.timeout,
-                    ip_ids: false,
-                },
                 marks_file: a.marks,
                 ready_file: a.ready_file,
                 idle: Duration::from_millis(a.idle_ms),

@@ -143,7 +143,7 @@ impl Grouper {
         if g.out_port.is_none() {
             g.out_port = e.oif;
         }
-        if let Some(f) = e.flow()
+        if let Some(f) = e.flow
             && !g.flows.contains(&f)
         {
             g.flows.push(f);
@@ -157,12 +157,7 @@ impl Grouper {
             // event without a handle): the policy event that follows says it.
             && !matches!(e.traced, Traced::Rule { handle: None, .. })
         {
-            // Their headers are in `flows` already: a kept event holds only what notes say.
-            g.events.push(TraceEvent {
-                network: Vec::new(),
-                transport: Vec::new(),
-                ..e
-            });
+            g.events.push(e);
         }
     }
 
@@ -516,10 +511,7 @@ mod tests {
             traced,
             iif: None,
             oif: None,
-            mark: None,
-            nfproto: None,
-            network: Vec::new(),
-            transport: Vec::new(),
+            flow: None,
         }
     }
 
@@ -541,8 +533,8 @@ mod tests {
         assert_eq!(e.traced, rule(Some(5), Some(Verdict::Drop)));
         assert!(e.drops());
         assert_eq!(e.verdict_name(), "drop");
-        assert_eq!((e.iif, e.oif, e.nfproto), (Some(5), Some(6), Some(7)));
-        let f = e.flow().unwrap();
+        assert_eq!((e.iif, e.oif), (Some(5), Some(6)));
+        let f = e.flow.unwrap();
         assert_eq!(
             key_of(&f),
             (
@@ -596,7 +588,7 @@ mod tests {
         );
         // The same id entering prerouting again: a new frame (the skb was reused).
         let mut second = first.clone();
-        second.network[19] = 7;
+        second.flow.as_mut().unwrap().dst = "10.244.0.7".parse().unwrap();
         g.add(second, 200);
         assert_eq!(g.groups.len(), 2);
         let a = &g.groups[0];
