@@ -374,30 +374,23 @@ impl LiveNode {
     /// Makes a node of what the commands printed (`read`, or a recording's copy); what does
     /// not parse is in [`LiveNode::failures`].
     pub fn parse(texts: LiveTexts) -> Self {
-        let Parsed {
-            ruleset,
-            ipsets,
-            routes,
-            iface_addrs,
-            bridges,
-            unparsed,
-        } = texts.parse();
-        let failures = unparsed
+        let parsed = texts.parse();
+        let failures = parsed
+            .unparsed
             .into_iter()
             .map(|(text, e)| LiveError::Unreadable {
                 cmd: text.cmd().into(),
                 message: e.to_string(),
-            })
-            .collect();
+            });
         LiveNode {
             iptables_text: texts.iptables.clone().unwrap_or_default(),
             texts,
-            ruleset,
-            ipsets,
-            routes,
-            iface_addrs,
-            bridges,
-            failures,
+            ruleset: parsed.ruleset,
+            ipsets: parsed.ipsets,
+            routes: parsed.routes,
+            iface_addrs: parsed.iface_addrs,
+            bridges: parsed.bridges,
+            failures: failures.collect(),
         }
     }
 
