@@ -20,10 +20,10 @@ fn main() {
     };
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--ipsets" => req.ipset_save = Some(read(args.next())),
-            "--routes" => req.routes_json.push(read(args.next())),
+            "--ipsets" => req.texts.ipset = Some(read(args.next())),
+            "--routes" => req.texts.routes.push(read(args.next())),
             "--json" => json = true,
-            "--nft" => req.nft_json = Some(read(args.next())),
+            "--nft" => req.texts.nft = Some(read(args.next())),
             "--pick" => pick = args.next().and_then(|n| n.parse().ok()),
             _ => positional.push(a),
         }
@@ -33,7 +33,7 @@ fn main() {
     if let Some(f) = positional.pop() {
         rules = Some(read(Some(f)));
     }
-    if rules.is_none() && req.nft_json.is_none() {
+    if rules.is_none() && req.texts.nft.is_none() {
         eprintln!(
             "usage: explain [RULES] [--nft F] [--ipsets F] [--routes F] [--pick N] [--json] PACKET"
         );
@@ -41,9 +41,9 @@ fn main() {
     }
     if let Some(rules) = rules {
         if req.packet.contains('[') {
-            req.ip6tables_save = Some(rules);
+            req.texts.ip6tables = Some(rules);
         } else {
-            req.iptables_save = Some(rules);
+            req.texts.iptables = Some(rules);
         }
     }
     let result = explain(&req).and_then(|e| match pick {

@@ -54,7 +54,7 @@ pub struct Bridges {
 }
 
 /// The entries of `text`, a JSON array (`what` names it in errors).
-fn entries(text: &str, what: &str) -> Result<Vec<Value>, ParseError> {
+pub(crate) fn entries(text: &str, what: &str) -> Result<Vec<Value>, ParseError> {
     match serde_json::from_str(text)
         .map_err(|e| ParseError::new(e.line(), e.column(), format!("{what}: {e}")))?
     {

@@ -15,12 +15,11 @@ use serde_json::Value;
 use thiserror::Error;
 
 use crate::bridge::Bridges;
-use crate::check::Family;
 use crate::error::ParseError;
-use crate::ipset::{Ipsets, parse_ipsets};
-use crate::iptables::{SaveFile, parse_save_family};
-use crate::live::BridgeTexts;
-use crate::nft::{NftRuleset, parse_nft_json};
+use crate::ipset::Ipsets;
+use crate::iptables::SaveFile;
+use crate::live::{LiveTexts, Text};
+use crate::nft::NftRuleset;
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
 use crate::sim::{Branch, MatchedRule, Simulator, Verdict, verdict_of};
@@ -28,24 +27,15 @@ use crate::sim::{Branch, MatchedRule, Simulator, Verdict, verdict_of};
 /// Everything `explain` needs, as text, so the CLI only reads files or runs commands.
 #[derive(Debug, Clone, Default)]
 pub struct ExplainRequest {
-    /// `iptables-save [-c]` output.
-    pub iptables_save: Option<String>,
-    /// `ip6tables-save [-c]` output.
-    pub ip6tables_save: Option<String>,
-    /// `nft -j list ruleset` output: native tables are simulated with the iptables tables.
-    pub nft_json: Option<String>,
-    /// `ipset save` (or `ipset list`) output; sets not given are unknown.
-    pub ipset_save: Option<String>,
-    /// One or more `ip -j route show table all` / `ip -j -6 route show table all` outputs.
-    pub routes_json: Vec<String>,
+    /// The node's texts, as `--live` reads them: `iptables-save [-c]` / `ip6tables-save [-c]`
+    /// output, `nft -j list ruleset` (native tables are simulated with the iptables tables),
+    /// `ipset save` (or `ipset list`; sets not given are unknown), one or more `ip -j route
+    /// show table all` outputs, `ip -j addr show` (interface addresses for
+    /// MASQUERADE/REDIRECT when routes do not name them), and the bridge ports, neighbours,
+    /// fdb and br_netfilter's switches (a switch not given assumes the kernel's 1).
+    pub texts: LiveTexts,
     /// e.g. `tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 [out IFACE] [mark 0x0] [state new]`.
     pub packet: String,
-    /// Interface addresses for MASQUERADE/REDIRECT when routes do not name them.
-    pub iface_addrs: HashMap<String, Vec<IpAddr>>,
-    /// Bridge ports, neighbours, fdb and br_netfilter's switches, as the commands print
-    /// them (`bridge -j -d link`, `ip -j -d link`, `ip -j neigh`, `bridge -j fdb`); a
-    /// switch not given assumes the kernel's 1.
-    pub bridge: BridgeTexts,
 }
 
 /// The rules of both families (and nft, if given).
@@ -68,6 +58,8 @@ pub enum ExplainError {
     Ipset(ParseError),
     #[error("route input, {0}")]
     Routes(ParseError),
+    #[error("address input, {0}")]
+    Addrs(ParseError),
     #[error("bridge/link input, {0}")]
     Bridges(ParseError),
     #[error(transparent)]
@@ -94,56 +86,60 @@ pub struct Explanation {
     pub notes: Vec<String>,
 }
 
+impl ExplainError {
+    /// The error of a text that did not parse.
+    fn unparsed((text, e): (Text, ParseError)) -> Self {
+        match text {
+            Text::Iptables => ExplainError::Iptables(e),
+            Text::Ip6tables => ExplainError::Ip6tables(e),
+            Text::Nft => ExplainError::Nft(e),
+            Text::Ipset => ExplainError::Ipset(e),
+            Text::Routes => ExplainError::Routes(e),
+            Text::Addrs => ExplainError::Addrs(e),
+            Text::Bridge(_) => ExplainError::Bridges(e),
+        }
+    }
+}
+
 /// Parses every input of `req` and simulates its packet.
 pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     let packet = parse_packet_spec(&req.packet)?;
-    let ipv4 = match &req.iptables_save {
-        Some(t) => parse_save_family(t, Family::V4).map_err(ExplainError::Iptables)?,
-        None => SaveFile::default(),
+    let t = &req.texts;
+    let parsed = t.parse();
+    // The first text that did not parse, if it comes no later than `upto` (the checks
+    // below sit between the texts they need).
+    let unparsed = |upto: Text| match parsed.unparsed.first() {
+        Some(u) if u.0 <= upto => Err(ExplainError::unparsed(u.clone())),
+        _ => Ok(()),
     };
-    let ipv6 = match &req.ip6tables_save {
-        Some(t) => parse_save_family(t, Family::V6).map_err(ExplainError::Ip6tables)?,
-        None => SaveFile::default(),
-    };
+    unparsed(Text::Ip6tables)?;
     let have = if packet.is_v6() {
-        req.ip6tables_save.is_some()
+        t.ip6tables.is_some()
     } else {
-        req.iptables_save.is_some()
+        t.iptables.is_some()
     };
     let fam = if packet.is_v6() { "IPv6" } else { "IPv4" };
-    if !have && req.nft_json.is_none() {
+    if !have && t.nft.is_none() {
         return Err(ExplainError::NoRuleset(fam));
     }
-    let nft = req
-        .nft_json
-        .as_deref()
-        .map(parse_nft_json)
-        .transpose()
-        .map_err(ExplainError::Nft)?;
+    unparsed(Text::Nft)?;
+    let rs = &parsed.ruleset;
     // iptables-restore accepts an empty file, but a verdict from it would be "accept
     // everywhere" built on nothing: usually the wrong file or the other back end's save.
-    let file = if packet.is_v6() { &ipv6 } else { &ipv4 };
-    if have && file.tables.is_empty() && !nft_has_tables(nft.as_ref(), packet.is_v6()) {
+    let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
+    if have && file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), packet.is_v6()) {
         return Err(ExplainError::EmptyRuleset(fam));
     }
-    let ipsets = match &req.ipset_save {
-        Some(t) => parse_ipsets(t).map_err(ExplainError::Ipset)?,
-        None => Ipsets::default(),
-    };
-    let texts: Vec<&str> = req.routes_json.iter().map(String::as_str).collect();
-    let routes = Routes::parse_json(&texts).map_err(ExplainError::Routes)?;
-    let rs = Ruleset { ipv4, ipv6, nft };
-    let (bridges, mut unparsed) = req.bridge.parse();
-    if !unparsed.is_empty() {
-        return Err(ExplainError::Bridges(unparsed.swap_remove(0).1));
+    if let Some(u) = parsed.unparsed.first() {
+        return Err(ExplainError::unparsed(u.clone()));
     }
     Ok(explain_with_bridges(
-        &rs,
-        &ipsets,
-        &routes,
-        &bridges,
+        rs,
+        &parsed.ipsets,
+        &parsed.routes,
+        &parsed.bridges,
         &packet,
-        &req.iface_addrs,
+        &parsed.iface_addrs,
     ))
 }
 

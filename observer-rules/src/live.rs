@@ -19,6 +19,7 @@ use thiserror::Error;
 
 use crate::bridge::Bridges;
 use crate::check::Family as Dialect;
+use crate::error::ParseError;
 use crate::explain::Ruleset;
 use crate::ipset::{Ipsets, parse_ipsets};
 use crate::iptables::parse_save_family;
@@ -120,6 +121,57 @@ impl BridgeTexts {
     }
 }
 
+/// Which of [`LiveTexts`]' texts did not parse, in the order they are parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Text {
+    Iptables,
+    Ip6tables,
+    Nft,
+    Ipset,
+    Routes,
+    Addrs,
+    /// One of the bridge texts, by the command that printed it.
+    Bridge(&'static str),
+}
+
+impl Text {
+    /// The command that prints this text.
+    pub fn cmd(self) -> &'static str {
+        match self {
+            Text::Iptables => "iptables-save -c",
+            Text::Ip6tables => "ip6tables-save -c",
+            Text::Nft => "nft -j list ruleset",
+            Text::Ipset => "ipset save",
+            Text::Routes => "ip -j route show table all",
+            Text::Addrs => "ip -j addr show",
+            Text::Bridge(cmd) => cmd,
+        }
+    }
+}
+
+/// [`LiveTexts`] parsed: what a [`LiveNode`] and `explain` simulate on. A text not given,
+/// or that does not parse, leaves its part empty.
+#[derive(Debug, Default)]
+pub struct Parsed {
+    pub ruleset: Ruleset,
+    pub ipsets: Ipsets,
+    pub routes: Routes,
+    pub iface_addrs: HashMap<String, Vec<IpAddr>>,
+    pub bridges: Bridges,
+    /// Each text that did not parse, in [`Text`]'s order.
+    pub unparsed: Vec<(Text, ParseError)>,
+}
+
+/// `parse` of `text` if given; an error is kept in `unparsed` under `which`.
+fn parse_text<T>(
+    text: Option<&str>,
+    which: Text,
+    parse: impl FnOnce(&str) -> Result<T, ParseError>,
+    unparsed: &mut Vec<(Text, ParseError)>,
+) -> Option<T> {
+    parse(text?).map_err(|e| unparsed.push((which, e))).ok()
+}
+
 impl LiveTexts {
     /// What the commands print on the node (the calling thread's network namespace), not
     /// parsed, with every read that failed: what a cluster plugin fetches from an agent to
@@ -177,6 +229,61 @@ impl LiveTexts {
             }),
         };
         (texts, failures)
+    }
+
+    /// Parses every text given (the one path from texts to rules, sets, routes, addresses
+    /// and bridges): [`LiveNode::parse`] and `explain` both read the node through it.
+    pub fn parse(&self) -> Parsed {
+        let mut unparsed = Vec::new();
+        let ipv4 = parse_text(
+            self.iptables.as_deref(),
+            Text::Iptables,
+            |t| parse_save_family(t, Dialect::V4),
+            &mut unparsed,
+        );
+        let ipv6 = parse_text(
+            self.ip6tables.as_deref(),
+            Text::Ip6tables,
+            |t| parse_save_family(t, Dialect::V6),
+            &mut unparsed,
+        );
+        let nft = parse_text(
+            self.nft.as_deref(),
+            Text::Nft,
+            parse_nft_json,
+            &mut unparsed,
+        );
+        let ipsets = parse_text(
+            self.ipset.as_deref(),
+            Text::Ipset,
+            parse_ipsets,
+            &mut unparsed,
+        );
+        let routes: Vec<&str> = self.routes.iter().map(String::as_str).collect();
+        let routes = Routes::parse_json(&routes).unwrap_or_else(|e| {
+            unparsed.push((Text::Routes, e));
+            Routes::default()
+        });
+        let iface_addrs = parse_text(
+            self.addrs.as_deref(),
+            Text::Addrs,
+            parse_addrs,
+            &mut unparsed,
+        );
+        let (bridges, bad) = self.bridge.parse();
+        unparsed.extend(bad.into_iter().map(|(cmd, e)| (Text::Bridge(cmd), e)));
+        Parsed {
+            ruleset: Ruleset {
+                ipv4: ipv4.unwrap_or_default(),
+                ipv6: ipv6.unwrap_or_default(),
+                nft,
+            },
+            ipsets: ipsets.unwrap_or_default(),
+            routes,
+            iface_addrs: iface_addrs.unwrap_or_default(),
+            bridges,
+            unparsed,
+        }
     }
 
     /// The bytes the texts hold (what a copy of them costs).
@@ -267,54 +374,24 @@ impl LiveNode {
     /// Makes a node of what the commands printed (`read`, or a recording's copy); what does
     /// not parse is in [`LiveNode::failures`].
     pub fn parse(texts: LiveTexts) -> Self {
-        let mut node = LiveNode::default();
-        let mut failures = Vec::new();
-        let unreadable = |cmd: &str, e: &dyn std::fmt::Display| LiveError::Unreadable {
-            cmd: cmd.into(),
-            message: e.to_string(),
-        };
-        if let Some(t) = &texts.iptables {
-            match parse_save_family(t, Dialect::V4) {
-                Ok(f) => node.ruleset.ipv4 = f,
-                Err(e) => failures.push(unreadable("iptables-save -c", &e)),
-            }
-            node.iptables_text = t.clone();
+        let parsed = texts.parse();
+        let failures = parsed
+            .unparsed
+            .into_iter()
+            .map(|(text, e)| LiveError::Unreadable {
+                cmd: text.cmd().into(),
+                message: e.to_string(),
+            });
+        LiveNode {
+            iptables_text: texts.iptables.clone().unwrap_or_default(),
+            texts,
+            ruleset: parsed.ruleset,
+            ipsets: parsed.ipsets,
+            routes: parsed.routes,
+            iface_addrs: parsed.iface_addrs,
+            bridges: parsed.bridges,
+            failures: failures.collect(),
         }
-        if let Some(t) = &texts.ip6tables {
-            match parse_save_family(t, Dialect::V6) {
-                Ok(f) => node.ruleset.ipv6 = f,
-                Err(e) => failures.push(unreadable("ip6tables-save -c", &e)),
-            }
-        }
-        if let Some(t) = &texts.nft {
-            match parse_nft_json(t) {
-                Ok(n) => node.ruleset.nft = Some(n),
-                Err(e) => failures.push(unreadable("nft -j list ruleset", &e)),
-            }
-        }
-        if let Some(t) = &texts.ipset {
-            match parse_ipsets(t) {
-                Ok(s) => node.ipsets = s,
-                Err(e) => failures.push(unreadable("ipset save", &e)),
-            }
-        }
-        let routes: Vec<&str> = texts.routes.iter().map(String::as_str).collect();
-        match Routes::parse_json(&routes) {
-            Ok(r) => node.routes = r,
-            Err(e) => failures.push(unreadable("ip -j route show table all", &e)),
-        }
-        if let Some(t) = &texts.addrs {
-            match parse_addrs(t) {
-                Some(a) => node.iface_addrs = a,
-                None => failures.push(unreadable("ip -j addr show", &"not a list of links")),
-            }
-        }
-        let (bridges, unparsed) = texts.bridge.parse();
-        failures.extend(unparsed.iter().map(|(cmd, e)| unreadable(cmd, e)));
-        node.bridges = bridges;
-        node.failures = failures;
-        node.texts = texts;
-        node
     }
 
     /// Whether the node has rules the kernel runs (iptables tables or nftables tables).
@@ -381,10 +458,9 @@ impl LiveNode {
 }
 
 /// `ip -j addr show`: interface name -> its addresses.
-fn parse_addrs(text: &str) -> Option<HashMap<String, Vec<IpAddr>>> {
-    let v: Value = serde_json::from_str(text).ok()?;
+fn parse_addrs(text: &str) -> Result<HashMap<String, Vec<IpAddr>>, ParseError> {
     let mut out = HashMap::new();
-    for link in v.as_array()? {
+    for link in crate::bridge::entries(text, "address JSON")? {
         let Some(name) = link["ifname"].as_str() else {
             continue;
         };
@@ -396,7 +472,7 @@ fn parse_addrs(text: &str) -> Option<HashMap<String, Vec<IpAddr>>> {
             .collect();
         out.insert(name.to_string(), addrs);
     }
-    Some(out)
+    Ok(out)
 }
 
 /// The bit kube-proxy's nftables mode ORs into the mark in `mark-for-masquerade`
@@ -442,7 +518,7 @@ mod tests {
         assert_eq!(a["cali1a2b"].len(), 2);
         assert_eq!(a["cali1a2b"][0].to_string(), "169.254.1.1");
         assert!(a["down"].is_empty());
-        assert!(parse_addrs("{}").is_none());
+        assert!(parse_addrs("{}").is_err());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! ports, hairpin on, kube-proxy's ClusterIP with an endpoint on the same bridge, FORWARD
 //! rules with `-m physdev`), each flow's route (bridged or routed), devices and rules.
 
-use observer_rules::{BridgeTexts, ExplainRequest, Verdict, explain};
+use observer_rules::{BridgeTexts, ExplainRequest, LiveTexts, Verdict, explain};
 
 /// The route's name, as the tests state it.
 fn route_name(b: &observer_rules::Branch) -> &'static str {
@@ -62,17 +62,19 @@ const FDB: &str = r#"[{"mac":"02:00:00:00:00:02","ifname":"vetha","master":"cni0
 
 fn req(packet: &str) -> ExplainRequest {
     ExplainRequest {
-        iptables_save: Some(RULES.into()),
-        routes_json: vec![ROUTES.into()],
-        bridge: BridgeTexts {
-            bridge_links: Some(LINKS.into()),
-            neigh: Some(NEIGH.into()),
-            fdb: Some(FDB.into()),
-            bridge_nf_call: [Some(true), Some(true)],
+        texts: LiveTexts {
+            iptables: Some(RULES.into()),
+            routes: vec![ROUTES.into()],
+            bridge: Box::new(BridgeTexts {
+                bridge_links: Some(LINKS.into()),
+                neigh: Some(NEIGH.into()),
+                fdb: Some(FDB.into()),
+                bridge_nf_call: [Some(true), Some(true)],
+                ..Default::default()
+            }),
             ..Default::default()
         },
         packet: packet.into(),
-        ..Default::default()
     }
 }
 
@@ -160,7 +162,7 @@ fn clusterip_with_an_endpoint_on_the_same_bridge_is_bridged_after_dnat() {
     assert!(rules(&e).contains(&"FORWARD filter FORWARD#2".to_string()));
     // Without a usable neighbour entry the first packet leaves through cni0's own transmit.
     let mut r = req("udp 10.244.0.2:5000 -> 10.96.0.10:80 in vetha");
-    r.bridge.neigh = Some(
+    r.texts.bridge.neigh = Some(
         r#"[{"dst":"10.244.0.3","dev":"cni0","lladdr":"02:00:00:00:00:03","state":["FAILED"]}]"#
             .into(),
     );
@@ -194,7 +196,7 @@ fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin()
     );
     assert!(rules(&e).contains(&"POSTROUTING nat POSTROUTING#2".to_string()));
     let mut r = req("udp 10.244.0.3:5000 -> 10.96.0.10:80 in vethb");
-    r.bridge.bridge_links = Some(
+    r.texts.bridge.bridge_links = Some(
         r#"[{"ifname":"vetha","master":"cni0","hairpin":true},{"ifname":"vethb","master":"cni0","hairpin":false}]"#.into(),
     );
     let e = explain(&r).unwrap();
@@ -208,7 +210,7 @@ fn hairpin_goes_back_out_of_its_port_masqueraded_or_is_dropped_without_hairpin()
         e.branches[0].notes
     );
     // Hairpin mode not given (`bridge -j link` without -d): undecidable, not guessed.
-    r.bridge.bridge_links = Some(r#"[{"ifname":"vethb","master":"cni0"}]"#.into());
+    r.texts.bridge.bridge_links = Some(r#"[{"ifname":"vethb","master":"cni0"}]"#.into());
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
 }
@@ -247,7 +249,7 @@ fn pod_to_outside_and_to_the_node_are_routed_with_the_in_port_known() {
 #[test]
 fn physdev_without_bridge_ports_stays_undecidable() {
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");
-    r.bridge.bridge_links = None;
+    r.texts.bridge.bridge_links = None;
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
     assert!(
@@ -272,7 +274,7 @@ fn physdev_without_bridge_ports_stays_undecidable() {
 #[test]
 fn the_out_port_unknown_makes_physdev_out_undecidable() {
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");
-    r.bridge.fdb = None;
+    r.texts.bridge.fdb = None;
     let e = explain(&r).unwrap();
     assert_eq!(route_name(&e.branches[0]), "bridged");
     assert_eq!(e.verdict(), Verdict::Undecidable);
@@ -295,7 +297,7 @@ fn the_out_port_unknown_makes_physdev_out_undecidable() {
     );
     let only_bridged = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n-A FORWARD -m physdev --physdev-is-bridged --physdev-is-out -j DROP\nCOMMIT\n";
     let mut r2 = r.clone();
-    r2.iptables_save = Some(only_bridged.into());
+    r2.texts.iptables = Some(only_bridged.into());
     assert_eq!(explain(&r2).unwrap().verdict(), Verdict::Drop);
     // Named in the packet, the port decides.
     r.packet = "udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha out vethb".into();
@@ -305,7 +307,7 @@ fn the_out_port_unknown_makes_physdev_out_undecidable() {
 #[test]
 fn bridge_nf_call_off_skips_the_ip_hooks_for_bridged_frames() {
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:9999 in vetha");
-    r.bridge.bridge_nf_call = [Some(false), Some(false)];
+    r.texts.bridge.bridge_nf_call = [Some(false), Some(false)];
     let e = explain(&r).unwrap();
     assert_eq!(route_name(&e.branches[0]), "bridged");
     assert_eq!(e.verdict(), Verdict::Accept);
@@ -324,7 +326,7 @@ fn nft_bridge_tables_run_around_br_netfilter() {
       {"rule":{"family":"bridge","table":"f","chain":"fwd","handle":5,"expr":[{"match":{"op":"==","left":{"meta":{"key":"oifname"}},"right":"vethb"}},{"match":{"op":"==","left":{"payload":{"protocol":"udp","field":"dport"}},"right":9998}},{"drop":null}]}}
     ]}"#;
     let mut r = req("udp 10.244.0.2:5000 -> 10.244.0.3:7000 in vetha");
-    r.nft_json = Some(nft.into());
+    r.texts.nft = Some(nft.into());
     let e = explain(&r).unwrap();
     let b = &e.branches[0];
     assert_eq!(e.verdict(), Verdict::Accept, "{:?}", b.notes);
@@ -360,7 +362,7 @@ fn nft_bridge_tables_run_around_br_netfilter() {
     assert_eq!(&*e.branches[0].stages.last().unwrap().table, "f");
     // The out port not known (no fdb): a bridge chain's `oifname` is undecidable there,
     // not a miss (the frame may well leave by vethb and be dropped).
-    r.bridge.fdb = None;
+    r.texts.bridge.fdb = None;
     let e = explain(&r).unwrap();
     assert_eq!(
         e.verdict(),
@@ -397,14 +399,16 @@ fn ipv6_frames_walk_ip6tables_through_br_netfilter() {
     let routes6 = r#"[{"type":"local","dst":"fd00:244::1","dev":"cni0","table":"local"},
       {"dst":"fd00:244::/64","dev":"cni0"}]"#;
     let r = ExplainRequest {
-        ip6tables_save: Some(RULES6.into()),
-        routes_json: vec![routes6.into()],
-        bridge: BridgeTexts {
-            bridge_links: Some(LINKS.into()),
+        texts: LiveTexts {
+            ip6tables: Some(RULES6.into()),
+            routes: vec![routes6.into()],
+            bridge: Box::new(BridgeTexts {
+                bridge_links: Some(LINKS.into()),
+                ..Default::default()
+            }),
             ..Default::default()
         },
         packet: "udp [fd00:244::2]:5000 -> [fd00:244::3]:9999 in vetha out vethb".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert_eq!(route_name(&e.branches[0]), "bridged");

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use observer_rules::{ExplainRequest, Explanation, Verdict, explain};
+use observer_rules::{ExplainRequest, Explanation, LiveTexts, Verdict, explain};
 
 /// A walk of the step budget takes well under this, even on a busy machine.
 const BOUND: Duration = Duration::from_secs(5);
@@ -26,19 +26,23 @@ fn timed(req: ExplainRequest) -> Explanation {
 
 fn ipt(rules: &str) -> Explanation {
     timed(ExplainRequest {
-        iptables_save: Some(rules.into()),
-        routes_json: vec![ROUTES.into()],
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            routes: vec![ROUTES.into()],
+            ..Default::default()
+        },
         packet: PACKET.into(),
-        ..Default::default()
     })
 }
 
 fn nft(json: &str) -> Explanation {
     timed(ExplainRequest {
-        nft_json: Some(json.into()),
-        routes_json: vec![ROUTES.into()],
+        texts: LiveTexts {
+            nft: Some(json.into()),
+            routes: vec![ROUTES.into()],
+            ..Default::default()
+        },
         packet: PACKET.into(),
-        ..Default::default()
     })
 }
 

@@ -4,7 +4,7 @@
 
 use observer_model::{Rule, RuleId};
 use observer_rules::sim::verdict_of;
-use observer_rules::{ExplainRequest, Explanation, Verdict, explain, parse_nft_json};
+use observer_rules::{ExplainRequest, Explanation, LiveTexts, Verdict, explain, parse_nft_json};
 
 /// A rule's nf_tables handle: a native rule's, or the iptables-nft rule an iptables rule is
 /// (0 for neither).
@@ -35,10 +35,12 @@ const ROUTES: &str = r#"[
 
 fn nft(json: &str, packet: &str) -> Explanation {
     explain(&ExplainRequest {
-        nft_json: Some(json.into()),
-        routes_json: vec![ROUTES.into()],
+        texts: LiveTexts {
+            nft: Some(json.into()),
+            routes: vec![ROUTES.into()],
+            ..Default::default()
+        },
         packet: packet.into(),
-        ..Default::default()
     })
     .unwrap()
 }
@@ -214,9 +216,11 @@ fn node_ports_need_fib_and_fib_needs_routes() {
     );
     // Without routes `fib daddr type local` cannot be answered: undecidable, with the reason.
     let e = explain(&ExplainRequest {
-        nft_json: Some(KUBE_PROXY.into()),
+        texts: LiveTexts {
+            nft: Some(KUBE_PROXY.into()),
+            ..Default::default()
+        },
         packet: "tcp 10.201.0.7:40000 -> 10.202.0.1:30002 in calir0 out ethr1".into(),
-        ..Default::default()
     })
     .unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
@@ -312,11 +316,13 @@ fn calico_marks_maps_and_reverse_path() {
 fn native_chains_interleave_with_iptables_and_share_the_nat_core() {
     let ex = |packet: &str, with_save: bool| {
         explain(&ExplainRequest {
-            iptables_save: with_save.then(|| MIXED_RULES.into()),
-            nft_json: Some(MIXED.into()),
-            routes_json: vec![ROUTES.into()],
+            texts: LiveTexts {
+                iptables: with_save.then(|| MIXED_RULES.into()),
+                nft: Some(MIXED.into()),
+                routes: vec![ROUTES.into()],
+                ..Default::default()
+            },
             packet: packet.into(),
-            ..Default::default()
         })
         .unwrap()
     };

@@ -2,7 +2,7 @@
 //! addresses are not routed as unicast; IPv6 MASQUERADE picks its source as RFC 6724 ranks
 //! it; `addrtype` answers from the local table and says when only main was given.
 
-use observer_rules::{ExplainRequest, Explanation, Hook, Verdict, explain};
+use observer_rules::{ExplainRequest, Explanation, Hook, LiveTexts, Verdict, explain};
 
 const ALL: &str = r#"[
  {"dst":"default","gateway":"192.0.2.1","dev":"eth0","flags":[]},
@@ -31,11 +31,13 @@ const OPEN: &str = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT
 
 fn run(rules: &str, routes: &str, packet: &str) -> Explanation {
     explain(&ExplainRequest {
-        iptables_save: Some(rules.into()),
-        ip6tables_save: Some(rules.into()),
-        routes_json: vec![routes.into()],
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            ip6tables: Some(rules.into()),
+            routes: vec![routes.into()],
+            ..Default::default()
+        },
         packet: packet.into(),
-        ..Default::default()
     })
     .unwrap()
 }

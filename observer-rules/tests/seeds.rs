@@ -5,7 +5,7 @@
 use observer_model::{Route, Rule, RuleId};
 use observer_rules::iptables::{parse_fragment, parse_rule, parse_save};
 use observer_rules::sim::verdict_of;
-use observer_rules::{ExplainRequest, Verdict, explain};
+use observer_rules::{ExplainRequest, LiveTexts, Verdict, explain};
 
 /// An iptables rule's 1-based position.
 fn index(r: &Rule) -> usize {
@@ -115,10 +115,12 @@ fn unnormalised_seed_text_errors_instead_of_panicking() {
 
 fn req(packet: &str) -> ExplainRequest {
     ExplainRequest {
-        iptables_save: Some(LAB.to_string()),
-        routes_json: vec![ROUTES.to_string()],
+        texts: LiveTexts {
+            iptables: Some(LAB.to_string()),
+            routes: vec![ROUTES.to_string()],
+            ..Default::default()
+        },
         packet: packet.to_string(),
-        ..Default::default()
     }
 }
 
@@ -296,8 +298,7 @@ fn clusterip_is_dnatted_marked_and_masqueraded() {
 #[test]
 fn masquerade_uses_the_interface_address_when_known() {
     let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
-    r.iface_addrs
-        .insert("cali1a2b".into(), vec!["169.254.1.1".parse().unwrap()]);
+    r.texts.addrs = Some(r#"[{"ifname":"cali1a2b","addr_info":[{"local":"169.254.1.1"}]}]"#.into());
     let e = explain(&r).unwrap();
     assert_eq!(
         e.branches[0]
@@ -400,9 +401,11 @@ const THREE: &str = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SVC-X - [0:0]\n:KUBE-
 #[test]
 fn statistic_endpoints_give_three_equal_branches() {
     let r = ExplainRequest {
-        iptables_save: Some(THREE.into()),
+        texts: LiveTexts {
+            iptables: Some(THREE.into()),
+            ..Default::default()
+        },
         packet: "udp 10.244.0.9:4000 -> 10.96.0.10:53 in eth0 out eth0".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert_eq!(e.branches.len(), 3);
@@ -447,9 +450,11 @@ fn statistic_endpoints_give_three_equal_branches() {
 fn unknown_sets_and_matches_are_undecidable_not_guessed() {
     let rules = "*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -m set --match-set pods src -j DROP\n-A FORWARD -m physdev --physdev-is-bridged -j DROP\nCOMMIT\n";
     let mut r = ExplainRequest {
-        iptables_save: Some(rules.into()),
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            ..Default::default()
+        },
         packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert_eq!(e.verdict(), Verdict::Undecidable);
@@ -463,7 +468,7 @@ fn unknown_sets_and_matches_are_undecidable_not_guessed() {
     );
     assert!(e.notes.iter().any(|n| n.contains("ipset")));
     // With the set's contents the first rule is decided; the physdev rule is not.
-    r.ipset_save = Some("create pods hash:net family inet\nadd pods 10.1.0.0/16\n".into());
+    r.texts.ipset = Some("create pods hash:net family inet\nadd pods 10.1.0.0/16\n".into());
     let e = explain(&r).unwrap();
     let s = &e.branches[0].stages[0];
     assert_eq!(s.rules.len(), 1);
@@ -487,9 +492,11 @@ fn goto_return_and_policy_semantics() {
 -A a -g b\n-A a -j MARK --set-mark 0x9\n\
 -A b -j MARK --set-mark 0x1\n-A b -j RETURN\n-A b -j MARK --set-mark 0x7\nCOMMIT\n";
     let r = ExplainRequest {
-        iptables_save: Some(rules.into()),
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            ..Default::default()
+        },
         packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     // goto b: RETURN from b returns to FORWARD (a's caller), skipping a#2.
@@ -507,7 +514,10 @@ fn goto_return_and_policy_semantics() {
     // Without the mark the policy (DROP) decides, and it is reported.
     let rules2 = rules.replace("--set-mark 0x1\n", "--set-mark 0x2\n");
     let e = explain(&ExplainRequest {
-        iptables_save: Some(rules2),
+        texts: LiveTexts {
+            iptables: Some(rules2),
+            ..Default::default()
+        },
         ..r.clone()
     })
     .unwrap();
@@ -517,7 +527,10 @@ fn goto_return_and_policy_semantics() {
     let rules3 =
         "*filter\n:FORWARD DROP [0:0]\n-A FORWARD -j RETURN\n-A FORWARD -j ACCEPT\nCOMMIT\n";
     let e = explain(&ExplainRequest {
-        iptables_save: Some(rules3.into()),
+        texts: LiveTexts {
+            iptables: Some(rules3.into()),
+            ..Default::default()
+        },
         ..r
     })
     .unwrap();
@@ -531,9 +544,11 @@ fn nth_statistic_and_negated_random_branch() {
 -A PREROUTING -m statistic --mode nth --every 4 --packet 0 -j MARK --set-mark 0x1\n\
 -A PREROUTING -m statistic ! --mode random --probability 0.25 -j DROP\nCOMMIT\n";
     let r = ExplainRequest {
-        iptables_save: Some(rules.into()),
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            ..Default::default()
+        },
         packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert_eq!(e.branches.len(), 4);
@@ -558,9 +573,11 @@ fn nth_statistic_and_negated_random_branch() {
 fn output_path_and_ipv6() {
     let rules = "*filter\n:OUTPUT ACCEPT [0:0]\n-A OUTPUT -d 2001:db8::/32 -p tcp -m tcp --dport 80 -j REJECT --reject-with tcp-reset\nCOMMIT\n";
     let r = ExplainRequest {
-        ip6tables_save: Some(rules.into()),
+        texts: LiveTexts {
+            ip6tables: Some(rules.into()),
+            ..Default::default()
+        },
         packet: "tcp [2001:db8::1]:5000 -> [2001:db8::2]:80 out eth0".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert_eq!(e.branches[0].route, Some(Route::Output));
@@ -570,8 +587,11 @@ fn output_path_and_ipv6() {
     assert_eq!(j["stages"][0]["before"]["dst"], "[2001:db8::2]:80");
     // No IPv6 rules at all is a user error with advice, not an empty answer.
     let r = ExplainRequest {
-        iptables_save: Some("*filter\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n".into()),
-        ip6tables_save: None,
+        texts: LiveTexts {
+            iptables: Some("*filter\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n".into()),
+            ip6tables: None,
+            ..Default::default()
+        },
         ..r
     };
     assert!(
@@ -587,7 +607,7 @@ fn nft_native_chains_run_beside_iptables() {
     let nft = r#"{"nftables":[{"table":{"family":"inet","name":"fw","handle":1}},
       {"chain":{"family":"inet","table":"fw","name":"fwd","handle":1,"type":"filter","hook":"forward","prio":5,"policy":"drop"}}]}"#;
     let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
-    r.nft_json = Some(nft.into());
+    r.texts.nft = Some(nft.into());
     let e = explain(&r).unwrap();
     // The lab's iptables filter FORWARD (0) accepts, then the native chain (5) drops by policy.
     let fwd: Vec<_> = e.branches[0]
@@ -620,10 +640,12 @@ fn ipv6_dump_from_ip6tables_save_simulates() {
         }
     }
     let req = |packet: &str| ExplainRequest {
-        ip6tables_save: Some(rules.into()),
-        ipset_save: Some(sets.into()),
+        texts: LiveTexts {
+            ip6tables: Some(rules.into()),
+            ipset: Some(sets.into()),
+            ..Default::default()
+        },
         packet: packet.into(),
-        ..Default::default()
     };
     // Service traffic from a pod: DNAT to the endpoint, accepted by the ipset rule, masqueraded.
     let e = explain(&req(
@@ -670,10 +692,12 @@ fn calico_rpfilter_uses_the_routes() {
     let rules = "*raw\n:PREROUTING ACCEPT [0:0]\n\
         -A PREROUTING -i cali+ -m rpfilter --validmark --invert -m comment --comment \"cali:rpf\" -j DROP\nCOMMIT\n";
     let req = |packet: &str, routes: bool| ExplainRequest {
-        iptables_save: Some(rules.into()),
-        routes_json: if routes { vec![ROUTES.into()] } else { vec![] },
+        texts: LiveTexts {
+            iptables: Some(rules.into()),
+            routes: if routes { vec![ROUTES.into()] } else { vec![] },
+            ..Default::default()
+        },
         packet: packet.into(),
-        ..Default::default()
     };
     // 172.17.0.6 is routed via cali3c4d: the reverse path is valid, the rule does not match.
     let e = explain(&req("udp 172.17.0.6:1 -> 192.0.2.50:53 in cali3c4d", true)).unwrap();
@@ -696,9 +720,11 @@ fn nft_only_input_says_what_is_missing() {
     let nft = r#"{"nftables":[{"table":{"family":"ip","name":"filter","handle":1}},
       {"chain":{"family":"ip","table":"filter","name":"FORWARD","handle":1,"type":"filter","hook":"forward","prio":0,"policy":"drop"}}]}"#;
     let r = ExplainRequest {
-        nft_json: Some(nft.into()),
+        texts: LiveTexts {
+            nft: Some(nft.into()),
+            ..Default::default()
+        },
         packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
-        ..Default::default()
     };
     let e = explain(&r).unwrap();
     assert!(
@@ -708,9 +734,11 @@ fn nft_only_input_says_what_is_missing() {
     );
     // Malformed inputs name the input and the position.
     let bad = ExplainRequest {
-        iptables_save: Some("*filter\n-A X -m\n".into()),
+        texts: LiveTexts {
+            iptables: Some("*filter\n-A X -m\n".into()),
+            ..Default::default()
+        },
         packet: "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b".into(),
-        ..Default::default()
     };
     let msg = explain(&bad).unwrap_err().to_string();
     assert!(
@@ -719,30 +747,105 @@ fn nft_only_input_says_what_is_missing() {
     );
 }
 
+/// Of several broken inputs the first read is the error, named by its input, and the ruleset
+/// checks sit between them: the iptables dumps, then a missing ruleset (no nft either), then
+/// nft, then an empty ruleset, then ipsets, routes, addresses and bridges.
+#[test]
+fn the_first_broken_input_in_reading_order_is_the_error() {
+    let v4 = "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b";
+    let v6 = "udp [2001:db8::1]:1 -> [2001:db8::2]:2 in a out b";
+    let open = "*filter\n:FORWARD ACCEPT [0:0]\nCOMMIT\n";
+    let broken = || LiveTexts {
+        iptables: Some("*filter\n-A X -m\n".into()),
+        ip6tables: Some("*filter\n-A X -m\n".into()),
+        nft: Some("{".into()),
+        ipset: Some("create pods\n".into()),
+        routes: vec!["{".into()],
+        addrs: Some("{}".into()),
+        bridge: Box::new(observer_rules::BridgeTexts {
+            fdb: Some("{}".into()),
+            ..Default::default()
+        }),
+    };
+    let error = |texts: LiveTexts, packet: &str| {
+        explain(&ExplainRequest {
+            texts,
+            packet: packet.into(),
+        })
+        .unwrap_err()
+        .to_string()
+    };
+    let mut t = broken();
+    let mut said = Vec::new();
+    said.push(error(t.clone(), v4));
+    t.iptables = None;
+    said.push(error(t.clone(), v4));
+    t.ip6tables = None;
+    said.push(error(t.clone(), v4));
+    t.iptables = Some(String::new());
+    said.push(error(t.clone(), v4));
+    t.nft = None;
+    said.push(error(t.clone(), v4));
+    t.iptables = None;
+    said.push(error(t.clone(), v4));
+    t.iptables = Some(open.into());
+    said.push(error(t.clone(), v6));
+    for step in 0..4 {
+        said.push(error(t.clone(), v4));
+        match step {
+            0 => t.ipset = None,
+            1 => t.routes.clear(),
+            2 => t.addrs = None,
+            _ => t.bridge.fdb = None,
+        }
+    }
+    let want = [
+        "iptables-save input, line 2",
+        "ip6tables-save input, line 2",
+        "nft JSON input, line 1",
+        "nft JSON input, line 1",
+        "the IPv4 ruleset holds no tables",
+        "no ruleset for IPv4",
+        "no ruleset for IPv6",
+        "ipset input, line 1, column 1: create needs a set name and a type",
+        "route input, line 1",
+        "address input, line 1, column 1: address JSON: expected a JSON array",
+        "bridge/link input, line 1, column 1",
+    ];
+    for (said, want) in said.iter().zip(want) {
+        assert!(
+            said.starts_with(want),
+            "{said:?} should start with {want:?}"
+        );
+    }
+    assert_eq!(said.len(), want.len());
+    assert!(
+        explain(&ExplainRequest {
+            texts: t,
+            packet: v4.into(),
+        })
+        .is_ok()
+    );
+}
+
 /// A truncated dump, a bad value or an empty file is an error naming where, not a verdict.
 #[test]
 fn explain_refuses_broken_and_empty_dumps() {
     let at = LAB.find("COMMIT\n*filter\n:INPUT ACCEPT [0:0]\n").unwrap();
     let cut = &LAB[..at + "COMMIT\n*filter\n:INPUT ACCEPT [0:0]\n".len()];
-    let e = explain(&ExplainRequest {
-        iptables_save: Some(cut.to_string()),
-        ..req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0")
-    })
-    .unwrap_err();
+    let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
+    r.texts.iptables = Some(cut.to_string());
+    let e = explain(&r).unwrap_err();
     assert!(e.to_string().contains("without COMMIT"), "{e}");
     let bad = LAB.replacen("--dport 22", "--dport 99999", 1);
-    let e = explain(&ExplainRequest {
-        iptables_save: Some(bad),
-        ..req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0")
-    })
-    .unwrap_err();
+    let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
+    r.texts.iptables = Some(bad);
+    let e = explain(&r).unwrap_err();
     assert!(e.to_string().contains("99999"), "{e}");
     for empty in ["", "# Generated by iptables-save\n"] {
-        let e = explain(&ExplainRequest {
-            iptables_save: Some(empty.to_string()),
-            ..req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0")
-        })
-        .unwrap_err();
+        let mut r = req("tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0");
+        r.texts.iptables = Some(empty.to_string());
+        let e = explain(&r).unwrap_err();
         assert!(e.to_string().contains("holds no tables"), "{e}");
     }
     // --live reads the node itself: an empty ruleset is its real state, said in a note.

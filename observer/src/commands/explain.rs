@@ -168,25 +168,27 @@ pub fn run(a: ExplainArgs) -> Result<String> {
             marks.learn_from_iptables_save(text);
         }
         let req = observer_rules::ExplainRequest {
-            iptables_save: ruleset,
-            ip6tables_save: read(&a.ruleset6, cap)?,
-            nft_json: read(&a.nft, cap)?,
-            ipset_save: read(&a.ipsets, cap)?,
-            routes_json: a
-                .routes
-                .iter()
-                .map(|p| read_capped(p, cap))
-                .collect::<Result<_>>()?,
-            packet: a.packet.clone(),
-            iface_addrs: Default::default(),
-            bridge: observer_rules::BridgeTexts {
-                bridge_links: read(&a.bridge_links, cap)?,
-                links: read(&a.links, cap)?,
-                neigh: read(&a.neigh, cap)?,
-                fdb: read(&a.fdb, cap)?,
-                bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
-                    .map(|v| v.map(|v| v == 1)),
+            texts: observer_rules::LiveTexts {
+                iptables: ruleset,
+                ip6tables: read(&a.ruleset6, cap)?,
+                nft: read(&a.nft, cap)?,
+                ipset: read(&a.ipsets, cap)?,
+                routes: a
+                    .routes
+                    .iter()
+                    .map(|p| read_capped(p, cap))
+                    .collect::<Result<_>>()?,
+                bridge: Box::new(observer_rules::BridgeTexts {
+                    bridge_links: read(&a.bridge_links, cap)?,
+                    links: read(&a.links, cap)?,
+                    neigh: read(&a.neigh, cap)?,
+                    fdb: read(&a.fdb, cap)?,
+                    bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
+                        .map(|v| v.map(|v| v == 1)),
+                }),
+                ..Default::default()
             },
+            packet: a.packet.clone(),
         };
         observer_rules::explain(&req)?
     };

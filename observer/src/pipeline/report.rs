@@ -840,28 +840,36 @@ mod tests {
             {"dst":"10.201.0.0/24","dev":"calir0","flags":[]}]"#;
         let reqs = [
             observer_rules::ExplainRequest {
-                iptables_save: Some(lab.into()),
-                ipset_save: Some(include_str!("../../../lab/node.ipsets").into()),
+                texts: observer_rules::LiveTexts {
+                    iptables: Some(lab.into()),
+                    ipset: Some(include_str!("../../../lab/node.ipsets").into()),
+                    ..Default::default()
+                },
                 packet: "tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 out cali1a2b".into(),
-                ..Default::default()
             },
             observer_rules::ExplainRequest {
-                iptables_save: Some(lab.into()),
+                texts: observer_rules::LiveTexts {
+                    iptables: Some(lab.into()),
+                    ..Default::default()
+                },
                 packet: "udp 172.17.0.6:5000 -> 192.0.2.50:53 in cali3c4d out eth0".into(),
-                ..Default::default()
             },
             observer_rules::ExplainRequest {
-                nft_json: Some(fixtures("kube-proxy.json")),
-                routes_json: vec![routes.into()],
+                texts: observer_rules::LiveTexts {
+                    nft: Some(fixtures("kube-proxy.json")),
+                    routes: vec![routes.into()],
+                    ..Default::default()
+                },
                 packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
-                ..Default::default()
             },
             observer_rules::ExplainRequest {
-                iptables_save: Some(fixtures("mixed.rules")),
-                nft_json: Some(fixtures("mixed.json")),
-                routes_json: vec![routes.into()],
+                texts: observer_rules::LiveTexts {
+                    iptables: Some(fixtures("mixed.rules")),
+                    nft: Some(fixtures("mixed.json")),
+                    routes: vec![routes.into()],
+                    ..Default::default()
+                },
                 packet: "tcp 10.201.0.7:40000 -> 172.30.0.41:80 in calir0".into(),
-                ..Default::default()
             },
         ];
         reqs.iter()
