@@ -133,15 +133,25 @@ fn left(t: &Traversal) -> Option<(IpAddr, Option<u16>, IpAddr, Option<u16>)> {
     Some((ip_of(&h.src)?, h.src.port, ip_of(&h.dst)?, h.dst.port))
 }
 
-fn finish(legs: Vec<Leg>, missing: Option<String>, notes: Vec<String>) -> Journey {
-    let last = legs.last().expect("a source leg");
-    Journey {
-        end: Some(stitch::end_of(&last.node, &last.report)),
-        complete: missing.is_none(),
-        missing,
-        legs,
-        predicted: true,
-        notes,
+/// The journey so far: its legs (the source's first) and what the prediction assumed.
+#[derive(Default)]
+struct Partial {
+    legs: Vec<Leg>,
+    notes: Vec<String>,
+}
+
+impl Partial {
+    /// The journey as it ends here: whole, or with what the next leg lacks.
+    fn end(self, missing: Option<String>) -> Journey {
+        let last = self.legs.last().expect("a source leg");
+        Journey {
+            end: Some(stitch::end_of(&last.node, &last.report)),
+            complete: missing.is_none(),
+            missing,
+            legs: self.legs,
+            predicted: true,
+            notes: self.notes,
+        }
     }
 }
 
@@ -155,7 +165,7 @@ pub fn predict(
         .iter()
         .find(|(n, _)| *n == ask.node)
         .ok_or_else(|| format!("no ruleset of node {} (the source pod's node)", ask.node))?;
-    let mut notes = Vec::new();
+    let mut j = Partial::default();
     // The pod's packet enters the node by the device its address is routed to (its veth).
     let in_iface = match src_node.routes.lookup(ask.packet.src) {
         RouteDecision::Out { dev, .. } => dev,
@@ -170,55 +180,39 @@ pub fn predict(
     let mut p = ask.packet.clone();
     p.in_iface = Some(in_iface);
     if p.sport.is_none() && p.has_ports() {
-        notes.push(
+        j.notes.push(
             "the source port is not known (the pod's socket picks it): rules matching it are \
              undecidable"
                 .into(),
         );
     }
     let t = simulate(src_node, &p, marks);
-    let mut legs = vec![leg(&ask.node, LegRole::Source, &t)];
+    j.legs.push(leg(&ask.node, LegRole::Source, &t));
     if t.fate.kind != observer_model::FateKind::Forwarded {
-        return Ok(finish(legs, None, notes));
+        return Ok(j.end(None));
     }
     let Some((isrc, isport, idst, idport)) = left(&t) else {
-        return Ok(finish(
-            legs,
-            Some("the packet's headers as it left are not known".into()),
-            notes,
-        ));
+        return Ok(j.end(Some("the packet's headers as it left are not known".into())));
     };
     let Some(out) = t.egress.as_ref().map(|e| e.iface.clone()) else {
-        return Ok(finish(
-            legs,
-            Some("the device it leaves by is not known".into()),
-            notes,
-        ));
+        return Ok(j.end(Some("the device it leaves by is not known".into())));
     };
     let gateway = match src_node.routes.lookup(idst) {
         RouteDecision::Out { gateway, .. } => gateway,
         _ => None,
     };
     let Some(gateway) = gateway else {
-        return Ok(finish(
-            legs,
-            Some(format!(
-                "it leaves {} through {out} with no gateway: the next node is not known",
-                ask.node
-            )),
-            notes,
-        ));
+        return Ok(j.end(Some(format!(
+            "it leaves {} through {out} with no gateway: the next node is not known",
+            ask.node
+        ))));
     };
     let (next, next_node, next_in) = if let Some(vx) = vxlan_device(src_node, &out) {
         let Some(under_dst) = vtep_underlay(src_node, &out, gateway) else {
-            return Ok(finish(
-                legs,
-                Some(format!(
-                    "{out} (VXLAN) has no neighbour and forwarding-database entry for {gateway}: \
+            return Ok(j.end(Some(format!(
+                "{out} (VXLAN) has no neighbour and forwarding-database entry for {gateway}: \
                      the node it is sent to is not known"
-                )),
-                notes,
-            ));
+            ))));
         };
         let under_src = vx
             .local
@@ -227,13 +221,11 @@ pub fn predict(
                 _ => None,
             });
         let Some(under_src) = under_src else {
-            return Ok(finish(
-                legs,
-                Some(format!("the underlay source address of {out} is not known")),
-                notes,
-            ));
+            return Ok(j.end(Some(format!(
+                "the underlay source address of {out} is not known"
+            ))));
         };
-        notes.push(
+        j.notes.push(
             "the VXLAN packet's UDP source port is the kernel's hash of the inner flow: not \
              predicted, rules matching it are undecidable"
                 .into(),
@@ -257,19 +249,15 @@ pub fn predict(
         let carrier = PacketSpec::new(17, under_src, None, under_dst, Some(vx.port));
         let mut c = simulate(src_node, &carrier, marks);
         c.encap = Some(encap("encapsulated", Some(out.clone())));
-        legs.push(leg(&ask.node, LegRole::Carrier, &c));
+        j.legs.push(leg(&ask.node, LegRole::Carrier, &c));
         if c.fate.kind != observer_model::FateKind::Sent {
-            return Ok(finish(legs, None, notes));
+            return Ok(j.end(None));
         }
         let Some((name, node, under_in)) = owner(nodes, under_dst) else {
-            return Ok(finish(
-                legs,
-                Some(format!(
-                    "no node whose ruleset was read holds {under_dst} (the VXLAN packet's \
+            return Ok(j.end(Some(format!(
+                "no node whose ruleset was read holds {under_dst} (the VXLAN packet's \
                      destination)"
-                )),
-                notes,
-            ));
+            ))));
         };
         let mut arrived = carrier.clone();
         arrived.in_iface = Some(under_in);
@@ -277,19 +265,15 @@ pub fn predict(
         // The overlay device of that node with the same VNI receives it.
         let overlay = node_vxlan(node, vx.vni);
         c2.encap = Some(encap("decapsulated", overlay.clone()));
-        legs.push(leg(name, LegRole::Carrier, &c2));
+        j.legs.push(leg(name, LegRole::Carrier, &c2));
         if c2.fate.kind != observer_model::FateKind::Delivered {
-            return Ok(finish(legs, None, notes));
+            return Ok(j.end(None));
         }
         let Some(overlay) = overlay else {
-            return Ok(finish(
-                legs,
-                Some(format!(
-                    "node {name} has no VXLAN device with VNI {}",
-                    vx.vni
-                )),
-                notes,
-            ));
+            return Ok(j.end(Some(format!(
+                "node {name} has no VXLAN device with VNI {}",
+                vx.vni
+            ))));
         };
         (
             PacketSpec::new(ask.packet.proto, isrc, isport, idst, idport),
@@ -299,13 +283,9 @@ pub fn predict(
     } else {
         // A routed network: the node that owns the gateway, entering by that interface.
         let Some((name, _, iface)) = owner(nodes, gateway) else {
-            return Ok(finish(
-                legs,
-                Some(format!(
-                    "no node whose ruleset was read holds the gateway {gateway}"
-                )),
-                notes,
-            ));
+            return Ok(j.end(Some(format!(
+                "no node whose ruleset was read holds the gateway {gateway}"
+            ))));
         };
         (
             PacketSpec::new(ask.packet.proto, isrc, isport, idst, idport),
@@ -321,8 +301,8 @@ pub fn predict(
     let mut next = next;
     next.in_iface = Some(next_in);
     let d = simulate(node, &next, marks);
-    legs.push(leg(next_node, LegRole::Destination, &d));
-    Ok(finish(legs, None, notes))
+    j.legs.push(leg(next_node, LegRole::Destination, &d));
+    Ok(j.end(None))
 }
 
 /// The VXLAN device of `node` with this VNI.
