@@ -345,19 +345,11 @@ fn evict<D: Diag>(rec: &mut TraversalRecord) {
         return;
     }
     if rec.decision == decision::KEEP {
-        rec.status |= status::FALLBACK;
-        // Idle from now on, as far as the collector's sweep is concerned.
-        rec.ts_last = crate::now();
         // BPF_NOEXIST: an older record of the same skb address in the map is stale; keep
         // it and write this one.
-        pending_in();
-        if PENDING.insert(&rec.skb, &*rec, 1).is_ok() {
-            count(counter::TO_FALLBACK);
-            rec.skb = 0;
+        if to_pending(rec, 1) {
             return;
         }
-        pending_out();
-        count(counter::FALLBACK_FAILED);
         count(counter::RECLAIMED);
         D::written_early(rec.skb);
         finish_slot(rec, end::RECLAIMED);
@@ -457,23 +449,32 @@ pub fn park<D: Diag>(rec: &mut TraversalRecord) {
     if rec.status & status::FALLBACK != 0 || rec.decision != decision::KEEP {
         return;
     }
-    rec.status |= status::FALLBACK;
-    // Waiting from now on, as far as the collector's sweep is concerned.
-    rec.ts_last = crate::now();
     // BPF_ANY: a record of the same address already there is older, hence stale (replaced,
     // it stays counted: an overestimate).
-    pending_in();
-    if PENDING.insert(&rec.skb, &*rec, 0).is_ok() {
-        count(counter::TO_FALLBACK);
-        rec.skb = 0;
-    } else {
-        pending_out();
+    if !to_pending(rec, 0) {
         // Busy (a program holding the same bucket on this CPU) or full: it waits in its
         // slot, where a reused address or a needed slot ends it.
         rec.status &= !status::FALLBACK;
-        count(counter::FALLBACK_FAILED);
         D::fallback_refused(rec.skb);
     }
+}
+
+/// Moves `rec` into [`PENDING`] with `flags` (`BPF_NOEXIST` 1, `BPF_ANY` 0), flagged and
+/// idle from now on as far as the collector's sweep is concerned, its slot freed; false
+/// (counted) when the map refused it.
+#[inline(always)]
+fn to_pending(rec: &mut TraversalRecord, flags: u64) -> bool {
+    rec.status |= status::FALLBACK;
+    rec.ts_last = crate::now();
+    pending_in();
+    if PENDING.insert(&rec.skb, &*rec, flags).is_ok() {
+        count(counter::TO_FALLBACK);
+        rec.skb = 0;
+        return true;
+    }
+    pending_out();
+    count(counter::FALLBACK_FAILED);
+    false
 }
 
 /// Ends a record whose skb address has started another traversal: the old packet was
