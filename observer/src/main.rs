@@ -3,6 +3,7 @@
 use observer::commands::{agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic};
 use observer::pipeline::OutputArgs;
 use observer::pipeline::subscription::Subscription;
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -365,6 +366,16 @@ fn seconds_within(secs: f64, range: std::ops::RangeInclusive<f64>, says: &str) -
     }
 }
 
+/// Writes `text` and a newline to stdout; a reader that went away (`| head`) ends the
+/// output, not the process with a panic.
+fn print_stdout(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
 /// Prints what an agent streams from `path`, then its summary on stderr.
 fn from_agent(opts: agent::client::ClientOptions, path: &str) -> Result<()> {
     let summary = agent::client::run(&opts, path, std::io::stdout())?;
@@ -479,10 +490,7 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{summary}");
             Ok(())
         }
-        Command::Explain(a) => {
-            println!("{}", explain::run(a)?);
-            Ok(())
-        }
+        Command::Explain(a) => print_stdout(&explain::run(a)?.to_string()),
         Command::Lab {
             action,
             prefix,
