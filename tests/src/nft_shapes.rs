@@ -7,7 +7,6 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use observer_rules::PacketSpec;
-use observer_rules::packet::CtState;
 
 /// xorshift64*, as in `rules_differential`.
 pub struct Rng(u64);
@@ -46,19 +45,14 @@ pub struct Probe {
 impl Probe {
     pub fn spec(&self, sport: u16) -> PacketSpec {
         PacketSpec {
-            proto: self.proto,
-            src: self.src,
-            dst: self.dst,
-            sport: Some(sport),
-            dport: Some(self.dport),
             in_iface: (!self.local_out).then(|| "calir0".to_string()),
-            out_iface: None,
-            mark: 0,
-            ct_state: CtState::New,
-            ct_mark: None,
-            tcp_flags: None,
-            icmp: None,
-            local: false,
+            ..PacketSpec::new(
+                self.proto,
+                self.src,
+                Some(sport),
+                self.dst,
+                Some(self.dport),
+            )
         }
     }
 }

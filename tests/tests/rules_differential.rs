@@ -18,7 +18,6 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use observer_rules::iptables::parse_save;
-use observer_rules::packet::CtState;
 use observer_rules::{Ipsets, PacketSpec, Routes, Simulator, Verdict, parse_ipsets};
 use observer_tests::{Netns, privileged, unique_prefix, veth};
 
@@ -73,19 +72,14 @@ impl Probe {
     }
     fn spec(&self) -> PacketSpec {
         PacketSpec {
-            proto: self.proto,
-            src: self.src,
-            dst: self.dst,
-            sport: (!self.icmp()).then_some(self.sport),
-            dport: (!self.icmp()).then_some(self.dport),
             in_iface: (!self.local_out).then(|| "calir0".to_string()),
-            out_iface: None,
-            mark: 0,
-            ct_state: CtState::New,
-            ct_mark: None,
-            tcp_flags: None,
-            icmp: None,
-            local: false,
+            ..PacketSpec::new(
+                self.proto,
+                self.src,
+                (!self.icmp()).then_some(self.sport),
+                self.dst,
+                (!self.icmp()).then_some(self.dport),
+            )
         }
     }
     fn describe(&self) -> String {

@@ -12,7 +12,6 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use observer_rules::packet::CtState;
 use observer_rules::{LiveNode, PacketSpec, Verdict};
 use observer_tests::{Netns, privileged, unique_prefix};
 
@@ -634,19 +633,14 @@ fn run_family(n: &Node, a: &Addrs, rules: &str, sport: &mut u16) -> (usize, u64)
             From::Node => (a.gw, None, &n.node),
         };
         let mut spec = PacketSpec {
-            proto: 17,
-            src: src.parse().unwrap(),
-            dst: flow.dst.parse().unwrap(),
-            sport: Some(*sport),
-            dport: Some(flow.dport),
             in_iface: in_iface.map(str::to_string),
-            out_iface: None,
-            mark: 0,
-            ct_state: CtState::New,
-            ct_mark: None,
-            tcp_flags: None,
-            icmp: None,
-            local: false,
+            ..PacketSpec::new(
+                17,
+                src.parse().unwrap(),
+                Some(*sport),
+                flow.dst.parse().unwrap(),
+                Some(flow.dport),
+            )
         };
         if flow.flush_b {
             // Without a neighbour entry nothing says which port B is behind: undecidable,
