@@ -320,8 +320,6 @@ pub struct LiveNode {
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
     /// Bridge ports, neighbours, fdb and br_netfilter's switches (`physdev`, bridged paths).
     pub bridges: Bridges,
-    /// The IPv4 `iptables-save` text (kube-proxy's mark rules are named from it).
-    pub iptables_text: String,
     /// Every read that failed, with what to do.
     pub failures: Vec<LiveError>,
 }
@@ -383,7 +381,6 @@ impl LiveNode {
                 message: e.to_string(),
             });
         LiveNode {
-            iptables_text: texts.iptables.clone().unwrap_or_default(),
             texts,
             ruleset: parsed.ruleset,
             ipsets: parsed.ipsets,
@@ -416,10 +413,9 @@ impl LiveNode {
             routes,
             iface_addrs,
             bridges,
-            iptables_text,
             ..
         } = self;
-        drop((texts, iptables_text));
+        drop(texts);
         let mut sim = Simulator::owned(ruleset.ipv4, ruleset.ipv6, ipsets, routes);
         if let Some(n) = &ruleset.nft {
             sim = sim.with_nft(n);
@@ -448,7 +444,9 @@ impl LiveNode {
     /// `KUBE-MARK-DROP` rules, or the nftables mode's `mark-for-masquerade` chain).
     /// Returns what it learned.
     pub fn learn_marks(&self, dict: &mut MarkDictionary) -> Vec<(u32, &'static str)> {
-        let mut learned = dict.learn_from_iptables_save(&self.iptables_text);
+        // kube-proxy's mark rules are named from the IPv4 `iptables-save` text.
+        let mut learned =
+            dict.learn_from_iptables_save(self.texts.iptables.as_deref().unwrap_or_default());
         if let Some(bit) = self.ruleset.nft.as_ref().and_then(nft_masquerade_bit) {
             dict.learn(bit, "kube-proxy:masquerade");
             learned.push((bit, "kube-proxy:masquerade"));
