@@ -36,12 +36,13 @@ struct Vxlan {
     local: Option<IpAddr>,
 }
 
-fn vxlan_device(node: &LiveNode, dev: &str) -> Option<Vxlan> {
-    let links: Value = serde_json::from_str(node.texts.bridge.links.as_deref()?).ok()?;
-    let l = links
-        .as_array()?
-        .iter()
-        .find(|l| l["ifname"].as_str() == Some(dev))?;
+/// The node's links (`ip -j -d link show`).
+fn links(node: &LiveNode) -> Option<Vec<Value>> {
+    serde_json::from_str(node.texts.bridge.links.as_deref()?).ok()
+}
+
+/// The VXLAN device a link is, if it is one.
+fn vxlan_of(l: &Value) -> Option<Vxlan> {
     let info = &l["linkinfo"];
     if info["info_kind"].as_str() != Some("vxlan") {
         return None;
@@ -57,6 +58,14 @@ fn vxlan_device(node: &LiveNode, dev: &str) -> Option<Vxlan> {
             .unwrap_or(8472),
         local: d["local"].as_str().and_then(|a| a.parse().ok()),
     })
+}
+
+fn vxlan_device(node: &LiveNode, dev: &str) -> Option<Vxlan> {
+    vxlan_of(
+        links(node)?
+            .iter()
+            .find(|l| l["ifname"].as_str() == Some(dev))?,
+    )
 }
 
 /// The underlay address a VXLAN device sends a packet for `gateway` to: the neighbour
@@ -307,10 +316,8 @@ pub fn predict(
 
 /// The VXLAN device of `node` with this VNI.
 fn node_vxlan(node: &LiveNode, vni: u32) -> Option<String> {
-    let links: Value = serde_json::from_str(node.texts.bridge.links.as_deref()?).ok()?;
-    links.as_array()?.iter().find_map(|l| {
-        let name = l["ifname"].as_str()?;
-        (vxlan_device(node, name)?.vni == vni).then(|| name.to_string())
+    links(node)?.iter().find_map(|l| {
+        (vxlan_of(l)?.vni == vni).then(|| l["ifname"].as_str().map(str::to_string))?
     })
 }
 
