@@ -279,14 +279,9 @@ pub async fn connect(
                 || format!("port-forward to {} on node {}", a.pod, a.node),
             )
         })?;
-    let stream = pf
-        .take_stream(w.port)
-        .ok_or_else(|| ClusterError::Unreachable {
-            node: a.node.clone(),
-            pod: a.pod.clone(),
-            port: w.port,
-            message: "the API server opened no stream for the port".into(),
-        })?;
+    let stream = pf.take_stream(w.port).ok_or_else(|| {
+        ClusterError::unreachable(a, w, "the API server opened no stream for the port".into())
+    })?;
     // The kubelet says on the error channel when nothing listens on the port.
     if let Some(err) = pf.take_error(w.port) {
         let (node, pod) = (a.node.clone(), a.pod.clone());
@@ -303,6 +298,28 @@ pub async fn connect(
     Ok(stream)
 }
 
+impl ClusterError {
+    /// `a`'s agent could not be reached or did not answer as an agent does.
+    fn unreachable(a: &Agent, w: &Where, message: String) -> Self {
+        ClusterError::Unreachable {
+            node: a.node.clone(),
+            pod: a.pod.clone(),
+            port: w.port,
+            message,
+        }
+    }
+
+    /// `a`'s agent is a version this plugin does not speak to (`found` says which).
+    fn version(a: &Agent, found: String) -> Self {
+        ClusterError::Version {
+            node: a.node.clone(),
+            pod: a.pod.clone(),
+            found,
+            ours: env!("CARGO_PKG_VERSION"),
+        }
+    }
+}
+
 /// `GET path` of the agent over a port-forward, answered within `timeout`, its body at most
 /// `limit` bytes: (status, body).
 async fn get(
@@ -315,12 +332,7 @@ async fn get(
     limit: usize,
 ) -> Result<(hyper::StatusCode, Bytes), ClusterError> {
     let io = connect(client, w, a).await?;
-    let unreachable = |message: String| ClusterError::Unreachable {
-        node: a.node.clone(),
-        pod: a.pod.clone(),
-        port: w.port,
-        message,
-    };
+    let unreachable = |message: String| ClusterError::unreachable(a, w, message);
     let ask = async {
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
             .await
@@ -357,12 +369,7 @@ async fn get(
 /// Asks the agent its version (`GET /v1/version`) over a port-forward: the same streaming
 /// API, or a clear refusal.
 pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String, ClusterError> {
-    let unreachable = |message: String| ClusterError::Unreachable {
-        node: a.node.clone(),
-        pod: a.pod.clone(),
-        port: w.port,
-        message,
-    };
+    let unreachable = |message: String| ClusterError::unreachable(a, w, message);
     let (status, body) = get(
         client,
         w,
@@ -373,12 +380,7 @@ pub async fn check(client: &kube::Client, w: &Where, a: &Agent) -> Result<String
         64 << 10,
     )
     .await?;
-    let version = |found: String| ClusterError::Version {
-        node: a.node.clone(),
-        pod: a.pod.clone(),
-        found,
-        ours: env!("CARGO_PKG_VERSION"),
-    };
+    let version = |found: String| ClusterError::version(a, found);
     if status == hyper::StatusCode::NOT_FOUND {
         return Err(version(
             "it has no /v1/version, so it is older than the cluster plugin".into(),
@@ -415,12 +417,7 @@ pub async fn ruleset(
     w: &Where,
     a: &Agent,
 ) -> Result<(observer_rules::LiveTexts, Vec<String>), ClusterError> {
-    let unreachable = |message: String| ClusterError::Unreachable {
-        node: a.node.clone(),
-        pod: a.pod.clone(),
-        port: w.port,
-        message,
-    };
+    let unreachable = |message: String| ClusterError::unreachable(a, w, message);
     let timeout = w.timeout + Duration::from_secs(60);
     let (status, body) = get(
         client,
@@ -433,12 +430,10 @@ pub async fn ruleset(
     )
     .await?;
     if status == hyper::StatusCode::NOT_FOUND {
-        return Err(ClusterError::Version {
-            node: a.node.clone(),
-            pod: a.pod.clone(),
-            found: "it has no /v1/ruleset, so it is older than `trace --predict`".into(),
-            ours: env!("CARGO_PKG_VERSION"),
-        });
+        return Err(ClusterError::version(
+            a,
+            "it has no /v1/ruleset, so it is older than `trace --predict`".into(),
+        ));
     }
     if !status.is_success() {
         return Err(unreachable(format!(
@@ -456,15 +451,13 @@ pub async fn ruleset(
     let r: Answer = serde_json::from_slice(&body)
         .map_err(|e| unreachable(format!("/v1/ruleset is not the ruleset JSON expected: {e}")))?;
     if r.format != RULESET_FORMAT {
-        return Err(ClusterError::Version {
-            node: a.node.clone(),
-            pod: a.pod.clone(),
-            found: format!(
+        return Err(ClusterError::version(
+            a,
+            format!(
                 "its /v1/ruleset is format {}, this plugin reads {RULESET_FORMAT}",
                 r.format
             ),
-            ours: env!("CARGO_PKG_VERSION"),
-        });
+        ));
     }
     Ok((r.texts, r.failures))
 }

@@ -190,9 +190,9 @@ pub fn run(
         .collect();
     let journey = journeys
         .iter()
-        .position(|j| j.complete)
-        .or((!journeys.is_empty()).then_some(0))
-        .map(|i| journeys[i].clone());
+        .find(|j| j.complete)
+        .or(journeys.first())
+        .cloned();
     let complete = journey.as_ref().is_some_and(|j| j.complete);
     let mut o = out.lock().unwrap_or_else(|p| p.into_inner());
     match journey {
