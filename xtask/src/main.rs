@@ -94,6 +94,10 @@ enum Task {
     },
     /// Formatting, clippy, unit tests and privileged integration tests.
     Test {
+        /// Let privileged tests skip (loudly) where root, BTF or a tool is missing, instead
+        /// of failing: without it, a test that cannot run fails and names what it needs.
+        #[arg(long)]
+        allow_skips: bool,
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
@@ -184,7 +188,7 @@ fn main() -> Result<()> {
             let tc = setup()?;
             image(&tc)
         }
-        Task::Test { args } => test(&args),
+        Task::Test { allow_skips, args } => test(&args, allow_skips),
         Task::Golden { outputs_only } => golden(outputs_only),
         Task::Bench {
             seconds,
@@ -832,7 +836,7 @@ fn demo(mode: &str) -> Result<()> {
     })
 }
 
-fn test(extra: &[String]) -> Result<()> {
+fn test(extra: &[String], allow_skips: bool) -> Result<()> {
     let tc = setup()?;
     let t0 = Instant::now();
     run(Command::new("cargo").args(["fmt", "--all", "--check"]))
@@ -867,6 +871,8 @@ fn test(extra: &[String]) -> Result<()> {
         .env("OBSERVER_IMAGE", IMAGE)
         .env("KUBERNETES_VALIDATE", kubernetes_validate_bin())
         .env("OBSERVER_BIN", observer_bin(false))
+        // A privileged test that cannot run fails (and says what it needs) unless asked.
+        .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
         .arg("--")
         .args(extra))?;
     eprintln!(
