@@ -79,10 +79,14 @@ $B hostname observer-vm
 run=$(param observer.run)
 [ -n "$run" ] || die "no observer.run= on the kernel command line"
 echo "$run" | $B base64 -d >/run/observer-vm/command.sh || die "cannot decode observer.run"
+# Only errors reach the console (loglevel=3); the whole kernel log follows the exit marker,
+# for the host's log file only.
 echo "OBSERVER-VM-START"
 $B env -i HOME=/root TERM=dumb OBSERVER_VM_KERNEL="$($B uname -r)" \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     /bin/sh /run/observer-vm/command.sh </dev/null
 echo "OBSERVER-VM-EXIT $?"
+echo "--- dmesg ---"
+$B dmesg
 $B poweroff -f
 echo o >/proc/sysrq-trigger
