@@ -23,6 +23,7 @@ use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
@@ -217,7 +218,14 @@ pub fn prepare(series: &str) -> Result<Kernel> {
         .copied()
         .find(|s| *s == series)
         .with_context(|| format!("unknown kernel series {series:?} (6.1 or 6.12)"))?;
-    install_packages()?;
+    static PACKAGES_CHECKED: Mutex<bool> = Mutex::new(false);
+    {
+        let mut checked = PACKAGES_CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+        if !*checked {
+            install_packages()?;
+            *checked = true;
+        }
+    }
     let cache = cache_dir();
     let version = newest_version(series, &cache)?;
     let dir = cache.join(&version);
@@ -237,15 +245,8 @@ pub fn prepare(series: &str) -> Result<Kernel> {
     })
 }
 
-/// The package name pattern of a series' plain amd64 kernels, and the release number in a
-/// package name (the newest has the largest).
-fn package_pattern(series: &str) -> &'static str {
-    match series {
-        "6.1" => r"^linux-image-6\.1\.0-[0-9]+-amd64$",
-        _ => r"^linux-image-6\.12\.[0-9]+\+deb12-amd64$",
-    }
-}
-
+/// The release number in a series' plain amd64 kernel (`6.1.0-<N>-amd64`,
+/// `6.12.<N>+deb12-amd64`; not -rt, -cloud, -dbg, -unsigned): the newest has the largest.
 fn release_number(series: &str, version: &str) -> Option<u32> {
     let rest = match series {
         "6.1" => version.strip_prefix("6.1.0-")?.strip_suffix("-amd64")?,
@@ -262,11 +263,13 @@ fn newest_of(series: &str, versions: impl IntoIterator<Item = String>) -> Option
         .map(|(_, v)| v)
 }
 
-fn apt_versions(series: &str) -> Result<Vec<String>> {
+/// Both series' kernel releases that apt knows of (one `apt-cache search`: it takes most of
+/// a second).
+fn apt_versions() -> Result<Vec<String>> {
     let out = output(Command::new("apt-cache").args([
         "search",
         "--names-only",
-        package_pattern(series),
+        r"^linux-image-6\.(1\.0-[0-9]+|12\.[0-9]+\+deb12)-amd64$",
     ]))?;
     Ok(out
         .lines()
@@ -280,7 +283,12 @@ fn apt_versions(series: &str) -> Result<Vec<String>> {
 /// adding bookworm-security to apt's sources if it is missing, when it knows none); without
 /// any, the newest one already in the cache.
 fn newest_version(series: &str, cache: &Path) -> Result<String> {
-    if let Some(v) = newest_of(series, apt_versions(series)?) {
+    static KNOWN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+    if known.is_empty() {
+        *known = apt_versions()?;
+    }
+    if let Some(v) = newest_of(series, known.iter().cloned()) {
         return Ok(v);
     }
     if is_root() {
@@ -288,7 +296,8 @@ fn newest_version(series: &str, cache: &Path) -> Result<String> {
             eprintln!("xtask: added bookworm and bookworm-security to apt's sources");
         }
         run(Command::new("apt-get").args(["update", "-qq"]))?;
-        if let Some(v) = newest_of(series, apt_versions(series)?) {
+        *known = apt_versions()?;
+        if let Some(v) = newest_of(series, known.iter().cloned()) {
             return Ok(v);
         }
     }
@@ -300,9 +309,8 @@ fn newest_version(series: &str, cache: &Path) -> Result<String> {
         .filter_map(|e| e.file_name().into_string().ok());
     newest_of(series, cached).with_context(|| {
         format!(
-            "apt knows no {} package (pattern {}) and none is cached in {}: run as root (apt-get update)",
-            series,
-            package_pattern(series),
+            "apt knows no linux-image package of {series} and none is cached in {}: run as root \
+             (apt-get update)",
             cache.display()
         )
     })
