@@ -97,7 +97,10 @@ pub struct GuestRun {
     /// The command's exit status (what the guest's shell reported: 0-255).
     pub status: i32,
     /// The command's output (stdout and stderr, in order), without the boot messages.
-    #[allow(dead_code, reason = "for callers that check the output (`cargo xtask test`)")]
+    #[allow(
+        dead_code,
+        reason = "for callers that check the output (`cargo xtask test`)"
+    )]
     pub output: String,
     /// From QEMU's start to its exit.
     pub seconds: f64,
@@ -250,7 +253,9 @@ pub fn prepare(series: &str) -> Result<Kernel> {
 fn release_number(series: &str, version: &str) -> Option<u32> {
     let rest = match series {
         "6.1" => version.strip_prefix("6.1.0-")?.strip_suffix("-amd64")?,
-        _ => version.strip_prefix("6.12.")?.strip_suffix("+deb12-amd64")?,
+        _ => version
+            .strip_prefix("6.12.")?
+            .strip_suffix("+deb12-amd64")?,
     };
     rest.parse().ok()
 }
@@ -320,11 +325,12 @@ fn newest_version(series: &str, cache: &Path) -> Result<String> {
 /// bookworm-security when apt's sources name neither suite; true if it did.
 fn add_apt_sources() -> Result<bool> {
     let mut text = fs::read_to_string("/etc/apt/sources.list").unwrap_or_default();
-    for e in fs::read_dir("/etc/apt/sources.list.d").into_iter().flatten() {
+    for e in fs::read_dir("/etc/apt/sources.list.d")
+        .into_iter()
+        .flatten()
+    {
         let p = e?.path();
-        if p.extension()
-            .is_some_and(|x| x == "list" || x == "sources")
-        {
+        if p.extension().is_some_and(|x| x == "list" || x == "sources") {
             text += &fs::read_to_string(&p).unwrap_or_default();
         }
     }
@@ -503,10 +509,7 @@ fn pipe_through(argv: &[&str], input: &[u8], check: bool) -> Result<Vec<u8>> {
 /// A module file's name as modprobe knows it: `kernel/fs/9p/9p.ko.xz` -> `9p`.
 fn module_name(path: &str) -> String {
     let base = path.rsplit('/').next().unwrap_or(path);
-    base.split(".ko")
-        .next()
-        .unwrap_or(base)
-        .replace('-', "_")
+    base.split(".ko").next().unwrap_or(base).replace('-', "_")
 }
 
 /// The module files (relative to the modules tree) to load for `wanted`, dependencies first;
@@ -586,7 +589,9 @@ fn initramfs(dir: &Path, modules: &Path) -> Result<PathBuf> {
         return Ok(path);
     }
     let mut cpio = Cpio::default();
-    for d in ["bin", "dev", "proc", "sys", "modules", "lower", "rw", "newroot"] {
+    for d in [
+        "bin", "dev", "proc", "sys", "modules", "lower", "rw", "newroot",
+    ] {
         cpio.entry(d, 0o040755, 0, &[]);
     }
     // The kernel opens /dev/console for init before anything is mounted.
@@ -655,7 +660,7 @@ impl Cpio {
     }
 
     fn pad(&mut self) {
-        while self.data.len() % 4 != 0 {
+        while !self.data.len().is_multiple_of(4) {
             self.data.push(0);
         }
     }
@@ -688,8 +693,7 @@ fn guest_script(cmd: &[String], opts: &VmOptions) -> String {
 }
 
 fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] =
-        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for chunk in data.chunks(3) {
         let n = chunk
@@ -844,11 +848,7 @@ pub fn run_in_guest(kernel: &Kernel, cmd: &[String], opts: &VmOptions) -> Result
 /// Reads QEMU's serial console to its end: every line into the log; the lines between the
 /// start and exit markers (the command's output) echoed and collected. Returns that output
 /// and the status the exit marker carries (None: no marker).
-fn read_console(
-    stdout: impl Read,
-    log: fs::File,
-    echo: Option<&str>,
-) -> (String, Option<i32>) {
+fn read_console(stdout: impl Read, log: fs::File, echo: Option<&str>) -> (String, Option<i32>) {
     let mut log = std::io::BufWriter::new(log);
     let mut reader = BufReader::new(stdout);
     let mut started = false;
@@ -932,7 +932,11 @@ mod tests {
             env: vec![("CI".into(), "a b".into())],
             ..VmOptions::default()
         };
-        let cmd = ["sh".to_string(), "-c".into(), "echo 'x' \"$CI\"; exit 3".into()];
+        let cmd = [
+            "sh".to_string(),
+            "-c".into(),
+            "echo 'x' \"$CI\"; exit 3".into(),
+        ];
         assert_eq!(
             guest_script(&cmd, &opts),
             "cd '/work/it'\\''s' || exit 125\nexport CI='a b'\n\
@@ -942,19 +946,28 @@ mod tests {
 
     #[test]
     fn newest_release_wins_by_number() {
-        let v = ["6.1.0-9-amd64", "6.1.0-57-amd64", "6.1.0-57-cloud-amd64"]
-            .map(String::from);
+        let v = ["6.1.0-9-amd64", "6.1.0-57-amd64", "6.1.0-57-cloud-amd64"].map(String::from);
         assert_eq!(newest_of("6.1", v).as_deref(), Some("6.1.0-57-amd64"));
-        let v = ["6.12.99+deb12-amd64", "6.12.117+deb12-amd64", "6.12.120+deb12-rt-amd64"]
-            .map(String::from);
-        assert_eq!(newest_of("6.12", v).as_deref(), Some("6.12.117+deb12-amd64"));
+        let v = [
+            "6.12.99+deb12-amd64",
+            "6.12.117+deb12-amd64",
+            "6.12.120+deb12-rt-amd64",
+        ]
+        .map(String::from);
+        assert_eq!(
+            newest_of("6.12", v).as_deref(),
+            Some("6.12.117+deb12-amd64")
+        );
     }
 
     #[test]
     fn module_names_drop_path_and_compression() {
         assert_eq!(module_name("kernel/fs/9p/9p.ko.xz"), "9p");
         assert_eq!(module_name("kernel/net/9p/9pnet_virtio.ko"), "9pnet_virtio");
-        assert_eq!(module_name("kernel/drivers/x/virtio-pci.ko.zst"), "virtio_pci");
+        assert_eq!(
+            module_name("kernel/drivers/x/virtio-pci.ko.zst"),
+            "virtio_pci"
+        );
     }
 
     #[test]
