@@ -233,6 +233,12 @@ pub fn prepare(series: &str) -> Result<Kernel> {
     let version = newest_version(series, &cache)?;
     let dir = cache.join(&version);
     if !dir.join("vmlinux").exists() {
+        fs::create_dir_all(&cache).with_context(|| {
+            format!(
+                "cannot create {} (run as root, or set OBSERVER_VM_CACHE)",
+                cache.display()
+            )
+        })?;
         unpack_kernel(&cache, &version)
             .with_context(|| format!("cannot prepare kernel {version} in {}", dir.display()))?;
     }
@@ -390,6 +396,15 @@ fn unpack_kernel(cache: &Path, version: &str) -> Result<()> {
                 .with_context(|| format!("apt-get download left no {package}_*.deb"))?
         }
     };
+    // Left by runs that were killed while unpacking (their process is gone).
+    for e in fs::read_dir(cache)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some((_, pid)) = name.split_once(".tmp-")
+            && !Path::new("/proc").join(pid).exists()
+        {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
     let tmp = cache.join(format!("{version}.tmp-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     let result = (|| -> Result<()> {
