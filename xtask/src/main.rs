@@ -167,6 +167,7 @@ enum Task {
     /// Kernels are downloaded (never installed) and cached in /var/cache/observer-vm
     /// ($OBSERVER_VM_CACHE).
     Vm {
+        /// Debian 12's newest plain amd64 kernel of this series, or both side by side.
         #[arg(long, default_value = "6.12", value_parser = ["6.1", "6.12", "all"])]
         kernel: String,
         /// Guest CPUs (default 2, or 1 each with `--kernel all`).
