@@ -302,6 +302,8 @@ pub fn conntrack_addresses_may_match(nets: &FilterNets, conn: u64) -> Option<boo
 /// The aligned word at `at` (a multiple of 4) of a window, in one load.
 #[inline(always)]
 fn win_word(win: &[u8; CT_WINDOW_BYTES], at: usize) -> u32 {
+    // Hidden from the compiler, so that it keeps the clamp (see `window_bytes`).
+    let at = core::hint::black_box(at);
     let at = at.min(CT_WINDOW_BYTES - 4) & !3;
     // SAFETY: inside the window (clamped above); `Windows` is 8-byte aligned and the
     // conntrack window starts at a multiple of 8 in it, so the word is aligned.
@@ -627,6 +629,10 @@ impl PacketReader for KernelWindow<'_> {
 #[inline(always)]
 pub fn window_bytes<const N: usize>(win: &[u8; PKT_WINDOW_BYTES], off: usize) -> [u8; N] {
     let mut out = [0u8; N];
+    // Hidden from the compiler: it forgets the caller's check, so it keeps the mask below
+    // (else it drops it, and verifiers before 6.13 cannot bound the index from that check
+    // alone).
+    let off = core::hint::black_box(off);
     let mut i = 0;
     while i < N {
         // Masked: an index the verifier can bound whatever the compiler did to the

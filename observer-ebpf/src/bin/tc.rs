@@ -69,7 +69,10 @@ fn observe<const BRIDGE: bool>(ctx: &TcContext, at: u8) {
         count(counter::NOT_CONFIGURED);
         return;
     }
-    let skb = ctx.skb.skb as u64;
+    // A plain number, not the context pointer: kernels before 6.18 refuse arithmetic on a
+    // context pointer, which the compiler may otherwise do on this value (a read at
+    // `skb + offset`).
+    let skb = opaque(ctx.skb.skb as usize) as u64;
     if BRIDGE {
         // Left out where it entered (a port, or the bridge's own output): left out still,
         // until it ends where it leaves.
@@ -260,7 +263,7 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     ev.header.ts_ns = 0;
     // Privileged programs may read their context pointer: it is the kernel's sk_buff address,
     // the same identity the netfilter probes report.
-    ev.header.skb = skb as u64;
+    ev.header.skb = opaque(skb as usize) as u64;
     // SAFETY: ctx fields of __sk_buff are rewritten by the verifier into safe loads.
     let (ifindex, mark, len, proto) =
         unsafe { ((*skb).ifindex, (*skb).mark, (*skb).len, (*skb).protocol) };
@@ -283,7 +286,10 @@ fn read_packet(ctx: &TcContext, ev: &mut PacketEvent, at: u8) -> Option<()> {
     // Ethernet header, the first 40 bytes (an IPv4 header and 20 bytes after it, or an
     // IPv6 header) come straight from the linear data when it holds them.
     let w = windows()?;
-    let linear = linear_words(ctx, w);
+    // Through map memory: otherwise the compiler tests the packet bounds again where the
+    // window is used, and verifiers before 6.13 do not see that the two tests agree (they
+    // follow the window's pointer where it is null).
+    let linear = opaque(usize::from(linear_words(ctx, w))) != 0;
     let eth = At {
         ctx,
         base: 14,

@@ -203,7 +203,8 @@ pub fn observer_sock_ingress(ctx: SkBuffContext) -> i32 {
     if floor() || counts::count_only() {
         return 1;
     }
-    let skb = ctx.skb.skb as u64;
+    // A plain number (see the TC probes' `observe`).
+    let skb = opaque(ctx.skb.skb as usize) as u64;
     // A packet left out has nothing to mark.
     if find_left_out(skb).is_none()
         && let Some(f) = find(skb)
