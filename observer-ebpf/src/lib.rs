@@ -28,6 +28,7 @@ use observer_common::{
 pub mod counts;
 pub mod inflight;
 pub mod packet_bytes;
+pub mod point;
 
 /// A probe's control values, kept in per-CPU map memory instead of registers.
 ///
