@@ -24,25 +24,26 @@ pub struct Links {
 /// released (the program type, not the kernel's version, is what counts: a distribution
 /// may backport it, or build without `CONFIG_NETFILTER_BPF_LINK`).
 pub fn can_run(_layout: &KernelLayout) -> Result<(), Unsupported> {
-    let unsupported = |why: String| Unsupported {
-        backend: BackendKind::Links,
-        why,
-    };
-    match load_trivial_program() {
-        Ok(()) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(unsupported(format!(
+    load_trivial_program().map_err(|e| refusal(&e, &kernel_release()))
+}
+
+/// Why netfilter links cannot run, from the error of the trivial program's load on kernel
+/// `release`.
+fn refusal(e: &std::io::Error, release: &str) -> Unsupported {
+    let why = match e.raw_os_error() {
+        Some(libc::EINVAL) => format!(
             "BPF netfilter links need Linux 6.4+ with CONFIG_NETFILTER_BPF_LINK=y; this kernel \
-             ({}) refuses netfilter programs (EINVAL)",
-            kernel_release()
-        ))),
-        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Err(unsupported(format!(
+             ({release}) refuses netfilter programs (EINVAL)"
+        ),
+        Some(libc::EPERM) => format!(
             "loading a BPF program was refused ({e}): run as root, or with CAP_BPF and \
              CAP_NET_ADMIN"
-        ))),
-        Err(e) => Err(unsupported(format!(
-            "a trivial netfilter program did not load on this kernel ({}): {e}",
-            kernel_release()
-        ))),
+        ),
+        _ => format!("a trivial netfilter program did not load on this kernel ({release}): {e}"),
+    };
+    Unsupported {
+        backend: BackendKind::Links,
+        why,
     }
 }
 
@@ -146,6 +147,21 @@ fn is_busy(e: &NfError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the user is told when the kernel refuses, as the kernel refuses.
+    #[test]
+    fn a_refusal_says_why_and_what_to_do() {
+        let einval = std::io::Error::from_raw_os_error(libc::EINVAL);
+        let e = refusal(&einval, "Linux 6.1.0-37-amd64").to_string();
+        assert_eq!(
+            e,
+            "capture backend `links` (netfilter links) cannot run here: BPF netfilter links \
+             need Linux 6.4+ with CONFIG_NETFILTER_BPF_LINK=y; this kernel (Linux \
+             6.1.0-37-amd64) refuses netfilter programs (EINVAL)"
+        );
+        let eperm = std::io::Error::from_raw_os_error(libc::EPERM);
+        assert!(refusal(&eperm, "x").to_string().contains("run as root"));
+    }
 
     /// The trial load agrees with the kernel's BTF: netfilter programs load where the
     /// kernel has their context (`struct bpf_nf_ctx`, 6.4+), and the refusal says why.
