@@ -13,9 +13,11 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// True when running under CI (`CI=true`): privileged tests must run there, never skip.
+/// True when a privileged test must run, never skip: under CI (`CI=true`), and under
+/// `cargo xtask test` (`OBSERVER_NO_SKIP=1`, unless it was given `--allow-skips`).
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+        || std::env::var("OBSERVER_NO_SKIP").is_ok_and(|v| v == "1")
 }
 
 /// Returns true when the privileged test can run. Outside CI, a machine without root, BTF or
@@ -37,7 +39,10 @@ pub fn privileged(test: &str) -> bool {
     }
     let msg = format!("{test}: needs {}", missing.join(", "));
     if in_ci() {
-        panic!("{msg}; CI=true, so this privileged test fails instead of skipping");
+        panic!(
+            "{msg}; under CI or `cargo xtask test` a privileged test fails instead of skipping \
+             (`cargo xtask test --allow-skips` lets it skip, loudly)"
+        );
     }
     eprintln!("\n!!!!!!!! SKIPPED {msg} !!!!!!!!\n");
     false

@@ -12,6 +12,8 @@
 //!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
 //! - `fuzz`: every fuzz target in `fuzz/` for a bounded time each (nightly, cargo-fuzz);
 //!   an input that crashes one is kept in `fuzz/regressions/`, which the normal tests run.
+//! - `vm`: boot Debian's 6.1 or 6.12 kernel (or both) under QEMU and run a command in it
+//!   (`vm.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod vm;
 
 /// Nightly installed when the machine has none: its LLVM major must match bpf-linker's.
 const PINNED_NIGHTLY: &str = "nightly-2026-05-19";
@@ -56,6 +60,11 @@ const PACKAGES: &[&str] = &[
     // musl-gcc: C code in the agent's dependencies (ring, for the API server's TLS) built for
     // the static musl binary.
     "musl-tools",
+    // `cargo xtask vm`: QEMU, the guest's initramfs (busybox), the kernels' decompressors.
+    "qemu-system-x86",
+    "busybox-static",
+    "xz-utils",
+    "zstd",
 ];
 
 /// kubernetes-validate, from PyPI into a venv of its own (validates the manifests offline
@@ -94,6 +103,10 @@ enum Task {
     },
     /// Formatting, clippy, unit tests and privileged integration tests.
     Test {
+        /// Let privileged tests skip (loudly) where root, BTF or a tool is missing, instead
+        /// of failing: without it, a test that cannot run fails and names what it needs.
+        #[arg(long)]
+        allow_skips: bool,
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
@@ -152,6 +165,32 @@ enum Task {
         #[arg(long)]
         no_build: bool,
     },
+    /// Boot Debian's 6.1 or 6.12 kernel (or both side by side) under QEMU (software
+    /// emulation) and run a command in it as root, in this directory, on a copy-on-write view
+    /// of this machine's root (writes stay in the guest); exits with the command's status.
+    /// Kernels are downloaded (never installed) and cached in /var/cache/observer-vm
+    /// ($OBSERVER_VM_CACHE).
+    Vm {
+        /// Debian 12's newest plain amd64 kernel of this series, or both side by side.
+        #[arg(long, default_value = "6.12", value_parser = ["6.1", "6.12", "all"])]
+        kernel: String,
+        /// Guest CPUs (default 2, or 1 each with `--kernel all`).
+        #[arg(long)]
+        cpus: Option<u32>,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 1024)]
+        memory: u32,
+        /// Kill the guest and fail after this many seconds.
+        #[arg(long, default_value_t = 1800)]
+        timeout: u64,
+        /// Pass this host environment variable to the command (repeatable; CI always is
+        /// when set).
+        #[arg(long = "env", value_name = "NAME")]
+        env: Vec<String>,
+        /// The command and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
     /// Sends 64-byte UDP datagrams to ADDR as fast as one thread can for SECONDS and prints
     /// how many it sent (the bench's drop flood; run inside a lab namespace).
     #[command(hide = true)]
@@ -163,6 +202,7 @@ enum Task {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    let caller_dir = std::env::current_dir()?;
     let root = workspace_root();
     std::env::set_current_dir(&root)?;
     match cli.task {
@@ -184,7 +224,7 @@ fn main() -> Result<()> {
             let tc = setup()?;
             image(&tc)
         }
-        Task::Test { args } => test(&args),
+        Task::Test { allow_skips, args } => test(&args, allow_skips),
         Task::Golden { outputs_only } => golden(outputs_only),
         Task::Bench {
             seconds,
@@ -206,6 +246,17 @@ fn main() -> Result<()> {
         }
         Task::Fuzz { seconds, targets } => fuzz(seconds, &targets),
         Task::Flood { addr, seconds } => flood(addr, seconds),
+        Task::Vm {
+            kernel,
+            cpus,
+            memory,
+            timeout,
+            env,
+            command,
+        } => {
+            let code = vm::vm_task(&kernel, cpus, memory, timeout, &env, caller_dir, &command)?;
+            std::process::exit(code)
+        }
     }
 }
 
@@ -832,7 +883,7 @@ fn demo(mode: &str) -> Result<()> {
     })
 }
 
-fn test(extra: &[String]) -> Result<()> {
+fn test(extra: &[String], allow_skips: bool) -> Result<()> {
     let tc = setup()?;
     let t0 = Instant::now();
     run(Command::new("cargo").args(["fmt", "--all", "--check"]))
@@ -867,6 +918,8 @@ fn test(extra: &[String]) -> Result<()> {
         .env("OBSERVER_IMAGE", IMAGE)
         .env("KUBERNETES_VALIDATE", kubernetes_validate_bin())
         .env("OBSERVER_BIN", observer_bin(false))
+        // A privileged test that cannot run fails (and says what it needs) unless asked.
+        .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
         .arg("--")
         .args(extra))?;
     eprintln!(

@@ -118,6 +118,21 @@ pub(super) fn unexpected_layout(config: &[u64]) -> Option<String> {
     })
 }
 
+/// Loads the TC programs (once: a loaded one is left as it is).
+fn load_tc_programs(ebpf: &mut Ebpf) -> Result<()> {
+    for (name, _) in TC_PROGRAMS.into_iter().chain(TC_BRIDGE_PROGRAMS) {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .with_context(|| format!("probe object has no program {name}"))?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load()
+                .with_context(|| format!("loading TC program {name}"))?;
+        }
+    }
+    Ok(())
+}
+
 fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
     let data: &MapData = match ebpf.map(name) {
         Some(Map::Array(m) | Map::PerCpuArray(m) | Map::RingBuf(m) | Map::HashMap(m)) => m,
@@ -239,13 +254,10 @@ impl Probes {
             )?;
             nets.set(0, FilterNets::of(filter), 0)?;
         }
-        for (name, _) in TC_PROGRAMS.into_iter().chain(TC_BRIDGE_PROGRAMS) {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .with_context(|| format!("probe object has no program {name}"))?
-                .try_into()?;
-            prog.load()
-                .with_context(|| format!("loading TC program {name}"))?;
+        // Counting needs no TC program: they are loaded when tracing starts, so that a kernel
+        // whose verifier refuses them still counts (the agent's default mode).
+        if tracing {
+            load_tc_programs(&mut ebpf)?;
         }
         let btf =
             Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
@@ -315,6 +327,7 @@ impl Probes {
         if self.tracing {
             return Ok(());
         }
+        load_tc_programs(&mut self.ebpf)?;
         self.clear_in_flight()?;
         self.set_filter(filter)?;
         let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
