@@ -181,6 +181,7 @@ mod tests {
         match can_run(&layout) {
             Ok(()) => assert!(has_ctx, "netfilter programs load without bpf_nf_ctx?"),
             Err(e) => {
+                eprintln!("refused, as it should be: {e}");
                 assert!(!has_ctx, "{e}");
                 assert!(e.to_string().contains("Linux 6.4+"), "{e}");
             }
