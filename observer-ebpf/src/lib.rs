@@ -4,6 +4,9 @@
 //! netfilter loader) declare the same maps by name. Only the TC object's maps are created; the
 //! netfilter object's map references are pointed at those same maps when it is loaded, so every
 //! probe writes into one ring buffer and one set of counters.
+//!
+//! [`point`] is what a netfilter probe does at one point, callable from any program type
+//! that has the hook's state and the skb.
 #![no_std]
 // `atomic_xadd`: the BPF target has no atomic read-modify-write types, but LLVM emits BPF's
 // atomic add for the intrinsic (the toolchain is a pinned nightly).
@@ -28,6 +31,7 @@ use observer_common::{
 pub mod counts;
 pub mod inflight;
 pub mod packet_bytes;
+pub mod point;
 
 /// A probe's control values, kept in per-CPU map memory instead of registers.
 ///

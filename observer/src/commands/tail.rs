@@ -96,6 +96,10 @@ pub struct Summary {
     /// chains.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bridge_trace: Option<crate::kernel::bridgetrace::TraceCounts>,
+    /// How the per-table probes were attached (the capture backend, by its `--backend`
+    /// name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capture_backend: Option<crate::kernel::capture::BackendKind>,
     /// Why the tail stopped.
     pub stopped_by: &'static str,
     /// With `--record`: what the recording holds.
@@ -123,7 +127,7 @@ impl std::fmt::Display for Summary {
             f,
             "observer: {} packets seen: {} traversals printed ({} incomplete), {} lost (ring \
              buffer full), {} filtered out, {} sampled out, {} in flight at exit, {} not \
-             printed; {} attach failures; stopped by {}",
+             printed; {} attach failures; {}stopped by {}",
             self.seen,
             self.printed,
             self.incomplete,
@@ -133,6 +137,9 @@ impl std::fmt::Display for Summary {
             self.in_flight + self.in_flight_left_out,
             self.not_printed,
             self.attach_failures,
+            self.capture_backend
+                .map(|k| format!("captured through {k}; "))
+                .unwrap_or_default(),
             self.stopped_by,
         )?;
         if self.rules_disagree + self.rules_undecidable > 0 {
@@ -572,6 +579,7 @@ impl Consumer for Printer<'_> {
         summary.in_flight = inflight.kept;
         summary.in_flight_left_out = inflight.left_out;
         summary.attach_failures = probes.attach_failures;
+        summary.capture_backend = Some(probes.capture_backend());
         summary.stopped_by = stop.why;
         summary.kernel = k;
         if let Some(mut r) = self.recorder.take() {

@@ -1,11 +1,13 @@
 //! Kernel-facing: struct offsets from BTF, where the probes go, loading and attaching them
-//! (Aya for TC, observer's own loader for netfilter programs), keeping them attached while
-//! rules and interfaces change, and the kernel's symbols and namespaces.
+//! (Aya for TC; for the per-table probes a capture backend, today netfilter links through
+//! observer's own loader), keeping them attached while rules and interfaces change, and the
+//! kernel's symbols and namespaces.
 
 pub mod bridgechains;
 pub mod bridgetrace;
 pub mod btf;
 pub mod btf_raw;
+pub mod capture;
 pub mod kallsyms;
 pub mod netns;
 pub mod nf_link;

@@ -498,6 +498,21 @@ impl NfProgram {
     }
 }
 
+/// Whether the kernel loads netfilter programs at all: a trivial one (`r0 = NF_ACCEPT;
+/// exit`) is loaded and released at once. EINVAL: the program type is not there (before
+/// Linux 6.4, or without CONFIG_NETFILTER_BPF_LINK); EPERM: not privileged enough.
+pub fn load_trivial_program() -> std::io::Result<()> {
+    let mut insns = vec![0xb7, 0, 0, 0, 1, 0, 0, 0];
+    insns.extend([0x95, 0, 0, 0, 0, 0, 0, 0]);
+    let program = NfProgram {
+        name: "observer_probe".into(),
+        insns,
+        license: c"GPL".into(),
+        fd: None,
+    };
+    program.load_with_log(&mut [], 0).map(drop)
+}
+
 /// An attached netfilter program; closing the fd detaches it.
 pub struct NfLink {
     _fd: OwnedFd,

@@ -65,14 +65,15 @@ pub fn attach_probes(
     // Before anything is attached: the benchmark's floor records nothing at all.
     probes.set_floor(floor)?;
     let users = hook_users(live);
-    probes.attach_netfilter(full_plan(users.as_deref()))?;
+    probes.attach_points(full_plan(users.as_deref()))?;
     let changes = probes.sync_interfaces()?;
     for (name, e) in &changes.failed {
         warn!("no probes on interface {name}: {e}");
     }
     info!(
-        "attached {} netfilter probes and tcx on {}",
-        probes.netfilter_links(),
+        "attached {} per-table probes (capture: {}) and tcx on {}",
+        probes.attachments(),
+        probes.capture_backend().name(),
         changes.added.join(", ")
     );
     Ok(probes)
@@ -84,10 +85,11 @@ pub fn attach_counting(layout: &KernelLayout, live: &LiveNode, floor: bool) -> R
     let mut probes = Probes::load_counting(layout)?;
     probes.set_floor(floor)?;
     let users = hook_users(live);
-    probes.attach_netfilter(full_plan(users.as_deref()))?;
+    probes.attach_points(full_plan(users.as_deref()))?;
     info!(
-        "attached {} netfilter probes, counting",
-        probes.netfilter_links()
+        "attached {} per-table probes (capture: {}), counting",
+        probes.attachments(),
+        probes.capture_backend().name()
     );
     Ok(probes)
 }
@@ -138,10 +140,11 @@ pub fn attach_drops_only(layout: &KernelLayout, floor: bool) -> Result<Probes> {
 /// Returns the node as read for it.
 pub fn attach_brackets(probes: &mut Probes) -> Result<LiveNode> {
     let live = read_live();
-    probes.attach_netfilter(full_plan(hook_users(&live).as_deref()))?;
+    probes.attach_points(full_plan(hook_users(&live).as_deref()))?;
     info!(
-        "attached {} netfilter probes for the streaming clients",
-        probes.netfilter_links()
+        "attached {} per-table probes (capture: {}) for the streaming clients",
+        probes.attachments(),
+        probes.capture_backend().name()
     );
     Ok(live)
 }
@@ -162,7 +165,7 @@ pub fn replan(probes: &mut Probes, live: &LiveNode) -> bool {
         }
         Err(e) => {
             probes.attach_failures += 1;
-            warn!("re-planning the netfilter probes after a ruleset change failed: {e:#}");
+            warn!("re-planning the per-table probes after a ruleset change failed: {e:#}");
             false
         }
     }

@@ -496,6 +496,7 @@ pub struct Metrics {
     opened: Mutex<[usize; 5]>,
     overflow: PromCounter,
     mode: Family<Labels, Gauge>,
+    capture: Family<Labels, Gauge>,
     scraped: Arc<Scraped>,
 }
 
@@ -529,6 +530,14 @@ impl Metrics {
              and conntrack counters; 1: drops at kfree_skb; 2: per-table brackets)",
             mode.clone(),
         );
+        let capture = Family::<Labels, Gauge>::default();
+        registry.register(
+            "observer_capture_backend",
+            "How the per-table probes are attached (links: BPF netfilter links; fentry: \
+             trampolines on the tables' functions): 1 when it can attach here, 0 when the \
+             kernel refuses it",
+            capture.clone(),
+        );
         registry.register(
             "observer_build",
             "The observer's version",
@@ -542,8 +551,18 @@ impl Metrics {
             opened: Mutex::default(),
             overflow,
             mode,
+            capture,
             scraped,
         }
+    }
+
+    /// Says which capture backend puts the per-table probes in place (its `--backend`
+    /// name) and whether it can here.
+    pub fn set_capture_backend(&self, backend: &'static str, ready: bool) {
+        self.capture.clear();
+        self.capture
+            .get_or_create(&vec![("backend", backend.into())])
+            .set(i64::from(ready));
     }
 
     /// Tier 2's series (`super::tier2::Tier2::series`), replacing the previous ones.
@@ -822,6 +841,7 @@ mod tests {
     fn full() -> Metrics {
         let m = Metrics::new("node-1");
         m.set_mode("kernel", "0,1");
+        m.set_capture_backend("links", true);
         m.add(
             Counter::Drops,
             &["ipv4", "FORWARD", "filter", "NO_SOCKET"],
@@ -881,6 +901,7 @@ mod tests {
             "observer_records_lost_total{node=\"node-1\"} 2",
             "observer_ready{node=\"node-1\"} 1",
             "observer_agent_mode{node=\"node-1\",mode=\"kernel\",tiers=\"0,1\"} 1",
+            "observer_capture_backend{node=\"node-1\",backend=\"links\"} 1",
             "# TYPE observer_build_info gauge",
             "observer_tier0_read_seconds{node=\"node-1\"} 0.25",
             "observer_tier0_read_errors_total{node=\"node-1\"} 1",

@@ -213,6 +213,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             )?,
             AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
         };
+        metrics.set_capture_backend(probes.capture_backend().label(), probes.capture_ready());
         // Loading the probes parsed the kernel's BTF: handed back.
         drop(live);
         memory::release();
@@ -555,7 +556,7 @@ fn update_health(probes: &Probes, agent: &Agent, ready: bool) {
         } else {
             k.seen
         },
-        netfilter_probes: probes.netfilter_links() as u64,
+        netfilter_probes: probes.attachments() as u64,
         interfaces: agent.interfaces,
         ruleset_generation: u64::from(probes.generation()),
         attach_failures: probes.attach_failures,
@@ -643,7 +644,7 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             warn!("back to counting only: {e:#}");
         }
         if agent.mode == AgentMode::Kernel {
-            if let Err(e) = probes.detach_netfilter() {
+            if let Err(e) = probes.detach_points() {
                 warn!("detaching the per-table probes: {e:#}");
             }
             memory::drop_namer(&mut agent.pipeline);
@@ -680,7 +681,7 @@ impl Consumer for Agent {
         if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
         }
-        self.tier2.publish(probes.netfilter_links() as u64, now);
+        self.tier2.publish(probes.attachments() as u64, now);
         self.metrics.set_tier2(self.tier2.series());
         if tick.scanned {
             self.read_counts(probes);
@@ -737,7 +738,7 @@ impl Consumer for Agent {
     fn records_flow(&self, probes: &Probes) -> bool {
         // The default mode writes no record while no per-table probe is attached (its
         // drops go to tier 1's own ring).
-        self.mode != AgentMode::Kernel || probes.tracing() || probes.netfilter_links() > 0
+        self.mode != AgentMode::Kernel || probes.tracing() || probes.attachments() > 0
     }
 
     fn replans(&self, probes: &Probes) -> bool {
@@ -794,8 +795,9 @@ async fn event_loop(
     agent.add_plans(&probes);
     update_health(&probes, &agent, true);
     info!(
-        "agent ready: {} netfilter probes; metrics on {}, streaming API on {}{}",
-        probes.netfilter_links(),
+        "agent ready: {} per-table probes (capture: {}); metrics on {}, streaming API on {}{}",
+        probes.attachments(),
+        probes.capture_backend().name(),
         opts.metrics_addr,
         opts.socket.display(),
         opts.listen

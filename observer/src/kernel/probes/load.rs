@@ -145,7 +145,7 @@ fn map_fd(ebpf: &Ebpf, name: &str) -> Result<RawFd> {
 impl Probes {
     /// Loads both objects and configures them with `layout` and the packet `filter`, to
     /// record traversals. The end probes (tracepoints, sockets) are attached; netfilter
-    /// and tcx are attached by [`Probes::attach_netfilter`] and [`Probes::sync_interfaces`].
+    /// and tcx are attached by [`Probes::attach_points`] and [`Probes::sync_interfaces`].
     pub fn load(layout: &KernelLayout, filter: &FilterProgram) -> Result<Self> {
         Self::load_as(layout, filter, true, None)
     }
@@ -274,9 +274,15 @@ impl Probes {
             .iter()
             .map(|m| Ok((m.to_string(), map_fd(&ebpf, m)?)))
             .collect::<Result<_>>()?;
-        // The netfilter programs log nothing (`observer_ebpf::inflight::Diag`): nf_link
-        // loads no aya-log map or global.
-        let nf = NfObject::parse(NF_OBJECT, &fds, &layout.config, rdonly_cast)?;
+        let shared = capture::Shared {
+            maps: &fds,
+            fields: &layout.config,
+            rdonly_cast,
+        };
+        let capture = capture::choose(None, layout, &shared)?;
+        if let Chosen::Refused(why) = &capture {
+            info!("no per-table probes can be attached: {why}");
+        }
         // The diagnostics' reader exists only when they are on.
         let log = if log_level == 0 {
             None
@@ -288,9 +294,8 @@ impl Probes {
         };
         Ok(Self {
             ebpf,
-            nf,
+            capture,
             log,
-            links: Vec::new(),
             tc: HashMap::new(),
             tc_failed: HashSet::new(),
             attach_failures: 0,

@@ -1,16 +1,18 @@
-//! Kernel side: loads both probe objects, hands them the BTF offsets, and attaches them.
-//! Aya loads the TC object (which owns the maps); [`crate::kernel::nf_link`] loads the netfilter
-//! object onto those same maps. Everything attaches in the calling thread's network namespace
-//! and detaches when [`Probes`] is dropped (or the process dies: links are fd-owned).
+//! Kernel side: loads the probe objects, hands them the BTF offsets, and attaches them.
+//! Aya loads the TC object (which owns the maps); the capture backend
+//! ([`crate::kernel::capture`]: today netfilter links, [`crate::kernel::nf_link`] loading the
+//! netfilter object onto those same maps) puts the per-table probes at the plan's points.
+//! Everything attaches in the calling thread's network namespace and detaches when
+//! [`Probes`] is dropped (or the process dies: links are fd-owned).
 //!
-//! By concern: [`load`] (objects, configuration, counting/tracing), [`tc`], [`netfilter`],
-//! [`ends`] (tracepoints, socket probe), [`maps`] (counters, in-flight, sweep, ring buffers),
-//! [`release`].
+//! By concern: [`load`] (objects, configuration, counting/tracing), [`tc`], [`points`] (the
+//! plan's points through the capture backend, re-plans), [`ends`] (tracepoints, socket
+//! probe), [`maps`] (counters, in-flight, sweep, ring buffers), [`release`].
 
 mod ends;
 mod load;
 mod maps;
-mod netfilter;
+mod points;
 mod release;
 mod tc;
 
@@ -19,9 +21,11 @@ use std::collections::{HashMap, HashSet};
 use aya::Ebpf;
 
 use crate::kernel::btf::KernelLayout;
+use crate::kernel::capture::links::NF_OBJECT;
+use crate::kernel::capture::{self, Chosen};
 use crate::kernel::netns::current_netns_inode;
 use crate::kernel::netns::interfaces;
-use crate::kernel::nf_link::{NfError, NfFamily, NfHook, NfLink, NfObject, patch_object_calls};
+use crate::kernel::nf_link::{NfFamily, NfHook, patch_object_calls};
 use crate::kernel::plan::HookPlan;
 
 pub use maps::{InFlight, KernelCounters};
@@ -29,18 +33,17 @@ use tc::Attached;
 pub use tc::InterfaceChanges;
 
 static TC_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-tc"));
-static NF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-nf"));
 
 pub struct Probes {
     ebpf: Ebpf,
-    nf: NfObject,
+    /// What puts the per-table probes at the plan's points (or why nothing can here).
+    capture: Chosen,
     /// The probes' diagnostics (aya-log), when the user's log level shows them.
     log: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
-    links: Vec<NfLink>,
     tc: HashMap<u32, Attached>,
     /// Interfaces where attaching failed, so the failure is reported once per interface.
     tc_failed: HashSet<u32>,
-    /// Attach failures since start (tcx and netfilter), for the summary.
+    /// Attach failures since start (tcx and per-table probes), for the summary.
     pub attach_failures: u64,
     /// The plan as attached (priorities may have moved off EBUSY ones).
     pub plans: Vec<HookPlan>,
@@ -56,6 +59,7 @@ pub struct Probes {
 mod tests {
     use super::load::MAPS;
     use super::*;
+    use crate::kernel::nf_link::{NfError, NfObject};
     use observer_common::NF_SLOTS;
     use observer_common::config;
     use std::os::fd::RawFd;

@@ -8,16 +8,22 @@ use super::ends::END_TRACEPOINTS;
 use super::*;
 
 impl Probes {
-    /// Detaches every probe (netfilter links, tcx, tracepoints, cgroup) while keeping the
+    /// Detaches every probe (the capture backend's, tcx, tracepoints, cgroup) while keeping the
     /// maps: at exit, so that nothing more arrives while the last records are read and the
     /// counters add up exactly.
     pub fn detach(&mut self) -> std::thread::JoinHandle<()> {
         let t = std::time::Instant::now();
-        self.links.clear();
+        if let Ok(backend) = self.capture.backend() {
+            drop(backend.take_all());
+        }
         // Each tcx detach waits for an RCU grace period under the RTNL lock (~10 ms, more
         // under load, one after another): see `release_in_background`.
         let taken = self.take_tc_links();
-        debug!("detach: netfilter links released after {:?}", t.elapsed());
+        debug!(
+            "detach: {} released after {:?}",
+            self.capture.kind().name(),
+            t.elapsed()
+        );
         for (prog, _) in END_TRACEPOINTS {
             if let Some(Ok(p)) = self
                 .ebpf

@@ -1,5 +1,7 @@
-//! Netfilter links: every point of every hook's plan, moved off priorities that are taken,
-//! re-planned when base chains come and go, with the plan generation records carry.
+//! The plan's points, whichever capture backend holds them ([`crate::kernel::capture`]):
+//! attached per hook, re-planned when base chains come and go, with the plan generation
+//! records carry and the probes' configuration that follows the plan (which of them read
+//! the headers again).
 
 use anyhow::{Context, Result};
 use aya::maps::Array;
@@ -7,17 +9,31 @@ use log::{debug, info};
 use observer_common::config;
 
 use super::*;
+use crate::kernel::capture::{Backend, BackendKind, Unsupported};
 
 impl Probes {
-    /// Attaches a netfilter probe at every point of every plan. A point whose priority is
-    /// taken (EBUSY) moves to the nearest free priority between the same two tables.
-    pub fn attach_netfilter(&mut self, plans: Vec<HookPlan>) -> Result<()> {
+    /// The capture backend, or why there is none (then nothing can be attached).
+    fn backend(&mut self) -> Result<&mut dyn Backend, Unsupported> {
+        self.capture.backend()
+    }
+
+    /// Attaches a probe at every point of every plan, through the capture backend.
+    pub fn attach_points(&mut self, plans: Vec<HookPlan>) -> Result<()> {
         let mut attached = Vec::with_capacity(plans.len());
         for plan in plans {
-            attached.push(self.attach_plan(plan)?);
+            attached.push(self.attach_hook(plan)?);
         }
-        debug!("attached {} netfilter links", self.links.len());
+        debug!(
+            "attached {} {}",
+            self.attachments(),
+            self.capture_backend().name()
+        );
         self.plans = attached;
+        if let Ok(backend) = self.backend() {
+            for what in backend.blind_spots() {
+                log::warn!("{} cannot see {what}", backend.kind().name());
+            }
+        }
         self.set_header_readers()
     }
 
@@ -65,8 +81,8 @@ impl Probes {
                 Some(old) if old.tables == plan.tables => next.push(old.clone()),
                 _ => {
                     let (f, h) = (plan.family, plan.hook);
-                    self.links.retain(|l| !(l.family == f && l.hook == h));
-                    next.push(self.attach_plan(plan)?);
+                    self.backend()?.detach(f, h);
+                    next.push(self.attach_hook(plan)?);
                     changed.push((f, h));
                 }
             }
@@ -82,17 +98,19 @@ impl Probes {
         Ok(changed)
     }
 
-    /// Detaches every netfilter probe (released in the background: each detach waits for
+    /// Detaches every per-table probe (released in the background: each detach waits for
     /// RCU); the plan generation moves on, so that a later plan is told apart.
-    pub fn detach_netfilter(&mut self) -> Result<()> {
-        let taken = std::mem::take(&mut self.links);
-        std::thread::spawn(move || drop(taken));
+    pub fn detach_points(&mut self) -> Result<()> {
+        if let Ok(backend) = self.backend() {
+            let taken = backend.take_all();
+            std::thread::spawn(move || drop(taken));
+        }
         self.plans.clear();
         self.generation = self.generation.wrapping_add(1);
         let mut config: Array<_, u64> =
             Array::try_from(self.ebpf.map_mut("CONFIG").context("no CONFIG map")?)?;
         config.set(config::PLAN_GEN, u64::from(self.generation), 0)?;
-        info!("netfilter probes detached");
+        info!("per-table probes detached");
         Ok(())
     }
 
@@ -101,61 +119,29 @@ impl Probes {
         self.generation
     }
 
-    /// Attaches the probes of one hook; returns the plan as attached.
-    fn attach_plan(&mut self, mut plan: HookPlan) -> Result<HookPlan> {
-        {
-            debug!(
-                "{}/{}: tables {:?} probes at {:?}",
-                plan.family.name(),
-                plan.hook.name(),
-                plan.tables
-                    .iter()
-                    .map(|t| (&t.name, t.priority))
-                    .collect::<Vec<_>>(),
-                plan.points
-            );
-            for slot in 0..plan.points.len() {
-                let prog = self
-                    .nf
-                    .program_mut(&format!("nf_slot_{}", plan.programs[slot]))?;
-                prog.load()?;
-                let mut candidates = vec![plan.points[slot]];
-                candidates.extend(plan.fallbacks(slot));
-                let mut last_err = None;
-                for prio in candidates {
-                    match prog.attach(plan.family, plan.hook, prio) {
-                        Ok(link) => {
-                            if prio != plan.points[slot] {
-                                // ipv6 conntrack confirms at INPUT INT_MAX-1, for one.
-                                info!(
-                                    "{}/{} priority {} is taken; probing at {prio} instead",
-                                    plan.family.name(),
-                                    plan.hook.name(),
-                                    plan.points[slot]
-                                );
-                                plan.points[slot] = prio;
-                            }
-                            self.links.push(link);
-                            last_err = None;
-                            break;
-                        }
-                        Err(e @ NfError::Attach { .. }) if is_busy(&e) => last_err = Some(e),
-                        Err(e) => return Err(e.into()),
-                    }
-                }
-                if let Some(e) = last_err {
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(plan)
+    /// Attaches the probes of one hook; returns the plan as attached. An error names the
+    /// backend.
+    fn attach_hook(&mut self, plan: HookPlan) -> Result<HookPlan> {
+        let (family, hook) = (plan.family.name(), plan.hook.name());
+        let backend = self.backend()?;
+        let name = backend.kind().name();
+        backend
+            .attach(plan)
+            .with_context(|| format!("attaching {name} at {family}/{hook}"))
     }
 
-    pub fn netfilter_links(&self) -> usize {
-        self.links.len()
+    /// Attachments the capture backend holds (netfilter links: one per point).
+    pub fn attachments(&self) -> usize {
+        self.capture.attachments()
     }
-}
 
-fn is_busy(e: &NfError) -> bool {
-    matches!(e, NfError::Attach { error, .. } if error.raw_os_error() == Some(libc::EBUSY))
+    /// The capture backend chosen (or refused: then [`Probes::attach_points`] says why).
+    pub fn capture_backend(&self) -> BackendKind {
+        self.capture.kind()
+    }
+
+    /// Whether the capture backend can attach points here.
+    pub fn capture_ready(&self) -> bool {
+        self.capture.is_ready()
+    }
 }
