@@ -46,6 +46,8 @@ const PACKAGES: &[&str] = &[
     "iperf3",
     "procps",
     "kmod",
+    // The agent's tests list the BPF programs and links the agent holds.
+    "bpftool",
     // Reads back `tail --pcapng` files in the tests.
     "tshark",
     // The agent's tests: a real Prometheus scrapes it, promtool lints its metrics.
