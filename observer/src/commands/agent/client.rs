@@ -50,6 +50,9 @@ impl std::fmt::Display for ClientSummary {
                 ", {} left out by the filter, {} packets lost by the probes meanwhile; ended by {}",
                 e["filtered"], e["lost"], e["end"]
             )?;
+            if let Some(why) = e.get("why").and_then(|w| w.as_str()) {
+                write!(f, ": {why}")?;
+            }
         } else {
             write!(f, "; stopped by {}", self.stopped_by)?;
         }

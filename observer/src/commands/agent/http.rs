@@ -43,7 +43,11 @@ async fn serve_metrics(State(m): State<Arc<Metrics>>, headers: HeaderMap) -> Res
 
 async fn readyz(State(m): State<Arc<Metrics>>) -> Response {
     if m.health().ready {
-        (StatusCode::OK, "ready\n").into_response()
+        let mut text = String::from("ready\n");
+        for d in m.degraded() {
+            text.push_str(&format!("degraded: {d}\n"));
+        }
+        (StatusCode::OK, text).into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

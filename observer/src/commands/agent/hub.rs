@@ -69,6 +69,9 @@ pub struct End {
     /// Packets the probes could not record (ring buffer full) while the stream was open:
     /// they may have matched.
     pub lost: u64,
+    /// Why, when the agent could not serve the stream (`tracing unavailable`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
 }
 
 struct Subscriber {
@@ -372,6 +375,14 @@ impl Hub {
         self.ip_ids.store(ids, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Ends every stream with `end` and why (the agent cannot serve them).
+    pub fn end_all(&self, end: &'static str, why: &str) {
+        let lost = self.lost();
+        for s in self.subs().drain(..) {
+            finish_with(s, end, lost, Some(why.to_string()));
+        }
+    }
+
     /// Ends every stream (the agent stops).
     pub fn close_all(&self) {
         let lost = self.lost();
@@ -421,12 +432,17 @@ fn end_line(end: &End) -> Bytes {
 
 /// Sends a subscriber its closing line (waiting for room, within a bound) and closes it.
 fn finish(s: Subscriber, why: &'static str, lost_now: u64) {
+    finish_with(s, why, lost_now, None);
+}
+
+fn finish_with(s: Subscriber, end: &'static str, lost_now: u64, why: Option<String>) {
     let end = End {
-        end: why,
+        end,
         sent: s.sent,
         skipped: s.skipped,
         filtered: s.filtered,
         lost: lost_now.saturating_sub(s.lost_at_start),
+        why,
     };
     let mut pending = Vec::new();
     if s.pending_skips > 0 {

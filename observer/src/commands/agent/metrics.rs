@@ -497,6 +497,8 @@ pub struct Metrics {
     overflow: PromCounter,
     mode: Family<Labels, Gauge>,
     capture: Family<Labels, Gauge>,
+    /// What this kernel cannot do and what still works, said by `/readyz` (empty: all).
+    degraded: Mutex<Vec<String>>,
     scraped: Arc<Scraped>,
 }
 
@@ -552,17 +554,33 @@ impl Metrics {
             overflow,
             mode,
             capture,
+            degraded: Mutex::default(),
             scraped,
         }
     }
 
     /// Says which capture backend puts the per-table probes in place (its `--backend`
-    /// name) and whether it can here.
-    pub fn set_capture_backend(&self, backend: &'static str, ready: bool) {
+    /// name) and, when the kernel refuses it, why (then `/readyz` says what is missing and
+    /// what still works).
+    pub fn set_capture_backend(&self, backend: &'static str, refused: Option<String>) {
         self.capture.clear();
         self.capture
             .get_or_create(&vec![("backend", backend.into())])
-            .set(i64::from(ready));
+            .set(i64::from(refused.is_none()));
+        let mut degraded = lock(&self.degraded);
+        degraded.clear();
+        if let Some(why) = refused {
+            degraded.push(format!(
+                "per-table probes unavailable: {why}; no traversals (/v1/traces, tier 2's \
+                 arms, --mode brackets and trace); tier 0 (rule and conntrack counters) and \
+                 tier 1 (drops by reason) work"
+            ));
+        }
+    }
+
+    /// What this kernel cannot do, one line each (empty: everything works).
+    pub fn degraded(&self) -> Vec<String> {
+        lock(&self.degraded).clone()
     }
 
     /// Tier 2's series (`super::tier2::Tier2::series`), replacing the previous ones.
@@ -841,7 +859,7 @@ mod tests {
     fn full() -> Metrics {
         let m = Metrics::new("node-1");
         m.set_mode("kernel", "0,1");
-        m.set_capture_backend("links", true);
+        m.set_capture_backend("links", None);
         m.add(
             Counter::Drops,
             &["ipv4", "FORWARD", "filter", "NO_SOCKET"],

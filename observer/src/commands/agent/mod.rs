@@ -213,7 +213,16 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
             )?,
             AgentMode::Kernel => attach_drops_only(&layout, opts.floor)?,
         };
-        metrics.set_capture_backend(probes.capture_backend().label(), probes.capture_ready());
+        metrics.set_capture_backend(
+            probes.capture_backend().label(),
+            probes.capture_refused().map(|why| why.to_string()),
+        );
+        if let Some(why) = probes.capture_refused() {
+            warn!(
+                "{why}: the per-table probes cannot be attached; streams of traversals end at \
+                 once; tier 0 and tier 1 work"
+            );
+        }
         // Loading the probes parsed the kernel's BTF: handed back.
         drop(live);
         memory::release();
@@ -607,6 +616,13 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             }),
             _ => FilterProgram::KEEP_ALL,
         };
+        if !probes.tracing()
+            && let Some(why) = probes.capture_refused()
+        {
+            // Said at start (and on /readyz); each stream is told why it ends.
+            agent.hub.end_all("tracing unavailable", &why.to_string());
+            return;
+        }
         if !probes.tracing() {
             let attaching = Instant::now();
             // The default mode brackets the tables only for as long as someone streams or

@@ -167,6 +167,14 @@ impl Chosen {
         matches!(self, Chosen::Ready(_))
     }
 
+    /// Why no backend can attach here, when none can.
+    pub fn refused(&self) -> Option<&Unsupported> {
+        match self {
+            Chosen::Ready(_) => None,
+            Chosen::Refused(why) => Some(why),
+        }
+    }
+
     /// Attachments held now (none without a backend).
     pub fn attachments(&self) -> usize {
         match self {

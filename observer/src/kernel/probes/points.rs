@@ -144,4 +144,9 @@ impl Probes {
     pub fn capture_ready(&self) -> bool {
         self.capture.is_ready()
     }
+
+    /// Why the per-table probes cannot be attached on this kernel, when they cannot.
+    pub fn capture_refused(&self) -> Option<&Unsupported> {
+        self.capture.refused()
+    }
 }
