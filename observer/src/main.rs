@@ -383,7 +383,10 @@ fn from_agent(opts: agent::client::ClientOptions, path: &str) -> Result<()> {
     // The agent could not serve the stream (its kernel refuses the per-table probes): an
     // error, not an empty answer.
     if let Some(why) = summary.end.as_ref().and_then(|e| e.get("why")) {
-        anyhow::bail!("the agent could not serve this stream: {}", why.as_str().unwrap_or(""));
+        anyhow::bail!(
+            "the agent could not serve this stream: {}",
+            why.as_str().unwrap_or("")
+        );
     }
     Ok(())
 }
