@@ -1,0 +1,345 @@
+//! The kernel matrix: the privileged tests that prove a kernel, run in a QEMU guest of each
+//! kernel Kubernetes nodes run (`vm.rs`), side by side with one CPU each, after the host's
+//! suite. What each kernel is declared to support is written here, once
+//! ([`MATRIX`]); the tests hold the kernel to it (`tests/tests/kernels.rs`), and the run
+//! writes the supported-kernels table the README shows (`target/kernel-matrix.md`).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::vm::{self, GuestRun, VmOptions};
+
+/// One kernel of the matrix: what it is declared to support and the tests run in it.
+pub struct Row {
+    pub series: &'static str,
+    /// `OBSERVER_KERNEL_CAPTURE` for `kernels.rs`: `links` or `none`.
+    pub capture: &'static str,
+    /// (test binary, arguments after the binary's name: filters and `--skip`s).
+    pub tests: &'static [(&'static str, &'static [&'static str])],
+}
+
+/// Tests that time what emulation makes slow: a netfilter program added while tail runs
+/// is verified in seconds under QEMU's software emulation (milliseconds on hardware), and
+/// these tests send their packet a fixed 300 ms after the new table appears. They run on
+/// the host.
+const SLOW_UNDER_EMULATION: &[&str] = &[
+    "--skip",
+    "a_table_created_while_running_is_bracketed_and_absent_ones_are_not",
+    "--skip",
+    "a_base_chain_added_while_running_gets_its_own_stage",
+];
+
+pub const MATRIX: &[Row] = &[
+    Row {
+        series: "6.12",
+        capture: "links",
+        tests: &[
+            ("kernels", &[]),
+            ("capture", &[]),
+            ("fates", SLOW_UNDER_EMULATION),
+            (
+                "agent",
+                &[
+                    "default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel",
+                    "sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves",
+                ],
+            ),
+        ],
+    },
+    Row {
+        series: "6.1",
+        // No BPF netfilter links before 6.4; the fentry backend is not built yet.
+        capture: "none",
+        tests: &[("kernels", &[])],
+    },
+];
+
+/// What one guest ran: each test binary's result line and status.
+pub struct GuestResult {
+    pub run: Result<GuestRun>,
+    /// (binary, status, its `test result:` line).
+    pub binaries: Vec<(String, i32, String)>,
+}
+
+/// Builds the test binaries, runs every row in its own guest (two at once, one CPU each),
+/// prints what each ran and writes the table; fails when any test failed in any guest.
+pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
+    let t0 = Instant::now();
+    let binaries = test_binaries(tc)?;
+    let kernels = MATRIX
+        .iter()
+        .map(|r| vm::prepare(r.series))
+        .collect::<Result<Vec<_>>>()?;
+    let dir = crate::workspace_root().join("target/vm-matrix");
+    std::fs::create_dir_all(&dir)?;
+    let mut scripts = Vec::new();
+    for row in MATRIX {
+        let path = dir.join(format!("{}.sh", row.series));
+        std::fs::write(&path, script(row, &binaries, observer_bin)?)?;
+        scripts.push(path);
+    }
+    let mut env = Vec::new();
+    if let Ok(ci) = std::env::var("CI") {
+        env.push(("CI".to_string(), ci));
+    }
+    let opts = VmOptions {
+        cpus: 1,
+        memory_mib: 1536,
+        timeout: Duration::from_secs(40 * 60),
+        cwd: crate::workspace_root().join("tests"),
+        env,
+        echo: None,
+    };
+    eprintln!(
+        "xtask: kernel matrix: {} in guests, one CPU each (output kept; printed on failure)",
+        kernels
+            .iter()
+            .map(|k| k.version.as_str())
+            .collect::<Vec<_>>()
+            .join(" and ")
+    );
+    let results: Vec<GuestResult> = std::thread::scope(|scope| {
+        let handles: Vec<_> = MATRIX
+            .iter()
+            .zip(&kernels)
+            .zip(&scripts)
+            .map(|((row, k), s)| {
+                let opts = opts.clone();
+                scope.spawn(move || {
+                    let cmd = vec!["sh".to_string(), s.display().to_string()];
+                    let run = vm::run_in_guest(k, &cmd, &opts);
+                    let binaries = run.as_ref().map(|r| parse(&r.output)).unwrap_or_default();
+                    GuestResult { run, binaries }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("guest thread panicked"))
+            .collect()
+    });
+    let mut failed = Vec::new();
+    for (row, r) in MATRIX.iter().zip(&results) {
+        match &r.run {
+            Ok(run) => {
+                eprintln!(
+                    "xtask: kernel {} ({}), capture {}: exit {} in {:.0}s",
+                    row.series, run.kernel, row.capture, run.status, run.seconds
+                );
+                for (bin, status, line) in &r.binaries {
+                    eprintln!("xtask:   {bin}: {line} (exit {status})");
+                }
+                let missing: Vec<&str> = row
+                    .tests
+                    .iter()
+                    .map(|(b, _)| *b)
+                    .filter(|b| !r.binaries.iter().any(|(x, _, _)| x == b))
+                    .collect();
+                if run.status != 0 || !missing.is_empty() {
+                    eprintln!("{}", run.output);
+                    eprintln!("xtask: the guest's console log: {}", run.log.display());
+                    failed.push(format!(
+                        "{} ({})",
+                        row.series,
+                        if missing.is_empty() {
+                            format!("exit {}", run.status)
+                        } else {
+                            format!("did not finish {}", missing.join(", "))
+                        }
+                    ));
+                }
+            }
+            Err(e) => {
+                eprintln!("xtask: kernel {}: {e:#}", row.series);
+                failed.push(format!("{} (guest failed)", row.series));
+            }
+        }
+    }
+    let table = table(&results);
+    let out = crate::workspace_root().join("target/kernel-matrix.md");
+    std::fs::write(&out, &table)?;
+    eprintln!(
+        "xtask: kernel matrix in {:.0}s; table in {}",
+        t0.elapsed().as_secs_f64(),
+        out.display()
+    );
+    if !failed.is_empty() {
+        bail!("kernel matrix failed on {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// The integration test binaries the matrix runs, built once on the host (the guests see
+/// the host's files).
+fn test_binaries(tc: &str) -> Result<HashMap<String, PathBuf>> {
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "test",
+        "--locked",
+        "--no-run",
+        "--message-format=json",
+        "-p",
+        "observer-tests",
+    ])
+    .env("OBSERVER_EBPF_TOOLCHAIN", tc);
+    let mut names: Vec<&str> = MATRIX
+        .iter()
+        .flat_map(|r| r.tests.iter().map(|(b, _)| *b))
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    for n in &names {
+        cmd.args(["--test", n]);
+    }
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("building the matrix's test binaries")?;
+    if !out.status.success() {
+        bail!("building the matrix's test binaries failed");
+    }
+    let mut found = HashMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["reason"] == "compiler-artifact"
+            && v["target"]["kind"] == serde_json::json!(["test"])
+            && let (Some(name), Some(exe)) =
+                (v["target"]["name"].as_str(), v["executable"].as_str())
+        {
+            found.insert(name.to_string(), PathBuf::from(exe));
+        }
+    }
+    for n in names {
+        if !found.contains_key(n) {
+            bail!("cargo built no test binary {n}");
+        }
+    }
+    Ok(found)
+}
+
+/// The guest's script: every test binary of the row, one test at a time, each closed by a
+/// marker line with its exit status; the script's own status is the first failure's.
+fn script(row: &Row, binaries: &HashMap<String, PathBuf>, observer_bin: &Path) -> Result<String> {
+    let mut s = String::from("#!/bin/sh\n# Written by cargo xtask test (xtask/src/matrix.rs).\n");
+    writeln!(
+        s,
+        "export OBSERVER_BIN={} OBSERVER_NO_SKIP=1 OBSERVER_KERNEL_CAPTURE={} RUST_BACKTRACE=1",
+        observer_bin.display(),
+        row.capture
+    )?;
+    s.push_str("status=0\n");
+    for (bin, args) in row.tests {
+        let exe = &binaries[*bin];
+        let args: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+        writeln!(
+            s,
+            "{} --test-threads=1 {}; rc=$?; echo \"MATRIX-RESULT {bin} $rc\"; \
+             [ $status -eq 0 ] && status=$rc",
+            exe.display(),
+            args.join(" ")
+        )?;
+    }
+    s.push_str("exit $status\n");
+    Ok(s)
+}
+
+/// Each binary's `test result:` line and status, from the guest's output.
+fn parse(output: &str) -> Vec<(String, i32, String)> {
+    let mut last_result = String::new();
+    let mut out = Vec::new();
+    for line in output.lines() {
+        if let Some(r) = line.trim().strip_prefix("test result: ") {
+            last_result = r.to_string();
+        } else if let Some(m) = line.trim().strip_prefix("MATRIX-RESULT ") {
+            let mut w = m.split_whitespace();
+            if let (Some(bin), Some(rc)) = (w.next(), w.next().and_then(|r| r.parse().ok())) {
+                out.push((bin.to_string(), rc, std::mem::take(&mut last_result)));
+            }
+        }
+    }
+    out
+}
+
+/// The supported-kernels table, from what the guests ran.
+fn table(results: &[GuestResult]) -> String {
+    let mut t = String::from(
+        "| kernel | capture backend | tests run in the guest | result |\n|---|---|---|---|\n",
+    );
+    for (row, r) in MATRIX.iter().zip(results) {
+        let kernel = r
+            .run
+            .as_ref()
+            .map_or(row.series.to_string(), |g| g.kernel.clone());
+        let backend = match row.capture {
+            "links" => "netfilter links",
+            _ => "none (agent: tier 0 and tier 1 only)",
+        };
+        let tests: Vec<String> = r
+            .binaries
+            .iter()
+            .map(|(b, rc, line)| {
+                format!("{b}: {}", if *rc == 0 { line.as_str() } else { "FAILED" })
+            })
+            .collect();
+        let ok = r.run.as_ref().is_ok_and(|g| g.status == 0);
+        let _ = writeln!(
+            t,
+            "| {kernel} | {backend} | {} | {} |",
+            tests.join("; "),
+            if ok { "pass" } else { "FAIL" }
+        );
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_binarys_result_line_is_paired_with_its_status() {
+        let out = "running 2 tests\ntest a ... ok\n\ntest result: ok. 2 passed; 0 failed\n\
+                   MATRIX-RESULT kernels 0\nnoise\ntest result: FAILED. 1 passed; 1 failed\n\
+                   MATRIX-RESULT capture 101\nMATRIX-RESULT fates 1\n";
+        assert_eq!(
+            parse(out),
+            vec![
+                ("kernels".into(), 0, "ok. 2 passed; 0 failed".into()),
+                ("capture".into(), 101, "FAILED. 1 passed; 1 failed".into()),
+                ("fates".into(), 1, String::new()),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_script_runs_every_binary_and_exits_with_the_first_failure() {
+        let bins: HashMap<String, PathBuf> = ["kernels", "capture", "fates", "agent"]
+            .iter()
+            .map(|b| (b.to_string(), PathBuf::from(format!("/t/{b}"))))
+            .collect();
+        let s = script(&MATRIX[0], &bins, Path::new("/t/observer")).unwrap();
+        assert!(s.contains("OBSERVER_KERNEL_CAPTURE=links"), "{s}");
+        assert!(s.contains("/t/fates --test-threads=1 '--skip'"), "{s}");
+        assert_eq!(s.matches("MATRIX-RESULT").count(), MATRIX[0].tests.len());
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(
+                script(
+                    &MATRIX[1],
+                    &HashMap::from([("kernels".into(), "false".into())]),
+                    Path::new("/x"),
+                )
+                .unwrap(),
+            )
+            .status()
+            .unwrap();
+        assert_eq!(status.code(), Some(1));
+    }
+}
