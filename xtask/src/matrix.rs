@@ -104,11 +104,10 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
             .join(" and ")
     );
     let results: Vec<GuestResult> = std::thread::scope(|scope| {
-        let handles: Vec<_> = MATRIX
+        let handles: Vec<_> = kernels
             .iter()
-            .zip(&kernels)
             .zip(&scripts)
-            .map(|((row, k), s)| {
+            .map(|(k, s)| {
                 let opts = opts.clone();
                 scope.spawn(move || {
                     let cmd = vec!["sh".to_string(), s.display().to_string()];
