@@ -6,7 +6,7 @@ use std::{env, fs, path::PathBuf, process::Command};
 
 use anyhow::{Context, bail};
 
-const OBJECTS: [&str; 2] = ["observer-tc", "observer-nf"];
+const OBJECTS: [&str; 3] = ["observer-tc", "observer-nf", "observer-fentry"];
 
 fn main() -> anyhow::Result<()> {
     let out = PathBuf::from(env::var("OUT_DIR")?);

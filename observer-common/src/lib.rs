@@ -398,3 +398,4 @@ pub mod counts;
 pub mod filter;
 pub mod parse;
 pub mod traversal;
+pub mod trampoline;

@@ -87,11 +87,19 @@ struct TailArgs {
     /// Ask a running `observer agent` instead of attaching probes here: its unix socket
     /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
     /// by the agent for this client alone; the reports are the same.
-    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains"])]
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains", "backend"])]
     agent: Option<String>,
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
     netns: Option<String>,
+    /// The capture backend that puts the per-table probes in place: `links` (BPF netfilter
+    /// links, Linux 6.4+: a probe at each point's own priority, sees everything) or
+    /// `fentry` (fentry/fexit trampolines on the functions the tables run: nft_do_chain,
+    /// nf_nat_inet_fn, nf_conntrack_in, ipt_do_table; for older kernels such as 6.1; what
+    /// it cannot see is said at start). Default: links where the kernel has them, else
+    /// fentry. The summary says which one captured.
+    #[arg(long, value_name = "links|fentry")]
+    backend: Option<observer::kernel::capture::BackendKind>,
     #[command(flatten)]
     output: OutputArgs,
     /// Trace only packets matching this pcap-filter subset, evaluated in the kernel
@@ -202,6 +210,14 @@ struct AgentArgs {
     /// hostNetwork). The TCP listeners bind there too.
     #[arg(long)]
     netns: Option<String>,
+    /// The capture backend that puts the per-table probes in place: `links` (BPF netfilter
+    /// links, Linux 6.4+: a probe at each point's own priority, sees everything) or
+    /// `fentry` (fentry/fexit trampolines on the functions the tables run: nft_do_chain,
+    /// nf_nat_inet_fn, nf_conntrack_in, ipt_do_table; for older kernels such as 6.1; what
+    /// it cannot see is said at start). Default: links where the kernel has them, else
+    /// fentry. The ready line and observer_capture_backend say which one.
+    #[arg(long, value_name = "links|fentry")]
+    backend: Option<observer::kernel::capture::BackendKind>,
     /// Where to serve /metrics, /healthz and /readyz (HTTP).
     #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:9965")]
     metrics_addr: String,
@@ -414,6 +430,7 @@ fn run(cli: Cli) -> Result<()> {
             "/v1/drops",
         ),
         Command::Agent(a) => {
+            observer::kernel::capture::request(a.backend);
             let node = a.node_name.unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")
                     .map(|h| h.trim().to_string())
@@ -469,6 +486,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Tail(a) => {
+            observer::kernel::capture::request(a.backend);
             let summary = tail::run(tail::TailOptions {
                 wants: a.wants(),
                 netns: a.netns,

@@ -121,6 +121,63 @@ impl RawBtf {
         })
     }
 
+    /// A module's split BTF (`split`: types numbered after `base`'s, strings offset by
+    /// `base`'s) parsed with its base (`base`: vmlinux's), as one BTF: ids and names are
+    /// then the kernel's for that module.
+    pub fn parse_split(base: &[u8], split: &[u8]) -> Result<Self, RawError> {
+        let sections = |d: &[u8]| -> Result<(Vec<u8>, Vec<u8>), RawError> {
+            let u32_at = |o: usize| -> Result<usize, RawError> {
+                d.get(o..o + 4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                    .ok_or(RawError::Truncated(o))
+            };
+            let magic = d.get(0..2).map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+            if magic != MAGIC {
+                return Err(RawError::Magic(magic));
+            }
+            let hdr = u32_at(4)?;
+            let (to, tl, so, sl) = (u32_at(8)?, u32_at(12)?, u32_at(16)?, u32_at(20)?);
+            let types = d
+                .get(hdr + to..hdr + to + tl)
+                .ok_or(RawError::Truncated(d.len()))?;
+            let strings = d
+                .get(hdr + so..hdr + so + sl)
+                .ok_or(RawError::Truncated(d.len()))?;
+            Ok((types.to_vec(), strings.to_vec()))
+        };
+        let (bt, bs) = sections(base)?;
+        let (st, ss) = sections(split)?;
+        let (tl, sl) = (bt.len() + st.len(), bs.len() + ss.len());
+        let mut data = Vec::with_capacity(24 + tl + sl);
+        data.extend(MAGIC.to_le_bytes());
+        data.extend([1u8, 0]);
+        for v in [24u32, 0, tl as u32, tl as u32, sl as u32] {
+            data.extend(v.to_le_bytes());
+        }
+        data.extend(bt);
+        data.extend(st);
+        data.extend(bs);
+        data.extend(ss);
+        Self::parse(data)
+    }
+
+    /// The parameter names of function `id` (a FUNC), in order.
+    pub fn func_params(&self, id: u32) -> Option<Vec<&str>> {
+        let f = self.ty(id)?;
+        if f.kind != KIND_FUNC {
+            return None;
+        }
+        let proto = self.ty(f.size_or_type)?;
+        if proto.kind != KIND_FUNC_PROTO {
+            return None;
+        }
+        Some(
+            (0..proto.vlen as usize)
+                .map(|i| self.name(self.u32(proto.extra + 8 * i)))
+                .collect(),
+        )
+    }
+
     fn u32(&self, o: usize) -> u32 {
         self.data
             .get(o..o + 4)

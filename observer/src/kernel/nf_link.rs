@@ -85,9 +85,21 @@ pub struct NfProgram {
     insns: Vec<u8>,
     license: CString,
     fd: Option<OwnedFd>,
+    kind: ProgKind,
 }
 
-/// The netfilter programs found in an ELF object (sections named `netfilter/<name>`).
+/// What a program of the object is, by its section's prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgKind {
+    /// `netfilter/<name>`: BPF_PROG_TYPE_NETFILTER, attached by a netfilter link.
+    Netfilter,
+    /// `fentry/<function>` or `fexit/<function>`: BPF_PROG_TYPE_TRACING on a kernel
+    /// function (see [`NfProgram::load_traced`]), named by the whole section name.
+    Trace { exit: bool },
+}
+
+/// The netfilter programs found in an ELF object (sections named `netfilter/<name>`), and
+/// the trampoline programs (`fentry/<function>`, `fexit/<function>`).
 pub struct NfObject {
     programs: HashMap<String, NfProgram>,
 }
@@ -116,7 +128,13 @@ impl NfObject {
             let Ok(section_name) = section.name() else {
                 continue;
             };
-            let Some(prog) = section_name.strip_prefix("netfilter/") else {
+            let (prog, kind) = if let Some(p) = section_name.strip_prefix("netfilter/") {
+                (p, ProgKind::Netfilter)
+            } else if section_name.starts_with("fentry/") {
+                (section_name, ProgKind::Trace { exit: false })
+            } else if section_name.starts_with("fexit/") {
+                (section_name, ProgKind::Trace { exit: true })
+            } else {
                 continue;
             };
             let mut insns = section.data()?.to_vec();
@@ -158,6 +176,7 @@ impl NfObject {
                     insns,
                     license: license.clone(),
                     fd: None,
+                    kind,
                 },
             );
         }
@@ -394,6 +413,20 @@ fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
 impl NfProgram {
     /// Loads the program into the kernel (idempotent).
     pub fn load(&mut self) -> Result<(), NfError> {
+        self.load_as(None)
+    }
+
+    /// Loads a trampoline program (`fentry/`, `fexit/`) for the kernel function whose BTF
+    /// id is `btf_id`, in the BTF object `btf_obj` (a module's; `None`: vmlinux).
+    pub fn load_traced(&mut self, btf_id: u32, btf_obj: Option<RawFd>) -> Result<(), NfError> {
+        self.load_as(Some((btf_id, btf_obj)))
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        self.fd.is_some()
+    }
+
+    fn load_as(&mut self, target: Option<(u32, Option<RawFd>)>) -> Result<(), NfError> {
         if self.fd.is_some() {
             return Ok(());
         }
@@ -401,10 +434,10 @@ impl NfProgram {
         // log there (for developers changing the probes; it can be hundreds of MB).
         let full = std::env::var_os("OBSERVER_VERIFIER_LOG");
         let mut log = vec![0u8; if full.is_some() { 1 << 29 } else { 1 << 20 }];
-        let mut result = self.load_with_log(&mut [], 0);
+        let mut result = self.load_with_log(&mut [], 0, target);
         if result.is_err() {
             // Retry with the verifier log so the error says why.
-            result = self.load_with_log(&mut log, if full.is_some() { 2 } else { 1 });
+            result = self.load_with_log(&mut log, if full.is_some() { 2 } else { 1 }, target);
             if let (Err(_), Some(path)) = (&result, &full) {
                 let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
                 let _ = std::fs::write(path, &log[..end]);
@@ -430,17 +463,41 @@ impl NfProgram {
         }
     }
 
-    fn load_with_log(&self, log: &mut [u8], level: u32) -> std::io::Result<OwnedFd> {
+    fn load_with_log(
+        &self,
+        log: &mut [u8],
+        level: u32,
+        target: Option<(u32, Option<RawFd>)>,
+    ) -> std::io::Result<OwnedFd> {
         // SAFETY: bpf_attr is a plain C union; all-zero is its documented initial state.
         let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
         // SAFETY: writing the prog-load member of a zeroed union.
         let load = unsafe { &mut attr.__bindgen_anon_3 };
-        load.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
-        load.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+        match (self.kind, target) {
+            (ProgKind::Trace { exit }, Some((btf_id, obj))) => {
+                load.prog_type = bpf_prog_type::BPF_PROG_TYPE_TRACING as u32;
+                load.expected_attach_type = if exit {
+                    bpf_attach_type::BPF_TRACE_FEXIT
+                } else {
+                    bpf_attach_type::BPF_TRACE_FENTRY
+                } as u32;
+                load.attach_btf_id = btf_id;
+                if let Some(fd) = obj {
+                    load.__bindgen_anon_1.attach_btf_obj_fd = fd as u32;
+                }
+            }
+            (ProgKind::Netfilter, None) => {
+                load.prog_type = bpf_prog_type::BPF_PROG_TYPE_NETFILTER as u32;
+                load.expected_attach_type = bpf_attach_type::BPF_NETFILTER as u32;
+            }
+            _ => return Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+        }
         load.insns = self.insns.as_ptr() as u64;
         load.insn_cnt = (self.insns.len() / INSN) as u32;
         load.license = self.license.as_ptr() as u64;
-        for (dst, src) in load.prog_name.iter_mut().zip(self.name.bytes().take(15)) {
+        // The kernel takes letters, digits, `_` and `.` in a program's name.
+        let kernel_name = self.name.replace('/', "_");
+        for (dst, src) in load.prog_name.iter_mut().zip(kernel_name.bytes().take(15)) {
             *dst = src as libc::c_char;
         }
         if level > 0 {
@@ -498,6 +555,130 @@ impl NfProgram {
     }
 }
 
+impl NfProgram {
+    /// Attaches a loaded trampoline program to its function (`BPF_RAW_TRACEPOINT_OPEN`
+    /// without a name: the target given at load). Closing the fd detaches it.
+    pub fn attach_traced(&self) -> std::io::Result<OwnedFd> {
+        let fd = self
+            .fd
+            .as_ref()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EBADF))?;
+        // SAFETY: as in load_with_log.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: writing the raw-tracepoint member of a zeroed union.
+        let rt = unsafe { &mut attr.raw_tracepoint };
+        rt.name = 0;
+        rt.prog_fd = fd.as_raw_fd() as u32;
+        bpf(bpf_cmd::BPF_RAW_TRACEPOINT_OPEN, &mut attr)
+    }
+}
+
+/// A BPF hash map of `key_size`-byte keys and `value_size`-byte values, `max` entries.
+pub fn create_hash_map(
+    name: &str,
+    key_size: u32,
+    value_size: u32,
+    max: u32,
+) -> std::io::Result<OwnedFd> {
+    // SAFETY: as in load_with_log.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: writing the map-create member of a zeroed union.
+    let m = unsafe { &mut attr.__bindgen_anon_1 };
+    m.map_type = aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_HASH as u32;
+    m.key_size = key_size;
+    m.value_size = value_size;
+    m.max_entries = max;
+    for (dst, src) in m.map_name.iter_mut().zip(name.bytes().take(15)) {
+        *dst = src as libc::c_char;
+    }
+    bpf(bpf_cmd::BPF_MAP_CREATE, &mut attr)
+}
+
+/// Sets `key` to `value` in map `fd` (both plain data of the map's sizes).
+pub fn map_update<K: Copy, V: Copy>(fd: RawFd, key: &K, value: &V) -> std::io::Result<()> {
+    // SAFETY: as in load_with_log.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: writing the map-elem member of a zeroed union.
+    let e = unsafe { &mut attr.__bindgen_anon_2 };
+    e.map_fd = fd as u32;
+    e.key = key as *const K as u64;
+    e.__bindgen_anon_1.value = value as *const V as u64;
+    e.flags = 0;
+    bpf_rc(bpf_cmd::BPF_MAP_UPDATE_ELEM, &mut attr)
+}
+
+/// Removes `key` from map `fd` (absent: fine).
+pub fn map_delete<K: Copy>(fd: RawFd, key: &K) -> std::io::Result<()> {
+    // SAFETY: as in load_with_log.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: writing the map-elem member of a zeroed union.
+    let e = unsafe { &mut attr.__bindgen_anon_2 };
+    e.map_fd = fd as u32;
+    e.key = key as *const K as u64;
+    match bpf_rc(bpf_cmd::BPF_MAP_DELETE_ELEM, &mut attr) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        r => r,
+    }
+}
+
+/// The fd of the kernel's BTF object named `name` (a module's: `nf_tables`), if loaded.
+pub fn kernel_btf_fd(name: &str) -> std::io::Result<Option<OwnedFd>> {
+    let mut id = 0u32;
+    loop {
+        // SAFETY: as in load_with_log.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        attr.__bindgen_anon_6.__bindgen_anon_1.start_id = id;
+        match bpf_rc(bpf_cmd::BPF_BTF_GET_NEXT_ID, &mut attr) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        // SAFETY: the kernel filled it.
+        id = unsafe { attr.__bindgen_anon_6.next_id };
+        // SAFETY: as in load_with_log.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        attr.__bindgen_anon_6.__bindgen_anon_1.btf_id = id;
+        let fd = match bpf(bpf_cmd::BPF_BTF_GET_FD_BY_ID, &mut attr) {
+            Ok(fd) => fd,
+            // Gone meanwhile.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+            Err(e) => return Err(e),
+        };
+        let mut buf = [0u8; 64];
+        // SAFETY: plain data, all-zero valid.
+        let mut info: aya_obj::generated::bpf_btf_info = unsafe { std::mem::zeroed() };
+        info.name = buf.as_mut_ptr() as u64;
+        info.name_len = buf.len() as u32;
+        // SAFETY: as in load_with_log.
+        let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+        attr.info.bpf_fd = fd.as_raw_fd() as u32;
+        attr.info.info_len = std::mem::size_of_val(&info) as u32;
+        attr.info.info = &mut info as *mut _ as u64;
+        bpf_rc(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if info.kernel_btf != 0 && &buf[..end] == name.as_bytes() {
+            return Ok(Some(fd));
+        }
+    }
+}
+
+/// A bpf command that returns 0 on success (no fd).
+fn bpf_rc(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<()> {
+    // SAFETY: as in `bpf`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd as libc::c_long,
+            attr as *mut bpf_attr,
+            std::mem::size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether the kernel loads netfilter programs at all: a trivial one (`r0 = NF_ACCEPT;
 /// exit`) is loaded and released at once. EINVAL: the program type is not there (before
 /// Linux 6.4, or without CONFIG_NETFILTER_BPF_LINK); EPERM: not privileged enough.
@@ -509,8 +690,23 @@ pub fn load_trivial_program() -> std::io::Result<()> {
         insns,
         license: c"GPL".into(),
         fd: None,
+        kind: ProgKind::Netfilter,
     };
-    program.load_with_log(&mut [], 0).map(drop)
+    program.load_with_log(&mut [], 0, None).map(drop)
+}
+
+/// Whether the kernel runs trampolines: a trivial fentry program (`r0 = 0; exit`) on the
+/// vmlinux function whose BTF id is `btf_id` is loaded, attached and released at once.
+pub fn trial_trampoline(btf_id: u32) -> std::io::Result<()> {
+    let mut program = NfProgram {
+        name: "observer_trial".into(),
+        insns: vec![0xb7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0],
+        license: c"GPL".into(),
+        fd: None,
+        kind: ProgKind::Trace { exit: false },
+    };
+    program.fd = Some(program.load_with_log(&mut [], 0, Some((btf_id, None)))?);
+    program.attach_traced().map(drop)
 }
 
 /// An attached netfilter program; closing the fd detaches it.

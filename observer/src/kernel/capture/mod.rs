@@ -7,12 +7,13 @@
 //!
 //! - [`links`]: BPF netfilter links (`BPF_PROG_TYPE_NETFILTER`, Linux 6.4+), one link per
 //!   point, at the point's own priority.
-//! - fentry/fexit trampolines on the functions the tables run (`nft_do_chain`,
+//! - [`fentry`]: fentry/fexit trampolines on the functions the tables run (`nft_do_chain`,
 //!   `ipt_do_table`, conntrack's and NAT's entry points), for kernels that refuse netfilter
-//!   programs (6.1): not built yet.
+//!   programs (6.1).
 //!
 //! [`choose`] is the one place that picks a backend.
 
+pub mod fentry;
 pub mod links;
 
 use std::collections::HashMap;
@@ -27,7 +28,7 @@ use crate::kernel::plan::HookPlan;
 pub enum BackendKind {
     /// BPF netfilter links ([`links`]).
     Links,
-    /// fentry/fexit trampolines on the tables' functions (not built yet).
+    /// fentry/fexit trampolines on the tables' functions ([`fentry`]).
     Fentry,
 }
 
@@ -55,7 +56,7 @@ impl BackendKind {
     pub fn can_run(self, layout: &KernelLayout) -> Result<(), Unsupported> {
         match self {
             BackendKind::Links => links::can_run(layout),
-            BackendKind::Fentry => Err(not_built(self)),
+            BackendKind::Fentry => fentry::can_run(layout),
         }
     }
 }
@@ -130,12 +131,18 @@ pub trait Backend: Send {
     }
 }
 
-/// Says that `backend` is not in this observer, rather than pretending to capture.
-fn not_built(backend: BackendKind) -> Unsupported {
-    Unsupported {
-        backend,
-        why: "not built yet: this observer captures through netfilter links only".into(),
-    }
+/// The backend the user asked for (`--backend` of `tail` and `agent`), for every later
+/// [`choose`] of this process; `None`: the first that can run.
+static REQUESTED: std::sync::Mutex<Option<BackendKind>> = std::sync::Mutex::new(None);
+
+/// Sets the backend the user asked for (see [`choose`]).
+pub fn request(kind: Option<BackendKind>) {
+    *REQUESTED.lock().unwrap_or_else(|e| e.into_inner()) = kind;
+}
+
+/// The backend the user asked for, if any.
+pub fn requested() -> Option<BackendKind> {
+    *REQUESTED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The backend chosen for the probes, or why none can capture here. Kept rather than
@@ -185,22 +192,42 @@ impl Chosen {
 }
 
 /// Picks the capture backend, the one place that does: `requested` (the user's
-/// `--backend`, later), else the first that can run here (today only netfilter links
-/// exist; the fentry backend will be the fallback). An error is one of this observer's
-/// own (its probe object does not fit its maps); a backend the kernel cannot run is
-/// [`Chosen::Refused`].
+/// `--backend`; `None`: the one [`request`]ed for this process, if any), else the first
+/// that can run here: netfilter links, else fentry trampolines. An error is one of this
+/// observer's own (its probe object does not fit its maps); a backend the kernel cannot
+/// run is [`Chosen::Refused`] (with neither, links' refusal, which says what to upgrade,
+/// with fentry's after it).
 pub fn choose(
     requested: Option<BackendKind>,
     layout: &KernelLayout,
     shared: &Shared,
 ) -> anyhow::Result<Chosen> {
-    let kind = requested.unwrap_or(BackendKind::Links);
-    if let Err(why) = kind.can_run(layout) {
-        return Ok(Chosen::Refused(why));
-    }
+    let kind = match requested.or_else(self::requested) {
+        Some(kind) => {
+            if let Err(why) = kind.can_run(layout) {
+                return Ok(Chosen::Refused(why));
+            }
+            kind
+        }
+        None => match BackendKind::Links.can_run(layout) {
+            Ok(()) => BackendKind::Links,
+            Err(links) => match BackendKind::Fentry.can_run(layout) {
+                Ok(()) => {
+                    log::info!("capturing through fentry trampolines: {}", links.why);
+                    BackendKind::Fentry
+                }
+                Err(fentry) => {
+                    return Ok(Chosen::Refused(Unsupported {
+                        backend: BackendKind::Links,
+                        why: format!("{}; nor can fentry trampolines: {}", links.why, fentry.why),
+                    }));
+                }
+            },
+        },
+    };
     Ok(match kind {
         BackendKind::Links => Chosen::Ready(Box::new(links::Links::new(shared)?)),
-        BackendKind::Fentry => Chosen::Refused(not_built(kind)),
+        BackendKind::Fentry => Chosen::Ready(Box::new(fentry::Fentry::new(shared)?)),
     })
 }
 
@@ -217,22 +244,34 @@ mod tests {
         assert_eq!(BackendKind::Links.to_string(), "netfilter links");
     }
 
-    /// Asking for fentry says it is not built, and nothing pretends to capture.
+    /// Asking for fentry where the kernel refuses trampolines (this host's, EPERM) says
+    /// why, and nothing pretends to capture; where it runs them, fentry is chosen. Skipped,
+    /// loudly, without root.
     #[test]
-    fn fentry_is_not_built_yet() {
+    fn fentry_runs_or_says_why() {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("!!! SKIPPED: not root");
+            return;
+        }
         let layout = KernelLayout::from_kernel().expect("kernel BTF");
-        let maps = HashMap::new();
-        let shared = Shared {
-            maps: &maps,
-            fields: &layout.config,
-            rdonly_cast: None,
-        };
-        let mut chosen = choose(Some(BackendKind::Fentry), &layout, &shared).expect("no error");
-        assert!(!chosen.is_ready());
-        assert_eq!(chosen.attachments(), 0);
-        let e = chosen.backend().err().expect("refused");
-        assert_eq!(e.backend, BackendKind::Fentry);
-        assert!(e.to_string().contains("not built yet"), "{e}");
-        assert!(e.to_string().starts_with("capture backend `fentry`"), "{e}");
+        match BackendKind::Fentry.can_run(&layout) {
+            Ok(()) => eprintln!("fentry trampolines run here"),
+            Err(e) => {
+                assert_eq!(e.backend, BackendKind::Fentry);
+                assert!(e.to_string().starts_with("capture backend `fentry`"), "{e}");
+                let maps = HashMap::new();
+                let shared = Shared {
+                    maps: &maps,
+                    fields: &layout.config,
+                    rdonly_cast: None,
+                };
+                let mut chosen =
+                    choose(Some(BackendKind::Fentry), &layout, &shared).expect("no error");
+                assert!(!chosen.is_ready());
+                assert_eq!(chosen.attachments(), 0);
+                assert_eq!(chosen.backend().err().expect("refused").backend, BackendKind::Fentry);
+            }
+        }
     }
 }

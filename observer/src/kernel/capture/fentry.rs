@@ -1,0 +1,456 @@
+//! The fentry/fexit backend, for kernels without BPF netfilter links (before 6.4: Debian
+//! 12's 6.1): BTF trampolines on the functions the tables run (`observer-ebpf`'s
+//! `bin/fentry.rs`), loaded by [`crate::kernel::nf_link`] onto the TC object's maps.
+//!
+//! | function | table | key's priority |
+//! | --- | --- | --- |
+//! | `nft_do_chain(pkt, chain)` | every nftables base chain but nat ones (iptables-nft too) | the base chain's `ops.priority` |
+//! | `nf_nat_inet_fn(priv, skb, state)` | nat: its chains run inside, the packet is rewritten there after them | 0 |
+//! | `nf_conntrack_in(skb, state)` | conntrack (-200) | 0 |
+//! | `ipt_do_table(table, skb, state)`, `ip6t_do_table` | a legacy x_tables table | the table's `priority` |
+//!
+//! A program learns where it is from `FENTRY_POINTS` (`observer_common::trampoline`), which
+//! [`Fentry::attach`] fills from each hook's plan: the entry of the hook's first table is
+//! the plan's first point, the exit of table `i` the point after it. Calls not in the map
+//! (another family or hook, a nat chain's own `nft_do_chain`, a table the plan does not
+//! bracket) return at once. One trampoline per function and side, attached the first time
+//! a plan needs the function and kept until [`Backend::take_all`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use anyhow::{Context, Result};
+use log::debug;
+use observer_common::trampoline::{self, ENTRY, EXIT, func};
+
+use super::{Backend, BackendKind, Shared, Unsupported};
+use crate::kernel::btf::KernelLayout;
+use crate::kernel::btf_raw::{KIND_FUNC, KIND_STRUCT, Place, RawBtf};
+use crate::kernel::nf_link::{self, NfFamily, NfHook, NfObject};
+use crate::kernel::plan::HookPlan;
+
+/// The trampoline probe object (empty when built with `OBSERVER_SKIP_EBPF=1`).
+pub static FENTRY_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/observer-fentry"));
+
+/// A function the trampolines sit on.
+struct Target {
+    name: &'static str,
+    func: u8,
+    /// Where its BTF is when it is not in vmlinux's.
+    modules: &'static [&'static str],
+    /// Its parameters' names, as the programs read them.
+    params: &'static [&'static str],
+}
+
+const TARGETS: [Target; 5] = [
+    Target {
+        name: "nft_do_chain",
+        func: func::NFT,
+        modules: &["nf_tables"],
+        params: &["pkt", "priv"],
+    },
+    Target {
+        name: "nf_nat_inet_fn",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: &["priv", "skb", "state"],
+    },
+    Target {
+        name: "nf_conntrack_in",
+        func: func::CONNTRACK,
+        modules: &["nf_conntrack"],
+        params: &["skb", "state"],
+    },
+    Target {
+        name: "ipt_do_table",
+        func: func::IPT,
+        modules: &["ip_tables"],
+        params: &["priv", "skb", "state"],
+    },
+    Target {
+        name: "ip6t_do_table",
+        func: func::IP6T,
+        modules: &["ip6_tables"],
+        params: &["priv", "skb", "state"],
+    },
+];
+
+fn target(f: u8) -> &'static Target {
+    TARGETS.iter().find(|t| t.func == f).expect("a known function")
+}
+
+const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+/// Trampolines run on this kernel, or why not: a trivial fentry program is loaded on
+/// `nf_hook_slow` (where every netfilter hook starts), attached and released. Kernels
+/// that forbid trampolines (EPERM, as a locked-down or sandboxed one does) or lack them
+/// (ENOTSUPP) say so here, before anything is attached.
+pub fn can_run(_layout: &KernelLayout) -> Result<(), Unsupported> {
+    let refuse = |why: String| Unsupported {
+        backend: BackendKind::Fentry,
+        why,
+    };
+    let raw = std::fs::read(VMLINUX)
+        .map_err(|e| refuse(format!("the kernel's BTF ({VMLINUX}) cannot be read: {e}")))?;
+    let btf = RawBtf::parse(raw).map_err(|e| refuse(format!("the kernel's BTF: {e}")))?;
+    let id = btf
+        .id_of("nf_hook_slow", &[KIND_FUNC])
+        .ok_or_else(|| refuse("the kernel's BTF has no nf_hook_slow (netfilter)".into()))?;
+    nf_link::trial_trampoline(id).map_err(|e| {
+        refuse(match e.raw_os_error() {
+            Some(libc::EPERM) => format!(
+                "the kernel refused a trivial fentry program ({e}): BPF trampolines are not \
+                 allowed here (run as root; some kernels and sandboxes forbid them)"
+            ),
+            Some(524) => "this kernel has no BPF trampolines for this architecture \
+                          (ENOTSUPP)"
+                .to_string(),
+            _ => format!("a trivial fentry program did not load or attach: {e}"),
+        })
+    })
+}
+
+/// A function found in the kernel's BTF.
+struct Resolved {
+    btf_id: u32,
+    /// The module's BTF object (`None`: vmlinux).
+    obj: Option<OwnedFd>,
+    btf: RawBtf,
+}
+
+/// Finds `t` in vmlinux's BTF, else in its modules' (loaded ones only); checks that its
+/// parameters are the ones the programs read.
+fn resolve(t: &Target) -> Result<Option<Resolved>> {
+    let base = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+    let mut found = None;
+    let vmlinux = RawBtf::parse(base.clone()).context("parsing the kernel's BTF")?;
+    if let Some(id) = vmlinux.id_of(t.name, &[KIND_FUNC]) {
+        found = Some(Resolved {
+            btf_id: id,
+            obj: None,
+            btf: vmlinux,
+        });
+    } else {
+        for m in t.modules {
+            let path = format!("/sys/kernel/btf/{m}");
+            let Ok(split) = std::fs::read(&path) else {
+                continue;
+            };
+            let btf = RawBtf::parse_split(&base, &split)
+                .with_context(|| format!("parsing the BTF of module {m}"))?;
+            let Some(id) = btf.id_of(t.name, &[KIND_FUNC]) else {
+                continue;
+            };
+            let obj = nf_link::kernel_btf_fd(m)
+                .with_context(|| format!("finding the BTF object of module {m}"))?
+                .with_context(|| format!("module {m} has BTF in sysfs but no BTF object"))?;
+            found = Some(Resolved {
+                btf_id: id,
+                obj: Some(obj),
+                btf,
+            });
+            break;
+        }
+    }
+    let Some(r) = found else {
+        return Ok(None);
+    };
+    let params = r.btf.func_params(r.btf_id).unwrap_or_default();
+    anyhow::ensure!(
+        params == t.params,
+        "{}({}) is not the function the trampolines expect ({}({}))",
+        t.name,
+        params.join(", "),
+        t.name,
+        t.params.join(", ")
+    );
+    Ok(Some(r))
+}
+
+/// The byte offset of `path` in struct `name` of `btf`.
+fn offset(btf: &RawBtf, name: &str, path: &str) -> Result<i64> {
+    let id = btf
+        .id_of(name, &[KIND_STRUCT])
+        .with_context(|| format!("the kernel's BTF has no struct {name}"))?;
+    match btf.offset_of(id, path) {
+        Some(Place::Byte(b)) => Ok(b as i64),
+        _ => anyhow::bail!("struct {name} has no member {path} on a byte boundary"),
+    }
+}
+
+/// The offsets the programs read through (left in the map under reserved keys): from an
+/// `nft_chain` to its base chain's `ops.priority`, checking `nft_pktinfo`'s `skb` and
+/// `state` where the programs load them (0 and 8); a legacy table's `priority`.
+fn offsets_for(f: u8, btf: &RawBtf) -> Result<Option<(u64, i64)>> {
+    Ok(match f {
+        func::NFT => {
+            let skb = offset(btf, "nft_pktinfo", "skb")?;
+            let state = offset(btf, "nft_pktinfo", "state")?;
+            anyhow::ensure!(
+                (skb, state) == (0, 8),
+                "nft_pktinfo has skb at {skb} and state at {state}, not at 0 and 8 where the \
+                 trampolines read them"
+            );
+            let prio = offset(btf, "nft_base_chain", "ops.priority")?;
+            let chain = offset(btf, "nft_base_chain", "chain")?;
+            Some((trampoline::CHAIN_PRIORITY_OFFSET, prio - chain))
+        }
+        func::IPT | func::IP6T => Some((
+            trampoline::XT_TABLE_PRIORITY_OFFSET,
+            offset(btf, "xt_table", "priority")?,
+        )),
+        _ => None,
+    })
+}
+
+pub struct Fentry {
+    obj: NfObject,
+    points: OwnedFd,
+    /// Keys in `points`, by hook.
+    keys: HashMap<(NfFamily, NfHook), Vec<u64>>,
+    /// Attached trampolines, by section (`fentry/nft_do_chain`).
+    links: HashMap<&'static str, OwnedFd>,
+    /// Functions resolved (true) or not found in this kernel's BTF (false).
+    found: HashMap<u8, bool>,
+}
+
+impl Fentry {
+    pub fn new(shared: &Shared) -> Result<Self> {
+        let points = nf_link::create_hash_map(
+            "FENTRY_POINTS",
+            8,
+            4,
+            trampoline::MAX_ENTRIES,
+        )
+        .context("creating the trampolines' map")?;
+        let mut maps = shared.maps.clone();
+        maps.insert("FENTRY_POINTS".into(), points.as_raw_fd());
+        Ok(Self {
+            obj: NfObject::parse(FENTRY_OBJECT, &maps, shared.fields, shared.rdonly_cast)?,
+            points,
+            keys: HashMap::new(),
+            links: HashMap::new(),
+            found: HashMap::new(),
+        })
+    }
+
+    /// Loads and attaches both trampolines of `f` unless done; false when this kernel does
+    /// not have the function (its module not loaded, legacy x_tables unused).
+    fn ensure(&mut self, f: u8) -> Result<bool> {
+        let t = target(f);
+        let sections = section_names(f);
+        if sections.iter().all(|s| self.links.contains_key(s)) {
+            return Ok(true);
+        }
+        let Some(r) = resolve(t)? else {
+            self.found.insert(f, false);
+            return Ok(false);
+        };
+        if let Some((key, off)) = offsets_for(f, &r.btf)? {
+            nf_link::map_update(self.points.as_raw_fd(), &key, &(off as i32 as u32))
+                .context("filling the trampolines' map")?;
+        }
+        for section in sections {
+            if self.links.contains_key(section) {
+                continue;
+            }
+            let prog = self.obj.program_mut(section)?;
+            let started = std::time::Instant::now();
+            prog.load_traced(r.btf_id, r.obj.as_ref().map(|o| o.as_raw_fd()))?;
+            let link = prog
+                .attach_traced()
+                .with_context(|| format!("attaching {section}"))?;
+            debug!("{section} loaded and attached in {:?}", started.elapsed());
+            self.links.insert(section, link);
+        }
+        self.found.insert(f, true);
+        Ok(true)
+    }
+}
+
+/// The programs' sections of function `f`: entry, exit.
+fn section_names(f: u8) -> [&'static str; 2] {
+    match f {
+        func::NFT => ["fentry/nft_do_chain", "fexit/nft_do_chain"],
+        func::NAT => ["fentry/nf_nat_inet_fn", "fexit/nf_nat_inet_fn"],
+        func::CONNTRACK => ["fentry/nf_conntrack_in", "fexit/nf_conntrack_in"],
+        func::IPT => ["fentry/ipt_do_table", "fexit/ipt_do_table"],
+        _ => ["fentry/ip6t_do_table", "fexit/ip6t_do_table"],
+    }
+}
+
+/// The calls that stand for the plan's points: (key, program). A table is bracketed by
+/// its function's entry (the hook's first table only: every other table's point before
+/// is the one after the table before it) and exit. Tables other than conntrack and nat
+/// may be nftables base chains or legacy tables: both keys are set.
+pub fn keys_of(plan: &HookPlan) -> Vec<(u64, u8, u32)> {
+    let pf = plan.family.pf() as u8;
+    let hook = plan.hook as u8;
+    let legacy = match plan.family {
+        NfFamily::Ipv4 => func::IPT,
+        NfFamily::Ipv6 => func::IP6T,
+    };
+    let mut out = Vec::new();
+    for t in &plan.tables {
+        let funcs: Vec<(u8, i32)> = match &*t.name {
+            "conntrack" => vec![(func::CONNTRACK, 0)],
+            "nat" => vec![(func::NAT, 0)],
+            _ => vec![(func::NFT, t.priority), (legacy, t.priority)],
+        };
+        let (before, after) = plan.bracket(t);
+        for (f, prio) in funcs {
+            if before == Some(0) {
+                let program = plan.programs[0] as u32;
+                out.push((trampoline::key(pf, hook, f, ENTRY, prio), f, program));
+            }
+            if let Some(a) = after {
+                let program = plan.programs[a] as u32;
+                out.push((trampoline::key(pf, hook, f, EXIT, prio), f, program));
+            }
+        }
+    }
+    out
+}
+
+impl Backend for Fentry {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Fentry
+    }
+
+    /// The points never move: a trampoline holds no priority.
+    fn attach(&mut self, plan: HookPlan) -> Result<HookPlan> {
+        self.detach(plan.family, plan.hook);
+        let keys = keys_of(&plan);
+        let mut set = Vec::new();
+        for (key, f, program) in keys {
+            if !self.ensure(f)? {
+                continue;
+            }
+            nf_link::map_update(self.points.as_raw_fd(), &key, &program)
+                .context("filling the trampolines' map")?;
+            set.push(key);
+        }
+        debug!(
+            "{}/{}: tables {:?}, {} trampoline keys",
+            plan.family.name(),
+            plan.hook.name(),
+            plan.tables
+                .iter()
+                .map(|t| (&t.name, t.priority))
+                .collect::<Vec<_>>(),
+            set.len()
+        );
+        self.keys.insert((plan.family, plan.hook), set);
+        Ok(plan)
+    }
+
+    fn detach(&mut self, family: NfFamily, hook: NfHook) {
+        for key in self.keys.remove(&(family, hook)).unwrap_or_default() {
+            let _ = nf_link::map_delete(self.points.as_raw_fd(), &key);
+        }
+    }
+
+    fn take_all(&mut self) -> Box<dyn Send> {
+        for (_, keys) in self.keys.drain() {
+            for key in keys {
+                let _ = nf_link::map_delete(self.points.as_raw_fd(), &key);
+            }
+        }
+        Box::new(std::mem::take(&mut self.links))
+    }
+
+    fn attachments(&self) -> usize {
+        self.links.len()
+    }
+
+    fn blind_spots(&self) -> Vec<String> {
+        let mut out: Vec<String> = vec![
+            "fragments before defragmentation (-400): the first point is the hook's first \
+             table, so only the reassembled packet is seen"
+                .into(),
+            "hook functions other than nftables chains, x_tables, conntrack and NAT (IPVS, \
+             br_netfilter, synproxy, another module's hooks): what they do shows at the next \
+             table's point"
+                .into(),
+            "a hook's entry when its first table does not run for the packet (conntrack in a \
+             namespace without conntrack): the traversal starts at the next point"
+                .into(),
+        ];
+        let missing: BTreeSet<&str> = self
+            .found
+            .iter()
+            .filter(|(_, found)| !**found)
+            .map(|(f, _)| target(*f).name)
+            .collect();
+        for name in missing {
+            let t = TARGETS.iter().find(|t| t.name == name).expect("known");
+            if matches!(t.func, func::IPT | func::IP6T) {
+                out.push(format!(
+                    "legacy x_tables tables ({name}: module {} not loaded)",
+                    t.modules.join(", ")
+                ));
+            } else {
+                out.push(format!("{name} (not in this kernel's BTF)"));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plan's keys: the first table's entry is the first point, each table's exit the
+    /// point after it; nat by nf_nat_inet_fn, conntrack by nf_conntrack_in.
+    #[test]
+    fn the_plans_points_become_keys() {
+        let plan = HookPlan::new(NfFamily::Ipv4, NfHook::PreRouting, Some(&[-300, -100]));
+        let names: Vec<&str> = plan.tables.iter().map(|t| &*t.name).collect();
+        assert_eq!(names, ["raw", "conntrack", "nat"]);
+        let keys = keys_of(&plan);
+        let k = |f, side, prio| trampoline::key(2, 0, f, side, prio);
+        let program = |key: u64| keys.iter().find(|(k, _, _)| *k == key).map(|(_, _, p)| *p);
+        assert_eq!(program(k(func::NFT, ENTRY, -300)), Some(0));
+        assert_eq!(program(k(func::IPT, ENTRY, -300)), Some(0));
+        assert_eq!(program(k(func::NFT, EXIT, -300)), Some(plan.programs[1] as u32));
+        assert_eq!(program(k(func::CONNTRACK, ENTRY, 0)), None);
+        assert_eq!(program(k(func::CONNTRACK, EXIT, 0)), Some(2));
+        assert_eq!(program(k(func::NAT, EXIT, 0)), Some(plan.programs[3] as u32));
+        // A nat chain's own nft_do_chain maps to nothing.
+        assert_eq!(program(k(func::NFT, EXIT, -100)), None);
+        // Every program but 0 is an exit's; 0 only an entry's.
+        assert!(
+            keys.iter()
+                .all(|&(key, _, p)| (key >> 24 & 0xff == u64::from(EXIT)) == (p != 0))
+        );
+    }
+
+    /// FORWARD: no program 0 or 2; the first table's entry is program 1.
+    #[test]
+    fn forward_enters_at_program_one() {
+        let plan = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[0]));
+        let keys = keys_of(&plan);
+        let entry = trampoline::key(2, 2, func::NFT, ENTRY, 0);
+        assert_eq!(
+            keys.iter().find(|(k, _, _)| *k == entry).map(|x| x.2),
+            Some(1)
+        );
+    }
+
+    /// The module BTF of nf_tables, where there is one, gives the chain offset; on a kernel
+    /// with nf_tables built in, vmlinux's does.
+    #[test]
+    fn nft_do_chain_is_found_with_its_offsets() {
+        let Some(r) = resolve(target(func::NFT)).expect("resolves") else {
+            eprintln!("!!! SKIPPED: nf_tables not loaded");
+            return;
+        };
+        let (key, off) = offsets_for(func::NFT, &r.btf)
+            .expect("offsets")
+            .expect("some");
+        assert_eq!(key, trampoline::CHAIN_PRIORITY_OFFSET);
+        assert!(off < 0, "ops come before the chain in nft_base_chain: {off}");
+    }
+}
