@@ -15,9 +15,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use observer_common::traversal::{
-    below,
-    LEFT_OUT_PER_CPU, LeftOut, SLOTS_PER_CPU, Slots, TraversalRecord, decision, end, left_out,
-    start, status,
+    LEFT_OUT_PER_CPU, LeftOut, SLOTS_PER_CPU, Slots, TraversalRecord, below, decision, end,
+    left_out, start, status,
 };
 use observer_common::{config, counter, hook, pending_count};
 
