@@ -52,6 +52,11 @@ fn main() -> anyhow::Result<()> {
             "--cfg=bpf_target_arch=\"x86_64\"",
             "-Cdebuginfo=2",
             "-Clink-arg=--btf",
+            // BPF v2 adds `<`/`<=` jumps: with v1 the compiler writes `x < K` as
+            // `r = K; if r > x`, whose constant is on the side that verifiers before 6.2
+            // (Debian's 6.1) do not use to rule a branch out, so they walk impossible paths
+            // whose contradictory bounds fail them.
+            "-Ctarget-cpu=v2",
         ]
         .join("\x1f"),
     );

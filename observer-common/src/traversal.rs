@@ -192,6 +192,32 @@ const _: () = assert!(core::mem::offset_of!(TraversalRecord, steps) % 8 == 0);
 const _: () = assert!(core::mem::size_of::<TraversalRecord>() == 272 + 64 * MAX_STEPS);
 const _: () = assert!(core::mem::align_of::<TraversalRecord>() == 8);
 
+/// Index `i` of an `N`-element array, which the caller has checked to be below `N`, made
+/// provably so where it is used: clamped to `N - 1` (which changes nothing), with the value
+/// hidden from the compiler first so that it cannot drop the clamp as redundant. Old
+/// verifiers (Linux 6.1) lose the caller's check when the compiler reloads a spilled index
+/// for the access; the clamp is on the very register the access uses.
+#[inline(always)]
+pub fn below<const N: usize>(i: usize) -> usize {
+    core::hint::black_box(i).min(N - 1)
+}
+
+/// `a.get(i)`, its index bounded where it is used (see [`below`]).
+#[inline(always)]
+pub fn get<T, const N: usize>(a: &[T; N], i: usize) -> Option<&T> {
+    if i < N { a.get(below::<N>(i)) } else { None }
+}
+
+/// `a.get_mut(i)`, its index bounded where it is used (see [`below`]).
+#[inline(always)]
+pub fn get_mut<T, const N: usize>(a: &mut [T; N], i: usize) -> Option<&mut T> {
+    if i < N {
+        a.get_mut(below::<N>(i))
+    } else {
+        None
+    }
+}
+
 /// Packets the filter left out where they entered (TC ingress) that one CPU follows at once.
 pub const LEFT_OUT_PER_CPU: usize = 4;
 
@@ -233,6 +259,7 @@ impl LeftOut {
         let i = usize::from(self.next) % LEFT_OUT_PER_CPU;
         let displaced = self.take(i);
         if i < LEFT_OUT_PER_CPU {
+            let i = below::<LEFT_OUT_PER_CPU>(i);
             self.skb[i] = skb;
             self.flags[i] = how & left_out::DECISION;
         }
@@ -243,7 +270,11 @@ impl LeftOut {
     /// Forgets entry `i`: its flags, if it held a packet.
     #[inline(always)]
     pub fn take(&mut self, i: usize) -> Option<u8> {
-        if i >= LEFT_OUT_PER_CPU || self.skb[i] == 0 {
+        if i >= LEFT_OUT_PER_CPU {
+            return None;
+        }
+        let i = below::<LEFT_OUT_PER_CPU>(i);
+        if self.skb[i] == 0 {
             return None;
         }
         self.skb[i] = 0;
@@ -257,6 +288,7 @@ impl LeftOut {
         if i >= LEFT_OUT_PER_CPU {
             return false;
         }
+        let i = below::<LEFT_OUT_PER_CPU>(i);
         let first = self.flags[i] & left_out::ENTERED == 0;
         self.flags[i] |= left_out::ENTERED;
         first
@@ -266,6 +298,7 @@ impl LeftOut {
     #[inline(always)]
     pub fn filter_out(&mut self, i: usize) {
         if i < LEFT_OUT_PER_CPU {
+            let i = below::<LEFT_OUT_PER_CPU>(i);
             self.flags[i] = (self.flags[i] & !left_out::DECISION) | decision::FILTERED_OUT;
         }
     }
@@ -342,7 +375,7 @@ fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usiz
     let n = rec.nvisits as usize;
     let cur = rec.cur_visit as usize;
     if n > 0 && cur < MAX_VISITS {
-        let last = &mut rec.visits[cur];
+        let last = &mut rec.visits[below::<MAX_VISITS>(cur)];
         if last.hook == r.header.hook && last.programs & bit == 0 {
             last.programs |= bit;
             return Some(cur);
@@ -367,7 +400,7 @@ fn visit_for(rec: &mut TraversalRecord, r: &Reading, program: u8) -> Option<usiz
 #[inline(always)]
 fn open_visit(rec: &mut TraversalRecord, hook: u8, ifindex_in: u32, ifindex_out: u32, bit: u32) {
     let n = rec.nvisits as usize;
-    let Some(v) = rec.visits.get_mut(n) else {
+    let Some(v) = get_mut(&mut rec.visits, n) else {
         return;
     };
     v.hook = hook;
@@ -405,7 +438,7 @@ pub fn note_port(rec: &mut TraversalRecord, dev: u32) {
     if rec.nvisits == 0 {
         return;
     }
-    let Some(v) = rec.visits.get_mut(rec.cur_visit as usize) else {
+    let Some(v) = get_mut(&mut rec.visits, rec.cur_visit as usize) else {
         return;
     };
     if v.hook != crate::hook::FORWARD {
@@ -480,7 +513,7 @@ fn next_step(rec: &mut TraversalRecord, visit: usize, program: u8) -> Option<&mu
         return None;
     }
     rec.nsteps = (n + 1) as u8;
-    let s = &mut rec.steps[n];
+    let s = &mut rec.steps[below::<MAX_STEPS>(n)];
     s.visit = visit as u8;
     s.program = program;
     // SAFETY: plain fields of a live step (volatile: see `copy_words`).
@@ -532,7 +565,7 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
         return;
     };
     let outer_changed = rec.nsteps == 0
-        || match rec.steps.get(rec.last_outer as usize) {
+        || match get(&rec.steps, rec.last_outer as usize) {
             Some(s) => differs(s, r),
             None => true,
         };
@@ -568,7 +601,7 @@ pub fn add_reading(rec: &mut TraversalRecord, r: &Reading, program: u8) {
         }
     }
     if r.header.flags & flags::INNER != 0 {
-        let changed = match rec.steps.get(rec.last_inner as usize) {
+        let changed = match get(&rec.steps, rec.last_inner as usize) {
             Some(s) if s.flags & step::INNER_STATE != 0 => inner_differs(s, r),
             _ => true,
         };
@@ -617,7 +650,7 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     if rec.nsteps == 0 {
         return;
     }
-    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+    let Some(s) = get(&rec.steps, rec.last_outer as usize) else {
         return;
     };
     const HEADER_FLAGS: u8 =
@@ -633,7 +666,7 @@ pub fn reuse_headers(rec: &TraversalRecord, r: &mut Reading) {
     p.ip_id = s.ip_id;
     r.header.flags = (r.header.flags & !HEADER_FLAGS) | (s.flags & HEADER_FLAGS);
     if s.flags & flags::INNER != 0
-        && let Some(i) = rec.steps.get(rec.last_inner as usize)
+        && let Some(i) = get(&rec.steps, rec.last_inner as usize)
     {
         let q = &mut r.inner;
         copy16(&mut q.saddr, &i.saddr);
@@ -677,7 +710,7 @@ pub fn pass_unchanged(rec: &mut TraversalRecord, g: &Glance, program: u8) -> boo
     }
     let bit = 1u32 << (program as u32 & 31);
     let cur = rec.cur_visit as usize;
-    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+    let Some(s) = get(&rec.steps, rec.last_outer as usize) else {
         return false;
     };
     // The long way's reading carries the step's header flags and CT when there is an entry:
@@ -686,7 +719,7 @@ pub fn pass_unchanged(rec: &mut TraversalRecord, g: &Glance, program: u8) -> boo
     {
         return false;
     }
-    let Some(v) = rec.visits.get_mut(cur) else {
+    let Some(v) = get_mut(&mut rec.visits, cur) else {
         return false;
     };
     if v.hook != g.hook || v.programs & bit != 0 {
@@ -765,7 +798,7 @@ pub fn enter_unchanged<const N: usize>(
     if n == 0 || n >= MAX_VISITS || last_hook(rec) == Some(g.hook) {
         return false;
     }
-    let Some(s) = rec.steps.get(rec.last_outer as usize) else {
+    let Some(s) = get(&rec.steps, rec.last_outer as usize) else {
         return false;
     };
     if !same_headers(s, g, l3) || !same_state(s, g) {
@@ -813,7 +846,7 @@ pub fn leave_unchanged<const N: usize>(
     if last_hook(rec) == Some(g.hook) {
         return false;
     }
-    let Some(s) = rec.steps.get(last) else {
+    let Some(s) = get(&rec.steps, last) else {
         return false;
     };
     // The same length too: the long way adds no step then (a device without a link-layer
@@ -830,15 +863,16 @@ pub fn leave_unchanged<const N: usize>(
     // The last step, word by word (volatile: no `memcpy`), then what differs.
     let words = rec.steps.as_mut_ptr() as *mut u64;
     const W: usize = STEP_BYTES / 8;
+    let (at, last) = (below::<MAX_STEPS>(at), below::<MAX_STEPS>(last));
     let mut i = 0;
     while i < W {
-        // SAFETY: `last` and `at` are below MAX_STEPS (checked; `last` by `get`, a bound
-        // the verifier sees where `last < at` would not be), steps are 8-byte aligned
+        // SAFETY: `last` and `at` are below MAX_STEPS (checked, and clamped where they are
+        // used: a bound the verifier sees where `last < at` would not be), steps are 8-byte aligned
         // (asserted) and `W` words long.
         unsafe { core::ptr::write_volatile(words.add(at * W + i), words.add(last * W + i).read()) };
         i += 1;
     }
-    if let Some(step) = rec.steps.get_mut(at) {
+    if let Some(step) = get_mut(&mut rec.steps, at) {
         step.visit = n as u8;
         step.program = 0;
         step.len = g.len;
@@ -854,7 +888,7 @@ pub fn last_hook(rec: &TraversalRecord) -> Option<u8> {
     if rec.nvisits == 0 {
         return None;
     }
-    rec.visits.get(rec.cur_visit as usize).map(|v| v.hook)
+    get(&rec.visits, rec.cur_visit as usize).map(|v| v.hook)
 }
 
 /// Whether a packet met at a bridge device's TC ingress under the address of `rec` is the

@@ -15,8 +15,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use observer_common::traversal::{
-    LEFT_OUT_PER_CPU, LeftOut, SLOTS_PER_CPU, Slots, TraversalRecord, decision, end, left_out,
-    start, status,
+    LEFT_OUT_PER_CPU, LeftOut, SLOTS_PER_CPU, Slots, TraversalRecord, below, decision, end,
+    left_out, start, status,
 };
 use observer_common::{config, counter, hook, pending_count};
 
@@ -241,7 +241,7 @@ impl LeftOutPacket {
         if i >= LEFT_OUT_PER_CPU {
             return None;
         }
-        let skb = self.entries.skb[i];
+        let skb = self.entries.skb[below::<LEFT_OUT_PER_CPU>(i)];
         let how = self.entries.take(i)? & left_out::DECISION;
         let ts = crate::now();
         let Some(rec) = claim_slot::<Quiet>(skb, ts) else {
@@ -276,7 +276,7 @@ pub fn find_slot(skb: u64) -> Option<Found> {
         let i = opaque(i);
         if i < SLOTS_PER_CPU {
             return Some(Found {
-                rec: &mut slots.recs[i],
+                rec: &mut slots.recs[below::<SLOTS_PER_CPU>(i)],
                 place: Place::Slot,
             });
         }
@@ -331,7 +331,7 @@ fn claim_slot<D: Diag>(skb: u64, ts: u64) -> Option<&'static mut TraversalRecord
         }
         i += 1;
     }
-    let rec = slots.recs.get_mut(opaque(pick))?;
+    let rec = observer_common::traversal::get_mut(&mut slots.recs, opaque(pick))?;
     if rec.skb != 0 {
         evict::<D>(rec);
     }

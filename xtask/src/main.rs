@@ -118,6 +118,9 @@ enum Task {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// Only the kernel matrix (the part of `test` that runs in QEMU guests of Debian's
+    /// kernels): builds, then runs each kernel's tests in its guest.
+    Matrix,
     /// Golden replay files (observer/tests/golden): record the lab's demo flows with
     /// `tail --record` (root) and write what `observer replay` prints of them.
     Golden {
@@ -236,6 +239,11 @@ fn main() -> Result<()> {
             no_kernel_matrix,
             args,
         } => test(&args, allow_skips, !no_kernel_matrix),
+        Task::Matrix => {
+            let tc = setup()?;
+            build(&tc, false)?;
+            matrix::run(&tc, &observer_bin(false))
+        }
         Task::Golden { outputs_only } => golden(outputs_only),
         Task::Bench {
             seconds,

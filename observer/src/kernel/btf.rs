@@ -63,6 +63,9 @@ pub struct KernelLayout {
     /// memory through it (`BPF_FEAT_RDONLY_CAST_TO_VOID`, Linux 6.16+): the netfilter probes
     /// then read conntrack entries and packets with plain loads (`observer_common::kfunc`).
     pub rdonly_cast: Option<u32>,
+    /// The `consume_skb` tracepoint passes the freeing function's address (`location`,
+    /// Linux 6.3+; 6.1's has the skb only), from its BTF prototype.
+    pub consume_skb_location: bool,
 }
 
 impl KernelLayout {
@@ -228,12 +231,13 @@ impl KernelLayout {
             tuple,
             drop_reasons: drop_reasons(info),
             rdonly_cast: rdonly_cast(info),
+            consume_skb_location: info.tracepoint_args("consume_skb").is_some_and(|n| n >= 2),
         })
     }
 }
 
 /// The types [`KernelLayout`] asks about, indexed in one pass.
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 12] = [
     "sk_buff",
     "nf_hook_state",
     "net_device",
@@ -245,6 +249,7 @@ const NAMES: [&str; 11] = [
     "bpf_features",
     "bpf_rdonly_cast",
     "skb_drop_reason",
+    "btf_trace_consume_skb",
 ];
 
 /// The BTF id of `bpf_rdonly_cast` if the kernel takes it with type id 0 (a cast to

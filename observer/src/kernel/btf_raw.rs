@@ -254,6 +254,18 @@ impl RawBtf {
         None
     }
 
+    /// Arguments of the raw tracepoint `name` (`btf_trace_<name>`: a pointer to a function
+    /// whose first parameter is the tracepoint's `void *` data, not an argument).
+    pub fn tracepoint_args(&self, name: &str) -> Option<usize> {
+        let id = self.id_of(&format!("btf_trace_{name}"), &[KIND_TYPEDEF])?;
+        let ptr = self.resolve(id)?;
+        if ptr.kind != KIND_PTR {
+            return None;
+        }
+        let proto = self.resolve(ptr.size_or_type)?;
+        (proto.kind == KIND_FUNC_PROTO).then(|| (proto.vlen as usize).saturating_sub(1))
+    }
+
     /// Bytes of the struct or union `id`.
     pub fn size_of(&self, id: u32) -> Option<usize> {
         let t = self.resolve(id)?;

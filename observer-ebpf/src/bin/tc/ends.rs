@@ -140,7 +140,8 @@ fn record_drop(skb: u64, point: u32, location: u64, reason: u64) -> Result<(), (
     Ok(())
 }
 
-/// The kernel freed a packet without calling it a drop: `consume_skb(skb, location)`.
+/// The kernel freed a packet without calling it a drop: `consume_skb(skb, location)`
+/// (`location` since Linux 6.3: see [`CONSUME_SKB_LOCATION`]).
 /// A fragment merged by defragmentation is freed this way too, on whatever CPU frees the
 /// datagram it became part of: its record waits in the fallback map for that.
 #[btf_tracepoint(function = "consume_skb")]
@@ -154,7 +155,13 @@ pub fn observer_consume_skb(ctx: BtfTracePointContext) -> i32 {
         return 0;
     }
     if let Some(f) = ours(skb) {
-        let location = arg(ctx.as_ptr(), 1);
+        // SAFETY: a read-only global, set at load (the verifier knows its value and skips
+        // the read on a kernel whose tracepoint has no second argument).
+        let location = if unsafe { core::ptr::read_volatile(&CONSUME_SKB_LOCATION) } != 0 {
+            arg(ctx.as_ptr(), 1)
+        } else {
+            0
+        };
         f.rec.location = location;
         let how = if f.rec.status & status::SOCKET != 0 {
             end::DELIVERED
@@ -165,6 +172,11 @@ pub fn observer_consume_skb(ctx: BtfTracePointContext) -> i32 {
     }
     0
 }
+
+/// Non-zero where the kernel's `consume_skb` tracepoint passes `location` (Linux 6.3+),
+/// set by the loader from the tracepoint's BTF prototype.
+#[unsafe(no_mangle)]
+static CONSUME_SKB_LOCATION: u8 = 1;
 
 /// The benchmark's floor: every probe returns at once.
 #[inline(always)]

@@ -219,6 +219,13 @@ impl Probes {
             }
             loader
                 .override_global(aya_log::LEVEL, &log_level, false)
+                // Where the kernel's consume_skb tracepoint has no `location`, the probe
+                // must not read it: the verifier refuses a load past the last argument.
+                .override_global(
+                    "CONSUME_SKB_LOCATION",
+                    &u8::from(layout.consume_skb_location),
+                    true,
+                )
                 .map_max_entries(
                     "PACKETS",
                     if capture {
