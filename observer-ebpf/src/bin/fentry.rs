@@ -69,21 +69,29 @@ fn observe_entry(pointers: impl FnOnce() -> (*const u8, *const u8), program: u32
     }
 }
 
-/// As [`observe_entry`], after a table: any program but 0.
+/// As [`observe_entry`], after a table other than conntrack: any program but 0 and 2
+/// (program 2 is the point after conntrack, see [`observe_after_conntrack`]).
 #[inline(always)]
 fn observe_exit(pointers: impl FnOnce() -> (*const u8, *const u8), program: u32) {
+    if program == 1 {
+        return point::observe(pointers, 1);
+    }
+    // 3..=23, bounded on the register the call uses, so that the verifier leaves out the
+    // filter's code (programs 0 and 2) on this way.
+    let m = program.wrapping_sub(3);
+    if m > 20 {
+        return;
+    }
+    point::observe(pointers, (m + 3) as u8)
+}
+
+/// After conntrack: program 2 (1 where conntrack is the hook's only table).
+#[inline(always)]
+fn observe_after_conntrack(pointers: impl FnOnce() -> (*const u8, *const u8), program: u32) {
     match program {
-        1 => point::observe(pointers, 1),
         2 => point::observe(pointers, 2),
-        n => {
-            // 3..=23, bounded on the register the call uses, so that the verifier leaves
-            // out the filter's code (programs 0 and 2) on this way.
-            let m = n.wrapping_sub(3);
-            if m > 20 {
-                return;
-            }
-            point::observe(pointers, (m + 3) as u8)
-        }
+        1 => point::observe(pointers, 1),
+        _ => {}
     }
 }
 
@@ -178,10 +186,12 @@ fn plain(ctx: *const u64, f: u8, exit: u8, skb_i: usize, nargs: usize, prio_arg:
             arg(ctx, skb_i) as *const u8,
         )
     };
-    if exit == EXIT {
-        observe_exit(pointers, program);
-    } else {
+    if exit == ENTRY {
         observe_entry(pointers, program);
+    } else if f == func::CONNTRACK {
+        observe_after_conntrack(pointers, program);
+    } else {
+        observe_exit(pointers, program);
     }
 }
 

@@ -55,6 +55,16 @@ pub enum NfError {
         error: std::io::Error,
         log: String,
     },
+    #[error(
+        "the kernel refused to load trampoline program `{prog}`: {error}\n\
+         verifier log:\n{log}"
+    )]
+    LoadTraced {
+        prog: String,
+        // Not `source`: the message already says it, and a source would be printed again.
+        error: std::io::Error,
+        log: String,
+    },
     #[error("program `{0}` must be loaded before it is attached")]
     NotLoaded(String),
     #[error("cannot attach `{prog}` to {family}/{hook} at priority {priority}: {error}{hint}")]
@@ -454,10 +464,10 @@ impl NfProgram {
                 // The tail of the verifier log holds the reason.
                 let lines: Vec<&str> = text.lines().collect();
                 let tail = lines[lines.len().saturating_sub(30)..].join("\n");
-                Err(NfError::Load {
-                    prog: self.name.clone(),
-                    error: source,
-                    log: tail,
+                let (prog, error, log) = (self.name.clone(), source, tail);
+                Err(match self.kind {
+                    ProgKind::Netfilter => NfError::Load { prog, error, log },
+                    ProgKind::Trace { .. } => NfError::LoadTraced { prog, error, log },
                 })
             }
         }
