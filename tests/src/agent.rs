@@ -54,7 +54,7 @@ impl Agent {
             socket,
             ready,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(60) * crate::time_scale();
         while !agent.ready.exists() {
             if let Some(status) = agent.child.as_mut().unwrap().try_wait().unwrap() {
                 let mut err = String::new();
@@ -69,7 +69,8 @@ impl Agent {
             }
             assert!(
                 Instant::now() < deadline,
-                "observer agent not ready in 60 s"
+                "observer agent not ready in {} s",
+                60 * crate::time_scale()
             );
             std::thread::sleep(Duration::from_millis(20));
         }

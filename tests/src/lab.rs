@@ -259,7 +259,7 @@ impl Tail {
             child: Some(child),
             stdout: Some(reader),
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let deadline = Instant::now() + Duration::from_secs(30) * crate::time_scale();
         while !ready.exists() {
             if let Some(status) = tail.child.as_mut().unwrap().try_wait().unwrap() {
                 let mut err = String::new();
@@ -272,7 +272,11 @@ impl Tail {
                     .read_to_string(&mut err);
                 panic!("observer tail exited before ready ({status}): {err}");
             }
-            assert!(Instant::now() < deadline, "observer tail not ready in 30 s");
+            assert!(
+                Instant::now() < deadline,
+                "observer tail not ready in {} s",
+                30 * crate::time_scale()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         tail

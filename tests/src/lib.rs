@@ -180,8 +180,21 @@ pub fn run_in_with_stdin(ns: &Netns, cmd: &[&str], input: &str) -> Result<(), St
     }
 }
 
-/// Polls `f` every 100 ms until it is true; panics naming `what` after `within`.
+/// How much slower than hardware this machine runs: `OBSERVER_TIME_SCALE` (the kernel
+/// matrix's guests run under QEMU's software emulation), else 1. Waits scale by it; the
+/// tight figures live in the bench, not in tests.
+pub fn time_scale() -> u32 {
+    std::env::var("OBSERVER_TIME_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n >= 1)
+        .unwrap_or(1)
+}
+
+/// Polls `f` every 100 ms until it is true; panics naming `what` after `within` (times
+/// [`time_scale`]).
 pub fn wait_for(what: &str, within: std::time::Duration, mut f: impl FnMut() -> bool) {
+    let within = within * time_scale();
     let deadline = std::time::Instant::now() + within;
     while !f() {
         assert!(

@@ -34,6 +34,11 @@ const SLOW_UNDER_EMULATION: &[&str] = &[
     "a_base_chain_added_while_running_gets_its_own_stage",
 ];
 
+/// Waits in the guests' tests scale by this much (`observer_tests::time_scale`): QEMU's
+/// software emulation on one CPU runs the probes' verifier and the tests' processes about
+/// that much slower than this machine does.
+const TIME_SCALE: u32 = 5;
+
 pub const MATRIX: &[Row] = &[
     Row {
         series: "6.12",
@@ -42,12 +47,11 @@ pub const MATRIX: &[Row] = &[
             ("kernels", &[]),
             ("capture", &[]),
             ("fates", SLOW_UNDER_EMULATION),
+            // Drops by reason in the default mode: kernels.rs (this file's test reads tier 1
+            // a fixed 1.2 s after tier 0, which emulation does not keep).
             (
                 "agent",
-                &[
-                    "default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel",
-                    "sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves",
-                ],
+                &["sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves"],
             ),
         ],
     },
@@ -229,7 +233,8 @@ fn script(row: &Row, binaries: &HashMap<String, PathBuf>, observer_bin: &Path) -
     let mut s = String::from("#!/bin/sh\n# Written by cargo xtask test (xtask/src/matrix.rs).\n");
     writeln!(
         s,
-        "export OBSERVER_BIN={} OBSERVER_NO_SKIP=1 OBSERVER_KERNEL_CAPTURE={} RUST_BACKTRACE=1",
+        "export OBSERVER_BIN={} OBSERVER_NO_SKIP=1 OBSERVER_KERNEL_CAPTURE={} \
+         OBSERVER_TIME_SCALE={TIME_SCALE} RUST_BACKTRACE=1",
         observer_bin.display(),
         row.capture
     )?;
