@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use anyhow::Result;
-use aya::programs::tc::SchedClassifierLinkId;
-use aya::programs::{SchedClassifier, TcAttachType};
+use aya::programs::tc::{SchedClassifierLinkId, TcError};
+use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
 
 use super::*;
 
@@ -95,10 +95,19 @@ impl Probes {
                     .program_mut(prog)
                     .expect("loaded in Probes::load")
                     .try_into()?;
-                match p.attach(name, at) {
+                // Before 6.6 (no tcx) Aya attaches through netlink, which needs the clsact
+                // qdisc: added where it is missing (and left there, as `tc` leaves it).
+                let attached = p.attach(name, at).or_else(|e| match &e {
+                    ProgramError::TcError(TcError::NetlinkError(_)) => {
+                        let _ = aya::programs::tc::qdisc_add_clsact(name);
+                        p.attach(name, at)
+                    }
+                    _ => Err(e),
+                });
+                match attached {
                     Ok(id) => links.push((prog, id)),
                     Err(e) => {
-                        failed = Some(format!("tcx {at:?}: {e} (kernel 6.6+ needed)"));
+                        failed = Some(format!("tc {at:?}: {e}"));
                         break;
                     }
                 }
