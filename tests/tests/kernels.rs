@@ -1,7 +1,8 @@
 //! What every kernel of the matrix must do, whatever it lacks: `cargo xtask test` runs this
 //! file on the host and in each guest of the kernel matrix (`xtask/src/matrix.rs`), with
 //! `OBSERVER_KERNEL_CAPTURE` naming what that kernel is declared to support: `links` (BPF
-//! netfilter links, 6.4+) or `none` (no capture backend runs there yet). The expectation is
+//! netfilter links, 6.4+), `fentry` (no netfilter links: fentry/fexit trampolines, chosen
+//! by themselves) or `none` (no capture backend runs there). The expectation is
 //! the matrix's declaration, never read back from observer's own detection: a detection
 //! that is wrong fails here.
 //!
@@ -20,8 +21,9 @@ use observer_tests::privileged;
 fn capture() -> &'static str {
     match std::env::var("OBSERVER_KERNEL_CAPTURE").as_deref() {
         Ok("none") => "none",
+        Ok("fentry") => "fentry",
         Ok("links") | Err(_) => "links",
-        Ok(other) => panic!("OBSERVER_KERNEL_CAPTURE={other}: give links or none"),
+        Ok(other) => panic!("OBSERVER_KERNEL_CAPTURE={other}: give links, fentry or none"),
     }
 }
 
@@ -43,6 +45,25 @@ fn tail_attaches_or_says_which_feature_the_kernel_lacks() {
             assert!(
                 stderr.contains("captured through netfilter links"),
                 "the summary names the backend: {stderr}"
+            );
+        }
+        "fentry" => {
+            assert!(out.status.success(), "tail attaches: {stderr}");
+            assert!(
+                stderr.contains("captured through fentry trampolines"),
+                "the summary names the backend: {stderr}"
+            );
+            // Netfilter links, asked for, say why they cannot run.
+            let out = Command::new(observer_bin())
+                .args(["tail", "--netns", &lab.ns("node"), "--count", "0"])
+                .args(["--backend", "links"])
+                .output()
+                .expect("run observer tail --backend links");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "links cannot capture here: {stderr}");
+            assert!(
+                stderr.contains("BPF netfilter links need Linux 6.4+"),
+                "says which feature is missing: {stderr}"
             );
         }
         _ => {
@@ -81,7 +102,8 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         text.contains("observer_capture_backend{"),
         "the backend's series is there: {text}"
     );
-    let backend = sample(&text, "observer_capture_backend", &[("backend", "links")]);
+    let label = if capture() == "none" { "links" } else { capture() };
+    let backend = sample(&text, "observer_capture_backend", &[("backend", label)]);
     let reason = [
         ("tier", "1"),
         ("reason", "NETFILTER_DROP"),
@@ -107,7 +129,7 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         "exactly the drops sent: {text}"
     );
     match capture() {
-        "links" => {
+        "links" | "fentry" => {
             assert_eq!(backend, 1.0, "{text}");
             assert!(!ready.contains("degraded"), "{ready}");
         }

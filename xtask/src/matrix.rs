@@ -17,7 +17,7 @@ use crate::vm::{self, GuestRun, VmOptions};
 /// One kernel of the matrix: what it is declared to support and the tests run in it.
 pub struct Row {
     pub series: &'static str,
-    /// `OBSERVER_KERNEL_CAPTURE` for `kernels.rs`: `links` or `none`.
+    /// `OBSERVER_KERNEL_CAPTURE` for `kernels.rs`: `links`, `fentry` or `none`.
     pub capture: &'static str,
     /// (test binary, arguments after the binary's name: filters and `--skip`s).
     pub tests: &'static [(&'static str, &'static [&'static str])],
@@ -57,9 +57,13 @@ pub const MATRIX: &[Row] = &[
     },
     Row {
         series: "6.1",
-        // No BPF netfilter links before 6.4; the fentry backend is not built yet.
-        capture: "none",
-        tests: &[("kernels", &[])],
+        // No BPF netfilter links before 6.4: fentry/fexit trampolines, chosen by themselves.
+        capture: "fentry",
+        tests: &[
+            ("kernels", &[]),
+            ("capture", &[]),
+            ("fates", SLOW_UNDER_EMULATION),
+        ],
     },
 ];
 
@@ -283,6 +287,7 @@ fn table(results: &[GuestResult]) -> String {
             .map_or(row.series.to_string(), |g| g.kernel.clone());
         let backend = match row.capture {
             "links" => "netfilter links",
+            "fentry" => "fentry trampolines",
             _ => "none (agent: tier 0 and tier 1 only)",
         };
         let tests: Vec<String> = r
