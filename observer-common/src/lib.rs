@@ -397,5 +397,5 @@ mod pod {
 pub mod counts;
 pub mod filter;
 pub mod parse;
-pub mod traversal;
 pub mod trampoline;
+pub mod traversal;

@@ -28,7 +28,10 @@ pub const EXIT: u8 = 1;
 /// the others, which run at one priority each).
 #[inline(always)]
 pub const fn key(pf: u8, hook: u8, func: u8, exit: u8, priority: i32) -> u64 {
-    (pf as u64) | ((hook as u64) << 8) | ((func as u64) << 16) | ((exit as u64) << 24)
+    (pf as u64)
+        | ((hook as u64) << 8)
+        | ((func as u64) << 16)
+        | ((exit as u64) << 24)
         | ((priority as u32 as u64) << 32)
 }
 

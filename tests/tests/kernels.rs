@@ -102,7 +102,11 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         text.contains("observer_capture_backend{"),
         "the backend's series is there: {text}"
     );
-    let label = if capture() == "none" { "links" } else { capture() };
+    let label = if capture() == "none" {
+        "links"
+    } else {
+        capture()
+    };
     let backend = sample(&text, "observer_capture_backend", &[("backend", label)]);
     let reason = [
         ("tier", "1"),

@@ -19,11 +19,11 @@
 use aya_ebpf::helpers::bpf_probe_read_kernel;
 use aya_ebpf::macros::map;
 use aya_ebpf::maps::HashMap;
+use observer_common::config;
 use observer_common::trampoline::{
     CHAIN_PRIORITY_OFFSET, ENTRY, EXIT, MAX_ENTRIES, NF_ACCEPT, NF_VERDICT_MASK,
     XT_TABLE_PRIORITY_OFFSET, func, key,
 };
-use observer_common::config;
 use observer_ebpf::{direct, point};
 
 /// (family, hook, function, entry or exit, priority) -> program, from the plan.

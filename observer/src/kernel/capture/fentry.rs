@@ -77,7 +77,10 @@ const TARGETS: [Target; 5] = [
 ];
 
 fn target(f: u8) -> &'static Target {
-    TARGETS.iter().find(|t| t.func == f).expect("a known function")
+    TARGETS
+        .iter()
+        .find(|t| t.func == f)
+        .expect("a known function")
 }
 
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
@@ -217,13 +220,8 @@ pub struct Fentry {
 
 impl Fentry {
     pub fn new(shared: &Shared) -> Result<Self> {
-        let points = nf_link::create_hash_map(
-            "FENTRY_POINTS",
-            8,
-            4,
-            trampoline::MAX_ENTRIES,
-        )
-        .context("creating the trampolines' map")?;
+        let points = nf_link::create_hash_map("FENTRY_POINTS", 8, 4, trampoline::MAX_ENTRIES)
+            .context("creating the trampolines' map")?;
         let mut maps = shared.maps.clone();
         maps.insert("FENTRY_POINTS".into(), points.as_raw_fd());
         Ok(Self {
@@ -414,10 +412,16 @@ mod tests {
         let program = |key: u64| keys.iter().find(|(k, _, _)| *k == key).map(|(_, _, p)| *p);
         assert_eq!(program(k(func::NFT, ENTRY, -300)), Some(0));
         assert_eq!(program(k(func::IPT, ENTRY, -300)), Some(0));
-        assert_eq!(program(k(func::NFT, EXIT, -300)), Some(plan.programs[1] as u32));
+        assert_eq!(
+            program(k(func::NFT, EXIT, -300)),
+            Some(plan.programs[1] as u32)
+        );
         assert_eq!(program(k(func::CONNTRACK, ENTRY, 0)), None);
         assert_eq!(program(k(func::CONNTRACK, EXIT, 0)), Some(2));
-        assert_eq!(program(k(func::NAT, EXIT, 0)), Some(plan.programs[3] as u32));
+        assert_eq!(
+            program(k(func::NAT, EXIT, 0)),
+            Some(plan.programs[3] as u32)
+        );
         // A nat chain's own nft_do_chain maps to nothing.
         assert_eq!(program(k(func::NFT, EXIT, -100)), None);
         // Every program but 0 is an exit's; 0 only an entry's.
@@ -451,6 +455,9 @@ mod tests {
             .expect("offsets")
             .expect("some");
         assert_eq!(key, trampoline::CHAIN_PRIORITY_OFFSET);
-        assert!(off < 0, "ops come before the chain in nft_base_chain: {off}");
+        assert!(
+            off < 0,
+            "ops come before the chain in nft_base_chain: {off}"
+        );
     }
 }

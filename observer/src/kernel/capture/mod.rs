@@ -270,7 +270,10 @@ mod tests {
                     choose(Some(BackendKind::Fentry), &layout, &shared).expect("no error");
                 assert!(!chosen.is_ready());
                 assert_eq!(chosen.attachments(), 0);
-                assert_eq!(chosen.backend().err().expect("refused").backend, BackendKind::Fentry);
+                assert_eq!(
+                    chosen.backend().err().expect("refused").backend,
+                    BackendKind::Fentry
+                );
             }
         }
     }
