@@ -179,7 +179,10 @@ impl Probes {
         tracing: bool,
         events_bytes: Option<u32>,
     ) -> Result<Self> {
-        if TC_OBJECT.is_empty() || NF_OBJECT.is_empty() {
+        if TC_OBJECT.is_empty()
+            || NF_OBJECT.is_empty()
+            || crate::kernel::capture::fentry::FENTRY_OBJECT.is_empty()
+        {
             bail!(
                 "this observer binary was built without its probes (OBSERVER_SKIP_EBPF=1); \
                  rebuild with `cargo xtask build`"

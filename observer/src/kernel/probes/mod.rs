@@ -118,6 +118,40 @@ mod tests {
         ));
     }
 
+    /// The embedded trampoline object holds an fentry and an fexit program for every
+    /// function the fentry backend sits on, relocatable onto the shared maps and the
+    /// backend's own `FENTRY_POINTS`.
+    #[test]
+    fn embedded_trampoline_object_is_loadable_by_nf_link() {
+        use crate::kernel::capture::fentry::FENTRY_OBJECT;
+        if built_without(FENTRY_OBJECT) {
+            return;
+        }
+        let mut fds: HashMap<String, RawFd> =
+            MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
+        fds.insert("FENTRY_POINTS".into(), 1001);
+        let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
+        let mut obj = NfObject::parse(FENTRY_OBJECT, &fds, &layout.config, layout.rdonly_cast)
+            .expect("trampoline object parses");
+        for f in [
+            "nft_do_chain",
+            "nf_nat_inet_fn",
+            "nf_conntrack_in",
+            "ipt_do_table",
+            "ip6t_do_table",
+        ] {
+            for side in ["fentry", "fexit"] {
+                obj.program_mut(&format!("{side}/{f}"))
+                    .expect("trampoline program present");
+            }
+        }
+        fds.remove("FENTRY_POINTS");
+        assert!(matches!(
+            NfObject::parse(FENTRY_OBJECT, &fds, &layout.config, None),
+            Err(NfError::UnsupportedRelocation { .. })
+        ));
+    }
+
     /// The TC object's code calls the placeholders (`observer_common::kfunc`); patched, none
     /// is left, whether the kernel takes direct reads or not, and nothing else changed size.
     #[test]
