@@ -24,7 +24,7 @@ use observer_common::trampoline::{
     CHAIN_PRIORITY_OFFSET, ENTRY, EXIT, MAX_ENTRIES, NF_ACCEPT, NF_VERDICT_MASK,
     XT_TABLE_PRIORITY_OFFSET, func, key,
 };
-use observer_ebpf::{direct, point};
+use observer_ebpf::{cfg, direct, point};
 
 /// (family, hook, function, entry or exit, priority) -> program, from the plan.
 #[map]
@@ -38,13 +38,37 @@ fn arg(ctx: *const u64, i: usize) -> u64 {
     unsafe { *ctx.add(i) }
 }
 
-/// The program the plan puts at this call, if any.
+/// The program the plan puts at this call, if any, and only in the observed namespace: a
+/// trampoline runs for every namespace's hooks (a netfilter link, for its own only).
 #[inline(always)]
 fn program_at(state: *const u8, func: u8, exit: u8, priority: i32) -> Option<u32> {
     let pf = direct::<u8, { config::STATE_PF }>(state);
     let hook = direct::<u8, { config::STATE_HOOK }>(state);
     // SAFETY: a plain lookup; the value is copied out.
-    unsafe { FENTRY_POINTS.get(&key(pf, hook, func, exit, priority)) }.copied()
+    let program = unsafe { FENTRY_POINTS.get(&key(pf, hook, func, exit, priority)) }.copied()?;
+    in_observed_netns(state).then_some(program)
+}
+
+/// Whether the hook runs in the observed namespace: its input device's (else its output
+/// device's) namespace, in direct loads (offsets from BTF, put in by the loader). No
+/// device: not known to be this namespace's, left out.
+#[inline(always)]
+fn in_observed_netns(state: *const u8) -> bool {
+    let Some(want) = cfg(config::OBSERVED_NETNS) else {
+        return false;
+    };
+    let mut dev = direct::<*const u8, { config::STATE_IN }>(state);
+    if dev.is_null() {
+        dev = direct::<*const u8, { config::STATE_OUT }>(state);
+    }
+    if dev.is_null() {
+        return false;
+    }
+    let net = direct::<*const u8, { config::NETDEV_NET }>(dev);
+    if net.is_null() {
+        return false;
+    }
+    u64::from(direct::<u32, { config::NET_INUM }>(net)) == want
 }
 
 /// An i32 at `base + off` (`off` left in the map at `at` by userspace), if it can be read.
