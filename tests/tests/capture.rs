@@ -298,8 +298,9 @@ fn count_and_timeout_end_the_tail_by_themselves() {
         .spawn()
         .unwrap();
     let t0 = Instant::now();
+    let scale = observer_tests::time_scale();
     while !ready.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "not ready");
+        assert!(t0.elapsed() < Duration::from_secs(30) * scale, "not ready");
         std::thread::sleep(Duration::from_millis(20));
     }
     lab.run_in("client", || {
@@ -324,7 +325,7 @@ fn count_and_timeout_end_the_tail_by_themselves() {
         .unwrap();
     assert!(out.status.success());
     assert!(
-        t0.elapsed() < Duration::from_secs(20),
+        t0.elapsed() < Duration::from_secs(20) * scale,
         "--timeout ends the run"
     );
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -198,13 +198,31 @@ fn interfaces_that_come_and_go_release_their_probes_and_renames_show() {
             ));
         }
         run(&["ip", "-n", &node, "-batch", &write_batch(&lab, &script)]);
-        // Two tcx links (one fd each) per new interface, 40 interfaces.
-        let grown = wait_for(|| fds(tail.pid()) >= base + 80);
-        assert!(
-            grown,
-            "probes attached to the new veths: {base} -> {}",
-            fds(tail.pid())
-        );
+        if has_tcx() {
+            // Two tcx links (one fd each) per new interface, 40 interfaces.
+            let grown = wait_for(|| fds(tail.pid()) >= base + 80);
+            assert!(
+                grown,
+                "probes attached to the new veths: {base} -> {}",
+                fds(tail.pid())
+            );
+        } else {
+            // Before tcx (6.6) the probes are netlink filters of a clsact qdisc, which hold
+            // no fd: the last new veth has both.
+            let last = format!("vp{round}x19");
+            let attached = wait_for(|| {
+                ["ingress", "egress"].iter().all(|dir| {
+                    std::process::Command::new("tc")
+                        .args(["-n", &node, "filter", "show", "dev", &last, dir])
+                        .output()
+                        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("bpf"))
+                })
+            });
+            assert!(
+                attached,
+                "probes attached to the new veth {last} (tc filters)"
+            );
+        }
         let mut script = String::new();
         for i in 0..20 {
             script.push_str(&format!("link del vc{round}x{i}\n"));
@@ -234,6 +252,18 @@ fn interfaces_that_come_and_go_release_their_probes_and_renames_show() {
     });
     assert_eq!(r["ingress"]["iface"], "uplink0", "{r}");
     assert!(stderr.contains(" 0 attach failures"), "{stderr}");
+}
+
+/// Whether the kernel has tcx (6.6+): the TC probes are then links, one fd each; before,
+/// netlink filters of a clsact qdisc.
+fn has_tcx() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    (major, minor) >= (6, 6)
 }
 
 /// Polls `f` for up to 5 s (the observer scans interfaces every second).

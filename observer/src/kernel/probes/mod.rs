@@ -127,8 +127,7 @@ mod tests {
         if built_without(FENTRY_OBJECT) {
             return;
         }
-        let mut fds: HashMap<String, RawFd> =
-            MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
+        let mut fds: HashMap<String, RawFd> = MAPS.iter().map(|m| (m.to_string(), 1000)).collect();
         fds.insert("FENTRY_POINTS".into(), 1001);
         let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
         let mut obj = NfObject::parse(FENTRY_OBJECT, &fds, &layout.config, layout.rdonly_cast)
