@@ -81,7 +81,7 @@ fn a_full_receive_buffer_drops_with_the_kernels_reason() {
             )
         };
         ready.send(()).unwrap();
-        let _ = rx.recv_timeout(Duration::from_secs(20));
+        let _ = rx.recv_timeout(Duration::from_secs(20) * observer_tests::time_scale());
     });
     let tail = Tail::start(&lab);
     lab.run_in("client", || {
