@@ -1009,6 +1009,10 @@ fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     assert!(!reports.is_empty(), "{lines:#?} {err}");
+    assert!(
+        err.contains("the agent is tracing: packets from now on are reported"),
+        "tail --agent says when the brackets record: {err}"
+    );
     let rules = tails_drop_rules(&reports);
     assert!(!rules.is_empty(), "{reports:#?}");
     assert!(

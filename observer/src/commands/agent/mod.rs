@@ -654,6 +654,7 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             return;
         }
         agent.kernel_filter = wanted;
+        agent.hub.tell_tracing();
     } else if probes.tracing() && !lingering {
         agent.last_client = None;
         if let Err(e) = probes.stop_tracing() {
@@ -696,6 +697,9 @@ impl Consumer for Agent {
         self.tier2.tick(rates.as_deref(), now);
         if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
+        } else {
+            // Always tracing: a new subscriber is told at its first tick.
+            self.hub.tell_tracing();
         }
         self.tier2.publish(probes.attachments() as u64, now);
         self.metrics.set_tier2(self.tier2.series());
