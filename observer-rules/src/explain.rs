@@ -164,12 +164,36 @@ pub fn explain_with_bridges(
     packet: &PacketSpec,
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
+    let sim = prepare(rs, ipsets, routes, bridges, iface_addrs);
+    explain_on(&sim, rs, ipsets, bridges, packet)
+}
+
+/// A simulator of these inputs, rules compiled once: for many packets against one node
+/// ([`explain_on`], `observer whatif`).
+pub fn prepare<'a>(
+    rs: &'a Ruleset,
+    ipsets: &'a Ipsets,
+    routes: &'a Routes,
+    bridges: &Bridges,
+    iface_addrs: &HashMap<String, Vec<IpAddr>>,
+) -> Simulator<'a> {
     let mut sim = Simulator::new(&rs.ipv4, &rs.ipv6, ipsets, routes);
     if let Some(nft) = &rs.nft {
         sim = sim.with_nft(nft);
     }
     sim.iface_addrs = iface_addrs.clone();
     sim.bridges = bridges.clone();
+    sim
+}
+
+/// [`explain_with_bridges`] on a simulator [`prepare`]d from the same inputs.
+pub fn explain_on(
+    sim: &Simulator<'_>,
+    rs: &Ruleset,
+    ipsets: &Ipsets,
+    bridges: &Bridges,
+    packet: &PacketSpec,
+) -> Explanation {
     let branches = sim.simulate(packet);
     let mut notes = Vec::new();
     if let Some(nft) = &rs.nft {

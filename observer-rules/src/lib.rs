@@ -25,7 +25,8 @@ pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
 pub use explain::{
-    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, explain_with_bridges,
+    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_on, explain_with,
+    explain_with_bridges, prepare,
 };
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
