@@ -1,6 +1,8 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::commands::{agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic, whatif};
+use observer::commands::{
+    agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic, whatif,
+};
 use observer::pipeline::OutputArgs;
 use observer::pipeline::subscription::Subscription;
 use std::io::Write;

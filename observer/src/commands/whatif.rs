@@ -75,10 +75,15 @@ pub struct WhatifArgs {
     /// TOML file naming mark bits, as for `observer tail --marks`.
     #[arg(long, value_name = "FILE")]
     pub marks: Option<PathBuf>,
+    /// Hold only the recorded traversals this pcap-filter subset keeps (docs/filter.md;
+    /// interface names are the recording's).
+    #[arg(long, value_name = "EXPR")]
+    pub filter: Option<String>,
 }
 
 fn parse_mask(s: &str) -> Result<u32, String> {
-    observer_rules::net::parse_u32(s).ok_or_else(|| format!("`{s}` is not a mask (0x... or decimal)"))
+    observer_rules::net::parse_u32(s)
+        .ok_or_else(|| format!("`{s}` is not a mask (0x... or decimal)"))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -178,8 +183,7 @@ impl FlowKey {
         p.ct_mark = self.ct_mark;
         p.icmp = self.icmp;
         if !(routes_known && self.state == CtState::New) {
-            if self.route == Some("input") || (self.ingress.is_none() && self.egress.is_none())
-            {
+            if self.route == Some("input") || (self.ingress.is_none() && self.egress.is_none()) {
                 p.local = self.route.is_some();
             } else {
                 p.out_iface = self.egress.clone();
@@ -215,7 +219,7 @@ impl FlowKey {
             let _ = write!(out, " mark {:#x}", s.mark);
         }
         let _ = write!(out, " state {}", s.ct_state);
-        if let Some(m) = s.ct_mark.filter(|m| *m != 0) {
+        if let Some(m) = s.ct_mark {
             let _ = write!(out, " ctmark {m:#x}");
         }
         if let Some((t, c)) = s.icmp {
@@ -441,7 +445,11 @@ pub fn classify(before: &Traversal, after: &Traversal, mode: Compare, mask: u32)
     if nat_targets(before, NatKind::Snat) != nat_targets(after, NatKind::Snat) {
         return Some(Change::SnatChanged);
     }
-    let mask = if mode == Compare::Path { u32::MAX } else { mask };
+    let mask = if mode == Compare::Path {
+        u32::MAX
+    } else {
+        mask
+    };
     if final_marks(before, mask) != final_marks(after, mask) {
         return Some(Change::MarksChanged);
     }
@@ -579,43 +587,76 @@ fn side_text(t: &Traversal) -> String {
     s
 }
 
-/// The rules that match on one side only: `(hook/table chain#index, text)`.
-fn rules_only(a: &Traversal, b: &Traversal) -> Vec<String> {
-    let other = rule_ids(b);
-    let mut out = Vec::new();
-    for v in views(a) {
-        for s in v.stages {
-            for r in s.rules.iter() {
-                let id = format!("{}/{} {}", s.hook.name(), s.table, r.text);
-                if other.binary_search(&id).is_err() {
-                    let line = format!(
-                        "{}/{} {}: {}",
-                        s.hook.name(),
-                        s.table,
-                        r.id.place(),
-                        observer_model::render::escape_controls(&r.text)
-                    );
-                    if !out.contains(&line) {
-                        out.push(line);
-                    }
-                }
-            }
-            if let Some(p) = &s.policy {
-                let id = format!("{}/{} policy {p}", s.hook.name(), s.table);
-                if other.binary_search(&id).is_err() {
-                    let line = format!("{}/{} policy {p}", s.hook.name(), s.table);
-                    if !out.contains(&line) {
-                        out.push(line);
-                    }
-                }
-            }
-        }
-    }
-    out
+/// Where two paths part: the first table whose matched rules differ, and on each side the
+/// first rule that differs there and the rule (or policy) that ended the table.
+pub struct Parting {
+    /// `HOOK/table`.
+    pub at: String,
+    pub before: Vec<String>,
+    pub after: Vec<String>,
 }
 
-/// Rules listed per side at most.
-const MAX_RULES_SHOWN: usize = 6;
+fn rule_line(r: &observer_model::Rule) -> String {
+    format!(
+        "{}: {}",
+        r.id.place(),
+        observer_model::render::escape_controls(&r.text)
+    )
+}
+
+/// The first differing rule of stage `s` from `i` on, and what ended the stage.
+fn side_lines(s: Option<&Stage>, i: usize) -> Vec<String> {
+    let Some(s) = s else {
+        return vec!["(not reached)".into()];
+    };
+    let mut v = Vec::new();
+    match s.rules.get(i) {
+        Some(r) => v.push(rule_line(r)),
+        None => v.push("(no further rule matches)".into()),
+    }
+    let last = s.rules.len().checked_sub(1);
+    if let Some(l) = last.filter(|l| *l > i) {
+        v.push(format!("then {}", rule_line(&s.rules[l])));
+    }
+    if let Some(p) = &s.policy {
+        v.push(format!("then the {} policy {p}", s.hook.name()));
+    }
+    v
+}
+
+pub fn parting(before: &Traversal, after: &Traversal) -> Option<Parting> {
+    let key = |s: &Stage| (s.hook, s.table.clone());
+    let texts = |s: &Stage| {
+        s.rules
+            .iter()
+            .map(|r| r.text.clone())
+            .chain(s.policy.clone())
+            .collect::<Vec<_>>()
+    };
+    for b in &before.stages {
+        let a = after.stages.iter().find(|a| key(a) == key(b));
+        let (tb, ta) = (texts(b), a.map(texts).unwrap_or_default());
+        if a.is_some_and(|a| tb == ta && b.verdict == a.verdict) {
+            continue;
+        }
+        let first = tb.iter().zip(&ta).take_while(|(x, y)| x == y).count();
+        return Some(Parting {
+            at: format!("{}/{}", b.hook.name(), b.table),
+            before: side_lines(Some(b), first),
+            after: side_lines(a, first),
+        });
+    }
+    // Tables only the new path reaches.
+    let extra = after.stages.iter().find(|a| {
+        !before.stages.iter().any(|b| key(b) == key(a))
+            && (!a.rules.is_empty() || a.policy.is_some())
+    })?;
+    Some(Parting {
+        at: format!("{}/{}", extra.hook.name(), extra.table),
+        before: side_lines(None, 0),
+        after: side_lines(Some(extra), 0),
+    })
+}
 
 /// The human report: a group per kind of change, each flow with its count, both sides'
 /// ends and the rules only one side matches; the summary last.
@@ -641,30 +682,12 @@ pub fn render_text(f: &Findings) -> String {
             let _ = writeln!(out, "  {}x {}", c.count, c.key.describe(f.routes_known));
             let _ = writeln!(out, "     before: {}", side_text(&c.before));
             let _ = writeln!(out, "     after:  {}", side_text(&c.after));
-            if *kind == Change::Undecidable {
-                for (side, t) in [("before", &c.before), ("after", &c.after)] {
-                    if pass(t.fate.kind) == Pass::Unknown {
-                        let why = t
-                            .fate
-                            .reason
-                            .clone()
-                            .or_else(|| t.notes.first().cloned())
-                            .unwrap_or_else(|| "no reason given".into());
-                        let _ = writeln!(out, "     {side} undecidable: {why}");
+            if let Some(p) = parting(&c.before, &c.after) {
+                let _ = writeln!(out, "     rules: the paths part at {}", p.at);
+                for (sign, lines) in [("-", &p.before), ("+", &p.after)] {
+                    for l in lines {
+                        let _ = writeln!(out, "       {sign} {l}");
                     }
-                }
-            }
-            for (sign, a, b) in [("-", &c.before, &c.after), ("+", &c.after, &c.before)] {
-                let only = rules_only(a, b);
-                for r in only.iter().take(MAX_RULES_SHOWN) {
-                    let _ = writeln!(out, "     {sign} {r}");
-                }
-                if only.len() > MAX_RULES_SHOWN {
-                    let _ = writeln!(
-                        out,
-                        "     {sign} ... {} more",
-                        only.len() - MAX_RULES_SHOWN
-                    );
                 }
             }
         }
@@ -713,7 +736,10 @@ impl Side {
     pub fn new(what: &str, texts: LiveTexts) -> Result<Self> {
         let parsed = texts.parse();
         if let Some((text, e)) = parsed.unparsed.first() {
-            bail!("the {what} node's `{}` text does not parse: {e}", text.cmd());
+            bail!(
+                "the {what} node's `{}` text does not parse: {e}",
+                text.cmd()
+            );
         }
         if texts.iptables.is_none() && texts.ip6tables.is_none() && texts.nft.is_none() {
             bail!("the {what} node has no rules (iptables-save, ip6tables-save or nft -j)");
@@ -738,7 +764,8 @@ impl Side {
         marks: &MarkDictionary,
     ) -> Traversal {
         let p = &self.parsed;
-        observer_rules::explain_on(sim, &p.ruleset, &p.ipsets, &p.bridges, spec).to_model(marks, None)
+        observer_rules::explain_on(sim, &p.ruleset, &p.ipsets, &p.bridges, spec)
+            .to_model(marks, None)
     }
 }
 
@@ -836,7 +863,7 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
         file: a.recording.clone(),
         output: crate::pipeline::Output::Line,
         count: None,
-        filter: None,
+        filter: a.filter.clone(),
     };
     let summary = super::replay::each(&opts, &mut collect)
         .with_context(|| format!("reading the recording {}", a.recording.display()))?;
@@ -850,10 +877,7 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     let cap = a.new.max_input_mib;
     let read = |p: &Option<PathBuf>| p.as_deref().map(|p| read_capped(p, cap)).transpose();
     let old_given = a.old.is_some() || a.old6.is_some() || a.old_nft.is_some();
-    if !a.new.has_rules()
-        && given.ipset.is_none()
-        && given.routes.is_empty()
-        && !a.new.has_bridge()
+    if !a.new.has_rules() && given.ipset.is_none() && given.routes.is_empty() && !a.new.has_bridge()
     {
         bail!(
             "nothing changed to hold the recording against: give the new ruleset with \
@@ -923,12 +947,410 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
             old.len() - 1
         ));
     }
-    if a.json {
-        out.write_all(render_json(&findings).as_bytes())?;
+    let text = if a.json {
         eprintln!("{}", findings.summary());
+        render_json(&findings)
     } else {
-        out.write_all(render_text(&findings).as_bytes())?;
+        render_text(&findings)
+    };
+    // A reader that stopped early (`| head`) ends the output, not the answer.
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        r => r.context("writing the report")?,
     }
-    out.flush()?;
     Ok(findings.any())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: WhatifArgs,
+    }
+
+    const DIR: &str = env!("CARGO_MANIFEST_DIR");
+
+    fn path(rel: &str) -> String {
+        format!("{DIR}/../{rel}")
+    }
+
+    fn lab_rules() -> String {
+        std::fs::read_to_string(path("lab/node.rules")).unwrap()
+    }
+
+    /// A file of its own in the temp directory, removed on drop.
+    struct Temp(PathBuf);
+
+    impl Temp {
+        fn new(name: &str, text: &str) -> Self {
+            let p =
+                std::env::temp_dir().join(format!("observer-whatif-{}-{name}", std::process::id()));
+            std::fs::write(&p, text).unwrap();
+            Temp(p)
+        }
+        fn path(&self) -> &str {
+            self.0.to_str().unwrap()
+        }
+    }
+
+    impl Drop for Temp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// whatif of the golden lab recording (it carries no ruleset: the lab's is given as
+    /// --old), IPv4 flows only unless `extra` says otherwise; (changed?, output).
+    fn whatif(extra: &[&str]) -> Result<(bool, String)> {
+        let mut argv = vec![
+            "whatif".to_string(),
+            "--recording".into(),
+            path("observer/tests/golden/lab-flows.obsrec"),
+            "--old".into(),
+            path("lab/node.rules"),
+            "--old6".into(),
+            path("lab/node6.rules"),
+            "--ipsets".into(),
+            path("lab/node.ipsets"),
+            "--routes".into(),
+            path("lab/rules/lab-routes.json"),
+        ];
+        argv.extend(extra.iter().map(|s| s.to_string()));
+        let a = Cli::try_parse_from(argv)?.a;
+        let mut out = Vec::new();
+        let changed = run(&a, &mut out)?;
+        Ok((changed, String::from_utf8(out)?))
+    }
+
+    /// The recording's flows, folded (as whatif folds them), to count independently of
+    /// whatif's report.
+    fn recorded_flows() -> Folded {
+        let mut c = Collect::default();
+        let opts = crate::commands::replay::ReplayOptions {
+            file: path("observer/tests/golden/lab-flows.obsrec").into(),
+            output: crate::pipeline::Output::Line,
+            count: None,
+            filter: Some("ip".into()),
+        };
+        crate::commands::replay::each(&opts, &mut c).unwrap();
+        c.folded
+    }
+
+    fn json_lines(out: &str) -> Vec<serde_json::Value> {
+        out.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    }
+
+    #[test]
+    fn the_recorded_ruleset_against_itself_changes_nothing() {
+        let (changed, out) =
+            whatif(&["--ruleset", &path("lab/node.rules"), "--filter", "ip"]).unwrap();
+        assert!(!changed, "{out}");
+        let flows = recorded_flows();
+        assert_eq!(
+            out.trim(),
+            format!(
+                "whatif: {} traversals in {} flows: 0 flows (0 packets) change, {} unchanged ({} packets)",
+                flows.traversals,
+                flows.flows.len(),
+                flows.flows.len(),
+                flows.traversals
+            )
+        );
+    }
+
+    #[test]
+    fn a_rule_dropping_one_port_changes_exactly_the_flows_to_it() {
+        let rules = lab_rules().replace(
+            "-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+            "-A FORWARD -p tcp -m tcp --dport 22 -j DROP\n-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+        );
+        let f = Temp::new("drop22.rules", &rules);
+        let (changed, out) = whatif(&["--ruleset", f.path(), "--filter", "ip", "--json"]).unwrap();
+        assert!(changed);
+        let got: Vec<(String, u64)> = json_lines(&out)
+            .iter()
+            .map(|v| {
+                assert_eq!(v["change"], "accepted_to_dropped", "{v}");
+                assert_eq!(v["before"]["schema"], 3);
+                assert_eq!(v["after"]["fate"]["kind"], "dropped", "{v}");
+                assert_eq!(v["after"]["source"], "predicted");
+                (
+                    v["flow"].as_str().unwrap().to_string(),
+                    v["count"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        // Every recorded flow to tcp port 22 (new and established), with its count; no other.
+        let want: Vec<(String, u64)> = recorded_flows()
+            .flows
+            .iter()
+            .filter(|(k, _, _)| k.proto == 6 && k.dport == Some(22))
+            .map(|(k, n, _)| (k.describe(true), *n))
+            .collect();
+        assert!(want.len() >= 2, "{want:?}");
+        assert_eq!(got, want);
+        // The text names the rule responsible on each side.
+        let (_, text) = whatif(&["--ruleset", f.path(), "--filter", "ip"]).unwrap();
+        assert!(text.starts_with("accepted -> dropped: "), "{text}");
+        assert!(
+            text.contains("+ FORWARD#1: -A FORWARD -p tcp -m tcp --dport 22 -j DROP"),
+            "{text}"
+        );
+        assert!(text.contains("- FORWARD#1: -A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD"), "{text}");
+        let packets: u64 = want.iter().map(|(_, n)| n).sum();
+        assert!(
+            text.contains(&format!(
+                "{} flows ({packets} packets) change ({} accepted -> dropped)",
+                want.len(),
+                want.len()
+            )),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn reordering_independent_rules_changes_nothing() {
+        let a = "-A cali-from-wl-dispatch -i cali1a2b -m comment --comment \"cali:zTj6P0TIgYvgz-md\" -g cali-fw-cali1a2b\n";
+        let b = "-A cali-from-wl-dispatch -i cali2c3d -m comment --comment \"cali:Yy6q2l0TtdHKKnVo\" -g cali-fw-cali2c3d\n";
+        let rules = lab_rules();
+        assert!(rules.contains(&format!("{a}{b}")));
+        let swapped = rules.replace(&format!("{a}{b}"), &format!("{b}{a}"));
+        let f = Temp::new("swapped.rules", &swapped);
+        let (changed, out) = whatif(&["--ruleset", f.path(), "--filter", "ip"]).unwrap();
+        assert!(!changed, "{out}");
+        assert!(out.contains(" 0 flows (0 packets) change"), "{out}");
+    }
+
+    #[test]
+    fn a_moved_endpoint_changes_the_dnat_of_new_connections_only() {
+        let rules = lab_rules().replace(
+            "--to-destination 172.17.0.5:22",
+            "--to-destination 172.17.0.6:22",
+        );
+        let f = Temp::new("moved.rules", &rules);
+        let (changed, out) = whatif(&["--ruleset", f.path(), "--filter", "ip", "--json"]).unwrap();
+        assert!(changed);
+        let lines = json_lines(&out);
+        assert_eq!(lines.len(), 1, "{out}");
+        let v = &lines[0];
+        assert_eq!(v["change"], "dnat_changed");
+        assert_eq!(v["packet"]["dport"], 22);
+        assert_eq!(v["before"]["nat"][0]["to"], "172.17.0.5:22");
+        assert_eq!(v["after"]["nat"][0]["to"], "172.17.0.6:22");
+        // Conntrack, not the rules, translates the connection's later packets.
+        assert!(v["flow"].as_str().unwrap().ends_with("state new"), "{v}");
+    }
+
+    #[test]
+    fn kube_proxy_iptables_to_nftables_keeps_every_outcome() {
+        let calico_only = crate::commands::lab::without_kube_proxy(&lab_rules());
+        let f = Temp::new("calico.rules", &calico_only);
+        let nft = path("observer/tests/whatif/node-kube-proxy.nft.json");
+        let args = ["--ruleset", f.path(), "--nft", &nft, "--filter", "ip"];
+        let (changed, out) = whatif(&[&args[..], &["--compare", "outcome"]].concat()).unwrap();
+        assert!(!changed, "{out}");
+        // Compared by path, the rules differ (and kube-proxy's masquerade bit is not set by
+        // the nft tables): the same migration is all change.
+        let (changed, out) = whatif(&args).unwrap();
+        assert!(changed);
+        assert!(out.contains("deciding rules changed"), "{out}");
+        // A migration that loses a service is caught in outcome mode.
+        let text = std::fs::read_to_string(&nft)
+            .unwrap()
+            .replace("172.17.0.5", "172.17.0.9");
+        let broken = Temp::new("broken.nft.json", &text);
+        let (changed, out) = whatif(&[
+            "--ruleset",
+            f.path(),
+            "--nft",
+            broken.path(),
+            "--filter",
+            "ip",
+            "--compare",
+            "outcome",
+        ])
+        .unwrap();
+        assert!(changed);
+        assert!(out.starts_with("DNAT target changed: "), "{out}");
+    }
+
+    #[test]
+    fn undecidable_flows_are_listed_never_unchanged() {
+        // The golden recording's IPv6 multicast listener report: whether a socket joined the
+        // group is not among the inputs.
+        let (changed, out) = whatif(&[
+            "--ruleset",
+            &path("lab/node.rules"),
+            "--ruleset6",
+            &path("lab/node6.rules"),
+        ])
+        .unwrap();
+        assert!(changed, "{out}");
+        assert!(
+            out.starts_with("undecidable (the simulator cannot tell): 1 flow"),
+            "{out}"
+        );
+        assert!(out.contains("ff02::16"), "{out}");
+        assert!(out.contains(", 1 undecidable (1 packet)"), "{out}");
+    }
+
+    #[test]
+    fn errors_say_what_to_do() {
+        let rec = path("observer/tests/golden/lab-flows.obsrec");
+        let run_args = |argv: &[&str]| {
+            let a = Cli::try_parse_from(std::iter::once("whatif").chain(argv.iter().copied()))
+                .unwrap()
+                .a;
+            run(&a, &mut Vec::new()).map_err(|e| format!("{e:#}"))
+        };
+        let e = run_args(&["--recording", &rec, "--ruleset", &path("lab/node.rules")]).unwrap_err();
+        assert!(
+            e.contains("carries no ruleset") && e.contains("--old FILE"),
+            "{e}"
+        );
+        let e = run_args(&["--recording", &rec, "--old", &path("lab/node.rules")]).unwrap_err();
+        assert!(
+            e.contains("nothing changed") && e.contains("--ruleset FILE"),
+            "{e}"
+        );
+        let bad = Temp::new("bad.rules", "*filter\n-A NOPE -j ACCEPT\n");
+        let e = run_args(&[
+            "--recording",
+            &rec,
+            "--old",
+            &path("lab/node.rules"),
+            "--ruleset",
+            bad.path(),
+        ])
+        .unwrap_err();
+        assert!(
+            e.contains("the new node's `iptables-save -c` text does not parse"),
+            "{e}"
+        );
+        let e = run_args(&[
+            "--recording",
+            "/nonexistent.obsrec",
+            "--old",
+            "x",
+            "--ruleset",
+            "y",
+        ])
+        .unwrap_err();
+        assert!(e.contains("/nonexistent.obsrec"), "{e}");
+    }
+
+    /// A prediction of `packet` under `rules` (iptables-save text).
+    fn predict(rules: &str, packet: &str) -> Traversal {
+        let req = observer_rules::ExplainRequest {
+            texts: LiveTexts {
+                iptables: Some(rules.into()),
+                ..Default::default()
+            },
+            packet: packet.into(),
+        };
+        observer_rules::explain(&req)
+            .unwrap()
+            .to_model(&MarkDictionary::default(), None)
+    }
+
+    #[test]
+    fn classify_names_each_kind_of_change() {
+        const P: &str = "tcp 198.51.100.7:40000 -> 10.0.0.2:80 in eth0 out eth1";
+        let t = |filter: &str, nat: &str, mangle: &str| {
+            predict(
+                &format!(
+                    "*mangle\n:PREROUTING ACCEPT [0:0]\n{mangle}COMMIT\n*nat\n:PREROUTING ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n{nat}COMMIT\n*filter\n:FORWARD ACCEPT [0:0]\n{filter}COMMIT\n"
+                ),
+                P,
+            )
+        };
+        let base = t("-A FORWARD -p tcp -j ACCEPT\n", "", "");
+        let c = |a: &Traversal, b: &Traversal, m| classify(a, b, m, u32::MAX);
+        assert_eq!(c(&base, &base, Compare::Path), None);
+        let drop = t("-A FORWARD -p tcp -j DROP\n", "", "");
+        assert_eq!(
+            c(&base, &drop, Compare::Path),
+            Some(Change::AcceptedToDropped)
+        );
+        assert_eq!(
+            c(&drop, &base, Compare::Outcome),
+            Some(Change::DroppedToAccepted)
+        );
+        let reject = t("-A FORWARD -p tcp -j REJECT\n", "", "");
+        assert_eq!(
+            c(&drop, &reject, Compare::Outcome),
+            Some(Change::FateChanged)
+        );
+        let dnat = t(
+            "",
+            "-A PREROUTING -p tcp -j DNAT --to-destination 10.0.0.3:80\n",
+            "",
+        );
+        let dnat2 = t(
+            "",
+            "-A PREROUTING -p tcp -j DNAT --to-destination 10.0.0.4:80\n",
+            "",
+        );
+        assert_eq!(
+            c(&dnat, &dnat2, Compare::Outcome),
+            Some(Change::DnatChanged)
+        );
+        let snat = t("", "-A POSTROUTING -j SNAT --to-source 192.0.2.1\n", "");
+        assert_eq!(c(&base, &snat, Compare::Outcome), Some(Change::SnatChanged));
+        let mark = t("", "", "-A PREROUTING -j MARK --set-xmark 0x4000/0x4000\n");
+        assert_eq!(c(&base, &mark, Compare::Path), Some(Change::MarksChanged));
+        // Outcome mode compares only the bits given.
+        assert_eq!(classify(&base, &mark, Compare::Outcome, !0x4000), None);
+        // Other rules, same outcome: a change of path, not of outcome.
+        let other = t("-A FORWARD -p tcp -d 10.0.0.2 -j ACCEPT\n", "", "");
+        assert_eq!(c(&base, &other, Compare::Path), Some(Change::RulesChanged));
+        assert_eq!(c(&base, &other, Compare::Outcome), None);
+        // Undecidable on either side is listed.
+        let unsure = t("-A FORWARD -m set --match-set nope src -j DROP\n", "", "");
+        assert_eq!(
+            c(&base, &unsure, Compare::Outcome),
+            Some(Change::Undecidable)
+        );
+    }
+
+    #[test]
+    fn default_mask_leaves_out_kube_proxys_bits() {
+        let m = MarkDictionary::default();
+        let mask = default_mark_mask(&m);
+        assert_eq!(mask & 0x4000, 0);
+        assert_eq!(mask & 0x8000, 0);
+        assert_eq!(mask & 0x10000, 0x10000);
+    }
+
+    #[test]
+    fn flows_fold_by_key_and_count() {
+        let f = recorded_flows();
+        let total: u64 = f.flows.iter().map(|(_, n, _)| n).sum();
+        assert_eq!(total + f.unusable, f.traversals);
+        // Keys are distinct, and a repeated packet (the client's established segments) is
+        // one flow with its count.
+        let keys: std::collections::HashSet<_> = f.flows.iter().map(|(k, _, _)| k).collect();
+        assert_eq!(keys.len(), f.flows.len());
+        assert!(
+            f.flows
+                .iter()
+                .any(|(k, n, _)| k.state == CtState::Established && *n > 1)
+        );
+        // A flow's description is a packet `explain --packet` reads back.
+        for (k, _, _) in &f.flows {
+            let d = k.describe(true);
+            let d = d.trim_end_matches(" (reply)");
+            assert_eq!(
+                observer_rules::parse_packet_spec(d).unwrap(),
+                k.spec(true),
+                "{d}"
+            );
+        }
+    }
 }
