@@ -22,7 +22,7 @@ use crate::live::{LiveTexts, Text};
 use crate::nft::NftRuleset;
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
-use crate::sim::{Branch, MatchedRule, Simulator, Verdict, verdict_of};
+use crate::sim::{Branch, MatchedRule, Simulator, StoredNat, Verdict, verdict_of};
 
 /// Everything `explain` needs, as text, so the CLI only reads files or runs commands.
 #[derive(Debug, Clone, Default)]
@@ -194,7 +194,20 @@ pub fn explain_on(
     bridges: &Bridges,
     packet: &PacketSpec,
 ) -> Explanation {
-    let branches = sim.simulate(packet);
+    explain_connection(sim, rs, ipsets, bridges, packet, &StoredNat::default())
+}
+
+/// [`explain_on`] for a packet of a known connection whose translation conntrack stored
+/// (`observer whatif`: a recorded packet of an established connection).
+pub fn explain_connection(
+    sim: &Simulator<'_>,
+    rs: &Ruleset,
+    ipsets: &Ipsets,
+    bridges: &Bridges,
+    packet: &PacketSpec,
+    stored: &StoredNat,
+) -> Explanation {
+    let branches = sim.simulate_connection(packet, stored);
     let mut notes = Vec::new();
     if let Some(nft) = &rs.nft {
         let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };

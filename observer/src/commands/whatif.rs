@@ -15,9 +15,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result, bail};
 use observer_model::{
-    CtState, FateKind, Host, MarkDictionary, NatKind, NatSource, Route, Stage, Traversal,
+    CtState, FateKind, Hook, Host, MarkDictionary, NatKind, NatSource, Route, Stage, Traversal,
 };
-use observer_rules::{LiveTexts, PacketSpec};
+use observer_rules::{LiveTexts, PacketSpec, StoredNat};
 use serde::Serialize;
 
 use super::explain::{RuleFiles, read_capped};
@@ -121,8 +121,26 @@ pub struct FlowKey {
     pub reply: bool,
     /// The connection's mark (not new connections: theirs is 0).
     pub ct_mark: Option<u32>,
+    /// The translation conntrack applied to it (a packet of a known connection): the rules
+    /// of either side do not translate it again.
+    pub stored: StoredNat,
     /// Index of the recorded ruleset in force when it was recorded.
     pub ruleset: usize,
+}
+
+/// The translation conntrack applied to an observed packet, from its report's NAT.
+fn stored_nat(t: &Traversal) -> StoredNat {
+    let mut s = StoredNat::default();
+    for n in t.nat.iter().filter(|n| n.source == NatSource::Conntrack) {
+        let Host::Ip(a) = n.to.host else { continue };
+        let to = Some((a, n.to.port));
+        match (n.kind, n.hook) {
+            (NatKind::Dnat, Hook::PreRouting | Hook::LocalOut) => s.dst = s.dst.or(to),
+            (NatKind::Snat, Hook::PostRouting | Hook::LocalIn) => s.src = s.src.or(to),
+            _ => {}
+        }
+    }
+    s
 }
 
 /// Why a traversal cannot be made a flow.
@@ -167,14 +185,18 @@ impl FlowKey {
             } else {
                 ct.and_then(|c| c.mark)
             },
+            stored: if state == CtState::New {
+                StoredNat::default()
+            } else {
+                stored_nat(t)
+            },
             ruleset,
         })
     }
 
-    /// The packet to simulate. A new connection's route is left to the routes when there
-    /// are any (a changed DNAT target may route it elsewhere); a packet of a known
-    /// connection keeps its observed way out, since conntrack's stored translation, not the
-    /// rules, decided it.
+    /// The packet to simulate. Its route is left to the routes when there are any (a
+    /// changed DNAT target may route it elsewhere); without them it keeps its observed way
+    /// out (or in).
     pub fn spec(&self, routes_known: bool) -> PacketSpec {
         let mut p = PacketSpec::new(self.proto, self.src, self.sport, self.dst, self.dport);
         p.in_iface = self.ingress.clone();
@@ -182,7 +204,7 @@ impl FlowKey {
         p.ct_state = self.state;
         p.ct_mark = self.ct_mark;
         p.icmp = self.icmp;
-        if !(routes_known && self.state == CtState::New) {
+        if !routes_known {
             if self.route == Some("input") || (self.ingress.is_none() && self.egress.is_none()) {
                 p.local = self.route.is_some();
             } else {
@@ -225,8 +247,17 @@ impl FlowKey {
         if let Some((t, c)) = s.icmp {
             let _ = write!(out, " type {t}/{c}");
         }
+        let mut also = Vec::new();
         if self.reply {
-            out.push_str(" (reply)");
+            also.push("reply".to_string());
+        }
+        for (what, t) in [("dst", self.stored.dst), ("src", self.stored.src)] {
+            if let Some((a, p)) = t {
+                also.push(format!("conntrack {what} {}", ep(a, p)));
+            }
+        }
+        if !also.is_empty() {
+            let _ = write!(out, " ({})", also.join(", "));
         }
         out
     }
@@ -761,10 +792,11 @@ impl Side {
         &self,
         sim: &observer_rules::Simulator<'_>,
         spec: &PacketSpec,
+        stored: &StoredNat,
         marks: &MarkDictionary,
     ) -> Traversal {
         let p = &self.parsed;
-        observer_rules::explain_on(sim, &p.ruleset, &p.ipsets, &p.bridges, spec)
+        observer_rules::explain_connection(sim, &p.ruleset, &p.ipsets, &p.bridges, spec, stored)
             .to_model(marks, None)
     }
 }
@@ -798,8 +830,8 @@ pub fn judge(
     for (key, count, observed) in &folded.flows {
         let spec = key.spec(routes_known);
         let i = key.ruleset.min(old.len() - 1);
-        let before = old[i].explain(&old_sims[i], &spec, marks);
-        let after = new.explain(&new_sim, &spec, marks);
+        let before = old[i].explain(&old_sims[i], &spec, &key.stored, marks);
+        let after = new.explain(&new_sim, &spec, &key.stored, marks);
         let change = classify(&before, &after, mode, mask).map(|change| Changed {
             key: key.clone(),
             count: *count,
@@ -1115,6 +1147,44 @@ mod tests {
     }
 
     #[test]
+    fn established_packets_are_judged_as_conntrack_translated_them() {
+        // A rule on the pod's address: the client's later packets reach FORWARD translated
+        // to it by conntrack, so they change with the connection's first packet.
+        let rules = lab_rules().replace(
+            "-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+            "-A FORWARD -d 172.17.0.5/32 -p tcp -m tcp --dport 22 -j DROP\n-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+        );
+        let f = Temp::new("droppod.rules", &rules);
+        let (changed, out) = whatif(&["--ruleset", f.path(), "--filter", "ip", "--json"]).unwrap();
+        assert!(changed);
+        let lines = json_lines(&out);
+        let states: Vec<&str> = lines
+            .iter()
+            .map(|v| {
+                v["after"]["stages"][0]["ct"]["state"]
+                    .as_str()
+                    .unwrap_or("?")
+            })
+            .collect();
+        let flows = recorded_flows();
+        let to_pod: Vec<_> = flows
+            .flows
+            .iter()
+            .filter(|(k, _, _)| k.dport == Some(22) && k.ingress.as_deref() == Some("eth0"))
+            .collect();
+        assert_eq!(lines.len(), to_pod.len(), "{out}");
+        assert!(
+            to_pod
+                .iter()
+                .any(|(k, _, _)| k.state == CtState::Established),
+            "{states:?}"
+        );
+        for v in &lines {
+            assert_eq!(v["change"], "accepted_to_dropped", "{v}");
+        }
+    }
+
+    #[test]
     fn reordering_independent_rules_changes_nothing() {
         let a = "-A cali-from-wl-dispatch -i cali1a2b -m comment --comment \"cali:zTj6P0TIgYvgz-md\" -g cali-fw-cali1a2b\n";
         let b = "-A cali-from-wl-dispatch -i cali2c3d -m comment --comment \"cali:Yy6q2l0TtdHKKnVo\" -g cali-fw-cali2c3d\n";
@@ -1345,7 +1415,7 @@ mod tests {
         // A flow's description is a packet `explain --packet` reads back.
         for (k, _, _) in &f.flows {
             let d = k.describe(true);
-            let d = d.trim_end_matches(" (reply)");
+            let d = d.split(" (").next().unwrap();
             assert_eq!(
                 observer_rules::parse_packet_spec(d).unwrap(),
                 k.spec(true),
