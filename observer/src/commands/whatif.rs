@@ -53,10 +53,11 @@ pub struct WhatifArgs {
     /// not carry its ruleset (or to hold the traffic against another one).
     #[arg(long, value_name = "FILE")]
     pub old: Option<PathBuf>,
-    /// The old `ip6tables-save` output (with --old).
+    /// The old `ip6tables-save` output (the old rules are --old, --old6 and --old-nft
+    /// together, as the new ones are).
     #[arg(long, value_name = "FILE")]
     pub old6: Option<PathBuf>,
-    /// The old `nft -j list ruleset` output (with --old).
+    /// The old `nft -j list ruleset` output.
     #[arg(long, value_name = "FILE")]
     pub old_nft: Option<PathBuf>,
     /// `path`: any change of fate, NAT, marks or of the rules that match; `outcome`: fate,
@@ -764,16 +765,17 @@ pub struct Side {
 }
 
 impl Side {
-    pub fn new(what: &str, texts: LiveTexts) -> Result<Self> {
+    /// The node of `texts`; `what` names it in errors, `hint` ends them.
+    pub fn new(what: &str, texts: LiveTexts, hint: &str) -> Result<Self> {
         let parsed = texts.parse();
         if let Some((text, e)) = parsed.unparsed.first() {
             bail!(
-                "the {what} node's `{}` text does not parse: {e}",
+                "the {what} node's `{}` text does not parse: {e}{hint}",
                 text.cmd()
             );
         }
         if texts.iptables.is_none() && texts.ip6tables.is_none() && texts.nft.is_none() {
-            bail!("the {what} node has no rules (iptables-save, ip6tables-save or nft -j)");
+            bail!("the {what} node has no rules (iptables-save, ip6tables-save or nft -j){hint}");
         }
         Ok(Self { texts, parsed })
     }
@@ -890,6 +892,19 @@ fn overlay(base: &LiveTexts, given: LiveTexts, files: &RuleFiles) -> LiveTexts {
 /// Runs `observer whatif`, printing to `out`; Ok(true) when some flow changes or cannot be
 /// decided.
 pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
+    // The inputs first: a mistake in them is said before a long recording is read.
+    let given = a.new.texts()?;
+    let cap = a.new.max_input_mib;
+    let read = |p: &Option<PathBuf>| p.as_deref().map(|p| read_capped(p, cap)).transpose();
+    if !a.new.has_rules() && given.ipset.is_none() && given.routes.is_empty() && !a.new.has_bridge()
+    {
+        bail!(
+            "nothing changed to hold the recording against: give the new ruleset with \
+             --ruleset FILE (iptables-save), --ruleset6 or --nft (and --ipsets, --routes if \
+             they change)"
+        );
+    }
+    let old_rules = [read(&a.old)?, read(&a.old6)?, read(&a.old_nft)?];
     let mut collect = Collect::default();
     let opts = super::replay::ReplayOptions {
         file: a.recording.clone(),
@@ -905,32 +920,22 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
             a.recording.display()
         );
     }
-    let given = a.new.texts()?;
-    let cap = a.new.max_input_mib;
-    let read = |p: &Option<PathBuf>| p.as_deref().map(|p| read_capped(p, cap)).transpose();
-    let old_given = a.old.is_some() || a.old6.is_some() || a.old_nft.is_some();
-    if !a.new.has_rules() && given.ipset.is_none() && given.routes.is_empty() && !a.new.has_bridge()
-    {
-        bail!(
-            "nothing changed to hold the recording against: give the new ruleset with \
-             --ruleset FILE (iptables-save), --ruleset6 or --nft (and --ipsets, --routes if \
-             they change)"
-        );
-    }
+    let old_given = old_rules.iter().any(Option::is_some);
     let (old, base) = if old_given {
         // The recorded node (if any) with the old rules given; without one, the inputs
         // given for the new node serve the old one too (they are the node's, not the change).
-        let recorded = collect.rulesets.first().cloned();
-        let mut t = recorded.clone().unwrap_or_else(|| LiveTexts {
-            iptables: None,
-            ip6tables: None,
-            nft: None,
-            ..given.clone()
-        });
-        t.iptables = read(&a.old)?;
-        t.ip6tables = read(&a.old6)?;
-        t.nft = read(&a.old_nft)?;
-        (vec![Side::new("old (--old)", t.clone())?], t)
+        let mut t = collect
+            .rulesets
+            .first()
+            .cloned()
+            .unwrap_or_else(|| LiveTexts {
+                iptables: None,
+                ip6tables: None,
+                nft: None,
+                ..given.clone()
+            });
+        [t.iptables, t.ip6tables, t.nft] = old_rules;
+        (vec![Side::new("old (--old)", t.clone(), "")?], t)
     } else if collect.rulesets.is_empty() {
         bail!(
             "{} carries no ruleset (recorded with --no-rules, or its ruleset could not be \
@@ -944,21 +949,27 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
             .rulesets
             .iter()
             .enumerate()
-            .map(|(i, t)| Side::new(&format!("recorded (ruleset {})", i + 1), t.clone()))
+            .map(|(i, t)| {
+                Side::new(
+                    &format!("recorded (ruleset {})", i + 1),
+                    t.clone(),
+                    "; give the ruleset it was recorded under with --old FILE",
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         let last = collect.rulesets.last().cloned().expect("not empty");
         (sides, last)
     };
-    let new = Side::new("new", overlay(&base, given, &a.new))?;
-    let mut marks = MarkDictionary::from_entries(if collect.marks.is_empty() {
-        &[]
+    let new = Side::new("new", overlay(&base, given, &a.new), "")?;
+    // Mark bits named as the tail named them: from its last ruleset, else its header.
+    let named = if collect.marks.is_empty() {
+        crate::output::recording::Reader::open(&a.recording)?
+            .header
+            .marks
     } else {
-        &collect.marks
-    });
-    if collect.marks.is_empty() {
-        let h = crate::output::recording::Reader::open(&a.recording)?.header;
-        marks = MarkDictionary::from_entries(&h.marks);
-    }
+        collect.marks.clone()
+    };
+    let mut marks = MarkDictionary::from_entries(&named);
     for s in old.iter().chain(std::iter::once(&new)) {
         if let Some(t) = &s.texts.iptables {
             marks.learn_from_iptables_save(t);
@@ -1307,12 +1318,21 @@ mod tests {
             "--recording",
             "/nonexistent.obsrec",
             "--old",
-            "x",
+            &path("lab/node.rules"),
             "--ruleset",
-            "y",
+            &path("lab/node.rules"),
         ])
         .unwrap_err();
         assert!(e.contains("/nonexistent.obsrec"), "{e}");
+        // The inputs are read before the recording: their mistakes are said first.
+        let e = run_args(&[
+            "--recording",
+            "/nonexistent.obsrec",
+            "--ruleset",
+            "/nonexistent.rules",
+        ])
+        .unwrap_err();
+        assert!(e.contains("/nonexistent.rules"), "{e}");
     }
 
     /// A prediction of `packet` under `rules` (iptables-save text).
