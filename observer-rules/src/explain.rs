@@ -207,11 +207,21 @@ pub fn explain_connection(
     packet: &PacketSpec,
     stored: &StoredNat,
 ) -> Explanation {
-    let branches = sim.simulate_connection(packet, stored);
+    Explanation {
+        packet: packet.clone(),
+        branches: sim.simulate_connection(packet, stored),
+        notes: input_notes(rs, ipsets, bridges, packet.is_v6()),
+    }
+}
+
+/// What the inputs leave out, said with every prediction for a packet of this family (an
+/// empty ruleset, `physdev` without bridge ports, sets without `ipset save`): the same for
+/// every packet, so a caller predicting many ([`prepare`]) says them once.
+pub fn input_notes(rs: &Ruleset, ipsets: &Ipsets, bridges: &Bridges, v6: bool) -> Vec<String> {
     let mut notes = Vec::new();
     if let Some(nft) = &rs.nft {
-        let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
-        let fam = if packet.is_v6() { "ip6" } else { "ip" };
+        let file = if v6 { &rs.ipv6 } else { &rs.ipv4 };
+        let fam = if v6 { "ip6" } else { "ip" };
         if file.tables.is_empty()
             && nft
                 .tables
@@ -220,15 +230,15 @@ pub fn explain_connection(
         {
             notes.push(format!(
                 "the nft ruleset holds iptables-nft tables ({fam}), simulated from the nft dump where their rules use no `xt` extension; pass {} output to simulate them fully",
-                if packet.is_v6() { "ip6tables-save" } else { "iptables-save" }
+                if v6 { "ip6tables-save" } else { "iptables-save" }
             ));
         }
     }
-    let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
-    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), packet.is_v6()) {
+    let file = if v6 { &rs.ipv6 } else { &rs.ipv4 };
+    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), v6) {
         notes.push(format!(
             "the {} ruleset is empty: no table to walk, every hook accepts",
-            if packet.is_v6() { "IPv6" } else { "IPv4" }
+            if v6 { "IPv6" } else { "IPv4" }
         ));
     }
     if !bridges.is_known() && mentions_physdev(rs) {
@@ -241,11 +251,7 @@ pub fn explain_connection(
             "rules use ipsets but no `ipset save` was given: set matches are undecidable".into(),
         );
     }
-    Explanation {
-        packet: packet.clone(),
-        branches,
-        notes,
-    }
+    notes
 }
 
 /// Whether an nft ruleset holds tables that can see packets of this family.

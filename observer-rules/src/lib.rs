@@ -26,7 +26,7 @@ pub use check::Family;
 pub use error::ParseError;
 pub use explain::{
     ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_connection, explain_on,
-    explain_with, explain_with_bridges, prepare,
+    explain_with, explain_with_bridges, input_notes, prepare,
 };
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};

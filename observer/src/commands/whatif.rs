@@ -762,6 +762,9 @@ pub fn render_json(f: &Findings) -> String {
 pub struct Side {
     pub texts: LiveTexts,
     parsed: observer_rules::live::Parsed,
+    /// What the inputs leave out, per family (IPv4, IPv6): the same for every flow, so
+    /// found once (a scan of every rule).
+    notes: [Vec<String>; 2],
 }
 
 impl Side {
@@ -777,7 +780,14 @@ impl Side {
         if texts.iptables.is_none() && texts.ip6tables.is_none() && texts.nft.is_none() {
             bail!("the {what} node has no rules (iptables-save, ip6tables-save or nft -j){hint}");
         }
-        Ok(Self { texts, parsed })
+        let p = &parsed;
+        let notes = [false, true]
+            .map(|v6| observer_rules::input_notes(&p.ruleset, &p.ipsets, &p.bridges, v6));
+        Ok(Self {
+            texts,
+            parsed,
+            notes,
+        })
     }
 
     fn routes_known(&self) -> bool {
@@ -797,9 +807,12 @@ impl Side {
         stored: &StoredNat,
         marks: &MarkDictionary,
     ) -> Traversal {
-        let p = &self.parsed;
-        observer_rules::explain_connection(sim, &p.ruleset, &p.ipsets, &p.bridges, spec, stored)
-            .to_model(marks, None)
+        observer_rules::Explanation {
+            packet: spec.clone(),
+            branches: sim.simulate_connection(spec, stored),
+            notes: self.notes[usize::from(spec.is_v6())].clone(),
+        }
+        .to_model(marks, None)
     }
 }
 
