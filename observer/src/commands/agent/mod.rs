@@ -215,9 +215,10 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         };
         metrics.set_capture_backend(
             probes.capture_backend().label(),
-            probes.capture_refused().map(|why| why.to_string()),
+            probes.capture_ready(),
+            probes.tracing_refused(),
         );
-        if let Some(why) = probes.capture_refused() {
+        if let Some(why) = probes.tracing_refused() {
             warn!(
                 "{why}: the per-table probes cannot be attached; streams of traversals end at \
                  once; tier 0 and tier 1 work"
@@ -617,10 +618,10 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing()
-            && let Some(why) = probes.capture_refused()
+            && let Some(why) = probes.tracing_refused()
         {
             // Said at start (and on /readyz); each stream is told why it ends.
-            agent.hub.end_all("tracing unavailable", &why.to_string());
+            agent.hub.end_all("tracing unavailable", &why);
             return;
         }
         if !probes.tracing() {
