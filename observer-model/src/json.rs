@@ -261,6 +261,19 @@ fn fate<W: Write>(out: &mut W, f: &Fate) -> io::Result<()> {
     opt_string(out, f.after.as_deref())?;
     out.write_all(b",\"before\":")?;
     opt_string(out, f.before.as_deref())?;
+    if let Some(r) = &f.rule {
+        out.write_all(b",\"rule\":{\"naming\":")?;
+        word(out, r.naming)?;
+        out.write_all(b",\"table\":")?;
+        opt_string(out, r.table.as_deref())?;
+        out.write_all(b",\"chain\":")?;
+        opt_string(out, r.chain.as_deref())?;
+        out.write_all(b",\"rule\":")?;
+        opt_string(out, r.rule.as_deref())?;
+        out.write_all(b",\"why\":")?;
+        opt_string(out, r.why.as_deref())?;
+        out.write_all(b"}")?;
+    }
     out.write_all(b"}")
 }
 
@@ -593,6 +606,7 @@ mod tests {
             location: Some(AWKWARD.into()),
             after: Some("FORWARD/-149".into()),
             before: Some("FORWARD/1".into()),
+            rule: None,
         }
     }
 
@@ -741,6 +755,16 @@ mod tests {
     fn the_writer_prints_what_serde_prints() {
         let t = full();
         same(&t);
+        // A drop seen only where it died, its rule named.
+        let mut sampled = full();
+        sampled.fate.rule = Some(crate::DroppingRule {
+            naming: "unconfirmed",
+            table: Some("filter".into()),
+            chain: None,
+            rule: Some(AWKWARD.into()),
+            why: Some(AWKWARD.into()),
+        });
+        same(&sampled);
         // Every optional part absent or empty.
         let bare = Traversal {
             source: Source::Predicted,

@@ -222,6 +222,21 @@ pub fn rules_summary(stages: &[Stage]) -> Option<String> {
 }
 
 /// What ended the traversal, in words.
+/// `, by rule filter FORWARD#2 (confirmed by its counter)`, and the like.
+fn dropping_rule_text(r: &crate::DroppingRule) -> String {
+    let rule = match (&r.table, &r.rule) {
+        (Some(t), Some(rule)) => format!("{t} {rule}"),
+        (None, Some(rule)) => rule.clone(),
+        _ => String::new(),
+    };
+    let why = r.why.as_deref().unwrap_or("");
+    match (r.naming, rule.is_empty()) {
+        ("confirmed", false) => format!(", by rule {rule} (confirmed by its counter)"),
+        (_, false) => format!(", by rule {rule} (simulated, not confirmed: {why})"),
+        (_, true) => format!(", rule not named: {why}"),
+    }
+}
+
 pub fn fate_text(f: &Fate, egress: Option<&str>, incomplete_reason: Option<&str>) -> String {
     let place = match (f.hook, &f.table) {
         (Some(h), Some(t)) => format!(" in {}/{t}", h.name()),
@@ -238,9 +253,10 @@ pub fn fate_text(f: &Fate, egress: Option<&str>, incomplete_reason: Option<&str>
     };
     match f.kind {
         FateKind::Dropped => format!(
-            "DROPPED{place}{}: {}",
+            "DROPPED{place}{}: {}{}",
             func(", "),
-            f.reason.as_deref().unwrap_or("no reason given")
+            f.reason.as_deref().unwrap_or("no reason given"),
+            f.rule.as_ref().map_or(String::new(), dropping_rule_text)
         ),
         FateKind::Rejected => format!(
             "REJECTED{place}: {}",

@@ -401,6 +401,26 @@ pub struct Fate {
     /// one on its path when that is known: it ended between the two.
     pub after: Option<String>,
     pub before: Option<String>,
+    /// The rule that dropped it, where the agent's default mode named one for a drop it
+    /// saw only where it died (a tier 1 drop sample): simulated on the live ruleset and
+    /// held against the rules' counters. Absent everywhere else (a traversal's stages name
+    /// their rules).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<DroppingRule>,
+}
+
+/// The rule named for a drop seen only where it died, and how sure that is.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct DroppingRule {
+    /// `confirmed` (its counter moved by the drop), `unconfirmed` (the simulation names it;
+    /// the counters could not confirm it) or `undecidable`.
+    pub naming: &'static str,
+    pub table: Option<String>,
+    pub chain: Option<String>,
+    /// As iptables numbers it (`FORWARD#2`) or nft names it (`chain handle 7`).
+    pub rule: Option<String>,
+    /// Why it is not confirmed.
+    pub why: Option<String>,
 }
 
 impl Fate {
@@ -413,6 +433,7 @@ impl Fate {
             location: None,
             after: None,
             before: None,
+            rule: None,
         }
     }
 }

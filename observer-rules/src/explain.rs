@@ -22,7 +22,7 @@ use crate::live::{LiveTexts, Text};
 use crate::nft::NftRuleset;
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
-use crate::sim::{Branch, MatchedRule, Simulator, Verdict, verdict_of};
+use crate::sim::{Branch, MatchedRule, Simulator, StoredNat, Verdict, verdict_of};
 
 /// Everything `explain` needs, as text, so the CLI only reads files or runs commands.
 #[derive(Debug, Clone, Default)]
@@ -164,17 +164,64 @@ pub fn explain_with_bridges(
     packet: &PacketSpec,
     iface_addrs: &HashMap<String, Vec<IpAddr>>,
 ) -> Explanation {
+    let sim = prepare(rs, ipsets, routes, bridges, iface_addrs);
+    explain_on(&sim, rs, ipsets, bridges, packet)
+}
+
+/// A simulator of these inputs, rules compiled once: for many packets against one node
+/// ([`explain_on`], `observer whatif`).
+pub fn prepare<'a>(
+    rs: &'a Ruleset,
+    ipsets: &'a Ipsets,
+    routes: &'a Routes,
+    bridges: &Bridges,
+    iface_addrs: &HashMap<String, Vec<IpAddr>>,
+) -> Simulator<'a> {
     let mut sim = Simulator::new(&rs.ipv4, &rs.ipv6, ipsets, routes);
     if let Some(nft) = &rs.nft {
         sim = sim.with_nft(nft);
     }
     sim.iface_addrs = iface_addrs.clone();
     sim.bridges = bridges.clone();
-    let branches = sim.simulate(packet);
+    sim
+}
+
+/// [`explain_with_bridges`] on a simulator [`prepare`]d from the same inputs.
+pub fn explain_on(
+    sim: &Simulator<'_>,
+    rs: &Ruleset,
+    ipsets: &Ipsets,
+    bridges: &Bridges,
+    packet: &PacketSpec,
+) -> Explanation {
+    explain_connection(sim, rs, ipsets, bridges, packet, &StoredNat::default())
+}
+
+/// [`explain_on`] for a packet of a known connection whose translation conntrack stored
+/// (`observer whatif`: a recorded packet of an established connection).
+pub fn explain_connection(
+    sim: &Simulator<'_>,
+    rs: &Ruleset,
+    ipsets: &Ipsets,
+    bridges: &Bridges,
+    packet: &PacketSpec,
+    stored: &StoredNat,
+) -> Explanation {
+    Explanation {
+        packet: packet.clone(),
+        branches: sim.simulate_connection(packet, stored),
+        notes: input_notes(rs, ipsets, bridges, packet.is_v6()),
+    }
+}
+
+/// What the inputs leave out, said with every prediction for a packet of this family (an
+/// empty ruleset, `physdev` without bridge ports, sets without `ipset save`): the same for
+/// every packet, so a caller predicting many ([`prepare`]) says them once.
+pub fn input_notes(rs: &Ruleset, ipsets: &Ipsets, bridges: &Bridges, v6: bool) -> Vec<String> {
     let mut notes = Vec::new();
     if let Some(nft) = &rs.nft {
-        let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
-        let fam = if packet.is_v6() { "ip6" } else { "ip" };
+        let file = if v6 { &rs.ipv6 } else { &rs.ipv4 };
+        let fam = if v6 { "ip6" } else { "ip" };
         if file.tables.is_empty()
             && nft
                 .tables
@@ -183,15 +230,15 @@ pub fn explain_with_bridges(
         {
             notes.push(format!(
                 "the nft ruleset holds iptables-nft tables ({fam}), simulated from the nft dump where their rules use no `xt` extension; pass {} output to simulate them fully",
-                if packet.is_v6() { "ip6tables-save" } else { "iptables-save" }
+                if v6 { "ip6tables-save" } else { "iptables-save" }
             ));
         }
     }
-    let file = if packet.is_v6() { &rs.ipv6 } else { &rs.ipv4 };
-    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), packet.is_v6()) {
+    let file = if v6 { &rs.ipv6 } else { &rs.ipv4 };
+    if file.tables.is_empty() && !nft_has_tables(rs.nft.as_ref(), v6) {
         notes.push(format!(
             "the {} ruleset is empty: no table to walk, every hook accepts",
-            if packet.is_v6() { "IPv6" } else { "IPv4" }
+            if v6 { "IPv6" } else { "IPv4" }
         ));
     }
     if !bridges.is_known() && mentions_physdev(rs) {
@@ -204,11 +251,7 @@ pub fn explain_with_bridges(
             "rules use ipsets but no `ipset save` was given: set matches are undecidable".into(),
         );
     }
-    Explanation {
-        packet: packet.clone(),
-        branches,
-        notes,
-    }
+    notes
 }
 
 /// Whether an nft ruleset holds tables that can see packets of this family.

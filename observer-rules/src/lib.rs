@@ -25,7 +25,8 @@ pub use bridge::Bridges;
 pub use check::Family;
 pub use error::ParseError;
 pub use explain::{
-    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_with, explain_with_bridges,
+    ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_connection, explain_on,
+    explain_with, explain_with_bridges, input_notes, prepare,
 };
 pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
@@ -33,4 +34,6 @@ pub use live::{BridgeTexts, LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
-pub use sim::{Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, StageInput, Verdict};
+pub use sim::{
+    Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, StageInput, StoredNat, Verdict,
+};

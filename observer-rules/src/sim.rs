@@ -203,6 +203,8 @@ struct Walk {
     /// The bridge the packet crossed: (bridge, port in, port out), ports None where it
     /// passed none (routed in from elsewhere, or routed out of another device).
     bridge: Option<(String, Option<String>, Option<String>)>,
+    /// Stages where conntrack applied a stored translation ([`StoredNat`]).
+    ct_nat: Vec<usize>,
 }
 
 impl Walk {
@@ -214,6 +216,7 @@ impl Walk {
             verdict: Verdict::Accept,
             notes: Vec::new(),
             bridge: None,
+            ct_nat: Vec::new(),
         }
     }
 
@@ -226,7 +229,15 @@ impl Walk {
             route: self.route,
             egress: self.egress.map(|iface| Iface { iface }),
             marks: model::mark_changes(&self.stages, &model::MarkDictionary::default()),
-            nat: predicted_nat(&self.stages),
+            nat: {
+                let mut nat = predicted_nat_at(&self.stages);
+                for (at, n) in &mut nat {
+                    if self.ct_nat.contains(at) {
+                        n.source = NatSource::Conntrack;
+                    }
+                }
+                nat.into_iter().map(|(_, n)| n).collect()
+            },
             fate,
             stages: self.stages,
             notes: self.notes,
@@ -271,8 +282,16 @@ fn predicted_fate(w: &Walk) -> Fate {
 
 /// Address translations between a stage's before and after.
 pub fn predicted_nat(stages: &[model::Stage]) -> Vec<Nat> {
+    predicted_nat_at(stages)
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect()
+}
+
+/// [`predicted_nat`], each with the index of its stage.
+fn predicted_nat_at(stages: &[model::Stage]) -> Vec<(usize, Nat)> {
     let mut out = Vec::new();
-    for s in stages {
+    for (at, s) in stages.iter().enumerate() {
         let (Some(b), Some(a)) = (&s.before, &s.after) else {
             continue;
         };
@@ -281,14 +300,17 @@ pub fn predicted_nat(stages: &[model::Stage]) -> Vec<Nat> {
             (NatKind::Snat, &b.src, &a.src),
         ] {
             if from != to {
-                out.push(Nat {
-                    kind,
-                    hook: s.hook,
-                    table: s.table.clone(),
-                    from: from.clone(),
-                    to: to.clone(),
-                    source: NatSource::Rules,
-                });
+                out.push((
+                    at,
+                    Nat {
+                        kind,
+                        hook: s.hook,
+                        table: s.table.clone(),
+                        from: from.clone(),
+                        to: to.clone(),
+                        source: NatSource::Rules,
+                    },
+                ));
             }
         }
     }
@@ -310,6 +332,15 @@ pub fn verdict_of(b: &Branch) -> Verdict {
 struct PTable {
     index: HashMap<String, usize>,
     compiled: Vec<Vec<Compiled>>,
+}
+
+/// The translation conntrack stored for a connection, as a packet of it meets it: the
+/// destination its nat PREROUTING/OUTPUT gives it, the source its POSTROUTING/INPUT gives
+/// (the address, and the port when it changes). A recorded traversal shows both.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct StoredNat {
+    pub dst: Option<(IpAddr, Option<u16>)>,
+    pub src: Option<(IpAddr, Option<u16>)>,
 }
 
 /// A ruleset prepared for repeated simulation (rules compiled once).
@@ -432,6 +463,8 @@ struct Pkt {
     orig: Option<(IpAddr, IpAddr, Option<u16>, Option<u16>)>,
     /// `-m recent --set` lists this walk has added the packet to: (name, rdest).
     recent_set: Vec<(String, bool)>,
+    /// The translation conntrack stored for the packet's connection (not a new one).
+    stored: StoredNat,
     /// Assumptions stateful matches were answered under, for the branch's notes.
     assumed: Vec<String>,
     /// Filled while one rule's matches are evaluated (which reads the packet only), then
@@ -527,6 +560,34 @@ impl Pkt {
             recent_set: Vec::new(),
             assumed: Vec::new(),
             fx: RefCell::default(),
+            stored: StoredNat::default(),
+        }
+    }
+
+    /// Conntrack's stored translation at a nat hook (not walked for a packet of a known
+    /// connection): the destination at PREROUTING/OUTPUT, the source at POSTROUTING/INPUT,
+    /// once per packet. Whether it changed the packet.
+    fn apply_stored(&mut self, hook: Hook) -> bool {
+        match hook {
+            Hook::PreRouting | Hook::LocalOut if !self.dnat_done => {
+                let Some((a, p)) = self.stored.dst else {
+                    return false;
+                };
+                self.dst = a;
+                self.dport = p.or(self.dport);
+                self.dnat_done = true;
+                true
+            }
+            Hook::PostRouting | Hook::LocalIn if !self.snat_done => {
+                let Some((a, p)) = self.stored.src else {
+                    return false;
+                };
+                self.src = a;
+                self.sport = p.or(self.sport);
+                self.snat_done = true;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -729,7 +790,13 @@ impl<'a> Simulator<'a> {
 
     /// Every outcome for `spec`, most likely first; a single branch when nothing is random.
     pub fn simulate(&self, spec: &PacketSpec) -> Vec<Branch> {
-        self.every_outcome(|ch| self.walk(spec, ch).finish())
+        self.simulate_connection(spec, &StoredNat::default())
+    }
+
+    /// [`Self::simulate`] for a packet of a known connection (state not new) whose
+    /// translation conntrack stored: applied where the nat chains would run.
+    pub fn simulate_connection(&self, spec: &PacketSpec, stored: &StoredNat) -> Vec<Branch> {
+        self.every_outcome(|ch| self.walk(spec, stored, ch).finish())
     }
 
     /// Every outcome of one stage of an observed traversal: the chains that run between
@@ -826,9 +893,12 @@ impl<'a> Simulator<'a> {
         out
     }
 
-    fn walk(&self, spec: &PacketSpec, ch: &mut Chooser) -> Walk {
+    fn walk(&self, spec: &PacketSpec, stored: &StoredNat, ch: &mut Chooser) -> Walk {
         let fam = usize::from(spec.is_v6());
         let mut pkt = Pkt::new(spec, false, false);
+        if spec.ct_state != CtState::New {
+            pkt.stored = stored.clone();
+        }
         // Unless the spec says otherwise, a new connection's ct mark is 0.
         pkt.ct_mark = spec
             .ct_mark
@@ -1043,6 +1113,10 @@ impl<'a> Simulator<'a> {
                         s.name()
                     ),
                 });
+                if pkt.state != CtState::Untracked && pkt.apply_stored(hook) {
+                    stage.after = pkt.snapshot();
+                    b.ct_nat.push(b.stages.len());
+                }
                 stage.ct = pkt.ct_view();
                 b.stages.push(stage.into_model());
                 continue;

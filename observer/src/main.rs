@@ -1,6 +1,8 @@
 //! observer: the real path of every packet through Linux netfilter, seen by eBPF probes.
 
-use observer::commands::{agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic};
+use observer::commands::{
+    agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic, whatif,
+};
 use observer::pipeline::OutputArgs;
 use observer::pipeline::subscription::Subscription;
 use std::io::Write;
@@ -49,6 +51,9 @@ enum Command {
     /// Predict a packet's path from the rules alone: every rule that matches, mark and NAT
     /// changes, the verdict (no root, no eBPF; or --live on a node).
     Explain(explain::ExplainArgs),
+    /// What would change: hold a recording's traffic against a changed ruleset before the
+    /// change is made; prints the flows whose path changes (exit 0: none, 1: some, 2: error).
+    Whatif(whatif::WhatifArgs),
     /// Build, inspect or remove the built-in netns lab (a Kubernetes-like node).
     Lab {
         #[command(subcommand)]
@@ -353,7 +358,18 @@ fn main() {
         }
         return;
     }
-    if let Err(e) = run(Cli::parse()) {
+    let cli = Cli::parse();
+    // whatif is a gate: 0 nothing changes, 1 something does, 2 it could not tell.
+    if let Command::Whatif(a) = &cli.command {
+        match whatif::run(a, &mut std::io::stdout().lock()) {
+            Ok(changed) => std::process::exit(i32::from(changed)),
+            Err(e) => {
+                eprintln!("observer: error: {e:#}");
+                std::process::exit(2);
+            }
+        }
+    }
+    if let Err(e) = run(cli) {
         eprintln!("observer: error: {e:#}");
         std::process::exit(1);
     }
@@ -517,6 +533,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Explain(a) => print_stdout(&explain::run(a)?.to_string()),
+        Command::Whatif(_) => unreachable!("run by main: its exit status is its answer"),
         Command::Lab {
             action,
             prefix,

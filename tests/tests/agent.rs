@@ -950,22 +950,43 @@ fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
     let samples: Vec<Value> = lines
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["tier"] == 1 && v["fate"]["reason"] == "NETFILTER_DROP")
+        .filter(|v| v["fate"]["reason"] == "NETFILTER_DROP")
         .collect();
     assert_eq!(samples.len(), N, "{lines:#?} {err}");
     for v in &samples {
-        assert_eq!(v["sample"]["dport"], 7778, "{v}");
-        assert_eq!(v["sample"]["dst"], "172.17.0.5", "{v}");
-        assert_eq!(v["fate"]["reason"], "NETFILTER_DROP", "{v}");
-        assert_ne!(v["rule"]["naming"], "undecidable", "{v}");
+        // One schema for everything printed: a sample is a report, incomplete.
+        assert_eq!(v["schema"], 3, "{v}");
+        assert_eq!(v["incomplete"], true, "{v}");
+        assert_eq!(v["packet"]["dport"], 7778, "{v}");
+        assert_eq!(v["packet"]["dst"], "172.17.0.5", "{v}");
+        assert_eq!(v["fate"]["kind"], "dropped", "{v}");
+        assert_ne!(v["fate"]["rule"]["naming"], "undecidable", "{v}");
         // Confirmed or not, the simulated rule is the one that dropped.
-        assert_eq!(v["rule"]["rule"]["rule"], "FORWARD#2", "{v}");
-        assert_eq!(v["rule"]["rule"]["table"], "filter", "{v}");
+        assert_eq!(v["fate"]["rule"]["rule"], "FORWARD#2", "{v}");
+        assert_eq!(v["fate"]["rule"]["table"], "filter", "{v}");
     }
     assert!(
-        samples.iter().any(|v| v["rule"]["naming"] == "confirmed"),
+        samples
+            .iter()
+            .any(|v| v["fate"]["rule"]["naming"] == "confirmed"),
         "{samples:#?}"
     );
+    // Every output shows every entry: the tree and the line too.
+    for output in ["tree", "line"] {
+        let (lines, err) = Client::start(&["drops", "--agent", &sock, "--output", output])
+            .finish(Duration::from_secs(10));
+        // The fate (the tree's last line, the line's end) with the rule named.
+        let shown = lines
+            .iter()
+            .filter(|l| l.contains("NETFILTER_DROP, by rule filter FORWARD#2"))
+            .count();
+        assert_eq!(shown, N, "{output}: {lines:#?} {err}");
+        assert!(
+            lines.iter().any(|l| l.contains("172.17.0.5:7778")),
+            "{output}: {lines:#?}"
+        );
+        assert!(err.contains(" 0 skipped"), "{output}: {err}");
+    }
     // tail (through the agent, which brackets the tables while it streams) names the
     // same rule for the same flow.
     let tail = Client::start(&[
@@ -988,6 +1009,10 @@ fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     assert!(!reports.is_empty(), "{lines:#?} {err}");
+    assert!(
+        err.contains("the agent is tracing: packets from now on are reported"),
+        "tail --agent says when the brackets record: {err}"
+    );
     let rules = tails_drop_rules(&reports);
     assert!(!rules.is_empty(), "{reports:#?}");
     assert!(

@@ -140,7 +140,7 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         _ => {
             assert_eq!(backend, 0.0, "the kernel refuses netfilter links: {text}");
             assert!(
-                ready.contains("degraded: per-table probes unavailable")
+                ready.contains("degraded: traversals unavailable")
                     && ready.contains("tier 1 (drops by reason) work"),
                 "/readyz says what is missing and what works: {ready}"
             );

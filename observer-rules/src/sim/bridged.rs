@@ -335,7 +335,7 @@ impl Simulator<'_> {
                 b.notes.push(format!(
                     "addressed to {bridge} itself: passed up from port {port} and routed"
                 ));
-                let mut r = self.walk(&spec, ch);
+                let mut r = self.walk(&spec, &pkt.stored, ch);
                 r.notes.splice(0..0, b.notes);
                 r.stages.splice(0..0, b.stages);
                 r

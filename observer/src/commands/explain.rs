@@ -16,6 +16,30 @@ pub struct ExplainArgs {
     /// The packet: "PROTO SRC[:PORT] -> DST[:PORT] in IFACE [out IFACE] [mark 0xN] [state new|established|related|invalid]".
     #[arg(long)]
     pub packet: String,
+    #[command(flatten)]
+    pub inputs: RuleFiles,
+    /// Read rules, sets, routes and bridges from the running node instead of files (needs root).
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
+    pub live: bool,
+    /// With --live: the `ip netns` name whose rules to read.
+    // Checked in `run`: clap's `requires` counts --live's default (false) as given.
+    #[arg(long)]
+    pub netns: Option<String>,
+    /// One JSON object (schema 3, docs/json-schema.md: the live tracer's shape).
+    #[arg(long)]
+    pub json: bool,
+    /// TOML file naming mark bits, as for `observer tail --marks`.
+    #[arg(long, value_name = "FILE")]
+    pub marks: Option<PathBuf>,
+    /// Keep only random outcome N (1-based, as listed): the walk as if every `numgen` or
+    /// statistic draw went that way.
+    #[arg(long, value_name = "N")]
+    pub pick: Option<usize>,
+}
+
+/// The node's inputs as files: the flag family `explain` and `whatif` share.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RuleFiles {
     /// `iptables-save` output (with or without -c).
     #[arg(long, value_name = "FILE")]
     pub ruleset: Option<PathBuf>,
@@ -54,27 +78,53 @@ pub struct ExplainArgs {
     /// The same for IPv6 (`net.bridge.bridge-nf-call-ip6tables`).
     #[arg(long, value_name = "0|1", value_parser = clap::value_parser!(u8).range(0..=1))]
     pub bridge_nf_call_ip6tables: Option<u8>,
-    /// Read rules, sets, routes and bridges from the running node instead of files (needs root).
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
-    pub live: bool,
-    /// With --live: the `ip netns` name whose rules to read.
-    // Checked in `run`: clap's `requires` counts --live's default (false) as given.
-    #[arg(long)]
-    pub netns: Option<String>,
-    /// One JSON object (schema 3, docs/json-schema.md: the live tracer's shape).
-    #[arg(long)]
-    pub json: bool,
-    /// TOML file naming mark bits, as for `observer tail --marks`.
-    #[arg(long, value_name = "FILE")]
-    pub marks: Option<PathBuf>,
-    /// Keep only random outcome N (1-based, as listed): the walk as if every `numgen` or
-    /// statistic draw went that way.
-    #[arg(long, value_name = "N")]
-    pub pick: Option<usize>,
     /// The largest input file read, in MiB: a bigger one (or an endless one such as a
     /// device) is refused before it is parsed. Parsing takes a few times the file's size.
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MAX_INPUT_MIB)]
     pub max_input_mib: u64,
+}
+
+impl RuleFiles {
+    /// The texts of the files given (each read once, capped); what is not given stays None.
+    pub fn texts(&self) -> Result<observer_rules::LiveTexts> {
+        let cap = self.max_input_mib;
+        let a = self;
+        Ok(observer_rules::LiveTexts {
+            iptables: read(&a.ruleset, cap)?,
+            ip6tables: read(&a.ruleset6, cap)?,
+            nft: read(&a.nft, cap)?,
+            ipset: read(&a.ipsets, cap)?,
+            routes: a
+                .routes
+                .iter()
+                .map(|p| read_capped(p, cap))
+                .collect::<Result<_>>()?,
+            bridge: Box::new(observer_rules::BridgeTexts {
+                bridge_links: read(&a.bridge_links, cap)?,
+                links: read(&a.links, cap)?,
+                neigh: read(&a.neigh, cap)?,
+                fdb: read(&a.fdb, cap)?,
+                bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
+                    .map(|v| v.map(|v| v == 1)),
+            }),
+            ..Default::default()
+        })
+    }
+
+    /// Whether any of the rules (iptables-save, ip6tables-save, nft) is given.
+    pub fn has_rules(&self) -> bool {
+        self.ruleset.is_some() || self.ruleset6.is_some() || self.nft.is_some()
+    }
+
+    /// Whether any bridge input is given.
+    pub fn has_bridge(&self) -> bool {
+        self.bridge_links.is_some()
+            || self.links.is_some()
+            || self.neigh.is_some()
+            || self.fdb.is_some()
+            || self.bridge_nf_call_iptables.is_some()
+            || self.bridge_nf_call_ip6tables.is_some()
+    }
 }
 
 /// Large enough for a 20,000-service kube-proxy dump, small enough to fail before memory does.
@@ -82,7 +132,7 @@ const DEFAULT_MAX_INPUT_MIB: u64 = 256;
 
 /// Reads a text input of at most `cap_mib` MiB. Dumps are text: a NUL byte means the wrong
 /// file (or `/dev/zero`), found at once rather than after the cap.
-fn read_capped(p: &Path, cap_mib: u64) -> Result<String> {
+pub fn read_capped(p: &Path, cap_mib: u64) -> Result<String> {
     let cap = cap_mib.saturating_mul(1 << 20);
     let too_big = || {
         anyhow::anyhow!(
@@ -162,38 +212,18 @@ pub fn run(a: ExplainArgs) -> Result<String> {
         }
         e
     } else {
-        let cap = a.max_input_mib;
-        let ruleset = read(&a.ruleset, cap)?;
-        if let Some(text) = &ruleset {
+        let texts = a.inputs.texts()?;
+        if let Some(text) = &texts.iptables {
             marks.learn_from_iptables_save(text);
         }
         let req = observer_rules::ExplainRequest {
-            texts: observer_rules::LiveTexts {
-                iptables: ruleset,
-                ip6tables: read(&a.ruleset6, cap)?,
-                nft: read(&a.nft, cap)?,
-                ipset: read(&a.ipsets, cap)?,
-                routes: a
-                    .routes
-                    .iter()
-                    .map(|p| read_capped(p, cap))
-                    .collect::<Result<_>>()?,
-                bridge: Box::new(observer_rules::BridgeTexts {
-                    bridge_links: read(&a.bridge_links, cap)?,
-                    links: read(&a.links, cap)?,
-                    neigh: read(&a.neigh, cap)?,
-                    fdb: read(&a.fdb, cap)?,
-                    bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
-                        .map(|v| v.map(|v| v == 1)),
-                }),
-                ..Default::default()
-            },
+            texts,
             packet: a.packet.clone(),
         };
         observer_rules::explain(&req)?
     };
     if let Some(f) = &a.marks {
-        let text = read_capped(f, a.max_input_mib).context("reading the marks file")?;
+        let text = read_capped(f, a.inputs.max_input_mib).context("reading the marks file")?;
         marks
             .apply_toml(&text)
             .with_context(|| format!("in marks file {}", f.display()))?;

@@ -1,4 +1,4 @@
-//! The commands: `tail`, `replay`, `explain`, `lab` (and its traffic), `agent`, and
+//! The commands: `tail`, `replay`, `explain`, `whatif`, `lab` (and its traffic), `agent`, and
 //! `kubectl observer` ([`kubectl`]: the same binary as a kubectl plugin).
 
 pub mod agent;
@@ -8,6 +8,7 @@ pub mod lab;
 pub mod replay;
 pub mod tail;
 pub mod traffic;
+pub mod whatif;
 
 /// A `--timeout` (or the agent's `timeout=` query parameter): a finite, non-negative number
 /// of seconds, at most a year.

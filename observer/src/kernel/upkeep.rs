@@ -62,6 +62,13 @@ pub fn attach_probes(
     floor: bool,
 ) -> Result<Probes> {
     let mut probes = Probes::load(layout, program)?;
+    if let Some(why) = probes.capture_refused() {
+        anyhow::bail!(
+            "{why}\nstill works on this kernel: `observer agent` in its default mode (every \
+             rule's and conntrack's counters, drops by reason) and `observer explain --live` \
+             (the path predicted from the live rules)"
+        );
+    }
     // Before anything is attached: the benchmark's floor records nothing at all.
     probes.set_floor(floor)?;
     let users = hook_users(live);

@@ -192,6 +192,7 @@ fn passed(kind: FateKind, hook: NfHook, after: Option<String>) -> Fate {
         location: None,
         after,
         before: None,
+        rule: None,
     }
 }
 
@@ -252,6 +253,7 @@ pub fn fate(t: &Traversal, at: EndPoint, route: Option<Route>, names: &Names) ->
         location,
         after: at.after,
         before: at.before,
+        rule: None,
     }
 }
 

@@ -452,7 +452,10 @@ fn handle_line(line: &[u8], out: &mut Vec<u8>, s: &mut ClientSummary) -> Result<
         )
     })?;
     if let Some(agent) = v.get("agent") {
-        if let Some(n) = agent.get("skipped").filter(|_| agent.get("end").is_none()) {
+        if agent.get("tracing").is_some_and(|t| t == true) {
+            // Said once per stream: reports of packets sent from now on follow.
+            eprintln!("observer: the agent is tracing: packets from now on are reported");
+        } else if let Some(n) = agent.get("skipped").filter(|_| agent.get("end").is_none()) {
             let n = n.as_u64().unwrap_or(0);
             s.skipped += n;
             log::warn!("the agent skipped {n} traversals: this client reads too slowly");

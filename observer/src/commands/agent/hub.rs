@@ -84,6 +84,9 @@ struct Subscriber {
     skipped: u64,
     filtered: u64,
     lost_at_start: u64,
+    /// Told that the probes record traversals (`{"agent":{"tracing":true}}`): reports
+    /// follow from then on.
+    told_tracing: bool,
 }
 
 impl Subscriber {
@@ -230,6 +233,7 @@ impl Hub {
             skipped: 0,
             filtered: 0,
             lost_at_start: self.lost(),
+            told_tracing: false,
         };
         if count_zero {
             finish(sub, "count", self.lost());
@@ -373,6 +377,16 @@ impl Hub {
         }
         let ids = subs.iter().any(|s| s.req.wants.ip_ids);
         self.ip_ids.store(ids, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Tells each subscriber not told yet that the probes record traversals now (the
+    /// default mode attaches them when the first client comes): its reports start here.
+    pub fn tell_tracing(&self) {
+        const LINE: &[u8] = b"{\"agent\":{\"tracing\":true}}\n";
+        for s in self.subs().iter_mut().filter(|s| !s.told_tracing) {
+            // A full queue: told at the next tick.
+            s.told_tracing = s.tx.try_send(Bytes::from_static(LINE)).is_ok();
+        }
     }
 
     /// Ends every stream with `end` and why (the agent cannot serve them).

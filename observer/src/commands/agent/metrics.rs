@@ -562,16 +562,16 @@ impl Metrics {
     /// Says which capture backend puts the per-table probes in place (its `--backend`
     /// name) and, when the kernel refuses it, why (then `/readyz` says what is missing and
     /// what still works).
-    pub fn set_capture_backend(&self, backend: &'static str, refused: Option<String>) {
+    pub fn set_capture_backend(&self, backend: &'static str, ready: bool, refused: Option<String>) {
         self.capture.clear();
         self.capture
             .get_or_create(&vec![("backend", backend.into())])
-            .set(i64::from(refused.is_none()));
+            .set(i64::from(ready));
         let mut degraded = lock(&self.degraded);
         degraded.clear();
         if let Some(why) = refused {
             degraded.push(format!(
-                "per-table probes unavailable: {why}; no traversals (/v1/traces, tier 2's \
+                "traversals unavailable: {why}; no traversals (/v1/traces, tier 2's \
                  arms, --mode brackets and trace); tier 0 (rule and conntrack counters) and \
                  tier 1 (drops by reason) work"
             ));
@@ -859,7 +859,7 @@ mod tests {
     fn full() -> Metrics {
         let m = Metrics::new("node-1");
         m.set_mode("kernel", "0,1");
-        m.set_capture_backend("links", None);
+        m.set_capture_backend("links", true, None);
         m.add(
             Counter::Drops,
             &["ipv4", "FORWARD", "filter", "NO_SOCKET"],

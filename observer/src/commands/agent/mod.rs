@@ -215,9 +215,10 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         };
         metrics.set_capture_backend(
             probes.capture_backend().label(),
-            probes.capture_refused().map(|why| why.to_string()),
+            probes.capture_ready(),
+            probes.tracing_refused(),
         );
-        if let Some(why) = probes.capture_refused() {
+        if let Some(why) = probes.tracing_refused() {
             warn!(
                 "{why}: the per-table probes cannot be attached; streams of traversals end at \
                  once; tier 0 and tier 1 work"
@@ -617,10 +618,10 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             _ => FilterProgram::KEEP_ALL,
         };
         if !probes.tracing()
-            && let Some(why) = probes.capture_refused()
+            && let Some(why) = probes.tracing_refused()
         {
             // Said at start (and on /readyz); each stream is told why it ends.
-            agent.hub.end_all("tracing unavailable", &why.to_string());
+            agent.hub.end_all("tracing unavailable", &why);
             return;
         }
         if !probes.tracing() {
@@ -654,6 +655,7 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
             return;
         }
         agent.kernel_filter = wanted;
+        agent.hub.tell_tracing();
     } else if probes.tracing() && !lingering {
         agent.last_client = None;
         if let Err(e) = probes.stop_tracing() {
@@ -696,6 +698,9 @@ impl Consumer for Agent {
         self.tier2.tick(rates.as_deref(), now);
         if self.mode != AgentMode::Trace {
             follow_subscribers(probes, self);
+        } else {
+            // Always tracing: a new subscriber is told at its first tick.
+            self.hub.tell_tracing();
         }
         self.tier2.publish(probes.attachments() as u64, now);
         self.metrics.set_tier2(self.tier2.series());

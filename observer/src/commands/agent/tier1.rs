@@ -492,38 +492,91 @@ pub fn candidates(sim: &Simulator<'_>, s: &Sample) -> Result<Vec<RuleId>, String
     Ok(out)
 }
 
-/// A named sample, as the flight recorder keeps it.
-#[derive(Serialize)]
-struct Named<'a> {
-    tier: u8,
-    sample: &'a Sample,
-    fate: Fate<'a>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rule: Option<&'a RuleNaming>,
+/// The rule a sample names, as the model says it (`fate.rule`).
+fn dropping_rule(n: &RuleNaming) -> observer_model::DroppingRule {
+    let (naming, rule, why) = match n {
+        RuleNaming::Confirmed { rule } => ("confirmed", Some(rule), None),
+        RuleNaming::Unconfirmed { rule, why } => ("unconfirmed", rule.as_ref(), Some(why)),
+        RuleNaming::Undecidable { why } => ("undecidable", None, Some(why)),
+    };
+    observer_model::DroppingRule {
+        naming,
+        table: rule.map(|r| r.table.clone()),
+        chain: rule.map(|r| r.chain.clone()),
+        rule: rule.map(|r| r.rule.clone()),
+        why: why.cloned(),
+    }
 }
 
-#[derive(Serialize)]
-struct Fate<'a> {
-    kind: &'static str,
-    reason: &'a str,
-    location: &'a str,
-}
+/// Why a sample is incomplete, as its report says.
+pub const SEEN_WHERE_IT_DIED: &str = "seen only where it was dropped: a drop sample of the \
+     agent's default mode (tier 1, kfree_skb), which records no path through the tables";
 
-/// One JSON line for the flight recorder.
-pub fn json_line(s: &Sample, rule: Option<&RuleNaming>) -> Vec<u8> {
-    let mut v = serde_json::to_vec(&Named {
-        tier: 1,
-        sample: s,
-        fate: Fate {
-            kind: "dropped",
-            reason: &s.reason,
-            location: &s.location,
-        },
-        rule,
-    })
-    .unwrap_or_default();
-    v.push(b'\n');
-    v
+/// A sample as a report (schema 3, like every traversal the agent serves): the packet as it
+/// died, where and why, the rule named for it, and incomplete, since its path through the
+/// tables was not recorded.
+pub fn traversal(s: &Sample, rule: Option<&RuleNaming>) -> observer_model::Traversal {
+    use observer_model::{
+        Endpoint, Family, Fate, FateKind, Headers, Iface, Marks, Packet, Protocol, Source,
+        Traversal,
+    };
+    let family = match (s.family, s.src) {
+        (6, _) | (_, Some(IpAddr::V6(_))) => Family::Ipv6,
+        _ => Family::Ipv4,
+    };
+    let proto = (s.src.is_some()).then(|| Protocol::from_number(s.protocol));
+    let packet = match (s.src, s.dst, proto) {
+        (Some(src), Some(dst), Some(proto)) => Some(Packet {
+            family,
+            proto,
+            first: Headers {
+                src: Endpoint::new(src, s.sport),
+                dst: Endpoint::new(dst, s.dport),
+                icmp: None,
+            },
+            last: None,
+            ip_id: None,
+        }),
+        _ => None,
+    };
+    let mut fate = Fate::new(FateKind::Dropped);
+    fate.reason = Some(s.reason.clone());
+    fate.location = Some(s.location.clone());
+    fate.rule = rule.map(dropping_rule);
+    let mut notes = vec![format!(
+        "packet mark {:#x}, {} bytes when dropped",
+        s.mark, s.len
+    )];
+    if let Some(ct) = &s.ct {
+        notes.push(format!(
+            "its connection: ctinfo {}, status {:#x}, ctmark {:#x}",
+            ct.info, ct.status, ct.mark
+        ));
+    }
+    Traversal {
+        schema: observer_model::SCHEMA,
+        source: Source::Observed,
+        netns: None,
+        family: Some(family),
+        proto,
+        packet,
+        ingress: s.interface.clone().map(|iface| Iface { iface }),
+        egress: None,
+        route: None,
+        bridge: None,
+        encap: None,
+        stages: Vec::new(),
+        fate,
+        marks: Marks::default(),
+        nat: Vec::new(),
+        conntrack: None,
+        names: Vec::new(),
+        branches: Vec::new(),
+        notes,
+        lost: 0,
+        incomplete: true,
+        incomplete_reason: Some(SEEN_WHERE_IT_DIED.into()),
+    }
 }
 
 /// Names NETFILTER_DROP samples on a thread of its own (the ruleset and counters are read
@@ -806,7 +859,7 @@ impl Tier1 {
     }
 }
 
-/// Puts a sample in the flight recorder (JSON only: it is no traversal).
+/// Puts a sample in the flight recorder, rendered in every output as a report.
 fn hold(hub: &super::hub::Hub, s: &Sample, rule: Option<&RuleNaming>) {
     // SAFETY: TraversalRecord is plain integers; zero is a valid, empty record.
     let mut rec: observer_common::traversal::TraversalRecord = unsafe { std::mem::zeroed() };
@@ -851,10 +904,14 @@ fn hold(hub: &super::hub::Hub, s: &Sample, rule: Option<&RuleNaming>) {
         .unwrap_or_else(|e| e.into_inner())
         .push(super::hub::Held {
             rec,
-            rendered: super::hub::Rendered {
-                json: bytes::Bytes::from(json_line(s, rule)),
-                tree: None,
-                line: None,
+            rendered: {
+                let t = traversal(s, rule);
+                let render = |o| bytes::Bytes::from(crate::pipeline::write(&t, o));
+                super::hub::Rendered {
+                    json: render(crate::pipeline::Output::Json),
+                    tree: Some(render(crate::pipeline::Output::Tree)),
+                    line: Some(render(crate::pipeline::Output::Line)),
+                }
             },
         });
 }
@@ -871,6 +928,75 @@ mod tests {
             std::slice::from_raw_parts((&raw const s).cast::<u8>(), size_of::<DropSample>())
                 .to_vec()
         }
+    }
+
+    #[test]
+    fn a_sample_is_a_schema_3_report_in_every_output() {
+        let s = Sample {
+            ts_ns: 5,
+            reason: "NETFILTER_DROP".into(),
+            location: "nf_hook_slow+0x9e".into(),
+            location_addr: 1,
+            family: 4,
+            protocol: 17,
+            src: Some("198.51.100.10".parse().unwrap()),
+            dst: Some("172.17.0.5".parse().unwrap()),
+            sport: Some(40000),
+            dport: Some(7777),
+            mark: 0x4000,
+            len: 38,
+            interface: Some("eth0".into()),
+            ifindex: 3,
+            ct: None,
+        };
+        let rule = RuleNaming::Confirmed {
+            rule: RuleId {
+                family: "ipv4",
+                table: "filter".into(),
+                chain: "FORWARD".into(),
+                rule: "FORWARD#2".into(),
+            },
+        };
+        let t = traversal(&s, Some(&rule));
+        let json: serde_json::Value =
+            serde_json::from_slice(&crate::pipeline::write(&t, crate::pipeline::Output::Json))
+                .unwrap();
+        assert_eq!(json["schema"], observer_model::SCHEMA);
+        assert_eq!(json["packet"]["dst"], "172.17.0.5");
+        assert_eq!(json["packet"]["dport"], 7777);
+        assert_eq!(json["ingress"]["iface"], "eth0");
+        assert_eq!(json["incomplete"], true);
+        assert_eq!(json["incomplete_reason"], SEEN_WHERE_IT_DIED);
+        assert_eq!(json["fate"]["kind"], "dropped");
+        assert_eq!(json["fate"]["rule"]["naming"], "confirmed");
+        assert_eq!(json["fate"]["rule"]["rule"], "FORWARD#2");
+        let tree =
+            String::from_utf8(crate::pipeline::write(&t, crate::pipeline::Output::Tree)).unwrap();
+        assert!(
+            tree.starts_with("ipv4 udp 198.51.100.10:40000 -> 172.17.0.5:7777"),
+            "{tree}"
+        );
+        assert!(
+            tree.contains(
+                "DROPPED, in nf_hook_slow+0x9e: NETFILTER_DROP, by rule filter FORWARD#2 \
+                 (confirmed by its counter)"
+            ),
+            "{tree}"
+        );
+        let line =
+            String::from_utf8(crate::pipeline::write(&t, crate::pipeline::Output::Line)).unwrap();
+        assert!(line.contains("by rule filter FORWARD#2"), "{line}");
+        assert_eq!(line.lines().count(), 1, "{line}");
+        // Not named: said so, never a rule guessed.
+        let t = traversal(
+            &s,
+            Some(&RuleNaming::Undecidable {
+                why: "no ruleset read".into(),
+            }),
+        );
+        let tree =
+            String::from_utf8(crate::pipeline::write(&t, crate::pipeline::Output::Tree)).unwrap();
+        assert!(tree.contains("rule not named: no ruleset read"), "{tree}");
     }
 
     #[test]

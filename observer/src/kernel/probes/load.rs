@@ -264,11 +264,17 @@ impl Probes {
             )?;
             nets.set(0, FilterNets::of(filter), 0)?;
         }
-        // Counting needs no TC program: they are loaded when tracing starts, so that a kernel
-        // whose verifier refuses them still counts (the agent's default mode).
-        if tracing {
-            load_tc_programs(&mut ebpf)?;
-        }
+        // Loaded now (the verifier takes seconds on them), so that tracing starts at once
+        // when a client comes. Counting needs none: where the kernel refuses them, the agent
+        // still counts, and says why it cannot trace (`Probes::tracing_refused`).
+        let tc_refused = match load_tc_programs(&mut ebpf) {
+            Ok(()) => None,
+            Err(e) if !tracing => {
+                log::warn!("{e:#}: traversals cannot be recorded on this kernel");
+                Some(format!("{e:#}"))
+            }
+            Err(e) => return Err(e),
+        };
         let btf =
             Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
         for (prog, tp) in END_TRACEPOINTS {
@@ -313,6 +319,7 @@ impl Probes {
             generation: 0,
             collected: 0,
             tracing,
+            tc_refused,
         })
     }
 
@@ -337,7 +344,9 @@ impl Probes {
         if self.tracing {
             return Ok(());
         }
-        load_tc_programs(&mut self.ebpf)?;
+        if let Some(why) = &self.tc_refused {
+            anyhow::bail!("{why}");
+        }
         self.clear_in_flight()?;
         self.set_filter(filter)?;
         let btf = Btf::from_sys_fs().context("reading kernel BTF")?;

@@ -53,6 +53,8 @@ pub struct Probes {
     /// Whether traversals are recorded (else the probes only count: [`Probes::load_counting`]):
     /// the tcx, consume_skb and socket probes are attached only then.
     tracing: bool,
+    /// Why the kernel refused the TC programs (loaded for counting only): no tracing then.
+    tc_refused: Option<String>,
 }
 
 #[cfg(test)]

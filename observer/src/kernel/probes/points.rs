@@ -149,4 +149,12 @@ impl Probes {
     pub fn capture_refused(&self) -> Option<&Unsupported> {
         self.capture.refused()
     }
+
+    /// Why traversals cannot be recorded on this kernel (no capture backend, or the TC
+    /// programs refused), when they cannot.
+    pub fn tracing_refused(&self) -> Option<String> {
+        self.capture_refused()
+            .map(ToString::to_string)
+            .or_else(|| self.tc_refused.clone())
+    }
 }
