@@ -32,6 +32,11 @@ const SLOW_UNDER_EMULATION: &[&str] = &[
     "a_table_created_while_running_is_bracketed_and_absent_ones_are_not",
     "--skip",
     "a_base_chain_added_while_running_gets_its_own_stage",
+    // Its helper holds the test's socket for a bounded time; under emulation on a loaded
+    // machine the bound ran out once (fentry's first matrix run): host only until the
+    // matrix has run it on a quiet machine.
+    "--skip",
+    "a_full_receive_buffer_drops_with_the_kernels_reason",
 ];
 
 /// Waits in the guests' tests scale by this much (`observer_tests::time_scale`): QEMU's
