@@ -1461,9 +1461,17 @@ fn range(v: &[f64]) -> String {
     }
 }
 
+/// Why the bench times netfilter links only.
+const FENTRY_NOT_TIMED: &str = "xtask bench: the fentry capture backend (kernels before 6.4) \
+     is not timed: this machine's kernel refuses fentry programs (EPERM), and the kernels that \
+     take them run here only under QEMU's software emulation, whose rates say nothing about a \
+     node's (every instruction is translated; a guest runs the verifier alone about five times \
+     slower). The rows below are netfilter links on this machine's kernel.";
+
 fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool, no_build: bool) -> Result<()> {
     let runs = runs.max(1);
     let rounds = rounds.max(1);
+    eprintln!("{FENTRY_NOT_TIMED}");
     // The phases run, the baseline first.
     let sel: Vec<usize> = if agent_only {
         vec![BASELINE, AGENT_DEFAULT]
