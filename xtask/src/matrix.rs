@@ -347,7 +347,18 @@ mod tests {
             .arg(
                 script(
                     &MATRIX[1],
-                    &HashMap::from([("kernels".into(), "false".into())]),
+                    // The first fails, the others pass: the script goes on, exits 1.
+                    &MATRIX[1]
+                        .tests
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (b, _))| {
+                            (
+                                b.to_string(),
+                                PathBuf::from(if i == 0 { "false" } else { "true" }),
+                            )
+                        })
+                        .collect(),
                     Path::new("/x"),
                 )
                 .unwrap(),
