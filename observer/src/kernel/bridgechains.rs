@@ -20,11 +20,9 @@ use observer_rules::{PacketSpec, Simulator};
 /// The compiled ruleset is read again after this long (a change read late can only make a
 /// rule unconfirmed: the counters must agree).
 const SIM_MAX_AGE: Duration = Duration::from_secs(10);
-/// Counter reads kept: a frame is compared with the newest that ended before it began.
-const READS_KEPT: usize = 8;
-/// The least time between two counter reads (a burst of bridged frames costs one dump per
-/// gap, not one per frame).
-const READ_GAP: Duration = Duration::from_millis(50);
+/// Counter reads kept: a frame is compared with the newest that ended before it began (at
+/// most one read per drained batch: this covers frames that waited a second or so).
+const READS_KEPT: usize = 64;
 
 /// A bridge-family rule's identity: (table, chain, handle).
 pub type RuleKey = (String, String, u64);
@@ -183,10 +181,10 @@ pub fn confirm(
     after: &CounterRead,
 ) -> Confirmation {
     if after.started_ns <= frame.1 {
-        return Confirmation::Unconfirmed(format!(
-            "no counter read after the frame yet (at most one every {} ms)",
-            READ_GAP.as_millis()
-        ));
+        return Confirmation::Unconfirmed(
+            "no counter read after the frame yet (reading the bridge family's counters failed)"
+                .into(),
+        );
     }
     let Some(before) = before.filter(|b| b.ended_ns < frame.0) else {
         return Confirmation::Unconfirmed(
@@ -468,11 +466,10 @@ impl BridgeChains {
                     .into(),
             ]);
         }
-        let now = crate::kernel::upkeep::now_ns();
-        if self.reads.back().is_none_or(|r| {
-            r.started_ns <= frame.1
-                && now.saturating_sub(r.started_ns) >= READ_GAP.as_nanos() as u64
-        }) {
+        // A read after the frame, made now if the last one began before it ended: one read
+        // covers every frame of the batch being handled (they all ended before it), so this
+        // is at most one read per drained batch, and no frame goes unjudged for want of one.
+        if self.reads.back().is_none_or(|r| r.started_ns <= frame.1) {
             self.read_counters();
         }
         let after = self.reads.back()?.clone();
