@@ -403,7 +403,8 @@ fn patch_map_fd(insns: &mut [u8], offset: usize, fd: RawFd) -> Option<()> {
     Some(())
 }
 
-fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
+/// The bpf(2) call: its non-negative return, or the error.
+fn bpf_syscall(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<libc::c_long> {
     // SAFETY: attr is a fully initialised bpf_attr of the size we pass.
     let rc = unsafe {
         libc::syscall(
@@ -416,6 +417,11 @@ fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
+    Ok(rc)
+}
+
+fn bpf(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<OwnedFd> {
+    let rc = bpf_syscall(cmd, attr)?;
     // SAFETY: on success these commands return a new file descriptor that we now own.
     Ok(unsafe { OwnedFd::from_raw_fd(rc as RawFd) })
 }
@@ -674,19 +680,7 @@ pub fn kernel_btf_fd(name: &str) -> std::io::Result<Option<OwnedFd>> {
 
 /// A bpf command that returns 0 on success (no fd).
 fn bpf_rc(cmd: bpf_cmd, attr: &mut bpf_attr) -> std::io::Result<()> {
-    // SAFETY: as in `bpf`.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd as libc::c_long,
-            attr as *mut bpf_attr,
-            std::mem::size_of::<bpf_attr>(),
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    bpf_syscall(cmd, attr).map(|_| ())
 }
 
 /// Whether the kernel loads netfilter programs at all: a trivial one (`r0 = NF_ACCEPT;
