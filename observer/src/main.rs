@@ -54,6 +54,10 @@ enum Command {
     /// What would change: hold a recording's traffic against a changed ruleset before the
     /// change is made; prints the flows whose path changes (exit 0: none, 1: some, 2: error).
     Whatif(whatif::WhatifArgs),
+    /// Internal: started by observer itself on kernels without tcx, removes its netlink TC
+    /// filters when it ends, however it ends (observer::kernel::tc_guard).
+    #[command(name = "tc-filter-guard", hide = true)]
+    TcFilterGuard,
     /// Build, inspect or remove the built-in netns lab (a Kubernetes-like node).
     Lab {
         #[command(subcommand)]
@@ -425,6 +429,25 @@ fn from_agent(opts: agent::client::ClientOptions, path: &str) -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::TcFilterGuard => {
+            let (deleted, failures) = observer::kernel::tc_guard::serve(std::io::stdin().lock());
+            if deleted > 0 {
+                eprintln!(
+                    "observer: removed {deleted} TC filter(s) observer left attached when it ended"
+                );
+            }
+            for f in &failures {
+                eprintln!(
+                    "observer: could not remove the TC filter observer left on {f}: \
+                     `tc filter del dev IFACE ingress|egress pref N` removes it"
+                );
+            }
+            if failures.is_empty() {
+                Ok(())
+            } else {
+                anyhow::bail!("{} TC filter(s) left attached", failures.len())
+            }
+        }
         Command::Tail(a) if a.agent.is_some() => from_agent(
             agent::client::ClientOptions {
                 wants: a.wants(),

@@ -197,6 +197,10 @@ enum Task {
         /// when set).
         #[arg(long = "env", value_name = "NAME")]
         env: Vec<String>,
+        /// A host directory the guest may write, at the same path (everything else it
+        /// writes stays in the guest).
+        #[arg(long, value_name = "DIR")]
+        share: Option<std::path::PathBuf>,
         /// The command and its arguments (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         command: Vec<String>,
@@ -271,9 +275,19 @@ fn main() -> Result<()> {
             memory,
             timeout,
             env,
+            share,
             command,
         } => {
-            let code = vm::vm_task(&kernel, cpus, memory, timeout, &env, caller_dir, &command)?;
+            let task = vm::VmTask {
+                which: &kernel,
+                cpus,
+                memory_mib: memory,
+                timeout_secs: timeout,
+                env_names: &env,
+                share,
+                cwd: caller_dir,
+            };
+            let code = vm::vm_task(task, &command)?;
             std::process::exit(code)
         }
     }

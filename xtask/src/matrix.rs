@@ -68,6 +68,10 @@ pub const MATRIX: &[Row] = &[
             ("kernels", &[]),
             ("capture", &[]),
             ("fates", SLOW_UNDER_EMULATION),
+            (
+                "agent",
+                &["sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves"],
+            ),
         ],
     },
 ];
@@ -96,7 +100,25 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
         std::fs::write(&path, script(row, &binaries, observer_bin)?)?;
         scripts.push(path);
     }
-    let mut env = Vec::new();
+    // The differential: the host's lines first (the guests' are held to them).
+    let differential = crate::workspace_root().join("target/differential");
+    let _ = std::fs::remove_dir_all(&differential);
+    std::fs::create_dir_all(&differential)?;
+    let host = Command::new(&binaries["kernels"])
+        .args(["--exact", DIFFERENTIAL_TEST])
+        .env("OBSERVER_BIN", observer_bin)
+        .env("OBSERVER_NO_SKIP", "1")
+        .env("OBSERVER_DIFFERENTIAL_DIR", &differential)
+        .current_dir(crate::workspace_root().join("tests"))
+        .status()
+        .context("running the differential on the host")?;
+    if !host.success() {
+        bail!("the differential test failed on the host: {DIFFERENTIAL_TEST}");
+    }
+    let mut env = vec![(
+        "OBSERVER_DIFFERENTIAL_DIR".to_string(),
+        differential.display().to_string(),
+    )];
     if let Ok(ci) = std::env::var("CI") {
         env.push(("CI".to_string(), ci));
     }
@@ -107,6 +129,7 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
         cwd: crate::workspace_root().join("tests"),
         env,
         echo: None,
+        share: Some(differential.clone()),
     };
     eprintln!(
         "xtask: kernel matrix: {} in guests, one CPU each (output kept; printed on failure)",
@@ -172,6 +195,13 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
             }
         }
     }
+    match compare_differential(&differential) {
+        Ok(said) => eprintln!("xtask: differential: {said}"),
+        Err(e) => {
+            eprintln!("xtask: differential: {e:#}");
+            failed.push("the differential".to_string());
+        }
+    }
     let table = table(&results);
     let out = crate::workspace_root().join("target/kernel-matrix.md");
     std::fs::write(&out, &table)?;
@@ -184,6 +214,74 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
         bail!("kernel matrix failed on {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// The test (in `kernels`) that writes each kernel's and backend's differential lines.
+const DIFFERENTIAL_TEST: &str = "the_labs_traffic_is_reported_alike_by_every_kernel_and_backend";
+
+/// Holds every `<kernel>-<backend>.txt` in `dir` to the host's (netfilter links): the same
+/// lines, each difference printed. Returns what was compared.
+fn compare_differential(dir: &Path) -> Result<String> {
+    let host_release = std::fs::read_to_string("/proc/sys/kernel/osrelease")?;
+    let host_name = format!("{}-links.txt", host_release.trim());
+    let read = |p: &Path| -> Result<Vec<String>> {
+        Ok(std::fs::read_to_string(p)
+            .with_context(|| format!("reading {}", p.display()))?
+            .lines()
+            .map(str::to_string)
+            .collect())
+    };
+    let host = read(&dir.join(&host_name))?;
+    let mut others: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+        .filter(|p| p.file_name().is_some_and(|n| n != host_name.as_str()))
+        .collect();
+    others.sort();
+    // Every row's backend, and links forced to fentry where links run in a guest.
+    let expected = MATRIX.len() + MATRIX.iter().filter(|r| r.capture == "links").count();
+    let mut problems = Vec::new();
+    for p in &others {
+        let lines = read(p)?;
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        for l in host.iter().filter(|l| !lines.contains(l)) {
+            problems.push(format!("{name}: missing (the host has it): {l}"));
+        }
+        for l in lines.iter().filter(|l| !host.contains(l)) {
+            problems.push(format!("{name}: extra (the host has it not): {l}"));
+        }
+    }
+    if others.len() < expected {
+        problems.push(format!(
+            "{} kernel/backend result(s) written, {expected} expected: {}",
+            others.len(),
+            others
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if !problems.is_empty() {
+        bail!(
+            "the lab's traffic is reported differently:\n{}",
+            problems.join("\n")
+        );
+    }
+    Ok(format!(
+        "{} lines each, equal on {} and {host_name}",
+        host.len(),
+        others
+            .iter()
+            .map(|p| p
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))
 }
 
 /// The integration test binaries the matrix runs, built once on the host (the guests see

@@ -74,6 +74,9 @@ pub struct VmOptions {
     /// Copy the command's output lines to stdout while it runs, each after this prefix;
     /// None: only collect them.
     pub echo: Option<String>,
+    /// A host directory the guest may write, at the same path (everything else the guest
+    /// writes stays in its memory): where its tests leave results for the host.
+    pub share: Option<PathBuf>,
 }
 
 impl Default for VmOptions {
@@ -85,6 +88,7 @@ impl Default for VmOptions {
             cwd: PathBuf::from("/"),
             env: Vec::new(),
             echo: Some(String::new()),
+            share: None,
         }
     }
 }
@@ -117,15 +121,30 @@ pub fn cache_dir() -> PathBuf {
 
 /// `cargo xtask vm`: runs `cmd` in the guests of `which` ("6.1", "6.12" or "all"); returns the
 /// exit status for the xtask (the guest command's, or the first failed one's with "all").
-pub fn vm_task(
-    which: &str,
-    cpus: Option<u32>,
-    memory_mib: u32,
-    timeout_secs: u64,
-    env_names: &[String],
-    cwd: PathBuf,
-    cmd: &[String],
-) -> Result<i32> {
+/// What `cargo xtask vm` was asked for.
+pub struct VmTask<'a> {
+    /// `6.1`, `6.12` or `all`.
+    pub which: &'a str,
+    pub cpus: Option<u32>,
+    pub memory_mib: u32,
+    pub timeout_secs: u64,
+    /// Host environment variables passed to the command.
+    pub env_names: &'a [String],
+    /// A host directory the guest may write (same path).
+    pub share: Option<PathBuf>,
+    pub cwd: PathBuf,
+}
+
+pub fn vm_task(task: VmTask<'_>, cmd: &[String]) -> Result<i32> {
+    let VmTask {
+        which,
+        cpus,
+        memory_mib,
+        timeout_secs,
+        env_names,
+        share,
+        cwd,
+    } = task;
     let series: Vec<&'static str> = if which == "all" {
         SERIES.to_vec()
     } else {
@@ -158,6 +177,7 @@ pub fn vm_task(
         cwd,
         env,
         echo: Some(String::new()),
+        share,
     };
     if !several {
         let r = run_in_guest(&kernels[0], cmd, &opts)?;
@@ -786,7 +806,24 @@ pub fn run_in_guest(kernel: &Kernel, cmd: &[String], opts: &VmOptions) -> Result
     .args(["-fsdev", &fsdev("root", Path::new("/"))])
     .args(["-device", "virtio-9p-pci,fsdev=root,mount_tag=hostroot"])
     .args(["-fsdev", &fsdev("modules", &kernel.modules)])
-    .args(["-device", "virtio-9p-pci,fsdev=modules,mount_tag=modules"])
+    .args(["-device", "virtio-9p-pci,fsdev=modules,mount_tag=modules"]);
+    let mut share_param = String::new();
+    if let Some(dir) = &opts.share {
+        let dir = dir
+            .canonicalize()
+            .with_context(|| format!("the shared directory {}", dir.display()))?;
+        let dir = dir.to_str().filter(|d| !d.contains([' ', ',']));
+        let Some(dir) = dir else {
+            bail!("the shared directory's path must be UTF-8 without spaces or commas");
+        };
+        qemu.args([
+            "-fsdev",
+            &format!("local,id=share,path={dir},security_model=none,multidevs=remap"),
+        ])
+        .args(["-device", "virtio-9p-pci,fsdev=share,mount_tag=share"]);
+        share_param = format!(" observer.share={dir}");
+    }
+    qemu
     .arg("-kernel")
     .arg(&kernel.vmlinux)
     .arg("-initrd")
@@ -794,7 +831,7 @@ pub fn run_in_guest(kernel: &Kernel, cmd: &[String], opts: &VmOptions) -> Result
     .args([
         "-append",
         &format!(
-            "console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init mitigations=off observer.run={script}"
+            "console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init mitigations=off observer.run={script}{share_param}"
         ),
     ])
     .stdin(Stdio::null())

@@ -5,7 +5,8 @@
 # /modules.list, dependencies first), mount the host's root (9p tag "hostroot", read-only) as
 # the lower layer of an overlay whose upper layer is a tmpfs (writes never reach the host),
 # mount the kernel's own modules (9p tag "modules") over /lib/modules/<version>, the kernel's
-# file systems, /run and /tmp, and switch_root into the overlay. Not chroot: the kernel's
+# file systems, /run and /tmp (and, with observer.share=<path>, that host directory
+# writable at the same path), and switch_root into the overlay. Not chroot: the kernel's
 # module autoload runs /sbin/modprobe in init's root, which must be the host's.
 #
 # Stage 2, PID 1 in the new root (argument "stage2"): bring lo up, decode the command that the
@@ -47,6 +48,14 @@ if [ "$1" != stage2 ]; then
     $B mkdir -p "/newroot/lib/modules/$v"
     $B mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000 modules "/newroot/lib/modules/$v" ||
         die "cannot mount the modules (9p)"
+    # A writable host directory at the same path (observer.share=<path>, 9p tag "share"):
+    # what the guest's tests leave there for the host to read after the run.
+    share=$(param observer.share)
+    if [ -n "$share" ]; then
+        $B mkdir -p "/newroot$share"
+        $B mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 share "/newroot$share" ||
+            die "cannot mount the shared directory $share (9p)"
+    fi
     for d in dev proc sys run tmp; do $B mkdir -p "/newroot/$d"; done
     $B mount --move /dev /newroot/dev
     $B mount --move /proc /newroot/proc

@@ -15,4 +15,5 @@ pub mod nftwatch;
 pub mod plan;
 pub mod probes;
 pub mod session;
+pub mod tc_guard;
 pub mod upkeep;

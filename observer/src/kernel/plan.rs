@@ -47,6 +47,19 @@ pub struct HookPlan {
     pub programs: Vec<usize>,
 }
 
+/// `ip/PREROUTING: tables [raw -300, ...]`: the plan's hook and its tables, for the
+/// capture backends' debug lines.
+impl std::fmt::Display for HookPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}: tables [", self.family.name(), self.hook.name())?;
+        for (i, t) in self.tables.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{} {}", t.name, t.priority)?;
+        }
+        f.write_str("]")
+    }
+}
+
 impl HookPlan {
     /// The plan of one hook. `users`: the priorities of what the namespace runs there (its
     /// nf_tables base chains and legacy x_tables, see [`hook_users`]); a standard table is

@@ -329,16 +329,7 @@ impl Backend for Fentry {
                 .context("filling the trampolines' map")?;
             set.push(key);
         }
-        debug!(
-            "{}/{}: tables {:?}, {} trampoline keys",
-            plan.family.name(),
-            plan.hook.name(),
-            plan.tables
-                .iter()
-                .map(|t| (&t.name, t.priority))
-                .collect::<Vec<_>>(),
-            set.len()
-        );
+        debug!("{plan}; {} trampoline keys", set.len());
         self.keys.insert((plan.family, plan.hook), set);
         Ok(plan)
     }

@@ -80,16 +80,7 @@ impl Backend for Links {
     /// A point whose priority is taken (EBUSY) moves to the nearest free priority between
     /// the same two tables.
     fn attach(&mut self, mut plan: HookPlan) -> Result<HookPlan> {
-        debug!(
-            "{}/{}: tables {:?} probes at {:?}",
-            plan.family.name(),
-            plan.hook.name(),
-            plan.tables
-                .iter()
-                .map(|t| (&t.name, t.priority))
-                .collect::<Vec<_>>(),
-            plan.points
-        );
+        debug!("{plan}; probes at {:?}", plan.points);
         for slot in 0..plan.points.len() {
             let prog = self
                 .nf

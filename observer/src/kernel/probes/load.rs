@@ -314,6 +314,7 @@ impl Probes {
             log,
             tc: HashMap::new(),
             tc_failed: HashSet::new(),
+            tc_guard: Default::default(),
             attach_failures: 0,
             plans: Vec::new(),
             generation: 0,

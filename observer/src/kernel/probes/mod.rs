@@ -43,6 +43,8 @@ pub struct Probes {
     tc: HashMap<u32, Attached>,
     /// Interfaces where attaching failed, so the failure is reported once per interface.
     tc_failed: HashSet<u32>,
+    /// Removes the netlink TC filters (no tcx before 6.6) if observer dies without doing so.
+    tc_guard: crate::kernel::tc_guard::TcGuard,
     /// Attach failures since start (tcx and per-table probes), for the summary.
     pub attach_failures: u64,
     /// The plan as attached (priorities may have moved off EBUSY ones).

@@ -4,10 +4,11 @@
 use std::collections::HashMap;
 
 use anyhow::Result;
-use aya::programs::tc::{SchedClassifierLinkId, TcError};
+use aya::programs::tc::{SchedClassifierLink, TcError};
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
 
 use super::*;
+use crate::kernel::tc_guard::NetlinkFilter;
 
 pub(super) const TC_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_ingress", TcAttachType::Ingress),
@@ -22,10 +23,11 @@ pub(super) const TC_BRIDGE_PROGRAMS: [(&str, TcAttachType); 2] = [
     ("observer_tc_bridge_egress", TcAttachType::Egress),
 ];
 
-/// An interface with tcx probes.
+/// An interface with TC probes: tcx links (6.6+) or netlink filters, which the guard
+/// process also knows of (`kernel::tc_guard`).
 pub(super) struct Attached {
     pub(super) name: String,
-    pub(super) links: Vec<(&'static str, SchedClassifierLinkId)>,
+    pub(super) links: Vec<(u32, SchedClassifierLink)>,
 }
 
 /// What changed among the namespace's interfaces since the last scan.
@@ -58,15 +60,8 @@ impl Probes {
             .collect();
         for index in gone {
             let a = self.tc.remove(&index).expect("listed");
-            for (prog, id) in a.links {
-                let p: &mut SchedClassifier = self
-                    .ebpf
-                    .program_mut(prog)
-                    .expect("loaded in Probes::load")
-                    .try_into()?;
-                // The kernel detached it with the device; this releases our link and fd.
-                let _ = p.detach(id);
-            }
+            // The kernel detached them with the device; this releases our links and fds.
+            self.release_tc(a.links);
             changes.removed.push(a.name);
         }
         self.tc_failed.retain(|i| now.contains_key(i));
@@ -104,8 +99,13 @@ impl Probes {
                     }
                     _ => Err(e),
                 });
-                match attached {
-                    Ok(id) => links.push((prog, id)),
+                match attached.and_then(|id| p.take_link(id)) {
+                    Ok(link) => {
+                        if let Some(f) = NetlinkFilter::of(index, &link) {
+                            self.tc_guard.watch(&f);
+                        }
+                        links.push((index, link));
+                    }
                     Err(e) => {
                         failed = Some(format!("tc {at:?}: {e}"));
                         break;
@@ -114,13 +114,7 @@ impl Probes {
             }
             if let Some(e) = failed {
                 // Undo a half attachment: an interface is either fully probed or reported.
-                for (prog, id) in links {
-                    if let Ok(p) = <&mut SchedClassifier>::try_from(
-                        self.ebpf.program_mut(prog).expect("loaded"),
-                    ) {
-                        let _ = p.detach(id);
-                    }
-                }
+                self.release_tc(links);
                 // One that vanished between listing and attaching is no failure.
                 if interfaces().iter().any(|(i, _)| *i == index) {
                     self.attach_failures += 1;
@@ -142,21 +136,28 @@ impl Probes {
         Ok(changes)
     }
 
-    /// The tcx links, taken out of the programs so that whoever drops them detaches them.
-    pub(super) fn take_tc_links(&mut self) -> Vec<aya::programs::tc::SchedClassifierLink> {
+    /// The TC links, for whoever drops them to detach them (the guard forgets the netlink
+    /// filters among them first).
+    pub(super) fn take_tc_links(&mut self) -> Vec<SchedClassifierLink> {
         let mut taken = Vec::new();
         for (_, a) in self.tc.drain() {
-            for (prog, id) in a.links {
-                if let Some(Ok(p)) = self
-                    .ebpf
-                    .program_mut(prog)
-                    .map(<&mut SchedClassifier>::try_from)
-                    && let Ok(link) = p.take_link(id)
-                {
-                    taken.push(link);
+            for (index, link) in a.links {
+                if let Some(f) = NetlinkFilter::of(index, &link) {
+                    self.tc_guard.forget(&f);
                 }
+                taken.push(link);
             }
         }
         taken
+    }
+
+    /// Detaches `links` now.
+    fn release_tc(&mut self, links: Vec<(u32, SchedClassifierLink)>) {
+        for (index, link) in links {
+            if let Some(f) = NetlinkFilter::of(index, &link) {
+                self.tc_guard.forget(&f);
+            }
+            drop(link);
+        }
     }
 }
