@@ -8,9 +8,14 @@
 pub mod func {
     /// `nft_do_chain`: every nftables base chain but those of type nat (iptables-nft too).
     pub const NFT: u8 = 1;
-    /// `nf_nat_inet_fn`: the nat table (every nat chain of the hook runs inside it, and the
-    /// packet is rewritten there after them).
+    /// The nat table's hook functions (`nf_nat_ipv4_pre_routing`, `nf_nat_ipv4_out`, ...,
+    /// `nf_nat_ipv6_in`, ...): every nat chain of the hook runs inside, and the packet is
+    /// rewritten there after them (an ICMP error related to a connection too, which
+    /// `nf_nat_inet_fn` inside them never sees).
     pub const NAT: u8 = 2;
+    /// `nf_nat_ipv6_fn`: IPv6 LOCAL_IN's nat hook function, also called inside the other
+    /// IPv6 ones (so keyed at LOCAL_IN only).
+    pub const NAT6_FN: u8 = 6;
     /// `nf_conntrack_in`: conntrack (-200).
     pub const CONNTRACK: u8 = 3;
     /// `ipt_do_table`: a legacy x_tables IPv4 table (by its priority).

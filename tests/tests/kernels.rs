@@ -457,13 +457,21 @@ fn kernel_neutral(v: &mut serde_json::Value) {
             }
         }
         Value::Array(a) => a.iter_mut().for_each(kernel_neutral),
+        // `169.254.1.1:48516` alone, or a word of a rule's action (`MASQUERADE 1.2.3.4:40000`).
         Value::String(s) => {
-            if let Some((addr, port)) = s.rsplit_once(':')
-                && port.parse::<u32>().is_ok_and(|p| p >= 32768)
-                && addr.parse::<std::net::IpAddr>().is_ok()
-            {
-                *s = format!("{addr}:*");
-            }
+            let words: Vec<String> = s
+                .split(' ')
+                .map(|w| match w.rsplit_once(':') {
+                    Some((addr, port))
+                        if port.parse::<u32>().is_ok_and(|p| p >= 32768)
+                            && addr.parse::<std::net::IpAddr>().is_ok() =>
+                    {
+                        format!("{addr}:*")
+                    }
+                    _ => w.to_string(),
+                })
+                .collect();
+            *s = words.join(" ");
         }
         _ => {}
     }

@@ -220,21 +220,123 @@ fn plain(ctx: *const u64, f: u8, exit: u8, skb_i: usize, nargs: usize, prio_arg:
 }
 
 // nf_nat_inet_fn(void *priv, struct sk_buff *skb, const struct nf_hook_state *state)
+// The nat table: the hook functions nf_nat registers (`nf_nat_ipv4_ops`, `nf_nat_ipv6_ops`),
+// not `nf_nat_inet_fn` inside them, which they skip for an ICMP error related to a
+// connection (translated by `nf_nat_icmp_reply_translation` instead): every call of the nat
+// table's hook is seen. `nf_nat_ipv6_fn` is IPv6 LOCAL_IN's hook and also called by the
+// other IPv6 ones; its calls count at LOCAL_IN only (userspace keys it there alone).
 #[unsafe(no_mangle)]
-#[unsafe(link_section = "fentry/nf_nat_inet_fn")]
-pub extern "C" fn obs_nat_in(ctx: *const u64) -> i32 {
+#[unsafe(link_section = "fentry/nf_nat_ipv4_pre_routing")]
+pub extern "C" fn obs_nat4_pre_entry(ctx: *const u64) -> i32 {
     plain(ctx, func::NAT, ENTRY, 1, 3, None);
     0
 }
 
 #[unsafe(no_mangle)]
-#[unsafe(link_section = "fexit/nf_nat_inet_fn")]
-pub extern "C" fn obs_nat_out(ctx: *const u64) -> i32 {
+#[unsafe(link_section = "fexit/nf_nat_ipv4_pre_routing")]
+pub extern "C" fn obs_nat4_pre_exit(ctx: *const u64) -> i32 {
     plain(ctx, func::NAT, EXIT, 1, 3, None);
     0
 }
 
-// nf_conntrack_in(struct sk_buff *skb, const struct nf_hook_state *state)
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv4_local_in")]
+pub extern "C" fn obs_nat4_in_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv4_local_in")]
+pub extern "C" fn obs_nat4_in_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv4_local_fn")]
+pub extern "C" fn obs_nat4_local_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv4_local_fn")]
+pub extern "C" fn obs_nat4_local_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv4_out")]
+pub extern "C" fn obs_nat4_out_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv4_out")]
+pub extern "C" fn obs_nat4_out_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv6_in")]
+pub extern "C" fn obs_nat6_pre_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv6_in")]
+pub extern "C" fn obs_nat6_pre_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv6_fn")]
+pub extern "C" fn obs_nat6_in_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT6_FN, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv6_fn")]
+pub extern "C" fn obs_nat6_in_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT6_FN, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv6_local_fn")]
+pub extern "C" fn obs_nat6_local_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv6_local_fn")]
+pub extern "C" fn obs_nat6_local_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/nf_nat_ipv6_out")]
+pub extern "C" fn obs_nat6_out_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/nf_nat_ipv6_out")]
+pub extern "C" fn obs_nat6_out_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::NAT, EXIT, 1, 3, None);
+    0
+}
+
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "fentry/nf_conntrack_in")]
 pub extern "C" fn obs_ct_in(ctx: *const u64) -> i32 {

@@ -5,7 +5,7 @@
 //! | function | table | key's priority |
 //! | --- | --- | --- |
 //! | `nft_do_chain(pkt, chain)` | every nftables base chain but nat ones (iptables-nft too) | the base chain's `ops.priority` |
-//! | `nf_nat_inet_fn(priv, skb, state)` | nat: its chains run inside, the packet is rewritten there after them | 0 |
+//! | nat's hook functions `(priv, skb, state)`: `nf_nat_ipv4_pre_routing`, `_local_in`, `_local_fn`, `_out`, `nf_nat_ipv6_in`, `_local_fn`, `_out`, and `nf_nat_ipv6_fn` (IPv6 LOCAL_IN's, also called inside the others: keyed there only) | nat: its chains run inside, the packet is rewritten there after them, ICMP errors of a connection too | 0 |
 //! | `nf_conntrack_in(skb, state)` | conntrack (-200) | 0 |
 //! | `ipt_do_table(table, skb, state)`, `ip6t_do_table` | a legacy x_tables table | the table's `priority` |
 //!
@@ -43,7 +43,10 @@ struct Target {
     params: &'static [&'static str],
 }
 
-const TARGETS: [Target; 5] = [
+/// nat's hook functions' parameters.
+const NAT_PARAMS: &[&str] = &["priv", "skb", "state"];
+
+const TARGETS: &[Target] = &[
     Target {
         name: "nft_do_chain",
         func: func::NFT,
@@ -51,10 +54,52 @@ const TARGETS: [Target; 5] = [
         params: &["pkt", "priv"],
     },
     Target {
-        name: "nf_nat_inet_fn",
+        name: "nf_nat_ipv4_pre_routing",
         func: func::NAT,
         modules: &["nf_nat"],
-        params: &["priv", "skb", "state"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv4_local_in",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv4_local_fn",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv4_out",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv6_in",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv6_local_fn",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv6_out",
+        func: func::NAT,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
+    },
+    Target {
+        name: "nf_nat_ipv6_fn",
+        func: func::NAT6_FN,
+        modules: &["nf_nat"],
+        params: NAT_PARAMS,
     },
     Target {
         name: "nf_conntrack_in",
@@ -76,11 +121,9 @@ const TARGETS: [Target; 5] = [
     },
 ];
 
-fn target(f: u8) -> &'static Target {
-    TARGETS
-        .iter()
-        .find(|t| t.func == f)
-        .expect("a known function")
+/// The functions that stand for `f`.
+fn targets(f: u8) -> impl Iterator<Item = &'static Target> {
+    TARGETS.iter().filter(move |t| t.func == f)
 }
 
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
@@ -213,7 +256,7 @@ pub struct Fentry {
     /// Keys in `points`, by hook.
     keys: HashMap<(NfFamily, NfHook), Vec<u64>>,
     /// Attached trampolines, by section (`fentry/nft_do_chain`).
-    links: HashMap<&'static str, OwnedFd>,
+    links: HashMap<String, OwnedFd>,
     /// Functions resolved (true) or not found in this kernel's BTF (false).
     found: HashMap<u8, bool>,
 }
@@ -233,48 +276,39 @@ impl Fentry {
         })
     }
 
-    /// Loads and attaches both trampolines of `f` unless done; false when this kernel does
-    /// not have the function (its module not loaded, legacy x_tables unused).
+    /// Loads and attaches both trampolines of each function of `f` unless done; false when
+    /// this kernel has none of them (the module not loaded, legacy x_tables unused).
     fn ensure(&mut self, f: u8) -> Result<bool> {
-        let t = target(f);
-        let sections = section_names(f);
-        if sections.iter().all(|s| self.links.contains_key(s)) {
-            return Ok(true);
+        if let Some(found) = self.found.get(&f) {
+            return Ok(*found);
         }
-        let Some(r) = resolve(t)? else {
-            self.found.insert(f, false);
-            return Ok(false);
-        };
-        if let Some((key, off)) = offsets_for(f, &r.btf)? {
-            nf_link::map_update(self.points.as_raw_fd(), &key, &(off as i32 as u32))
-                .context("filling the trampolines' map")?;
-        }
-        for section in sections {
-            if self.links.contains_key(section) {
+        let mut any = false;
+        for t in targets(f) {
+            let Some(r) = resolve(t)? else {
+                debug!("{} is not in this kernel's BTF", t.name);
                 continue;
+            };
+            if let Some((key, off)) = offsets_for(f, &r.btf)? {
+                nf_link::map_update(self.points.as_raw_fd(), &key, &(off as i32 as u32))
+                    .context("filling the trampolines' map")?;
             }
-            let prog = self.obj.program_mut(section)?;
-            let started = std::time::Instant::now();
-            prog.load_traced(r.btf_id, r.obj.as_ref().map(|o| o.as_raw_fd()))?;
-            let link = prog
-                .attach_traced()
-                .with_context(|| format!("attaching {section}"))?;
-            debug!("{section} loaded and attached in {:?}", started.elapsed());
-            self.links.insert(section, link);
+            for section in [format!("fentry/{}", t.name), format!("fexit/{}", t.name)] {
+                if self.links.contains_key(&section) {
+                    continue;
+                }
+                let prog = self.obj.program_mut(&section)?;
+                let started = std::time::Instant::now();
+                prog.load_traced(r.btf_id, r.obj.as_ref().map(|o| o.as_raw_fd()))?;
+                let link = prog
+                    .attach_traced()
+                    .with_context(|| format!("attaching {section}"))?;
+                debug!("{section} loaded and attached in {:?}", started.elapsed());
+                self.links.insert(section, link);
+            }
+            any = true;
         }
-        self.found.insert(f, true);
-        Ok(true)
-    }
-}
-
-/// The programs' sections of function `f`: entry, exit.
-fn section_names(f: u8) -> [&'static str; 2] {
-    match f {
-        func::NFT => ["fentry/nft_do_chain", "fexit/nft_do_chain"],
-        func::NAT => ["fentry/nf_nat_inet_fn", "fexit/nf_nat_inet_fn"],
-        func::CONNTRACK => ["fentry/nf_conntrack_in", "fexit/nf_conntrack_in"],
-        func::IPT => ["fentry/ipt_do_table", "fexit/ipt_do_table"],
-        _ => ["fentry/ip6t_do_table", "fexit/ip6t_do_table"],
+        self.found.insert(f, any);
+        Ok(any)
     }
 }
 
@@ -293,6 +327,9 @@ pub fn keys_of(plan: &HookPlan) -> Vec<(u64, u8, u32)> {
     for t in &plan.tables {
         let funcs: Vec<(u8, i32)> = match &*t.name {
             "conntrack" => vec![(func::CONNTRACK, 0)],
+            "nat" if plan.family == NfFamily::Ipv6 && plan.hook == NfHook::LocalIn => {
+                vec![(func::NAT6_FN, 0)]
+            }
             "nat" => vec![(func::NAT, 0)],
             _ => vec![(func::NFT, t.priority), (legacy, t.priority)],
         };
@@ -366,21 +403,24 @@ impl Backend for Fentry {
              namespace without conntrack): the traversal starts at the next point"
                 .into(),
         ];
-        let missing: BTreeSet<&str> = self
+        let missing: BTreeSet<u8> = self
             .found
             .iter()
             .filter(|(_, found)| !**found)
-            .map(|(f, _)| target(*f).name)
+            .map(|(f, _)| *f)
             .collect();
-        for name in missing {
-            let t = TARGETS.iter().find(|t| t.name == name).expect("known");
-            if matches!(t.func, func::IPT | func::IP6T) {
+        for f in missing {
+            let names: Vec<&str> = targets(f).map(|t| t.name).collect();
+            let modules: BTreeSet<&str> =
+                targets(f).flat_map(|t| t.modules.iter().copied()).collect();
+            let names = names.join(", ");
+            if matches!(f, func::IPT | func::IP6T) {
                 out.push(format!(
-                    "legacy x_tables tables ({name}: module {} not loaded)",
-                    t.modules.join(", ")
+                    "legacy x_tables tables ({names}: module {} not loaded)",
+                    modules.into_iter().collect::<Vec<_>>().join(", ")
                 ));
             } else {
-                out.push(format!("{name} (not in this kernel's BTF)"));
+                out.push(format!("{names} (not in this kernel's BTF)"));
             }
         }
         out
@@ -422,6 +462,41 @@ mod tests {
         );
     }
 
+    /// nat is keyed by the hook function nf_nat registers there: at IPv6 LOCAL_IN
+    /// `nf_nat_ipv6_fn` (which the other IPv6 hooks' functions call: not keyed there),
+    /// elsewhere the hook's own function.
+    #[test]
+    fn nat_is_keyed_by_its_hook_function() {
+        let plan = HookPlan::new(NfFamily::Ipv6, NfHook::LocalIn, Some(&[100]));
+        let funcs: Vec<u8> = keys_of(&plan).iter().map(|(_, f, _)| *f).collect();
+        assert!(funcs.contains(&func::NAT6_FN), "{funcs:?}");
+        assert!(!funcs.contains(&func::NAT), "{funcs:?}");
+        for hook in [NfHook::PreRouting, NfHook::LocalOut, NfHook::PostRouting] {
+            let plan = HookPlan::new(NfFamily::Ipv6, hook, Some(&[-100, 100]));
+            let funcs: Vec<u8> = keys_of(&plan).iter().map(|(_, f, _)| *f).collect();
+            assert!(funcs.contains(&func::NAT), "{hook:?}: {funcs:?}");
+            assert!(!funcs.contains(&func::NAT6_FN), "{hook:?}: {funcs:?}");
+        }
+        let plan = HookPlan::new(NfFamily::Ipv4, NfHook::LocalIn, Some(&[100]));
+        let funcs: Vec<u8> = keys_of(&plan).iter().map(|(_, f, _)| *f).collect();
+        assert!(funcs.contains(&func::NAT), "{funcs:?}");
+        // Every function has both trampoline programs in the object (its section names are
+        // in the ELF's string table; an object built with OBSERVER_SKIP_EBPF=1 is empty).
+        if !FENTRY_OBJECT.is_empty() {
+            for t in TARGETS {
+                for side in ["fentry", "fexit"] {
+                    let section = format!("{side}/{}\0", t.name);
+                    assert!(
+                        FENTRY_OBJECT
+                            .windows(section.len())
+                            .any(|w| w == section.as_bytes()),
+                        "no program in section {section}"
+                    );
+                }
+            }
+        }
+    }
+
     /// FORWARD: no program 0 or 2; the first table's entry is program 1.
     #[test]
     fn forward_enters_at_program_one() {
@@ -438,7 +513,8 @@ mod tests {
     /// with nf_tables built in, vmlinux's does.
     #[test]
     fn nft_do_chain_is_found_with_its_offsets() {
-        let Some(r) = resolve(target(func::NFT)).expect("resolves") else {
+        let nft = targets(func::NFT).next().expect("nft_do_chain");
+        let Some(r) = resolve(nft).expect("resolves") else {
             eprintln!("!!! SKIPPED: nf_tables not loaded");
             return;
         };
