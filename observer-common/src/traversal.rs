@@ -63,6 +63,9 @@ pub mod missing {
     pub const START: u8 = 8;
     /// The probes were re-planned (new brackets attached) while it was in flight.
     pub const REPLANNED: u8 = 16;
+    /// A point between two it passed at one hook saw nothing (a capture backend's blind
+    /// spot: a table's function that does not run for this packet). Set by userspace.
+    pub const POINT: u8 = 32;
 }
 
 /// Bits of [`TraversalRecord::status`].

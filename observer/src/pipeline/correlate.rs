@@ -288,6 +288,7 @@ pub fn assemble(
     // points see the packet as the point before did, and differ from it only in where they are.
     let mut seen: Option<Observation> = None;
     let mut next = 0;
+    let mut missing = rec.incomplete;
     for (vi, v) in visits.iter().enumerate() {
         if v.programs == 0 {
             continue;
@@ -304,6 +305,11 @@ pub fn assemble(
         }
         let positions = &mut positions[..n];
         positions.sort_unstable();
+        // Every point between the first and the last passed at a hook runs for the packet
+        // (a hook calls its entries in order): one that saw nothing is a blind spot.
+        if positions.windows(2).any(|w| w[1] != w[0] + 1) {
+            missing |= observer_common::traversal::missing::POINT;
+        }
         for &at in &*positions {
             let point = at_point.point(at);
             let here = (vi, position(point));
@@ -345,7 +351,7 @@ pub fn assemble(
         records,
         closed,
         drop,
-        missing: rec.incomplete,
+        missing,
         forward_port: visits
             .iter()
             .filter(|v| v.hook == hook::FORWARD)
@@ -398,6 +404,10 @@ pub fn missing_text(bits: u8) -> Vec<&'static str> {
         (missing::READ, "a probe could not read the packet"),
         (missing::START, "first seen after its start"),
         (missing::REPLANNED, "probes re-planned while in flight"),
+        (
+            missing::POINT,
+            "a point between two it passed saw nothing (the capture backend's blind spot)",
+        ),
     ]
     .into_iter()
     .filter(|(b, _)| bits & b != 0)
@@ -521,8 +531,12 @@ pub mod tests {
 
     #[test]
     fn partial_and_interrupted_records_say_so() {
-        let evs: Vec<PacketEvent> = (0..3)
-            .map(|p| tcp_event(2, p, 3, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), 0))
+        let all = plans();
+        let plan = &all[&(NfFamily::Ipv4, NfHook::Forward)];
+        // The hook's first three points (FORWARD has no program 0 or 2).
+        let evs: Vec<PacketEvent> = plan.programs[..3]
+            .iter()
+            .map(|&p| tcp_event(2, p as u32, 3, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), 0))
             .collect();
         let mut rec = record_of(&evs, end::REUSED);
         rec.incomplete |= missing::START;
@@ -535,6 +549,43 @@ pub mod tests {
         assert_eq!(
             assemble(&rec, &plans(), &LAYOUT).unwrap_err(),
             CorrelateError::UnknownEnd(99)
+        );
+    }
+
+    /// A point between two the packet passed at one hook that saw nothing (fentry's nat for
+    /// an ICMP error of a connection, before it was keyed by nat's hook functions) makes the
+    /// traversal incomplete, said why; every point passed: complete.
+    #[test]
+    fn a_hole_between_points_at_a_hook_is_a_blind_spot() {
+        let all = plans();
+        let plan = &all[&(NfFamily::Ipv4, NfHook::LocalOut)];
+        let n = plan.programs.len();
+        assert!(n >= 4, "{plan:?}");
+        let at = |points: &[usize]| -> Vec<PacketEvent> {
+            points
+                .iter()
+                .map(|&i| {
+                    let p = plan.programs[i] as u32;
+                    tcp_event(3, p, 7, ([1, 1, 1, 1], 1), ([2, 2, 2, 2], 2), 0)
+                })
+                .collect()
+        };
+        let whole = assemble(
+            &record_of(&at(&(0..n).collect::<Vec<_>>()), end::EGRESS),
+            &all,
+            &LAYOUT,
+        )
+        .unwrap();
+        assert_eq!(missing_text(whole.missing), Vec::<&str>::new());
+        // The last points not reached (the packet ended there) are no hole.
+        let ended = assemble(&record_of(&at(&[0, 1]), end::DROPPED), &all, &LAYOUT).unwrap();
+        assert_eq!(missing_text(ended.missing), Vec::<&str>::new());
+        let mut holed: Vec<usize> = (0..n).collect();
+        holed.remove(2);
+        let t = assemble(&record_of(&at(&holed), end::EGRESS), &all, &LAYOUT).unwrap();
+        assert_eq!(
+            missing_text(t.missing),
+            vec!["a point between two it passed saw nothing (the capture backend's blind spot)"]
         );
     }
 

@@ -828,18 +828,33 @@ mod tests {
             let reply = (POD, CLIENT);
             let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, CLIENT, VIP, 0)];
             evs[0].header.ifindex_in = 2;
-            for slot in 0..6u32 {
-                let (dst, mark) = if slot >= 4 { (POD, 0x4000) } else { (VIP, 0) };
-                let mut e = tcp_event(0, slot, skb, CLIENT, dst, mark);
-                if slot >= 2 {
+            // Every point of the plan's PREROUTING (DNAT after nat, its 5th), the first of
+            // FORWARD's (the program of each point as the plan has it).
+            let plans = full_plan(None);
+            let programs = |hook: observer_model::Hook| {
+                plans
+                    .iter()
+                    .find(|p| p.family == observer_model::Family::Ipv4 && p.hook == hook)
+                    .expect("planned")
+                    .programs
+                    .clone()
+            };
+            for (at, &program) in programs(observer_model::Hook::PreRouting)
+                .iter()
+                .enumerate()
+            {
+                let (dst, mark) = if at >= 4 { (POD, 0x4000) } else { (VIP, 0) };
+                let mut e = tcp_event(0, program as u32, skb, CLIENT, dst, mark);
+                if at >= 2 {
                     e = with_ct(e, 2, orig, reply);
                 }
                 evs.push(e);
             }
-            let forward_slots = if dropped { 2 } else { 5 };
-            for slot in 0..forward_slots {
+            let forward = programs(observer_model::Hook::Forward);
+            let forward_points = if dropped { 2 } else { forward.len() };
+            for &program in &forward[..forward_points] {
                 evs.push(with_ct(
-                    tcp_event(2, slot, skb, CLIENT, POD, 0x4000),
+                    tcp_event(2, program as u32, skb, CLIENT, POD, 0x4000),
                     2,
                     orig,
                     reply,
@@ -1014,7 +1029,7 @@ mod tests {
         assert_eq!(lost, vec![0, 3, 0, 0]);
         // The third record (ts 1000..) does not overlap the re-plan window; the fourth
         // (ts 3000..) does, and is flagged.
-        assert_eq!(reports[2]["incomplete"], false);
+        assert_eq!(reports[2]["incomplete"], false, "{}", reports[2]);
         assert_eq!(reports[3]["incomplete"], true, "{}", reports[3]);
     }
 

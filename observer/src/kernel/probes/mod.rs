@@ -136,13 +136,7 @@ mod tests {
         let layout = crate::kernel::btf::KernelLayout::from_kernel().expect("kernel BTF");
         let mut obj = NfObject::parse(FENTRY_OBJECT, &fds, &layout.config, layout.rdonly_cast)
             .expect("trampoline object parses");
-        for f in [
-            "nft_do_chain",
-            "nf_nat_inet_fn",
-            "nf_conntrack_in",
-            "ipt_do_table",
-            "ip6t_do_table",
-        ] {
+        for f in crate::kernel::capture::fentry::functions() {
             for side in ["fentry", "fexit"] {
                 obj.program_mut(&format!("{side}/{f}"))
                     .expect("trampoline program present");
