@@ -345,6 +345,9 @@ fn script(row: &Row, binaries: &HashMap<String, PathBuf>, observer_bin: &Path) -
         observer_bin.display(),
         row.capture
     )?;
+    // A node's prerequisites that a throwaway guest may load: br_netfilter, as kubeadm
+    // requires (the bridge lab needs it; on the host it is the machine's own choice).
+    s.push_str("modprobe br_netfilter 2>/dev/null\n");
     s.push_str("status=0\n");
     for (bin, args) in row.tests {
         let exe = &binaries[*bin];

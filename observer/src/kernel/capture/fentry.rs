@@ -41,6 +41,8 @@ struct Target {
     modules: &'static [&'static str],
     /// Its parameters' names, as the programs read them.
     params: &'static [&'static str],
+    /// The one address family whose hooks it runs (nat's hook functions), or None.
+    family: Option<NfFamily>,
 }
 
 /// nat's hook functions' parameters.
@@ -52,72 +54,96 @@ const TARGETS: &[Target] = &[
         func: func::NFT,
         modules: &["nf_tables"],
         params: &["pkt", "priv"],
+
+        family: None,
     },
     Target {
         name: "nf_nat_ipv4_pre_routing",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv4),
     },
     Target {
         name: "nf_nat_ipv4_local_in",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv4),
     },
     Target {
         name: "nf_nat_ipv4_local_fn",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv4),
     },
     Target {
         name: "nf_nat_ipv4_out",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv4),
     },
     Target {
         name: "nf_nat_ipv6_in",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv6),
     },
     Target {
         name: "nf_nat_ipv6_local_fn",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv6),
     },
     Target {
         name: "nf_nat_ipv6_out",
         func: func::NAT,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv6),
     },
     Target {
         name: "nf_nat_ipv6_fn",
         func: func::NAT6_FN,
         modules: &["nf_nat"],
         params: NAT_PARAMS,
+
+        family: Some(NfFamily::Ipv6),
     },
     Target {
         name: "nf_conntrack_in",
         func: func::CONNTRACK,
         modules: &["nf_conntrack"],
         params: &["skb", "state"],
+
+        family: None,
     },
     Target {
         name: "ipt_do_table",
         func: func::IPT,
         modules: &["ip_tables"],
         params: &["priv", "skb", "state"],
+
+        family: None,
     },
     Target {
         name: "ip6t_do_table",
         func: func::IP6T,
         modules: &["ip6_tables"],
         params: &["priv", "skb", "state"],
+
+        family: None,
     },
 ];
 
@@ -262,8 +288,8 @@ pub struct Fentry {
     keys: HashMap<(NfFamily, NfHook), Vec<u64>>,
     /// Attached trampolines, by section (`fentry/nft_do_chain`).
     links: HashMap<String, OwnedFd>,
-    /// Functions resolved (true) or not found in this kernel's BTF (false).
-    found: HashMap<u8, bool>,
+    /// Functions resolved (true) or not found in this kernel's BTF (false), by family.
+    found: HashMap<(u8, NfFamily), bool>,
 }
 
 impl Fentry {
@@ -283,12 +309,12 @@ impl Fentry {
 
     /// Loads and attaches both trampolines of each function of `f` unless done; false when
     /// this kernel has none of them (the module not loaded, legacy x_tables unused).
-    fn ensure(&mut self, f: u8) -> Result<bool> {
-        if let Some(found) = self.found.get(&f) {
+    fn ensure(&mut self, f: u8, family: NfFamily) -> Result<bool> {
+        if let Some(found) = self.found.get(&(f, family)) {
             return Ok(*found);
         }
         let mut any = false;
-        for t in targets(f) {
+        for t in targets(f).filter(|t| t.family.is_none_or(|only| only == family)) {
             let Some(r) = resolve(t)? else {
                 debug!("{} is not in this kernel's BTF", t.name);
                 continue;
@@ -312,7 +338,7 @@ impl Fentry {
             }
             any = true;
         }
-        self.found.insert(f, any);
+        self.found.insert((f, family), any);
         Ok(any)
     }
 }
@@ -364,7 +390,7 @@ impl Backend for Fentry {
         let keys = keys_of(&plan);
         let mut set = Vec::new();
         for (key, f, program) in keys {
-            if !self.ensure(f)? {
+            if !self.ensure(f, plan.family)? {
                 continue;
             }
             nf_link::map_update(self.points.as_raw_fd(), &key, &program)
@@ -408,16 +434,18 @@ impl Backend for Fentry {
              namespace without conntrack): the traversal starts at the next point"
                 .into(),
         ];
-        let missing: BTreeSet<u8> = self
+        let missing: BTreeSet<(u8, NfFamily)> = self
             .found
             .iter()
             .filter(|(_, found)| !**found)
-            .map(|(f, _)| *f)
+            .map(|(k, _)| *k)
             .collect();
-        for f in missing {
-            let names: Vec<&str> = targets(f).map(|t| t.name).collect();
-            let modules: BTreeSet<&str> =
-                targets(f).flat_map(|t| t.modules.iter().copied()).collect();
+        for (f, family) in missing {
+            let of_family = || targets(f).filter(move |t| t.family.is_none_or(|o| o == family));
+            let names: Vec<&str> = of_family().map(|t| t.name).collect();
+            let modules: BTreeSet<&str> = of_family()
+                .flat_map(|t| t.modules.iter().copied())
+                .collect();
             let names = names.join(", ");
             if matches!(f, func::IPT | func::IP6T) {
                 out.push(format!(
