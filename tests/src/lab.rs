@@ -259,7 +259,9 @@ impl Tail {
             child: Some(child),
             stdout: Some(reader),
         };
-        let deadline = Instant::now() + Duration::from_secs(30) * crate::time_scale();
+        // Attaching verifies every probe program: seconds here, minutes under a guest's
+        // software emulation on a loaded machine (fentry's trampolines on 6.12: 224 s).
+        let deadline = Instant::now() + Duration::from_secs(60) * crate::time_scale();
         while !ready.exists() {
             if let Some(status) = tail.child.as_mut().unwrap().try_wait().unwrap() {
                 let mut err = String::new();
@@ -275,7 +277,7 @@ impl Tail {
             assert!(
                 Instant::now() < deadline,
                 "observer tail not ready in {} s",
-                30 * crate::time_scale()
+                60 * crate::time_scale()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
