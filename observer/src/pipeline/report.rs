@@ -122,6 +122,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 rules: Default::default(),
                 policy: None,
                 note: None,
+                ipvs: None,
                 check: None,
             });
             if let (Some(namer), Some(b)) = (ctx.rules, b) {

@@ -462,6 +462,7 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
         rules,
         policy: None,
         note: br.stages.iter().find_map(|st| st.note.clone()),
+        ipvs: br.stages.iter().find_map(|st| st.ipvs.clone()),
         check: None,
     }
 }
