@@ -78,6 +78,11 @@ fn ipvs_line(i: &crate::IpvsStep) -> String {
         )),
         "scheduler" => {}
         "only" => s.push_str("  (its only real server)"),
+        "observed" if i.candidates == 1 => s.push_str("  (its only real server)"),
+        "observed" => s.push_str(&format!(
+            "  (scheduled by {} among {})",
+            i.scheduler, i.candidates
+        )),
         by => s.push_str(&format!("  (chosen by {by})")),
     }
     s

@@ -351,10 +351,11 @@ pub struct LiveNode {
     pub failures: Vec<LiveError>,
 }
 
-/// `ipvsadm -Sn` where IPVS is loaded (`/proc/net/ip_vs` exists in the reading thread's
-/// namespace); None where it is not: no virtual service can exist there.
+/// `ipvsadm -Sn` where IPVS is loaded (`ip_vs` exists in the reading thread's namespace:
+/// `/proc/thread-self/net`, since `/proc/net` follows the process's first thread); None
+/// where it is not: no virtual service can exist there.
 fn read_ipvs() -> Option<Result<String, LiveError>> {
-    std::path::Path::new("/proc/net/ip_vs")
+    std::path::Path::new("/proc/thread-self/net/ip_vs")
         .exists()
         .then(|| run("ipvsadm", &["-Sn"], "ipvsadm"))
 }
