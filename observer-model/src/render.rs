@@ -79,6 +79,7 @@ fn ipvs_line(i: &crate::IpvsStep) -> String {
         "scheduler" => {}
         "only" => s.push_str("  (its only real server)"),
         "observed" if i.candidates == 1 => s.push_str("  (its only real server)"),
+        "reply" => s.push_str("  (a reply: its source given back the virtual service's)"),
         "observed" => s.push_str(&format!(
             "  (scheduled by {} among {})",
             i.scheduler, i.candidates

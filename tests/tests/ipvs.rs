@@ -1,6 +1,6 @@
 //! Privileged tests in the IPVS lab (`observer lab up --mode ipvs`, the third seed's node):
 //! a ClusterIP request IPVS schedules at INPUT and sends on through OUTPUT is one report with
-//! IPVS named at its place, held against IPVS's own statistics, conntrack's entry and
+//! IPVS named at its place (its replies with IPVS's translation back at FORWARD), held against IPVS's own statistics, conntrack's entry and
 //! `explain --live`'s prediction; a request a policy drops after IPVS sent it. They need a
 //! kernel with IP_VS: the kernel matrix's guests (Debian's 6.1 and 6.12 have it as a module);
 //! this project's host kernel has none, and the tests say so and skip there.
@@ -146,6 +146,16 @@ fn a_cluster_ip_request_is_one_report_with_ipvs_at_input_and_no_forward() {
         assert!(stage(r, "INPUT", "ipvs").is_some(), "{r}");
         assert!(tables(r).iter().all(|(h, _)| h != "FORWARD"), "{r}");
     }
+    // Replies get the virtual service's address back from IPVS at FORWARD 100.
+    let reply = reports
+        .iter()
+        .find_map(|r| stage(r, "FORWARD", "ipvs"))
+        .unwrap_or_else(|| panic!("no reply with an ipvs stage in FORWARD:\n{}", all()));
+    assert_eq!(reply["priority"], 100);
+    assert_eq!(reply["ipvs"]["chosen_by"], "reply", "{reply}");
+    assert_eq!(reply["ipvs"]["real_server"], "172.17.0.5:22", "{reply}");
+    assert_eq!(reply["before"]["src"], "172.17.0.5:22", "{reply}");
+    assert_eq!(reply["after"]["src"], "10.10.10.2:22", "{reply}");
     // IPVS counted exactly this connection for the real server the report names.
     assert_eq!(conns(&lab, "10.10.10.2:22", "172.17.0.5:22"), before + 1);
     // conntrack holds the connection the report shows: to the ClusterIP, replied by the pod.

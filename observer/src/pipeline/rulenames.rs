@@ -312,6 +312,43 @@ impl RuleNamer {
         }))
     }
 
+    /// Whether the node has IPVS virtual services.
+    pub fn has_ipvs(&self) -> bool {
+        !self.sim.ipvs.is_empty()
+    }
+
+    /// What IPVS did to a reply at FORWARD (`ip_vs_out_hook`): the real server it came from
+    /// (`before`'s source) given back the virtual service's address (`after`'s source).
+    /// None when the source did not change to a virtual service's.
+    pub fn ipvs_reply_step(
+        &self,
+        proto: u8,
+        before: &observer_model::Snapshot,
+        after: &observer_model::Snapshot,
+    ) -> Option<Arc<observer_model::IpvsStep>> {
+        if before.src == after.src {
+            return None;
+        }
+        let svc = self
+            .sim
+            .ipvs
+            .lookup(proto, after.src.host.ip()?, after.src.port, 0)?;
+        let from = before.src.host.ip();
+        let rs = svc
+            .real_servers
+            .iter()
+            .find(|r| Some(r.addr) == from && (r.port.is_none() || r.port == before.src.port))?;
+        Some(Arc::new(observer_model::IpvsStep {
+            service: svc.name(),
+            scheduler: svc.scheduler.clone(),
+            real_server: Some(rs.endpoint()),
+            forward: Some(rs.forward.name().to_string()),
+            weight: Some(rs.weight),
+            chosen_by: "reply".into(),
+            candidates: u32::try_from(svc.candidates().count()).unwrap_or(u32::MAX),
+        }))
+    }
+
     pub fn name(&self, s: &StageToName, ifname: &dyn Fn(u32) -> String) -> Arc<Named> {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
