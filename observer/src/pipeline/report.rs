@@ -184,7 +184,9 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 verdict,
                 rules: Default::default(),
                 policy: None,
-                note: None,
+                note: (ipvs_reply && reply_step.is_none()).then(|| {
+                    "no translation seen between the probes around IPVS's reply hook (the fentry backend cannot bracket IPVS's hooks: its probes sit on the tables' functions)".into()
+                }),
                 ipvs: reply_step,
                 check: None,
             });
