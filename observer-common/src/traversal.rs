@@ -907,6 +907,18 @@ pub fn continues_into_bridge(rec: &TraversalRecord) -> bool {
     )
 }
 
+/// Whether a packet met at OUTPUT's first point under the address of `rec` is the same
+/// packet going on: a hook function took it in INPUT and sends it out again as the same skb.
+/// IPVS does (LOCAL_IN 99, `ip_vs_nat_send_or_cont`/`ip_vs_send_or_cont` run LOCAL_OUT
+/// for it, then POSTROUTING). A packet a socket took is freed, its end seen, before its
+/// address can start another packet; one whose visit to INPUT is still open was not.
+#[inline(always)]
+pub fn resent_from_input(rec: &TraversalRecord, hook_no: u8) -> bool {
+    hook_no == crate::hook::LOCAL_OUT
+        && last_hook(rec) == Some(crate::hook::LOCAL_IN)
+        && rec.status & status::SOCKET == 0
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;
@@ -1482,6 +1494,22 @@ mod tests {
         assert!(
             !continues_into_bridge(&rec),
             "a record past PREROUTING is stale"
+        );
+    }
+
+    #[test]
+    fn a_packet_ipvs_sends_on_continues_from_input_into_output() {
+        let mut rec = fresh();
+        add_reading(&mut rec, &reading(hook::TC_INGRESS, 0, 60), 0);
+        add_reading(&mut rec, &reading(hook::PRE_ROUTING, 1, 60), 0);
+        assert!(!resent_from_input(&rec, hook::LOCAL_OUT), "not in INPUT");
+        add_reading(&mut rec, &reading(hook::LOCAL_IN, 1, 60), 0);
+        assert!(resent_from_input(&rec, hook::LOCAL_OUT));
+        assert!(!resent_from_input(&rec, hook::PRE_ROUTING), "only OUTPUT");
+        rec.status |= status::SOCKET;
+        assert!(
+            !resent_from_input(&rec, hook::LOCAL_OUT),
+            "a socket took it: another packet"
         );
     }
 

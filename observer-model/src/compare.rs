@@ -143,6 +143,7 @@ mod tests {
             rules: Default::default(),
             policy: None,
             note: None,
+            ipvs: None,
             check: None,
         }
     }

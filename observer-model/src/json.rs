@@ -239,6 +239,10 @@ fn stage<W: Write>(out: &mut W, s: &Stage) -> io::Result<()> {
         out.write_all(b",\"note\":")?;
         string(out, n)?;
     }
+    if let Some(i) = &s.ipvs {
+        out.write_all(b",\"ipvs\":")?;
+        serde(out, &**i)?;
+    }
     if let Some(c) = &s.check {
         out.write_all(b",\"check\":")?;
         check(out, c)?;
@@ -312,6 +316,7 @@ fn nat<W: Write>(out: &mut W, n: &Nat) -> io::Result<()> {
     out.write_all(match n.source {
         NatSource::Rules => b",\"source\":\"rules\"}",
         NatSource::Conntrack => b",\"source\":\"conntrack\"}",
+        NatSource::Ipvs => b",\"source\":\"ipvs\"}",
     })
 }
 
@@ -547,6 +552,7 @@ mod tests {
                 rules: Rules::default(),
                 policy: None,
                 note: None,
+                ipvs: None,
                 check: None,
             },
             Stage {
@@ -567,6 +573,7 @@ mod tests {
                 rules: rules(),
                 policy: Some("DROP".into()),
                 note: Some(AWKWARD.into()),
+                ipvs: None,
                 check: Some(Arc::new(Check {
                     result: CheckResult::Disagrees,
                     disagreements: vec!["one".into(), AWKWARD.into()],
@@ -588,6 +595,7 @@ mod tests {
                 rules: Rules::new(Vec::new()),
                 policy: None,
                 note: None,
+                ipvs: None,
                 check: Some(Arc::new(Check {
                     result: CheckResult::Undecidable,
                     disagreements: Vec::new(),
@@ -869,10 +877,23 @@ mod tests {
                 if let Some(c) = &mut s.check {
                     Arc::make_mut(c).result = checks[(i + j) % checks.len()];
                 }
+                // Every other stage an IPVS step, with a real server or without one.
+                s.ipvs = ((i + j) % 2 == 0).then(|| {
+                    Arc::new(crate::IpvsStep {
+                        service: "TCP  10.10.10.2:22 rr".into(),
+                        scheduler: "rr".into(),
+                        real_server: (j % 2 == 0).then(|| "172.17.0.5:22".into()),
+                        forward: (j % 2 == 0).then(|| "Masq".into()),
+                        weight: (j % 2 == 0).then_some(1),
+                        chosen_by: "scheduler".into(),
+                        candidates: 2,
+                    })
+                });
             }
             for (j, n) in t.nat.iter_mut().enumerate() {
                 n.kind = [NatKind::Dnat, NatKind::Snat][(i + j) % 2];
-                n.source = [NatSource::Rules, NatSource::Conntrack][(i / 2 + j) % 2];
+                n.source =
+                    [NatSource::Rules, NatSource::Conntrack, NatSource::Ipvs][(i / 2 + j) % 3];
                 n.hook = Hook::ALL[(i + j + 1) % 5];
             }
             same(&t);

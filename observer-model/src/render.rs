@@ -59,6 +59,36 @@ fn mark_word(c: &MarkChange, sign: char) -> String {
 const CONNTRACK_NOTE: &str = "the nat table is not consulted for this packet because its \
      connection is already established: conntrack applied the stored translation";
 
+/// IPVS's step as `ipvsadm -Ln` lists it: the virtual service, then the real server.
+fn ipvs_line(i: &crate::IpvsStep) -> String {
+    let mut s = format!("ipvs: {}", i.service);
+    match (&i.real_server, &i.forward) {
+        (Some(rs), Some(fwd)) => {
+            s.push_str(&format!("  -> {rs} {fwd}"));
+            if let Some(w) = i.weight {
+                s.push_str(&format!(" weight {w}"));
+            }
+        }
+        _ => s.push_str("  -> no real server"),
+    }
+    match i.chosen_by.as_str() {
+        "scheduler" if i.candidates > 1 => s.push_str(&format!(
+            "  (one of {} candidates: the scheduler {} picks, see branches)",
+            i.candidates, i.scheduler
+        )),
+        "scheduler" => {}
+        "only" => s.push_str("  (its only real server)"),
+        "observed" if i.candidates == 1 => s.push_str("  (its only real server)"),
+        "reply" => s.push_str("  (a reply: its source given back the virtual service's)"),
+        "observed" => s.push_str(&format!(
+            "  (scheduled by {} among {})",
+            i.scheduler, i.candidates
+        )),
+        by => s.push_str(&format!("  (chosen by {by})")),
+    }
+    s
+}
+
 /// The stage lines of one path, with rules and checks beneath each stage.
 fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks, nat: &[Nat]) {
     let mut last_ct: Option<&CtView> = None;
@@ -94,6 +124,7 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
                 match n.source {
                     NatSource::Rules => "nat rules",
                     NatSource::Conntrack => "conntrack",
+                    NatSource::Ipvs => "ipvs",
                 }
             ));
             if n.source == NatSource::Conntrack {
@@ -155,6 +186,9 @@ fn render_stages(out: &mut String, indent: &str, stages: &[Stage], marks: &Marks
         );
         if let Some(n) = note {
             let _ = writeln!(out, "{indent}  {:<31}  note: {}", "", e(n));
+        }
+        if let Some(i) = &s.ipvs {
+            let _ = writeln!(out, "{indent}      {}", e(&ipvs_line(i)));
         }
         for r in s.rules.iter() {
             let mut extra = String::new();
@@ -476,10 +510,7 @@ impl Traversal {
                     n.to,
                     n.hook.name(),
                     n.table,
-                    match n.source {
-                        NatSource::Rules => "rules",
-                        NatSource::Conntrack => "conntrack",
-                    }
+                    n.source.name()
                 )
             })
             .collect();
@@ -549,6 +580,7 @@ mod tests {
             rules,
             policy: None,
             note: None,
+            ipvs: None,
             check: None,
         }
     }

@@ -135,13 +135,44 @@ pub enum NatKind {
     Snat,
 }
 
-/// Who translated: the nat chains (first packet of a connection) or conntrack's stored
-/// translation (every later packet and reply).
+/// Who translated: the nat chains (first packet of a connection), conntrack's stored
+/// translation (every later packet and reply), or IPVS (its own hooks, a stage `ipvs`).
 #[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum NatSource {
     Rules,
     Conntrack,
+    Ipvs,
+}
+
+impl NatSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            NatSource::Rules => "rules",
+            NatSource::Conntrack => "conntrack",
+            NatSource::Ipvs => "ipvs",
+        }
+    }
+}
+
+/// What IPVS did at its hook (a stage whose table is `ipvs`), named as `ipvsadm -Ln`
+/// names it.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct IpvsStep {
+    /// The virtual service the packet reached: `TCP  10.96.0.10:53 rr`.
+    pub service: String,
+    pub scheduler: String,
+    /// The real server of this path (`10.244.1.5:53`); None when IPVS sent it nowhere
+    /// (no real server with a weight: the packet is dropped with an ICMP error).
+    pub real_server: Option<String>,
+    /// `Masq`, `Route`, `Tunnel` or `Local`.
+    pub forward: Option<String>,
+    pub weight: Option<u32>,
+    /// Who picked the real server: `scheduler` (a prediction lists every candidate, one
+    /// branch each), `connection` (IPVS's connection entry), `persistence`, `only`.
+    pub chosen_by: String,
+    /// How many real servers the choice was among.
+    pub candidates: u32,
 }
 
 #[derive(Serialize, Debug, Clone, PartialEq)]
@@ -276,6 +307,9 @@ pub struct Stage {
     pub policy: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// A stage of IPVS's own hook: the virtual service and the real server.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipvs: Option<Arc<IpvsStep>>,
     /// Observed stages: whether the rules, simulated on the observed before-state, predict
     /// the observed after-state.
     #[serde(skip_serializing_if = "Option::is_none")]

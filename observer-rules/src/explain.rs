@@ -62,6 +62,8 @@ pub enum ExplainError {
     Addrs(ParseError),
     #[error("bridge/link input, {0}")]
     Bridges(ParseError),
+    #[error("ipvsadm input (pass `ipvsadm -Sn` output), {0}")]
+    Ipvs(ParseError),
     #[error(transparent)]
     Packet(#[from] PacketSpecError),
     #[error(
@@ -97,6 +99,7 @@ impl ExplainError {
             Text::Routes => ExplainError::Routes(e),
             Text::Addrs => ExplainError::Addrs(e),
             Text::Bridge(_) => ExplainError::Bridges(e),
+            Text::Ipvs => ExplainError::Ipvs(e),
         }
     }
 }
@@ -133,13 +136,20 @@ pub fn explain(req: &ExplainRequest) -> Result<Explanation, ExplainError> {
     if let Some(u) = parsed.unparsed.first() {
         return Err(ExplainError::unparsed(u.clone()));
     }
-    Ok(explain_with_bridges(
+    let mut sim = prepare(
         rs,
         &parsed.ipsets,
         &parsed.routes,
         &parsed.bridges,
-        &packet,
         &parsed.iface_addrs,
+    );
+    sim.ipvs = parsed.ipvs.clone();
+    Ok(explain_on(
+        &sim,
+        rs,
+        &parsed.ipsets,
+        &parsed.bridges,
+        &packet,
     ))
 }
 

@@ -13,6 +13,7 @@ pub mod error;
 pub mod explain;
 pub mod ipset;
 pub mod iptables;
+pub mod ipvs;
 pub mod journey;
 pub mod live;
 pub mod net;

@@ -23,6 +23,7 @@ use crate::error::ParseError;
 use crate::explain::Ruleset;
 use crate::ipset::{Ipsets, parse_ipsets};
 use crate::iptables::parse_save_family;
+use crate::ipvs::{IpvsTable, parse_ipvsadm_save};
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::route::Routes;
 use crate::sim::Simulator;
@@ -69,6 +70,13 @@ pub struct LiveTexts {
     /// these texts in a frame that stays small).
     #[serde(default)]
     pub bridge: Box<BridgeTexts>,
+    /// `ipvsadm -Sn`: IPVS's virtual services and real servers (absent: no IPVS, or not
+    /// read).
+    #[serde(default)]
+    pub ipvs: Option<String>,
+    /// `net.ipv4.vs.conntrack` (absent: IPVS not loaded, or not read).
+    #[serde(default)]
+    pub ipvs_conntrack: Option<bool>,
 }
 
 /// What the bridge commands printed, raw.
@@ -132,6 +140,7 @@ pub enum Text {
     Addrs,
     /// One of the bridge texts, by the command that printed it.
     Bridge(&'static str),
+    Ipvs,
 }
 
 impl Text {
@@ -145,6 +154,7 @@ impl Text {
             Text::Routes => "ip -j route show table all",
             Text::Addrs => "ip -j addr show",
             Text::Bridge(cmd) => cmd,
+            Text::Ipvs => "ipvsadm -Sn",
         }
     }
 }
@@ -158,6 +168,7 @@ pub struct Parsed {
     pub routes: Routes,
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
     pub bridges: Bridges,
+    pub ipvs: IpvsTable,
     /// Each text that did not parse, in [`Text`]'s order.
     pub unparsed: Vec<(Text, ParseError)>,
 }
@@ -227,6 +238,10 @@ impl LiveTexts {
                     }
                 }),
             }),
+            ipvs: read_ipvs().and_then(&mut keep),
+            ipvs_conntrack: std::fs::read_to_string("/proc/sys/net/ipv4/vs/conntrack")
+                .ok()
+                .map(|v| v.trim() != "0"),
         };
         (texts, failures)
     }
@@ -272,6 +287,14 @@ impl LiveTexts {
         );
         let (bridges, bad) = self.bridge.parse();
         unparsed.extend(bad.into_iter().map(|(cmd, e)| (Text::Bridge(cmd), e)));
+        let mut ipvs = parse_text(
+            self.ipvs.as_deref(),
+            Text::Ipvs,
+            parse_ipvsadm_save,
+            &mut unparsed,
+        )
+        .unwrap_or_default();
+        ipvs.conntrack = self.ipvs_conntrack;
         Parsed {
             ruleset: Ruleset {
                 ipv4: ipv4.unwrap_or_default(),
@@ -282,6 +305,7 @@ impl LiveTexts {
             routes,
             iface_addrs: iface_addrs.unwrap_or_default(),
             bridges,
+            ipvs,
             unparsed,
         }
     }
@@ -295,6 +319,7 @@ impl LiveTexts {
             &self.nft,
             &self.ipset,
             &self.addrs,
+            &self.ipvs,
         ]
         .into_iter()
         .chain([&b.bridge_links, &b.links, &b.neigh, &b.fdb])
@@ -320,8 +345,19 @@ pub struct LiveNode {
     pub iface_addrs: HashMap<String, Vec<IpAddr>>,
     /// Bridge ports, neighbours, fdb and br_netfilter's switches (`physdev`, bridged paths).
     pub bridges: Bridges,
+    /// IPVS's virtual services and real servers.
+    pub ipvs: IpvsTable,
     /// Every read that failed, with what to do.
     pub failures: Vec<LiveError>,
+}
+
+/// `ipvsadm -Sn` where IPVS is loaded (`ip_vs` exists in the reading thread's namespace:
+/// `/proc/thread-self/net`, since `/proc/net` follows the process's first thread); None
+/// where it is not: no virtual service can exist there.
+fn read_ipvs() -> Option<Result<String, LiveError>> {
+    std::path::Path::new("/proc/thread-self/net/ip_vs")
+        .exists()
+        .then(|| run("ipvsadm", &["-Sn"], "ipvsadm"))
 }
 
 fn run(cmd: &str, args: &[&str], package: &'static str) -> Result<String, LiveError> {
@@ -387,6 +423,7 @@ impl LiveNode {
             routes: parsed.routes,
             iface_addrs: parsed.iface_addrs,
             bridges: parsed.bridges,
+            ipvs: parsed.ipvs,
             failures: failures.collect(),
         }
     }
@@ -413,6 +450,7 @@ impl LiveNode {
             routes,
             iface_addrs,
             bridges,
+            ipvs,
             ..
         } = self;
         drop(texts);
@@ -422,6 +460,7 @@ impl LiveNode {
         }
         sim.iface_addrs = iface_addrs;
         sim.bridges = bridges;
+        sim.ipvs = ipvs;
         sim
     }
 
@@ -437,6 +476,7 @@ impl LiveNode {
         }
         sim.iface_addrs = self.iface_addrs.clone();
         sim.bridges = self.bridges.clone();
+        sim.ipvs = self.ipvs.clone();
         sim
     }
 

@@ -6,6 +6,7 @@
 //! tables by priority, in the kernel's order.
 
 mod bridged;
+mod ipvs;
 mod matches;
 mod nft_walk;
 
@@ -24,6 +25,7 @@ use crate::bridge::Bridges;
 use crate::compile::{Action, Compiled, Cond, compile};
 use crate::ipset::{Ipsets, Lookup};
 use crate::iptables::{Rule, SaveFile};
+use crate::ipvs::IpvsTable;
 use crate::nft::NftRuleset;
 use crate::nft::compile::compile as compile_nft;
 use crate::nft::program::{Program, Scheduled, nat_core_priority};
@@ -95,6 +97,8 @@ pub(crate) struct Stage {
     ct: Option<(CtState, Option<u32>)>,
     /// For a native nft base chain: its family and name (`table` is the nft table).
     nft_chain: Option<(String, String)>,
+    /// IPVS's stage: the virtual service and real server.
+    ipvs: Option<Arc<model::IpvsStep>>,
 }
 
 impl Stage {
@@ -120,6 +124,7 @@ impl Stage {
             note: None,
             ct: None,
             nft_chain,
+            ipvs: None,
         }
     }
 
@@ -155,6 +160,7 @@ impl Stage {
             rules: self.rules.iter().map(crate::explain::model_rule).collect(),
             policy: self.policy,
             note: self.note,
+            ipvs: self.ipvs,
             check: None,
         }
     }
@@ -205,6 +211,8 @@ struct Walk {
     bridge: Option<(String, Option<String>, Option<String>)>,
     /// Stages where conntrack applied a stored translation ([`StoredNat`]).
     ct_nat: Vec<usize>,
+    /// IPVS sent the packet (its fate's reason).
+    ipvs_sent: Option<String>,
 }
 
 impl Walk {
@@ -217,6 +225,7 @@ impl Walk {
             notes: Vec::new(),
             bridge: None,
             ct_nat: Vec::new(),
+            ipvs_sent: None,
         }
     }
 
@@ -234,6 +243,8 @@ impl Walk {
                 for (at, n) in &mut nat {
                     if self.ct_nat.contains(at) {
                         n.source = NatSource::Conntrack;
+                    } else if &*n.table == "ipvs" {
+                        n.source = NatSource::Ipvs;
                     }
                 }
                 nat.into_iter().map(|(_, n)| n).collect()
@@ -257,6 +268,7 @@ impl Walk {
 fn predicted_fate(w: &Walk) -> Fate {
     let last = w.stages.last();
     let mut f = Fate::new(match (w.verdict, w.route) {
+        (Verdict::Accept, Some(Route::Input)) if w.ipvs_sent.is_some() => FateKind::Forwarded,
         (Verdict::Accept, Some(Route::Input)) => FateKind::Delivered,
         (Verdict::Accept, Some(Route::Output)) => FateKind::Sent,
         (Verdict::Accept, _) => FateKind::Forwarded,
@@ -273,6 +285,8 @@ fn predicted_fate(w: &Walk) -> Fate {
             (None, Some(r)) => Some(format!("rule {}", r.id.place())),
             (None, None) => None,
         };
+    } else if let (Verdict::Accept, Some(why)) = (w.verdict, &w.ipvs_sent) {
+        f.reason = Some(why.clone());
     } else if w.verdict != Verdict::Accept {
         // Routing ended it (or had nothing to decide with).
         f.reason = w.notes.last().cloned();
@@ -362,6 +376,8 @@ pub struct Simulator<'a> {
     /// Bridge ports and br_netfilter's switches; empty when not given (`physdev` is then
     /// undecidable and a frame entering a port is walked as if routed).
     pub bridges: Bridges,
+    /// IPVS's virtual services (empty: no IPVS step).
+    pub ipvs: IpvsTable,
 }
 
 /// The walk budget: a valid ruleset's walk evaluates each rule about once (a chain jumped to
@@ -465,6 +481,12 @@ struct Pkt {
     recent_set: Vec<(String, bool)>,
     /// The translation conntrack stored for the packet's connection (not a new one).
     stored: StoredNat,
+    /// The nat core has bound the connection's destination (a nat hook ran at PREROUTING
+    /// or OUTPUT): nat OUTPUT chains are not walked again for it (IPVS's re-sent packet).
+    dst_nat_bound: bool,
+    /// The real server of the packet's IPVS connection (a stored destination of a packet
+    /// to a virtual service: IPVS, not the nat core, rewrites every packet of it).
+    ipvs_stored: Option<(IpAddr, Option<u16>)>,
     /// Assumptions stateful matches were answered under, for the branch's notes.
     assumed: Vec<String>,
     /// Filled while one rule's matches are evaluated (which reads the packet only), then
@@ -561,6 +583,8 @@ impl Pkt {
             assumed: Vec::new(),
             fx: RefCell::default(),
             stored: StoredNat::default(),
+            dst_nat_bound: false,
+            ipvs_stored: None,
         }
     }
 
@@ -714,6 +738,14 @@ impl Chooser {
     }
 }
 
+/// How a hook left the walk ([`Simulator::run_hook_with_ipvs`]).
+enum Hooked {
+    Go,
+    Stop,
+    /// IPVS sent the packet: OUTPUT and POSTROUTING have run.
+    SentByIpvs,
+}
+
 enum TableResult {
     Verdict(Verdict),
     Undecidable(String),
@@ -750,6 +782,7 @@ impl<'a> Simulator<'a> {
             nft_skip_iptables: [false; 2],
             ipt_handles: HashMap::new(),
             bridges: Bridges::default(),
+            ipvs: IpvsTable::default(),
         }
     }
 
@@ -898,6 +931,15 @@ impl<'a> Simulator<'a> {
         let mut pkt = Pkt::new(spec, false, false);
         if spec.ct_state != CtState::New {
             pkt.stored = stored.clone();
+            // IPVS does not mark its connections DNAT in conntrack: it translates each
+            // packet itself, at its hook.
+            if self
+                .ipvs
+                .lookup(spec.proto, spec.dst, spec.dport, spec.mark)
+                .is_some()
+            {
+                pkt.ipvs_stored = pkt.stored.dst.take();
+            }
         }
         // Unless the spec says otherwise, a new connection's ct mark is 0.
         pkt.ct_mark = spec
@@ -933,8 +975,13 @@ impl<'a> Simulator<'a> {
             }
         };
         for hook in hooks {
-            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
-                return b;
+            match self.run_hook_with_ipvs(fam, hook, &mut pkt, &mut b, ch) {
+                Hooked::Go => {}
+                Hooked::Stop => return b,
+                Hooked::SentByIpvs => {
+                    self.leave_by_bridge(&mut pkt, &mut b, ch);
+                    return b;
+                }
             }
         }
         let next = if spec.in_iface.is_some() {
@@ -953,12 +1000,53 @@ impl<'a> Simulator<'a> {
             vec![Hook::PostRouting]
         };
         for hook in next {
-            if !self.run_hook(fam, hook, &mut pkt, &mut b, ch, None) {
-                return b;
+            match self.run_hook_with_ipvs(fam, hook, &mut pkt, &mut b, ch) {
+                Hooked::Go => {}
+                Hooked::Stop => return b,
+                Hooked::SentByIpvs => break,
             }
         }
         self.leave_by_bridge(&mut pkt, &mut b, ch);
         b
+    }
+
+    /// [`Self::run_hook`] with IPVS's step where `ip_vs_in_hook` runs (LOCAL_IN 99,
+    /// LOCAL_OUT -98), when the node has virtual services: the chains before it, IPVS, then
+    /// the chains after it; or, for a packet IPVS sends, OUTPUT again and POSTROUTING.
+    fn run_hook_with_ipvs(
+        &self,
+        fam: usize,
+        hook: Hook,
+        pkt: &mut Pkt,
+        b: &mut Walk,
+        ch: &mut Chooser,
+    ) -> Hooked {
+        let go = |ok: bool| if ok { Hooked::Go } else { Hooked::Stop };
+        let at = match hook {
+            _ if self.ipvs.is_empty() => None,
+            Hook::LocalIn => Some(ipvs::IPVS_IN_LOCAL_IN),
+            Hook::LocalOut => Some(ipvs::IPVS_IN_LOCAL_OUT),
+            _ => None,
+        };
+        let Some(at) = at else {
+            return go(self.run_hook(fam, hook, pkt, b, ch, None));
+        };
+        // Chains at IPVS's own priority are taken to run before it.
+        if !self.run_hook(fam, hook, pkt, b, ch, Some((i32::MIN, at + 1))) {
+            return Hooked::Stop;
+        }
+        match self.ipvs_in(hook, pkt, b, ch) {
+            ipvs::After::Continue => go(self.run_hook(fam, hook, pkt, b, ch, Some((at, i32::MAX)))),
+            ipvs::After::Stop => Hooked::Stop,
+            ipvs::After::Sent => {
+                for h in [Hook::LocalOut, Hook::PostRouting] {
+                    if !self.run_hook(fam, h, pkt, b, ch, None) {
+                        return Hooked::Stop;
+                    }
+                }
+                Hooked::SentByIpvs
+            }
+        }
     }
 
     /// Routing decision: Some(true) for local delivery, Some(false) for out, None when the walk
@@ -1117,6 +1205,15 @@ impl<'a> Simulator<'a> {
                     stage.after = pkt.snapshot();
                     b.ct_nat.push(b.stages.len());
                 }
+                stage.ct = pkt.ct_view();
+                b.stages.push(stage.into_model());
+                continue;
+            }
+            if is_nat && hook == Hook::LocalOut && pkt.dst_nat_bound {
+                stage.note = Some(
+                    "IPVS's packet: the nat core bound its destination before IPVS, so the nat OUTPUT chains are not walked"
+                        .into(),
+                );
                 stage.ct = pkt.ct_view();
                 b.stages.push(stage.into_model());
                 continue;

@@ -749,7 +749,7 @@ fn nft_only_input_says_what_is_missing() {
 
 /// Of several broken inputs the first read is the error, named by its input, and the ruleset
 /// checks sit between them: the iptables dumps, then a missing ruleset (no nft either), then
-/// nft, then an empty ruleset, then ipsets, routes, addresses and bridges.
+/// nft, then an empty ruleset, then ipsets, routes, addresses, bridges and IPVS.
 #[test]
 fn the_first_broken_input_in_reading_order_is_the_error() {
     let v4 = "udp 10.0.0.1:1 -> 10.0.0.2:2 in a out b";
@@ -766,6 +766,8 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
             fdb: Some("{}".into()),
             ..Default::default()
         }),
+        ipvs: Some("-X\n".into()),
+        ipvs_conntrack: None,
     };
     let error = |texts: LiveTexts, packet: &str| {
         explain(&ExplainRequest {
@@ -790,13 +792,14 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
     said.push(error(t.clone(), v4));
     t.iptables = Some(open.into());
     said.push(error(t.clone(), v6));
-    for step in 0..4 {
+    for step in 0..5 {
         said.push(error(t.clone(), v4));
         match step {
             0 => t.ipset = None,
             1 => t.routes.clear(),
             2 => t.addrs = None,
-            _ => t.bridge.fdb = None,
+            3 => t.bridge.fdb = None,
+            _ => t.ipvs = None,
         }
     }
     let want = [
@@ -811,6 +814,7 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
         "route input, line 1",
         "address input, line 1, column 1: address JSON: expected a JSON array",
         "bridge/link input, line 1, column 1",
+        "ipvsadm input (pass `ipvsadm -Sn` output), line 1, column 1: `-X`",
     ];
     for (said, want) in said.iter().zip(want) {
         assert!(

@@ -66,7 +66,8 @@ enum Command {
         #[arg(long, default_value = "obs", global = true)]
         prefix: String,
         /// With `up`: kube-proxy's mode on the node (nftables: native `kube-proxy` tables,
-        /// no KUBE-* iptables rules), or `bridge`: a flannel/kubeadm-style node whose pods
+        /// no KUBE-* iptables rules; ipvs: IPVS virtual services on kube-ipvs0 with Calico,
+        /// a CNI hostport and Docker, the third seed's node, in a kernel with IP_VS), or `bridge`: a flannel/kubeadm-style node whose pods
         /// hang off the bridge cni0 with br_netfilter on (`traffic` then sends its flows).
         #[arg(long, value_enum, default_value = "iptables", global = true)]
         mode: lab::Mode,
@@ -606,6 +607,8 @@ fn run(cli: Cli) -> Result<()> {
                         traffic::overlay_flows(&lab)?
                     } else if mode == lab::Mode::Bridge || lab.detect_bridge() {
                         traffic::bridge_flows(&lab)?
+                    } else if mode == lab::Mode::Ipvs || lab.detect_ipvs() {
+                        traffic::ipvs_flows(&lab)?
                     } else {
                         traffic::demo_flows(&lab)?
                     };

@@ -47,6 +47,8 @@ const PACKAGES: &[&str] = &[
     "iperf3",
     "procps",
     "kmod",
+    // The IPVS lab loads its virtual services with ipvsadm-restore; explain --live reads them.
+    "ipvsadm",
     // The agent's tests list the BPF programs and links the agent holds.
     "bpftool",
     // Reads back `tail --pcapng` files in the tests.

@@ -58,6 +58,8 @@ pub const MATRIX: &[Row] = &[
                 "agent",
                 &["sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves"],
             ),
+            // The IPVS lab: IP_VS exists only in the guests' kernels.
+            ("ipvs", &[]),
         ],
     },
     Row {
@@ -435,7 +437,7 @@ mod tests {
 
     #[test]
     fn the_script_runs_every_binary_and_exits_with_the_first_failure() {
-        let bins: HashMap<String, PathBuf> = ["kernels", "capture", "fates", "agent"]
+        let bins: HashMap<String, PathBuf> = ["kernels", "capture", "fates", "agent", "ipvs"]
             .iter()
             .map(|b| (b.to_string(), PathBuf::from(format!("/t/{b}"))))
             .collect();

@@ -19,7 +19,7 @@ pub struct ExplainArgs {
     #[command(flatten)]
     pub inputs: RuleFiles,
     /// Read rules, sets, routes and bridges from the running node instead of files (needs root).
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables", "ipvs", "ipvs_conntrack"])]
     pub live: bool,
     /// With --live: the `ip netns` name whose rules to read.
     // Checked in `run`: clap's `requires` counts --live's default (false) as given.
@@ -78,6 +78,15 @@ pub struct RuleFiles {
     /// The same for IPv6 (`net.bridge.bridge-nf-call-ip6tables`).
     #[arg(long, value_name = "0|1", value_parser = clap::value_parser!(u8).range(0..=1))]
     pub bridge_nf_call_ip6tables: Option<u8>,
+    /// `ipvsadm -Sn` output: IPVS's virtual services and real servers (kube-proxy's IPVS
+    /// mode). A packet routed to this host, or sent by it, that reaches a virtual service is
+    /// scheduled at IPVS's hook; several real servers are each listed (`branches`).
+    #[arg(long, value_name = "FILE")]
+    pub ipvs: Option<PathBuf>,
+    /// The node's `net.ipv4.vs.conntrack` (0 or 1; kube-proxy's 1 is assumed and said when
+    /// not given): whether IPVS's connections keep their conntrack entries.
+    #[arg(long, value_name = "0|1", value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub ipvs_conntrack: Option<u8>,
     /// The largest input file read, in MiB: a bigger one (or an endless one such as a
     /// device) is refused before it is parsed. Parsing takes a few times the file's size.
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MAX_INPUT_MIB)]
@@ -107,7 +116,9 @@ impl RuleFiles {
                 bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
                     .map(|v| v.map(|v| v == 1)),
             }),
-            ..Default::default()
+            ipvs: read(&a.ipvs, cap)?,
+            ipvs_conntrack: a.ipvs_conntrack.map(|v| v == 1),
+            addrs: None,
         })
     }
 
@@ -198,14 +209,10 @@ pub fn run(a: ExplainArgs) -> Result<String> {
         }
         live.learn_marks(&mut marks);
         let packet = observer_rules::parse_packet_spec(&a.packet)?;
-        let mut e = observer_rules::explain_with_bridges(
-            &live.ruleset,
-            &live.ipsets,
-            &live.routes,
-            &live.bridges,
-            &packet,
-            &live.iface_addrs,
-        );
+        // The node's IPVS services too (`ipvsadm -Sn` where IPVS is loaded).
+        let sim = live.simulator();
+        let mut e =
+            observer_rules::explain_on(&sim, &live.ruleset, &live.ipsets, &live.bridges, &packet);
         // Every read that failed is said: what it leaves out is undecidable, not absent.
         for f in &live.failures {
             e.notes.push(format!("reading the node: {f}"));

@@ -10,10 +10,13 @@
 //! chains), `lab/node6.rules` (the same service on [fd00:10::2]:22) and `lab/node.ipsets`.
 //! With [`Mode::Nftables`] kube-proxy runs in nftables mode: its KUBE-* iptables rules are left
 //! out and `lab/node-kube-proxy.nft` (tables `ip kube-proxy` and `ip6 kube-proxy`) is loaded.
+//! [`Mode::Ipvs`] is the third seed's node: kube-proxy in IPVS mode with Calico, CNI portmap
+//! and Docker ([`ipvs`]; it needs a kernel with IP_VS).
 //! [`Mode::Bridge`] builds another node: pods on a Linux bridge with br_netfilter ([`bridge`]).
 //! With two nodes (`--nodes 2`), two node namespaces joined by a VXLAN overlay ([`overlay`]).
 
 pub mod bridge;
+pub mod ipvs;
 pub mod overlay;
 
 use std::process::Command;
@@ -36,6 +39,10 @@ pub enum Mode {
     /// A flannel/kubeadm-style node: pods on the bridge `cni0` (hairpin on, br_netfilter on),
     /// kube-proxy in iptables mode, flannel's rules, a second node for remote endpoints.
     Bridge,
+    /// kube-proxy in IPVS mode (kube-ipvs0, virtual services in masquerade mode, its
+    /// ipset-based rules) with Calico, a CNI portmap hostport and Docker's chains: the third
+    /// seed's node. Needs IP_VS in the kernel.
+    Ipvs,
 }
 
 /// `iptables-save` text without kube-proxy's chains, rules and jumps (Calico's stay).
@@ -109,7 +116,7 @@ impl Lab {
         }
         match self.mode {
             Mode::Bridge => &Self::ALL_ROLES,
-            Mode::Iptables | Mode::Nftables => &Self::ROLES,
+            Mode::Iptables | Mode::Nftables | Mode::Ipvs => &Self::ROLES,
         }
     }
 
@@ -118,6 +125,15 @@ impl Lab {
     pub fn detect_bridge(&self) -> bool {
         Command::new("ip")
             .args(["-n", &self.node(), "link", "show", bridge::BRIDGE])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
+
+    /// Whether the lab of this prefix that exists now is the IPVS lab (its node has
+    /// `kube-ipvs0`): `lab traffic` sends its flows.
+    pub fn detect_ipvs(&self) -> bool {
+        Command::new("ip")
+            .args(["-n", &self.node(), "link", "show", ipvs::DUMMY])
             .output()
             .is_ok_and(|o| o.status.success())
     }
@@ -132,6 +148,12 @@ impl Lab {
 
     /// Builds the lab (removing a previous one of the same prefix first).
     pub fn up(&self) -> Result<()> {
+        if self.mode == Mode::Ipvs
+            && self.nodes == 1
+            && let Some(why) = ipvs::unavailable()
+        {
+            bail!(why);
+        }
         self.down();
         for role in self.roles() {
             run(&["ip", "netns", "add", &self.ns(role)])?;
@@ -175,6 +197,9 @@ impl Lab {
              ip route add default via {EXT_IP}"
             ),
         )?;
+        if self.mode == Mode::Ipvs {
+            return ipvs::up(self);
+        }
         self.load_rules()
             .context("loading the lab's iptables rules (is the `iptables` package installed?)")?;
         if self.mode == Mode::Nftables {
@@ -198,6 +223,7 @@ impl Lab {
         let (v4, v6) = match self.mode {
             Mode::Iptables | Mode::Bridge => (RULES.to_string(), RULES6.to_string()),
             Mode::Nftables => (without_kube_proxy(RULES), without_kube_proxy(RULES6)),
+            Mode::Ipvs => (ipvs::RULES.to_string(), ipvs::RULES6.to_string()),
         };
         pipe(&["ip", "netns", "exec", &node, "iptables-restore"], &v4)?;
         pipe(&["ip", "netns", "exec", &node, "ip6tables-restore"], &v6)?;

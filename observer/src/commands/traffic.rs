@@ -224,3 +224,82 @@ pub fn overlay_flows(lab: &Lab) -> Result<Vec<String>> {
     ));
     Ok(done)
 }
+
+/// Connects from `ns` to `to` and expects no answer (a SYN some rule drops).
+fn tcp_unanswered(ns: &str, to: SocketAddr) -> Result<()> {
+    spawn_in(ns, move || {
+        match TcpStream::connect_timeout(&to, Duration::from_millis(500)) {
+            Ok(_) => bail!("{to} answered; the lab's policy should drop it"),
+            Err(_) => Ok(()),
+        }
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("client thread panicked"))?
+}
+
+/// The IPVS lab's flows (`observer lab up --mode ipvs`). Returns a line per flow.
+pub fn ipvs_flows(lab: &Lab) -> Result<Vec<String>> {
+    use crate::commands::lab::ipvs as v;
+    let mut done = Vec::new();
+    let sock = |ip: &str, port: u16| -> Result<SocketAddr> {
+        Ok(if ip.contains(':') {
+            format!("[{ip}]:{port}")
+        } else {
+            format!("{ip}:{port}")
+        }
+        .parse()?)
+    };
+    let pod22 = sock(lab::POD_IP, 22)?;
+    let registry = sock(v::REGISTRY_IP, 22)?;
+    echoed(lab, ("pod", pod22), ("client", registry), b"hello registry")?;
+    done.push(format!(
+        "client -> ClusterIP {registry} (IPVS rr, Masq to the local pod {pod22}; sent through OUTPUT, masqueraded)"
+    ));
+    let web = sock(v::WEB_IP, 80)?;
+    let remote = sock(v::REMOTE_POD_IP, 80)?;
+    echoed(lab, ("ext", remote), ("client", web), b"hello node2")?;
+    done.push(format!(
+        "client -> ClusterIP {web} (IPVS Masq to node2's pod {remote}, out eth1)"
+    ));
+    let node_port = sock(lab::NODE_IP, v::NODE_PORT)?;
+    echoed(
+        lab,
+        ("pod", pod22),
+        ("client", node_port),
+        b"hello nodeport",
+    )?;
+    done.push(format!(
+        "client -> NodePort {node_port} (IPVS Masq to {pod22})"
+    ));
+    let host_port = sock(lab::NODE_IP, v::HOST_PORT)?;
+    let pod80 = sock(lab::POD_IP, v::HOST_PORT_TARGET)?;
+    echoed(
+        lab,
+        ("pod", pod80),
+        ("client", host_port),
+        b"hello hostport",
+    )?;
+    done.push(format!(
+        "client -> hostport {host_port} (CNI portmap DNAT to {pod80}, forwarded: no IPVS)"
+    ));
+    let dns = sock(v::DNS_IP, 53)?;
+    udp_send(&lab.ns("client"), dns, b"dns?")?;
+    done.push(format!(
+        "client -> ClusterIP {dns} udp (IPVS rr: one of {}:53 and {}:53)",
+        lab::POD_IP,
+        lab::POD2_IP
+    ));
+    let telnet = sock(v::TELNET_IP, 23)?;
+    tcp_unanswered(&lab.ns("client"), telnet)?;
+    done.push(format!(
+        "client -> ClusterIP {telnet} (IPVS Masq to {}:23, dropped by Calico's policy in OUTPUT)",
+        lab::POD2_IP
+    ));
+    let pod6 = sock(lab::POD_IP6, 22)?;
+    let registry6 = sock(v::CLUSTER_IP6, 22)?;
+    echoed(lab, ("pod", pod6), ("client", registry6), b"hello v6")?;
+    done.push(format!(
+        "client -> ClusterIP {registry6} (IPVS Masq to {pod6})"
+    ));
+    Ok(done)
+}

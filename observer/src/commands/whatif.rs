@@ -797,7 +797,10 @@ impl Side {
     /// The prediction for `spec`.
     fn simulator(&self) -> observer_rules::Simulator<'_> {
         let p = &self.parsed;
-        observer_rules::prepare(&p.ruleset, &p.ipsets, &p.routes, &p.bridges, &p.iface_addrs)
+        let mut sim =
+            observer_rules::prepare(&p.ruleset, &p.ipsets, &p.routes, &p.bridges, &p.iface_addrs);
+        sim.ipvs = p.ipvs.clone();
+        sim
     }
 
     fn explain(
@@ -898,6 +901,12 @@ fn overlay(base: &LiveTexts, given: LiveTexts, files: &RuleFiles) -> LiveTexts {
     }
     if files.has_bridge() {
         t.bridge = given.bridge;
+    }
+    if given.ipvs.is_some() {
+        t.ipvs = given.ipvs;
+    }
+    if given.ipvs_conntrack.is_some() {
+        t.ipvs_conntrack = given.ipvs_conntrack;
     }
     t
 }

@@ -111,8 +111,20 @@ pub fn hook_users(live: &LiveNode) -> Option<Vec<(NfFamily, NfHook, i32)>> {
     };
     let mut users = base_chains(nft);
     users.extend(legacy_tables().1);
+    // IPVS translates replies back at FORWARD (ip_vs_out_hook, priority 100): bracketed
+    // like a table where the node has virtual services (its requests show where INPUT
+    // meets OUTPUT, see the report).
+    if !live.ipvs.is_empty() {
+        for family in [NfFamily::Ipv4, NfFamily::Ipv6] {
+            users.push((family, NfHook::Forward, IPVS_FORWARD));
+        }
+    }
     Some(users)
 }
+
+/// `ip_vs_out_hook` on FORWARD (net/netfilter/ipvs/ip_vs_core.c): replies of masquerade
+/// connections get the virtual service's address back as their source there.
+pub const IPVS_FORWARD: i32 = 100;
 
 /// The legacy x_tables of the namespace (the process is in it): their names as read, and
 /// where they run. No file: none loaded.

@@ -298,6 +298,8 @@ pub fn nat(stages: &[ObservedStage]) -> Vec<Nat> {
         };
         // First packet of a connection: the entry is not confirmed yet, so the nat chains ran.
         let source = match s.before.ct {
+            // IPVS rewrites every packet of its connections itself, at its hook.
+            _ if &*s.stage.table == "ipvs" => NatSource::Ipvs,
             Some(ct) if ct.status & IPS_CONFIRMED == 0 => NatSource::Rules,
             Some(_) => NatSource::Conntrack,
             None => NatSource::Rules,

@@ -21,6 +21,9 @@ pub use crate::pipeline::correlate::index_plans;
 pub use crate::pipeline::snapshots::SnapshotCache;
 use crate::pipeline::snapshots::Snapshots;
 
+/// IPVS's `ip_vs_in_hook` on LOCAL_IN (NF_IP_PRI_NAT_SRC - 1, net/netfilter/ipvs/ip_vs_core.c).
+const IPVS_LOCAL_IN: i32 = 99;
+
 /// What building a report needs besides the traversal.
 pub struct Context<'a> {
     /// Snapshots shared across reports.
@@ -98,7 +101,51 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 continue;
             };
             let ai = a.and_then(|s| seen.get(s).copied().flatten());
+            // Taken in INPUT and sent on as the same skb (the probes joined its visits):
+            // IPVS, at LOCAL_IN 99 after filter and security and before nat (100), rewrote
+            // it there; the tables after it never ran, and its work shows at OUTPUT's first
+            // point.
+            if ai.is_none()
+                && *hook == NfHook::LocalIn
+                && table.priority > IPVS_LOCAL_IN
+                && let Some(next) = hooks
+                    .get(i + 1)
+                    .filter(|(h, _)| *h == NfHook::LocalOut)
+                    .and_then(|(_, seen)| seen.iter().flatten().next().copied())
+            {
+                let (before, after) = (&t.records[bi as usize], &t.records[next as usize]);
+                let (b_snap, a_snap) = (snapshots.of(bi.into()), snapshots.of(next.into()));
+                let proto = first_l3.map_or(0, |i| t.records[i].proto);
+                let step = ctx
+                    .rules
+                    .zip(b_snap.as_deref().zip(a_snap.as_deref()))
+                    .and_then(|(n, (b, a))| n.ipvs_step(proto, b, a));
+                stages.push(Stage {
+                    hook: NfHook::LocalIn,
+                    table: "ipvs".into(),
+                    priority: IPVS_LOCAL_IN,
+                    chain: None,
+                    before: b_snap,
+                    after: a_snap,
+                    ct: after.ct.map(|c| snapshots.ct(&c)),
+                    verdict: Verdict::Accept,
+                    rules: Default::default(),
+                    policy: None,
+                    note: Some(match &step {
+                        Some(_) => "IPVS took the packet here and sent it on through OUTPUT: the INPUT tables after it did not run".into(),
+                        None => "taken here and sent on through OUTPUT as the same packet (IPVS's hook at this priority); no virtual service of the node's IPVS state matches it".into(),
+                    }),
+                    ipvs: step,
+                    check: None,
+                });
+                observed.push((before, Some(after)));
+                continue 'hooks;
+            }
             let (before, after) = (&t.records[bi as usize], ai.map(|i| &t.records[i as usize]));
+            // IPVS's reply hook, bracketed where the node has virtual services.
+            let ipvs_reply = *hook == NfHook::Forward
+                && table.priority == crate::kernel::upkeep::IPVS_FORWARD
+                && ctx.rules.is_some_and(|n| n.has_ipvs());
             let seen_later =
                 later_hooks || a.is_some_and(|a| seen.iter().skip(a + 1).any(Option::is_some));
             // The packet's last table: what ended it there decides the verdict.
@@ -110,21 +157,40 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 (true, _) => Verdict::Unknown,
             };
             let ct_src = after.unwrap_or(before);
+            let (b_snap, a_snap) = (
+                snapshots.of(bi.into()),
+                ai.and_then(|i| snapshots.of(i.into())),
+            );
+            let reply_step = ipvs_reply
+                .then(|| {
+                    let proto = first_l3.map_or(0, |i| t.records[i].proto);
+                    ctx.rules
+                        .zip(b_snap.as_deref().zip(a_snap.as_deref()))
+                        .and_then(|(n, (b, a))| n.ipvs_reply_step(proto, b, a))
+                })
+                .flatten();
             stages.push(Stage {
                 hook: *hook,
-                table: table.name.clone(),
+                table: if ipvs_reply {
+                    "ipvs".into()
+                } else {
+                    table.name.clone()
+                },
                 priority: table.priority,
                 chain: None,
-                before: snapshots.of(bi.into()),
-                after: ai.and_then(|i| snapshots.of(i.into())),
+                before: b_snap,
+                after: a_snap,
                 ct: ct_src.ct.map(|c| snapshots.ct(&c)),
                 verdict,
                 rules: Default::default(),
                 policy: None,
-                note: None,
+                note: (ipvs_reply && reply_step.is_none()).then(|| {
+                    "no translation seen between the probes around IPVS's reply hook (the fentry backend cannot bracket IPVS's hooks: its probes sit on the tables' functions)".into()
+                }),
+                ipvs: reply_step,
                 check: None,
             });
-            if let (Some(namer), Some(b)) = (ctx.rules, b) {
+            if let (Some(namer), Some(b), false) = (ctx.rules, b, ipvs_reply) {
                 let stage = stages.last_mut().expect("pushed");
                 let window = (
                     plan.points[b],
@@ -428,6 +494,191 @@ mod tests {
         // Through the kernel's own assembly and the wire format, as the probes write it.
         let rec = decode(&encode_record(&record_of(&evs, end::EGRESS))).unwrap();
         (assemble(&rec, &plans, &LAYOUT).unwrap(), plans)
+    }
+
+    /// A ClusterIP SYN IPVS took at INPUT 99 and sent on through OUTPUT as the same skb
+    /// (the probes join the visits): INPUT's points up to IPVS, none after nat (100), then
+    /// OUTPUT's and POSTROUTING's with the real server as destination.
+    fn ipvs_sent() -> (Traversal, Plans) {
+        let plans = index_plans(&full_plan(None));
+        let skb = 0xffff_0000_0000_2000;
+        let orig = (CLIENT, VIP);
+        let reply = (POD, NODE);
+        let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, CLIENT, VIP, 0)];
+        evs[0].header.ifindex_in = 2;
+        let plan = |h| &plans[&(NfFamily::Ipv4, h)];
+        for (hook_no, h) in [(0, NfHook::PreRouting), (1, NfHook::LocalIn)] {
+            let p = plan(h);
+            for (k, slot) in p.programs.iter().enumerate() {
+                if h == NfHook::LocalIn && p.points[k] > IPVS_LOCAL_IN {
+                    continue; // stolen by IPVS before nat INPUT
+                }
+                let mut e = tcp_event(hook_no, *slot as u32, skb, CLIENT, VIP, 0x4000);
+                e.header.ifindex_in = 2;
+                evs.push(with_ct(e, 2, orig, reply));
+            }
+        }
+        for (hook_no, h) in [(3, NfHook::LocalOut), (4, NfHook::PostRouting)] {
+            let p = plan(h);
+            for (k, slot) in p.programs.iter().enumerate() {
+                let last = h == NfHook::PostRouting && k + 1 == p.programs.len();
+                let src = if last { NODE } else { CLIENT };
+                let mut e = tcp_event(hook_no, *slot as u32, skb, src, POD, 0x4000);
+                e.header.ifindex_out = 5;
+                evs.push(with_ct(e, 2, orig, reply));
+            }
+        }
+        let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, NODE, POD, 0x4000);
+        eg.header.ifindex_out = 5;
+        evs.push(eg);
+        for (i, e) in evs.iter_mut().enumerate() {
+            e.header.ts_ns = i as u64;
+        }
+        let rec = decode(&encode_record(&record_of(&evs, end::EGRESS))).unwrap();
+        (assemble(&rec, &plans, &LAYOUT).unwrap(), plans)
+    }
+
+    #[test]
+    fn a_packet_ipvs_sends_on_is_one_report_with_ipvs_named_at_input() {
+        let (t, plans) = ipvs_sent();
+        let mut sim = observer_rules::Simulator::owned(
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        );
+        sim.ipvs = observer_rules::ipvs::parse_ipvsadm_save(
+            "-A -t 10.10.10.2:22 -s rr\n-a -t 10.10.10.2:22 -r 172.17.0.5:22 -m -w 1\n-a -t 10.10.10.2:22 -r 172.17.0.6:22 -m -w 1\n",
+        )
+        .unwrap();
+        let namer = crate::pipeline::rulenames::RuleNamer::with_simulator(sim, 0);
+        let r = report_with(&t, &plans, 0, &HashMap::new(), Some(&namer));
+        let tree = r.render_tree();
+        let hooks: Vec<(NfHook, &str)> = r.stages.iter().map(|s| (s.hook, &*s.table)).collect();
+        assert!(!hooks.contains(&(NfHook::LocalIn, "nat")), "{tree}");
+        assert!(hooks.iter().all(|(h, _)| *h != NfHook::Forward), "{tree}");
+        let at = hooks
+            .iter()
+            .position(|h| *h == (NfHook::LocalIn, "ipvs"))
+            .expect(&tree);
+        assert!(
+            hooks[at + 1..].iter().any(|(h, _)| *h == NfHook::LocalOut),
+            "{tree}"
+        );
+        let s = &r.stages[at];
+        assert_eq!(s.priority, 99);
+        let step = s.ipvs.as_ref().expect(&tree);
+        assert_eq!(step.service, "TCP  10.10.10.2:22 rr");
+        assert_eq!(step.real_server.as_deref(), Some("172.17.0.5:22"));
+        assert_eq!(step.forward.as_deref(), Some("Masq"));
+        assert_eq!((step.chosen_by.as_str(), step.candidates), ("observed", 2));
+        let dnat = r
+            .nat
+            .iter()
+            .find(|n| n.kind == observer_model::NatKind::Dnat)
+            .expect(&tree);
+        assert_eq!(
+            (dnat.hook, &*dnat.table, dnat.source),
+            (NfHook::LocalIn, "ipvs", observer_model::NatSource::Ipvs),
+            "{tree}"
+        );
+        assert!(
+            tree.contains("ipvs: TCP  10.10.10.2:22 rr  -> 172.17.0.5:22 Masq weight 1  (scheduled by rr among 2)"),
+            "{tree}"
+        );
+        assert_eq!(r.fate.kind, FateKind::Forwarded, "{tree}");
+    }
+
+    /// A reply of an IPVS masquerade connection: from the pod, de-masqueraded by conntrack
+    /// at PREROUTING, its source given back the virtual service's by IPVS at FORWARD 100
+    /// (bracketed: the plan has IPVS's user there).
+    #[test]
+    fn a_reply_ipvs_translates_back_in_forward_is_an_ipvs_stage() {
+        use crate::kernel::upkeep::IPVS_FORWARD;
+        let users = [
+            (NfFamily::Ipv4, NfHook::PreRouting, -100),
+            (NfFamily::Ipv4, NfHook::Forward, 0),
+            (NfFamily::Ipv4, NfHook::Forward, IPVS_FORWARD),
+            (NfFamily::Ipv4, NfHook::PostRouting, 100),
+        ];
+        let plans = index_plans(&full_plan(Some(&users)));
+        let skb = 0xffff_0000_0000_3000;
+        let (orig, reply) = ((CLIENT, VIP), (POD, NODE));
+        let mut evs = vec![tcp_event(hook::TC_INGRESS, 0, skb, POD, NODE, 0)];
+        evs[0].header.ifindex_in = 5;
+        let plan = |h| &plans[&(NfFamily::Ipv4, h)];
+        let pre = plan(NfHook::PreRouting);
+        for (k, slot) in pre.programs.iter().enumerate() {
+            let dst = if k + 1 == pre.programs.len() {
+                CLIENT
+            } else {
+                NODE
+            };
+            let mut e = tcp_event(0, *slot as u32, skb, POD, dst, 0);
+            e.header.ifindex_in = 5;
+            evs.push(with_ct(e, 2, orig, reply));
+        }
+        let fwd = plan(NfHook::Forward);
+        assert_eq!(fwd.points.len(), 3, "{fwd:?}");
+        for (k, slot) in fwd.programs.iter().enumerate() {
+            let src = if k + 1 == fwd.programs.len() {
+                VIP
+            } else {
+                POD
+            };
+            let mut e = tcp_event(2, *slot as u32, skb, src, CLIENT, 0);
+            (e.header.ifindex_in, e.header.ifindex_out) = (5, 2);
+            evs.push(with_ct(e, 2, orig, reply));
+        }
+        for slot in &plan(NfHook::PostRouting).programs {
+            let mut e = tcp_event(4, *slot as u32, skb, VIP, CLIENT, 0);
+            (e.header.ifindex_in, e.header.ifindex_out) = (5, 2);
+            evs.push(with_ct(e, 2, orig, reply));
+        }
+        let mut eg = tcp_event(hook::TC_EGRESS, 0, skb, VIP, CLIENT, 0);
+        eg.header.ifindex_out = 2;
+        evs.push(eg);
+        for (i, e) in evs.iter_mut().enumerate() {
+            e.header.ts_ns = i as u64;
+        }
+        let rec = decode(&encode_record(&record_of(&evs, end::EGRESS))).unwrap();
+        let t = assemble(&rec, &plans, &LAYOUT).unwrap();
+        let mut sim = observer_rules::Simulator::owned(
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        );
+        sim.ipvs = observer_rules::ipvs::parse_ipvsadm_save(
+            "-A -t 10.10.10.2:22 -s rr\n-a -t 10.10.10.2:22 -r 172.17.0.5:22 -m -w 1\n",
+        )
+        .unwrap();
+        let namer = crate::pipeline::rulenames::RuleNamer::with_simulator(sim, 0);
+        let r = report_with(&t, &plans, 0, &HashMap::new(), Some(&namer));
+        let tree = r.render_tree();
+        let s = r
+            .stages
+            .iter()
+            .find(|s| s.hook == NfHook::Forward && &*s.table == "ipvs")
+            .expect(&tree);
+        assert_eq!(s.priority, IPVS_FORWARD);
+        let step = s.ipvs.as_ref().expect(&tree);
+        assert_eq!(step.chosen_by, "reply");
+        assert_eq!(step.real_server.as_deref(), Some("172.17.0.5:22"));
+        let snat = r
+            .nat
+            .iter()
+            .find(|n| n.kind == observer_model::NatKind::Snat && n.hook == NfHook::Forward)
+            .expect(&tree);
+        assert_eq!(snat.source, observer_model::NatSource::Ipvs, "{tree}");
+        assert_eq!(snat.to.to_string(), "10.10.10.2:22", "{tree}");
+        // Without IPVS state the priority stays what it is: another user of the hook.
+        let r = report_with(&t, &plans, 0, &HashMap::new(), None);
+        assert!(
+            r.stages.iter().any(|s| &*s.table == "prio:100"),
+            "{}",
+            r.render_tree()
+        );
     }
 
     fn report(t: &Traversal, plans: &Plans, lost: u64) -> Report {

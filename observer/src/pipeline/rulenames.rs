@@ -268,6 +268,87 @@ impl RuleNamer {
     }
 
     /// The rules of `s` and their check against the kernel; `ifname` names interfaces.
+    /// What IPVS did to a packet observed before its hook (`before`) and after it
+    /// (`after`, OUTPUT's first point), named from the node's IPVS state as read with the
+    /// ruleset: the virtual service its destination (or mark) reaches, and the real server
+    /// its new destination is. None when no virtual service matches.
+    pub fn ipvs_step(
+        &self,
+        proto: u8,
+        before: &observer_model::Snapshot,
+        after: &observer_model::Snapshot,
+    ) -> Option<Arc<observer_model::IpvsStep>> {
+        let svc =
+            self.sim
+                .ipvs
+                .lookup(proto, before.dst.host.ip()?, before.dst.port, before.mark)?;
+        let to = after.dst.host.ip();
+        let rs = svc
+            .real_servers
+            .iter()
+            .find(|r| Some(r.addr) == to && (r.port.is_none() || r.port == after.dst.port));
+        // An unchanged destination: direct routing or a tunnel (the outer header is not
+        // what the probes read).
+        let rs = rs.or_else(|| {
+            (after.dst == before.dst)
+                .then(|| {
+                    let mut c = svc
+                        .real_servers
+                        .iter()
+                        .filter(|r| r.forward != observer_rules::ipvs::Forward::Masq);
+                    let one = c.next();
+                    one.filter(|_| c.next().is_none())
+                })
+                .flatten()
+        });
+        Some(Arc::new(observer_model::IpvsStep {
+            service: svc.name(),
+            scheduler: svc.scheduler.clone(),
+            real_server: rs.map(observer_rules::ipvs::RealServer::endpoint),
+            forward: rs.map(|r| r.forward.name().to_string()),
+            weight: rs.map(|r| r.weight),
+            chosen_by: if rs.is_some() { "observed" } else { "unknown" }.into(),
+            candidates: u32::try_from(svc.candidates().count()).unwrap_or(u32::MAX),
+        }))
+    }
+
+    /// Whether the node has IPVS virtual services.
+    pub fn has_ipvs(&self) -> bool {
+        !self.sim.ipvs.is_empty()
+    }
+
+    /// What IPVS did to a reply at FORWARD (`ip_vs_out_hook`): the real server it came from
+    /// (`before`'s source) given back the virtual service's address (`after`'s source).
+    /// None when the source did not change to a virtual service's.
+    pub fn ipvs_reply_step(
+        &self,
+        proto: u8,
+        before: &observer_model::Snapshot,
+        after: &observer_model::Snapshot,
+    ) -> Option<Arc<observer_model::IpvsStep>> {
+        if before.src == after.src {
+            return None;
+        }
+        let svc = self
+            .sim
+            .ipvs
+            .lookup(proto, after.src.host.ip()?, after.src.port, 0)?;
+        let from = before.src.host.ip();
+        let rs = svc
+            .real_servers
+            .iter()
+            .find(|r| Some(r.addr) == from && (r.port.is_none() || r.port == before.src.port))?;
+        Some(Arc::new(observer_model::IpvsStep {
+            service: svc.name(),
+            scheduler: svc.scheduler.clone(),
+            real_server: Some(rs.endpoint()),
+            forward: Some(rs.forward.name().to_string()),
+            weight: Some(rs.weight),
+            chosen_by: "reply".into(),
+            candidates: u32::try_from(svc.candidates().count()).unwrap_or(u32::MAX),
+        }))
+    }
+
     pub fn name(&self, s: &StageToName, ifname: &dyn Fn(u32) -> String) -> Arc<Named> {
         let b = s.before;
         let ct = b.ct.or(s.first_ct);
@@ -462,6 +543,7 @@ fn predicted(br: &Branch, observed: &model::Stage, confirmed: bool) -> model::St
         rules,
         policy: None,
         note: br.stages.iter().find_map(|st| st.note.clone()),
+        ipvs: br.stages.iter().find_map(|st| st.ipvs.clone()),
         check: None,
     }
 }

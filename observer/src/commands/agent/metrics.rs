@@ -30,7 +30,7 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 
-use observer_model::{FateKind, NatKind, NatSource, Traversal};
+use observer_model::{FateKind, NatKind, Traversal};
 
 /// Series per metric at most (label sets are bounded by design; this is the backstop).
 pub const MAX_SERIES: usize = 4096;
@@ -672,10 +672,7 @@ impl Metrics {
                 NatKind::Dnat => "dnat",
                 NatKind::Snat => "snat",
             };
-            let source = match n.source {
-                NatSource::Rules => "rules",
-                NatSource::Conntrack => "conntrack",
-            };
+            let source = n.source.name();
             self.add(
                 Counter::Nat,
                 &[family, n.hook.name(), &n.table, kind, source],
