@@ -248,10 +248,6 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
-fn ruleset_arg(p: &Path) -> Vec<String> {
-    vec!["--ruleset".into(), p.to_str().unwrap().into()]
-}
-
 /// The node's iptables-save with `edit` applied, written to `name`: the new side's file,
 /// as a user makes it (`iptables-save > new.rules; $EDITOR new.rules`).
 fn edited(lab: &Lab, dir: &Path, name: &str, edit: impl Fn(&str) -> String) -> PathBuf {
@@ -261,12 +257,24 @@ fn edited(lab: &Lab, dir: &Path, name: &str, edit: impl Fn(&str) -> String) -> P
     write(dir, name, &new)
 }
 
-fn restore(lab: &Lab, file: &Path) {
-    node_pipe(
-        lab,
-        &["iptables-restore"],
-        &std::fs::read_to_string(file).unwrap(),
-    );
+/// [`judge`] for a change made by editing the node's iptables-save text (written to
+/// `name` for whatif's `--ruleset`, applied with `iptables-restore`).
+fn judge_edit(tag: &str, name: &str, edit: impl Fn(&str) -> String) -> Judged {
+    let file = std::cell::RefCell::new(PathBuf::new());
+    judge(
+        tag,
+        "path",
+        vec![],
+        |lab, dir| {
+            let f = edited(lab, dir, name, &edit);
+            *file.borrow_mut() = f.clone();
+            vec!["--ruleset".into(), f.to_str().unwrap().into()]
+        },
+        |lab| {
+            let text = std::fs::read_to_string(&*file.borrow()).unwrap();
+            node_pipe(lab, &["iptables-restore"], &text);
+        },
+    )
 }
 
 /// The line of `rules` containing `needle`.
@@ -282,28 +290,17 @@ fn a_calico_policy_dropping_one_port_changes_the_flows_whatif_predicts() {
     if !privileged("a_calico_policy_dropping_one_port_changes_the_flows_whatif_predicts") {
         return;
     }
-    let file = std::cell::RefCell::new(PathBuf::new());
-    let j = judge(
-        "wip",
-        "path",
-        vec![],
-        |lab, dir| {
-            // A policy rule on the pod's endpoint chain, after its conntrack accept, as
-            // Felix writes a deny: udp/7777 to the pod is dropped, nothing else.
-            let f = edited(lab, dir, "policy.rules", |old| {
-                let est = line_with(old, "cali:aHk0kMy3F0JNd9ex");
-                old.replace(
-                    est,
-                    &format!(
-                        "{est}\n-A cali-tw-cali1a2b -p udp -m comment --comment \"cali:whatif-deny-7777\" -m udp --dport 7777 -j DROP"
-                    ),
-                )
-            });
-            *file.borrow_mut() = f.clone();
-            ruleset_arg(&f)
-        },
-        |lab| restore(lab, &file.borrow()),
-    );
+    // A policy rule on the pod's endpoint chain, after its conntrack accept, as Felix
+    // writes a deny: udp/7777 to the pod is dropped, nothing else.
+    let j = judge_edit("wip", "policy.rules", |old| {
+        let est = line_with(old, "cali:aHk0kMy3F0JNd9ex");
+        old.replace(
+            est,
+            &format!(
+                "{est}\n-A cali-tw-cali1a2b -p udp -m comment --comment \"cali:whatif-deny-7777\" -m udp --dport 7777 -j DROP"
+            ),
+        )
+    });
     let mut want: Vec<(String, String)> = [
         "udp 198.51.100.10:41002 -> 172.17.0.5:7777 in eth0 state new",
         "udp 192.170.1.5:41005 -> 172.17.0.5:7777 in cali2c3d state new",
@@ -325,21 +322,10 @@ fn a_moved_endpoint_changes_the_flows_whatif_predicts() {
     if !privileged("a_moved_endpoint_changes_the_flows_whatif_predicts") {
         return;
     }
-    let file = std::cell::RefCell::new(PathBuf::new());
-    let j = judge(
-        "wie",
-        "path",
-        vec![],
-        |lab, dir| {
-            // kube-dns's endpoint moves from the pod to pod2.
-            let f = edited(lab, dir, "moved.rules", |old| {
-                old.replace("172.17.0.5:53", "192.170.1.5:53")
-            });
-            *file.borrow_mut() = f.clone();
-            ruleset_arg(&f)
-        },
-        |lab| restore(lab, &file.borrow()),
-    );
+    // kube-dns's endpoint moves from the pod to pod2.
+    let j = judge_edit("wie", "moved.rules", |old| {
+        old.replace("172.17.0.5:53", "192.170.1.5:53")
+    });
     let to_service: BTreeSet<String> = j
         .predicted
         .iter()
@@ -395,23 +381,12 @@ fn a_reorder_that_changes_no_outcome_reports_nothing() {
     if !privileged("a_reorder_that_changes_no_outcome_reports_nothing") {
         return;
     }
-    let file = std::cell::RefCell::new(PathBuf::new());
-    let j = judge(
-        "wir",
-        "path",
-        vec![],
-        |lab, dir| {
-            // Two independent dispatch rules (each matches its own interface) swapped.
-            let f = edited(lab, dir, "swapped.rules", |old| {
-                let a = line_with(old, "cali:zTj6P0TIgYvgz-md");
-                let b = line_with(old, "cali:Yy6q2l0TtdHKKnVo");
-                old.replace(&format!("{a}\n{b}\n"), &format!("{b}\n{a}\n"))
-            });
-            *file.borrow_mut() = f.clone();
-            ruleset_arg(&f)
-        },
-        |lab| restore(lab, &file.borrow()),
-    );
+    // Two independent dispatch rules (each matches its own interface) swapped.
+    let j = judge_edit("wir", "swapped.rules", |old| {
+        let a = line_with(old, "cali:zTj6P0TIgYvgz-md");
+        let b = line_with(old, "cali:Yy6q2l0TtdHKKnVo");
+        old.replace(&format!("{a}\n{b}\n"), &format!("{b}\n{a}\n"))
+    });
     assert!(j.predicted.is_empty(), "{:#?}", j.predicted);
     assert!(j.observed.is_empty(), "{:#?}", j.observed);
 }

@@ -3,11 +3,10 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use observer_model::MarkDictionary;
-use observer_rules::LiveNode;
 
-use super::rulefiles::RuleFiles;
+use super::rulefiles::{LiveArgs, RuleFiles};
 
 #[derive(clap::Args, Debug)]
 #[command(
@@ -19,13 +18,8 @@ pub struct ExplainArgs {
     pub packet: String,
     #[command(flatten)]
     pub inputs: RuleFiles,
-    /// Read rules, sets, routes and bridges from the running node instead of files (needs root).
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
-    pub live: bool,
-    /// With --live: the `ip netns` name whose rules to read.
-    // Checked in `run`: clap's `requires` counts --live's default (false) as given.
-    #[arg(long)]
-    pub netns: Option<String>,
+    #[command(flatten)]
+    pub node: LiveArgs,
     /// One JSON object (schema 3, docs/json-schema.md: the live tracer's shape).
     #[arg(long)]
     pub json: bool,
@@ -38,29 +32,9 @@ pub struct ExplainArgs {
     pub pick: Option<usize>,
 }
 
-/// The running node (the namespace `netns`, else this one), read as `explain --live` and
-/// `whatif --live` read it; an error when none of its rules could be read.
-pub fn read_live(netns: Option<&str>) -> Result<LiveNode> {
-    if let Some(ns) = netns {
-        crate::kernel::netns::enter(ns)?;
-    }
-    let live = LiveNode::read();
-    if !live.has_rules() && !live.failures.is_empty() {
-        let why: Vec<String> = live.failures.iter().map(ToString::to_string).collect();
-        bail!("could not read the node's rules: {}", why.join("; "));
-    }
-    Ok(live)
-}
-
 pub fn run(a: ExplainArgs) -> Result<String> {
     let mut marks = MarkDictionary::default();
-    if a.netns.is_some() && !a.live {
-        bail!(
-            "--netns names the namespace --live reads; without --live there is nothing to read there"
-        );
-    }
-    let explanation = if a.live {
-        let live = read_live(a.netns.as_deref())?;
+    let explanation = if let Some(live) = a.node.read()? {
         live.learn_marks(&mut marks);
         let packet = observer_rules::parse_packet_spec(&a.packet)?;
         let mut e = observer_rules::explain_with_bridges(
@@ -94,7 +68,7 @@ pub fn run(a: ExplainArgs) -> Result<String> {
         Some(n) => explanation.pick(n)?,
         None => explanation,
     };
-    let t = explanation.to_model(&marks, a.netns.as_deref());
+    let t = explanation.to_model(&marks, a.node.netns.as_deref());
     Ok(if a.json {
         t.to_json_line()
     } else {
@@ -105,6 +79,7 @@ pub fn run(a: ExplainArgs) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::commands::rulefiles::Temp;
     use clap::Parser;
     use std::time::{Duration, Instant};
 
@@ -116,27 +91,6 @@ mod tests {
 
     fn args(argv: &[&str]) -> Result<ExplainArgs, clap::Error> {
         Cli::try_parse_from(std::iter::once("explain").chain(argv.iter().copied())).map(|c| c.a)
-    }
-
-    /// A file of its own in the temp directory, removed on drop.
-    struct Temp(PathBuf);
-
-    impl Temp {
-        fn new(name: &str, bytes: &[u8]) -> Self {
-            let p = std::env::temp_dir()
-                .join(format!("observer-explain-{}-{name}", std::process::id()));
-            std::fs::write(&p, bytes).unwrap();
-            Temp(p)
-        }
-        fn path(&self) -> &str {
-            self.0.to_str().unwrap()
-        }
-    }
-
-    impl Drop for Temp {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
     }
 
     const PACKET: &str = "tcp 198.51.100.7:40000 -> 10.0.0.2:22 in eth0 out eth1";

@@ -1,12 +1,50 @@
 //! The node's inputs given as files (`iptables-save`, `nft -j`, `ipset save`, `ip -j route`,
-//! the bridge's): the flag family `explain` and `whatif` share, and the one place such a
-//! file is read (capped, refused when it is not text).
+//! the bridge's), or read from the running node (`--live`): the flag families `explain` and
+//! `whatif` share, and the one place such a file, or the live node, is read.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use observer_model::MarkDictionary;
+use observer_rules::LiveNode;
+
+/// `--live [--netns NAME]`: the running node instead of files.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LiveArgs {
+    /// Read rules, sets, routes, addresses and bridges from the running node instead of
+    /// files (needs root).
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
+    pub live: bool,
+    /// With --live: the `ip netns` name whose node to read.
+    // Checked in `read`: clap's `requires` counts --live's default (false) as given.
+    #[arg(long, value_name = "NAME")]
+    pub netns: Option<String>,
+}
+
+impl LiveArgs {
+    /// The running node (the namespace `--netns`, else this one) when `--live` is given;
+    /// an error when none of its rules could be read, or `--netns` comes without `--live`.
+    pub fn read(&self) -> Result<Option<LiveNode>> {
+        if !self.live {
+            if self.netns.is_some() {
+                bail!(
+                    "--netns names the namespace --live reads; without --live there is nothing to read there"
+                );
+            }
+            return Ok(None);
+        }
+        if let Some(ns) = &self.netns {
+            crate::kernel::netns::enter(ns)?;
+        }
+        let live = LiveNode::read();
+        if !live.has_rules() && !live.failures.is_empty() {
+            let why: Vec<String> = live.failures.iter().map(ToString::to_string).collect();
+            bail!("could not read the node's rules: {}", why.join("; "));
+        }
+        Ok(Some(live))
+    }
+}
 
 /// The node's inputs as files: the flag family `explain` and `whatif` share.
 #[derive(clap::Args, Debug, Clone)]
@@ -158,4 +196,29 @@ pub fn read_capped(p: &Path, cap_mib: u64) -> Result<String> {
             e.utf8_error().valid_up_to()
         )
     })
+}
+
+/// A file of its own in the temp directory, removed on drop: the inputs of the commands'
+/// tests.
+#[cfg(test)]
+pub(crate) struct Temp(PathBuf);
+
+#[cfg(test)]
+impl Temp {
+    pub fn new(name: &str, bytes: impl AsRef<[u8]>) -> Self {
+        let p = std::env::temp_dir().join(format!("observer-test-{}-{name}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        Temp(p)
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+#[cfg(test)]
+impl Drop for Temp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

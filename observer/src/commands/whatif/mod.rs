@@ -20,7 +20,7 @@ use observer_model::{
 use observer_rules::{LiveTexts, PacketSpec, StoredNat};
 use serde::Serialize;
 
-use super::rulefiles::RuleFiles;
+use super::rulefiles::{LiveArgs, RuleFiles};
 use crate::pipeline::{Handled, Outcome, Sink};
 
 pub mod observed;
@@ -94,14 +94,11 @@ pub struct WhatifArgs {
     /// seen again are counted, never unchanged.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "old", "old6", "old_nft", "live"])]
     pub observed: Option<PathBuf>,
-    /// The new side is the running node as it is now, read as `explain --live` reads it
-    /// (rules, sets, routes, addresses, bridges; needs root): edit the rules in place (or
-    /// on a copy of the node) and ask what the recorded traffic would meet.
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
-    pub live: bool,
-    /// With --live: the `ip netns` name whose node to read.
-    #[arg(long, value_name = "NAME")]
-    pub netns: Option<String>,
+    /// `--live`: the new side is the running node as it is now, read as `explain --live`
+    /// reads it: edit the rules on a copy of the node (or in place before traffic reaches
+    /// it) and ask what the recorded traffic would meet.
+    #[command(flatten)]
+    pub node: LiveArgs,
 }
 
 fn parse_mask(s: &str) -> Result<u32, String> {
@@ -980,21 +977,13 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     if let Some(after) = &a.observed {
         return run_observed(a, after, out);
     }
-    if a.netns.is_some() && !a.live {
-        bail!(
-            "--netns names the namespace --live reads; without --live there is nothing to read there"
-        );
-    }
     // The inputs first: a mistake in them is said before a long recording is read.
-    let live = if a.live {
-        let node = super::explain::read_live(a.netns.as_deref())?;
+    let live = a.node.read()?.map(|node| {
         for f in &node.failures {
             log::warn!("reading the node: {f} (what it leaves out is undecidable)");
         }
-        Some(node.texts)
-    } else {
-        None
-    };
+        node.texts
+    });
     let given = a.new.texts()?;
     let read = |p: &Option<PathBuf>| a.new.read(p.as_deref());
     if live.is_none()
@@ -1168,6 +1157,7 @@ pub(crate) mod tests_support {
 mod tests {
     use super::tests_support::recorded_flows;
     use super::*;
+    use crate::commands::rulefiles::Temp;
     use clap::Parser;
 
     #[derive(Parser)]
@@ -1184,27 +1174,6 @@ mod tests {
 
     fn lab_rules() -> String {
         std::fs::read_to_string(path("lab/node.rules")).unwrap()
-    }
-
-    /// A file of its own in the temp directory, removed on drop.
-    struct Temp(PathBuf);
-
-    impl Temp {
-        fn new(name: &str, text: &str) -> Self {
-            let p =
-                std::env::temp_dir().join(format!("observer-whatif-{}-{name}", std::process::id()));
-            std::fs::write(&p, text).unwrap();
-            Temp(p)
-        }
-        fn path(&self) -> &str {
-            self.0.to_str().unwrap()
-        }
-    }
-
-    impl Drop for Temp {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
     }
 
     /// whatif of the golden lab recording (it carries no ruleset: the lab's is given as
