@@ -13,7 +13,8 @@ use observer_rules::LiveNode;
 #[derive(clap::Args, Debug, Clone)]
 pub struct LiveArgs {
     /// Read rules, sets, routes, addresses and bridges from the running node instead of
-    /// files (needs root).
+    /// files (needs root): `explain` walks its packet there, `whatif` takes it as the new
+    /// side (edit the node, then ask).
     #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
     pub live: bool,
     /// With --live: the `ip netns` name whose node to read.
