@@ -1004,7 +1004,8 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     let old_given = old_rules.iter().any(Option::is_some);
     let (old, base) = if old_given {
         // The recorded node (if any) with the old rules given; without one, the inputs
-        // given for the new node serve the old one too (they are the node's, not the change).
+        // given for the new node (or the live node's) serve the old one too: they are the
+        // node's, not the change.
         let mut t = collect
             .rulesets
             .first()
@@ -1013,7 +1014,7 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
                 iptables: None,
                 ip6tables: None,
                 nft: None,
-                ..given.clone()
+                ..live.clone().unwrap_or_else(|| given.clone())
             });
         [t.iptables, t.ip6tables, t.nft] = old_rules;
         (vec![Side::new("old (--old)", t.clone(), "")?], t)
