@@ -7,8 +7,6 @@
 //! `cargo run --release -p observer-rules --example bench_rules -- [--services N]
 //! [--packets N] [--no-kernel] [--json]`
 
-use std::fmt::Write as _;
-use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,83 +15,9 @@ use observer_rules::{
 };
 use serde_json::{Value, json};
 
-/// Service `i`'s ClusterIP and its two endpoints, deterministic so runs compare.
-fn cluster_ip(i: usize) -> Ipv4Addr {
-    Ipv4Addr::new(10, 96, (i / 250) as u8, (i % 250 + 1) as u8)
-}
-
-fn endpoint(i: usize, e: usize) -> Ipv4Addr {
-    let n = i * 2 + e;
-    Ipv4Addr::new(10, 244, (n / 250) as u8, (n % 250 + 1) as u8)
-}
-
-fn hash(prefix: &str, i: usize) -> String {
-    // kube-proxy uses a base32 hash of the service; a readable stand-in keeps names unique.
-    format!(
-        "{prefix}-{:016X}",
-        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-    )
-}
-
-/// The nat table kube-proxy (iptables mode) writes for `services` two-endpoint services.
-fn kube_proxy_ruleset(services: usize) -> String {
-    let mut s = String::with_capacity(services * 1200);
-    s.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n");
-    s.push_str(":KUBE-SERVICES - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODEPORTS - [0:0]\n");
-    for i in 0..services {
-        let _ = writeln!(s, ":{} - [0:0]", hash("KUBE-SVC", i));
-        for e in 0..2 {
-            let _ = writeln!(s, ":{} - [0:0]", hash("KUBE-SEP", i * 2 + e));
-        }
-    }
-    s.push_str(
-        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
-    );
-    s.push_str("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-    s.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
-    s.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
-    s.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
-    s.push_str("-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n");
-    s.push_str("-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n");
-    for i in 0..services {
-        let svc = hash("KUBE-SVC", i);
-        let name = format!("ns{}/svc{}:http", i % 50, i);
-        let _ = writeln!(
-            s,
-            "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j {svc}",
-            cluster_ip(i)
-        );
-        let _ = writeln!(
-            s,
-            "-A {svc} ! -s 10.244.0.0/16 -d {}/32 -p tcp -m comment --comment \"{name} cluster IP\" -m tcp --dport 80 -j KUBE-MARK-MASQ",
-            cluster_ip(i)
-        );
-        for e in 0..2 {
-            let sep = hash("KUBE-SEP", i * 2 + e);
-            let ep = endpoint(i, e);
-            let stat = if e == 0 {
-                " -m statistic --mode random --probability 0.50000000000"
-            } else {
-                ""
-            };
-            let _ = writeln!(
-                s,
-                "-A {svc} -m comment --comment \"{name} -> {ep}:8080\"{stat} -j {sep}"
-            );
-            let _ = writeln!(
-                s,
-                "-A {sep} -s {ep}/32 -m comment --comment \"{name}\" -j KUBE-MARK-MASQ"
-            );
-            let _ = writeln!(
-                s,
-                "-A {sep} -p tcp -m comment --comment \"{name}\" -m tcp -j DNAT --to-destination {ep}:8080"
-            );
-        }
-    }
-    s.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
-    s.push_str("COMMIT\n");
-    s
-}
+#[path = "common/kube_proxy.rs"]
+mod kube_proxy;
+use kube_proxy::{cluster_ip, endpoint, hash, kube_proxy_ruleset};
 
 /// The same services as kube-proxy's nftables mode writes them, as `nft -j list ruleset` prints.
 fn kube_proxy_nft_json(services: usize) -> String {

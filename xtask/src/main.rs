@@ -1516,6 +1516,10 @@ fn bench(seconds: u32, runs: u32, rounds: u32, agent_only: bool, no_build: bool)
         example("observer", "collector_bench")?;
         println!("\nruleset model (observer-rules/examples/bench_rules.rs):");
         example("observer-rules", "bench_rules")?;
+        println!(
+            "\nwhatif, 100,000 traversals against 5,000 services (observer/examples/whatif_bench.rs):"
+        );
+        example("observer", "whatif_bench")?;
         println!("\nthe agent's /metrics, 14,098 series (observer/examples/metrics_bench.rs):");
         example("observer", "metrics_bench")?;
     }

@@ -6,6 +6,7 @@ pub mod explain;
 pub mod kubectl;
 pub mod lab;
 pub mod replay;
+pub mod rulefiles;
 pub mod tail;
 pub mod traffic;
 pub mod whatif;

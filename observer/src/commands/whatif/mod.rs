@@ -20,8 +20,10 @@ use observer_model::{
 use observer_rules::{LiveTexts, PacketSpec, StoredNat};
 use serde::Serialize;
 
-use super::explain::{RuleFiles, read_capped};
+use super::rulefiles::{LiveArgs, RuleFiles};
 use crate::pipeline::{Handled, Outcome, Sink};
+
+pub mod observed;
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = "Examples:\n  \
@@ -37,7 +39,13 @@ use crate::pipeline::{Handled, Outcome, Sink};
     # in a pipeline that applies rules: 0 nothing changes, 1 something does (or cannot be\n  \
     # decided), 2 the question could not be answered\n  \
     observer whatif --recording node.obsrec --ruleset new.rules --json > changes.ndjson \\\n      \
-    && iptables-restore < new.rules\n\n\
+    && iptables-restore < new.rules\n\n  \
+    # the node itself as the new side, after an edit (on a copy of the node, or before\n  \
+    # traffic reaches it); as root\n  \
+    observer whatif --recording node.obsrec --live --netns obs-node\n\n  \
+    # check a prediction against the kernel: apply the change, send the same traffic,\n  \
+    # record it again; the flows whose observed path changed, grouped the same way\n  \
+    observer whatif --recording node.obsrec --observed after.obsrec\n\n\
 The new node is the recorded one with what you give replaced: --ruleset/--ruleset6/--nft \
 replace the rules (all three together: give each the new node has), --ipsets, --routes and the \
 bridge inputs each replace their own part. Without a recorded ruleset, --old (and --old6, \
@@ -80,6 +88,17 @@ pub struct WhatifArgs {
     /// interface names are the recording's).
     #[arg(long, value_name = "EXPR")]
     pub filter: Option<String>,
+    /// Check a prediction against the kernel: a second recording, made after the change was
+    /// applied with the same traffic sent again. Each flow's after is then what the kernel
+    /// did to it there (matched by the packet as it entered), not a simulation; flows not
+    /// seen again are counted, never unchanged.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "old", "old6", "old_nft", "live"])]
+    pub observed: Option<PathBuf>,
+    /// `--live`: the new side is the running node as it is now, read as `explain --live`
+    /// reads it: edit the rules on a copy of the node (or in place before traffic reaches
+    /// it) and ask what the recorded traffic would meet.
+    #[command(flatten)]
+    pub node: LiveArgs,
 }
 
 fn parse_mask(s: &str) -> Result<u32, String> {
@@ -193,6 +212,19 @@ impl FlowKey {
             },
             ruleset,
         })
+    }
+
+    /// The packet as it entered, without what the rules decided for it (its way out, the
+    /// translation conntrack stored) or the ruleset in force: the same packet sent again
+    /// under other rules has the same entry.
+    pub fn entry(&self) -> FlowKey {
+        FlowKey {
+            egress: None,
+            route: None,
+            stored: StoredNat::default(),
+            ruleset: 0,
+            ..self.clone()
+        }
     }
 
     /// The packet to simulate. Its route is left to the routes when there are any (a
@@ -376,8 +408,9 @@ fn views(t: &Traversal) -> Vec<View<'_>> {
         .collect()
 }
 
-/// The translations of kind `kind` the rules made, per outcome, with its probability.
-fn nat_targets(t: &Traversal, kind: NatKind) -> Vec<(String, String)> {
+/// The translations of kind `kind` the rules made, per outcome, with its probability;
+/// without `ports`, their addresses only.
+fn nat_targets(t: &Traversal, kind: NatKind, ports: bool) -> Vec<(String, String)> {
     let mut v: Vec<(String, String)> = views(t)
         .iter()
         .map(|b| {
@@ -385,7 +418,13 @@ fn nat_targets(t: &Traversal, kind: NatKind) -> Vec<(String, String)> {
                 .nat
                 .iter()
                 .filter(|n| n.kind == kind && n.source == NatSource::Rules)
-                .map(|n| n.to.to_string())
+                .map(|n| {
+                    let mut to = n.to.clone();
+                    if !ports {
+                        to.port = None;
+                    }
+                    to.to_string()
+                })
                 .collect();
             (format!("{:.6}", b.probability), to.join(","))
         })
@@ -471,10 +510,14 @@ pub fn classify(before: &Traversal, after: &Traversal, mode: Compare, mask: u32)
         (Pass::Stopped, Pass::Through) => return Some(Change::DroppedToAccepted),
         _ => {}
     }
-    if nat_targets(before, NatKind::Dnat) != nat_targets(after, NatKind::Dnat) {
+    if nat_targets(before, NatKind::Dnat, true) != nat_targets(after, NatKind::Dnat, true) {
         return Some(Change::DnatChanged);
     }
-    if nat_targets(before, NatKind::Snat) != nat_targets(after, NatKind::Snat) {
+    // A source translation's port is conntrack's choice (kept unless it clashes, random
+    // with --random-fully, as kube-proxy's nftables mode masquerades): outcomes compare
+    // the address it leaves with.
+    let ports = mode == Compare::Path;
+    if nat_targets(before, NatKind::Snat, ports) != nat_targets(after, NatKind::Snat, ports) {
         return Some(Change::SnatChanged);
     }
     let mask = if mode == Compare::Path {
@@ -515,6 +558,12 @@ pub struct Findings {
     pub unusable: u64,
     pub routes_known: bool,
     pub notes: Vec<String>,
+    /// `--observed`: flows of the first recording the second does not hold (not sent
+    /// again, or not seen: never counted as unchanged), and flows only the second holds.
+    pub unseen_flows: u64,
+    pub unseen_packets: u64,
+    pub new_flows: u64,
+    pub new_packets: u64,
 }
 
 impl Findings {
@@ -528,9 +577,10 @@ impl Findings {
         }
     }
 
-    /// Whether some flow changes or cannot be decided (the exit status is then 1).
+    /// Whether some flow changes or cannot be decided (the exit status is then 1); with
+    /// `--observed`, also when a flow was not seen again.
     pub fn any(&self) -> bool {
-        !self.groups.is_empty()
+        !self.groups.is_empty() || self.unseen_flows > 0
     }
 
     fn changed(&self) -> (u64, u64) {
@@ -546,7 +596,8 @@ impl Findings {
     pub fn summary(&self) -> String {
         let (cf, cp) = self.changed();
         let und = self.groups.get(&Change::Undecidable);
-        let flows = cf + und.map_or(0, |v| v.len() as u64) + self.unchanged_flows;
+        let flows =
+            cf + und.map_or(0, |v| v.len() as u64) + self.unchanged_flows + self.unseen_flows;
         let mut s = format!(
             "whatif: {} traversals in {flows} flows: {cf} flow{} ({cp} packet{}) change",
             self.traversals,
@@ -573,6 +624,24 @@ impl Findings {
             self.unchanged_packets,
             plural(self.unchanged_packets)
         );
+        if self.unseen_flows > 0 {
+            let _ = write!(
+                s,
+                ", {} not seen again ({} packet{})",
+                self.unseen_flows,
+                self.unseen_packets,
+                plural(self.unseen_packets)
+            );
+        }
+        if self.new_flows > 0 {
+            let _ = write!(
+                s,
+                ", {} seen only after ({} packet{})",
+                self.new_flows,
+                self.new_packets,
+                plural(self.new_packets)
+            );
+        }
         if self.unusable > 0 {
             let _ = write!(
                 s,
@@ -914,38 +983,38 @@ fn overlay(base: &LiveTexts, given: LiveTexts, files: &RuleFiles) -> LiveTexts {
 /// Runs `observer whatif`, printing to `out`; Ok(true) when some flow changes or cannot be
 /// decided.
 pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
+    if let Some(after) = &a.observed {
+        return run_observed(a, after, out);
+    }
     // The inputs first: a mistake in them is said before a long recording is read.
+    let live = a.node.read()?.map(|node| {
+        for f in &node.failures {
+            log::warn!("reading the node: {f} (what it leaves out is undecidable)");
+        }
+        node.texts
+    });
     let given = a.new.texts()?;
-    let cap = a.new.max_input_mib;
-    let read = |p: &Option<PathBuf>| p.as_deref().map(|p| read_capped(p, cap)).transpose();
-    if !a.new.has_rules() && given.ipset.is_none() && given.routes.is_empty() && !a.new.has_bridge()
+    let read = |p: &Option<PathBuf>| a.new.read(p.as_deref());
+    if live.is_none()
+        && !a.new.has_rules()
+        && given.ipset.is_none()
+        && given.routes.is_empty()
+        && !a.new.has_bridge()
     {
         bail!(
             "nothing changed to hold the recording against: give the new ruleset with \
              --ruleset FILE (iptables-save), --ruleset6 or --nft (and --ipsets, --routes if \
-             they change)"
+             they change), or edit the node and give --live; to check a prediction against \
+             the kernel, give the recording made after the change with --observed FILE"
         );
     }
     let old_rules = [read(&a.old)?, read(&a.old6)?, read(&a.old_nft)?];
-    let mut collect = Collect::default();
-    let opts = super::replay::ReplayOptions {
-        file: a.recording.clone(),
-        output: crate::pipeline::Output::Line,
-        count: None,
-        filter: a.filter.clone(),
-    };
-    let summary = super::replay::each(&opts, &mut collect)
-        .with_context(|| format!("reading the recording {}", a.recording.display()))?;
-    if summary.unended {
-        log::warn!(
-            "{}: the recording has no end marker: flows after its last frame are missing",
-            a.recording.display()
-        );
-    }
+    let collect = collect(&a.recording, a.filter.as_ref())?;
     let old_given = old_rules.iter().any(Option::is_some);
     let (old, base) = if old_given {
         // The recorded node (if any) with the old rules given; without one, the inputs
-        // given for the new node serve the old one too (they are the node's, not the change).
+        // given for the new node (or the live node's) serve the old one too: they are the
+        // node's, not the change.
         let mut t = collect
             .rulesets
             .first()
@@ -954,7 +1023,7 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
                 iptables: None,
                 ip6tables: None,
                 nft: None,
-                ..given.clone()
+                ..live.clone().unwrap_or_else(|| given.clone())
             });
         [t.iptables, t.ip6tables, t.nft] = old_rules;
         (vec![Side::new("old (--old)", t.clone(), "")?], t)
@@ -982,27 +1051,12 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
         let last = collect.rulesets.last().cloned().expect("not empty");
         (sides, last)
     };
-    let new = Side::new("new", overlay(&base, given, &a.new), "")?;
-    // Mark bits named as the tail named them: from its last ruleset, else its header.
-    let named = if collect.marks.is_empty() {
-        crate::output::recording::Reader::open(&a.recording)?
-            .header
-            .marks
-    } else {
-        collect.marks.clone()
+    let new = match live {
+        Some(texts) => Side::new("live", texts, "")?,
+        None => Side::new("new", overlay(&base, given, &a.new), "")?,
     };
-    let mut marks = MarkDictionary::from_entries(&named);
-    for s in old.iter().chain(std::iter::once(&new)) {
-        if let Some(t) = &s.texts.iptables {
-            marks.learn_from_iptables_save(t);
-        }
-    }
-    if let Some(f) = &a.marks {
-        let text = read_capped(f, cap).context("reading the marks file")?;
-        marks
-            .apply_toml(&text)
-            .with_context(|| format!("in marks file {}", f.display()))?;
-    }
+    let texts = old.iter().chain(std::iter::once(&new)).map(|s| &s.texts);
+    let marks = mark_names(a, &collect, texts)?;
     let mask = a.mark_mask.unwrap_or_else(|| default_mark_mask(&marks));
     let mut findings = judge(&collect.folded, &old, &new, &marks, a.compare, mask);
     if old.len() > 1 {
@@ -1012,11 +1066,76 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
             old.len() - 1
         ));
     }
-    let text = if a.json {
-        eprintln!("{}", findings.summary());
-        render_json(&findings)
+    print(a, &findings, out)
+}
+
+/// `--observed AFTER`: both sides as the kernel walked them, from two recordings.
+fn run_observed(a: &WhatifArgs, after: &std::path::Path, out: &mut dyn Write) -> Result<bool> {
+    let before = collect(&a.recording, a.filter.as_ref())?;
+    let after_c = collect(after, a.filter.as_ref())?;
+    let texts = before.rulesets.iter().chain(&after_c.rulesets);
+    let marks = mark_names(a, &before, texts)?;
+    let mask = a.mark_mask.unwrap_or_else(|| default_mark_mask(&marks));
+    let findings = observed::judge(&before.folded, &after_c.folded, a.compare, mask);
+    print(a, &findings, out)
+}
+
+/// The recording's flows and rulesets, as `filter` keeps them.
+fn collect(file: &std::path::Path, filter: Option<&String>) -> Result<Collect> {
+    let mut collect = Collect::default();
+    let opts = super::replay::ReplayOptions {
+        file: file.into(),
+        output: crate::pipeline::Output::Line,
+        count: None,
+        filter: filter.cloned(),
+    };
+    let summary = super::replay::each(&opts, &mut collect)
+        .with_context(|| format!("reading the recording {}", file.display()))?;
+    if summary.unended {
+        log::warn!(
+            "{}: the recording has no end marker: flows after its last frame are missing",
+            file.display()
+        );
+    }
+    Ok(collect)
+}
+
+/// Mark bits named as the tail named them (from its last ruleset, else the recording's
+/// header), what the rules' KUBE-MARK-* say, then `--marks`.
+fn mark_names<'a>(
+    a: &WhatifArgs,
+    collect: &Collect,
+    texts: impl Iterator<Item = &'a LiveTexts>,
+) -> Result<MarkDictionary> {
+    let named = if collect.marks.is_empty() {
+        crate::output::recording::Reader::open(&a.recording)?
+            .header
+            .marks
     } else {
-        render_text(&findings)
+        collect.marks.clone()
+    };
+    let mut marks = MarkDictionary::from_entries(&named);
+    for t in texts {
+        if let Some(t) = &t.iptables {
+            marks.learn_from_iptables_save(t);
+        }
+    }
+    if let Some(f) = &a.marks {
+        a.new.apply_marks_file(&mut marks, f)?;
+    }
+    Ok(marks)
+}
+
+/// Writes the findings as `--json` asks; Ok(true) when some flow changes.
+fn print(a: &WhatifArgs, findings: &Findings, out: &mut dyn Write) -> Result<bool> {
+    let text = if a.json {
+        for n in &findings.notes {
+            eprintln!("note: {n}");
+        }
+        eprintln!("{}", findings.summary());
+        render_json(findings)
+    } else {
+        render_text(findings)
     };
     // A reader that stopped early (`| head`) ends the output, not the answer.
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
@@ -1026,9 +1145,29 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     Ok(findings.any())
 }
 
+/// What the tests of whatif's parts share.
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use super::*;
+
+    /// The golden lab recording's IPv4 flows, folded (as whatif folds them), to count
+    /// independently of whatif's report.
+    pub fn recorded_flows() -> Folded {
+        let file = format!(
+            "{}/../observer/tests/golden/lab-flows.obsrec",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        collect(std::path::Path::new(&file), Some(&"ip".to_string()))
+            .unwrap()
+            .folded
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::tests_support::recorded_flows;
     use super::*;
+    use crate::commands::rulefiles::Temp;
     use clap::Parser;
 
     #[derive(Parser)]
@@ -1045,27 +1184,6 @@ mod tests {
 
     fn lab_rules() -> String {
         std::fs::read_to_string(path("lab/node.rules")).unwrap()
-    }
-
-    /// A file of its own in the temp directory, removed on drop.
-    struct Temp(PathBuf);
-
-    impl Temp {
-        fn new(name: &str, text: &str) -> Self {
-            let p =
-                std::env::temp_dir().join(format!("observer-whatif-{}-{name}", std::process::id()));
-            std::fs::write(&p, text).unwrap();
-            Temp(p)
-        }
-        fn path(&self) -> &str {
-            self.0.to_str().unwrap()
-        }
-    }
-
-    impl Drop for Temp {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
     }
 
     /// whatif of the golden lab recording (it carries no ruleset: the lab's is given as
@@ -1089,20 +1207,6 @@ mod tests {
         let mut out = Vec::new();
         let changed = run(&a, &mut out)?;
         Ok((changed, String::from_utf8(out)?))
-    }
-
-    /// The recording's flows, folded (as whatif folds them), to count independently of
-    /// whatif's report.
-    fn recorded_flows() -> Folded {
-        let mut c = Collect::default();
-        let opts = crate::commands::replay::ReplayOptions {
-            file: path("observer/tests/golden/lab-flows.obsrec").into(),
-            output: crate::pipeline::Output::Line,
-            count: None,
-            filter: Some("ip".into()),
-        };
-        crate::commands::replay::each(&opts, &mut c).unwrap();
-        c.folded
     }
 
     fn json_lines(out: &str) -> Vec<serde_json::Value> {
@@ -1355,6 +1459,52 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.contains("/nonexistent.rules"), "{e}");
+        let e = run_args(&["--recording", &rec, "--netns", "obs-node"]).unwrap_err();
+        assert!(e.contains("--netns") && e.contains("without --live"), "{e}");
+        // --observed takes the second recording as the new side: no rules with it.
+        let e = Cli::try_parse_from([
+            "whatif",
+            "--recording",
+            &rec,
+            "--observed",
+            &rec,
+            "--ruleset",
+            "x",
+        ])
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(e.contains("--observed") && e.contains("--ruleset"), "{e}");
+    }
+
+    #[test]
+    fn observed_against_the_same_recording_changes_nothing() {
+        let rec = path("observer/tests/golden/lab-flows.obsrec");
+        let a = Cli::try_parse_from([
+            "whatif",
+            "--recording",
+            &rec,
+            "--observed",
+            &rec,
+            "--filter",
+            "ip",
+        ])
+        .unwrap()
+        .a;
+        let mut out = Vec::new();
+        assert!(!run(&a, &mut out).unwrap());
+        let out = String::from_utf8(out).unwrap();
+        let flows = recorded_flows();
+        assert!(
+            out.ends_with(&format!(
+                "whatif: {} traversals in {} flows: 0 flows (0 packets) change, {} unchanged ({} packets)\n",
+                flows.traversals,
+                flows.flows.len(),
+                flows.flows.len(),
+                flows.traversals
+            )),
+            "{out}"
+        );
     }
 
     /// A prediction of `packet` under `rules` (iptables-save text).
@@ -1415,6 +1565,28 @@ mod tests {
         );
         let snat = t("", "-A POSTROUTING -j SNAT --to-source 192.0.2.1\n", "");
         assert_eq!(c(&base, &snat, Compare::Outcome), Some(Change::SnatChanged));
+        // A source translation's port is conntrack's choice: outcomes compare its address.
+        let port = |p: u16| {
+            t(
+                "",
+                &format!("-A POSTROUTING -p tcp -j SNAT --to-source 192.0.2.1:{p}\n"),
+                "",
+            )
+        };
+        assert_eq!(
+            c(&port(1000), &port(2000), Compare::Path),
+            Some(Change::SnatChanged)
+        );
+        assert_eq!(c(&port(1000), &port(2000), Compare::Outcome), None);
+        let other = t(
+            "",
+            "-A POSTROUTING -p tcp -j SNAT --to-source 192.0.2.9:1000\n",
+            "",
+        );
+        assert_eq!(
+            c(&port(1000), &other, Compare::Outcome),
+            Some(Change::SnatChanged)
+        );
         let mark = t("", "", "-A PREROUTING -j MARK --set-xmark 0x4000/0x4000\n");
         assert_eq!(c(&base, &mark, Compare::Path), Some(Change::MarksChanged));
         // Outcome mode compares only the bits given.
