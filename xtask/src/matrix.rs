@@ -39,6 +39,13 @@ const SLOW_UNDER_EMULATION: &[&str] = &[
     "a_full_receive_buffer_drops_with_the_kernels_reason",
 ];
 
+/// Tests that need what this project's host kernel lacks (IP_VS): `cargo xtask test` leaves
+/// them to the guests on such a host (with `--skip`, said), and the guests run them.
+pub const GUEST_ONLY: &[&str] = &[
+    "a_cluster_ip_request_is_one_report_with_ipvs_at_input_and_no_forward",
+    "a_policy_drops_what_ipvs_sent_in_output",
+];
+
 /// Waits in the guests' tests scale by this much (`observer_tests::time_scale`): QEMU's
 /// software emulation on one CPU runs the probes' verifier and the tests' processes about
 /// that much slower than this machine does.
@@ -60,6 +67,15 @@ pub const MATRIX: &[Row] = &[
             ),
             // The IPVS lab: IP_VS exists only in the guests' kernels.
             ("ipvs", &[]),
+            // Bridged traffic through br_netfilter (the bridge lab; the guest loads the
+            // module): whole reports with their ports, and a FORWARD rule's drop.
+            (
+                "bridge",
+                &[
+                    "bridged_ipv4_flows_are_whole_with_their_ports_and_the_kernels_rules",
+                    "a_forward_rule_drops_a_bridged_frame_and_the_report_says_where",
+                ],
+            ),
         ],
     },
     Row {
@@ -437,10 +453,11 @@ mod tests {
 
     #[test]
     fn the_script_runs_every_binary_and_exits_with_the_first_failure() {
-        let bins: HashMap<String, PathBuf> = ["kernels", "capture", "fates", "agent", "ipvs"]
-            .iter()
-            .map(|b| (b.to_string(), PathBuf::from(format!("/t/{b}"))))
-            .collect();
+        let bins: HashMap<String, PathBuf> =
+            ["kernels", "capture", "fates", "agent", "ipvs", "bridge"]
+                .iter()
+                .map(|b| (b.to_string(), PathBuf::from(format!("/t/{b}"))))
+                .collect();
         let s = script(&MATRIX[0], &bins, Path::new("/t/observer")).unwrap();
         assert!(s.contains("OBSERVER_KERNEL_CAPTURE=links"), "{s}");
         assert!(s.contains("/t/fates --test-threads=1 '--skip'"), "{s}");
