@@ -13,7 +13,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{Agent, METRICS, http_get, sample, scrape};
+use observer_tests::agent::{Agent, METRICS, baseline, http_get, sample, scrape, try_sample};
 use observer_tests::lab::{Lab, observer_bin};
 use observer_tests::privileged;
 
@@ -114,7 +114,7 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         ("family", "ipv4"),
         ("protocol", "udp"),
     ];
-    let before = sample_or_zero(&text, "observer_kernel_drops_total", &reason);
+    let before = baseline(&text, "observer_kernel_drops_total", &reason);
     const N: usize = 5;
     lab.run_in("client", || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -123,7 +123,8 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         }
     });
     observer_tests::wait_for("tier 1 to count the drops", Duration::from_secs(30), || {
-        sample_or_zero(&scrape(&lab), "observer_kernel_drops_total", &reason) >= before + N as f64
+        try_sample(&scrape(&lab), "observer_kernel_drops_total", &reason)
+            .is_some_and(|v| v >= before + N as f64)
     });
     std::thread::sleep(Duration::from_millis(1500));
     let text = scrape(&lab);
@@ -163,16 +164,4 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
     }
     let (status, stderr, _) = agent.stop("TERM");
     assert!(status.success(), "the agent stops cleanly: {stderr}");
-}
-
-/// A counter that has not been opened yet reads as zero (only where a count before the
-/// traffic is taken: the count after must exist).
-fn sample_or_zero(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let has = text.lines().any(|l| {
-        l.starts_with(name)
-            && labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-    });
-    if has { sample(text, name, labels) } else { 0.0 }
 }
