@@ -744,6 +744,29 @@ fn first_tier0_read(lab: &Lab) -> String {
     text
 }
 
+/// The default mode runs no program for every packet: of every BPF program the agent
+/// holds, as the kernel lists them (not as the agent says), the one attached anywhere is
+/// tier 1's, at the `kfree_skb` tracepoint (it runs for dropped packets only); the others
+/// (the TC programs loaded for on-demand streams) are attached nowhere.
+fn only_the_drop_program_runs(agent: &Agent, lab: &Lab, when: &str) {
+    let progs = observer_tests::bpf::programs(agent.pid(), &lab.ns("node"));
+    let all: Vec<String> = progs.iter().map(ToString::to_string).collect();
+    let attached: Vec<_> = progs.iter().filter(|p| !p.attached.is_empty()).collect();
+    let drops = |p: &&observer_tests::bpf::Program| {
+        // BPF_PROG_TYPE_TRACING (tp_btf), RAW_TRACEPOINT or TRACEPOINT, at kfree_skb only.
+        [26, 17, 5].contains(&p.prog_type)
+            && p.attached.iter().all(|a| {
+                ["raw_tracepoint", "tracepoint", "tracing"].contains(&a.kind.as_str())
+                    && a.at == "kfree_skb"
+            })
+    };
+    assert!(
+        !attached.is_empty() && attached.iter().all(drops),
+        "{when}: the default mode attaches tier 1's kfree_skb program and nothing else; \
+         the agent's programs: {all:#?}"
+    );
+}
+
 /// The packet count of an `iptables-save -c` line (`[pkts:bytes] -A ...`).
 fn saved_packets(line: &str) -> f64 {
     line[1..line.find(':').unwrap()].parse().unwrap()
@@ -759,6 +782,7 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
     // The default mode (no --mode), tier 0 read twice a second for the test.
     let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
     let first = first_tier0_read(&lab);
+    only_the_drop_program_runs(&agent, &lab, "at start");
     assert_eq!(
         sample(&first, "observer_probes_attached", &[]),
         0.0,
@@ -880,6 +904,8 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
         "no client address in any label"
     );
     promtool_accepts(&text);
+    // Still none after the drops were sampled and named and the rules read again.
+    only_the_drop_program_runs(&agent, &lab, "after the traffic");
     drop(agent);
 }
 
