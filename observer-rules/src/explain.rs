@@ -62,6 +62,8 @@ pub enum ExplainError {
     Addrs(ParseError),
     #[error("bridge/link input, {0}")]
     Bridges(ParseError),
+    #[error("--sysctl, {0}")]
+    Sysctls(ParseError),
     #[error(transparent)]
     Packet(#[from] PacketSpecError),
     #[error(
@@ -97,6 +99,7 @@ impl ExplainError {
             Text::Routes => ExplainError::Routes(e),
             Text::Addrs => ExplainError::Addrs(e),
             Text::Bridge(_) => ExplainError::Bridges(e),
+            Text::Sysctls => ExplainError::Sysctls(e),
         }
     }
 }

@@ -26,6 +26,7 @@ use crate::iptables::parse_save_family;
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::route::Routes;
 use crate::sim::Simulator;
+use crate::sysctl::Sysctls;
 
 /// One read of the node that did not give us what we need.
 #[derive(Debug, Error)]
@@ -69,6 +70,10 @@ pub struct LiveTexts {
     /// these texts in a frame that stays small).
     #[serde(default)]
     pub bridge: Box<BridgeTexts>,
+    /// The sysctls routing consults, as `KEY=VALUE` lines (`Sysctls::read_text` on the
+    /// node, or `--sysctl`); None: the kernel's defaults are assumed, and said to be.
+    #[serde(default)]
+    pub sysctls: Option<String>,
 }
 
 /// What the bridge commands printed, raw.
@@ -132,6 +137,7 @@ pub enum Text {
     Addrs,
     /// One of the bridge texts, by the command that printed it.
     Bridge(&'static str),
+    Sysctls,
 }
 
 impl Text {
@@ -145,6 +151,7 @@ impl Text {
             Text::Routes => "ip -j route show table all",
             Text::Addrs => "ip -j addr show",
             Text::Bridge(cmd) => cmd,
+            Text::Sysctls => "route_localnet sysctls (/proc/sys/net/ipv4/conf, --sysctl)",
         }
     }
 }
@@ -227,6 +234,10 @@ impl LiveTexts {
                     }
                 }),
             }),
+            sysctls: keep(Sysctls::read_text().map_err(|e| LiveError::Failed {
+                cmd: "read /proc/sys/net/ipv4/conf/*/route_localnet".into(),
+                stderr: e.to_string(),
+            })),
         };
         (texts, failures)
     }
@@ -260,7 +271,7 @@ impl LiveTexts {
             &mut unparsed,
         );
         let routes: Vec<&str> = self.routes.iter().map(String::as_str).collect();
-        let routes = Routes::parse_json(&routes).unwrap_or_else(|e| {
+        let mut routes = Routes::parse_json(&routes).unwrap_or_else(|e| {
             unparsed.push((Text::Routes, e));
             Routes::default()
         });
@@ -272,6 +283,14 @@ impl LiveTexts {
         );
         let (bridges, bad) = self.bridge.parse();
         unparsed.extend(bad.into_iter().map(|(cmd, e)| (Text::Bridge(cmd), e)));
+        if let Some(s) = parse_text(
+            self.sysctls.as_deref(),
+            Text::Sysctls,
+            Sysctls::parse,
+            &mut unparsed,
+        ) {
+            routes.sysctls = s;
+        }
         Parsed {
             ruleset: Ruleset {
                 ipv4: ipv4.unwrap_or_default(),
@@ -295,6 +314,7 @@ impl LiveTexts {
             &self.nft,
             &self.ipset,
             &self.addrs,
+            &self.sysctls,
         ]
         .into_iter()
         .chain([&b.bridge_links, &b.links, &b.neigh, &b.fdb])

@@ -766,6 +766,7 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
             fdb: Some("{}".into()),
             ..Default::default()
         }),
+        sysctls: Some("net.ipv4.ip_forward=1".into()),
     };
     let error = |texts: LiveTexts, packet: &str| {
         explain(&ExplainRequest {
@@ -790,13 +791,14 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
     said.push(error(t.clone(), v4));
     t.iptables = Some(open.into());
     said.push(error(t.clone(), v6));
-    for step in 0..4 {
+    for step in 0..5 {
         said.push(error(t.clone(), v4));
         match step {
             0 => t.ipset = None,
             1 => t.routes.clear(),
             2 => t.addrs = None,
-            _ => t.bridge.fdb = None,
+            3 => t.bridge.fdb = None,
+            _ => t.sysctls = None,
         }
     }
     let want = [
@@ -811,6 +813,7 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
         "route input, line 1",
         "address input, line 1, column 1: address JSON: expected a JSON array",
         "bridge/link input, line 1, column 1",
+        "--sysctl, line 1, column 1: `net.ipv4.ip_forward` is not modelled",
     ];
     for (said, want) in said.iter().zip(want) {
         assert!(

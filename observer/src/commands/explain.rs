@@ -19,7 +19,7 @@ pub struct ExplainArgs {
     #[command(flatten)]
     pub inputs: RuleFiles,
     /// Read rules, sets, routes and bridges from the running node instead of files (needs root).
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables"])]
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables", "sysctl"])]
     pub live: bool,
     /// With --live: the `ip netns` name whose rules to read.
     // Checked in `run`: clap's `requires` counts --live's default (false) as given.
@@ -78,6 +78,12 @@ pub struct RuleFiles {
     /// The same for IPv6 (`net.bridge.bridge-nf-call-ip6tables`).
     #[arg(long, value_name = "0|1", value_parser = clap::value_parser!(u8).range(0..=1))]
     pub bridge_nf_call_ip6tables: Option<u8>,
+    /// A sysctl of the node that routing consults, `KEY=VALUE` (repeatable): only
+    /// `net.ipv4.conf.<all|IFACE>.route_localnet` is modelled (kube-proxy sets it for
+    /// NodePorts on 127.0.0.1). Not given: the kernel's defaults (0) are assumed, and an
+    /// explanation they decide says so. `--live` reads the node's own.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub sysctl: Vec<String>,
     /// The largest input file read, in MiB: a bigger one (or an endless one such as a
     /// device) is refused before it is parsed. Parsing takes a few times the file's size.
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MAX_INPUT_MIB)]
@@ -107,6 +113,7 @@ impl RuleFiles {
                 bridge_nf_call: [a.bridge_nf_call_iptables, a.bridge_nf_call_ip6tables]
                     .map(|v| v.map(|v| v == 1)),
             }),
+            sysctls: (!a.sysctl.is_empty()).then(|| a.sysctl.join("\n")),
             ..Default::default()
         })
     }

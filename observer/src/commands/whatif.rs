@@ -899,6 +899,9 @@ fn overlay(base: &LiveTexts, given: LiveTexts, files: &RuleFiles) -> LiveTexts {
     if files.has_bridge() {
         t.bridge = given.bridge;
     }
+    if given.sysctls.is_some() {
+        t.sysctls = given.sysctls;
+    }
     t
 }
 
