@@ -2,6 +2,7 @@
 //! by promtool, two streaming clients with their own filters at once, the flight recorder,
 //! SIGTERM and SIGKILL.
 
+use std::io::Write as _;
 use std::net::UdpSocket;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -1135,4 +1136,104 @@ fn nftables_mode_service_connections_equal_conntrack_entries() {
     );
     promtool_accepts(&text);
     drop(agent);
+}
+
+/// What a process in the node's network namespace gets from the agent's TCP API as the
+/// DaemonSet deploys it (`--listen=127.0.0.1:...`, hostNetwork): `(status, first body line)`
+/// for each request, asked with `/usr/bin/python3` as `uid` (`setpriv`, no other privilege).
+fn tcp_api_as(lab: &Lab, uid: u32, addr: &str) -> Vec<(String, u16, String)> {
+    let (host, port) = addr.split_once(':').unwrap();
+    let script = format!(
+        r#"
+import http.client
+for method, path in [("GET", "/v1/ruleset"), ("GET", "/v1/traces?count=1&timeout=1"),
+                     ("GET", "/v1/drops?count=1"), ("GET", "/v1/names"),
+                     ("POST", "/v1/arm?seconds=1")]:
+    c = http.client.HTTPConnection("{host}", {port}, timeout=20)
+    c.request(method, path)
+    r = c.getresponse()
+    line = r.readline().decode(errors="replace").strip()
+    print(method, path, r.status, line, sep="\t")
+    c.close()
+"#
+    );
+    let node = lab.ns("node");
+    let id = uid.to_string();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node, "setpriv"])
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", &script])
+        .output()
+        .expect("run setpriv python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.splitn(4, '\t').collect();
+            (
+                format!("{} {}", f[0], f[1]),
+                f[2].parse().unwrap(),
+                f.get(3).unwrap_or(&"").to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_non_root_process_on_the_node_gets_nothing_from_the_tcp_api_and_root_does() {
+    if !privileged("a_non_root_process_on_the_node_gets_nothing_from_the_tcp_api_and_root_does") {
+        return;
+    }
+    let lab = Lab::up("ag8");
+    // As the DaemonSet runs it: the default mode, the API on the node's loopback.
+    const ADDR: &str = "127.0.0.1:9968";
+    let _agent = Agent::start_with(&lab, &["--listen", ADDR]);
+    // uid 65534, what any pod with hostNetwork is: refused, whatever it asks.
+    let nobody = tcp_api_as(&lab, 65534, ADDR);
+    assert_eq!(nobody.len(), 5, "{nobody:?}");
+    for (req, status, line) in &nobody {
+        assert_eq!(*status, 403, "{req}: {line}");
+        assert!(
+            line.contains("answers root only (uid 65534 is refused)")
+                && line.contains("kubectl observer"),
+            "{req}: {line}"
+        );
+    }
+    // Root (as the container runtime dials kubectl observer's port-forward): served.
+    let root = tcp_api_as(&lab, 0, ADDR);
+    let status = |req: &str| {
+        root.iter()
+            .find(|(r, _, _)| r.starts_with(req))
+            .map(|(_, s, l)| (*s, l.clone()))
+            .unwrap_or_else(|| panic!("{req}: {root:?}"))
+    };
+    assert_eq!(status("GET /v1/ruleset").0, 200, "{root:?}");
+    assert_eq!(status("GET /v1/traces").0, 200, "{root:?}");
+    assert_eq!(status("GET /v1/names").0, 200, "{root:?}");
+    assert_eq!(status("POST /v1/arm").0, 202, "{root:?}");
+    let ruleset = http_over_tcp_as_root(&lab, ADDR, "/v1/ruleset");
+    assert!(
+        ruleset.contains("KUBE-SERVICES"),
+        "the node's rules: {ruleset}"
+    );
+}
+
+/// A whole `GET` response body over TCP from the node's namespace, as root.
+fn http_over_tcp_as_root(lab: &Lab, addr: &'static str, path: &'static str) -> String {
+    lab.run_in("node", move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut buf = String::new();
+        let _ = std::io::Read::read_to_string(&mut s, &mut buf);
+        buf
+    })
 }
