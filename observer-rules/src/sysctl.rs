@@ -16,7 +16,12 @@ pub struct Sysctls {
     /// True when the values came from the node or the user; false: the kernel's defaults
     /// (every `route_localnet` 0) are assumed.
     pub given: bool,
+    /// True when they were read from the node ([`Sysctls::read_text`]'s first line).
+    pub read: bool,
 }
+
+/// The first line of [`Sysctls::read_text`]: the values were read, not given.
+const READ_MARK: &str = "# read from the node";
 
 impl Sysctls {
     /// Parses `KEY=VALUE` lines (`sysctl` style, `#` comments and blank lines skipped;
@@ -27,6 +32,7 @@ impl Sysctls {
             given: true,
             ..Default::default()
         };
+        s.read = text.lines().next().is_some_and(|l| l.trim() == READ_MARK);
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
@@ -75,7 +81,9 @@ impl Sysctls {
 
     /// How the value used for `dev` is known, for an explanation's note.
     pub fn provenance(&self) -> &'static str {
-        if self.given {
+        if self.read {
+            "as read from the node"
+        } else if self.given {
             "as given"
         } else {
             "the kernel's default, assumed: the node's sysctls were not read (pass \
@@ -86,7 +94,7 @@ impl Sysctls {
     /// The node's settings as `KEY=VALUE` lines: every `route_localnet` under
     /// `/proc/sys/net/ipv4/conf` of the calling thread's network namespace.
     pub fn read_text() -> std::io::Result<String> {
-        let mut out = String::new();
+        let mut out = format!("{READ_MARK}\n");
         let mut confs: Vec<String> = std::fs::read_dir("/proc/sys/net/ipv4/conf")?
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -117,6 +125,10 @@ mod tests {
         assert!(!s.route_localnet("eth0"));
         let all = Sysctls::parse("net.ipv4.conf.all.route_localnet=1").unwrap();
         assert!(all.route_localnet("eth0"));
+        assert_eq!(s.provenance(), "as given");
+        let read =
+            Sysctls::parse(&format!("{READ_MARK}\nnet.ipv4.conf.lo.route_localnet=0\n")).unwrap();
+        assert_eq!(read.provenance(), "as read from the node");
         let d = Sysctls::default();
         assert!(!d.given && !d.route_localnet("eth0"));
         assert!(d.provenance().contains("--sysctl"));
