@@ -6,10 +6,11 @@ use observer::commands::agent::client::LineReader;
 
 /// The input after its first byte, cut into pieces where that byte says, must give exactly
 /// the lines of the whole input (none longer than the maximum, which is an error instead),
-/// whatever the cuts. `what` names the input in a failure.
-pub fn check(input: &[u8], what: &str) {
+/// whatever the cuts. `what` names the input in a failure. Returns how many lines the
+/// reader gave.
+pub fn check(input: &[u8], what: &str) -> usize {
     let Some((&cuts, data)) = input.split_first() else {
-        return;
+        return 0;
     };
     let max = 64;
     // Expected: the whole input's lines, or an error once one is longer than `max`.
@@ -43,4 +44,5 @@ pub fn check(input: &[u8], what: &str) {
     if !failed {
         assert_eq!(got, want, "{what}");
     }
+    got.len()
 }

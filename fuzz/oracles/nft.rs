@@ -5,13 +5,14 @@
 use observer_rules::{Ipsets, Routes, Simulator, parse_nft_json, parse_packet_spec};
 
 /// Any input gives a model or an error naming the place, never a panic; whatever parses
-/// must compile and simulate without a panic for a few packet shapes.
-pub fn check(data: &[u8]) {
+/// must compile and simulate without a panic for a few packet shapes. True when the input
+/// parsed (and was simulated).
+pub fn check(data: &[u8]) -> bool {
     let Ok(text) = std::str::from_utf8(data) else {
-        return;
+        return false;
     };
     let Ok(nft) = parse_nft_json(text) else {
-        return;
+        return false;
     };
     let empty = Default::default();
     let ipsets = Ipsets::default();
@@ -30,4 +31,5 @@ pub fn check(data: &[u8]) {
     ] {
         let _ = sim.simulate(&parse_packet_spec(spec).expect("valid spec"));
     }
+    true
 }

@@ -64,6 +64,8 @@ pub enum ExplainError {
     Bridges(ParseError),
     #[error("ipvsadm input (pass `ipvsadm -Sn` output), {0}")]
     Ipvs(ParseError),
+    #[error("--sysctl, {0}")]
+    Sysctls(ParseError),
     #[error(transparent)]
     Packet(#[from] PacketSpecError),
     #[error(
@@ -100,6 +102,7 @@ impl ExplainError {
             Text::Addrs => ExplainError::Addrs(e),
             Text::Bridge(_) => ExplainError::Bridges(e),
             Text::Ipvs => ExplainError::Ipvs(e),
+            Text::Sysctls => ExplainError::Sysctls(e),
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod nft;
 pub mod packet;
 pub mod route;
 pub mod sim;
+pub mod sysctl;
 
 pub use bridge::Bridges;
 pub use check::Family;
@@ -38,3 +39,4 @@ pub use route::{RouteDecision, Routes};
 pub use sim::{
     Branch, Hook, MatchedRule, PhysOut, SeenPorts, Simulator, StageInput, StoredNat, Verdict,
 };
+pub use sysctl::Sysctls;

@@ -27,6 +27,7 @@ use crate::ipvs::{IpvsTable, parse_ipvsadm_save};
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::route::Routes;
 use crate::sim::Simulator;
+use crate::sysctl::Sysctls;
 
 /// One read of the node that did not give us what we need.
 #[derive(Debug, Error)]
@@ -77,6 +78,10 @@ pub struct LiveTexts {
     /// `net.ipv4.vs.conntrack` (absent: IPVS not loaded, or not read).
     #[serde(default)]
     pub ipvs_conntrack: Option<bool>,
+    /// The sysctls routing consults, as `KEY=VALUE` lines (`Sysctls::read_text` on the
+    /// node, or `--sysctl`); None: the kernel's defaults are assumed, and said to be.
+    #[serde(default)]
+    pub sysctls: Option<String>,
 }
 
 /// What the bridge commands printed, raw.
@@ -141,6 +146,7 @@ pub enum Text {
     /// One of the bridge texts, by the command that printed it.
     Bridge(&'static str),
     Ipvs,
+    Sysctls,
 }
 
 impl Text {
@@ -155,6 +161,7 @@ impl Text {
             Text::Addrs => "ip -j addr show",
             Text::Bridge(cmd) => cmd,
             Text::Ipvs => "ipvsadm -Sn",
+            Text::Sysctls => "route_localnet sysctls (/proc/sys/net/ipv4/conf, --sysctl)",
         }
     }
 }
@@ -242,6 +249,10 @@ impl LiveTexts {
             ipvs_conntrack: std::fs::read_to_string("/proc/sys/net/ipv4/vs/conntrack")
                 .ok()
                 .map(|v| v.trim() != "0"),
+            sysctls: keep(Sysctls::read_text().map_err(|e| LiveError::Failed {
+                cmd: "read /proc/sys/net/ipv4/conf/*/route_localnet".into(),
+                stderr: e.to_string(),
+            })),
         };
         (texts, failures)
     }
@@ -275,7 +286,7 @@ impl LiveTexts {
             &mut unparsed,
         );
         let routes: Vec<&str> = self.routes.iter().map(String::as_str).collect();
-        let routes = Routes::parse_json(&routes).unwrap_or_else(|e| {
+        let mut routes = Routes::parse_json(&routes).unwrap_or_else(|e| {
             unparsed.push((Text::Routes, e));
             Routes::default()
         });
@@ -295,6 +306,14 @@ impl LiveTexts {
         )
         .unwrap_or_default();
         ipvs.conntrack = self.ipvs_conntrack;
+        if let Some(s) = parse_text(
+            self.sysctls.as_deref(),
+            Text::Sysctls,
+            Sysctls::parse,
+            &mut unparsed,
+        ) {
+            routes.sysctls = s;
+        }
         Parsed {
             ruleset: Ruleset {
                 ipv4: ipv4.unwrap_or_default(),
@@ -320,6 +339,7 @@ impl LiveTexts {
             &self.ipset,
             &self.addrs,
             &self.ipvs,
+            &self.sysctls,
         ]
         .into_iter()
         .chain([&b.bridge_links, &b.links, &b.neigh, &b.fdb])

@@ -5,6 +5,7 @@ use std::net::IpAddr;
 
 use crate::error::ParseError;
 use crate::net::Net;
+use crate::sysctl::Sysctls;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Route {
@@ -21,6 +22,9 @@ pub struct Route {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Routes {
     pub routes: Vec<Route>,
+    /// The sysctls routing consults (`route_localnet`): read, given, or the kernel's
+    /// defaults assumed.
+    pub sysctls: Sysctls,
 }
 
 /// Where the routing decision sends a packet.
@@ -28,6 +32,10 @@ pub struct Routes {
 pub enum RouteDecision {
     /// Delivered to this host (INPUT); `dev` is the interface owning the address.
     Local { dev: Option<String> },
+    /// Delivered to this host (INPUT) on a condition the inputs cannot say and the kernel
+    /// decides at the socket layer (a multicast group a socket joined); otherwise dropped
+    /// by routing. The path up to that condition is decided.
+    LocalIf { condition: String },
     /// Sent out `dev` (FORWARD or OUTPUT), with the source MASQUERADE would pick.
     Out {
         dev: String,
@@ -70,7 +78,10 @@ impl Routes {
                 routes.push(parse_route(i, r)?);
             }
         }
-        Ok(Routes { routes })
+        Ok(Routes {
+            routes,
+            sysctls: Sysctls::default(),
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -159,19 +170,27 @@ impl Routes {
     /// `ip_route_input_slow` make it for IPv4 (martian sources and destinations, limited
     /// broadcast, multicast) and `ip6_route_input` for IPv6 multicast; then the FIB.
     /// Multicast is delivered only to groups the interface joined, which the inputs do not
-    /// list (except all-hosts / all-nodes, joined by every interface); multicast routing is
-    /// not modelled.
-    pub fn input(&self, src: IpAddr, dst: IpAddr, proto: u8) -> RouteDecision {
+    /// list (except all-hosts / all-nodes, joined by every interface): the path to INPUT
+    /// is given on that condition ([`RouteDecision::LocalIf`]); multicast routing is not
+    /// modelled. 127.0.0.0/8 from `in_dev` follows `route_localnet` ([`Sysctls`]).
+    pub fn input(&self, src: IpAddr, dst: IpAddr, proto: u8, in_dev: &str) -> RouteDecision {
         let martian_src =
             |why: &str| RouteDecision::Unroutable(format!("martian source {src}: {why}"));
-        let joined = |all: &str| {
-            RouteDecision::Unknown(format!(
-                "multicast destination {dst}: delivered (INPUT) only when a socket joined \
-                 the group on the input interface, else dropped by routing (group \
-                 memberships are not among the inputs; only {all} is always joined; \
-                 multicast routing is not modelled)"
-            ))
+        let joined = |all: &str| RouteDecision::LocalIf {
+            condition: format!(
+                "condition: multicast destination {dst} is delivered (INPUT, the path \
+                 below) only if a socket on this node joined the group on {in_dev}; if none \
+                 did, routing drops it before INPUT (group memberships are not among the \
+                 inputs; only {all} is joined by every interface; multicast routing is not \
+                 modelled)"
+            ),
         };
+        let localnet = self.sysctls.route_localnet(in_dev);
+        let setting = format!(
+            "net.ipv4.conf.{{all,{in_dev}}}.route_localnet is {}, {}",
+            u8::from(localnet),
+            self.sysctls.provenance()
+        );
         match (src, dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 let (s_mc, s_bc, s_zero, s_lo) = v4_class(s);
@@ -181,10 +200,8 @@ impl Routes {
                 }
                 if d_mc {
                     // ip_route_input_mc -> ip_mc_validate_source.
-                    if s_lo {
-                        return martian_src(
-                            "a loopback source from outside (route_localnet off, the default)",
-                        );
+                    if s_lo && !localnet {
+                        return martian_src(&format!("a loopback source from outside; {setting}"));
                     }
                     let local_mc = d.octets()[..3] == [224, 0, 0];
                     if s_zero && !local_mc && proto != 2 {
@@ -211,18 +228,21 @@ impl Routes {
                         "martian destination {dst}: 0.0.0.0/8"
                     ));
                 }
+                // ip_route_input_slow: 127/8 from outside only with route_localnet.
                 if d_lo {
-                    return RouteDecision::Unknown(format!(
-                        "loopback destination {dst} from outside: a martian destination, \
-                         dropped by routing, unless route_localnet=1 on the input interface \
-                         (kube-proxy sets it); the sysctl is not among the inputs"
-                    ));
+                    if !localnet {
+                        return RouteDecision::Unroutable(format!(
+                            "martian destination {dst}: a loopback destination arriving on \
+                             {in_dev}; {setting}"
+                        ));
+                    }
+                    return self.lookup(dst);
                 }
                 if s_lo {
-                    return martian_src(
-                        "a loopback source from outside (route_localnet off, the default; \
-                         and a node address fails the source check even with it on)",
-                    );
+                    return martian_src(&format!(
+                        "a loopback source from outside; {setting} (with it on, a node \
+                         address still fails the source check)"
+                    ));
                 }
                 self.lookup(dst)
             }
@@ -553,7 +573,7 @@ mod tests {
     #[test]
     fn broadcast_multicast_and_martians_route_as_the_kernel_does() {
         let r = Routes::parse_json(&[JSON]).unwrap();
-        let input = |s: &str, d: &str| r.input(ip(s), ip(d), 17);
+        let input = |s: &str, d: &str| r.input(ip(s), ip(d), 17, "eth0");
         let out = |d: &RouteDecision| matches!(d, RouteDecision::Out { .. });
         // Limited broadcast is delivered, even from 0.0.0.0 (DHCP); the subnet broadcast
         // from the local table too. Neither is forwarded out the default route.
@@ -576,13 +596,13 @@ mod tests {
         ));
         let mdns = input("192.0.2.7", "224.0.0.251");
         assert!(
-            matches!(&mdns, RouteDecision::Unknown(w) if w.contains("joined")),
+            matches!(&mdns, RouteDecision::LocalIf { condition } if condition.contains("joined the group on eth0")),
             "{mdns:?}"
         );
         assert!(!out(&mdns));
         assert!(matches!(
             input("192.0.2.7", "239.1.2.3"),
-            RouteDecision::Unknown(_)
+            RouteDecision::LocalIf { .. }
         ));
         // Martian sources are dropped by routing.
         for src in ["127.0.0.1", "0.0.0.0", "224.0.0.5", "255.255.255.255"] {
@@ -602,14 +622,50 @@ mod tests {
             RouteDecision::Unroutable(_)
         ));
         assert!(matches!(
-            r.input(ip("0.0.0.0"), ip("239.1.2.3"), 2),
-            RouteDecision::Unknown(_)
+            r.input(ip("0.0.0.0"), ip("239.1.2.3"), 2, "eth0"),
+            RouteDecision::LocalIf { .. }
         ));
         assert!(
             matches!(input("192.0.2.7", "0.1.2.3"), RouteDecision::Unroutable(w) if w.starts_with("martian destination"))
         );
+        // 127/8 from outside: a martian destination under the kernel's default
+        // route_localnet (said to be assumed), delivered with it on (all or the interface).
+        let lo = input("192.0.2.7", "127.0.0.1");
         assert!(
-            matches!(input("192.0.2.7", "127.0.0.1"), RouteDecision::Unknown(w) if w.contains("route_localnet"))
+            matches!(&lo, RouteDecision::Unroutable(w) if w.starts_with("martian destination")
+                && w.contains("route_localnet is 0, the kernel's default, assumed")),
+            "{lo:?}"
+        );
+        for set in [
+            "net.ipv4.conf.all.route_localnet=1",
+            "net.ipv4.conf.eth0.route_localnet=1",
+        ] {
+            // The local table's loopback route, as every node has it.
+            let mut on = Routes::parse_json(&[
+                JSON,
+                r#"[{"type":"local","dst":"127.0.0.0/8","dev":"lo","table":"local","prefsrc":"127.0.0.1","flags":[]}]"#,
+            ])
+            .unwrap();
+            on.sysctls = Sysctls::parse(set).unwrap();
+            assert!(
+                matches!(
+                    on.input(ip("192.0.2.7"), ip("127.0.0.1"), 6, "eth0"),
+                    RouteDecision::Local { .. }
+                ),
+                "{set}"
+            );
+            // A loopback source stays a martian (the source check fails on a local address).
+            assert!(matches!(
+                on.input(ip("127.0.0.1"), ip("192.0.2.2"), 6, "eth0"),
+                RouteDecision::Unroutable(_)
+            ));
+        }
+        let mut other = r.clone();
+        other.sysctls = Sysctls::parse("net.ipv4.conf.eth1.route_localnet=1").unwrap();
+        let given = other.input(ip("192.0.2.7"), ip("127.0.0.1"), 6, "eth0");
+        assert!(
+            matches!(&given, RouteDecision::Unroutable(w) if w.ends_with("is 0, as given")),
+            "{given:?}"
         );
         // An ordinary packet still follows the FIB.
         assert!(out(&input("192.0.2.7", "8.8.8.8")));
@@ -620,7 +676,7 @@ mod tests {
         ));
         assert!(matches!(
             input("fd00::7", "ff02::fb"),
-            RouteDecision::Unknown(_)
+            RouteDecision::LocalIf { .. }
         ));
         for (s, d) in [
             ("ff02::1", "fd00::2"),

@@ -1065,12 +1065,18 @@ impl<'a> Simulator<'a> {
             return None;
         } else {
             let decision = if spec.in_iface.is_some() {
-                self.routes.input(pkt.src, pkt.dst, pkt.proto)
+                let in_dev = spec.in_iface.as_deref().unwrap_or_default();
+                self.routes.input(pkt.src, pkt.dst, pkt.proto, in_dev)
             } else {
                 self.routes.lookup(pkt.dst)
             };
             match decision {
                 RouteDecision::Local { .. } => true,
+                // The walk goes on to INPUT; the condition is said with it.
+                RouteDecision::LocalIf { condition } => {
+                    b.notes.push(condition);
+                    true
+                }
                 RouteDecision::Out { dev, .. } => {
                     if !self.routes.has_local_table(pkt.v6) {
                         // Not a guess made silently: a node address would be taken as remote.
@@ -1713,7 +1719,9 @@ impl<'a> Simulator<'a> {
                         let valid = match self.routes.lookup(pkt.src) {
                             RouteDecision::Out { dev, .. } => *loose || Some(dev.as_str()) == in_if,
                             RouteDecision::Local { .. } => *accept_local,
-                            RouteDecision::Unroutable(_) | RouteDecision::Unknown(_) => false,
+                            RouteDecision::LocalIf { .. }
+                            | RouteDecision::Unroutable(_)
+                            | RouteDecision::Unknown(_) => false,
                         };
                         tri(valid, *invert)
                     }

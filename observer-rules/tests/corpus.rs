@@ -168,6 +168,8 @@ impl Rng {
 /// (so rules get hit), the node's, and strangers'.
 struct Pool {
     addrs: Vec<IpAddr>,
+    loopback: Vec<IpAddr>,
+    multicast: Vec<IpAddr>,
     ports: Vec<u16>,
     ifaces: Vec<String>,
 }
@@ -257,8 +259,19 @@ fn pool(file: &SaveFile, v6: bool) -> Pool {
     addrs.dedup();
     ports.sort_unstable();
     ports.dedup();
+    let (loopback, multicast): (&[&str], &[&str]) = if v6 {
+        (&["::1"], &["ff02::fb", "ff02::1", "ff02::1:2", "ff05::1:3"])
+    } else {
+        (
+            &["127.0.0.1", "127.0.0.53", "127.1.2.3"],
+            &["224.0.0.251", "224.0.0.1", "239.255.255.250", "224.0.0.18"],
+        )
+    };
+    let parse = |xs: &[&str]| xs.iter().map(|a| a.parse().unwrap()).collect();
     Pool {
         addrs,
+        loopback: parse(loopback),
+        multicast: parse(multicast),
         ports,
         ifaces,
     }
@@ -287,20 +300,26 @@ fn random_packet(r: &mut Rng, p: &Pool, v6: bool) -> PacketSpec {
     };
     // A sixth are sent by the node itself (OUTPUT), the rest arrive on an interface.
     let in_iface = (!r.chance(16)).then(|| r.pick(&p.ifaces).clone());
-    // Addresses as traffic has them: loopback ones only as the destination of what the node
-    // sends (from outside they are martians the kernel drops unless route_localnet is set),
-    // multicast groups likewise (delivery of a received one depends on the groups its
-    // sockets joined, which are not among the inputs).
+    // Addresses as traffic has them: the pool's unicast ones as sources; as destinations,
+    // besides those, a tenth of what arrives goes to a loopback address (a martian unless
+    // route_localnet is set: the kernel's default, 0, is assumed) and a tenth to a
+    // multicast group (delivered up to the condition that a socket joined it). What the
+    // node sends may go to either (the pool holds 127.0.0.1 / ::1).
     let local = in_iface.is_none();
     let fits = |a: &IpAddr, dst: bool| (local && dst) || !(a.is_loopback() || a.is_multicast());
     // Bounded: most of the pool fits, so a draw fits within a few tries.
-    let mut draw = |dst: bool| {
+    let draw = |r: &mut Rng, dst: bool| {
         (0..1000)
             .map(|_| *r.pick(&p.addrs))
             .find(|a| fits(a, dst))
             .expect("the address pool has addresses that fit")
     };
-    let (src, dst) = (draw(false), draw(true));
+    let src = draw(r, false);
+    let dst = match (local, r.below(10)) {
+        (false, 0) => *r.pick(&p.loopback),
+        (false, 1) => *r.pick(&p.multicast),
+        _ => draw(r, true),
+    };
     let ct_state = match r.below(100) {
         0..60 => CtState::New,
         60..90 => CtState::Established,
@@ -347,6 +366,7 @@ fn random_packets_are_decided_on_real_world_rulesets() {
     let empty = SaveFile::default();
     let mut r = Rng(0x0b5e_c0de_2026_0023);
     let (mut total, mut decided, mut assumed) = (0usize, 0usize, 0usize);
+    let (mut loopback, mut martians, mut multicast) = (0usize, 0usize, 0usize);
     let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
     let mut per_file = Vec::new();
     for e in expectations().iter().filter(|e| e.accept) {
@@ -364,6 +384,42 @@ fn random_packets_are_decided_on_real_world_rulesets() {
             let spec = random_packet(&mut r, &p, v6);
             let branches = sim.simulate(&spec);
             total += 1;
+            // From outside, a loopback destination is the kernel's martian (route_localnet
+            // 0 assumed, and said) unless a DNAT at PREROUTING moved it first; a multicast
+            // group is walked to INPUT on the stated condition that a socket joined it.
+            if spec.in_iface.is_some() && spec.dst.is_loopback() {
+                loopback += 1;
+                for b in &branches {
+                    assert_ne!(
+                        observer_rules::sim::verdict_of(b),
+                        Verdict::Undecidable,
+                        "{}: {spec:?}: {b:#?}",
+                        e.file
+                    );
+                    if b.notes.iter().any(|n| n.contains("martian destination")) {
+                        martians += 1;
+                        assert!(
+                            b.notes.iter().any(|n| n.contains("default, assumed")),
+                            "{}: the assumed sysctl is said: {:?}",
+                            e.file,
+                            b.notes
+                        );
+                    }
+                }
+            }
+            // All-hosts / all-nodes are joined by every interface: no condition.
+            let all_hosts = ["224.0.0.1", "ff02::1"].map(|a| a.parse::<IpAddr>().unwrap());
+            if spec.in_iface.is_some() && spec.dst.is_multicast() && !all_hosts.contains(&spec.dst)
+            {
+                multicast += 1;
+                let walked = branches.iter().all(|b| {
+                    b.notes
+                        .iter()
+                        .any(|n| n.starts_with("condition: multicast destination"))
+                        || observer_rules::sim::verdict_of(b) == Verdict::Drop
+                });
+                assert!(walked, "{}: {spec:?}: {branches:#?}", e.file);
+            }
             let undecided = branches
                 .iter()
                 .find(|b| observer_rules::sim::verdict_of(b) == Verdict::Undecidable);
@@ -406,6 +462,14 @@ fn random_packets_are_decided_on_real_world_rulesets() {
         "{decided} of {total} random packets decided ({:.2}%), {assumed} of them under a stated assumption",
         100.0 * fraction
     );
+    eprintln!(
+        "received: {loopback} to a loopback address ({martians} dropped as martians by routing; the \
+         others dropped before routing or DNATed first), {multicast} to a multicast group"
+    );
     assert!(total >= 4000, "corpus too small: {total} packets");
+    assert!(
+        loopback >= total / 20 && martians >= loopback / 2 && multicast >= total / 20,
+        "the packets to loopback and multicast addresses are part of the stream"
+    );
     assert!(fraction >= 0.99, "only {:.2}% decided", 100.0 * fraction);
 }

@@ -76,39 +76,59 @@ fn broadcast_is_delivered_not_forwarded() {
 
 #[test]
 fn multicast_is_delivered_to_joined_groups_and_never_forwarded() {
-    let e = run(OPEN, ALL, "udp 192.0.2.7:5353 -> 224.0.0.251:5353 in eth0");
-    assert_eq!(
-        route_and_verdict(&e),
-        ("unknown".into(), Verdict::Undecidable)
-    );
-    assert!(e.branches[0].egress.is_none());
-    let note = e.branches[0].notes.last().unwrap();
-    assert!(note.contains("joined the group"), "{note}");
-    // Neither INPUT nor FORWARD is claimed.
-    assert!(
-        !e.branches[0]
-            .stages
-            .iter()
-            .any(|s| matches!(s.hook, Hook::LocalIn | Hook::Forward))
-    );
+    // A group the inputs cannot say was joined: walked to INPUT, with the condition the
+    // socket layer decides said first; never forwarded.
+    let conditional = |spec: &str| {
+        let e = run(OPEN, ALL, spec);
+        assert_eq!(
+            route_and_verdict(&e),
+            ("input".into(), Verdict::Accept),
+            "{spec}"
+        );
+        assert!(e.branches[0].egress.is_none(), "{spec}");
+        assert!(
+            e.branches[0]
+                .notes
+                .iter()
+                .any(|n| n.starts_with("condition: multicast destination")
+                    && n.contains("joined the group on eth0")
+                    && n.contains("routing drops it before INPUT")),
+            "{spec}: {:?}",
+            e.branches[0].notes
+        );
+        assert!(
+            !e.branches[0]
+                .stages
+                .iter()
+                .any(|s| matches!(s.hook, Hook::Forward)),
+            "{spec}"
+        );
+        assert!(
+            e.branches[0]
+                .stages
+                .iter()
+                .any(|s| matches!(s.hook, Hook::LocalIn)),
+            "{spec}"
+        );
+    };
+    conditional("udp 192.0.2.7:5353 -> 224.0.0.251:5353 in eth0");
+    // All-hosts is joined by every interface: no condition.
     let e = run(OPEN, ALL, "2 192.0.2.7 -> 224.0.0.1 in eth0");
     assert_eq!(route_and_verdict(&e), ("input".into(), Verdict::Accept));
-    // IPv6: all-nodes is joined everywhere; another group is not known.
+    assert!(
+        !e.branches[0]
+            .notes
+            .iter()
+            .any(|n| n.starts_with("condition:"))
+    );
+    // IPv6: all-nodes is joined everywhere; another group on the same condition.
     let e = run(
         OPEN,
         ALL,
         "udp [2001:db8::7]:5353 -> [ff02::1]:5353 in eth0",
     );
     assert_eq!(route_and_verdict(&e), ("input".into(), Verdict::Accept));
-    let e = run(
-        OPEN,
-        ALL,
-        "udp [2001:db8::7]:5353 -> [ff02::fb]:5353 in eth0",
-    );
-    assert_eq!(
-        route_and_verdict(&e),
-        ("unknown".into(), Verdict::Undecidable)
-    );
+    conditional("udp [2001:db8::7]:5353 -> [ff02::fb]:5353 in eth0");
 }
 
 #[test]

@@ -768,6 +768,7 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
         }),
         ipvs: Some("-X\n".into()),
         ipvs_conntrack: None,
+        sysctls: Some("net.ipv4.ip_forward=1".into()),
     };
     let error = |texts: LiveTexts, packet: &str| {
         explain(&ExplainRequest {
@@ -792,14 +793,15 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
     said.push(error(t.clone(), v4));
     t.iptables = Some(open.into());
     said.push(error(t.clone(), v6));
-    for step in 0..5 {
+    for step in 0..6 {
         said.push(error(t.clone(), v4));
         match step {
             0 => t.ipset = None,
             1 => t.routes.clear(),
             2 => t.addrs = None,
             3 => t.bridge.fdb = None,
-            _ => t.ipvs = None,
+            4 => t.ipvs = None,
+            _ => t.sysctls = None,
         }
     }
     let want = [
@@ -815,6 +817,7 @@ fn the_first_broken_input_in_reading_order_is_the_error() {
         "address input, line 1, column 1: address JSON: expected a JSON array",
         "bridge/link input, line 1, column 1",
         "ipvsadm input (pass `ipvsadm -Sn` output), line 1, column 1: `-X`",
+        "--sysctl, line 1, column 1: `net.ipv4.ip_forward` is not modelled",
     ];
     for (said, want) in said.iter().zip(want) {
         assert!(

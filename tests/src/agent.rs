@@ -196,20 +196,67 @@ pub fn encode(s: &str) -> String {
         .collect()
 }
 
-/// The value of the first sample of `metric` (a name with labels, as it appears) in a
-/// scrape; 0 when absent.
+/// The value of `name`'s series with `labels` in a scrape (the sum when several match).
+/// An absent series fails the test, naming the metric and the series of that name the
+/// scrape does have: a metric renamed or no longer made must never read as 0.
 pub fn sample(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    try_sample(scrape, name, labels).unwrap_or_else(|| {
+        let present: Vec<&str> = series_lines(scrape, name, &[]).collect();
+        panic!(
+            "the metric {name}{} is absent from the scrape (series of {name} present: {present:#?})",
+            show_labels(labels)
+        )
+    })
+}
+
+/// As [`sample`], `None` when no series matches: for waiting until a series appears (a
+/// counter's series open at its first count), never for a check that it stays 0.
+pub fn try_sample(scrape: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for l in series_lines(scrape, name, labels) {
+        let v = l
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name}: a sample line without a number: {l}"));
+        *found.get_or_insert(0.0) += v;
+    }
+    found
+}
+
+/// A count taken *before* the traffic a test then counts: 0 when the counter's series has
+/// not been opened yet (the agent opens a counter's series at its first count). The count
+/// after the traffic must be read with [`sample`], which fails on an absent series.
+pub fn baseline(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    try_sample(scrape, name, labels).unwrap_or(0.0)
+}
+
+/// Every series of `name` with `labels`, as its line (value included), in scrape order.
+pub fn series_lines<'a>(
+    scrape: &'a str,
+    name: &'a str,
+    labels: &'a [(&'a str, &'a str)],
+) -> impl Iterator<Item = &'a str> + 'a {
     scrape
         .lines()
         .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .filter(|l| {
+        .filter(move |l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter(move |l| {
             labels
                 .iter()
                 .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
         })
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum()
+}
+
+fn show_labels(labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let l: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    format!("{{{}}}", l.join(","))
 }
 
 /// `observer tail --agent` (or `drops --agent`) as a child; its output read as it comes.
@@ -302,4 +349,42 @@ pub fn unix_get(socket: &std::path::Path, path: &str) -> String {
     let (status, body) = unix_request(socket, "GET", path);
     assert_eq!(status, 200, "GET {path}: {body}");
     body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SCRAPE: &str = "# TYPE observer_drops_total counter\n\
+        observer_drops_total{node=\"n\",hook=\"FORWARD\",table=\"filter\"} 3\n\
+        observer_drops_total{node=\"n\",hook=\"INPUT\",table=\"filter\"} 2\n\
+        observer_drops_totalx{node=\"n\"} 9\n\
+        observer_tracing{node=\"n\"} 0\n";
+
+    #[test]
+    fn a_present_series_is_read_and_summed() {
+        assert_eq!(sample(SCRAPE, "observer_tracing", &[]), 0.0);
+        assert_eq!(
+            sample(SCRAPE, "observer_drops_total", &[("hook", "FORWARD")]),
+            3.0
+        );
+        assert_eq!(sample(SCRAPE, "observer_drops_total", &[]), 5.0);
+        assert_eq!(
+            baseline(SCRAPE, "observer_drops_total", &[("hook", "OUTPUT")]),
+            0.0
+        );
+        assert_eq!(try_sample(SCRAPE, "observer_drops", &[]), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "the metric observer_drops_total{hook=\"OUTPUT\"} is absent")]
+    fn an_absent_series_fails_naming_the_metric() {
+        sample(SCRAPE, "observer_drops_total", &[("hook", "OUTPUT")]);
+    }
+
+    #[test]
+    #[should_panic(expected = "the metric observer_subscribers is absent")]
+    fn an_absent_metric_fails() {
+        sample(SCRAPE, "observer_subscribers", &[]);
+    }
 }

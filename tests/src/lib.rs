@@ -2,6 +2,7 @@
 //! running code inside a namespace, and the skip policy (loud skip locally, failure under CI).
 
 pub mod agent;
+pub mod bpf;
 pub mod lab;
 pub mod nft_shapes;
 pub mod raw;

@@ -2,13 +2,16 @@
 //! by promtool, two streaming clients with their own filters at once, the flight recorder,
 //! SIGTERM and SIGKILL.
 
+use std::io::Write as _;
 use std::net::UdpSocket;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
-    Agent, Client, METRICS, encode, http_get, http_get_accept, sample, scrape, try_http_get,
-    unix_get, unix_request,
+    Agent, Client, METRICS, baseline, encode, http_get, http_get_accept, sample, scrape,
+    series_lines, try_http_get, try_sample, unix_get, unix_request,
 };
 use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{privileged, run, wait_for};
@@ -465,11 +468,11 @@ fn the_agent_follows_rule_and_interface_churn() {
     });
     send_udp(&lab, 7778, 4);
     wait_for("the drops at prio:-5", Duration::from_secs(10), || {
-        sample(
+        try_sample(
             &scrape(&lab),
             "observer_drops_total",
             &[("hook", "FORWARD"), ("table", "prio:-5")],
-        ) == 4.0
+        ) == Some(4.0)
     });
     // Interfaces that come and go.
     run(&[
@@ -502,8 +505,11 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
     }
     let lab = Lab::up("ag4");
     const N: usize = 20;
-    // Something listens at the pod, so no ICMP error comes back through the node.
-    let sink = lab.serve("pod", |ready| {
+    // Something listens at the pod, so no ICMP error comes back through the node; it
+    // counts what reaches it.
+    let received = Arc::new(AtomicUsize::new(0));
+    let got = received.clone();
+    let sink = lab.serve("pod", move |ready| {
         let s = UdpSocket::bind("172.17.0.5:53").unwrap();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         ready.send(()).unwrap();
@@ -512,6 +518,7 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
             if s.recv(&mut buf).is_err() {
                 break;
             }
+            got.fetch_add(1, Ordering::Relaxed);
         }
     });
     let agent = Agent::start(&lab);
@@ -533,7 +540,7 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
     let grew = |name: &str, labels: &[(&str, &str)]| {
         let mut l = vec![("family", "ipv4")];
         l.extend_from_slice(labels);
-        sample(&after, name, &l) - sample(&before, name, &l)
+        sample(&after, name, &l) - baseline(&before, name, &l)
     };
     let nat = |hook, kind, source| {
         grew(
@@ -580,13 +587,21 @@ fn always_on_counters_agree_with_the_kernels_rule_counters() {
             .sum::<f64>()
     };
     assert_eq!(set_0x4000(&after) - set_0x4000(&before), kernel, "{after}");
-    // None of the flow's packets was dropped on its way through the node (the scrapes' own
-    // loopback connections may be: QUEUE_PURGE at INPUT), and nothing was recorded whole.
+    // None of the flow's packets was dropped on its way through the node: the pod got
+    // every one, and the agent counted no drop on the way (its drop series at these hooks,
+    // if any, are the same before and after; the scrapes' own loopback connections may be
+    // dropped: QUEUE_PURGE at INPUT). Nothing was recorded whole.
+    assert_eq!(
+        received.load(Ordering::Relaxed),
+        N,
+        "the pod received the flow"
+    );
     for hook in ["PREROUTING", "FORWARD", "POSTROUTING"] {
+        let at = [("hook", hook)];
         assert_eq!(
-            grew("observer_drops_total", &[("hook", hook)]),
-            0.0,
-            "{after}"
+            series_lines(&after, "observer_drops_total", &at).collect::<Vec<_>>(),
+            series_lines(&before, "observer_drops_total", &at).collect::<Vec<_>>(),
+            "no drop at {hook}: {after}"
         );
     }
     assert_eq!(sample(&after, "observer_tracing", &[]), 0.0);
@@ -730,6 +745,29 @@ fn first_tier0_read(lab: &Lab) -> String {
     text
 }
 
+/// The default mode runs no program for every packet: of every BPF program the agent
+/// holds, as the kernel lists them (not as the agent says), the one attached anywhere is
+/// tier 1's, at the `kfree_skb` tracepoint (it runs for dropped packets only); the others
+/// (the TC programs loaded for on-demand streams) are attached nowhere.
+fn only_the_drop_program_runs(agent: &Agent, lab: &Lab, when: &str) {
+    let progs = observer_tests::bpf::programs(agent.pid(), &lab.ns("node"));
+    let all: Vec<String> = progs.iter().map(ToString::to_string).collect();
+    let attached: Vec<_> = progs.iter().filter(|p| !p.attached.is_empty()).collect();
+    let drops = |p: &&observer_tests::bpf::Program| {
+        // BPF_PROG_TYPE_TRACING (tp_btf), RAW_TRACEPOINT or TRACEPOINT, at kfree_skb only.
+        [26, 17, 5].contains(&p.prog_type)
+            && p.attached.iter().all(|a| {
+                ["raw_tracepoint", "tracepoint", "tracing"].contains(&a.kind.as_str())
+                    && a.at == "kfree_skb"
+            })
+    };
+    assert!(
+        !attached.is_empty() && attached.iter().all(drops),
+        "{when}: the default mode attaches tier 1's kfree_skb program and nothing else; \
+         the agent's programs: {all:#?}"
+    );
+}
+
 /// The packet count of an `iptables-save -c` line (`[pkts:bytes] -A ...`).
 fn saved_packets(line: &str) -> f64 {
     line[1..line.find(':').unwrap()].parse().unwrap()
@@ -745,6 +783,7 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
     // The default mode (no --mode), tier 0 read twice a second for the test.
     let agent = Agent::start_with(&lab, &["--rules-interval", "0.5"]);
     let first = first_tier0_read(&lab);
+    only_the_drop_program_runs(&agent, &lab, "at start");
     assert_eq!(
         sample(&first, "observer_probes_attached", &[]),
         0.0,
@@ -775,7 +814,16 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
             ],
         )
     };
-    let drops_before = dropped(&first);
+    let drops_before = baseline(
+        &first,
+        "observer_kernel_drops_total",
+        &[
+            ("tier", "1"),
+            ("reason", "NETFILTER_DROP"),
+            ("family", "ipv4"),
+            ("protocol", "udp"),
+        ],
+    );
     const N: usize = 7;
     send_udp(&lab, 7777, N);
     // kube-dns' ClusterIP: each datagram from a socket of its own is a new connection.
@@ -827,7 +875,7 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
         "tier 0 to read the connections",
         Duration::from_secs(10),
         || {
-            sample(
+            try_sample(
                 &scrape(&lab),
                 "observer_service_connections_total",
                 &[
@@ -835,7 +883,7 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
                     ("service", "kube-dns"),
                     ("port", "dns"),
                 ],
-            ) == sep
+            ) == Some(sep)
         },
     );
     let text = scrape(&lab);
@@ -857,6 +905,8 @@ fn default_mode_attaches_no_per_packet_probe_and_counts_from_the_kernel() {
         "no client address in any label"
     );
     promtool_accepts(&text);
+    // Still none after the drops were sampled and named and the rules read again.
+    only_the_drop_program_runs(&agent, &lab, "after the traffic");
     drop(agent);
 }
 
@@ -1043,7 +1093,7 @@ fn nftables_mode_service_connections_equal_conntrack_entries() {
         first.contains("observer_rule_uncounted{") && first.contains("action=\"dnat\""),
         "the DNAT rules are said to have no counter: {first}"
     );
-    let before = sample(&first, "observer_service_connections_total", &dns);
+    let before = baseline(&first, "observer_service_connections_total", &dns);
     const C: usize = 6;
     lab.run_in("client", || {
         for _ in 0..C {
@@ -1052,7 +1102,8 @@ fn nftables_mode_service_connections_equal_conntrack_entries() {
         }
     });
     wait_for("the connections counted", Duration::from_secs(15), || {
-        sample(&scrape(&lab), "observer_service_connections_total", &dns) >= before + C as f64
+        try_sample(&scrape(&lab), "observer_service_connections_total", &dns)
+            .is_some_and(|v| v >= before + C as f64)
     });
     std::thread::sleep(Duration::from_millis(1200));
     let text = scrape(&lab);
@@ -1085,4 +1136,104 @@ fn nftables_mode_service_connections_equal_conntrack_entries() {
     );
     promtool_accepts(&text);
     drop(agent);
+}
+
+/// What a process in the node's network namespace gets from the agent's TCP API as the
+/// DaemonSet deploys it (`--listen=127.0.0.1:...`, hostNetwork): `(status, first body line)`
+/// for each request, asked with `/usr/bin/python3` as `uid` (`setpriv`, no other privilege).
+fn tcp_api_as(lab: &Lab, uid: u32, addr: &str) -> Vec<(String, u16, String)> {
+    let (host, port) = addr.split_once(':').unwrap();
+    let script = format!(
+        r#"
+import http.client
+for method, path in [("GET", "/v1/ruleset"), ("GET", "/v1/traces?count=1&timeout=1"),
+                     ("GET", "/v1/drops?count=1"), ("GET", "/v1/names"),
+                     ("POST", "/v1/arm?seconds=1")]:
+    c = http.client.HTTPConnection("{host}", {port}, timeout=20)
+    c.request(method, path)
+    r = c.getresponse()
+    line = r.readline().decode(errors="replace").strip()
+    print(method, path, r.status, line, sep="\t")
+    c.close()
+"#
+    );
+    let node = lab.ns("node");
+    let id = uid.to_string();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node, "setpriv"])
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", &script])
+        .output()
+        .expect("run setpriv python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.splitn(4, '\t').collect();
+            (
+                format!("{} {}", f[0], f[1]),
+                f[2].parse().unwrap(),
+                f.get(3).unwrap_or(&"").to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_non_root_process_on_the_node_gets_nothing_from_the_tcp_api_and_root_does() {
+    if !privileged("a_non_root_process_on_the_node_gets_nothing_from_the_tcp_api_and_root_does") {
+        return;
+    }
+    let lab = Lab::up("ag8");
+    // As the DaemonSet runs it: the default mode, the API on the node's loopback.
+    const ADDR: &str = "127.0.0.1:9968";
+    let _agent = Agent::start_with(&lab, &["--listen", ADDR]);
+    // uid 65534, what any pod with hostNetwork is: refused, whatever it asks.
+    let nobody = tcp_api_as(&lab, 65534, ADDR);
+    assert_eq!(nobody.len(), 5, "{nobody:?}");
+    for (req, status, line) in &nobody {
+        assert_eq!(*status, 403, "{req}: {line}");
+        assert!(
+            line.contains("answers root only (uid 65534 is refused)")
+                && line.contains("kubectl observer"),
+            "{req}: {line}"
+        );
+    }
+    // Root (as the container runtime dials kubectl observer's port-forward): served.
+    let root = tcp_api_as(&lab, 0, ADDR);
+    let status = |req: &str| {
+        root.iter()
+            .find(|(r, _, _)| r.starts_with(req))
+            .map(|(_, s, l)| (*s, l.clone()))
+            .unwrap_or_else(|| panic!("{req}: {root:?}"))
+    };
+    assert_eq!(status("GET /v1/ruleset").0, 200, "{root:?}");
+    assert_eq!(status("GET /v1/traces").0, 200, "{root:?}");
+    assert_eq!(status("GET /v1/names").0, 200, "{root:?}");
+    assert_eq!(status("POST /v1/arm").0, 202, "{root:?}");
+    let ruleset = http_over_tcp_as_root(&lab, ADDR, "/v1/ruleset");
+    assert!(
+        ruleset.contains("KUBE-SERVICES"),
+        "the node's rules: {ruleset}"
+    );
+}
+
+/// A whole `GET` response body over TCP from the node's namespace, as root.
+fn http_over_tcp_as_root(lab: &Lab, addr: &'static str, path: &'static str) -> String {
+    lab.run_in("node", move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut buf = String::new();
+        let _ = std::io::Read::read_to_string(&mut s, &mut buf);
+        buf
+    })
 }

@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{METRICS, http_get, sample, try_http_get, unix_get};
+use observer_tests::agent::{
+    METRICS, baseline, http_get, sample, try_http_get, try_sample, unix_get,
+};
 use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{in_ci, privileged, run};
 use serde_json::Value;
@@ -175,13 +177,17 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         "{text}"
     );
     let dropped = |t: &str| {
-        sample(
+        try_sample(
             t,
             "observer_kernel_drops_total",
             &[("reason", "NETFILTER_DROP"), ("protocol", "udp")],
         )
     };
-    let before = dropped(&text);
+    let before = baseline(
+        &text,
+        "observer_kernel_drops_total",
+        &[("reason", "NETFILTER_DROP"), ("protocol", "udp")],
+    );
     // The drops program sees the lab's packets from inside the container.
     lab.run_in("client", || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -190,7 +196,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         }
     });
     let deadline = Instant::now() + Duration::from_secs(20);
-    while dropped(&http_get(&lab, METRICS, "/metrics").1) < before + 3.0 {
+    while dropped(&http_get(&lab, METRICS, "/metrics").1).is_none_or(|v| v < before + 3.0) {
         assert!(
             Instant::now() < deadline,
             "drops not counted: {}",

@@ -13,7 +13,9 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{Agent, Client, METRICS, http_get, sample, scrape};
+use observer_tests::agent::{
+    Agent, Client, METRICS, baseline, http_get, sample, scrape, try_sample,
+};
 use observer_tests::lab::{Lab, Tail, observer_bin};
 use observer_tests::privileged;
 
@@ -114,7 +116,7 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         ("family", "ipv4"),
         ("protocol", "udp"),
     ];
-    let before = sample_or_zero(&text, "observer_kernel_drops_total", &reason);
+    let before = baseline(&text, "observer_kernel_drops_total", &reason);
     const N: usize = 5;
     lab.run_in("client", || {
         let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
@@ -123,7 +125,8 @@ fn the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do() {
         }
     });
     observer_tests::wait_for("tier 1 to count the drops", Duration::from_secs(30), || {
-        sample_or_zero(&scrape(&lab), "observer_kernel_drops_total", &reason) >= before + N as f64
+        try_sample(&scrape(&lab), "observer_kernel_drops_total", &reason)
+            .is_some_and(|v| v >= before + N as f64)
     });
     std::thread::sleep(Duration::from_millis(1500));
     let text = scrape(&lab);
@@ -193,7 +196,7 @@ fn streams_and_tier2(lab: &Lab, agent: &Agent) {
         "the stream's tracing to start",
         Duration::from_secs(60),
         || {
-            let tracing = sample_or_zero(&scrape(lab), "observer_tracing", &[]) == 1.0;
+            let tracing = try_sample(&scrape(lab), "observer_tracing", &[]) == Some(1.0);
             if tracing && !sent {
                 send(7798, 2);
                 sent = true;
@@ -225,18 +228,22 @@ fn streams_and_tier2(lab: &Lab, agent: &Agent) {
         arm["armed"] == true && arm["netfilter_links"].as_u64().is_some_and(|n| n > 0)
     });
     let captured = |lab: &Lab| {
-        sample_or_zero(
+        try_sample(
             &scrape(lab),
             "observer_tier2_captured_total",
             &[("tier", "2")],
         )
     };
-    let before = captured(lab);
+    let before = baseline(
+        &scrape(lab),
+        "observer_tier2_captured_total",
+        &[("tier", "2")],
+    );
     send(7797, 3);
     observer_tests::wait_for(
         "tier 2's captured traversals",
         Duration::from_secs(30),
-        || captured(lab) >= before + 3.0,
+        || captured(lab).is_some_and(|v| v >= before + 3.0),
     );
     let drops =
         observer_tests::agent::unix_get(&agent.socket, "/v1/drops?filter=udp%20dst%20port%207797");
@@ -246,18 +253,6 @@ fn streams_and_tier2(lab: &Lab, agent: &Agent) {
         .filter(|v| v["stages"].as_array().is_some_and(|s| !s.is_empty()))
         .count();
     assert!(whole >= 3, "tier 2's traversals with their stages: {drops}");
-}
-
-/// A counter that has not been opened yet reads as zero (only where a count before the
-/// traffic is taken: the count after must exist).
-fn sample_or_zero(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let has = text.lines().any(|l| {
-        l.starts_with(name)
-            && labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-    });
-    if has { sample(text, name, labels) } else { 0.0 }
 }
 
 /// Whatever a kernel attaches TC probes with (tcx links from 6.6, netlink filters on a

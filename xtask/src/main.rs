@@ -29,6 +29,9 @@ mod vm;
 const PINNED_NIGHTLY: &str = "nightly-2026-05-19";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
+/// Seconds per fuzz target in `cargo xtask test`: six targets, about a minute and a half
+/// of fuzzing (plus the fuzz build, incremental after the first) on every run.
+const FUZZ_SECONDS_IN_TEST: u32 = 15;
 /// The fuzz targets (`fuzz/fuzz_targets/`) and the seed directories each starts from.
 const FUZZ_TARGETS: &[(&str, &[&str])] = &[
     ("parse_iptables_save", &["seeds"]),
@@ -116,6 +119,10 @@ enum Task {
         /// and 6.12 kernels, after the host's suite): for a quick local run only; CI runs it.
         #[arg(long)]
         no_kernel_matrix: bool,
+        /// Seconds each fuzz target runs after the tests (from its seeds and the corpus
+        /// kept in fuzz/corpus); 0 leaves the fuzz run out (loudly), for a quick local run.
+        #[arg(long, default_value_t = FUZZ_SECONDS_IN_TEST)]
+        fuzz_seconds: u32,
         /// Extra arguments for `cargo test` (after `--`), e.g. a test name filter.
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
@@ -136,9 +143,9 @@ enum Task {
     /// buildah, no registry pull.
     Image,
     /// Fuzz every target in fuzz/ for a bounded time each (nightly and cargo-fuzz are
-    /// installed if missing). Not part of `test`: an input that crashes a target is copied
-    /// to fuzz/regressions/<target>/, which `cargo test -p observer --test
-    /// fuzz_regressions` replays on every run.
+    /// installed if missing; `test` runs it for --fuzz-seconds each). An input that crashes
+    /// a target is copied to fuzz/regressions/<target>/, which `cargo test -p observer
+    /// --test fuzz_regressions` replays on every run.
     Fuzz {
         /// Seconds per target.
         #[arg(long, default_value_t = 60)]
@@ -243,8 +250,9 @@ fn main() -> Result<()> {
         Task::Test {
             allow_skips,
             no_kernel_matrix,
+            fuzz_seconds,
             args,
-        } => test(&args, allow_skips, !no_kernel_matrix),
+        } => test(&args, allow_skips, !no_kernel_matrix, fuzz_seconds),
         Task::Matrix => {
             let tc = setup()?;
             build(&tc, false)?;
@@ -368,6 +376,7 @@ fn setup() -> Result<String> {
     install_packages()?;
     let tc = nightly_toolchain()?;
     install_bpf_linker(&tc)?;
+    install_cargo_fuzz()?;
     install_kubernetes_validate()?;
     eprintln!(
         "xtask: setup complete in {:.1}s (probe toolchain {tc})",
@@ -918,7 +927,7 @@ fn demo(mode: &str) -> Result<()> {
     })
 }
 
-fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool) -> Result<()> {
+fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: u32) -> Result<()> {
     let tc = setup()?;
     let t0 = Instant::now();
     run(Command::new("cargo").args(["fmt", "--all", "--check"]))
@@ -977,6 +986,11 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool) -> Result<()> 
         .arg("--")
         .args(&host_skips)
         .args(extra))?;
+    if fuzz_seconds > 0 {
+        fuzz(fuzz_seconds, &[])?;
+    } else {
+        eprintln!("xtask: !!! the fuzz run was left out (--fuzz-seconds 0) !!!");
+    }
     if kernel_matrix {
         matrix::run(&tc, &observer_bin(false))?;
     } else {

@@ -180,7 +180,8 @@ impl Simulator<'_> {
             );
         }
         match self.routes.lookup(pkt.dst) {
-            RouteDecision::Local { .. } => Decision::Local,
+            // `lookup` never returns LocalIf (only `input` does).
+            RouteDecision::Local { .. } | RouteDecision::LocalIf { .. } => Decision::Local,
             // Behind the same bridge: without DNAT the sender addressed the frame to the
             // destination's own MAC (it is on-link for the sender); after DNAT the kernel
             // sees the route leave by the bridge it came in on and bridges it again.

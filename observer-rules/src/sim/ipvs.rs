@@ -192,6 +192,16 @@ impl Simulator<'_> {
                 ));
                 After::Stop
             }
+            // A multicast real server: delivered here only on a socket's condition.
+            RouteDecision::LocalIf { condition } => {
+                b.stages.push(stage.into_model());
+                b.verdict = Verdict::Undecidable;
+                b.notes.push(format!(
+                    "the real server {} is reached only on a condition: {condition}",
+                    rs.endpoint()
+                ));
+                After::Stop
+            }
             RouteDecision::Local { .. } => unreachable!("local real servers are handled above"),
         }
     }

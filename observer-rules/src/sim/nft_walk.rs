@@ -561,7 +561,10 @@ impl Simulator<'_> {
                     };
                     Ev::Val(Atom::S(if hit { d } else { String::new() }))
                 }
-                RouteDecision::Local { .. } => Ev::Val(Atom::S(String::new())),
+                // `lookup` never returns LocalIf (only `input` does).
+                RouteDecision::Local { .. } | RouteDecision::LocalIf { .. } => {
+                    Ev::Val(Atom::S(String::new()))
+                }
                 RouteDecision::Unroutable(why) if why.starts_with("no route") => {
                     Ev::Val(Atom::S(String::new()))
                 }

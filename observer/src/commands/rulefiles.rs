@@ -15,7 +15,7 @@ pub struct LiveArgs {
     /// Read rules, sets, routes, addresses and bridges from the running node instead of
     /// files (needs root): `explain` walks its packet there, `whatif` takes it as the new
     /// side (edit the node, then ask).
-    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables", "ipvs", "ipvs_conntrack"])]
+    #[arg(long, conflicts_with_all = ["ruleset", "ruleset6", "nft", "ipsets", "routes", "bridge_links", "links", "neigh", "fdb", "bridge_nf_call_iptables", "bridge_nf_call_ip6tables", "ipvs", "ipvs_conntrack", "sysctl"])]
     pub live: bool,
     /// With --live: the `ip netns` name whose node to read.
     // Checked in `read`: clap's `requires` counts --live's default (false) as given.
@@ -88,6 +88,12 @@ pub struct RuleFiles {
     /// The same for IPv6 (`net.bridge.bridge-nf-call-ip6tables`).
     #[arg(long, value_name = "0|1", value_parser = clap::value_parser!(u8).range(0..=1))]
     pub bridge_nf_call_ip6tables: Option<u8>,
+    /// A sysctl of the node that routing consults, `KEY=VALUE` (repeatable): only
+    /// `net.ipv4.conf.<all|IFACE>.route_localnet` is modelled (kube-proxy sets it for
+    /// NodePorts on 127.0.0.1). Not given: the kernel's defaults (0) are assumed, and an
+    /// explanation they decide says so. `--live` reads the node's own.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub sysctl: Vec<String>,
     /// `ipvsadm -Sn` output: IPVS's virtual services and real servers (kube-proxy's IPVS
     /// mode). A packet routed to this host, or sent by it, that reaches a virtual service is
     /// scheduled at IPVS's hook; several real servers are each listed (`branches`).
@@ -127,6 +133,7 @@ impl RuleFiles {
             }),
             ipvs: a.read(a.ipvs.as_deref())?,
             ipvs_conntrack: a.ipvs_conntrack.map(|v| v == 1),
+            sysctls: (!a.sysctl.is_empty()).then(|| a.sysctl.join("\n")),
             ..Default::default()
         })
     }

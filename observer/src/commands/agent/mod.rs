@@ -15,6 +15,7 @@ pub mod kcounts;
 mod memory;
 pub mod metrics;
 mod names_only;
+pub mod peer;
 pub mod tier0;
 pub mod tier1;
 pub mod tier2;
@@ -341,6 +342,13 @@ async fn serve(
         let t = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on --listen {addr}"))?;
+        let ours = t.local_addr()?;
+        // Root only: see `peer`.
+        let api = api
+            .layer(axum::middleware::from_fn(move |c, r, n| {
+                peer::root_only(ours, c, r, n)
+            }))
+            .into_make_service_with_connect_info::<std::net::SocketAddr>();
         tokio::spawn(async move {
             if let Err(e) = axum::serve(t, api).await {
                 warn!("streaming API (TCP) stopped: {e}");

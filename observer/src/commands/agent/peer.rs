@@ -1,0 +1,119 @@
+//! Who may use the streaming API on `--listen` (TCP): root only, told by the connecting
+//! socket's owner as the kernel lists it (`/proc/self/net/tcp`, `tcp6`: the namespace the
+//! agent listens in). The DaemonSet listens on the node's loopback with `hostNetwork`, where
+//! every pod with `hostNetwork` can connect; `kubectl observer` arrives through the API
+//! server's port-forward, which the container runtime (root) dials on the node, so RBAC
+//! decides who gets there. A non-root process on the node is refused, whatever it asks
+//! (traces, drops, names, the ruleset, arming). The unix socket is mode 0600 (root) already.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+use axum::extract::{ConnectInfo, Request};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+/// The owner (uid) of the socket at `peer` connected to `ours`, from the kernel's table of
+/// this namespace's TCP sockets; None when no such socket is here (another host).
+pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> Option<u32> {
+    let file = if peer.is_ipv4() { "tcp" } else { "tcp6" };
+    let text = std::fs::read_to_string(format!("/proc/self/net/{file}")).ok()?;
+    uid_in(&text, ours, peer)
+}
+
+/// [`peer_uid`] over the text of `/proc/net/tcp[6]`.
+fn uid_in(text: &str, ours: SocketAddr, peer: SocketAddr) -> Option<u32> {
+    text.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        // sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
+        let (local, remote, uid) = (f.get(1)?, f.get(2)?, f.get(7)?);
+        (parse_addr(local)? == peer && parse_addr(remote)? == ours)
+            .then(|| uid.parse().ok())
+            .flatten()
+    })
+}
+
+/// `0100007F:2704` (IPv4, the address as the kernel's u32 in host order, little-endian
+/// here) or 32 hex digits for IPv6 (four such u32s), then the port.
+fn parse_addr(s: &str) -> Option<SocketAddr> {
+    let (a, p) = s.split_once(':')?;
+    let port = u16::from_str_radix(p, 16).ok()?;
+    let word = |h: &str| u32::from_str_radix(h, 16).ok().map(u32::from_be);
+    let ip = match a.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(a)?.to_be_bytes())),
+        32 => {
+            let mut b = [0u8; 16];
+            for i in 0..4 {
+                b[i * 4..i * 4 + 4].copy_from_slice(&word(&a[i * 8..i * 8 + 8])?.to_be_bytes());
+            }
+            IpAddr::V6(Ipv6Addr::from(b))
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// The layer on the TCP listener at `ours`: requests from a socket not owned by root are
+/// refused with 403 and what to do instead.
+pub async fn root_only(
+    ours: SocketAddr,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match peer_uid(ours, peer) {
+        Some(0) => next.run(req).await,
+        who => {
+            let who = who.map_or_else(
+                || format!("{peer}, not a socket of this node's namespace,"),
+                |uid| format!("uid {uid}"),
+            );
+            log::info!("streaming API on --listen: refused {who} ({})", req.uri());
+            (
+                StatusCode::FORBIDDEN,
+                format!(
+                    "the agent's streaming API on TCP answers root only ({who} is refused): \
+                     use `kubectl observer` (the API server's port-forward, as RBAC's \
+                     observer-user Role grants), or run as root on the node\n"
+                ),
+            )
+                .into_response()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Two ends of one loopback connection, as /proc/net/tcp lists them (the listener, the
+    // agent's accepted socket, and the client's own, uid 65534).
+    const TCP: &str = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:26EF 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1111 1 0 100 0 0 10 0
+   1: 0100007F:26EF 0100007F:B5DA 01 00000000:00000000 00:00000000 00000000     0        0 2222 1 0 20 4 30 10 -1
+   2: 0100007F:B5DA 0100007F:26EF 01 00000000:00000000 00:00000000 00000000 65534        0 3333 1 0 20 4 30 10 -1
+";
+
+    #[test]
+    fn the_peer_is_found_by_its_own_end_of_the_connection() {
+        let ours: SocketAddr = "127.0.0.1:9967".parse().unwrap();
+        let peer: SocketAddr = "127.0.0.1:46554".parse().unwrap();
+        assert_eq!(uid_in(TCP, ours, peer), Some(65534));
+        // Our own accepted socket is root's, and is not taken for the peer.
+        assert_eq!(uid_in(TCP, peer, ours), Some(0));
+        assert_eq!(uid_in(TCP, ours, "127.0.0.1:1".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn ipv6_addresses_are_read_word_by_word() {
+        assert_eq!(
+            parse_addr("00000000000000000000000001000000:26EF"),
+            Some("[::1]:9967".parse().unwrap())
+        );
+        assert_eq!(
+            parse_addr("0100007F:0035"),
+            Some("127.0.0.1:53".parse().unwrap())
+        );
+        assert_eq!(parse_addr("xyz:1"), None);
+    }
+}
