@@ -8,8 +8,7 @@
 use observer_common::counts::{IPS_DST_NAT, IPS_SRC_NAT};
 use observer_common::traversal::{
     add_reading, copy_words, decision, end, enter_unchanged, last_hook, missing, note_port,
-    resent_from_input,
-    pass_unchanged, reuse_headers,
+    pass_unchanged, resent_from_input, reuse_headers,
 };
 use observer_common::{config, counter, flags, hook, kind};
 
@@ -170,10 +169,7 @@ fn try_observe(state_p: *const u8, skb_p: *const u8, skb: u64, program: u8) -> R
             Some(f) => {
                 !entry
                     || (f.rec.nvisits == 1 && last_hook(f.rec) == Some(hook::TC_INGRESS))
-                    || resent_from_input(
-                        f.rec,
-                        direct::<u8, { config::STATE_HOOK }>(state_p),
-                    )
+                    || resent_from_input(f.rec, direct::<u8, { config::STATE_HOOK }>(state_p))
             }
             None => false,
         };
