@@ -277,7 +277,7 @@ fn main() -> Result<()> {
             need_root("bench")?;
             bench_rules_read(&observer_bin(true))
         }
-        Task::Fuzz { seconds, targets } => fuzz(seconds, &targets),
+        Task::Fuzz { seconds, targets } => fuzz(seconds, &targets, false),
         Task::Flood { addr, seconds } => flood(addr, seconds),
         Task::Vm {
             kernel,
@@ -489,7 +489,7 @@ fn install_cargo_fuzz() -> Result<()> {
     ]))
 }
 
-fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
+fn fuzz(seconds: u32, only: &[String], quick: bool) -> Result<()> {
     let tc = nightly_toolchain()?;
     install_cargo_fuzz()?;
     let root = workspace_root().join("fuzz");
@@ -518,6 +518,11 @@ fn fuzz(seconds: u32, only: &[String]) -> Result<()> {
         fuzz_cmd
             .arg(format!("+{tc}"))
             .args(["fuzz", "run", target])
+            .args(if quick {
+                &["--dev", "--sanitizer", "none"][..]
+            } else {
+                &[]
+            })
             .arg(&corpus)
             .args(seeds.iter().map(|s| root.join(s)))
             .arg("--")
@@ -987,7 +992,10 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
         .args(&host_skips)
         .args(extra))?;
     if fuzz_seconds > 0 {
-        fuzz(fuzz_seconds, &[])?;
+        // The suite's short run: a dev build without a sanitizer (Rust's panics, overflow
+        // checks and the targets' oracles are what it finds), a few minutes to build instead
+        // of ten; `cargo xtask fuzz` builds the full optimised, address-sanitised targets.
+        fuzz(fuzz_seconds, &[], true)?;
     } else {
         eprintln!("xtask: !!! the fuzz run was left out (--fuzz-seconds 0) !!!");
     }

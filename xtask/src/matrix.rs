@@ -52,19 +52,17 @@ pub const GUEST_ONLY: &[&str] = &[
 const TIME_SCALE: u32 = 5;
 
 pub const MATRIX: &[Row] = &[
+    // What each guest runs is held to CI's time: `kernels` (which starts, says what is
+    // missing, a SIGKILLed tail leaves nothing, the agent's tiers and streams, and the
+    // differential: the lab's traffic reported alike to the host's, report by report, so
+    // capture, NAT, marks, conntrack, fates, drops and rules named live on this kernel equal
+    // what capture.rs and fates.rs prove on the host). The whole capture/fates/agent files
+    // in both guests took the matrix past 30 minutes on this machine kind.
     Row {
         series: "6.12",
         capture: "links",
         tests: &[
             ("kernels", &[]),
-            ("capture", &[]),
-            ("fates", SLOW_UNDER_EMULATION),
-            // Drops by reason in the default mode: kernels.rs (this file's test reads tier 1
-            // a fixed 1.2 s after tier 0, which emulation does not keep).
-            (
-                "agent",
-                &["sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves"],
-            ),
             // The IPVS lab: IP_VS exists only in the guests' kernels.
             ("ipvs", &[]),
             // Bridged traffic through br_netfilter (the bridge lab; the guest loads the
@@ -82,15 +80,7 @@ pub const MATRIX: &[Row] = &[
         series: "6.1",
         // No BPF netfilter links before 6.4: fentry/fexit trampolines, chosen by themselves.
         capture: "fentry",
-        tests: &[
-            ("kernels", &[]),
-            ("capture", &[]),
-            ("fates", SLOW_UNDER_EMULATION),
-            (
-                "agent",
-                &["sigkill_leaves_no_probe_and_no_rule_changed_and_a_restart_serves"],
-            ),
-        ],
+        tests: &[("kernels", &[])],
     },
 ];
 
@@ -257,8 +247,8 @@ fn compare_differential(dir: &Path) -> Result<String> {
         .filter(|p| p.file_name().is_some_and(|n| n != host_name.as_str()))
         .collect();
     others.sort();
-    // Every row's backend, and links forced to fentry where links run in a guest.
-    let expected = MATRIX.len() + MATRIX.iter().filter(|r| r.capture == "links").count();
+    // Every row's backend.
+    let expected = MATRIX.len();
     let mut problems = Vec::new();
     for p in &others {
         let lines = read(p)?;
@@ -460,15 +450,18 @@ mod tests {
                 .collect();
         let s = script(&MATRIX[0], &bins, Path::new("/t/observer")).unwrap();
         assert!(s.contains("OBSERVER_KERNEL_CAPTURE=links"), "{s}");
-        assert!(s.contains("/t/fates --test-threads=1 '--skip'"), "{s}");
+        assert!(
+            s.contains("/t/bridge --test-threads=1 'bridged_ipv4_flows"),
+            "{s}"
+        );
         assert_eq!(s.matches("MATRIX-RESULT").count(), MATRIX[0].tests.len());
         let status = Command::new("sh")
             .arg("-c")
             .arg(
                 script(
-                    &MATRIX[1],
+                    &MATRIX[0],
                     // The first fails, the others pass: the script goes on, exits 1.
-                    &MATRIX[1]
+                    &MATRIX[0]
                         .tests
                         .iter()
                         .enumerate()
