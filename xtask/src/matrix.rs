@@ -23,22 +23,6 @@ pub struct Row {
     pub tests: &'static [(&'static str, &'static [&'static str])],
 }
 
-/// Tests that time what emulation makes slow: a netfilter program added while tail runs
-/// is verified in seconds under QEMU's software emulation (milliseconds on hardware), and
-/// these tests send their packet a fixed 300 ms after the new table appears. They run on
-/// the host.
-const SLOW_UNDER_EMULATION: &[&str] = &[
-    "--skip",
-    "a_table_created_while_running_is_bracketed_and_absent_ones_are_not",
-    "--skip",
-    "a_base_chain_added_while_running_gets_its_own_stage",
-    // Its helper holds the test's socket for a bounded time; under emulation on a loaded
-    // machine the bound ran out once (fentry's first matrix run): host only until the
-    // matrix has run it on a quiet machine.
-    "--skip",
-    "a_full_receive_buffer_drops_with_the_kernels_reason",
-];
-
 /// Tests that need what this project's host kernel lacks (IP_VS): `cargo xtask test` leaves
 /// them to the guests on such a host (with `--skip`, said), and the guests run them.
 pub const GUEST_ONLY: &[&str] = &[
