@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::lab::{Lab, observer_bin};
+use crate::printed::Printed;
 
 /// Where the agent serves metrics, inside the lab's node namespace.
 pub const METRICS: &str = "127.0.0.1:9965";
@@ -262,7 +263,7 @@ fn show_labels(labels: &[(&str, &str)]) -> String {
 /// `observer tail --agent` (or `drops --agent`) as a child; its output read as it comes.
 pub struct Client {
     child: Child,
-    out: std::thread::JoinHandle<Vec<u8>>,
+    out: Printed,
     err: std::thread::JoinHandle<Vec<u8>>,
 }
 
@@ -278,19 +279,19 @@ impl Client {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn observer client");
-        let mut o = child.stdout.take().unwrap();
+        let out = Printed::read(child.stdout.take().unwrap());
         let mut e = child.stderr.take().unwrap();
-        let out = std::thread::spawn(move || {
-            let mut b = Vec::new();
-            let _ = o.read_to_end(&mut b);
-            b
-        });
         let err = std::thread::spawn(move || {
             let mut b = Vec::new();
             let _ = e.read_to_end(&mut b);
             b
         });
         Self { child, out, err }
+    }
+
+    /// Waits (within `within`) until `n` whole stdout lines satisfy `pred`.
+    pub fn wait_for(&self, what: &str, within: Duration, n: usize, pred: impl Fn(&str) -> bool) {
+        self.out.wait_for(what, within, n, pred);
     }
 
     /// Waits for the exit (within `within`); returns (stdout lines, stderr).
@@ -310,7 +311,7 @@ impl Client {
             }
             std::thread::sleep(Duration::from_millis(50));
         };
-        let stdout = self.out.join().unwrap();
+        let stdout = self.out.finish();
         let stderr = String::from_utf8_lossy(&self.err.join().unwrap()).into_owned();
         assert!(status.success(), "client failed ({status}): {stderr}");
         (

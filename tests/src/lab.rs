@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::printed::Printed;
 use crate::{enter_netns, run, unique_prefix};
 
 /// How long a test's socket waits for its peer. Servers are bound before the observer
@@ -195,9 +196,8 @@ impl Drop for Lab {
 /// `observer tail --json` on the lab's node; killed on drop if still running.
 pub struct Tail {
     child: Option<Child>,
-    /// Reads the observer's stdout as it comes, as a user's pipeline would: a pipe nobody
-    /// reads fills up and stalls the observer.
-    stdout: Option<std::thread::JoinHandle<Vec<u8>>>,
+    /// The observer's stdout, read as it comes.
+    stdout: Option<Printed>,
 }
 
 impl Tail {
@@ -249,12 +249,7 @@ impl Tail {
             .spawn()
             .expect("spawn observer tail");
         let mut child = child;
-        let mut out = child.stdout.take().expect("piped stdout");
-        let reader = std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = out.read_to_end(&mut buf);
-            buf
-        });
+        let reader = Printed::read(child.stdout.take().expect("piped stdout"));
         let mut tail = Self {
             child: Some(child),
             stdout: Some(reader),
@@ -284,6 +279,14 @@ impl Tail {
         tail
     }
 
+    /// Waits (within `within`) until `n` whole report lines satisfy `pred`.
+    pub fn wait_for(&self, what: &str, within: Duration, n: usize, pred: impl Fn(&str) -> bool) {
+        self.stdout
+            .as_ref()
+            .expect("running")
+            .wait_for(what, within, n, pred);
+    }
+
     /// Stops the observer (SIGINT, as a user would) and returns its JSON reports.
     pub fn stop(mut self) -> (Vec<Value>, String) {
         // Let idle traversals close (idle time 1 s) before stopping.
@@ -293,11 +296,7 @@ impl Tail {
             run(&["kill", "-INT", &child.id().to_string()]);
         }
         let out = child.wait_with_output().expect("observer exits");
-        let stdout = self
-            .stdout
-            .take()
-            .map(|r| r.join().expect("stdout reader"))
-            .unwrap_or_default();
+        let stdout = self.stdout.take().map(Printed::finish).unwrap_or_default();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         assert!(out.status.success(), "observer failed: {stderr}");
         let reports = String::from_utf8_lossy(&stdout)

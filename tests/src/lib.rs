@@ -5,6 +5,7 @@ pub mod agent;
 pub mod bpf;
 pub mod lab;
 pub mod nft_shapes;
+pub mod printed;
 pub mod raw;
 pub mod rules;
 
