@@ -22,6 +22,10 @@ pub mod func {
     pub const IPT: u8 = 4;
     /// `ip6t_do_table`: a legacy x_tables IPv6 table (by its priority).
     pub const IP6T: u8 = 5;
+    /// `ip_vs_out_hook`: IPVS's reply translation (keyed at FORWARD, priority 100, where
+    /// masquerade replies get the virtual service's address back; its other hooks are not
+    /// keyed).
+    pub const IPVS_OUT: u8 = 7;
 }
 
 /// Where a call is: at the function's entry (the point before its table) or exit (after).

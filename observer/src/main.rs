@@ -173,6 +173,12 @@ struct TailArgs {
     /// `frame.comment` field). Without it the probes only check a flag.
     #[arg(long, value_name = "FILE")]
     pcapng: Option<PathBuf>,
+    /// Reports carry each IPv4 packet's identification (`packet.ip_id`, and a tunnel
+    /// carrier's `encap.inner_ip_id`): what finds one packet in a capture (tcpdump's `id`,
+    /// tshark's `ip.id`) or on another node. Each packet then gets a report of its own:
+    /// the rendering a flow's packets otherwise share is not reused, which costs CPU.
+    #[arg(long)]
+    ip_ids: bool,
 }
 
 #[derive(clap::Args)]
@@ -389,7 +395,7 @@ impl TailArgs {
             sample: self.sample,
             count: self.count,
             timeout: self.timeout,
-            ip_ids: false,
+            ip_ids: self.ip_ids,
         }
     }
 }

@@ -7,6 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,8 @@ use clap::Parser;
 use futures_util::{SinkExt, StreamExt};
 use hyper_util::rt::TokioIo;
 use observer::commands::kubectl::{self, NodeEnd, PluginCli};
+use observer_tests::rules::{counters_in, diff, increments, named};
+use observer_tests::wire::{VxlanFrame, capture_vxlan};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
@@ -388,6 +391,15 @@ fn plugin(url: &str, args: &[&str]) -> anyhow::Result<(String, Vec<NodeEnd>)> {
 
 /// As [`plugin`], with whether the nodes that failed make the run fail.
 fn plugin_outcome(url: &str, args: &[&str]) -> anyhow::Result<(String, kubectl::Outcome)> {
+    plugin_into(url, args, Arc::new(Mutex::new(Vec::new())))
+}
+
+/// As [`plugin_outcome`], printing into `buf`, which a test may read while it runs.
+fn plugin_into(
+    url: &str,
+    args: &[&str],
+    buf: Arc<Mutex<Vec<u8>>>,
+) -> anyhow::Result<(String, kubectl::Outcome)> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -398,7 +410,6 @@ fn plugin_outcome(url: &str, args: &[&str]) -> anyhow::Result<(String, kubectl::
     };
     let cli =
         PluginCli::try_parse_from(std::iter::once("kubectl-observer").chain(args.iter().copied()))?;
-    let buf = Arc::new(Mutex::new(Vec::new()));
     let out: Arc<Mutex<Box<dyn Write + Send>>> =
         Arc::new(Mutex::new(Box::new(Shared(buf.clone()))));
     let outcome = kubectl::run_outcome(rt, client, cli, out)?;
@@ -940,10 +951,22 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         assert!(took < Duration::from_secs(35), "{args:?}: {took:?}");
         j
     };
+    // Both nodes' underlay while the traces run: each journey's carrier must be there.
+    let stop_capture = Arc::new(AtomicBool::new(false));
+    let captures = ["node", "node2"].map(|role| {
+        capture_vxlan(
+            std::path::PathBuf::from(format!("/var/run/netns/{prefix}-{role}")),
+            "eth0",
+            stop_capture.clone(),
+            Duration::from_secs(150),
+        )
+    });
     let dropped = trace(&["--port", "9", "--proto", "udp"]);
     let delivered = trace(&["--port", "80", "--proto", "tcp"]);
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     traffic.join().unwrap();
+    stop_capture.store(true, std::sync::atomic::Ordering::Relaxed);
+    let [on_node, on_node2] = captures.map(|c| c.join().unwrap());
     for (j, endpoint) in [(&dropped, "10.244.1.5:9"), (&delivered, "10.244.1.5:8080")] {
         assert_eq!(j["complete"], true, "{j:#}");
         assert_eq!(j["predicted"], false, "{j:#}");
@@ -981,6 +1004,49 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
         assert_eq!(got["encap"]["inner_ip_id"].as_u64(), id);
         assert!(sent["packet"]["ip_id"].is_u64(), "{sent:#}");
         assert_eq!(sent["packet"]["ip_id"], got["packet"]["ip_id"]);
+        // The wire: the carrier both nodes reported, by its outer and inner IPv4 IDs and
+        // headers, is one frame the kernel put on node's underlay and node2 received.
+        let frame = VxlanFrame::of_carrier(sent);
+        assert_eq!(VxlanFrame::of_carrier(got), frame);
+        assert_eq!(frame.inner_ip_id, u16::try_from(id.unwrap()).unwrap());
+        for (on, frames) in [("lab-node", &on_node), ("lab-node2", &on_node2)] {
+            assert_eq!(
+                frames.iter().filter(|f| **f == frame).count(),
+                1,
+                "{frame:?} once among the frames captured on {on}'s eth0: {frames:#?}"
+            );
+        }
+    }
+    // The rule counters of each node, held against the rules the dropped journey's legs
+    // name there: one more packet like the traced one (udp/9 from a fresh port: a new
+    // connection on both nodes, as each of the lab's was), with no stream open; each
+    // node's counters grow by exactly the rules its legs name, no rule more or fewer.
+    std::thread::sleep(Duration::from_millis(500));
+    let counters = |role: &str| counters_in(&format!("{prefix}-{role}"), "iptables-save");
+    let before = [counters("node"), counters("node2")];
+    {
+        let pod = std::path::PathBuf::from(format!("/var/run/netns/{prefix}-pod"));
+        std::thread::spawn(move || {
+            observer_tests::enter_netns(&pod);
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"denied", "10.96.0.30:9").unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let after = [counters("node"), counters("node2")];
+    for (i, node, legs) in [(0, "lab-node", [0, 1]), (1, "lab-node2", [2, 3])] {
+        let reports: Vec<serde_json::Value> = legs
+            .iter()
+            .map(|&l| dropped["legs"][l]["report"].clone())
+            .collect();
+        let d = diff(&increments(&before[i], &after[i]), &named(&reports, "ipv4"));
+        assert!(
+            d.is_empty(),
+            "{node}: rules whose counter and the journey's naming differ (rule: kernel, legs):\n{}",
+            d.join("\n")
+        );
     }
     assert_eq!(dropped["end"]["node"], "lab-node2");
     assert_eq!(dropped["end"]["kind"], "dropped");
@@ -1050,6 +1116,183 @@ fn trace_stitches_one_packet_across_the_two_node_labs_overlay_from_two_real_agen
     assert!(
         text.contains("predicted end: dropped on lab-node2"),
         "{text}"
+    );
+    drop(node2);
+    drop(node);
+}
+
+/// `kubectl observer tail --all-nodes` with two real agents (the two-node lab): one is
+/// SIGKILLed while its stream runs. The other node's part is every packet sent, before and
+/// after the kill, each once; the killed node's part ends with the reports it gave, said.
+#[test]
+fn a_real_agent_killed_during_all_nodes_ends_its_part_and_the_other_goes_on() {
+    let Some(bin) = privileged_bin("a_real_agent_killed_during_all_nodes") else {
+        return;
+    };
+    let prefix = format!("kk{}", std::process::id() % 100_000);
+    let up = ["lab", "up", "--prefix", prefix.as_str(), "--nodes", "2"];
+    let node = LabAgent::start_on(&bin, &prefix, &up, "node");
+    let mut node2 = LabAgent::start_on(&bin, &prefix, &[], "node2");
+    let agent = |role: &str, name: &'static str| AgentPod {
+        node: name,
+        agent: Some("127.0.0.1:9966".parse().unwrap()),
+        netns: Some(format!("{prefix}-{role}")),
+    };
+    let (url, _c) = start_with(
+        Vec::new(),
+        vec![
+            ("observer-1".into(), agent("node", "lab-node")),
+            ("observer-2".into(), agent("node2", "lab-node2")),
+        ],
+        None,
+    );
+    let buf = Arc::new(Mutex::new(Vec::new()));
+    let tail = {
+        let (url, buf) = (url.clone(), buf.clone());
+        std::thread::spawn(move || {
+            plugin_into(
+                &url,
+                &[
+                    "tail",
+                    "--all-nodes",
+                    "--json",
+                    "--filter",
+                    "udp and dst port 9",
+                    "--timeout",
+                    "120",
+                ],
+                buf,
+            )
+        })
+    };
+    // pod -> the ClusterIP's udp/9 from a fresh port: DNATed on node, carried to node2 and
+    // dropped there by the policy; one report on each node. Returns the source port.
+    let pod = std::path::PathBuf::from(format!("/var/run/netns/{prefix}-pod"));
+    let send = || -> u16 {
+        let pod = pod.clone();
+        std::thread::spawn(move || {
+            observer_tests::enter_netns(&pod);
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.send_to(b"denied", "10.96.0.30:9").unwrap();
+            s.local_addr().unwrap().port()
+        })
+        .join()
+        .unwrap()
+    };
+    // Each node's reports so far, by source port.
+    let ports = |of: &str| -> Vec<u64> {
+        let b = buf.lock().unwrap();
+        let text = String::from_utf8_lossy(&b);
+        let whole = text.rfind('\n').map_or("", |i| &text[..i]);
+        whole
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["node"] == of)
+            .filter_map(|v| v["packet"]["sport"].as_u64())
+            .collect()
+    };
+    let logs = [node.dir.join("agent.log"), node2.dir.join("agent.log")];
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within 90 s; printed: {}; agents: {:?}",
+                String::from_utf8_lossy(&buf.lock().unwrap()),
+                logs.iter()
+                    .map(|l| std::fs::read_to_string(l).unwrap_or_default())
+                    .collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    // Until both streams report (each agent attaches its brackets for its first client).
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while (ports("lab-node").is_empty() || ports("lab-node2").is_empty())
+        && Instant::now() < deadline
+    {
+        send();
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    wait("both nodes' first report", &|| {
+        !ports("lab-node").is_empty() && !ports("lab-node2").is_empty()
+    });
+    let reported_all = |of: &'static str, sent: Vec<u16>| {
+        move || {
+            let got = ports(of);
+            sent.iter().all(|p| got.contains(&u64::from(*p)))
+        }
+    };
+    // Ten packets while both run; both nodes report each.
+    let before: Vec<u16> = (0..10)
+        .map(|_| {
+            let p = send();
+            std::thread::sleep(Duration::from_millis(50));
+            p
+        })
+        .collect();
+    wait(
+        "node's reports of the first ten",
+        &reported_all("lab-node", before.clone()),
+    );
+    wait(
+        "node2's reports of the first ten",
+        &reported_all("lab-node2", before.clone()),
+    );
+    // SIGKILL node2's agent: its stream is cut mid-way, as a crash or an OOM kill cuts it.
+    let mut child = node2.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let after: Vec<u16> = (0..10)
+        .map(|_| {
+            let p = send();
+            std::thread::sleep(Duration::from_millis(50));
+            p
+        })
+        .collect();
+    wait(
+        "node's reports of the ten after the kill",
+        &reported_all("lab-node", after.clone()),
+    );
+    // node's agent stops as a pod being deleted does (SIGTERM): its stream ends, and with it
+    // the merged tail.
+    // SAFETY: kill has no memory preconditions; the pid is our child's.
+    unsafe { libc::kill(node.child.as_ref().unwrap().id() as i32, libc::SIGTERM) };
+    let (out, outcome) = tail.join().unwrap().unwrap();
+    let on_node = ports("lab-node");
+    let on_node2 = ports("lab-node2");
+    // node: every packet sent while its stream ran, once; nothing else.
+    for p in before.iter().chain(&after) {
+        assert_eq!(
+            on_node.iter().filter(|&&q| q == u64::from(*p)).count(),
+            1,
+            "port {p} on lab-node: {out}"
+        );
+    }
+    let mut unique = on_node.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), on_node.len(), "a report twice: {out}");
+    // node2: the ten before its death, once each; none of those sent after.
+    for p in &before {
+        assert_eq!(
+            on_node2.iter().filter(|&&q| q == u64::from(*p)).count(),
+            1,
+            "port {p} on lab-node2: {out}"
+        );
+    }
+    assert!(
+        after.iter().all(|p| !on_node2.contains(&u64::from(*p))),
+        "{out}"
+    );
+    // Its end names what it gave: every report of lab-node2 that was printed.
+    let killed = end(&outcome.ends, "lab-node2").as_ref().unwrap_err();
+    assert!(
+        killed.contains(&format!(
+            "its part of the stream ended after {} reports",
+            on_node2.len()
+        )),
+        "{killed}"
     );
     drop(node2);
     drop(node);

@@ -8,6 +8,7 @@ pub mod nft_shapes;
 pub mod printed;
 pub mod raw;
 pub mod rules;
+pub mod wire;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;

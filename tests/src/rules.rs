@@ -28,7 +28,12 @@ pub fn rule_counters(file: &observer_rules::SaveFile) -> Counts {
 /// The rule counters `save` (`iptables-save` or `ip6tables-save`) prints in the lab
 /// namespace `role`.
 pub fn lab_counters(lab: &Lab, role: &str, save: &str) -> Counts {
-    let out = run(&["ip", "netns", "exec", &lab.ns(role), save, "-c"]);
+    counters_in(&lab.ns(role), save)
+}
+
+/// The rule counters `save` prints in the namespace named `netns`.
+pub fn counters_in(netns: &str, save: &str) -> Counts {
+    let out = run(&["ip", "netns", "exec", netns, save, "-c"]);
     let text = String::from_utf8_lossy(&out.stdout);
     let file = observer_rules::parse_save(&text)
         .unwrap_or_else(|e| panic!("{save} -c does not parse: {e}\n{text}"));

@@ -1,15 +1,20 @@
 //! Privileged tests in the two-node lab (`observer lab up --nodes 2`): one observer per node,
 //! a packet DNATed on the source node, carried by VXLAN and delivered on the other node, and
-//! one dropped there by the policy. Judged by the kernel: each node's rule counters, and the
-//! VXLAN frames captured on the destination node's underlay interface (outer and inner
-//! headers), against the reports and the journey stitched from them.
+//! one dropped there by the policy. Judged by the kernel: each node's rule counters (every
+//! rule's increment equals the rules its reports name), and the VXLAN frames captured on
+//! both nodes' underlay interfaces (outer and inner headers and IPv4 IDs), against the
+//! reports and the journey stitched from them.
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use observer_model::stitch::{LegRole, NodeReport, Wanted, stitch};
 use observer_tests::lab::{Lab, TIMEOUT, Tail, tcp_client, tcp_echo};
 use observer_tests::privileged;
-use observer_tests::rules::{Counts, lab_counters};
+use observer_tests::rules::{Counts, diff, increments, lab_counters, named};
+use observer_tests::wire::{VxlanFrame, capture_vxlan};
 use serde_json::Value;
 
 const POD: &str = "10.244.0.5";
@@ -21,129 +26,9 @@ fn increment(before: &Counts, after: &Counts, table: &str, chain: &str, index: u
     after.get(&k).copied().unwrap_or(0) - before.get(&k).copied().unwrap_or(0)
 }
 
-/// One VXLAN frame as the kernel handed it to a packet socket: outer addresses and UDP
-/// ports, the VNI, and the inner packet's protocol, addresses and ports.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Frame {
-    outer_src: String,
-    outer_dst: String,
-    vni: u32,
-    inner_proto: &'static str,
-    inner_src: String,
-    inner_dst: String,
-}
-
-fn parse_frame(f: &[u8]) -> Option<Frame> {
-    // Ethernet (14), IPv4 (ihl), UDP (8), VXLAN (8), inner Ethernet (14), inner IPv4.
-    if f.len() < 14 + 20 || f[12..14] != [0x08, 0x00] {
-        return None;
-    }
-    let ip = &f[14..];
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
-    if ip[9] != 17 || ip.len() < ihl + 8 + 8 + 14 + 24 {
-        return None;
-    }
-    let udp = &ip[ihl..];
-    if u16::from_be_bytes([udp[2], udp[3]]) != 4789 {
-        return None;
-    }
-    let vx = &udp[8..];
-    let inner = &vx[8 + 14..];
-    let iihl = usize::from(inner[0] & 0x0f) * 4;
-    let addr = |b: &[u8]| format!("{}.{}.{}.{}", b[0], b[1], b[2], b[3]);
-    let port = |b: &[u8], at: usize| u16::from_be_bytes([b[at], b[at + 1]]);
-    let l4 = &inner[iihl..];
-    Some(Frame {
-        outer_src: format!("{}:{}", addr(&ip[12..16]), port(udp, 0)),
-        outer_dst: format!("{}:{}", addr(&ip[16..20]), port(udp, 2)),
-        vni: (u32::from(vx[4]) << 16) | (u32::from(vx[5]) << 8) | u32::from(vx[6]),
-        inner_proto: match inner[9] {
-            6 => "tcp",
-            17 => "udp",
-            _ => "other",
-        },
-        inner_src: format!("{}:{}", addr(&inner[12..16]), port(l4, 0)),
-        inner_dst: format!("{}:{}", addr(&inner[16..20]), port(l4, 2)),
-    })
-}
-
-/// Captures, on `eth0` of the lab namespace `role`, every VXLAN frame until `stop` is set
-/// or [`TIMEOUT`] passes: a packet socket (the kernel's own view, like tcpdump's).
-fn capture(
-    lab: &Lab,
-    role: &str,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> std::thread::JoinHandle<Vec<Frame>> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let path = lab.ns_path(role);
-    let h = std::thread::spawn(move || {
-        observer_tests::enter_netns(&path);
-        // SAFETY: plain socket calls on a descriptor this thread owns and closes.
-        unsafe {
-            let proto = (libc::ETH_P_ALL as u16).to_be();
-            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto));
-            assert!(
-                fd >= 0,
-                "packet socket: {}",
-                std::io::Error::last_os_error()
-            );
-            let name = std::ffi::CString::new("eth0").unwrap();
-            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-            sll.sll_family = libc::AF_PACKET as u16;
-            sll.sll_protocol = proto;
-            sll.sll_ifindex = libc::if_nametoindex(name.as_ptr()) as i32;
-            let bound = libc::bind(
-                fd,
-                (&raw const sll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            );
-            assert_eq!(bound, 0, "bind: {}", std::io::Error::last_os_error());
-            let tv = libc::timeval {
-                tv_sec: 0,
-                tv_usec: 100_000,
-            };
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&raw const tv).cast(),
-                std::mem::size_of::<libc::timeval>() as u32,
-            );
-            tx.send(()).unwrap();
-            let deadline = Instant::now() + TIMEOUT;
-            let mut frames = Vec::new();
-            let mut buf = [0u8; 2048];
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
-                let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
-                if n > 0
-                    && let Some(f) = parse_frame(&buf[..n as usize])
-                {
-                    frames.push(f);
-                }
-            }
-            libc::close(fd);
-            frames
-        }
-    });
-    rx.recv_timeout(TIMEOUT).expect("capture started");
-    h
-}
-
-fn encap_frame(r: &Value) -> Frame {
-    let e = &r["encap"];
-    let s = |v: &Value| v.as_str().unwrap().to_string();
-    Frame {
-        outer_src: s(&e["outer_src"]),
-        outer_dst: s(&e["outer_dst"]),
-        vni: e["vni"].as_u64().unwrap() as u32,
-        inner_proto: match e["inner"]["proto"].as_str().unwrap() {
-            "tcp" => "tcp",
-            "udp" => "udp",
-            _ => "other",
-        },
-        inner_src: s(&e["inner"]["src"]),
-        inner_dst: s(&e["inner"]["dst"]),
-    }
+/// The packet socket's capture on `eth0` of the lab namespace `role`, until `stop`.
+fn capture(lab: &Lab, role: &str, stop: Arc<AtomicBool>) -> JoinHandle<Vec<VxlanFrame>> {
+    capture_vxlan(lab.ns_path(role), "eth0", stop, TIMEOUT)
 }
 
 fn rules_of<'a>(r: &'a Value, hook: &str, table: &str) -> Vec<&'a str> {
@@ -172,16 +57,20 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
     let recording = std::env::temp_dir().join(format!("{}-node2.rec", lab.prefix));
     let _ = std::fs::remove_file(&recording);
     let tails = [
-        Tail::start_on(&lab, "node", &[], &[]),
+        Tail::start_on(&lab, "node", &["--ip-ids"], &[]),
         Tail::start_on(
             &lab,
             "node2",
-            &["--record", recording.to_str().unwrap()],
+            &["--ip-ids", "--record", recording.to_str().unwrap()],
             &[],
         ),
     ];
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let frames = capture(&lab, "node2", stop.clone());
+    // The underlay of both nodes, as the kernel put the frames on it.
+    let stop = Arc::new(AtomicBool::new(false));
+    let captures = [
+        capture(&lab, "node", stop.clone()),
+        capture(&lab, "node2", stop.clone()),
+    ];
 
     // Delivered: pod -> ClusterIP tcp/80, DNAT on node to pod2's 8080, through the overlay.
     assert_eq!(
@@ -196,8 +85,8 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
         s.send_to(b"denied", "10.96.0.30:9").unwrap();
     });
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let frames = frames.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let [on_node, on_node2] = captures.map(|c| c.join().unwrap());
     let [a, b] = tails;
     let (node_reports, _) = a.stop();
     let (node2_reports, _) = b.stop();
@@ -219,7 +108,12 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
     let carriers = |rs: &[Value]| -> Vec<Value> {
         rs.iter()
             .filter(|r| r["encap"]["direction"] == "decapsulated")
-            .map(|r| r["encap"].clone())
+            .map(|r| {
+                // The live tail was asked for IPv4 IDs (--ip-ids), the replay not.
+                let mut e = r["encap"].clone();
+                e.as_object_mut().unwrap().remove("inner_ip_id");
+                e
+            })
             .collect()
     };
     // Live and replayed: the same carriers, the overlay named (not null) in both.
@@ -233,8 +127,21 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
         carriers(&replayed)
     );
 
-    // The kernel's counters on both nodes: DNAT on node only (node2 sees pod2's address
-    // already), the policy's DROP on node2 only.
+    // The kernel's counters on each node, rule by rule, equal the rules its reports name
+    // (every packet of both flows, both ways, the carriers included).
+    for (node, (b, a), reports) in [
+        ("node", (&before.0, &after.0), &node_reports),
+        ("node2", (&before.1, &after.1), &node2_reports),
+    ] {
+        let d = diff(&increments(b, a), &named(reports, "ipv4"));
+        assert!(
+            d.is_empty(),
+            "{node}: rules whose counter and naming differ (rule: kernel, reports):\n{}",
+            d.join("\n")
+        );
+    }
+    // Among them: DNAT on node only (node2 sees pod2's address already), the policy's DROP
+    // on node2 only.
     assert_eq!(
         increment(&before.0, &after.0, "nat", "KUBE-SEP-5BNLXWQSTB4SOWFG", 2),
         1
@@ -307,13 +214,27 @@ fn across_the_overlay_a_delivered_and_a_dropped_packet_are_stitched_and_judged_b
             assert_eq!(c["encap"]["overlay"], "flannel.1");
             assert_eq!(c["encap"]["vni"], 1);
         }
-        let seen = encap_frame(got);
-        assert_eq!(encap_frame(sent), seen);
+        let seen = VxlanFrame::of_carrier(got);
+        assert_eq!(VxlanFrame::of_carrier(sent), seen);
         assert_eq!(seen.inner_dst, endpoint);
         assert_eq!(seen.outer_dst, "192.168.60.2:4789");
-        assert!(
-            frames.contains(&seen),
-            "{proto}/{port}: {seen:?} not among the frames captured on node2's eth0: {frames:#?}"
+        // The same frame, by its outer and inner IPv4 IDs and headers, left node's underlay
+        // and reached node2's; the inner ID is the source's packet's (NAT keeps it).
+        for (on, frames) in [("node", &on_node), ("node2", &on_node2)] {
+            assert_eq!(
+                frames.iter().filter(|f| **f == seen).count(),
+                1,
+                "{proto}/{port}: {seen:?} once among the frames captured on {on}'s eth0: {frames:#?}"
+            );
+        }
+        assert_eq!(
+            u64::from(seen.inner_ip_id),
+            src["packet"]["ip_id"].as_u64().unwrap(),
+            "{src:#}"
+        );
+        assert_eq!(
+            j.legs[3].report["packet"]["ip_id"].as_u64(),
+            Some(u64::from(seen.inner_ip_id))
         );
         // Destination: in through the overlay device; delivered to pod2, or dropped by the
         // policy's rule in FORWARD's filter table.

@@ -381,6 +381,22 @@ pub extern "C" fn obs_ip6t_out(ctx: *const u64) -> i32 {
     0
 }
 
+// ip_vs_out_hook(void *priv, struct sk_buff *skb, const struct nf_hook_state *state)
+// IPVS's reply translation (FORWARD 100 for masquerade replies; keyed there only).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fentry/ip_vs_out_hook")]
+pub extern "C" fn obs_ipvs_out_entry(ctx: *const u64) -> i32 {
+    plain(ctx, func::IPVS_OUT, ENTRY, 1, 3, None);
+    0
+}
+
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "fexit/ip_vs_out_hook")]
+pub extern "C" fn obs_ipvs_out_exit(ctx: *const u64) -> i32 {
+    plain(ctx, func::IPVS_OUT, EXIT, 1, 3, None);
+    0
+}
+
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 4] = *b"GPL\0";

@@ -185,7 +185,7 @@ pub fn build(t: &Traversal, ctx: &Context, lost: u64) -> Report {
                 rules: Default::default(),
                 policy: None,
                 note: (ipvs_reply && reply_step.is_none()).then(|| {
-                    "no translation seen between the probes around IPVS's reply hook (the fentry backend cannot bracket IPVS's hooks: its probes sit on the tables' functions)".into()
+                    "no translation seen between the probes around IPVS's reply hook: not a reply of a virtual service's masquerade connection".into()
                 }),
                 ipvs: reply_step,
                 check: None,

@@ -8,6 +8,7 @@
 //! | nat's hook functions `(priv, skb, state)`: `nf_nat_ipv4_pre_routing`, `_local_in`, `_local_fn`, `_out`, `nf_nat_ipv6_in`, `_local_fn`, `_out`, and `nf_nat_ipv6_fn` (IPv6 LOCAL_IN's, also called inside the others: keyed there only) | nat: its chains run inside, the packet is rewritten there after them, ICMP errors of a connection too | 0 |
 //! | `nf_conntrack_in(skb, state)` | conntrack (-200) | 0 |
 //! | `ipt_do_table(table, skb, state)`, `ip6t_do_table` | a legacy x_tables table | the table's `priority` |
+//! | `ip_vs_out_hook(priv, skb, state)` | IPVS's reply translation at FORWARD 100 (where the node has virtual services) | 0 |
 //!
 //! A program learns where it is from `FENTRY_POINTS` (`observer_common::trampoline`), which
 //! [`Fentry::attach`] fills from each hook's plan: the entry of the hook's first table is
@@ -28,6 +29,7 @@ use crate::kernel::btf::KernelLayout;
 use crate::kernel::btf_raw::{KIND_FUNC, KIND_STRUCT, Place, RawBtf};
 use crate::kernel::nf_link::{self, NfFamily, NfHook, NfObject};
 use crate::kernel::plan::HookPlan;
+use crate::kernel::upkeep::IPVS_FORWARD;
 
 /// The trampoline probe object (empty when built with `OBSERVER_SKIP_EBPF=1`).
 pub static FENTRY_OBJECT: &[u8] =
@@ -142,6 +144,14 @@ const TARGETS: &[Target] = &[
         func: func::IP6T,
         modules: &["ip6_tables"],
         params: &["priv", "skb", "state"],
+
+        family: None,
+    },
+    Target {
+        name: "ip_vs_out_hook",
+        func: func::IPVS_OUT,
+        modules: &["ip_vs"],
+        params: NAT_PARAMS,
 
         family: None,
     },
@@ -362,6 +372,13 @@ pub fn keys_of(plan: &HookPlan) -> Vec<(u64, u8, u32)> {
                 vec![(func::NAT6_FN, 0)]
             }
             "nat" => vec![(func::NAT, 0)],
+            // IPVS's reply hook, where the plan brackets it (the node has virtual
+            // services); an nftables chain or legacy table at its priority too.
+            _ if plan.hook == NfHook::Forward && t.priority == IPVS_FORWARD => vec![
+                (func::IPVS_OUT, 0),
+                (func::NFT, t.priority),
+                (legacy, t.priority),
+            ],
             _ => vec![(func::NFT, t.priority), (legacy, t.priority)],
         };
         let (before, after) = plan.bracket(t);
@@ -426,9 +443,9 @@ impl Backend for Fentry {
             "fragments before defragmentation (-400): the first point is the hook's first \
              table, so only the reassembled packet is seen"
                 .into(),
-            "hook functions other than nftables chains, x_tables, conntrack and NAT (IPVS, \
-             br_netfilter, synproxy, another module's hooks): what they do shows at the next \
-             table's point"
+            "hook functions other than nftables chains, x_tables, conntrack, NAT and IPVS's \
+             reply translation (IPVS's request hooks, br_netfilter, synproxy, another \
+             module's hooks): what they do shows at the next table's point"
                 .into(),
             "a hook's entry when its first table does not run for the packet (conntrack in a \
              namespace without conntrack): the traversal starts at the next point"
