@@ -1039,6 +1039,7 @@ fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
     }
     // tail (through the agent, which brackets the tables while it streams) names the
     // same rule for the same flow.
+    let connected = Instant::now();
     let tail = Client::start(&[
         "tail",
         "--agent",
@@ -1052,6 +1053,14 @@ fn default_mode_samples_name_the_dropping_rule_as_tail_does() {
     wait_for("tail subscribed", Duration::from_secs(10), || {
         sample(&scrape(&lab), "observer_tracing", &[]) == 1.0
     });
+    // The per-table programs were verified at the agent's start: a client's brackets
+    // record within moments (0.36 s seen on a loaded 2-core machine; 4.5 s when they were
+    // verified for the first client), not after the seconds in which its traffic was lost.
+    assert!(
+        connected.elapsed() < Duration::from_secs(3),
+        "tracing began {:?} after the client started",
+        connected.elapsed()
+    );
     send_udp(&lab, 7778, 2);
     let (lines, err) = tail.finish(Duration::from_secs(30));
     let reports: Vec<Value> = lines

@@ -126,6 +126,16 @@ impl Backend for Links {
         Box::new(std::mem::take(&mut self.links))
     }
 
+    /// The slot programs of `plans`, loaded once and kept (attach loads those not loaded).
+    fn preload(&mut self, plans: &[HookPlan]) -> Result<usize> {
+        let programs: std::collections::BTreeSet<_> =
+            plans.iter().flat_map(|p| p.programs.iter().copied()).collect();
+        for p in &programs {
+            self.nf.program_mut(&format!("nf_slot_{p}"))?.load()?;
+        }
+        Ok(programs.len())
+    }
+
     fn attachments(&self) -> usize {
         self.links.len()
     }

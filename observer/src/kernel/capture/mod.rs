@@ -125,6 +125,12 @@ pub trait Backend: Send {
     /// How many attachments it holds (links, or trampolines and points).
     fn attachments(&self) -> usize;
 
+    /// Loads (verifies) the programs `plans` need, attaching nothing: what their first
+    /// attach would otherwise wait for. Returns how many programs are loaded for them.
+    fn preload(&mut self, _plans: &[HookPlan]) -> anyhow::Result<usize> {
+        Ok(0)
+    }
+
     /// What it cannot see that the plan asks for (nothing, for links).
     fn blind_spots(&self) -> Vec<String> {
         Vec::new()

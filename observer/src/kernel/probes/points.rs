@@ -114,6 +114,12 @@ impl Probes {
         Ok(())
     }
 
+    /// Loads the capture backend's programs ahead of the first attach (the agent's default
+    /// mode, at start: a client's brackets then attach without waiting for the verifier).
+    pub fn preload_points(&mut self, plans: &[HookPlan]) -> Result<usize> {
+        self.backend()?.preload(plans)
+    }
+
     /// Plan generation in force (records carry it, modulo 256).
     pub fn generation(&self) -> u8 {
         self.generation
