@@ -105,9 +105,9 @@ impl Subscriber {
 
 /// Frames a rendering as one NDJSON line: a JSON report as it is, a tree or line report
 /// as `{"text": ...}`.
-pub fn frame(output: Output, bytes: &[u8]) -> Bytes {
+pub fn frame(output: Output, bytes: &Bytes) -> Bytes {
     match output {
-        Output::Json => Bytes::copy_from_slice(bytes),
+        Output::Json => bytes.clone(),
         Output::Tree | Output::Line => {
             let text = String::from_utf8_lossy(bytes);
             let mut s =
@@ -297,51 +297,53 @@ impl Hub {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Which output modes the subscribers that keep `rec` want (json is always rendered).
-    pub fn wanted(&self, rec: &TraversalRecord) -> (bool, bool) {
-        let subs = self.subs();
-        let mut want = (false, false);
-        for s in subs.iter() {
-            if matches!(s.req.wants.output, Output::Json)
-                || !keeps(&s.req.program, rec, &self.tuple)
-            {
-                continue;
-            }
-            match s.req.wants.output {
-                Output::Tree => want.0 = true,
-                Output::Line => want.1 = true,
-                Output::Json => {}
-            }
-        }
-        want
-    }
-
-    /// Hands one traversal to every subscriber that keeps it.
-    pub fn dispatch(&self, rec: &TraversalRecord, r: &Rendered) {
+    /// Hands one traversal to every subscriber that keeps it, deciding each subscriber's
+    /// filter once: `render(tree, line)` is asked for the text modes a keeping subscriber
+    /// wants (JSON is always rendered; the caller may render more for itself), and each
+    /// mode's framed line is made once and shared (`Bytes` is counted, not copied).
+    /// Returns the renderings, for the flight recorder.
+    pub fn dispatch(
+        &self,
+        rec: &TraversalRecord,
+        render: impl FnOnce(bool, bool) -> Rendered,
+    ) -> Rendered {
         let lost = self.lost();
         let mut subs = self.subs();
-        let mut i = 0;
-        while i < subs.len() {
+        subs.retain(|s| !s.tx.is_closed());
+        let keeps: Vec<bool> = subs
+            .iter()
+            .map(|s| keeps(&s.req.program, rec, &self.tuple))
+            .collect();
+        let wants = |o: Output| {
+            subs.iter()
+                .zip(&keeps)
+                .any(|(s, k)| *k && s.req.wants.output == o)
+        };
+        let r = render(wants(Output::Tree), wants(Output::Line));
+        // Each mode's line, framed once: [json, tree, line].
+        let mut framed: [Option<Option<Bytes>>; 3] = [None, None, None];
+        // From the last: a finished subscriber's place takes one already served.
+        for i in (0..subs.len()).rev() {
             let s = &mut subs[i];
-            if s.tx.is_closed() {
-                subs.swap_remove(i);
-                continue;
-            }
-            if !keeps(&s.req.program, rec, &self.tuple) {
+            if !keeps[i] {
                 s.filtered += 1;
-                i += 1;
                 continue;
             }
-            let Some(bytes) = r.get(s.req.wants.output) else {
+            let o = s.req.wants.output;
+            let slot = match o {
+                Output::Json => 0,
+                Output::Tree => 1,
+                Output::Line => 2,
+            };
+            let msg = framed[slot].get_or_insert_with(|| r.get(o).map(|b| frame(o, b)));
+            let Some(msg) = msg.clone() else {
                 // Not rendered in its mode (a pipeline failure, already logged): skipped.
                 s.skipped += 1;
                 s.pending_skips += 1;
                 self.skipped_total
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                i += 1;
                 continue;
             };
-            let msg = frame(s.req.wants.output, bytes);
             if s.offer(&msg) {
                 s.sent += 1;
             } else {
@@ -353,10 +355,9 @@ impl Hub {
             if s.req.wants.count.is_some_and(|n| s.sent >= n) {
                 let s = subs.swap_remove(i);
                 finish(s, "count", lost);
-                continue;
             }
-            i += 1;
         }
+        r
     }
 
     /// Ends the streams whose timeout ran out, forgets closed ones.
@@ -541,16 +542,28 @@ mod tests {
         let mut b = hub
             .subscribe(request("port 80", Output::Tree, None))
             .unwrap();
+        let mut asked = Vec::new();
         for port in [22, 80, 22, 443] {
-            hub.dispatch(&rec(port), &rendered(&port.to_string()));
+            hub.dispatch(&rec(port), |tree, line| {
+                asked.push((port, tree, line));
+                rendered(&port.to_string())
+            });
         }
         let a = lines(&mut a);
         assert_eq!(a.len(), 2);
         assert!(a.iter().all(|l| l["tag"] == "22"), "{a:?}");
         let b = lines(&mut b);
         assert_eq!(b, vec![serde_json::json!({"text": "tree 80\n"})]);
-        assert_eq!(hub.wanted(&rec(80)), (true, false));
-        assert_eq!(hub.wanted(&rec(22)), (false, false));
+        // A text mode is rendered only for a packet a subscriber of that mode keeps.
+        assert_eq!(
+            asked,
+            [
+                (22, false, false),
+                (80, true, false),
+                (22, false, false),
+                (443, false, false)
+            ]
+        );
     }
 
     #[test]
@@ -587,7 +600,7 @@ mod tests {
         let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
         let mut rx = hub.subscribe(request("", Output::Json, Some(2))).unwrap();
         for port in [1, 2, 3] {
-            hub.dispatch(&rec(port), &rendered("x"));
+            hub.dispatch(&rec(port), |_, _| rendered("x"));
         }
         assert_eq!(hub.subscribers(), 0);
         let mut got = Vec::new();
@@ -604,14 +617,14 @@ mod tests {
         let hub = Hub::new(LAYOUT, FlightRecorder::new(4, 1 << 20));
         let mut rx = hub.subscribe(request("", Output::Json, None)).unwrap();
         for _ in 0..QUEUE + 5 {
-            hub.dispatch(&rec(7), &rendered("x"));
+            hub.dispatch(&rec(7), |_, _| rendered("x"));
         }
         assert_eq!(hub.skipped_total(), 5);
         // Room again: the notice comes before the next report.
         for _ in 0..10 {
             rx.try_recv().unwrap();
         }
-        hub.dispatch(&rec(7), &rendered("y"));
+        hub.dispatch(&rec(7), |_, _| rendered("y"));
         let rest = lines(&mut rx);
         let notice = rest
             .iter()

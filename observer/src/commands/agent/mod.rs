@@ -548,19 +548,18 @@ impl Sink for HubSink<'_> {
             None => (report, json.clone()),
         };
         let dropped = report.traversal().fate.kind == observer_model::FateKind::Dropped;
-        let (tree, line) = self.hub.wanted(rec);
         // Renderings of the cached report are counted in the cache's bound; an annotated
         // one is not kept there.
         let render = |o| match annotated {
             Some(_) => report.render(o),
             None => h.render(report, o),
         };
-        let rendered = Rendered {
+        // The flight recorder keeps a dropped one in every mode.
+        let rendered = self.hub.dispatch(rec, |tree, line| Rendered {
             json,
             tree: (tree || dropped).then(|| render(Output::Tree)),
             line: (line || dropped).then(|| render(Output::Line)),
-        };
-        self.hub.dispatch(rec, &rendered);
+        });
         // Armed: the arm's flows go to the flight recorder whole, dropped or not.
         if dropped || self.tier2.captures(rec, &self.tuple) {
             self.hub

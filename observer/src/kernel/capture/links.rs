@@ -128,8 +128,10 @@ impl Backend for Links {
 
     /// The slot programs of `plans`, loaded once and kept (attach loads those not loaded).
     fn preload(&mut self, plans: &[HookPlan]) -> Result<usize> {
-        let programs: std::collections::BTreeSet<_> =
-            plans.iter().flat_map(|p| p.programs.iter().copied()).collect();
+        let programs: std::collections::BTreeSet<_> = plans
+            .iter()
+            .flat_map(|p| p.programs.iter().copied())
+            .collect();
         for p in &programs {
             self.nf.program_mut(&format!("nf_slot_{p}"))?.load()?;
         }
