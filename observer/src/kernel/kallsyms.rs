@@ -29,13 +29,8 @@ impl Symbols {
     pub fn parse(text: &str) -> Self {
         let mut syms: Vec<(u64, String)> = text
             .lines()
-            .filter_map(|l| {
-                let mut w = l.split_ascii_whitespace();
-                let addr = u64::from_str_radix(w.next()?, 16).ok()?;
-                let kind = w.next()?;
-                let name = w.next()?;
-                (addr != 0 && matches!(kind, "T" | "t")).then(|| (addr, name.to_string()))
-            })
+            .filter_map(text_symbol)
+            .map(|(a, n)| (a, n.to_string()))
             .collect();
         syms.sort_unstable_by_key(|(a, _)| *a);
         Self {
@@ -59,9 +54,51 @@ impl Symbols {
     }
 }
 
+/// A kallsyms line's address and name when it is a text symbol with a visible address.
+fn text_symbol(line: &str) -> Option<(u64, &str)> {
+    let mut w = line.split_ascii_whitespace();
+    let addr = u64::from_str_radix(w.next()?, 16).ok()?;
+    let kind = w.next()?;
+    let name = w.next()?;
+    (addr != 0 && matches!(kind, "T" | "t")).then_some((addr, name))
+}
+
+/// `name+0xoff` of the text symbol at or below `addr`, read line by line from kallsyms text
+/// (`/proc/kallsyms` itself: tens of megabytes that a long-lived reader need not keep).
+pub fn nearest(r: impl std::io::BufRead, addr: u64) -> Option<String> {
+    let mut best: Option<(u64, String)> = None;
+    for l in r.lines() {
+        let l = l.ok()?;
+        if let Some((a, name)) = text_symbol(&l)
+            && a <= addr
+            && best.as_ref().is_none_or(|(b, _)| a > *b)
+        {
+            best = Some((a, name.to_string()));
+        }
+    }
+    best.map(|(a, n)| format!("{n}+{:#x}", addr - a))
+}
+
+/// [`nearest`] in `/proc/kallsyms`.
+pub fn lookup(addr: u64) -> Option<String> {
+    let f = std::fs::File::open("/proc/kallsyms").ok()?;
+    nearest(std::io::BufReader::new(f), addr)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nearest_symbol_from_kallsyms_lines() {
+        let text = "ffffffff81000000 T _stext\nffffffff81000100 t nf_hook_slow\n\
+                    ffffffff81000100 d data_sym\nffffffff81000200 T after\n";
+        assert_eq!(
+            nearest(text.as_bytes(), 0xffffffff81000142).as_deref(),
+            Some("nf_hook_slow+0x42")
+        );
+        assert_eq!(nearest(text.as_bytes(), 0x10), None);
+    }
 
     #[test]
     fn names_addresses_inside_functions() {

@@ -8,7 +8,6 @@
 //! and unit-tested; [`Naming`] is the only part that reads the node.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::BufRead;
 use std::net::IpAddr;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -149,38 +148,12 @@ impl Locations {
         if let Some(n) = self.names.get(&addr) {
             return n.clone();
         }
-        let n = std::fs::File::open("/proc/kallsyms")
-            .ok()
-            .and_then(|f| nearest(std::io::BufReader::new(f), addr))
-            .unwrap_or_else(|| format!("{addr:#x}"));
+        let n = crate::kernel::kallsyms::lookup(addr).unwrap_or_else(|| format!("{addr:#x}"));
         if self.names.len() < LOCATIONS {
             self.names.insert(addr, n.clone());
         }
         n
     }
-}
-
-/// The text symbol at or below `addr`, as `name+0xoff`, from kallsyms lines.
-fn nearest(r: impl BufRead, addr: u64) -> Option<String> {
-    let mut best: Option<(u64, String)> = None;
-    for l in r.lines() {
-        let l = l.ok()?;
-        let mut w = l.split_ascii_whitespace();
-        let (Some(a), Some(kind), Some(name)) = (w.next(), w.next(), w.next()) else {
-            continue;
-        };
-        let Ok(a) = u64::from_str_radix(a, 16) else {
-            continue;
-        };
-        if a != 0
-            && a <= addr
-            && matches!(kind, "T" | "t")
-            && best.as_ref().is_none_or(|(b, _)| a > *b)
-        {
-            best = Some((a, name.to_string()));
-        }
-    }
-    best.map(|(a, n)| format!("{n}+{:#x}", addr - a))
 }
 
 /// Tier 1's series: drops by key, and its own counters (`tier="1"` on each).
@@ -1064,17 +1037,6 @@ mod tests {
         .unwrap();
         assert_eq!(s.src, Some("10.0.0.1".parse().unwrap()));
         assert_eq!(s.dport, None);
-    }
-
-    #[test]
-    fn nearest_symbol_from_kallsyms_lines() {
-        let text = "ffffffff81000000 T _stext\nffffffff81000100 t nf_hook_slow\n\
-                    ffffffff81000100 d data_sym\nffffffff81000200 T after\n";
-        assert_eq!(
-            nearest(text.as_bytes(), 0xffffffff81000142).as_deref(),
-            Some("nf_hook_slow+0x42")
-        );
-        assert_eq!(nearest(text.as_bytes(), 0x10), None);
     }
 
     fn id(rule: &str) -> RuleId {
