@@ -227,6 +227,11 @@ fn programs_for(hook: NfHook, points: &[i32]) -> Vec<usize> {
     programs
 }
 
+/// `ip_vs_out_hook` on FORWARD (net/netfilter/ipvs/ip_vs_core.c): replies of masquerade
+/// connections get the virtual service's address back as their source there; bracketed like
+/// a table where the node has virtual services.
+pub const IPVS_FORWARD: i32 = 100;
+
 /// The whole plan: every family and hook, for the hook users found (`None`: unknown, every
 /// standard table is bracketed).
 pub fn full_plan(users: Option<&[(NfFamily, NfHook, i32)]>) -> Vec<HookPlan> {

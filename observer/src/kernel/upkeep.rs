@@ -122,9 +122,7 @@ pub fn hook_users(live: &LiveNode) -> Option<Vec<(NfFamily, NfHook, i32)>> {
     Some(users)
 }
 
-/// `ip_vs_out_hook` on FORWARD (net/netfilter/ipvs/ip_vs_core.c): replies of masquerade
-/// connections get the virtual service's address back as their source there.
-pub const IPVS_FORWARD: i32 = 100;
+pub use crate::kernel::plan::IPVS_FORWARD;
 
 /// The legacy x_tables of the namespace (the process is in it): their names as read, and
 /// where they run. No file: none loaded.

@@ -28,8 +28,7 @@ use super::{Backend, BackendKind, Shared, Unsupported};
 use crate::kernel::btf::KernelLayout;
 use crate::kernel::btf_raw::{KIND_FUNC, KIND_STRUCT, Place, RawBtf};
 use crate::kernel::nf_link::{self, NfFamily, NfHook, NfObject};
-use crate::kernel::plan::HookPlan;
-use crate::kernel::upkeep::IPVS_FORWARD;
+use crate::kernel::plan::{HookPlan, IPVS_FORWARD};
 
 /// The trampoline probe object (empty when built with `OBSERVER_SKIP_EBPF=1`).
 pub static FENTRY_OBJECT: &[u8] =
