@@ -3,6 +3,7 @@
 //! reaches into which:
 //! - [`kernel`]: BTF offsets, the probe plan, loading and attaching the probes, keeping them
 //!   attached, interfaces and namespaces;
+//! - [`tuple`]: conntrack tuples as recorded, read with the kernel's layout;
 //! - [`filter`]: the `--filter` compiler (pure) and its evaluation on recorded traversals;
 //! - [`pipeline`]: ring-buffer bytes -> decode -> correlate -> report (annotate, name the
 //!   rules) -> rendered, one record at a time;
@@ -18,3 +19,4 @@ pub mod k8s;
 pub mod kernel;
 pub mod output;
 pub mod pipeline;
+pub mod tuple;

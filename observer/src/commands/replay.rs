@@ -11,7 +11,7 @@ use anyhow::{Context as _, Result};
 use serde::Serialize;
 
 use crate::kernel::btf::TupleLayout;
-use crate::kernel::session::{self, Consumer, Next, Replan, Stop, Tick};
+use crate::kernel::session::{Consumer, Next, Replan, Stop, Tick};
 use crate::output::recording::{Frame, Meta, Reader};
 use crate::pipeline::decode::decode;
 use crate::pipeline::rulenames::RuleNamer;
@@ -140,7 +140,7 @@ pub fn replay<R: std::io::Read>(
 
 /// Hands each record of an open recording, its report and the recorded context to `sink`
 /// (a [`Sink`] of the pipeline, as the tail's recording and pcap-ng are): a recorded
-/// session ([`session::replay`]) drives the [`Replayer`], a consumer like tail's and the
+/// session ([`crate::output::recording::replay`]) drives the [`Replayer`], a consumer like tail's and the
 /// agent's.
 pub fn replay_each<R: std::io::Read>(
     mut reader: Reader<R>,
@@ -189,7 +189,7 @@ pub fn replay_each<R: std::io::Read>(
         },
         failed: None,
     };
-    let (why, unknown) = session::replay(&mut reader, &opts.file, &mut replayer)?;
+    let (why, unknown) = crate::output::recording::replay(&mut reader, &opts.file, &mut replayer)?;
     if let Some(e) = replayer.failed.take() {
         return Err(e).context("writing the reports");
     }

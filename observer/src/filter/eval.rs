@@ -7,7 +7,7 @@ use observer_common::filter::{
 use observer_common::traversal::{TraversalRecord, step};
 
 use crate::kernel::btf::TupleLayout;
-use crate::pipeline::decode::tuple as raw_tuple;
+use crate::tuple::tuple as raw_tuple;
 
 /// What the probes' filter decides for `rec`, from what the record holds: the packet as it
 /// entered, and its connection's original and reply tuples, as the probes decide after

@@ -25,7 +25,6 @@ use crate::kernel::probes::Probes;
 use crate::kernel::upkeep::{
     RulesetReader, SOCKET_GRACE, housekeeping, legacy_tables, now_ns, replan, watch_ruleset,
 };
-use crate::output::recording::{Frame, Meta, Reader};
 use observer_common::traversal::end;
 use observer_rules::LiveNode;
 
@@ -388,81 +387,4 @@ fn drain<C: Consumer>(
         Next::Stop(why) => (n, Some(why)),
         _ => (n, None),
     }
-}
-
-/// A recorded session: the records and context changes of a `tail --record` recording
-/// handed to `c` through the same [`Consumer`] calls, in the order the tail met them (the
-/// names of context frames a later observer wrote, which this one does not know, are
-/// returned with the reason it stopped). `file` names the recording in messages.
-pub fn replay<R: std::io::Read, C: Consumer>(
-    reader: &mut Reader<R>,
-    file: &std::path::Path,
-    c: &mut C,
-) -> Result<(&'static str, Vec<String>)> {
-    let mut unknown = Vec::new();
-    let why = loop {
-        let Some(frame) = reader.next_frame()? else {
-            break "end of recording";
-        };
-        match frame {
-            Frame::Record { lost_now, bytes } => {
-                if let Next::Stop(why) = c.on_record(&bytes, lost_now) {
-                    break why;
-                }
-            }
-            Frame::Meta(Meta::Plans { generation, plans }) => {
-                let plans = plans
-                    .iter()
-                    .map(|p| {
-                        p.to_plan().with_context(|| {
-                            format!(
-                                "{}: a probe plan names an unknown family or hook ({}, {}); \
-                                 the file is damaged or from another observer",
-                                file.display(),
-                                p.family,
-                                p.hook
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                c.on_replan(Replan::Plans {
-                    probes: None,
-                    generation,
-                    plans: &plans,
-                });
-            }
-            Frame::Meta(Meta::Replan { from, to }) => c.on_replan(Replan::Replanned { from, to }),
-            Frame::Meta(Meta::Ruleset {
-                generation,
-                texts,
-                marks,
-            }) => {
-                let live = LiveNode::parse(*texts);
-                c.on_replan(Replan::Ruleset {
-                    probes: None,
-                    live: &live,
-                    light: false,
-                    recorded: Some((generation, &marks)),
-                });
-            }
-            Frame::Meta(Meta::Names { ifnames, symbols }) => c.on_replan(Replan::Names {
-                ifnames: &ifnames,
-                symbols: &symbols,
-            }),
-            Frame::UnknownMeta(name) => {
-                log::warn!(
-                    "skipping context `{name}`, which this observer does not know (recorded \
-                     by observer {})",
-                    reader.header.observer_version
-                );
-                unknown.push(name);
-            }
-        }
-    };
-    c.on_stop(Stop {
-        probes: None,
-        why,
-        undrained: 0,
-    });
-    Ok((why, unknown))
 }

@@ -16,8 +16,13 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use anyhow::{Context, Result};
+use observer_rules::LiveNode;
+
 use crate::kernel::btf::TupleLayout;
 use crate::kernel::plan::{HookPlan, Table};
+use crate::kernel::session::{Consumer, Next, Replan, Stop};
+use crate::pipeline::Learned;
 use observer_common::traversal::{MAX_STEPS, MAX_VISITS, RECORD_HEAD_BYTES, STEP_BYTES};
 use observer_model::marks::MarkDictionary;
 use observer_model::{Family as NfFamily, Hook as NfHook};
@@ -267,13 +272,6 @@ impl Meta {
             plans: plans.iter().map(PlanDto::from).collect(),
         }
     }
-}
-
-/// Names a report used: (ifindex, name) and (address, symbol).
-#[derive(Clone, Default)]
-pub struct Learned {
-    pub ifnames: Vec<(u32, String)>,
-    pub symbols: Vec<(u64, String)>,
 }
 
 /// Writes a recording as records come. A write that fails stops the recording (said once)
@@ -812,6 +810,83 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// A recorded session: the records and context changes of a `tail --record` recording
+/// handed to `c` through the same [`Consumer`] calls a live session makes, in the order the tail met them (the
+/// names of context frames a later observer wrote, which this one does not know, are
+/// returned with the reason it stopped). `file` names the recording in messages.
+pub fn replay<R: std::io::Read, C: Consumer>(
+    reader: &mut Reader<R>,
+    file: &std::path::Path,
+    c: &mut C,
+) -> Result<(&'static str, Vec<String>)> {
+    let mut unknown = Vec::new();
+    let why = loop {
+        let Some(frame) = reader.next_frame()? else {
+            break "end of recording";
+        };
+        match frame {
+            Frame::Record { lost_now, bytes } => {
+                if let Next::Stop(why) = c.on_record(&bytes, lost_now) {
+                    break why;
+                }
+            }
+            Frame::Meta(Meta::Plans { generation, plans }) => {
+                let plans = plans
+                    .iter()
+                    .map(|p| {
+                        p.to_plan().with_context(|| {
+                            format!(
+                                "{}: a probe plan names an unknown family or hook ({}, {}); \
+                                 the file is damaged or from another observer",
+                                file.display(),
+                                p.family,
+                                p.hook
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                c.on_replan(Replan::Plans {
+                    probes: None,
+                    generation,
+                    plans: &plans,
+                });
+            }
+            Frame::Meta(Meta::Replan { from, to }) => c.on_replan(Replan::Replanned { from, to }),
+            Frame::Meta(Meta::Ruleset {
+                generation,
+                texts,
+                marks,
+            }) => {
+                let live = LiveNode::parse(*texts);
+                c.on_replan(Replan::Ruleset {
+                    probes: None,
+                    live: &live,
+                    light: false,
+                    recorded: Some((generation, &marks)),
+                });
+            }
+            Frame::Meta(Meta::Names { ifnames, symbols }) => c.on_replan(Replan::Names {
+                ifnames: &ifnames,
+                symbols: &symbols,
+            }),
+            Frame::UnknownMeta(name) => {
+                log::warn!(
+                    "skipping context `{name}`, which this observer does not know (recorded \
+                     by observer {})",
+                    reader.header.observer_version
+                );
+                unknown.push(name);
+            }
+        }
+    };
+    c.on_stop(Stop {
+        probes: None,
+        why,
+        undrained: 0,
+    });
+    Ok((why, unknown))
 }
 
 #[cfg(test)]

@@ -15,8 +15,9 @@ use observer_common::{flags, hook};
 use crate::kernel::btf::TupleLayout;
 use crate::kernel::plan::HookPlan;
 use crate::pipeline::decode::{
-    Conntrack, Observation, Point, Tuple, endpoint, headers_read, quoted_ports, tuple,
+    Conntrack, Observation, Point, Tuple, endpoint, headers_read, quoted_ports,
 };
+use crate::tuple::tuple;
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 /// Why a traversal ended.

@@ -1,12 +1,11 @@
 //! Decoding: ring-buffer bytes -> traversal records, and the typed observations they expand
 //! to (see [`crate::pipeline::correlate`]). Pure; tested from hand-built bytes.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-
 use observer_common::traversal::{RECORD_HEAD_BYTES, STEP_BYTES, TraversalRecord};
-use observer_common::{CT_TUPLE_BYTES, EventHeader, PacketEvent, flags, kind};
+use observer_common::{EventHeader, PacketEvent, flags, kind};
 
-use crate::kernel::btf::TupleLayout;
+use crate::tuple::addr;
+pub use crate::tuple::{Endpoint, Tuple};
 use observer_model::{Family as NfFamily, Hook as NfHook};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -30,21 +29,6 @@ pub enum Point {
     TcEgress,
     /// A netfilter probe: hook and slot (index into that hook's plan).
     Netfilter(NfHook, usize),
-}
-
-/// Address + port (port 0 and `has_port == false` for protocols without ports).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Endpoint {
-    pub addr: IpAddr,
-    pub port: u16,
-}
-
-/// A conntrack tuple (one direction).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Tuple {
-    pub src: Endpoint,
-    pub dst: Endpoint,
-    pub proto: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,31 +132,6 @@ pub(crate) fn endpoint(a: &[u8; 16], port: u16, v4: bool, ports: bool) -> Endpoi
     }
 }
 
-pub(crate) fn addr(bytes: &[u8], v4: bool) -> IpAddr {
-    if v4 {
-        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
-    } else {
-        let mut a = [0u8; 16];
-        a.copy_from_slice(&bytes[..16]);
-        IpAddr::V6(Ipv6Addr::from(a))
-    }
-}
-
-pub(crate) fn tuple(raw: &[u8; CT_TUPLE_BYTES], l: &TupleLayout, v4: bool) -> Tuple {
-    let port = |at: usize| u16::from_be_bytes([raw[at], raw[at + 1]]);
-    Tuple {
-        src: Endpoint {
-            addr: addr(&raw[l.src_addr..l.src_addr + 16], v4),
-            port: port(l.src_port),
-        },
-        dst: Endpoint {
-            addr: addr(&raw[l.dst_addr..l.dst_addr + 16], v4),
-            port: port(l.dst_port),
-        },
-        proto: raw[l.protonum],
-    }
-}
-
 /// Decodes one ring-buffer record: a traversal, written up to its last step.
 pub fn decode(bytes: &[u8]) -> Result<TraversalRecord, DecodeError> {
     if bytes.len() < size_of::<EventHeader>() {
@@ -230,6 +189,7 @@ pub fn encode(ev: &PacketEvent) -> Vec<u8> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+    use crate::kernel::btf::TupleLayout;
     use observer_common::{family, hook};
 
     pub const LAYOUT: TupleLayout = TupleLayout {

@@ -659,7 +659,12 @@ struct Logged<'a> {
     log: Option<std::cell::RefCell<Learned>>,
 }
 
-pub use crate::output::recording::Learned;
+/// Names a report used: (ifindex, name) and (address, symbol).
+#[derive(Clone, Default)]
+pub struct Learned {
+    pub ifnames: Vec<(u32, String)>,
+    pub symbols: Vec<(u64, String)>,
+}
 
 impl Logged<'_> {
     fn ifname(&self, index: u32) -> String {

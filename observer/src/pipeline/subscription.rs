@@ -101,7 +101,7 @@ impl Subscription {
             None => None,
         };
         let timeout = match q.get("timeout") {
-            Some(t) => Some(crate::commands::parse_seconds(t).map_err(|e| format!("timeout {e}"))?),
+            Some(t) => Some(parse_seconds(t).map_err(|e| format!("timeout {e}"))?),
             None => None,
         };
         let ip_ids = match q.get("ip_id").map(String::as_str) {
@@ -122,6 +122,18 @@ impl Subscription {
             ip_ids,
         })
     }
+}
+
+/// A `--timeout` (or the agent's `timeout=` query parameter): a finite, non-negative number
+/// of seconds, at most a year.
+pub fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !secs.is_finite() || !(0.0..=365.0 * 86400.0).contains(&secs) {
+        return Err(format!("`{s}` is out of range: give 0 to 31536000 seconds"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 #[cfg(test)]
