@@ -8,8 +8,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use observer_model::{
-    self as model, ConntrackView, CtState, Endpoint, Fate, FateKind, Headers, Icmp, Iface, K8s,
-    MarkDictionary, Packet, Protocol, Rule, RuleId, Traversal, TupleView,
+    self as model, ConntrackView, CtState, Endpoint, Fate, FateKind, Headers, Icmp, Iface,
+    MarkDictionary, Packet, Protocol, Traversal, TupleView,
 };
 use serde_json::Value;
 use thiserror::Error;
@@ -17,12 +17,13 @@ use thiserror::Error;
 use crate::bridge::Bridges;
 use crate::error::ParseError;
 use crate::ipset::Ipsets;
-use crate::iptables::SaveFile;
+pub use crate::live::Ruleset;
 use crate::live::{LiveTexts, Text};
 use crate::nft::NftRuleset;
 use crate::packet::{PacketSpec, PacketSpecError, parse_packet_spec};
 use crate::route::Routes;
-use crate::sim::{Branch, MatchedRule, Simulator, StoredNat, Verdict, verdict_of};
+pub use crate::sim::meaning::model_rule;
+use crate::sim::{Branch, Simulator, StoredNat, Verdict, verdict_of};
 
 /// Everything `explain` needs, as text, so the CLI only reads files or runs commands.
 #[derive(Debug, Clone, Default)]
@@ -36,14 +37,6 @@ pub struct ExplainRequest {
     pub texts: LiveTexts,
     /// e.g. `tcp 198.51.100.10:40000 -> 10.10.10.2:22 in eth0 [out IFACE] [mark 0x0] [state new]`.
     pub packet: String,
-}
-
-/// The rules of both families (and nft, if given).
-#[derive(Debug, Clone, Default)]
-pub struct Ruleset {
-    pub ipv4: SaveFile,
-    pub ipv6: SaveFile,
-    pub nft: Option<NftRuleset>,
 }
 
 #[derive(Debug, Error)]
@@ -296,77 +289,6 @@ fn mentions_physdev(rs: &Ruleset) -> bool {
 
 fn mentions_sets(rs: &Ruleset) -> bool {
     mentions_module(rs, "set")
-}
-
-/// kube-proxy's nftables chains name the service: `service-HASH-ns/svc/tcp/p80`,
-/// `endpoint-HASH-ns/svc/tcp/p80__10.180.0.1/80`, `external-`, `firewall-`, `endpoints-local-`.
-fn k8s_nft_meaning(m: &MatchedRule) -> Option<K8s> {
-    let s = observer_model::kube::nft_chain_service(&m.table, &m.chain)?;
-    Some(K8s {
-        service: format!("{}/{}:{}", s.namespace, s.name, s.port),
-        endpoint: s
-            .endpoint
-            .and_then(|e| e.rsplit_once('/'))
-            .map(|(ip, port)| crate::net::fmt_endpoint(ip, ip.contains(':'), port.parse().ok())),
-    })
-}
-
-/// Kubernetes meaning of a kube-proxy rule: the service from its comment, the endpoint of a DNAT.
-fn k8s_meaning(m: &MatchedRule) -> Option<K8s> {
-    if m.nft.as_ref().is_some_and(|n| n.native) {
-        return k8s_nft_meaning(m);
-    }
-    if !m.chain.starts_with("KUBE-") {
-        return None;
-    }
-    let service = m
-        .comments
-        .iter()
-        .find_map(|c| c.split_whitespace().next().filter(|w| w.contains('/')))?;
-    Some(K8s {
-        service: service.to_string(),
-        endpoint: m
-            .chain
-            .starts_with("KUBE-SEP-")
-            .then(|| m.action.strip_prefix("DNAT ").map(str::to_string))
-            .flatten(),
-    })
-}
-
-fn calico_rule_id(m: &MatchedRule) -> Option<&str> {
-    m.comments.iter().find_map(|c| c.strip_prefix("cali:"))
-}
-
-/// A matched rule in the model's words: `{table, chain, index}` for iptables rules,
-/// `{family, table, chain, handle}` for native nftables rules.
-pub fn model_rule(m: &MatchedRule) -> Rule {
-    let id = match &m.nft {
-        Some(n) if n.native => RuleId::Nft {
-            family: n.family.clone(),
-            table: m.table.clone(),
-            chain: m.chain.clone(),
-            handle: n.handle,
-        },
-        _ => RuleId::Iptables {
-            table: m.table.clone(),
-            chain: m.chain.clone(),
-            index: m.index,
-        },
-    };
-    Rule {
-        id,
-        text: m.text.clone(),
-        action: m.action.clone(),
-        mark: m.mark,
-        undecidable: m.undecidable.clone(),
-        iptables_nft: m
-            .nft
-            .as_ref()
-            .filter(|n| !n.native)
-            .map(|n| (n.family.clone(), n.handle)),
-        k8s: k8s_meaning(m),
-        calico: calico_rule_id(m).map(str::to_string),
-    }
 }
 
 /// The connection the prediction implies: the original tuple as the packet came, the reply

@@ -20,14 +20,22 @@ use thiserror::Error;
 use crate::bridge::Bridges;
 use crate::check::Family as Dialect;
 use crate::error::ParseError;
-use crate::explain::Ruleset;
 use crate::ipset::{Ipsets, parse_ipsets};
+use crate::iptables::SaveFile;
 use crate::iptables::parse_save_family;
 use crate::ipvs::{IpvsTable, parse_ipvsadm_save};
 use crate::nft::{NftRuleset, parse_nft_json};
 use crate::route::Routes;
 use crate::sim::Simulator;
 use crate::sysctl::Sysctls;
+
+/// The rules of both families (and nft, if given).
+#[derive(Debug, Clone, Default)]
+pub struct Ruleset {
+    pub ipv4: SaveFile,
+    pub ipv6: SaveFile,
+    pub nft: Option<NftRuleset>,
+}
 
 /// One read of the node that did not give us what we need.
 #[derive(Debug, Error)]

@@ -8,6 +8,7 @@
 mod bridged;
 mod ipvs;
 mod matches;
+pub mod meaning;
 mod nft_walk;
 
 use std::borrow::Cow;
@@ -157,7 +158,7 @@ impl Stage {
                 .ct
                 .map(|(state, mark)| Arc::new(CtView { state, mark })),
             verdict: self.verdict,
-            rules: self.rules.iter().map(crate::explain::model_rule).collect(),
+            rules: self.rules.iter().map(meaning::model_rule).collect(),
             policy: self.policy,
             note: self.note,
             ipvs: self.ipvs,

@@ -15,7 +15,7 @@ use super::program::{
 use super::text::{expr_text, rule_text};
 use super::value::{Atom, SetData, Ty, atom, element};
 use super::{NftRuleset, NftSet, NftTable};
-use crate::sim::Hook;
+use observer_model::Hook;
 
 /// Compiles every table of `rs`.
 pub fn compile(rs: &NftRuleset) -> Program {

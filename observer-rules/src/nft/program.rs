@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use super::TableId;
 use super::value::{Atom, SetData, Ty};
-use crate::sim::Hook;
+use observer_model::Hook;
 
 /// Packet fields read by `payload` expressions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
