@@ -7,8 +7,9 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use crate::check::{self, Family};
+use crate::check;
 use crate::error::ParseError;
+use observer_model::Family;
 
 /// Packet and byte counters as printed by `iptables-save -c` (`[pkts:bytes]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -1278,8 +1279,9 @@ mod tests {
 
     #[test]
     fn family_decides_addresses_and_extensions() {
-        let v6 =
-            |r: &str| parse_save_family(&format!("*filter\n{r}\nCOMMIT\n"), Family::V6).map(|_| ());
+        let v6 = |r: &str| {
+            parse_save_family(&format!("*filter\n{r}\nCOMMIT\n"), Family::Ipv6).map(|_| ())
+        };
         assert!(v6("-A INPUT -s fd00::/129").is_err());
         assert!(v6("-A INPUT -s 1.2.3.4").is_err());
         assert!(v6("-A INPUT -p icmp -m icmp --icmp-type 8").is_err());
@@ -1291,7 +1293,7 @@ mod tests {
         assert!(
             parse_save_family(
                 "*filter\n-A INPUT -p icmp -m udp --icmpv6-type 128\nCOMMIT\n",
-                Family::V4
+                Family::Ipv4
             )
             .is_err()
         );

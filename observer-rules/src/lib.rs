@@ -24,7 +24,6 @@ pub mod sim;
 pub mod sysctl;
 
 pub use bridge::Bridges;
-pub use check::Family;
 pub use error::ParseError;
 pub use explain::{
     ExplainError, ExplainRequest, Explanation, Ruleset, explain, explain_connection, explain_on,
@@ -34,6 +33,7 @@ pub use ipset::{Ipsets, parse_ipsets};
 pub use iptables::{SaveFile, parse_fragment, parse_save, parse_save_family};
 pub use live::{BridgeTexts, LiveError, LiveNode, LiveTexts};
 pub use nft::{NftRuleset, parse_nft_json};
+pub use observer_model::Family;
 pub use packet::{CtState, PacketSpec, PacketSpecError, parse_packet_spec};
 pub use route::{RouteDecision, Routes};
 pub use sim::{

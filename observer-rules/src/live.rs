@@ -18,7 +18,6 @@ use serde_json::Value;
 use thiserror::Error;
 
 use crate::bridge::Bridges;
-use crate::check::Family as Dialect;
 use crate::error::ParseError;
 use crate::ipset::{Ipsets, parse_ipsets};
 use crate::iptables::SaveFile;
@@ -28,6 +27,7 @@ use crate::nft::{NftRuleset, parse_nft_json};
 use crate::route::Routes;
 use crate::sim::Simulator;
 use crate::sysctl::Sysctls;
+use observer_model::Family;
 
 /// The rules of both families (and nft, if given).
 #[derive(Debug, Clone, Default)]
@@ -272,13 +272,13 @@ impl LiveTexts {
         let ipv4 = parse_text(
             self.iptables.as_deref(),
             Text::Iptables,
-            |t| parse_save_family(t, Dialect::V4),
+            |t| parse_save_family(t, Family::Ipv4),
             &mut unparsed,
         );
         let ipv6 = parse_text(
             self.ip6tables.as_deref(),
             Text::Ip6tables,
-            |t| parse_save_family(t, Dialect::V6),
+            |t| parse_save_family(t, Family::Ipv6),
             &mut unparsed,
         );
         let nft = parse_text(

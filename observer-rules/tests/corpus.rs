@@ -59,13 +59,13 @@ fn expectations() -> Vec<Expect> {
 
 fn family_of(file: &str) -> Family {
     if file.ends_with(".v6.rules") {
-        Family::V6
+        Family::Ipv6
     } else {
         assert!(
             file.ends_with(".v4.rules"),
             "{file}: name must end .v4.rules or .v6.rules"
         );
-        Family::V4
+        Family::Ipv4
     }
 }
 
@@ -120,7 +120,7 @@ fn parser_acceptance_equals_iptables_restore_on_every_dump() {
 /// `-I CHAIN [N]` inserts as iptables-restore does: at the head, or before rule N.
 #[test]
 fn insert_lines_take_their_place() {
-    let f = parse_save_family(&read("insert-lines.v4.rules"), Family::V4).unwrap();
+    let f = parse_save_family(&read("insert-lines.v4.rules"), Family::Ipv4).unwrap();
     let input: Vec<String> = f
         .table("filter")
         .unwrap()
@@ -371,7 +371,7 @@ fn random_packets_are_decided_on_real_world_rulesets() {
     let mut per_file = Vec::new();
     for e in expectations().iter().filter(|e| e.accept) {
         let fam = family_of(&e.file);
-        let v6 = fam == Family::V6;
+        let v6 = fam == Family::Ipv6;
         let file = parse_save_family(&read(&e.file), fam).unwrap();
         let sim = if v6 {
             Simulator::new(&empty, &file, &ipsets, &routes)

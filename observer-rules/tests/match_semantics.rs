@@ -17,8 +17,8 @@ fn run(family: Family, rules: &str, packet: &str) -> Branch {
     let routes = Routes::parse_json(&[ROUTES4, ROUTES6]).unwrap();
     let (ipsets, empty) = (Ipsets::default(), SaveFile::default());
     let sim = match family {
-        Family::V4 => Simulator::new(&file, &empty, &ipsets, &routes),
-        Family::V6 => Simulator::new(&empty, &file, &ipsets, &routes),
+        Family::Ipv4 => Simulator::new(&file, &empty, &ipsets, &routes),
+        Family::Ipv6 => Simulator::new(&empty, &file, &ipsets, &routes),
     };
     let spec = parse_packet_spec(packet).unwrap();
     let mut branches = sim.simulate(&spec);
@@ -70,7 +70,7 @@ const TO_NODE: &str = "203.0.113.77";
 #[test]
 fn protocol_names_from_etc_protocols() {
     let rules = input("-A INPUT -p igmp -j ACCEPT\n-A INPUT -p vrrp -j ACCEPT");
-    let v = |p: &str| run(Family::V4, &rules, p).verdict();
+    let v = |p: &str| run(Family::Ipv4, &rules, p).verdict();
     assert_eq!(
         v(&format!("tcp {TO_NODE}:4000 -> 203.0.113.5:22 in eth0")),
         Verdict::Drop
@@ -94,7 +94,7 @@ fn service_names_are_ports() {
     let rules = input(
         "-A INPUT -p tcp --dport http -j ACCEPT\n-A INPUT -p udp -m multiport --dports domain,ntp -j ACCEPT",
     );
-    let v = |p: &str| run(Family::V4, &rules, p).verdict();
+    let v = |p: &str| run(Family::Ipv4, &rules, p).verdict();
     assert_eq!(
         v(&format!("tcp {TO_NODE}:4000 -> 203.0.113.5:80 in eth0")),
         Verdict::Accept
@@ -115,7 +115,7 @@ fn conntrack_tuple_options_for_a_new_connection() {
         "-A INPUT -m conntrack --ctstate NEW --ctproto 6 --ctorigdstport 80 -j ACCEPT\n\
          -A INPUT -m conntrack --ctorigsrc 198.51.100.0/24 --ctreplsrcport 443 -j ACCEPT",
     );
-    let v = |p: &str| run(Family::V4, &rules, p);
+    let v = |p: &str| run(Family::Ipv4, &rules, p);
     assert_eq!(
         v(&format!("tcp {TO_NODE}:4000 -> 203.0.113.5:80 in eth0")).verdict(),
         Verdict::Accept
@@ -153,7 +153,7 @@ fn conntrack_without_an_entry() {
                  -A PREROUTING -m conntrack --ctproto 6 -j DROP\n\
                  -A PREROUTING -m conntrack --ctstate INVALID --ctproto 17 -j DROP\nCOMMIT\n";
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         rules,
         &format!("tcp {TO_NODE}:4000 -> 203.0.113.5:80 in eth0"),
     );
@@ -169,7 +169,7 @@ fn conntrack_original_tuple_survives_dnat() {
                  *filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n\
                  -A FORWARD -m conntrack --ctstate NEW --ctorigdstport 8080 --ctorigdst 203.0.113.5 --ctrepldstport 4000 -j ACCEPT\nCOMMIT\n";
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         rules,
         &format!("tcp {TO_NODE}:4000 -> 203.0.113.5:8080 in eth0"),
     );
@@ -190,7 +190,7 @@ fn recent_is_answered_under_a_stated_assumption() {
          -A GUARD -m recent --rcheck --seconds 60 --name SSH --rsource -j ACCEPT",
     );
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         &rules,
         &format!("tcp {TO_NODE}:4000 -> 203.0.113.5:22 in eth0"),
     );
@@ -216,7 +216,7 @@ fn recent_is_answered_under_a_stated_assumption() {
     // `! --rcheck` inverts the assumed answer.
     let rules = input("-A INPUT -m recent ! --rcheck --name x -j ACCEPT");
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         &rules,
         &format!("udp {TO_NODE}:4000 -> 203.0.113.5:53 in eth0"),
     );
@@ -231,7 +231,7 @@ fn hashlimit_is_answered_under_its_rate() {
          -A INPUT -p tcp -m hashlimit --hashlimit-upto 1/sec --hashlimit-burst 5 --hashlimit-mode srcip --hashlimit-name ssh -j ACCEPT",
     );
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         &rules,
         &format!("tcp {TO_NODE}:4000 -> 203.0.113.5:22 in eth0"),
     );
@@ -249,7 +249,7 @@ fn mac_and_pkttype() {
                  -A PREROUTING -m pkttype --pkt-type multicast -j DROP\n\
                  -A PREROUTING -m mac --mac-source 14:56:e2:b5:a5:eb -j DROP\nCOMMIT\n";
     let first = |p: &str| {
-        let b = run(Family::V4, rules, p);
+        let b = run(Family::Ipv4, rules, p);
         (b.stages[0].rules.first().map(|r| r.index()), b)
     };
     assert_eq!(
@@ -280,7 +280,7 @@ fn mac_and_pkttype() {
     // `! --mac-source` matches under the same assumption.
     let neg = rules.replace("-m mac --mac", "-m mac ! --mac");
     let b = run(
-        Family::V4,
+        Family::Ipv4,
         &neg,
         &format!("udp {TO_NODE}:68 -> 203.0.113.5:67 in eth0"),
     );
@@ -294,7 +294,7 @@ fn ipv6_extension_header_matches_on_a_plain_packet() {
                  -A INPUT -m rt --rt-type 0 -j DROP\n-A INPUT -m rt ! --rt-type 0 -j DROP\n\
                  -A INPUT -m frag --fragid 5 -j DROP\nCOMMIT\n";
     let b = run(
-        Family::V6,
+        Family::Ipv6,
         rules,
         "tcp [2001:db8:1::77]:4000 -> [2001:db8:1::5]:22 in eth0",
     );

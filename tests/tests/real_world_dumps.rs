@@ -75,9 +75,13 @@ fn iptables_restore_agrees_with_the_recorded_verdicts_and_the_parser() {
             continue;
         };
         let (family, nft, legacy) = if file.ends_with(".v6.rules") {
-            (Family::V6, "ip6tables-restore", "ip6tables-legacy-restore")
+            (
+                Family::Ipv6,
+                "ip6tables-restore",
+                "ip6tables-legacy-restore",
+            )
         } else {
-            (Family::V4, "iptables-restore", "iptables-legacy-restore")
+            (Family::Ipv4, "iptables-restore", "iptables-legacy-restore")
         };
         let text = read(file);
         let by_nft = run_in(&ns, &[nft, "-w", "--test"], &text);

@@ -15,12 +15,9 @@ pub use values::{inet_aton_ok, ipv4_numeric, strtoul0};
 
 use crate::iptables::{Basic, Item, Opt, Rule};
 
-/// The address family of a dump; `None` where a caller does not say (both are accepted).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    V4,
-    V6,
-}
+/// The address family of a dump is the model's [`Family`]; `None` where a caller does not
+/// say (both are accepted).
+pub use observer_model::Family;
 
 /// A problem with one token: its column and the message.
 pub(crate) type Problem = (usize, String);
@@ -109,8 +106,8 @@ pub const MAX_CHAIN_LEN: usize = 28;
 
 fn fam_has(f: Option<Family>, common: &[&str], v4: &[&str], v6: &[&str], name: &str) -> bool {
     common.contains(&name)
-        || (f != Some(Family::V6) && v4.contains(&name))
-        || (f != Some(Family::V4) && v6.contains(&name))
+        || (f != Some(Family::Ipv6) && v4.contains(&name))
+        || (f != Some(Family::Ipv4) && v6.contains(&name))
 }
 
 pub fn is_match(f: Option<Family>, name: &str) -> bool {
@@ -590,8 +587,8 @@ fn check_args(
         }
         Arg::Reject => {
             let names: Vec<&str> = match fam {
-                Some(Family::V4) => REJECT4.to_vec(),
-                Some(Family::V6) => REJECT6.to_vec(),
+                Some(Family::Ipv4) => REJECT4.to_vec(),
+                Some(Family::Ipv6) => REJECT6.to_vec(),
                 None => REJECT4.iter().chain(REJECT6).copied().collect(),
             };
             if prefix_of(&names, a) {

@@ -4,8 +4,8 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use super::Family;
 use super::names::*;
+use observer_model::Family;
 
 /// `strtoul(s, &end, 0)` with nothing left over and the result at most `max`, as
 /// `xtables_strtoui` reads numbers: `0x` hex, a leading `0` octal, else decimal.
@@ -68,14 +68,14 @@ pub(super) fn check_host_net(f: Option<Family>, s: &str) -> Result<(), String> {
         };
         // What iptables' own reader refuses goes to getaddrinfo, which takes inet_aton's
         // forms (`0x4000` is 0.0.64.0).
-        let v4 = f != Some(Family::V6) && (ipv4_numeric(a, false).is_some() || inet_aton_ok(a));
-        let v6 = f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok();
+        let v4 = f != Some(Family::Ipv6) && (ipv4_numeric(a, false).is_some() || inet_aton_ok(a));
+        let v6 = f != Some(Family::Ipv4) && a.parse::<Ipv6Addr>().is_ok();
         if !v4 && !v6 {
             return Err(format!(
                 "host/network `{a}` is not an {} address (iptables-save prints addresses, not names)",
                 match f {
-                    Some(Family::V4) => "IPv4",
-                    Some(Family::V6) => "IPv6",
+                    Some(Family::Ipv4) => "IPv4",
+                    Some(Family::Ipv6) => "IPv6",
                     None => "IP",
                 }
             ));
@@ -253,8 +253,8 @@ pub(super) fn check_tcp_flags(s: &str) -> Result<(), String> {
 
 pub(super) fn check_iprange(f: Option<Family>, s: &str) -> Result<(), String> {
     let one = |a: &str| {
-        (f != Some(Family::V6) && ipv4_numeric(a, false).is_some())
-            || (f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok())
+        (f != Some(Family::Ipv6) && ipv4_numeric(a, false).is_some())
+            || (f != Some(Family::Ipv4) && a.parse::<Ipv6Addr>().is_ok())
     };
     let (a, b) = match s.split_once('-') {
         Some((a, b)) => (a, Some(b)),
@@ -269,8 +269,8 @@ pub(super) fn check_iprange(f: Option<Family>, s: &str) -> Result<(), String> {
 /// DNAT/SNAT `--to`: `[addr[-addr]][:port[-port]]`, IPv6 in brackets when a port follows.
 pub(super) fn check_nat_to(f: Option<Family>, s: &str, port_proto: bool) -> Result<(), String> {
     let bad = || format!("bad NAT address `{s}`");
-    let v4 = |a: &str| f != Some(Family::V6) && a.parse::<Ipv4Addr>().is_ok();
-    let v6 = |a: &str| f != Some(Family::V4) && a.parse::<Ipv6Addr>().is_ok();
+    let v4 = |a: &str| f != Some(Family::Ipv6) && a.parse::<Ipv4Addr>().is_ok();
+    let v6 = |a: &str| f != Some(Family::Ipv4) && a.parse::<Ipv6Addr>().is_ok();
     let (addrs, ports) = if let Some(rest) = s.strip_prefix('[') {
         let (a, tail) = rest.split_once(']').ok_or_else(bad)?;
         let a = a.split_once("]-[").map_or(a, |(x, _)| x);
@@ -449,11 +449,11 @@ mod tests {
         );
         assert_eq!(ipv4_numeric("10.0.", false), None);
         assert_eq!(ipv4_numeric("300.1.1.1", false), None);
-        assert!(check_host_net(Some(Family::V4), "10.0.0.0/33").is_err());
-        assert!(check_host_net(Some(Family::V4), "10.0.0.0/255.0.255.0").is_ok());
-        assert!(check_host_net(Some(Family::V4), "10.0.0.0/").is_err());
-        assert!(check_host_net(Some(Family::V6), "fd00::/129").is_err());
-        assert!(check_host_net(Some(Family::V6), "1.2.3.4").is_err());
+        assert!(check_host_net(Some(Family::Ipv4), "10.0.0.0/33").is_err());
+        assert!(check_host_net(Some(Family::Ipv4), "10.0.0.0/255.0.255.0").is_ok());
+        assert!(check_host_net(Some(Family::Ipv4), "10.0.0.0/").is_err());
+        assert!(check_host_net(Some(Family::Ipv6), "fd00::/129").is_err());
+        assert!(check_host_net(Some(Family::Ipv6), "1.2.3.4").is_err());
         assert!(check_host_net(None, "fd00::/64").is_ok());
         assert!(check_port_range("300:3").is_err());
         assert!(check_port_range("99999").is_err());
@@ -465,8 +465,8 @@ mod tests {
         assert!(check_list("RELATED,", CT_STATES, "ctstate").is_err());
         assert!(check_rate("5/m").is_ok());
         assert!(check_rate("5/").is_err());
-        assert!(check_nat_to(Some(Family::V4), "172.17", true).is_err());
-        assert!(check_nat_to(Some(Family::V4), "172.17.0.5:22", false).is_err());
-        assert!(check_nat_to(Some(Family::V6), "[fd00::5]:80", true).is_ok());
+        assert!(check_nat_to(Some(Family::Ipv4), "172.17", true).is_err());
+        assert!(check_nat_to(Some(Family::Ipv4), "172.17.0.5:22", false).is_err());
+        assert!(check_nat_to(Some(Family::Ipv6), "[fd00::5]:80", true).is_ok());
     }
 }
