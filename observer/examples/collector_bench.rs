@@ -152,7 +152,10 @@ fn main() {
                     let r = report::build(&t, ctx, 0);
                     let mut b = Vec::new();
                     let _ = r.write_json(&mut b).and_then(|()| b.write_all(b"\n"));
-                    (b.into(), observer::pipeline::render_cache::Outcome::of(&r))
+                    (
+                        b.into(),
+                        observer::pipeline::render_cache::SummaryFlags::of(&r),
+                    )
                 });
                 // Handed on as the tail's writer takes it: shared, not copied.
                 out.put(r.value.clone());

@@ -167,7 +167,7 @@ pub fn reassembled(t: &Traversal) -> bool {
 }
 
 /// Where a packet ended, as the report names it.
-pub struct EndPoint {
+pub struct EndedAt {
     /// Hook of the last point seen (netfilter only).
     pub hook: Option<NfHook>,
     /// The table between whose probes it ended, if any.
@@ -197,7 +197,7 @@ fn passed(kind: FateKind, hook: NfHook, after: Option<String>) -> Fate {
 }
 
 /// How the traversal ended. Takes the end point's text rather than copying it.
-pub fn fate(t: &Traversal, at: EndPoint, route: Option<Route>, names: &Names) -> Fate {
+pub fn fate(t: &Traversal, at: EndedAt, route: Option<Route>, names: &Names) -> Fate {
     let location = t
         .drop
         .filter(|d| d.location != 0)

@@ -31,7 +31,7 @@ use crate::kernel::plan::HookPlan;
 use crate::pipeline::annotate::Names;
 use crate::pipeline::correlate::{Plans, Traversal, assemble, index_plans};
 use crate::pipeline::decode::{DecodeError, decode};
-use crate::pipeline::render_cache::{Outcome as Counts, RenderCache};
+use crate::pipeline::render_cache::{RenderCache, SummaryFlags};
 use crate::pipeline::rulenames::RuleNamer;
 use observer_common::traversal::{TraversalRecord, missing};
 use observer_model::marks::MarkDictionary;
@@ -595,12 +595,12 @@ impl Pipeline {
             let r = self.cache.get_or_render(rec, || {
                 match model(rec, plans, &self.ctx, &self.snapshots, &names, 0) {
                     Ok(t) => {
-                        let counts = Counts::of(&t);
+                        let counts = SummaryFlags::of(&t);
                         (Some(Report::new(t)), counts)
                     }
                     Err(e) => {
                         failed = Some(e);
-                        (None, Counts::default())
+                        (None, SummaryFlags::default())
                     }
                 }
             });
@@ -611,7 +611,7 @@ impl Pipeline {
             }
         } else {
             model(rec, plans, &self.ctx, &self.snapshots, &names, lost).map(|t| {
-                let counts = Counts::of(&t);
+                let counts = SummaryFlags::of(&t);
                 (Report::new(t), counts)
             })
         };

@@ -56,12 +56,12 @@ pub struct Rendered<V = bytes::Bytes> {
     key: Vec<u8>,
     /// Handed on without a copy (a reference count): the writer copies bytes once.
     pub value: V,
-    pub outcome: Outcome,
+    pub outcome: SummaryFlags,
 }
 
 /// What the summary counts of a rendered report.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Outcome {
+pub struct SummaryFlags {
     /// Flagged incomplete.
     pub incomplete: bool,
     /// Some stage's rules disagree with what the kernel did.
@@ -70,7 +70,7 @@ pub struct Outcome {
     pub rules_undecidable: bool,
 }
 
-impl Outcome {
+impl SummaryFlags {
     pub fn of(t: &observer_model::Traversal) -> Self {
         let checked = |r| {
             t.stages
@@ -177,7 +177,7 @@ impl<V: Weight> RenderCache<V> {
     pub fn get_or_render(
         &mut self,
         rec: &TraversalRecord,
-        render: impl FnOnce() -> (V, Outcome),
+        render: impl FnOnce() -> (V, SummaryFlags),
     ) -> &Rendered<V> {
         // Hashed and compared in place: a hit copies and allocates nothing.
         let parts = key_parts(rec);
@@ -243,7 +243,7 @@ mod tests {
         let calls = std::cell::Cell::new(0);
         let render = |m: u32| {
             calls.set(calls.get() + 1);
-            (format!("mark {m}\n").into(), Outcome::default())
+            (format!("mark {m}\n").into(), SummaryFlags::default())
         };
         assert_eq!(
             c.get_or_render(&rec(1, 5), || render(5)).value,
@@ -271,7 +271,7 @@ mod tests {
         let mut render = |r: &TraversalRecord| {
             c.get_or_render(r, || {
                 calls.set(calls.get() + 1);
-                (bytes::Bytes::from_static(b"x\n"), Outcome::default())
+                (bytes::Bytes::from_static(b"x\n"), SummaryFlags::default())
             });
         };
         let base = rec(1, 5);
@@ -297,7 +297,7 @@ mod tests {
         let mut c = RenderCache::<bytes::Bytes>::default();
         for i in 0..40 {
             c.get_or_render(&rec(i + 1, i as u32), || {
-                (vec![b'x'; 1 << 20].into(), Outcome::default())
+                (vec![b'x'; 1 << 20].into(), SummaryFlags::default())
             });
             assert!(c.held <= BYTES, "{} bytes held", c.held);
         }

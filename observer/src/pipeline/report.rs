@@ -9,7 +9,7 @@ use observer_model::{
     FateKind, Iface, Protocol, SCHEMA, Source, Stage, Traversal as Report, Verdict,
 };
 
-use crate::pipeline::annotate::{self, EndPoint, Names, ObservedStage};
+use crate::pipeline::annotate::{self, EndedAt, Names, ObservedStage};
 use crate::pipeline::correlate::{Closed, Plans, Traversal, missing_text};
 use crate::pipeline::decode::Point;
 use observer_common::NF_SLOTS;
@@ -394,19 +394,19 @@ fn point_name(hook: NfHook, at: usize, plan: Option<&crate::kernel::plan::HookPl
 }
 
 /// The last point the packet passed, the next one on its path, and the table between them.
-fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint {
-    let none = EndPoint {
+fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndedAt {
+    let none = EndedAt {
         hook: None,
         table: None,
         after: None,
         before: None,
     };
     match t.records.last().map(|r| r.point) {
-        Some(Point::TcIngress) => EndPoint {
+        Some(Point::TcIngress) => EndedAt {
             after: Some("TC ingress".into()),
             ..none
         },
-        Some(Point::TcEgress) => EndPoint {
+        Some(Point::TcEgress) => EndedAt {
             after: Some("TC egress".into()),
             ..none
         },
@@ -419,7 +419,7 @@ fn end_point(t: &Traversal, family: Option<NfFamily>, plans: &Plans) -> EndPoint
                     p.tables.iter().find(|t| t.priority > lo && t.priority < hi),
                 ))
             });
-            EndPoint {
+            EndedAt {
                 hook: Some(hook),
                 table: next.and_then(|(_, t)| t.map(|t| t.name.clone())),
                 after: Some(point_name(hook, at, plan)),
@@ -1011,7 +1011,7 @@ mod tests {
             "{tree}"
         );
         // The exit summary counts it too.
-        let outcome = crate::pipeline::render_cache::Outcome::of(&r);
+        let outcome = crate::pipeline::render_cache::SummaryFlags::of(&r);
         assert!(outcome.rules_disagree && !outcome.rules_undecidable && !outcome.incomplete);
         assert!(
             tree.contains("KUBE-SEP-JJDDRQDQBMLIVXO7#2 -p tcp"),
