@@ -341,6 +341,29 @@ fn start_agent(bin: &Path, node: &str, socket: &Path, log: &Path) -> Result<Chil
     Ok(child)
 }
 
+/// After the last session: its 3 s, the agent's 5-s linger before it detaches, margin.
+const QUIET: Duration = Duration::from_secs(12);
+
+fn sleep_unless_stopped(d: Duration) {
+    let until = Instant::now() + d;
+    while Instant::now() < until && !STOP.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A 3-second `tail --agent` session (the agent attaches its per-table probes for it).
+fn tail_session(bin: &Path, socket: &Path) -> Result<Child> {
+    Ok(own_group(
+        Command::new(bin)
+            .args(["tail", "--agent"])
+            .arg(socket)
+            .args(["--output", "line", "--timeout", "3"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .spawn()?)
+}
+
 /// The agent serving `socket` (a child of ours, or of the wrapper's).
 fn agent_pid(socket: &Path) -> Option<u32> {
     let socket = socket.to_string_lossy();
@@ -403,10 +426,20 @@ pub fn soak(bin: &Path, minutes: u32) -> Result<()> {
     std::thread::sleep(Duration::from_millis(500));
     run.iperf_client = Some(iperf_client(total.as_secs() + 5)?);
     std::thread::sleep(Duration::from_secs(3));
+    let cold = sample(pid, Duration::ZERO).context("reading the agent's /proc")?;
+    // One session first: what the first stream loads and keeps loaded (the slot programs,
+    // by design) is warm-up, not growth; the start is taken once it has gone quiet again.
+    let mut first = tail_session(bin, &socket)?;
+    sleep_unless_stopped(Duration::from_secs(5));
+    kill(&mut first, "-INT", Duration::from_secs(5));
+    sleep_unless_stopped(QUIET);
     let t0 = Instant::now();
     let start = sample(pid, Duration::ZERO).context("reading the agent's /proc")?;
     println!(
-        "soak: {minutes} min; at start (quiet, traffic on): RSS {} MiB, fds {} ({})",
+        "soak: {minutes} min; cold (quiet, traffic on): RSS {} MiB, fds {}; after one session \
+         (quiet): RSS {} MiB, fds {} ({})",
+        mib(cold.rss_kib),
+        cold.fd_total(),
         mib(start.rss_kib),
         start.fd_total(),
         kinds(&start.fds)
@@ -425,16 +458,7 @@ pub fn soak(bin: &Path, minutes: u32) -> Result<()> {
     while t0.elapsed() < total && !STOP.load(Ordering::SeqCst) {
         let s = second;
         if s % 8 == 0 {
-            let c = own_group(
-                Command::new(bin)
-                    .args(["tail", "--agent"])
-                    .arg(&socket)
-                    .args(["--output", "line", "--timeout", "3"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null()),
-            )
-            .spawn()?;
-            run.sessions.push(c);
+            run.sessions.push(tail_session(bin, &socket)?);
         }
         match s % 10 {
             0 => run.veth(true)?,
@@ -516,7 +540,7 @@ pub fn soak(bin: &Path, minutes: u32) -> Result<()> {
     if run.rule {
         run.rule(false)?;
     }
-    std::thread::sleep(Duration::from_secs(12));
+    sleep_unless_stopped(QUIET);
     let end = sample(pid, t0.elapsed()).context("reading the agent's /proc")?;
     let hwm = status_kib(pid, "VmHWM").unwrap_or(0);
     samples.push(end.clone());
