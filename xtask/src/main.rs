@@ -7,7 +7,8 @@
 //! - `demo`: the main job on the built-in lab: build, lab up, trace a few flows, lab down.
 //! - `test`: fmt, clippy, and every test (unit and privileged integration tests).
 //! - `image`: the agent's container image (Containerfile), built with buildah.
-//! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench.
+//! - `bench`: iperf3 through the lab node with and without the observer, and the rules bench;
+//!   `bench --soak`: the agent's memory and descriptors over a long run of churn (`soak.rs`).
 //! - `golden`: record the lab's demo flows again for the golden replay tests, or (with
 //!   `--outputs-only`) rewrite their expected outputs from the checked-in recordings.
 //! - `fuzz`: every fuzz target in `fuzz/` for a bounded time each (nightly, cargo-fuzz);
@@ -23,6 +24,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod matrix;
+mod soak;
 mod vm;
 
 /// Nightly installed when the machine has none: its LLVM major must match bpf-linker's.
@@ -183,6 +185,14 @@ enum Task {
         /// a binary built before a change).
         #[arg(long)]
         no_build: bool,
+        /// Only the soak (issue 33): the agent in its default mode for `--minutes` under
+        /// UDP, `tail --agent` sessions, veth and FORWARD-rule churn, its RSS and open
+        /// descriptors sampled; the troughs' slope, the peak and the descriptors judged.
+        #[arg(long, conflicts_with_all = ["rules_read_only", "agent"])]
+        soak: bool,
+        /// The soak's length.
+        #[arg(long, default_value_t = 30, requires = "soak")]
+        minutes: u32,
     },
     /// Boot Debian's 6.1 or 6.12 kernel (or both side by side) under QEMU (software
     /// emulation) and run a command in it as root, in this directory, on a copy-on-write view
@@ -266,7 +276,14 @@ fn main() -> Result<()> {
             rules_read_only,
             agent,
             no_build,
+            soak,
+            minutes,
         } => {
+            if soak {
+                return in_lab("bench", "obsoak", "iptables", !no_build, |bin| {
+                    soak::soak(bin, minutes)
+                });
+            }
             if !rules_read_only {
                 bench(seconds, runs, rounds, agent, no_build)?;
             }

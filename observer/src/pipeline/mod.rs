@@ -321,6 +321,10 @@ pub struct Context {
     pub namer: Option<RuleNamer>,
 }
 
+/// Probe plan generations a pipeline keeps (a record of an older one is read through the
+/// current plan).
+pub const PLAN_GENERATIONS_KEPT: u8 = 16;
+
 pub struct Pipeline {
     pub ctx: Context,
     /// Probe plans by generation: records made under an earlier one expand through it.
@@ -439,6 +443,11 @@ impl Pipeline {
         self.generation = generation;
         self.clear_caches();
         self.plans.insert(generation, index_plans(plans));
+        // Only the last few generations can still have records on their way (a record
+        // waits seconds at most); older ones would be kept until the generation wraps, 256
+        // of them (issue 33: the agent's default mode moves it at every stream).
+        self.plans
+            .retain(|g, _| generation.wrapping_sub(*g) < PLAN_GENERATIONS_KEPT);
     }
 
     /// The ruleset changed at `from` and the probes were re-planned at `to` (ns).
@@ -997,6 +1006,32 @@ mod tests {
         .unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         (printed, replayed, summary)
+    }
+
+    /// The plans of the last [`PLAN_GENERATIONS_KEPT`] generations are kept, through the
+    /// wrap of the generation's byte, and no more.
+    #[test]
+    fn only_the_last_plan_generations_are_kept() {
+        let mut p = Pipeline::new(context(Output::Line), Box::new(Host));
+        for i in 0..600u32 {
+            p.add_plans((i % 256) as u8, &[]);
+            assert!(p.plans.len() <= usize::from(PLAN_GENERATIONS_KEPT));
+        }
+        // 599 % 256 = 87: 72..=87 are kept.
+        let mut kept: Vec<u8> = p.plans.keys().copied().collect();
+        kept.sort_unstable();
+        assert_eq!(kept, (72..=87).collect::<Vec<u8>>());
+        // Across the byte's wrap: 250..=255 and 0..=9 are the last 16 before 10.
+        for g in 240..=255u8 {
+            p.add_plans(g, &[]);
+        }
+        for g in 0..=9u8 {
+            p.add_plans(g, &[]);
+        }
+        let mut kept: Vec<u8> = p.plans.keys().copied().collect();
+        kept.sort_unstable();
+        let want: Vec<u8> = (0..=9).chain(250..=255).collect();
+        assert_eq!(kept, want);
     }
 
     #[test]

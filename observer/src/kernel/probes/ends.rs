@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use aya::programs::tp_btf::BtfTracePointLinkId;
 use aya::programs::{BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType};
 use aya::{Btf, Ebpf};
 
@@ -31,19 +32,59 @@ impl Probes {
     }
 }
 
-/// Loads (when not loaded) and attaches one of the end tracepoints.
-pub(super) fn attach_tracepoint(ebpf: &mut Ebpf, btf: &Btf, prog: &str, tp: &str) -> Result<()> {
+/// Loads one of the end tracepoints' programs, when not loaded yet. `btf` is the kernel's,
+/// read on first need only: the read and parse of vmlinux's BTF cost several MiB for a
+/// moment (issue 33: they made the agent's peaks at each start of tracing).
+pub(super) fn load_tracepoint(
+    ebpf: &mut Ebpf,
+    btf: &mut Option<Btf>,
+    prog: &str,
+    tp: &str,
+) -> Result<()> {
     let p: &mut BtfTracePoint = ebpf
         .program_mut(prog)
         .with_context(|| format!("probe object has no program {prog}"))?
         .try_into()?;
     if p.fd().is_err() {
+        let btf = match btf {
+            Some(b) => b,
+            None => btf.insert(
+                Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?,
+            ),
+        };
         p.load(tp, btf)
             .with_context(|| format!("loading the {tp} tracepoint program"))?;
     }
-    p.attach()
-        .with_context(|| format!("attaching to the {tp} tracepoint"))?;
     Ok(())
+}
+
+/// Loads (when not loaded) and attaches one of the end tracepoints; the link is the
+/// program's until [`detach_tracepoint`] (or the program's unload at exit).
+pub(super) fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    btf: &mut Option<Btf>,
+    prog: &str,
+    tp: &str,
+) -> Result<BtfTracePointLinkId> {
+    load_tracepoint(ebpf, btf, prog, tp)?;
+    let p: &mut BtfTracePoint = ebpf
+        .program_mut(prog)
+        .with_context(|| format!("probe object has no program {prog}"))?
+        .try_into()?;
+    p.attach()
+        .with_context(|| format!("attaching to the {tp} tracepoint"))
+}
+
+/// Detaches one end tracepoint's link and keeps its program loaded, so that attaching it
+/// again needs no BTF.
+pub(super) fn detach_tracepoint(ebpf: &mut Ebpf, prog: &str, link: BtfTracePointLinkId) {
+    let detached = ebpf
+        .program_mut(prog)
+        .and_then(|p| <&mut BtfTracePoint>::try_from(p).ok())
+        .map(|p| p.detach(link));
+    if let Some(Err(e)) = detached {
+        log::warn!("detaching probe {prog}: {e}");
+    }
 }
 
 /// cgroup/skb ingress at the root of the cgroup v2 hierarchy: where a socket takes a packet

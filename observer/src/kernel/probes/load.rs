@@ -7,12 +7,14 @@ use std::os::fd::{AsFd, AsRawFd, RawFd};
 use anyhow::{Context, Result, bail};
 use aya::maps::{Array, Map, MapData};
 use aya::programs::SchedClassifier;
-use aya::{Btf, Ebpf, EbpfLoader};
+use aya::{Ebpf, EbpfLoader};
 use log::info;
 use observer_common::config;
 use observer_common::filter::{FilterNets, FilterProgram};
 
-use super::ends::{END_TRACEPOINTS, attach_socket_probe, attach_tracepoint};
+use super::ends::{
+    END_TRACEPOINTS, attach_socket_probe, attach_tracepoint, detach_tracepoint, load_tracepoint,
+};
 use super::tc::{TC_BRIDGE_PROGRAMS, TC_PROGRAMS};
 use super::*;
 
@@ -275,14 +277,22 @@ impl Probes {
             }
             Err(e) => return Err(e),
         };
-        let btf =
-            Btf::from_sys_fs().context("reading kernel BTF for the end-of-traversal probes")?;
+        let mut btf = None;
+        let mut consume_link = None;
         for (prog, tp) in END_TRACEPOINTS {
-            // Counting needs the drops only.
+            // Counting needs the drops only; the other is loaded now all the same (while
+            // the BTF is at hand), so that tracing, when it starts, reads no BTF.
             if tracing || tp == "kfree_skb" {
-                attach_tracepoint(&mut ebpf, &btf, prog, tp)?;
+                let link = attach_tracepoint(&mut ebpf, &mut btf, prog, tp)?;
+                if tp != "kfree_skb" {
+                    consume_link = Some(link);
+                }
+            } else if let Err(e) = load_tracepoint(&mut ebpf, &mut btf, prog, tp) {
+                // Tried again when tracing starts, which says what went wrong.
+                log::debug!("{e:#}");
             }
         }
+        drop(btf);
         if tracing {
             attach_socket_probe(&mut ebpf)?;
         }
@@ -321,6 +331,7 @@ impl Probes {
             collected: 0,
             tracing,
             tc_refused,
+            consume_link,
         })
     }
 
@@ -350,9 +361,9 @@ impl Probes {
         }
         self.clear_in_flight()?;
         self.set_filter(filter)?;
-        let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
         let (prog, tp) = END_TRACEPOINTS[1];
-        attach_tracepoint(&mut self.ebpf, &btf, prog, tp)?;
+        // Loaded at start: no BTF read here (unless that load failed).
+        self.consume_link = Some(attach_tracepoint(&mut self.ebpf, &mut None, prog, tp)?);
         attach_socket_probe(&mut self.ebpf)?;
         self.tracing = true;
         let changes = self.sync_interfaces()?;
@@ -399,7 +410,9 @@ impl Probes {
         self.tracing = false;
         let taken = self.take_tc_links();
         std::thread::spawn(move || drop(taken));
-        self.unload_program(END_TRACEPOINTS[1].0);
+        if let Some(link) = self.consume_link.take() {
+            detach_tracepoint(&mut self.ebpf, END_TRACEPOINTS[1].0, link);
+        }
         self.unload_program("observer_sock_ingress");
         info!("counting only: traversals are no longer recorded");
         Ok(())

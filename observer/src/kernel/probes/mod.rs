@@ -57,6 +57,8 @@ pub struct Probes {
     tracing: bool,
     /// Why the kernel refused the TC programs (loaded for counting only): no tracing then.
     tc_refused: Option<String>,
+    /// The consume_skb tracepoint's link while tracing (its program stays loaded).
+    consume_link: Option<aya::programs::tp_btf::BtfTracePointLinkId>,
 }
 
 #[cfg(test)]
