@@ -511,6 +511,28 @@ mod tests {
         );
     }
 
+    /// Where the node has virtual services, FORWARD's plan brackets IPVS's reply hook at 100:
+    /// its exit is ip_vs_out_hook's fexit (an nftables chain there would map too); without
+    /// it, no IPVS key.
+    #[test]
+    fn ipvs_reply_hook_is_keyed_at_forward_100() {
+        let plan = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[0, IPVS_FORWARD]));
+        let at = plan
+            .tables
+            .iter()
+            .position(|t| t.priority == IPVS_FORWARD)
+            .expect("bracketed");
+        let keys = keys_of(&plan);
+        let k = |f, side, prio| trampoline::key(2, 2, f, side, prio);
+        let program = |key: u64| keys.iter().find(|(k, _, _)| *k == key).map(|(_, _, p)| *p);
+        let (_, after) = plan.bracket(&plan.tables[at]);
+        let after = plan.programs[after.expect("a point after it")] as u32;
+        assert_eq!(program(k(func::IPVS_OUT, EXIT, 0)), Some(after));
+        assert_eq!(program(k(func::NFT, EXIT, IPVS_FORWARD)), Some(after));
+        let plain = HookPlan::new(NfFamily::Ipv4, NfHook::Forward, Some(&[0]));
+        assert!(keys_of(&plain).iter().all(|&(_, f, _)| f != func::IPVS_OUT));
+    }
+
     /// nat is keyed by the hook function nf_nat registers there: at IPv6 LOCAL_IN
     /// `nf_nat_ipv6_fn` (which the other IPv6 hooks' functions call: not keyed there),
     /// elsewhere the hook's own function.
