@@ -657,15 +657,11 @@ fn follow_subscribers(probes: &mut Probes, agent: &mut Agent) {
                     }
                 };
                 agent.add_plans(probes);
-                if let Err(e) = probes.start_tracing(&program) {
-                    warn!("recording traversals: {e:#}");
-                    return;
-                }
-                // The streams name rules from the ruleset as read now (records wait in the
-                // ring meanwhile: this loop decodes them after).
+                // The streams name rules from the ruleset as read now.
                 let file = agent.marks_file.clone();
                 agent.rules_changed(&live, file.as_ref(), true);
-            } else if let Err(e) = probes.start_tracing(&program) {
+            }
+            if let Err(e) = probes.start_tracing(&program) {
                 warn!("recording traversals: {e:#}");
                 return;
             }
