@@ -1223,14 +1223,18 @@ fn a_real_agent_killed_during_all_nodes_ends_its_part_and_the_other_goes_on() {
             sent.iter().all(|p| got.contains(&u64::from(*p)))
         }
     };
+    // Ten packets, 50 ms apart; their source ports.
+    let ten = || -> Vec<u16> {
+        (0..10)
+            .map(|_| {
+                let p = send();
+                std::thread::sleep(Duration::from_millis(50));
+                p
+            })
+            .collect()
+    };
     // Ten packets while both run; both nodes report each.
-    let before: Vec<u16> = (0..10)
-        .map(|_| {
-            let p = send();
-            std::thread::sleep(Duration::from_millis(50));
-            p
-        })
-        .collect();
+    let before = ten();
     wait(
         "node's reports of the first ten",
         &reported_all("lab-node", before.clone()),
@@ -1243,13 +1247,7 @@ fn a_real_agent_killed_during_all_nodes_ends_its_part_and_the_other_goes_on() {
     let mut child = node2.child.take().unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
-    let after: Vec<u16> = (0..10)
-        .map(|_| {
-            let p = send();
-            std::thread::sleep(Duration::from_millis(50));
-            p
-        })
-        .collect();
+    let after = ten();
     wait(
         "node's reports of the ten after the kill",
         &reported_all("lab-node", after.clone()),
