@@ -16,6 +16,9 @@ pub struct Agent {
     pub child: Option<Child>,
     pub socket: PathBuf,
     pub ready: PathBuf,
+    /// The agent's stderr, drained as it comes: a pipe nobody reads fills at 64 KiB and
+    /// stalls the agent's next write (a test would then blame the agent).
+    err: Option<std::thread::JoinHandle<Vec<u8>>>,
 }
 
 impl Agent {
@@ -50,22 +53,24 @@ impl Agent {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn observer agent");
+        let mut child = child;
+        let mut e = child.stderr.take().unwrap();
+        let err = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = e.read_to_end(&mut b);
+            b
+        });
         let mut agent = Self {
             child: Some(child),
             socket,
             ready,
+            err: Some(err),
         };
         let deadline = Instant::now() + Duration::from_secs(60) * crate::time_scale();
         while !agent.ready.exists() {
             if let Some(status) = agent.child.as_mut().unwrap().try_wait().unwrap() {
-                let mut err = String::new();
-                let _ = agent
-                    .child
-                    .take()
-                    .unwrap()
-                    .stderr
-                    .unwrap()
-                    .read_to_string(&mut err);
+                agent.child = None;
+                let err = agent.stderr();
                 panic!("observer agent exited before ready ({status}): {err}");
             }
             assert!(
@@ -89,9 +94,15 @@ impl Agent {
         crate::run(&["kill", &format!("-{signal}"), &child.id().to_string()]);
         let status = child.wait().expect("agent exits");
         let took = t.elapsed();
-        let mut err = String::new();
-        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-        (status, err, took)
+        (status, self.stderr(), took)
+    }
+
+    /// What the agent wrote to stderr, once it has exited.
+    fn stderr(&mut self) -> String {
+        self.err
+            .take()
+            .map(|h| String::from_utf8_lossy(&h.join().unwrap_or_default()).into_owned())
+            .unwrap_or_default()
     }
 }
 
@@ -100,6 +111,10 @@ impl Drop for Agent {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // A failed test shows what the agent said: the cause is often there.
+        if std::thread::panicking() {
+            eprintln!("observer agent's stderr:\n{}", self.stderr());
         }
     }
 }
