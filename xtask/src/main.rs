@@ -952,6 +952,8 @@ fn demo(mode: &str) -> Result<()> {
 fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: u32) -> Result<()> {
     let tc = setup()?;
     let t0 = Instant::now();
+    // Where CI's time goes (its limit is the suite's whole run).
+    let phase = |what: &str| eprintln!("xtask: {what} done at {:.0}s", t0.elapsed().as_secs_f64());
     run(Command::new("cargo").args(["fmt", "--all", "--check"]))
         .context("formatting differs: run `cargo fmt --all`")?;
     run(Command::new("cargo").args([
@@ -974,10 +976,13 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
             "warnings",
         ])
         .env("OBSERVER_EBPF_TOOLCHAIN", &tc))?;
+    phase("fmt and clippy");
     build(&tc, false)?;
+    phase("the build");
     // Built before the tests (cached: the musl build is incremental, buildah reuses the
     // layer when the files did not change), run by the image test.
     image(&tc)?;
+    phase("the image");
     // The IPVS tests need IP_VS, which this project's host kernel lacks: there they run in
     // the kernel matrix's guests only (said here, never a silent pass).
     let mut host_skips: Vec<&str> = Vec::new();
@@ -1008,11 +1013,13 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
         .arg("--")
         .args(&host_skips)
         .args(extra))?;
+    phase("the host's tests");
     if fuzz_seconds > 0 {
         // The suite's short run: a dev build without a sanitizer (Rust's panics, overflow
         // checks and the targets' oracles are what it finds), a few minutes to build instead
         // of ten; `cargo xtask fuzz` builds the full optimised, address-sanitised targets.
         fuzz(fuzz_seconds, &[], true)?;
+        phase("the fuzz run");
     } else {
         eprintln!("xtask: !!! the fuzz run was left out (--fuzz-seconds 0) !!!");
     }

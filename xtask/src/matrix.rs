@@ -19,8 +19,22 @@ pub struct Row {
     pub series: &'static str,
     /// `OBSERVER_KERNEL_CAPTURE` for `kernels.rs`: `links`, `fentry` or `none`.
     pub capture: &'static str,
-    /// (test binary, arguments after the binary's name: filters and `--skip`s).
-    pub tests: &'static [(&'static str, &'static [&'static str])],
+    /// Each runs in a guest of its own (booted for it), two guests at a time.
+    pub tests: &'static [Job],
+}
+
+/// One guest's work: a test binary with its arguments.
+pub struct Job {
+    pub bin: &'static str,
+    /// Arguments after the binary's name: filters and `--skip`s.
+    pub args: &'static [&'static str],
+    /// About how long it took in a guest on this machine kind (boot included), in seconds:
+    /// the longest start first, so that the two guests end close together.
+    pub seconds: u32,
+}
+
+const fn job(bin: &'static str, args: &'static [&'static str], seconds: u32) -> Job {
+    Job { bin, args, seconds }
 }
 
 /// Tests that need what this project's host kernel lacks (IP_VS): `cargo xtask test` leaves
@@ -46,17 +60,18 @@ pub const MATRIX: &[Row] = &[
         series: "6.12",
         capture: "links",
         tests: &[
-            ("kernels", &[]),
+            job("kernels", &[], 330),
             // The IPVS lab: IP_VS exists only in the guests' kernels.
-            ("ipvs", &[]),
+            job("ipvs", &[], 170),
             // Bridged traffic through br_netfilter (the bridge lab; the guest loads the
             // module): whole reports with their ports, and a FORWARD rule's drop.
-            (
+            job(
                 "bridge",
                 &[
                     "bridged_ipv4_flows_are_whole_with_their_ports_and_the_kernels_rules",
                     "a_forward_rule_drops_a_bridged_frame_and_the_report_says_where",
                 ],
+                170,
             ),
         ],
     },
@@ -65,31 +80,69 @@ pub const MATRIX: &[Row] = &[
         // No BPF netfilter links before 6.4: fentry/fexit trampolines, chosen by themselves.
         capture: "fentry",
         tests: &[
-            ("kernels", &[]),
+            // `kernels` in two guests: fentry's many programs make each attach long under
+            // emulation, and the agent's test attaches three times.
+            job(
+                "kernels",
+                &[
+                    "--exact",
+                    "tail_attaches_or_says_which_feature_the_kernel_lacks",
+                    "a_killed_tail_leaves_no_link_program_or_tc_filter",
+                    DIFFERENTIAL_TEST,
+                ],
+                500,
+            ),
+            job(
+                "kernels",
+                &[
+                    "--exact",
+                    "the_agent_gets_ready_counts_drops_and_says_what_it_cannot_do",
+                ],
+                500,
+            ),
             // IPVS through the other backend: the request's stage at INPUT 99, the replies'
             // translation at FORWARD 100 (ip_vs_out_hook's trampolines), no FORWARD for the
             // request, held to ipvsadm, conntrack and explain. The policy-drop test runs in
             // 6.12 (both passed here by hand: 1237 s on a loaded machine).
-            (
+            job(
                 "ipvs",
                 &[
                     "--exact",
                     "a_cluster_ip_request_is_one_report_with_ipvs_at_input_and_no_forward",
                 ],
+                330,
             ),
         ],
     },
 ];
 
-/// What one guest ran: each test binary's result line and status.
+/// What one guest ran: its job's result line and status.
 pub struct GuestResult {
+    /// Index into [`MATRIX`] and into that row's tests.
+    pub row: usize,
+    pub job: usize,
     pub run: Result<GuestRun>,
     /// (binary, status, its `test result:` line).
     pub binaries: Vec<(String, i32, String)>,
 }
 
-/// Builds the test binaries, runs every row in its own guest (two at once, one CPU each),
-/// prints what each ran and writes the table; fails when any test failed in any guest.
+/// Every job of the matrix, (row, job) by index, the longest first.
+fn schedule() -> Vec<(usize, usize)> {
+    let mut jobs: Vec<(usize, usize)> = MATRIX
+        .iter()
+        .enumerate()
+        .flat_map(|(r, row)| (0..row.tests.len()).map(move |j| (r, j)))
+        .collect();
+    jobs.sort_by_key(|&(r, j)| std::cmp::Reverse(MATRIX[r].tests[j].seconds));
+    jobs
+}
+
+/// Guests running at once, one CPU each: this machine kind has two.
+const GUESTS_AT_ONCE: usize = 2;
+
+/// Builds the test binaries, runs every job in a guest of its own (two guests at once, one
+/// CPU each, the longest jobs first), prints what each ran and writes the table; fails when
+/// any test failed in any guest.
 pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
     let t0 = Instant::now();
     let binaries = test_binaries(tc)?;
@@ -99,11 +152,15 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let dir = crate::workspace_root().join("target/vm-matrix");
     std::fs::create_dir_all(&dir)?;
-    let mut scripts = Vec::new();
-    for row in MATRIX {
-        let path = dir.join(format!("{}.sh", row.series));
-        std::fs::write(&path, script(row, &binaries, observer_bin)?)?;
-        scripts.push(path);
+    let jobs = schedule();
+    let mut scripts = HashMap::new();
+    for &(r, j) in &jobs {
+        let path = dir.join(format!("{}-{j}.sh", MATRIX[r].series));
+        std::fs::write(
+            &path,
+            script(&MATRIX[r], &MATRIX[r].tests[j..=j], &binaries, observer_bin)?,
+        )?;
+        scripts.insert((r, j), path);
     }
     // The differential: the host's lines first (the guests' are held to them).
     let differential = crate::workspace_root().join("target/differential");
@@ -137,69 +194,44 @@ pub fn run(tc: &str, observer_bin: &Path) -> Result<()> {
         share: Some(differential.clone()),
     };
     eprintln!(
-        "xtask: kernel matrix: {} in guests, one CPU each (output kept; printed on failure)",
+        "xtask: kernel matrix: {} jobs in guests of {}, {GUESTS_AT_ONCE} at once, one CPU \
+         each (output kept; printed on failure)",
+        jobs.len(),
         kernels
             .iter()
             .map(|k| k.version.as_str())
             .collect::<Vec<_>>()
             .join(" and ")
     );
-    let results: Vec<GuestResult> = std::thread::scope(|scope| {
-        let handles: Vec<_> = kernels
-            .iter()
-            .zip(&scripts)
-            .map(|(k, s)| {
-                let opts = opts.clone();
-                scope.spawn(move || {
-                    let cmd = vec!["sh".to_string(), s.display().to_string()];
-                    let run = vm::run_in_guest(k, &cmd, &opts);
-                    let binaries = run.as_ref().map(|r| parse(&r.output)).unwrap_or_default();
-                    GuestResult { run, binaries }
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("guest thread panicked"))
-            .collect()
-    });
-    let mut failed = Vec::new();
-    for (row, r) in MATRIX.iter().zip(&results) {
-        match &r.run {
-            Ok(run) => {
-                eprintln!(
-                    "xtask: kernel {} ({}), capture {}: exit {} in {:.0}s",
-                    row.series, run.kernel, row.capture, run.status, run.seconds
-                );
-                for (bin, status, line) in &r.binaries {
-                    eprintln!("xtask:   {bin}: {line} (exit {status})");
+    let queue = std::sync::Mutex::new(jobs.into_iter());
+    let results = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..GUESTS_AT_ONCE {
+            scope.spawn(|| {
+                loop {
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some((r, j)) = next else { break };
+                    let cmd = vec!["sh".to_string(), scripts[&(r, j)].display().to_string()];
+                    let run = vm::run_in_guest(&kernels[r], &cmd, &opts);
+                    let binaries = run.as_ref().map(|g| parse(&g.output)).unwrap_or_default();
+                    let result = GuestResult {
+                        row: r,
+                        job: j,
+                        run,
+                        binaries,
+                    };
+                    report(&result);
+                    results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(result);
                 }
-                let missing: Vec<&str> = row
-                    .tests
-                    .iter()
-                    .map(|(b, _)| *b)
-                    .filter(|b| !r.binaries.iter().any(|(x, _, _)| x == b))
-                    .collect();
-                if run.status != 0 || !missing.is_empty() {
-                    eprintln!("{}", run.output);
-                    eprintln!("xtask: the guest's console log: {}", run.log.display());
-                    failed.push(format!(
-                        "{} ({})",
-                        row.series,
-                        if missing.is_empty() {
-                            format!("exit {}", run.status)
-                        } else {
-                            format!("did not finish {}", missing.join(", "))
-                        }
-                    ));
-                }
-            }
-            Err(e) => {
-                eprintln!("xtask: kernel {}: {e:#}", row.series);
-                failed.push(format!("{} (guest failed)", row.series));
-            }
+            });
         }
-    }
+    });
+    let mut results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    results.sort_by_key(|r| (r.row, r.job));
+    let mut failed: Vec<String> = results.iter().filter_map(failure).collect();
     match compare_differential(&differential) {
         Ok(said) => eprintln!("xtask: differential: {said}"),
         Err(e) => {
@@ -304,7 +336,7 @@ fn test_binaries(tc: &str) -> Result<HashMap<String, PathBuf>> {
     .env("OBSERVER_EBPF_TOOLCHAIN", tc);
     let mut names: Vec<&str> = MATRIX
         .iter()
-        .flat_map(|r| r.tests.iter().map(|(b, _)| *b))
+        .flat_map(|r| r.tests.iter().map(|j| j.bin))
         .collect();
     names.sort_unstable();
     names.dedup();
@@ -339,9 +371,14 @@ fn test_binaries(tc: &str) -> Result<HashMap<String, PathBuf>> {
     Ok(found)
 }
 
-/// The guest's script: every test binary of the row, one test at a time, each closed by a
-/// marker line with its exit status; the script's own status is the first failure's.
-fn script(row: &Row, binaries: &HashMap<String, PathBuf>, observer_bin: &Path) -> Result<String> {
+/// A guest's script: `jobs` of `row`, one test at a time, each closed by a marker line with
+/// its exit status; the script's own status is the first failure's.
+fn script(
+    row: &Row,
+    jobs: &[Job],
+    binaries: &HashMap<String, PathBuf>,
+    observer_bin: &Path,
+) -> Result<String> {
     let mut s = String::from("#!/bin/sh\n# Written by cargo xtask test (xtask/src/matrix.rs).\n");
     writeln!(
         s,
@@ -354,7 +391,7 @@ fn script(row: &Row, binaries: &HashMap<String, PathBuf>, observer_bin: &Path) -
     // requires (the bridge lab needs it; on the host it is the machine's own choice).
     s.push_str("modprobe br_netfilter 2>/dev/null\n");
     s.push_str("status=0\n");
-    for (bin, args) in row.tests {
+    for Job { bin, args, .. } in jobs {
         let exe = &binaries[*bin];
         let args: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
         writeln!(
@@ -386,29 +423,82 @@ fn parse(output: &str) -> Vec<(String, i32, String)> {
     out
 }
 
-/// The supported-kernels table, from what the guests ran.
+/// What one guest's job ran, printed as it ends (its whole output when it failed).
+fn report(r: &GuestResult) {
+    let row = &MATRIX[r.row];
+    let what = describe(&row.tests[r.job]);
+    match &r.run {
+        Ok(run) => {
+            eprintln!(
+                "xtask: kernel {} ({}), capture {}, {what}: exit {} in {:.0}s",
+                row.series, run.kernel, row.capture, run.status, run.seconds
+            );
+            for (bin, status, line) in &r.binaries {
+                eprintln!("xtask:   {bin}: {line} (exit {status})");
+            }
+            if failure(r).is_some() {
+                eprintln!("{}", run.output);
+                eprintln!("xtask: the guest's console log: {}", run.log.display());
+            }
+        }
+        Err(e) => eprintln!("xtask: kernel {}, {what}: {e:#}", row.series),
+    }
+}
+
+/// A job's failure, said in a few words; None when it passed.
+fn failure(r: &GuestResult) -> Option<String> {
+    let row = &MATRIX[r.row];
+    let what = describe(&row.tests[r.job]);
+    match &r.run {
+        Ok(run) if run.status == 0 && !r.binaries.is_empty() => None,
+        Ok(run) if r.binaries.is_empty() => Some(format!(
+            "{} ({what}: did not finish, exit {})",
+            row.series, run.status
+        )),
+        Ok(run) => Some(format!("{} ({what}: exit {})", row.series, run.status)),
+        Err(_) => Some(format!("{} ({what}: the guest failed)", row.series)),
+    }
+}
+
+/// A job in a few words: its binary, and its tests when it runs some only.
+fn describe(job: &Job) -> String {
+    let tests: Vec<&str> = job
+        .args
+        .iter()
+        .copied()
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if tests.is_empty() {
+        job.bin.to_string()
+    } else {
+        format!("{} ({})", job.bin, tests.join(", "))
+    }
+}
+
+/// The supported-kernels table, from what the guests ran (`results` in row order).
 fn table(results: &[GuestResult]) -> String {
     let mut t = String::from(
         "| kernel | capture backend | tests run in the guest | result |\n|---|---|---|---|\n",
     );
-    for (row, r) in MATRIX.iter().zip(results) {
-        let kernel = r
-            .run
-            .as_ref()
-            .map_or(row.series.to_string(), |g| g.kernel.clone());
+    for (i, row) in MATRIX.iter().enumerate() {
+        let ran: Vec<&GuestResult> = results.iter().filter(|r| r.row == i).collect();
+        let kernel = ran
+            .iter()
+            .find_map(|r| r.run.as_ref().ok().map(|g| g.kernel.clone()))
+            .unwrap_or_else(|| row.series.to_string());
         let backend = match row.capture {
             "links" => "netfilter links",
             "fentry" => "fentry trampolines",
             _ => "none (agent: tier 0 and tier 1 only)",
         };
-        let tests: Vec<String> = r
-            .binaries
+        let tests: Vec<String> = ran
             .iter()
+            .flat_map(|r| &r.binaries)
             .map(|(b, rc, line)| {
                 format!("{b}: {}", if *rc == 0 { line.as_str() } else { "FAILED" })
             })
             .collect();
-        let ok = r.run.as_ref().is_ok_and(|g| g.status == 0);
+        let ok = ran.len() == row.tests.len() && ran.iter().all(|r| failure(r).is_none());
         let _ = writeln!(
             t,
             "| {kernel} | {backend} | {} | {} |",
@@ -445,7 +535,7 @@ mod tests {
                 .iter()
                 .map(|b| (b.to_string(), PathBuf::from(format!("/t/{b}"))))
                 .collect();
-        let s = script(&MATRIX[0], &bins, Path::new("/t/observer")).unwrap();
+        let s = script(&MATRIX[0], MATRIX[0].tests, &bins, Path::new("/t/observer")).unwrap();
         assert!(s.contains("OBSERVER_KERNEL_CAPTURE=links"), "{s}");
         assert!(
             s.contains("/t/bridge --test-threads=1 'bridged_ipv4_flows"),
@@ -457,12 +547,13 @@ mod tests {
             .arg(
                 script(
                     &MATRIX[0],
+                    MATRIX[0].tests,
                     // The first fails, the others pass: the script goes on, exits 1.
                     &MATRIX[0]
                         .tests
                         .iter()
                         .enumerate()
-                        .map(|(i, (b, _))| {
+                        .map(|(i, Job { bin: b, .. })| {
                             (
                                 b.to_string(),
                                 PathBuf::from(if i == 0 { "false" } else { "true" }),
@@ -476,5 +567,41 @@ mod tests {
             .status()
             .unwrap();
         assert_eq!(status.code(), Some(1));
+    }
+
+    #[test]
+    fn every_job_is_scheduled_once_the_longest_first() {
+        let jobs = schedule();
+        let all: usize = MATRIX.iter().map(|r| r.tests.len()).sum();
+        assert_eq!(jobs.len(), all);
+        let mut seen = jobs.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), all, "each once: {jobs:?}");
+        let secs: Vec<u32> = jobs
+            .iter()
+            .map(|&(r, j)| MATRIX[r].tests[j].seconds)
+            .collect();
+        assert!(secs.windows(2).all(|w| w[0] >= w[1]), "{secs:?}");
+        // The differential runs once per kernel (compare_differential expects one file each).
+        for row in MATRIX {
+            let n = row
+                .tests
+                .iter()
+                .filter(|j| {
+                    j.bin == "kernels" && (j.args.is_empty() || j.args.contains(&DIFFERENTIAL_TEST))
+                })
+                .count();
+            assert_eq!(n, 1, "{}", row.series);
+        }
+    }
+
+    #[test]
+    fn a_job_is_said_by_its_binary_and_its_tests() {
+        assert_eq!(describe(&job("ipvs", &[], 1)), "ipvs");
+        assert_eq!(
+            describe(&job("kernels", &["--exact", "a", "b"], 1)),
+            "kernels (a, b)"
+        );
     }
 }
