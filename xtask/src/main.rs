@@ -949,6 +949,9 @@ fn demo(mode: &str) -> Result<()> {
     })
 }
 
+/// The test that runs the agent's image (tests/tests/image.rs), after the image is built.
+const IMAGE_TEST: &str = "the_image_runs_as_the_daemonset_says_and_serves_metrics";
+
 fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: u32) -> Result<()> {
     let tc = setup()?;
     let t0 = Instant::now();
@@ -979,10 +982,14 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
     phase("fmt and clippy");
     build(&tc, false)?;
     phase("the build");
-    // Built before the tests (cached: the musl build is incremental, buildah reuses the
-    // layer when the files did not change), run by the image test.
-    image(&tc)?;
-    phase("the image");
+    // Built while the host's tests run (niced: it takes what CPU their waits leave; a
+    // separate target directory, so neither waits for the other's lock), then run by the
+    // image test alone. Cached: the musl build is incremental, buildah reuses the layer
+    // when the files did not change.
+    let image_build = std::thread::spawn({
+        let tc = tc.clone();
+        move || image(&tc)
+    });
     // The IPVS tests need IP_VS, which this project's host kernel lacks: there they run in
     // the kernel matrix's guests only (said here, never a silent pass).
     let mut host_skips: Vec<&str> = Vec::new();
@@ -1012,8 +1019,30 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
         .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
         .arg("--")
         .args(&host_skips)
+        .args(["--skip", IMAGE_TEST])
         .args(extra))?;
     phase("the host's tests");
+    image_build
+        .join()
+        .map_err(|_| anyhow::anyhow!("the image's build panicked"))??;
+    phase("the image");
+    run(Command::new("cargo")
+        .args([
+            "test",
+            "--locked",
+            "-p",
+            "observer-tests",
+            "--test",
+            "image",
+        ])
+        .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
+        .env("OBSERVER_IMAGE", IMAGE)
+        .env("OBSERVER_BIN", observer_bin(false))
+        .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
+        .arg("--")
+        .args(["--exact", IMAGE_TEST])
+        .args(extra))?;
+    phase("the image's test");
     if fuzz_seconds > 0 {
         // The suite's short run: a dev build without a sanitizer (Rust's panics, overflow
         // checks and the targets' oracles are what it finds), a few minutes to build instead
