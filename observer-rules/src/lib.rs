@@ -20,6 +20,7 @@ pub mod net;
 pub mod nft;
 pub mod packet;
 pub mod route;
+pub mod savefile;
 pub mod sim;
 pub mod sysctl;
 

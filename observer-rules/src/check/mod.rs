@@ -13,7 +13,7 @@ use names::*;
 use values::*;
 pub use values::{inet_aton_ok, ipv4_numeric, strtoul0};
 
-use crate::iptables::{Basic, Item, Opt, Rule};
+use crate::savefile::{Basic, Item, Opt, Rule};
 
 /// The address family of a dump is the model's [`Family`]; `None` where a caller does not
 /// say (both are accepted).
@@ -830,7 +830,7 @@ pub(crate) fn check_rule<'r>(
             // A jump takes no options of its own.
             loaded.load("standard", None);
         } else {
-            if table.is_some() && crate::iptables::is_builtin_chain(&t.name) {
+            if table.is_some() && crate::savefile::is_builtin_chain(&t.name) {
                 return Err((
                     cols.value(at),
                     format!("cannot jump to the built-in chain `{}`", t.name),
