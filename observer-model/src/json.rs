@@ -447,6 +447,22 @@ pub fn write_traversal<W: Write>(out: &mut W, t: &Traversal) -> io::Result<()> {
     out.write_all(b"}")
 }
 
+impl Traversal {
+    /// The JSON line (no newline): the same bytes as `serde_json::to_string(self)`.
+    pub fn to_json_line(&self) -> String {
+        let mut out = Vec::with_capacity(4096);
+        self.write_json(&mut out)
+            .expect("writing into memory cannot fail");
+        String::from_utf8(out).expect("JSON written from strings is UTF-8")
+    }
+
+    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string
+    /// (the same bytes as `serde_json::to_writer`).
+    pub fn write_json<W: Write>(&self, mut out: W) -> io::Result<()> {
+        write_traversal(&mut out, self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

@@ -748,19 +748,3 @@ pub enum CheckResult {
     Disagrees,
     Undecidable,
 }
-
-impl Traversal {
-    /// The JSON line (no newline): the same bytes as `serde_json::to_string(self)`.
-    pub fn to_json_line(&self) -> String {
-        let mut out = Vec::with_capacity(4096);
-        self.write_json(&mut out)
-            .expect("writing into memory cannot fail");
-        String::from_utf8(out).expect("JSON written from strings is UTF-8")
-    }
-
-    /// Writes the JSON line (no newline) straight into `out`, without an intermediate string
-    /// (the same bytes as `serde_json::to_writer`, see [`crate::json`]).
-    pub fn write_json<W: std::io::Write>(&self, mut out: W) -> std::io::Result<()> {
-        crate::json::write_traversal(&mut out, self)
-    }
-}

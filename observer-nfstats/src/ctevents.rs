@@ -12,7 +12,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::Error;
 use crate::netlink::{Attrs, split};
-use crate::nft::endpoint;
+use crate::rules::endpoint;
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_NEW: u16 = 0;

@@ -5,11 +5,10 @@
 //! bytes the kernel sends.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, Ipv6Addr};
 
 use crate::Error;
 use crate::netlink::{Attr, Attrs, Socket, cstr, encode_attr};
-use crate::rules::{Action, Backend, Count, Rule, accept_kept, iptables_table};
+use crate::rules::{Action, Backend, Count, Rule, accept_kept, endpoint, iptables_table};
 use crate::xtables;
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -346,20 +345,6 @@ pub fn parse_rule(payload: &[u8]) -> Option<Parsed> {
         p.action = accept_kept(p.comment.as_deref());
     }
     Some(p)
-}
-
-/// An address (4 or 16 bytes, network order) and port as `ip:port` / `[ip]:port`.
-pub fn endpoint(addr: &[u8], port: Option<u16>) -> Option<String> {
-    let ip = match addr.len() {
-        4 => Ipv4Addr::from(<[u8; 4]>::try_from(addr).ok()?).to_string(),
-        16 => Ipv6Addr::from(<[u8; 16]>::try_from(addr).ok()?).to_string(),
-        _ => return None,
-    };
-    Some(match (port, addr.len()) {
-        (Some(p), 16) => format!("[{ip}]:{p}"),
-        (Some(p), _) => format!("{ip}:{p}"),
-        (None, _) => ip,
-    })
 }
 
 /// The comment in a rule's user data (TLVs of one-byte type and length).

@@ -158,6 +158,20 @@ pub(crate) fn iptables_table(family: &str, table: &str) -> bool {
         && matches!(table, "filter" | "nat" | "mangle" | "raw" | "security")
 }
 
+/// An address (4 or 16 bytes, network order) and port as `ip:port` / `[ip]:port`.
+pub fn endpoint(addr: &[u8], port: Option<u16>) -> Option<String> {
+    let ip = match addr.len() {
+        4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(addr).ok()?).to_string(),
+        16 => std::net::Ipv6Addr::from(<[u8; 16]>::try_from(addr).ok()?).to_string(),
+        _ => return None,
+    };
+    Some(match (port, addr.len()) {
+        (Some(p), 16) => format!("[{ip}]:{p}"),
+        (Some(p), _) => format!("{ip}:{p}"),
+        (None, _) => ip,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

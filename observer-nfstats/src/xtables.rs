@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use crate::Error;
 use crate::netlink::cstr;
-use crate::nft::endpoint;
+use crate::rules::endpoint;
 use crate::rules::{Action, Backend, Count, Rule, accept_kept};
 
 const SO_GET_INFO: libc::c_int = 64;
