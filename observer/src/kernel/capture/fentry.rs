@@ -197,25 +197,48 @@ pub fn can_run(_layout: &KernelLayout) -> Result<(), Unsupported> {
     })
 }
 
+/// The kernel's own BTF, read and parsed once for every function an attach resolves (it
+/// is several MiB: once per function made each attach under emulation take minutes).
+struct Vmlinux {
+    raw: Vec<u8>,
+    btf: RawBtf,
+}
+
+impl Vmlinux {
+    fn read() -> Result<Self> {
+        let raw = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+        let btf = RawBtf::parse(raw.clone()).context("parsing the kernel's BTF")?;
+        Ok(Self { raw, btf })
+    }
+}
+
 /// A function found in the kernel's BTF.
-struct Resolved {
+struct Resolved<'a> {
     btf_id: u32,
     /// The module's BTF object (`None`: vmlinux).
     obj: Option<OwnedFd>,
-    btf: RawBtf,
+    /// The module's BTF (split on vmlinux's), or `None`: the function is vmlinux's.
+    module: Option<RawBtf>,
+    vmlinux: &'a RawBtf,
+}
+
+impl Resolved<'_> {
+    /// The BTF the function is described in.
+    fn btf(&self) -> &RawBtf {
+        self.module.as_ref().unwrap_or(self.vmlinux)
+    }
 }
 
 /// Finds `t` in vmlinux's BTF, else in its modules' (loaded ones only); checks that its
 /// parameters are the ones the programs read.
-fn resolve(t: &Target) -> Result<Option<Resolved>> {
-    let base = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+fn resolve<'a>(t: &Target, vmlinux: &'a Vmlinux) -> Result<Option<Resolved<'a>>> {
     let mut found = None;
-    let vmlinux = RawBtf::parse(base.clone()).context("parsing the kernel's BTF")?;
-    if let Some(id) = vmlinux.id_of(t.name, &[KIND_FUNC]) {
+    if let Some(id) = vmlinux.btf.id_of(t.name, &[KIND_FUNC]) {
         found = Some(Resolved {
             btf_id: id,
             obj: None,
-            btf: vmlinux,
+            module: None,
+            vmlinux: &vmlinux.btf,
         });
     } else {
         for m in t.modules {
@@ -223,7 +246,7 @@ fn resolve(t: &Target) -> Result<Option<Resolved>> {
             let Ok(split) = std::fs::read(&path) else {
                 continue;
             };
-            let btf = RawBtf::parse_split(&base, &split)
+            let btf = RawBtf::parse_split(&vmlinux.raw, &split)
                 .with_context(|| format!("parsing the BTF of module {m}"))?;
             let Some(id) = btf.id_of(t.name, &[KIND_FUNC]) else {
                 continue;
@@ -234,7 +257,8 @@ fn resolve(t: &Target) -> Result<Option<Resolved>> {
             found = Some(Resolved {
                 btf_id: id,
                 obj: Some(obj),
-                btf,
+                module: Some(btf),
+                vmlinux: &vmlinux.btf,
             });
             break;
         }
@@ -242,7 +266,7 @@ fn resolve(t: &Target) -> Result<Option<Resolved>> {
     let Some(r) = found else {
         return Ok(None);
     };
-    let params = r.btf.func_params(r.btf_id).unwrap_or_default();
+    let params = r.btf().func_params(r.btf_id).unwrap_or_default();
     anyhow::ensure!(
         params == t.params,
         "{}({}) is not the function the trampolines expect ({}({}))",
@@ -290,6 +314,11 @@ fn offsets_for(f: u8, btf: &RawBtf) -> Result<Option<(u64, i64)>> {
     })
 }
 
+/// The two programs of a function: its entry's and its exit's.
+fn sections(t: &Target) -> [String; 2] {
+    [format!("fentry/{}", t.name), format!("fexit/{}", t.name)]
+}
+
 pub struct Fentry {
     obj: NfObject,
     points: OwnedFd,
@@ -317,38 +346,71 @@ impl Fentry {
     }
 
     /// Loads and attaches both trampolines of each function of `f` unless done; false when
-    /// this kernel has none of them (the module not loaded, legacy x_tables unused).
+    /// this kernel has none of them (the module not loaded, legacy x_tables unused). A
+    /// program loaded before (its trampoline released by [`Backend::take_all`]) is attached
+    /// again as it is: the kernel re-attaches a tracing program to the function it was
+    /// loaded for.
     fn ensure(&mut self, f: u8, family: NfFamily) -> Result<bool> {
         if let Some(found) = self.found.get(&(f, family)) {
             return Ok(*found);
         }
         let mut any = false;
+        let mut vmlinux = None;
         for t in targets(f).filter(|t| t.family.is_none_or(|only| only == family)) {
-            let Some(r) = resolve(t)? else {
-                debug!("{} is not in this kernel's BTF", t.name);
+            if !self.load(t, &mut vmlinux)? {
                 continue;
-            };
-            if let Some((key, off)) = offsets_for(f, &r.btf)? {
-                nf_link::map_update(self.points.as_raw_fd(), &key, &(off as i32 as u32))
-                    .context("filling the trampolines' map")?;
             }
-            for section in [format!("fentry/{}", t.name), format!("fexit/{}", t.name)] {
+            for section in sections(t) {
                 if self.links.contains_key(&section) {
                     continue;
                 }
-                let prog = self.obj.program_mut(&section)?;
                 let started = std::time::Instant::now();
-                prog.load_traced(r.btf_id, r.obj.as_ref().map(|o| o.as_raw_fd()))?;
-                let link = prog
+                let link = self
+                    .obj
+                    .program_mut(&section)?
                     .attach_traced()
                     .with_context(|| format!("attaching {section}"))?;
-                debug!("{section} loaded and attached in {:?}", started.elapsed());
+                debug!("{section} attached in {:?}", started.elapsed());
                 self.links.insert(section, link);
             }
             any = true;
         }
         self.found.insert((f, family), any);
         Ok(any)
+    }
+
+    /// Loads both programs of `t` unless loaded (the verifier's work, once per process),
+    /// with the offsets they read in the map; false when this kernel has no `t`. `vmlinux`
+    /// is read on first need and shared by the caller's other functions.
+    fn load(&mut self, t: &Target, vmlinux: &mut Option<Vmlinux>) -> Result<bool> {
+        let mut loaded = true;
+        for section in sections(t) {
+            loaded &= self.obj.program_mut(&section)?.is_loaded();
+        }
+        if loaded {
+            // Its offsets were put in the map when it was loaded, and stay.
+            return Ok(true);
+        }
+        let vmlinux = match vmlinux {
+            Some(v) => v,
+            None => vmlinux.insert(Vmlinux::read()?),
+        };
+        let Some(r) = resolve(t, vmlinux)? else {
+            debug!("{} is not in this kernel's BTF", t.name);
+            return Ok(false);
+        };
+        if let Some((key, off)) = offsets_for(t.func, r.btf())? {
+            nf_link::map_update(self.points.as_raw_fd(), &key, &(off as i32 as u32))
+                .context("filling the trampolines' map")?;
+        }
+        for section in sections(t) {
+            let started = std::time::Instant::now();
+            self.obj
+                .program_mut(&section)?
+                .load_traced(r.btf_id, r.obj.as_ref().map(|o| o.as_raw_fd()))?;
+            debug!("{section} loaded in {:?}", started.elapsed());
+        }
+        Ok(true)
     }
 }
 
@@ -430,11 +492,39 @@ impl Backend for Fentry {
                 let _ = nf_link::map_delete(self.points.as_raw_fd(), &key);
             }
         }
+        // The next attach attaches the trampolines again (their programs stay loaded: no
+        // second verification). Without this, every function was "done" and the agent's
+        // second stream (or tier 2's arm after one) had no per-table points at all.
+        self.found.clear();
         Box::new(std::mem::take(&mut self.links))
     }
 
     fn attachments(&self) -> usize {
         self.links.len()
+    }
+
+    /// The trampolines' programs of every function `plans` bracket, loaded once and kept
+    /// (an attach then only attaches): the verifier's work before the first client, as the
+    /// links backend's slot programs. A function this kernel lacks is left to the attach,
+    /// which says so.
+    fn preload(&mut self, plans: &[HookPlan]) -> Result<usize> {
+        let wanted: BTreeSet<(u8, NfFamily)> = plans
+            .iter()
+            .flat_map(|p| keys_of(p).into_iter().map(move |(_, f, _)| (f, p.family)))
+            .collect();
+        let mut vmlinux = None;
+        let mut functions = BTreeSet::new();
+        for (f, family) in wanted {
+            for t in targets(f).filter(|t| t.family.is_none_or(|only| only == family)) {
+                if functions.contains(t.name) {
+                    continue;
+                }
+                if self.load(t, &mut vmlinux)? {
+                    functions.insert(t.name);
+                }
+            }
+        }
+        Ok(2 * functions.len())
     }
 
     fn blind_spots(&self) -> Vec<String> {
@@ -570,11 +660,12 @@ mod tests {
     #[test]
     fn nft_do_chain_is_found_with_its_offsets() {
         let nft = targets(func::NFT).next().expect("nft_do_chain");
-        let Some(r) = resolve(nft).expect("resolves") else {
+        let vmlinux = Vmlinux::read().expect("the kernel's BTF");
+        let Some(r) = resolve(nft, &vmlinux).expect("resolves") else {
             eprintln!("!!! SKIPPED: nf_tables not loaded");
             return;
         };
-        let (key, off) = offsets_for(func::NFT, &r.btf)
+        let (key, off) = offsets_for(func::NFT, r.btf())
             .expect("offsets")
             .expect("some");
         assert_eq!(key, trampoline::CHAIN_PRIORITY_OFFSET);
