@@ -32,6 +32,7 @@ pub mod counts;
 pub mod inflight;
 pub mod packet_bytes;
 pub mod point;
+pub mod verifier;
 
 /// A probe's control values, kept in per-CPU map memory instead of registers.
 ///

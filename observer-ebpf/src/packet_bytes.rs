@@ -44,7 +44,7 @@ pub fn capture(skb: u64, ts: u64) {
     };
     // At TC, `skb` is the program's context pointer (the kernel's sk_buff): as a plain
     // number the verifier lets it be read from at BTF offsets.
-    let skb = crate::inflight::opaque(skb as usize) as u64;
+    let skb = crate::verifier::opaque(skb as usize) as u64;
     let p = entry.as_mut_ptr();
     // SAFETY: `p` is ring-buffer memory of `size_of::<PacketBytes>()` bytes, ours until
     // submitted; fields are written one by one (a struct store becomes a memcpy call).
