@@ -1167,17 +1167,23 @@ fn a_real_agent_killed_during_all_nodes_ends_its_part_and_the_other_goes_on() {
     };
     // pod -> the ClusterIP's udp/9 from a fresh port: DNATed on node, carried to node2 and
     // dropped there by the policy; one report on each node. Returns the source port.
+    // Every socket stays open to the end: a port the kernel gave out again would be two
+    // packets reported under one port (the test counts reports by port).
     let pod = std::path::PathBuf::from(format!("/var/run/netns/{prefix}-pod"));
+    let sockets = std::sync::Mutex::new(Vec::new());
     let send = || -> u16 {
         let pod = pod.clone();
-        std::thread::spawn(move || {
+        let s = std::thread::spawn(move || {
             observer_tests::enter_netns(&pod);
             let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
             s.send_to(b"denied", "10.96.0.30:9").unwrap();
-            s.local_addr().unwrap().port()
+            s
         })
         .join()
-        .unwrap()
+        .unwrap();
+        let port = s.local_addr().unwrap().port();
+        sockets.lock().unwrap().push(s);
+        port
     };
     // Each node's reports so far, by source port.
     let ports = |of: &str| -> Vec<u64> {
