@@ -8,6 +8,7 @@ pub mod bridgetrace;
 pub mod btf;
 pub mod btf_raw;
 pub mod capture;
+pub mod caps;
 pub mod kallsyms;
 pub mod netns;
 pub mod nf_link;
