@@ -366,7 +366,6 @@ impl Listeners {
     }
 }
 
-
 async fn serve(
     opts: &AgentOptions,
     listeners: Listeners,
