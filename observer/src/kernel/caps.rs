@@ -77,3 +77,19 @@ pub fn drop_sys_admin() -> Result<bool, CapsError> {
     }
     Ok(held)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_is_dropped_while_other_threads_would_keep_it() {
+        // The test harness runs this on a thread of its own: the process has several.
+        let t = std::thread::spawn(|| std::thread::sleep(std::time::Duration::from_millis(200)));
+        match drop_sys_admin() {
+            Err(CapsError::Threads(n)) => assert!(n > 1, "{n}"),
+            other => panic!("{other:?}"),
+        }
+        t.join().unwrap();
+    }
+}

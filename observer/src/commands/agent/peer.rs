@@ -140,6 +140,22 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_of_this_namespace_is_found_in_the_tables_opened_before_it() {
+        let tables = TcpTables::open().unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = l.local_addr().unwrap();
+        let c = std::net::TcpStream::connect(ours).unwrap();
+        let peer = c.local_addr().unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(tables.peer_uid(ours, peer), Some(me));
+        // Read again from the start: a second connection is there too.
+        let c2 = std::net::TcpStream::connect(ours).unwrap();
+        assert_eq!(tables.peer_uid(ours, c2.local_addr().unwrap()), Some(me));
+        assert_eq!(tables.peer_uid(ours, "127.0.0.1:1".parse().unwrap()), None);
+    }
+
+    #[test]
     fn ipv6_addresses_are_read_word_by_word() {
         assert_eq!(
             parse_addr("00000000000000000000000001000000:26EF"),
