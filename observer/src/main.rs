@@ -207,7 +207,8 @@ struct ReplayArgs {
 
 #[derive(clap::Args)]
 #[command(after_help = "Examples:\n  \
-    observer agent                                   # on a node, as root (the DaemonSet runs this)\n  \
+    observer agent                                   # on a node, as root\n  \
+    observer agent --node-netns /host/node-netns --listen 127.0.0.1:9966   # the DaemonSet's way\n  \
     observer agent --netns obs-node --metrics-addr 127.0.0.1:9965 --socket /tmp/obs.sock\n  \
     curl -s 127.0.0.1:9965/metrics | grep observer_drops_total\n  \
     curl -s --unix-socket /run/observer/agent.sock 'http://x/v1/traces?filter=udp&count=5'\n  \
@@ -217,15 +218,25 @@ Endpoints: /metrics, /healthz, /readyz on --metrics-addr; /v1/traces (filter, ou
 count, timeout as query parameters), /v1/drops, /v1/names (services and pods by address), \
 /v1/version and /v1/arm (GET: tier 2's state; POST ?seconds=N&filter=EXPR: per-table brackets for \
 N seconds, their traversals into the flight recorder) on the unix socket and on --listen (`kubectl observer` reaches it by port-forward: \
---listen 127.0.0.1:9966). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
+--listen 127.0.0.1:9966, in the pod's own namespace with --node-netns, where nothing of the \
+node's namespace can connect). Traces and drops stream NDJSON: `tail --json` reports (or {\"text\": ...} for tree and line output), \
 {\"agent\": {\"skipped\": N}} when a slow client missed N traversals, and a closing \
 {\"agent\": {\"end\": ...}} line with what the stream carried. SIGTERM or SIGINT: the probes \
 are detached, the streams closed, exit 0.")]
 struct AgentArgs {
-    /// `ip netns` name to observe (default: the current namespace: the node's, with
-    /// hostNetwork). The TCP listeners bind there too.
-    #[arg(long)]
+    /// `ip netns` name (or a namespace file's path) to observe and to live in (default: the
+    /// current namespace). The TCP listeners (--metrics-addr, --listen) bind there too.
+    #[arg(long, value_name = "NAME|PATH")]
     netns: Option<String>,
+    /// The network namespace to observe (the node's) while the TCP listeners
+    /// (--metrics-addr, --listen) stay in the one the agent starts in (its pod's): `ip netns`
+    /// name, or a namespace file's path (the DaemonSet mounts the node's /proc/1/ns/net).
+    /// Only the pod's namespace can reach --listen then (the runtime's port-forward, so
+    /// `kubectl observer` as RBAC grants); no process of the node's namespace can, root or
+    /// not. The probes attach, and the ruleset, interfaces and conntrack are read, in the
+    /// node's. Needs CAP_SYS_ADMIN to enter it; dropped right after, with no_new_privs set.
+    #[arg(long, value_name = "NAME|PATH", conflicts_with = "netns")]
+    node_netns: Option<String>,
     /// The capture backend that puts the per-table probes in place: `links` (BPF netfilter
     /// links, Linux 6.4+: a probe at each point's own priority, sees everything) or
     /// `fentry` (fentry/fexit trampolines on the functions the tables run: nft_do_chain,
@@ -240,8 +251,9 @@ struct AgentArgs {
     /// The streaming API's unix socket (created mode 0600: traces carry addresses).
     #[arg(long, value_name = "PATH", default_value = agent::DEFAULT_SOCKET)]
     socket: PathBuf,
-    /// Also serve the streaming API on TCP (unauthenticated: bind it to loopback, or reach
-    /// it through `kubectl port-forward`).
+    /// Also serve the streaming API on TCP: it answers only sockets owned by root in the
+    /// namespace it is bound in. Bind it to loopback, with --node-netns the pod's, and
+    /// reach it through `kubectl port-forward`.
     #[arg(long, value_name = "HOST:PORT")]
     listen: Option<String>,
     /// TOML file naming mark bits (as `tail --marks`).
@@ -484,6 +496,7 @@ fn run(cli: Cli) -> Result<()> {
             });
             let stopped_by = agent::run(agent::AgentOptions {
                 netns: a.netns,
+                node_netns: a.node_netns,
                 metrics_addr: a.metrics_addr,
                 socket: a.socket,
                 listen: a.listen,

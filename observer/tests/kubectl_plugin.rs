@@ -620,7 +620,13 @@ struct LabAgent {
     prefix: String,
     dir: std::path::PathBuf,
     child: Option<std::process::Child>,
+    /// The agent's own pod namespace, when it runs as the DaemonSet runs it.
+    pod: Option<String>,
 }
+
+/// The agent pod's address on the veth that joins it to the lab's node, as a pod without
+/// hostNetwork has one (the node's end: 100.64.78.1).
+const AGENT_POD_IP: &str = "100.64.78.2";
 
 impl LabAgent {
     fn start(bin: &std::path::Path, prefix: &str) -> Self {
@@ -630,12 +636,36 @@ impl LabAgent {
     /// An agent in the namespace `{prefix}-{role}` of the lab `lab_up` builds (an empty
     /// `lab_up`: a lab built already, which the first agent's drop removes).
     fn start_on(bin: &std::path::Path, prefix: &str, lab_up: &[&str], role: &str) -> Self {
+        Self::start_as(bin, prefix, lab_up, role, false)
+    }
+
+    /// As the DaemonSet runs it: the agent in a pod namespace of its own,
+    /// `{prefix}-agentpod` (joined to the node by a veth, [`AGENT_POD_IP`]), observing the
+    /// lab's node with `--node-netns`; its listeners in the pod's namespace.
+    fn start_in_pod(bin: &std::path::Path, prefix: &str) -> Self {
+        Self::start_as(
+            bin,
+            prefix,
+            &["lab", "up", "--prefix", prefix],
+            "node",
+            true,
+        )
+    }
+
+    fn start_as(
+        bin: &std::path::Path,
+        prefix: &str,
+        lab_up: &[&str],
+        role: &str,
+        in_pod: bool,
+    ) -> Self {
         let dir = std::env::temp_dir().join(format!("{prefix}-{role}-kubectl-agent"));
         let mut me = Self {
             bin: bin.to_path_buf(),
             prefix: prefix.to_string(),
             dir: dir.clone(),
             child: None,
+            pod: None,
         };
         if !lab_up.is_empty() {
             let up = std::process::Command::new(bin)
@@ -648,27 +678,64 @@ impl LabAgent {
                 String::from_utf8_lossy(&up.stderr)
             );
         }
+        let node = format!("{prefix}-{role}");
+        let mut cmd = if in_pod {
+            let pod = format!("{prefix}-agentpod");
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &pod])
+                .output();
+            me.pod = Some(pod.clone());
+            let (n, p) = (node.as_str(), pod.as_str());
+            for c in [
+                vec!["netns", "add", p],
+                vec!["-n", p, "link", "set", "lo", "up"],
+                vec![
+                    "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
+                    "netns", p,
+                ],
+                vec!["-n", n, "addr", "add", "100.64.78.1/30", "dev", "obsapi0"],
+                vec!["-n", n, "link", "set", "obsapi0", "up"],
+                vec!["-n", p, "addr", "add", "100.64.78.2/30", "dev", "eth0"],
+                vec!["-n", p, "link", "set", "eth0", "up"],
+            ] {
+                let out = std::process::Command::new("ip").args(&c).output().unwrap();
+                assert!(
+                    out.status.success(),
+                    "ip {c:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let mut cmd = std::process::Command::new("ip");
+            cmd.args(["netns", "exec", p]).arg(bin).args([
+                "agent",
+                "--node-netns",
+                &format!("/run/netns/{n}"),
+            ]);
+            cmd
+        } else {
+            let mut cmd = std::process::Command::new(bin);
+            cmd.args(["agent", "--netns", &node]);
+            cmd
+        };
         std::fs::create_dir_all(&dir).unwrap();
         let ready = dir.join("ready");
         let log = std::fs::File::create(dir.join("agent.log")).unwrap();
         me.child = Some(
-            std::process::Command::new(bin)
-                .args(["agent", "--netns", &format!("{prefix}-{role}")])
-                .args([
-                    "--metrics-addr",
-                    "127.0.0.1:19965",
-                    "--listen",
-                    "127.0.0.1:9966",
-                ])
-                .arg("--socket")
-                .arg(dir.join("agent.sock"))
-                .arg("--ready-file")
-                .arg(&ready)
-                .args(["--node-name", &format!("lab-{role}"), "--idle-ms", "1000"])
-                .stdout(std::process::Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
+            cmd.args([
+                "--metrics-addr",
+                "127.0.0.1:19965",
+                "--listen",
+                "127.0.0.1:9966",
+            ])
+            .arg("--socket")
+            .arg(dir.join("agent.sock"))
+            .arg("--ready-file")
+            .arg(&ready)
+            .args(["--node-name", &format!("lab-{role}"), "--idle-ms", "1000"])
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
         );
         let deadline = Instant::now() + Duration::from_secs(60);
         while !ready.exists() {
@@ -699,6 +766,11 @@ impl Drop for LabAgent {
         let _ = std::process::Command::new(&self.bin)
             .args(["lab", "down", "--prefix", &self.prefix])
             .output();
+        if let Some(pod) = &self.pod {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", pod])
+                .output();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -780,6 +852,140 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
             "{l}"
         );
     }
+    drop(lab);
+}
+
+/// From the lab namespace `ns` as `uid`: `GET` of each `HOST:PORT PATH`, with what came
+/// back: `refused` (nothing listens there), `error ...`, or the status and the body's start.
+fn get_as(ns: &str, uid: u32, reqs: &[String]) -> Vec<(String, String)> {
+    let script = r#"
+import http.client, sys
+for req in sys.argv[1:]:
+    addr, path = req.split(" ")
+    host, port = addr.rsplit(":", 1)
+    try:
+        c = http.client.HTTPConnection(host, int(port), timeout=20)
+        c.request("GET", path)
+        r = c.getresponse()
+        answer = "%d %r" % (r.status, r.read(200))
+        c.close()
+    except ConnectionRefusedError:
+        answer = "refused"
+    except Exception as e:
+        answer = "error %r" % e
+    print(req, answer, sep="\t")
+"#;
+    let id = uid.to_string();
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, "setpriv"])
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script])
+        .args(reqs)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let (r, a) = l.split_once('\t').unwrap_or((l, ""));
+            (r.to_string(), a.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kubectl_observer_still_gets_in()
+ {
+    let Some(bin) = privileged_bin(
+        "deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kubectl_observer_still_gets_in",
+    ) else {
+        return;
+    };
+    let prefix = format!("kq{}", std::process::id() % 100_000);
+    let lab = LabAgent::start_in_pod(&bin, &prefix);
+    // Any process of the node's namespace (a pod with hostNetwork), as uid 65534 and as
+    // uid 0: no trace and no ruleset, on the node's loopback or the agent pod's address.
+    let mut reqs = Vec::new();
+    for addr in ["127.0.0.1:9966".to_string(), format!("{AGENT_POD_IP}:9966")] {
+        reqs.push(format!("{addr} /v1/traces?count=1&timeout=2"));
+        reqs.push(format!("{addr} /v1/ruleset"));
+    }
+    for uid in [65534, 0] {
+        let got = get_as(&format!("{prefix}-node"), uid, &reqs);
+        assert_eq!(got.len(), reqs.len(), "{got:?}");
+        for (req, answer) in &got {
+            assert_eq!(
+                answer,
+                "refused",
+                "uid {uid} in the node's namespace: {req}; agent: {}",
+                lab.log()
+            );
+        }
+    }
+    // kubectl observer: the API server's port-forward, which the runtime dials inside the
+    // agent pod's namespace.
+    let pod = AgentPod {
+        node: "lab-node",
+        agent: Some("127.0.0.1:9966".parse().unwrap()),
+        netns: Some(format!("{prefix}-agentpod")),
+    };
+    let (url, c) = start_with(Vec::new(), vec![("observer-lab".into(), pod)], None);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (done, bin, prefix) = (done.clone(), bin.clone(), prefix.clone());
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                let _ = std::process::Command::new(&bin)
+                    .args(["lab", "traffic", "--prefix", &prefix])
+                    .output();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let r = plugin(
+        &url,
+        &[
+            "tail",
+            "--node",
+            "lab-node",
+            "--count",
+            "3",
+            "--timeout",
+            "40",
+            "--json",
+        ],
+    );
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    traffic.join().unwrap();
+    let (out, ends) = r.unwrap_or_else(|e| panic!("{e:#}; agent: {}", lab.log()));
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    let summary = ends[0]
+        .result
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}; agent: {}", lab.log()));
+    assert!(summary.contains("3 traversals printed"), "{summary}");
+    // The node's traffic (the lab's addresses), tagged with the node.
+    let reports: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(reports.len(), 3, "{out}");
+    for r in &reports {
+        assert_eq!(r["node"].as_str(), Some("lab-node"), "{r}");
+        assert!(r.get("packet").is_some(), "{r}");
+    }
+    assert!(
+        out.contains("198.51.100.10") || out.contains("172.17.0.5"),
+        "the lab's addresses: {out}"
+    );
+    let (_, ends) = plugin(&url, &["drops", "--node", "lab-node", "--json"]).unwrap();
+    assert!(ends[0].result.is_ok(), "{ends:?}");
+    assert!(c.forwards.lock().unwrap().len() >= 3);
     drop(lab);
 }
 

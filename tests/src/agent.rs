@@ -30,19 +30,38 @@ impl Agent {
 
     /// Starts the agent with `extra` arguments only (no `--mode`: the default mode).
     pub fn start_with(lab: &Lab, extra: &[&str]) -> Self {
+        let mut cmd = Command::new(observer_bin());
+        cmd.args([
+            "agent",
+            "--netns",
+            &lab.ns("node"),
+            "--metrics-addr",
+            METRICS,
+        ]);
+        Self::spawn(lab, cmd, extra)
+    }
+
+    /// Starts the agent as the DaemonSet runs it: in a pod's own namespace `pod` (an `ip
+    /// netns` name; `ip netns exec` gives it that namespace's /sys too, as a container has),
+    /// observing the lab's node with `--node-netns` (the namespace file's path), `extra`
+    /// after (the listeners, which bind in `pod`).
+    pub fn start_in_pod(lab: &Lab, pod: &str, extra: &[&str]) -> Self {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", pod])
+            .arg(observer_bin())
+            .arg("agent")
+            .arg("--node-netns")
+            .arg(lab.ns_path("node"));
+        Self::spawn(lab, cmd, extra)
+    }
+
+    fn spawn(lab: &Lab, mut cmd: Command, extra: &[&str]) -> Self {
         let dir = std::env::temp_dir().join(format!("{}-agent", lab.prefix));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("agent.sock");
         let ready = dir.join("ready");
         let _ = std::fs::remove_file(&ready);
-        let child = Command::new(observer_bin())
-            .args([
-                "agent",
-                "--netns",
-                &lab.ns("node"),
-                "--metrics-addr",
-                METRICS,
-            ])
+        let child = cmd
             .arg("--socket")
             .arg(&socket)
             .arg("--ready-file")

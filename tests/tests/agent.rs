@@ -1246,3 +1246,252 @@ fn http_over_tcp_as_root(lab: &Lab, addr: &'static str, path: &'static str) -> S
         buf
     })
 }
+
+/// The lab's "agent pod": a namespace of its own joined to the node by a veth, as a pod
+/// without hostNetwork is (its address 100.64.77.2, the node's end 100.64.77.1); deleted on
+/// drop.
+struct AgentPod {
+    name: String,
+}
+
+impl AgentPod {
+    const IP: &'static str = "100.64.77.2";
+
+    fn new(lab: &Lab) -> Self {
+        let name = lab.ns("agentpod");
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        run(&["ip", "netns", "add", &name]);
+        let me = Self { name };
+        let node = lab.ns("node");
+        let (n, p) = (node.as_str(), me.name.as_str());
+        for c in [
+            vec!["ip", "-n", p, "link", "set", "lo", "up"],
+            vec![
+                "ip", "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
+                "netns", p,
+            ],
+            vec![
+                "ip",
+                "-n",
+                n,
+                "addr",
+                "add",
+                "100.64.77.1/30",
+                "dev",
+                "obsapi0",
+            ],
+            vec!["ip", "-n", n, "link", "set", "obsapi0", "up"],
+            vec![
+                "ip",
+                "-n",
+                p,
+                "addr",
+                "add",
+                "100.64.77.2/30",
+                "dev",
+                "eth0",
+            ],
+            vec!["ip", "-n", p, "link", "set", "eth0", "up"],
+        ] {
+            run(&c);
+        }
+        me
+    }
+}
+
+impl Drop for AgentPod {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
+/// From namespace `ns` as `uid`: each request (`METHOD HOST:PORT PATH`) with what came back:
+/// `refused` (nothing listens there), `error ...`, or the status; and the body (at most
+/// 1 MiB of it).
+fn tcp_requests_as(ns: &str, uid: u32, reqs: &[&str]) -> Vec<(String, String, String)> {
+    let script = r#"
+import http.client, json, sys
+for req in sys.argv[1:]:
+    method, addr, path = req.split(" ")
+    host, port = addr.rsplit(":", 1)
+    body = ""
+    try:
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.request(method, path)
+        r = c.getresponse()
+        body = r.read(1 << 20).decode(errors="replace")
+        answer = str(r.status)
+        c.close()
+    except ConnectionRefusedError:
+        answer = "refused"
+    except Exception as e:
+        answer = "error %r" % e
+    print(req, answer, json.dumps(body), sep="\t")
+"#;
+    let id = uid.to_string();
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "setpriv"])
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script])
+        .args(reqs)
+        .output()
+        .expect("run setpriv python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.splitn(3, '\t').collect();
+            let body: String = serde_json::from_str(f.get(2).unwrap_or(&"\"\"")).unwrap();
+            (f[0].to_string(), f.get(1).unwrap_or(&"").to_string(), body)
+        })
+        .collect()
+}
+
+#[test]
+fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_probes_see_the_node()
+{
+    if !privileged(
+        "deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_probes_see_the_node",
+    ) {
+        return;
+    }
+    let lab = Lab::up("apins");
+    let pod = AgentPod::new(&lab);
+    // As the DaemonSet runs it: metrics on every address of the pod (kubelet's probes and
+    // Prometheus use the pod's address), the API on the pod's loopback.
+    let agent = Agent::start_in_pod(
+        &lab,
+        &pod.name,
+        &[
+            "--metrics-addr",
+            "0.0.0.0:9965",
+            "--listen",
+            "127.0.0.1:9966",
+        ],
+    );
+    // The process is the agent (ip netns exec execs it), and it gave CAP_SYS_ADMIN up.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).unwrap();
+    let field = |k: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap_or_else(|| panic!("{k} in {status}"))
+            .trim()
+            .to_string()
+    };
+    assert_eq!(field("Name:"), "observer", "{status}");
+    let eff = u64::from_str_radix(&field("CapEff:"), 16).unwrap();
+    let prm = u64::from_str_radix(&field("CapPrm:"), 16).unwrap();
+    assert_eq!(
+        (eff | prm) & (1 << 21),
+        0,
+        "CAP_SYS_ADMIN still held: {status}"
+    );
+    assert_eq!(field("NoNewPrivs:"), "1", "{status}");
+    // It lives in the pod's namespace and observes the node's.
+    let ns_of = |p: &str| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).unwrap().ino()
+    };
+    assert_eq!(
+        ns_of(&format!("/proc/{}/ns/net", agent.pid())),
+        ns_of(lab.ns_path("node").to_str().unwrap()),
+        "the agent's threads are in the node's namespace"
+    );
+
+    let api = [
+        "127.0.0.1:9966".to_string(),
+        format!("{}:9966", AgentPod::IP),
+    ];
+    let mut reqs = Vec::new();
+    for a in &api {
+        reqs.push(format!("GET {a} /v1/ruleset"));
+        reqs.push(format!("GET {a} /v1/traces?count=1&timeout=2"));
+        reqs.push(format!("GET {a} /v1/drops?count=1"));
+        reqs.push(format!("POST {a} /v1/arm?seconds=1"));
+    }
+    let reqs: Vec<&str> = reqs.iter().map(String::as_str).collect();
+    // From the node's namespace (every pod with hostNetwork), as uid 65534 and as uid 0:
+    // nothing listens on the node's loopback, and the pod's address has no API.
+    for uid in [65534, 0] {
+        let got = tcp_requests_as(&lab.ns("node"), uid, &reqs);
+        assert_eq!(got.len(), reqs.len(), "uid {uid}: {got:?}");
+        for (req, answer, body) in &got {
+            assert_eq!(
+                answer, "refused",
+                "uid {uid} in the node's namespace: {req}: {body}"
+            );
+        }
+    }
+    // Kubelet's probes and Prometheus reach the pod's address from the node.
+    let probes = tcp_requests_as(
+        &lab.ns("node"),
+        65534,
+        &[
+            &format!("GET {}:9965 /readyz", AgentPod::IP),
+            &format!("GET {}:9965 /metrics", AgentPod::IP),
+        ],
+    );
+    assert_eq!(probes[0].1, "200", "{probes:?}");
+    assert_eq!(probes[1].1, "200", "{probes:?}");
+    // The metrics count the node's interfaces (the lab's veths), not the pod's two.
+    let ifaces = sample(&probes[1].2, "observer_interfaces", &[]);
+    assert!(
+        ifaces > 2.0,
+        "observer_interfaces {ifaces}: {}",
+        probes[1].2
+    );
+    // In the pod's own namespace (where the runtime's port-forward dials, as root): a
+    // non-root socket is refused by the peer check (the TCP table of the pod's namespace,
+    // read after the agent moved to the node's), root is served.
+    let nobody = tcp_requests_as(&pod.name, 65534, &["GET 127.0.0.1:9966 /v1/ruleset"]);
+    assert!(
+        nobody[0].1 == "403" && nobody[0].2.contains("uid 65534 is refused"),
+        "{nobody:?}"
+    );
+    // The ruleset is the node's (kube-proxy's chains), not the pod namespace's (empty).
+    let ruleset = tcp_requests_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/ruleset"]);
+    assert!(
+        ruleset[0].1 == "200" && ruleset[0].2.contains("KUBE-SERVICES"),
+        "{ruleset:?}"
+    );
+    // A trace of the node's traffic, through the pod's loopback.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (done, prefix) = (done.clone(), lab.prefix.clone());
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !done.load(Ordering::Relaxed) && Instant::now() < deadline {
+                let _ = Command::new(observer_tests::lab::observer_bin())
+                    .args(["lab", "traffic", "--prefix", &prefix])
+                    .output();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let trace = tcp_requests_as(
+        &pod.name,
+        0,
+        &["GET 127.0.0.1:9966 /v1/traces?count=1&timeout=40&output=json"],
+    );
+    done.store(true, Ordering::Relaxed);
+    traffic.join().unwrap();
+    // The agent's own lines ({"agent": ...}) and one report of the node's traffic.
+    assert_eq!(trace[0].1, "200", "{trace:?}");
+    let reports: Vec<Value> = trace[0]
+        .2
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("packet").is_some())
+        .collect();
+    assert_eq!(reports.len(), 1, "{trace:?}");
+    let drops = tcp_requests_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/drops?count=5"]);
+    assert_eq!(drops[0].1, "200", "{drops:?}");
+    drop(agent);
+}

@@ -77,7 +77,7 @@ fn every_manifest_is_valid_against_the_kubernetes_schemas() {
             .unwrap(),
     )
     .unwrap();
-    std::fs::write(&bad, ds.replace("hostNetwork: true", "hostNetwrok: true")).unwrap();
+    std::fs::write(&bad, ds.replace("hostNetwork: false", "hostNetwrok: false")).unwrap();
     let (ok, out) = validate(&bin, &bad);
     let _ = std::fs::remove_file(&bad);
     assert!(!ok, "a misspelled field passed: {out}");
@@ -135,7 +135,9 @@ fn the_daemonset_runs_the_agent_on_every_node_with_what_it_needs() {
     );
     let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
     let pod = &ds["spec"]["template"]["spec"];
-    assert_eq!(pod["hostNetwork"], true);
+    // The API in the pod's own namespace (issue 33 §3): no hostNetwork; the node's
+    // namespace entered by --node-netns from a bind of the host's /proc/1/ns/net.
+    assert_ne!(pod["hostNetwork"], true);
     assert!(
         pod["tolerations"]
             .as_array()
@@ -170,6 +172,32 @@ fn the_daemonset_runs_the_agent_on_every_node_with_what_it_needs() {
     ] {
         assert!(mounts.contains(&m), "{m} not mounted: {mounts:?}");
     }
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(args.contains(&"--listen=127.0.0.1:9966"), "{args:?}");
+    let node_netns = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--node-netns="))
+        .unwrap_or_else(|| panic!("no --node-netns: {args:?}"));
+    let mount = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == node_netns)
+        .unwrap_or_else(|| panic!("{node_netns} not mounted"));
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["hostPath"]["path"], "/proc/1/ns/net");
+    let caps = serde_json::to_string(&c["securityContext"]["capabilities"]["add"]).unwrap();
+    assert!(caps.contains("SYS_ADMIN"), "setns needs it: {caps}");
     let ann = &ds["spec"]["template"]["metadata"]["annotations"];
     assert_eq!(ann["prometheus.io/scrape"], "true");
     // Every flag the DaemonSet passes is one `observer agent` knows.

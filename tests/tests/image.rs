@@ -6,9 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{
-    METRICS, baseline, http_get, sample, try_http_get, try_sample, unix_get,
-};
+use observer_tests::agent::{baseline, http_get, sample, try_http_get, try_sample, unix_get};
 use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{in_ci, privileged, run};
 use serde_json::Value;
@@ -66,6 +64,62 @@ impl Drop for Container {
     }
 }
 
+/// The DaemonSet's metrics on the agent pod's address, where kubelet's probes and Prometheus
+/// reach them from the node.
+const POD_METRICS: &str = "100.64.79.2:9965";
+
+/// The agent pod's namespace `name` with a veth to the lab's node (the pod 100.64.79.2, the
+/// node's end 100.64.79.1); deleted on drop.
+struct PodNetns(String);
+
+impl PodNetns {
+    fn new(lab: &Lab, name: &str) -> Self {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        run(&["ip", "netns", "add", name]);
+        let me = Self(name.to_string());
+        let node = lab.ns("node");
+        let (n, p) = (node.as_str(), name);
+        for c in [
+            vec!["ip", "-n", p, "link", "set", "lo", "up"],
+            vec![
+                "ip", "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
+                "netns", p,
+            ],
+            vec![
+                "ip",
+                "-n",
+                n,
+                "addr",
+                "add",
+                "100.64.79.1/30",
+                "dev",
+                "obsapi0",
+            ],
+            vec!["ip", "-n", n, "link", "set", "obsapi0", "up"],
+            vec![
+                "ip",
+                "-n",
+                p,
+                "addr",
+                "add",
+                "100.64.79.2/30",
+                "dev",
+                "eth0",
+            ],
+            vec!["ip", "-n", p, "link", "set", "eth0", "up"],
+        ] {
+            run(&c);
+        }
+        me
+    }
+}
+
+impl Drop for PodNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
 #[test]
 fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     if !privileged("the_image_runs_as_the_daemonset_says_and_serves_metrics") {
@@ -80,6 +134,11 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     };
     let lab = Lab::up("img");
     drop_udp_port(&lab, 7777);
+    // The pod's own network namespace, joined to the node by a veth as a pod without
+    // hostNetwork is; the DaemonSet's hostPath of the host's /proc/1/ns/net becomes the
+    // lab node's namespace file.
+    let pod_ns = lab.ns("agentpod");
+    let _pod = PodNetns::new(&lab, &pod_ns);
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
@@ -91,7 +150,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     };
     let mut cmd = container.podman();
     cmd.args(["run", "-d", "--name", &container.name])
-        .arg(format!("--network=ns:/run/netns/{}", lab.ns("node")))
+        .arg(format!("--network=ns:/run/netns/{pod_ns}"))
         .args(["--cap-drop", "ALL"]);
     let sc = &c["securityContext"];
     for cap in sc["capabilities"]["add"].as_array().unwrap() {
@@ -120,6 +179,12 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         let v = volumes.iter().find(|v| v["name"] == m["name"]).unwrap();
         let at = m["mountPath"].as_str().unwrap();
         if let Some(host) = v["hostPath"]["path"].as_str() {
+            let node = lab.ns_path("node");
+            let host = if host == "/proc/1/ns/net" {
+                node.to_str().unwrap()
+            } else {
+                host
+            };
             if v["hostPath"]["type"] == "FileOrCreate" && !Path::new(host).exists() {
                 std::fs::write(host, "").unwrap();
             }
@@ -141,13 +206,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     cmd.args(["--entrypoint", c["command"][0].as_str().unwrap()])
         .arg(&image);
     for a in c["args"].as_array().unwrap() {
-        // Metrics on the lab node's loopback, where the test reads them.
-        let a = a.as_str().unwrap();
-        cmd.arg(if a.starts_with("--metrics-addr") {
-            format!("--metrics-addr={METRICS}")
-        } else {
-            a.to_string()
-        });
+        cmd.arg(a.as_str().unwrap());
     }
     let out = cmd.output().unwrap();
     assert!(
@@ -158,7 +217,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
 
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Ok((200, _)) = try_http_get(&lab, METRICS, "/readyz") {
+        if let Ok((200, _)) = try_http_get(&lab, POD_METRICS, "/readyz") {
             break;
         }
         assert!(
@@ -168,7 +227,20 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let (status, text) = http_get(&lab, METRICS, "/metrics");
+    // The streaming API (--listen, the pod's loopback) is out of the node namespace's
+    // reach, root's included: nothing listens there for it.
+    for addr in ["127.0.0.1:9966", "100.64.79.2:9966"] {
+        let e = lab
+            .run_in("node", move || std::net::TcpStream::connect(addr))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionRefused,
+            "{addr}: {e}"
+        );
+    }
+    let (status, text) = http_get(&lab, POD_METRICS, "/metrics");
     assert_eq!(status, 200);
     // The DaemonSet runs the default mode: no probe on the datapath, drops from kfree_skb.
     assert_eq!(
@@ -196,7 +268,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
         }
     });
     let deadline = Instant::now() + Duration::from_secs(20);
-    while dropped(&http_get(&lab, METRICS, "/metrics").1).is_none_or(|v| v < before + 3.0) {
+    while dropped(&http_get(&lab, POD_METRICS, "/metrics").1).is_none_or(|v| v < before + 3.0) {
         assert!(
             Instant::now() < deadline,
             "drops not counted: {}",
@@ -228,7 +300,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     ]);
     let deadline = Instant::now() + Duration::from_secs(20);
     while sample(
-        &http_get(&lab, METRICS, "/metrics").1,
+        &http_get(&lab, POD_METRICS, "/metrics").1,
         "observer_tracing",
         &[],
     ) < 1.0

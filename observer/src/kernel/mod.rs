@@ -7,6 +7,7 @@ pub mod bridgechains;
 pub mod bridgetrace;
 pub mod btf;
 pub mod btf_raw;
+pub mod caps;
 pub mod capture;
 pub mod kallsyms;
 pub mod netns;

@@ -1,6 +1,6 @@
-//! Network namespaces and their interfaces: entering a namespace by `ip netns` name (probes
-//! attach in the caller's namespace), short jobs on threads inside one, the namespace's inode,
-//! and interface names and indexes.
+//! Network namespaces and their interfaces: entering a namespace by `ip netns` name or by
+//! path (probes attach in the caller's namespace), short jobs on threads inside one, the
+//! namespace's inode, and interface names and indexes.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -8,24 +8,39 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
+/// The file of namespace `name`: an `ip netns` name (`/run/netns/NAME`), or, when it holds
+/// a `/`, a path to a namespace file itself (`/proc/1/ns/net`, a bind mount of one).
 pub fn path(name: &str) -> PathBuf {
-    PathBuf::from("/run/netns").join(name)
+    if name.contains('/') {
+        PathBuf::from(name)
+    } else {
+        PathBuf::from("/run/netns").join(name)
+    }
 }
 
-/// Moves the calling thread into namespace `name`. Call before starting other threads when
-/// the whole process should live there.
+/// Moves the calling thread into namespace `name` (an `ip netns` name or a path, as
+/// [`path`]). Call before starting other threads when the whole process should live there.
 pub fn enter(name: &str) -> Result<()> {
     let p = path(name);
     let f = File::open(&p).with_context(|| {
-        format!(
-            "no network namespace `{name}` ({} missing; see `ip netns list`)",
-            p.display()
-        )
+        if name.contains('/') {
+            format!(
+                "cannot open the network namespace file {} (a bind mount of a namespace, or \
+                 /proc/PID/ns/net: opening another process's needs CAP_SYS_PTRACE)",
+                p.display()
+            )
+        } else {
+            format!(
+                "no network namespace `{name}` ({} missing; see `ip netns list`)",
+                p.display()
+            )
+        }
     })?;
     // SAFETY: setns on a namespace fd we own; it changes only this thread's namespace.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         bail!(
-            "cannot enter network namespace `{name}`: {} (run as root)",
+            "cannot enter network namespace `{name}`: {} (run as root: setns needs \
+             CAP_SYS_ADMIN)",
             std::io::Error::last_os_error()
         );
     }

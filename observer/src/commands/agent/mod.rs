@@ -48,7 +48,11 @@ pub const DEFAULT_SOCKET: &str = "/run/observer/agent.sock";
 
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
+    /// Where the agent lives, listeners included (`ip netns` name or path).
     pub netns: Option<String>,
+    /// The namespace to observe while the listeners stay in the one the agent started in
+    /// (the pod's): entered once they are bound, and `CAP_SYS_ADMIN` dropped then.
+    pub node_netns: Option<String>,
     /// Metrics and health (HTTP).
     pub metrics_addr: String,
     /// The streaming API's unix socket.
@@ -124,11 +128,26 @@ const TRACING_LINGER: Duration = Duration::from_secs(5);
 const BATCH: usize = 1024;
 
 /// Runs the agent until SIGTERM/SIGINT. Must be called before any other thread exists: it
-/// moves the process into the target namespace, where the probes attach and the TCP
-/// listeners bind.
+/// moves the process into the target namespace, where the probes attach. The TCP listeners
+/// bind there too with `--netns`; with `--node-netns` they bind first, in the namespace the
+/// agent started in (sockets keep the namespace they were made in).
 pub fn run(opts: AgentOptions) -> Result<&'static str> {
     if let Some(ns) = &opts.netns {
         crate::kernel::netns::enter(ns)?;
+    }
+    let listeners = Listeners::bind(&opts)?;
+    if let Some(ns) = &opts.node_netns {
+        crate::kernel::netns::enter(ns).context(
+            "entering --node-netns (the DaemonSet gives the agent CAP_SYS_ADMIN for this and \
+             mounts the node's namespace file)",
+        )?;
+        // Served its purpose: nothing after this needs it (super::caps).
+        let held = crate::kernel::caps::drop_sys_admin()?;
+        info!(
+            "observing network namespace {ns}; the listeners stay in the one the agent \
+             started in{}",
+            if held { "; CAP_SYS_ADMIN dropped" } else { "" }
+        );
     }
     let layout = KernelLayout::from_kernel()?;
     tier2_flags_fit(&opts, &layout)?;
@@ -146,7 +165,11 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
     } else {
         None
     };
-    let netns = opts.netns.clone().unwrap_or_else(|| "current".into());
+    let netns = opts
+        .node_netns
+        .clone()
+        .or_else(|| opts.netns.clone())
+        .unwrap_or_else(|| "current".into());
     let ctx = PipelineContext {
         // The streams' JSON is the one rendering every record gets (the flight recorder
         // and most subscribers want it); trees and lines only where someone wants them.
@@ -193,6 +216,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
         // Listening first: /readyz says "not ready" until the probes are attached.
         serve(
             &opts,
+            listeners,
             metrics.clone(),
             hub.clone(),
             names.clone(),
@@ -307,22 +331,50 @@ fn tier2_flags_fit(opts: &AgentOptions, layout: &KernelLayout) -> Result<()> {
     Ok(())
 }
 
-async fn serve(
-    opts: &AgentOptions,
-    metrics: Arc<Metrics>,
-    hub: Arc<Hub>,
-    names: Arc<crate::k8s::Names>,
-    arming: Arc<tier2::Arming>,
-) -> Result<()> {
-    let m = tokio::net::TcpListener::bind(&opts.metrics_addr)
-        .await
-        .with_context(|| {
+/// The agent's TCP listeners, bound in the namespace the agent is in when [`Listeners::bind`]
+/// runs, whichever namespace it observes afterwards.
+struct Listeners {
+    metrics: std::net::TcpListener,
+    /// `--listen`, and the TCP tables of its namespace (who connects: `peer`).
+    api: Option<(std::net::TcpListener, peer::TcpTables)>,
+}
+
+impl Listeners {
+    fn bind(opts: &AgentOptions) -> Result<Self> {
+        let bind = |addr: &str| -> std::io::Result<std::net::TcpListener> {
+            let l = std::net::TcpListener::bind(addr)?;
+            // Served by tokio.
+            l.set_nonblocking(true)?;
+            Ok(l)
+        };
+        let metrics = bind(&opts.metrics_addr).with_context(|| {
             format!(
                 "listening on --metrics-addr {}: is another agent running, or give another \
                  address",
                 opts.metrics_addr
             )
         })?;
+        let api = match &opts.listen {
+            Some(addr) => Some((
+                bind(addr).with_context(|| format!("listening on --listen {addr}"))?,
+                peer::TcpTables::open()
+                    .context("opening /proc/thread-self/net/tcp (who connects to --listen)")?,
+            )),
+            None => None,
+        };
+        Ok(Self { metrics, api })
+    }
+}
+
+async fn serve(
+    opts: &AgentOptions,
+    listeners: Listeners,
+    metrics: Arc<Metrics>,
+    hub: Arc<Hub>,
+    names: Arc<crate::k8s::Names>,
+    arming: Arc<tier2::Arming>,
+) -> Result<()> {
+    let m = tokio::net::TcpListener::from_std(listeners.metrics)?;
     tokio::spawn(async move {
         if let Err(e) = axum::serve(m, http::metrics_router(metrics)).await {
             warn!("metrics server stopped: {e}");
@@ -351,15 +403,13 @@ async fn serve(
             warn!("streaming API (unix socket) stopped: {e}");
         }
     });
-    if let Some(addr) = &opts.listen {
-        let t = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("listening on --listen {addr}"))?;
+    if let Some((t, tables)) = listeners.api {
+        let t = tokio::net::TcpListener::from_std(t)?;
         let ours = t.local_addr()?;
         // Root only: see `peer`.
         let api = api
             .layer(axum::middleware::from_fn(move |c, r, n| {
-                peer::root_only(ours, c, r, n)
+                peer::root_only(tables.clone(), ours, c, r, n)
             }))
             .into_make_service_with_connect_info::<std::net::SocketAddr>();
         tokio::spawn(async move {
@@ -849,7 +899,7 @@ async fn event_loop(
     let session = Session::new(
         probes,
         SessionOptions {
-            netns: opts.netns.clone(),
+            netns: opts.node_netns.clone().or_else(|| opts.netns.clone()),
             ready_file: opts.ready_file.clone(),
             timeout: None,
             idle: opts.idle,

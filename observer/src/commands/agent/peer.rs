@@ -1,24 +1,58 @@
 //! Who may use the streaming API on `--listen` (TCP): root only, told by the connecting
-//! socket's owner as the kernel lists it (`/proc/self/net/tcp`, `tcp6`: the namespace the
-//! agent listens in). The DaemonSet listens on the node's loopback with `hostNetwork`, where
-//! every pod with `hostNetwork` can connect; `kubectl observer` arrives through the API
-//! server's port-forward, which the container runtime (root) dials on the node, so RBAC
-//! decides who gets there. A non-root process on the node is refused, whatever it asks
+//! socket's owner as the kernel lists it (`/proc/net/tcp`, `tcp6` of the namespace the
+//! listener was bound in: opened then, and read again from the start for each request, so
+//! that it stays that namespace's table after `--node-netns` moved the agent to the node's).
+//! The DaemonSet listens on its pod's own loopback (no `hostNetwork`), which no other pod
+//! and no process of the node's namespace can reach; `kubectl observer` arrives through the
+//! API server's port-forward, which the container runtime (root) dials inside the pod's
+//! namespace, so RBAC decides who gets there. Where the agent listens in a shared namespace
+//! (`--netns`, or `hostNetwork`), a non-root process there is refused, whatever it asks
 //! (traces, drops, names, the ruleset, arming). The unix socket is mode 0600 (root) already.
 
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
 
 use axum::extract::{ConnectInfo, Request};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-/// The owner (uid) of the socket at `peer` connected to `ours`, from the kernel's table of
-/// this namespace's TCP sockets; None when no such socket is here (another host).
-pub fn peer_uid(ours: SocketAddr, peer: SocketAddr) -> Option<u32> {
-    let file = if peer.is_ipv4() { "tcp" } else { "tcp6" };
-    let text = std::fs::read_to_string(format!("/proc/self/net/{file}")).ok()?;
-    uid_in(&text, ours, peer)
+/// The kernel's tables of TCP sockets of one namespace: the one the calling thread is in
+/// when [`TcpTables::open`] runs (a `/proc` file keeps the namespace it was opened in).
+#[derive(Clone)]
+pub struct TcpTables {
+    tcp: Arc<Mutex<File>>,
+    /// None where the kernel has no IPv6.
+    tcp6: Option<Arc<Mutex<File>>>,
+}
+
+impl TcpTables {
+    /// Opens the calling thread's namespace's tables.
+    pub fn open() -> std::io::Result<Self> {
+        let open = |f: &str| File::open(format!("/proc/thread-self/net/{f}"));
+        Ok(Self {
+            tcp: Arc::new(Mutex::new(open("tcp")?)),
+            tcp6: open("tcp6").ok().map(|f| Arc::new(Mutex::new(f))),
+        })
+    }
+
+    /// The owner (uid) of the socket at `peer` connected to `ours`, from the table as it is
+    /// now; None when no such socket is in this namespace (another host).
+    pub fn peer_uid(&self, ours: SocketAddr, peer: SocketAddr) -> Option<u32> {
+        let file = if peer.is_ipv4() {
+            &self.tcp
+        } else {
+            self.tcp6.as_ref()?
+        };
+        let mut f = file.lock().ok()?;
+        // A seq file is made anew when read from its start.
+        f.seek(SeekFrom::Start(0)).ok()?;
+        let mut text = String::new();
+        f.read_to_string(&mut text).ok()?;
+        uid_in(&text, ours, peer)
+    }
 }
 
 /// [`peer_uid`] over the text of `/proc/net/tcp[6]`.
@@ -56,16 +90,17 @@ fn parse_addr(s: &str) -> Option<SocketAddr> {
 /// The layer on the TCP listener at `ours`: requests from a socket not owned by root are
 /// refused with 403 and what to do instead.
 pub async fn root_only(
+    tables: TcpTables,
     ours: SocketAddr,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     req: Request,
     next: Next,
 ) -> Response {
-    match peer_uid(ours, peer) {
+    match tables.peer_uid(ours, peer) {
         Some(0) => next.run(req).await,
         who => {
             let who = who.map_or_else(
-                || format!("{peer}, not a socket of this node's namespace,"),
+                || format!("{peer}, not a socket of the agent's namespace,"),
                 |uid| format!("uid {uid}"),
             );
             log::info!("streaming API on --listen: refused {who} ({})", req.uri());
@@ -102,6 +137,22 @@ mod tests {
         // Our own accepted socket is root's, and is not taken for the peer.
         assert_eq!(uid_in(TCP, peer, ours), Some(0));
         assert_eq!(uid_in(TCP, ours, "127.0.0.1:1".parse().unwrap()), None);
+    }
+
+    #[test]
+    fn a_connection_of_this_namespace_is_found_in_the_tables_opened_before_it() {
+        let tables = TcpTables::open().unwrap();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = l.local_addr().unwrap();
+        let c = std::net::TcpStream::connect(ours).unwrap();
+        let peer = c.local_addr().unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(tables.peer_uid(ours, peer), Some(me));
+        // Read again from the start: a second connection is there too.
+        let c2 = std::net::TcpStream::connect(ours).unwrap();
+        assert_eq!(tables.peer_uid(ours, c2.local_addr().unwrap()), Some(me));
+        assert_eq!(tables.peer_uid(ours, "127.0.0.1:1".parse().unwrap()), None);
     }
 
     #[test]
