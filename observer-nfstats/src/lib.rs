@@ -1,14 +1,17 @@
 //! What netfilter already counts, read through the kernel's own interfaces at no cost to
 //! the datapath (issue 20, tier 0): every rule's packet and byte counters (nf_tables over
 //! netlink, legacy x_tables over getsockopt) and conntrack's statistics, turned into
-//! bounded metric series.
+//! bounded metric series; IPVS's own statistics per virtual service and real server
+//! ([`ipvs`], [`ipvs_series`]).
 //!
 //! Everything reads the calling thread's network namespace. Parsing is pure and
-//! unit-tested from the kernel's bytes; [`RuleReader::read`] and [`conntrack::read`] are
-//! the only calls that touch the kernel.
+//! unit-tested from the kernel's bytes; [`RuleReader::read`], [`conntrack::read`] and
+//! [`ipvs::Reader`] are the only calls that touch the kernel.
 
 pub mod conntrack;
 pub mod ctevents;
+pub mod ipvs;
+pub mod ipvs_series;
 pub mod netlink;
 pub mod nft;
 pub mod nftrace;

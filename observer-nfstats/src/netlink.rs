@@ -1,6 +1,6 @@
-//! The smallest netlink client the readers need: one `NETLINK_NETFILTER` socket in the
-//! calling thread's namespace, a dump request, the multipart answer split into messages,
-//! and netlink attributes (TLVs) walked from bytes.
+//! The smallest netlink client the readers need: one `NETLINK_NETFILTER` (or, for IPVS,
+//! `NETLINK_GENERIC`) socket in the calling thread's namespace, a dump request, the
+//! multipart answer split into messages, and netlink attributes (TLVs) walked from bytes.
 //!
 //! The attribute walk is pure and unit-tested from bytes; only [`dump`] touches the kernel.
 
@@ -40,6 +40,23 @@ impl<'a> Attr<'a> {
 
     pub fn be64(&self) -> Option<u64> {
         Some(u64::from_be_bytes(self.value.get(..8)?.try_into().ok()?))
+    }
+
+    pub fn be16(&self) -> Option<u16> {
+        Some(u16::from_be_bytes(self.value.get(..2)?.try_into().ok()?))
+    }
+
+    /// A host-order integer (`nla_put_u16/u32/u64`, as generic netlink families send
+    /// them), read by the attribute's length: 1, 2, 4 or 8 bytes.
+    pub fn uint(&self) -> Option<u64> {
+        let v = self.value;
+        Some(match v.len() {
+            1 => u64::from(v[0]),
+            2 => u64::from(u16::from_ne_bytes(v.try_into().ok()?)),
+            4 => u64::from(u32::from_ne_bytes(v.try_into().ok()?)),
+            8 => u64::from_ne_bytes(v.try_into().ok()?),
+            _ => return None,
+        })
     }
 
     /// A NUL-terminated string attribute (the NUL and anything after it left out).
@@ -187,14 +204,45 @@ pub fn encode_nest(kind: u16, inner: &[Vec<u8>]) -> Vec<u8> {
     encode_attr(kind | NLA_F_NESTED, &inner.concat())
 }
 
+/// A generic netlink message: header (`kind` is the family's id), `genlmsghdr` (`cmd`,
+/// `version`, reserved), then `attrs` (already encoded).
+pub fn genl_message(
+    kind: u16,
+    flags: u16,
+    cmd: u8,
+    version: u8,
+    seq: u32,
+    attrs: &[u8],
+) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
+    let mut m = Vec::with_capacity(len as usize);
+    m.extend_from_slice(&len.to_ne_bytes());
+    m.extend_from_slice(&kind.to_ne_bytes());
+    m.extend_from_slice(&flags.to_ne_bytes());
+    m.extend_from_slice(&seq.to_ne_bytes());
+    m.extend_from_slice(&0u32.to_ne_bytes());
+    m.extend_from_slice(&[cmd, version, 0, 0]);
+    m.extend_from_slice(attrs);
+    m
+}
+
+/// `NLM_F_REQUEST`, and `NLM_F_DUMP` with it, for [`genl_message`].
+pub const REQUEST: u16 = NLM_F_REQUEST;
+pub const DUMP: u16 = NLM_F_REQUEST | NLM_F_DUMP;
+
 /// A new `NETLINK_NETFILTER` socket in the calling thread's network namespace.
 pub(crate) fn netfilter_socket() -> Result<OwnedFd, Error> {
+    netlink_socket(libc::NETLINK_NETFILTER)
+}
+
+/// A new netlink socket of `protocol` in the calling thread's network namespace.
+fn netlink_socket(protocol: libc::c_int) -> Result<OwnedFd, Error> {
     // SAFETY: plain socket(2); the fd is owned below.
     let fd = unsafe {
         libc::socket(
             libc::AF_NETLINK,
             libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_NETFILTER,
+            protocol,
         )
     };
     if fd < 0 {
@@ -232,6 +280,16 @@ impl Socket {
         self.fd.as_fd()
     }
 
+    /// A `NETLINK_GENERIC` socket (generic netlink families: IPVS, ...).
+    pub fn generic() -> Result<Self, Error> {
+        Ok(Self {
+            fd: netlink_socket(libc::NETLINK_GENERIC)?,
+            buf: vec![0; 64 * 1024],
+            seq: 0,
+            overruns: 0,
+        })
+    }
+
     /// The first `n` bytes of the last datagram read.
     pub(crate) fn received(&self, n: usize) -> &[u8] {
         &self.buf[..n]
@@ -239,8 +297,14 @@ impl Socket {
 
     /// Sends a plain (not dump) request and returns the payload of the kernel's one answer.
     pub fn get(&mut self, kind: u16, family: u8) -> Result<Vec<u8>, Error> {
+        self.ask(|seq| request(kind, NLM_F_REQUEST, family, seq, &[]))
+    }
+
+    /// Sends the plain request `build` makes with the next sequence number and returns the
+    /// payload of the kernel's one answer.
+    pub fn ask(&mut self, build: impl FnOnce(u32) -> Vec<u8>) -> Result<Vec<u8>, Error> {
         self.seq = self.seq.wrapping_add(1);
-        self.send(&request(kind, NLM_F_REQUEST, family, self.seq, &[]))?;
+        self.send(&build(self.seq))?;
         let n = self.recv(0)?;
         let (msgs, _) = split(&self.buf[..n])?;
         msgs.first()
@@ -300,10 +364,20 @@ impl Socket {
         kind: u16,
         family: u8,
         attrs: &[u8],
+        each: impl FnMut(&Message<'_>),
+    ) -> Result<(), Error> {
+        self.dump_with(|seq| dump_request(kind, family, seq, attrs), each)
+    }
+
+    /// Sends the dump request `build` makes with the next sequence number and hands each
+    /// message of the answer to `each`, in order.
+    pub fn dump_with(
+        &mut self,
+        build: impl FnOnce(u32) -> Vec<u8>,
         mut each: impl FnMut(&Message<'_>),
     ) -> Result<(), Error> {
         self.seq = self.seq.wrapping_add(1);
-        self.send(&dump_request(kind, family, self.seq, attrs))?;
+        self.send(&build(self.seq))?;
         let mut messages = 0;
         loop {
             let n = self.recv(0)?;

@@ -32,6 +32,16 @@ pub enum Family {
     CtMarks,
     CtOverruns,
     CtEndpointsLeftOut,
+    IpvsConnections,
+    IpvsPackets,
+    IpvsBytes,
+    IpvsRealServers,
+    IpvsServerConnections,
+    IpvsServerPackets,
+    IpvsServerBytes,
+    IpvsServerEntries,
+    IpvsServerWeight,
+    IpvsLeftOut,
 }
 
 impl Family {
@@ -51,13 +61,30 @@ impl Family {
             Self::CtMarks => "observer_conntrack_marked_connections_total",
             Self::CtOverruns => "observer_conntrack_event_overruns_total",
             Self::CtEndpointsLeftOut => "observer_conntrack_endpoints_left_out_total",
+            Self::IpvsConnections => "observer_ipvs_connections_total",
+            Self::IpvsPackets => "observer_ipvs_packets_total",
+            Self::IpvsBytes => "observer_ipvs_bytes_total",
+            Self::IpvsRealServers => "observer_ipvs_real_servers",
+            Self::IpvsServerConnections => "observer_ipvs_real_server_connections_total",
+            Self::IpvsServerPackets => "observer_ipvs_real_server_packets_total",
+            Self::IpvsServerBytes => "observer_ipvs_real_server_bytes_total",
+            Self::IpvsServerEntries => "observer_ipvs_real_server_connection_entries",
+            Self::IpvsServerWeight => "observer_ipvs_real_server_weight",
+            Self::IpvsLeftOut => "observer_ipvs_series_left_out",
         }
     }
 
     pub fn counter(self) -> bool {
         !matches!(
             self,
-            Self::Uncounted | Self::LeftOut | Self::ConntrackEntries | Self::ConntrackLimit
+            Self::Uncounted
+                | Self::LeftOut
+                | Self::ConntrackEntries
+                | Self::ConntrackLimit
+                | Self::IpvsRealServers
+                | Self::IpvsServerEntries
+                | Self::IpvsServerWeight
+                | Self::IpvsLeftOut
         )
     }
 
@@ -104,6 +131,39 @@ impl Family {
             }
             Self::CtEndpointsLeftOut => {
                 "New DNAT'd connections whose endpoint the series cap left out."
+            }
+            Self::IpvsConnections => {
+                "Connections IPVS scheduled per virtual service, from IPVS's own statistics \
+                 (ipvsadm -Ln --stats)."
+            }
+            Self::IpvsPackets => {
+                "Packets of a virtual service's connections per direction (in: client to \
+                 real server, out: the replies), from IPVS's own statistics."
+            }
+            Self::IpvsBytes => "Bytes of a virtual service's connections per direction.",
+            Self::IpvsRealServers => {
+                "Real servers of a virtual service now, with its scheduler (0: IPVS has \
+                 nowhere to send a new connection)."
+            }
+            Self::IpvsServerConnections => {
+                "Connections IPVS scheduled to a real server (endpoint) of a virtual service."
+            }
+            Self::IpvsServerPackets => {
+                "Packets of a real server's connections per direction, from IPVS's own \
+                 statistics."
+            }
+            Self::IpvsServerBytes => "Bytes of a real server's connections per direction.",
+            Self::IpvsServerEntries => {
+                "IPVS connection entries of a real server now (state: active, inactive, \
+                 as ipvsadm -Ln's ActiveConn and InActConn)."
+            }
+            Self::IpvsServerWeight => {
+                "A real server's weight now, with its forwarding method (Masq, Route, \
+                 Tunnel, Local)."
+            }
+            Self::IpvsLeftOut => {
+                "Virtual services and real servers that made no series at the last read \
+                 because of the series cap."
             }
         }
     }

@@ -1,7 +1,11 @@
 //! Service names for ClusterIPs (and external/load-balancer IPs), read from kube-proxy's own
 //! rules in both of its modes: the `--comment "ns/name:port cluster IP"` of its KUBE-SERVICES
 //! rules (iptables mode), and the chain names its `service-ips` verdict map jumps to
-//! (`service-<hash>-ns/name/proto/port`, nftables mode). Parsed with observer-rules.
+//! (`service-<hash>-ns/name/proto/port`, nftables mode). Parsed with observer-rules. In
+//! IPVS mode kube-proxy's rules match ipsets and name no service; an entry of its
+//! `KUBE-CLUSTER-IP`-like sets that carries a `comment "ns/name:port"` names one
+//! ([`ServiceNames::from_ipset_save`]), and a `KUBE-NODE-PORT-*` entry with a comment names a
+//! node port.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -13,7 +17,19 @@ use observer_rules::nft::NftRuleset;
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ServiceNames {
     by: HashMap<(IpAddr, u8, u16), String>,
+    /// Node ports (IP protocol number, port) from kube-proxy's `KUBE-NODE-PORT-*` ipsets'
+    /// comments: the service behind the port on any of the node's addresses.
+    node_ports: HashMap<(u8, u16), String>,
 }
+
+/// kube-proxy's IPVS-mode sets of (address, protocol:port) entries, IPv4 and IPv6.
+const ADDR_PORT_SETS: [&str; 5] = [
+    "CLUSTER-IP",
+    "EXTERNAL-IP",
+    "EXTERNAL-IP-LOCAL",
+    "LOAD-BALANCER",
+    "LOAD-BALANCER-LOCAL",
+];
 
 fn proto_number(p: &str) -> Option<u8> {
     match p {
@@ -27,6 +43,11 @@ fn proto_number(p: &str) -> Option<u8> {
 impl ServiceNames {
     pub fn lookup(&self, addr: IpAddr, proto: u8, port: u16) -> Option<&str> {
         self.by.get(&(addr, proto, port)).map(String::as_str)
+    }
+
+    /// The service of a node port, from kube-proxy's ipsets' comments.
+    pub fn node_port(&self, proto: u8, port: u16) -> Option<&str> {
+        self.node_ports.get(&(proto, port)).map(String::as_str)
     }
 
     pub fn len(&self) -> usize {
@@ -52,6 +73,53 @@ impl ServiceNames {
     /// during a migration).
     pub fn extend(&mut self, other: ServiceNames) {
         self.by.extend(other.by);
+        self.node_ports.extend(other.node_ports);
+    }
+
+    /// From `ipset save`: the entries of kube-proxy's IPVS-mode sets that carry a comment
+    /// `ns/name:port` (`add KUBE-CLUSTER-IP 10.96.0.10,udp:53 comment "kube-system/kube-dns:dns"`;
+    /// `add KUBE-NODE-PORT-TCP 30022 comment "default/registry:ssh"`). Entries without one
+    /// name nothing.
+    pub fn from_ipset_save(text: &str) -> Self {
+        let mut out = Self::default();
+        for line in text.lines() {
+            let mut w = line.split_whitespace();
+            let (Some("add"), Some(set), Some(elem)) = (w.next(), w.next(), w.next()) else {
+                continue;
+            };
+            let Some(comment) = line
+                .split_once(" comment \"")
+                .and_then(|(_, c)| c.split_once('"'))
+                .map(|(c, _)| c)
+                .filter(|c| c.contains('/'))
+            else {
+                continue;
+            };
+            let set = set.strip_prefix("KUBE-").unwrap_or("");
+            let set = set.strip_prefix("6-").unwrap_or(set);
+            if ADDR_PORT_SETS.contains(&set) {
+                // `10.96.0.10,udp:53`; IPv6 addresses have no brackets here.
+                let Some((addr, pp)) = elem.split_once(',') else {
+                    continue;
+                };
+                let Some((proto, port)) = pp.split_once(':') else {
+                    continue;
+                };
+                if let (Ok(a), Some(p), Ok(port)) =
+                    (addr.parse(), proto_number(proto), port.parse())
+                {
+                    out.by.insert((a, p, port), comment.to_string());
+                }
+            } else if let Some(proto) = set
+                .strip_prefix("NODE-PORT-")
+                .map(|p| p.strip_prefix("LOCAL-").unwrap_or(p))
+                .and_then(|p| proto_number(&p.to_ascii_lowercase()))
+                && let Ok(port) = elem.parse()
+            {
+                out.node_ports.insert((proto, port), comment.to_string());
+            }
+        }
+        out
     }
 
     /// From an `iptables-save` dump: the nat table's KUBE-SERVICES rules.
@@ -164,6 +232,30 @@ mod tests {
             Some("kube-system/kube-dns:dns")
         );
         assert_eq!(s.lookup("10.10.10.10".parse().unwrap(), 6, 53), None);
+    }
+
+    #[test]
+    fn names_from_the_ipvs_labs_ipset_comments() {
+        let s = ServiceNames::from_ipset_save(include_str!("../../../lab/node-ipvs.ipsets"));
+        assert_eq!(
+            s.lookup("10.10.10.2".parse().unwrap(), 6, 22),
+            Some("default/registry:ssh")
+        );
+        assert_eq!(
+            s.lookup("10.10.10.10".parse().unwrap(), 17, 53),
+            Some("kube-system/kube-dns:dns")
+        );
+        assert_eq!(
+            s.lookup("fd00:10::2".parse().unwrap(), 6, 22),
+            Some("default/registry:ssh")
+        );
+        assert_eq!(s.node_port(6, 30022), Some("default/registry:ssh"));
+        assert_eq!(s.node_port(17, 30022), None);
+        // KUBE-LOOP-BACK (ip,port,ip) and KUBE-IPVS-IPS' set comments name nothing.
+        assert_eq!(s.len(), 5);
+        // Entries as kube-proxy itself adds them (no comment): nothing.
+        let bare = ServiceNames::from_ipset_save("add KUBE-CLUSTER-IP 10.96.0.1,tcp:443\n");
+        assert!(bare.is_empty());
     }
 
     #[test]

@@ -475,7 +475,7 @@ impl Collector for Scraped {
             Snapshot::one(
                 "observer_tier0_read_errors_total",
                 Kind::Counter,
-                "Reads of rule counters or conntrack statistics that failed (logged; their \
+                "Reads of rule counters, conntrack or IPVS statistics that failed (logged; their \
                  series keep the last values).",
                 t.errors_total,
             )

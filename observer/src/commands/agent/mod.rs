@@ -17,6 +17,7 @@ pub mod metrics;
 mod names_only;
 pub mod peer;
 pub mod tier0;
+mod tier0_ipvs;
 pub mod tier1;
 pub mod tier2;
 
@@ -274,6 +275,7 @@ pub fn run(opts: AgentOptions) -> Result<&'static str> {
                 cap: opts.rule_series_cap,
                 marks: marks.clone(),
                 drop_counters: (opts.mode == AgentMode::Kernel).then(|| drop_counters.clone()),
+                names: Some(names.clone()),
             },
             metrics.clone(),
         )

@@ -2,8 +2,8 @@
 //! `--rules-interval` on a thread of its own (never on the event loop): every rule's
 //! counters and conntrack's statistics through `observer_nfstats`, handed to [`Metrics`] as
 //! snapshots it writes when scraped; and a second thread adding up conntrack's events (new
-//! connections, NAT, ctmark), for services whose rules carry no counter. No probe runs for
-//! either.
+//! connections, NAT, ctmark), for services whose rules carry no counter; and IPVS's own
+//! statistics where the kernel has IPVS ([`super::tier0_ipvs`]). No probe runs for any.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ pub struct Tier0Options {
     /// Where each read's drop-rule counters go (tier 1 confirms its samples' rules by
     /// them).
     pub drop_counters: Option<super::tier1::LastRead>,
+    /// The agent's Kubernetes names (IPVS's virtual services are named with them).
+    pub names: Option<Arc<crate::k8s::Names>>,
 }
 
 /// Reads at once on its own thread (a large ruleset does not hold up the agent's start),
@@ -31,6 +33,7 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
     let mut reader = RuleReader::new().map_err(std::io::Error::other)?;
     let events = listen_to_conntrack(opts.cap)?;
     let mut series = Series::new(opts.cap);
+    let mut ipvs = super::tier0_ipvs::Ipvs::new(opts.cap, opts.names.clone());
     // `node` comes from the registry.
     let labels: series::Labels = vec![("tier", "0".into())];
     let name = move |bit: u32| {
@@ -71,8 +74,14 @@ pub fn spawn(opts: Tier0Options, metrics: Arc<Metrics>) -> std::io::Result<()> {
         if let Some(ev) = &events {
             series.set_events(ev.lock().unwrap_or_else(|e| e.into_inner()).clone());
         }
+        if let Err(e) = ipvs.read() {
+            errors += 1;
+            warn!("reading IPVS's statistics: {e}");
+        }
+        let mut samples = series.samples(&labels);
+        samples.extend(ipvs.samples(&labels));
         metrics.set_tier0(Tier0 {
-            series: snapshots(series.samples(&labels)),
+            series: snapshots(samples),
             read_seconds: start.elapsed().as_secs_f64(),
             errors,
         });
