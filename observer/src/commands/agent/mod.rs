@@ -19,6 +19,7 @@ pub mod peer;
 pub mod tier0;
 pub mod tier1;
 pub mod tier2;
+pub mod window;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
