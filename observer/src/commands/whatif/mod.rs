@@ -1437,7 +1437,8 @@ mod tests {
         impl Sink for Lines {
             fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
                 if let Outcome::Report { report, .. } = h.outcome {
-                    self.0.push_str(&report.traversal().to_json_line());
+                    self.0.push_str(report.traversal().to_json_line().trim_end());
+                    self.0.push('\n');
                 }
                 Ok(())
             }

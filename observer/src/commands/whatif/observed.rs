@@ -109,10 +109,12 @@ mod tests {
         let i = f
             .flows
             .iter()
-            .position(|(_, _, t)| t.fate.kind == observer_model::FateKind::Forwarded)
+            .position(|(_, _, t)| {
+                t.traversal().unwrap().fate.kind == observer_model::FateKind::Forwarded
+            })
             .expect("a forwarded flow");
         for (n, (_, _, t)) in f.flows.iter().enumerate().take(f.flows.len() - 1) {
-            let mut t = (**t).clone();
+            let mut t = (**t.traversal().unwrap()).clone();
             if n == i {
                 t.fate.kind = observer_model::FateKind::Dropped;
                 t.egress = None;
