@@ -3,8 +3,8 @@
 use observer::commands::{
     agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic, whatif,
 };
-use observer::pipeline::{Output, OutputArgs};
 use observer::pipeline::subscription::Subscription;
+use observer::pipeline::{Output, OutputArgs};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;

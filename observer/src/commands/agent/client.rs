@@ -515,7 +515,9 @@ async fn get_async(agent: &str, path: &str, max: usize) -> Result<(u16, Vec<u8>)
     let status = res.status().as_u16();
     let mut body = Vec::new();
     while let Some(f) = res.body_mut().frame().await {
-        let Ok(data) = f.with_context(|| format!("reading the agent's answer to {path}"))?.into_data()
+        let Ok(data) = f
+            .with_context(|| format!("reading the agent's answer to {path}"))?
+            .into_data()
         else {
             continue;
         };

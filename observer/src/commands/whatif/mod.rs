@@ -1437,7 +1437,8 @@ mod tests {
         impl Sink for Lines {
             fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
                 if let Outcome::Report { report, .. } = h.outcome {
-                    self.0.push_str(report.traversal().to_json_line().trim_end());
+                    self.0
+                        .push_str(report.traversal().to_json_line().trim_end());
                     self.0.push('\n');
                 }
                 Ok(())
@@ -1535,7 +1536,9 @@ mod tests {
         assert_eq!(pick(&wout), want);
         let (_, text) = run_window(&["--ruleset", f.path()]);
         assert!(
-            text.contains("undecidable (the input does not hold what the flow needs): 1 flow, 2 packets"),
+            text.contains(
+                "undecidable (the input does not hold what the flow needs): 1 flow, 2 packets"
+            ),
             "{text}"
         );
         assert!(text.contains(", 1 undecidable (2 packets)"), "{text}");
@@ -1543,10 +1546,19 @@ mod tests {
         let same = Temp::new("window-same.rules", lab_rules());
         let (changed, text) = run_window(&["--ruleset", same.path()]);
         assert!(changed, "an undecidable flow is never unchanged: {text}");
-        assert!(text.contains("0 flows (0 packets) change, 1 undecidable"), "{text}");
+        assert!(
+            text.contains("0 flows (0 packets) change, 1 undecidable"),
+            "{text}"
+        );
         // What a window cannot do is said.
         let a = Cli::try_parse_from([
-            "whatif", "--recording", w.path(), "--ruleset", f.path(), "--filter", "udp",
+            "whatif",
+            "--recording",
+            w.path(),
+            "--ruleset",
+            f.path(),
+            "--filter",
+            "udp",
         ])
         .unwrap()
         .a;

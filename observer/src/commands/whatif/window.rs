@@ -56,9 +56,16 @@ pub fn endpoint(s: &str) -> Option<(IpAddr, Option<u16>)> {
 
 /// The route names a report carries, as [`observer_model::Route::name`] has them.
 fn route(s: &str) -> Option<&'static str> {
-    ["input", "forward", "output", "bridged", "unroutable", "unknown"]
-        .into_iter()
-        .find(|r| *r == s)
+    [
+        "input",
+        "forward",
+        "output",
+        "bridged",
+        "unroutable",
+        "unknown",
+    ]
+    .into_iter()
+    .find(|r| *r == s)
 }
 
 /// The translation conntrack applied (the report's `nat` entries of source `conntrack`).
@@ -168,9 +175,9 @@ impl FlowKey {
         };
         let route = match v["route"].as_str() {
             None => None,
-            Some(r) => Some(route(r).ok_or(Unusable::Undecidable(
-                "a route this observer does not know",
-            ))?),
+            Some(r) => {
+                Some(route(r).ok_or(Unusable::Undecidable("a route this observer does not know"))?)
+            }
         };
         Ok(FlowKey {
             proto,
@@ -219,7 +226,10 @@ mod tests {
             endpoint("[2001:db8::1]:53"),
             Some(("2001:db8::1".parse().unwrap(), Some(53)))
         );
-        assert_eq!(endpoint("2001:db8::1"), Some(("2001:db8::1".parse().unwrap(), None)));
+        assert_eq!(
+            endpoint("2001:db8::1"),
+            Some(("2001:db8::1".parse().unwrap(), None))
+        );
         assert_eq!(endpoint("<address of eth0>:80"), None);
         assert_eq!(protocol(&Value::from("udp")), Some(17));
         assert_eq!(protocol(&Value::from("132")), Some(132));
