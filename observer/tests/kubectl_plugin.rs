@@ -42,6 +42,55 @@ enum Behaviour {
     Killed { n: usize },
     /// Older than the plugin: no /v1/version.
     Old,
+    /// The golden lab recording's IPv4 traversals as its reports ([`lab_reports`]), and the
+    /// lab node's rules as its `/v1/ruleset`.
+    Lab,
+}
+
+/// The golden lab recording's IPv4 traversals as JSON reports (`observer replay --json`
+/// prints what an agent streams), made once.
+fn lab_reports() -> &'static Vec<String> {
+    static R: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    R.get_or_init(|| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_observer"))
+            .args(["replay", "--json", "--filter", "ip"])
+            .arg(lab_file("observer/tests/golden/lab-flows.obsrec"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| format!("{l}\n"))
+            .collect()
+    })
+}
+
+fn lab_file(rel: &str) -> String {
+    format!("{}/../{rel}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The lab node's rules as `GET /v1/ruleset` serves them.
+fn lab_ruleset() -> String {
+    let read = |p: &str| std::fs::read_to_string(lab_file(p)).unwrap();
+    let body = serde_json::json!({
+        "format": 1,
+        "observer": env!("CARGO_PKG_VERSION"),
+        "texts": {
+            "iptables": read("lab/node.rules"),
+            "ip6tables": read("lab/node6.rules"),
+            "nft": null,
+            "ipset": read("lab/node.ipsets"),
+            "routes": [read("lab/rules/lab-routes.json")],
+            "addrs": null,
+        },
+        "failures": [],
+    });
+    format!("{body}\n")
 }
 
 /// A fake agent on loopback: `/v1/version`, `/v1/traces`, `/v1/drops` as the real one
@@ -56,10 +105,13 @@ async fn fake_agent(node: &'static str, b: Behaviour) -> SocketAddr {
             Behaviour::Good { n } => (n, false),
             Behaviour::Killed { n } => (n, true),
             Behaviour::Old => (3, false),
+            Behaviour::Lab => (lab_reports().len(), false),
         };
         let lines = futures_util::stream::iter(0..=n).then(move |i| async move {
             tokio::time::sleep(Duration::from_millis(2)).await;
-            if i < n {
+            if i < n && matches!(b, Behaviour::Lab) {
+                Ok(lab_reports()[i].clone())
+            } else if i < n {
                 Ok(format!("{{\"schema\":2,\"id\":\"{node}/{i}\"}}\n"))
             } else if killed {
                 Err(std::io::Error::other("killed"))
@@ -81,7 +133,8 @@ async fn fake_agent(node: &'static str, b: Behaviour) -> SocketAddr {
     };
     let mut app = Router::new()
         .route("/v1/traces", get(traces))
-        .route("/v1/drops", get(drops));
+        .route("/v1/drops", get(drops))
+        .route("/v1/ruleset", get(|| async { lab_ruleset() }));
     if !matches!(b, Behaviour::Old) {
         app = app.route(
             "/v1/version",
@@ -552,6 +605,96 @@ fn drops_are_every_nodes_newest_first_and_a_pod_selects_its_node() {
         "{:?}",
         FILTERS.lock().unwrap()
     );
+}
+
+/// `kubectl observer record`: one capture window per node, named by node, with the node's
+/// ruleset, which `observer whatif` holds against a changed ruleset with no --old.
+#[test]
+fn record_writes_one_window_per_node_that_whatif_reads() {
+    let (url, _) = start(
+        vec![
+            ("observer-a", "node-a", Some(Behaviour::Lab)),
+            ("observer-b", "node-b", Some(Behaviour::Lab)),
+        ],
+        None,
+    );
+    let dir = std::env::temp_dir().join(format!("kubectl-record-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let (out, ends) = plugin(
+        &url,
+        &["record", "--all-nodes", "--seconds", "5", "--dir", d],
+    )
+    .unwrap();
+    assert!(out.is_empty(), "{out}");
+    let n = lab_reports().len();
+    assert!(n > 10, "{n}");
+    for node in ["node-a", "node-b"] {
+        let said = end(&ends, node).as_ref().unwrap_or_else(|e| panic!("{e}"));
+        let file = dir.join(format!("{node}.window"));
+        assert_eq!(
+            said,
+            &format!("{n} reports recorded to {}", file.display()),
+            "{ends:?}"
+        );
+        let text = std::fs::read_to_string(&file).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), n + 2);
+        assert_eq!(lines[0]["observer_window"]["node"], node);
+        assert_eq!(lines[0]["observer_window"]["source"], "traces");
+        assert!(
+            lines[0]["observer_window"]["ruleset"]["iptables"]
+                .as_str()
+                .unwrap()
+                .contains("KUBE-SERVICES")
+        );
+        assert_eq!(lines[n + 1]["observer_window_end"]["reports"], n as u64);
+        assert_eq!(
+            lines[n + 1]["observer_window_end"]["ruleset_changed"],
+            false
+        );
+    }
+    // whatif reads a node's window with its own ruleset as the old side.
+    let whatif = |rules: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_observer"))
+            .arg("whatif")
+            .arg("--recording")
+            .arg(dir.join("node-a.window"))
+            .args(["--ruleset", rules, "--json"])
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (code, stdout, stderr) = whatif(&lab_file("lab/node.rules"));
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    assert!(stderr.contains(" 0 flows (0 packets) change"), "{stderr}");
+    let rules = std::fs::read_to_string(lab_file("lab/node.rules"))
+        .unwrap()
+        .replace(
+            "-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+            "-A FORWARD -p tcp -m tcp --dport 22 -j DROP\n-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+        );
+    let changed = dir.join("drop22.rules");
+    std::fs::write(&changed, rules).unwrap();
+    let (code, stdout, stderr) = whatif(changed.to_str().unwrap());
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    let flows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(flows.len() >= 2, "{stdout}");
+    for f in &flows {
+        assert_eq!(f["change"], "accepted_to_dropped", "{f}");
+        assert_eq!(f["packet"]["dport"], 22, "{f}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
