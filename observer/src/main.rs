@@ -92,7 +92,8 @@ enum Command {
 #[command(after_help = "Examples:\n  \
     observer tail --netns obs-node --filter 'udp port 53'     # attach here, as root\n  \
     observer tail --agent /run/observer/agent.sock --filter 'host 10.96.0.10'   # ask the agent\n  \
-    observer tail --agent 127.0.0.1:9966 --output line --count 100")]
+    observer tail --agent 127.0.0.1:9966 --output line --count 100\n  \
+    observer tail --agent /run/observer/agent.sock --record node.window --timeout 60   # for whatif")]
 struct TailArgs {
     /// Ask a running `observer agent` instead of attaching probes here: its unix socket
     /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
@@ -327,7 +328,8 @@ struct AgentArgs {
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Example:\n  observer drops --agent /run/observer/agent.sock --output line --filter 'tcp'"
+    after_help = "Examples:\n  observer drops --agent /run/observer/agent.sock --output line --filter 'tcp'\n  \
+    observer drops --agent /run/observer/agent.sock --record drops.window   # for observer whatif"
 )]
 struct DropsArgs {
     /// The agent's unix socket path, or HOST:PORT (its --listen).

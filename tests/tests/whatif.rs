@@ -607,3 +607,80 @@ fn an_agents_capture_window_predicts_the_flows_a_change_moves() {
     assert_eq!(back, want_back, "{dsum}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The agent's default mode: its flight recorder's drop samples are seen only where they
+/// died (no stages: no mark or connection as they entered). whatif lists them as
+/// undecidable and exits 1, never counting them unchanged.
+#[test]
+fn the_default_modes_drop_samples_are_undecidable_never_unchanged() {
+    if !privileged("the_default_modes_drop_samples_are_undecidable_never_unchanged") {
+        return;
+    }
+    let lab = Lab::up("wad");
+    let _sinks = sinks(&lab);
+    let dir = std::env::temp_dir().join(format!("{}-whatif-drops", lab.prefix));
+    std::fs::create_dir_all(&dir).unwrap();
+    let old_file = write(&dir, "old.rules", &node_cmd(&lab, &["iptables-save"]));
+    let undo = Undo::save(&lab, vec![]);
+    node_cmd(
+        &lab,
+        &[
+            "iptables", "-I", "FORWARD", "-p", "udp", "--dport", "7777", "-j", "DROP",
+        ],
+    );
+    let agent = observer_tests::agent::Agent::start_with(&lab, &[]);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("198.51.100.10:41002").expect("bind the sender");
+        s.send_to(b"whatif", "172.17.0.5:7777").expect("send");
+    });
+    let drops = dir.join("drops.window");
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let mut reports = Vec::new();
+    observer_tests::wait_for(
+        "the drop sample in the flight recorder",
+        std::time::Duration::from_secs(20),
+        || {
+            let (_, err) = observer_tests::agent::Client::start(&[
+                "drops",
+                "--agent",
+                &sock,
+                "--record",
+                drops.to_str().unwrap(),
+                "--filter",
+                FILTER,
+            ])
+            .finish(std::time::Duration::from_secs(60));
+            assert!(err.contains("reports recorded to"), "{err}");
+            reports = window_reports(&drops);
+            !reports.is_empty()
+        },
+    );
+    drop(undo);
+    assert!(
+        reports
+            .iter()
+            .all(|r| r["incomplete"] == true && r["stages"].as_array().is_none_or(Vec::is_empty)),
+        "drop samples, seen only where they died: {reports:#?}"
+    );
+    let (code, flows, sum) = whatif(&[
+        "--recording",
+        drops.to_str().unwrap(),
+        "--ruleset",
+        old_file.to_str().unwrap(),
+    ]);
+    eprintln!("default mode's flight recorder: {sum}{flows:#?}");
+    assert_eq!(code, 1, "{sum}");
+    assert_eq!(
+        predicted_entries(&flows),
+        BTreeSet::from([(
+            "udp 198.51.100.10:41002 -> 172.17.0.5:7777".to_string(),
+            "undecidable".to_string()
+        )]),
+        "{sum}"
+    );
+    assert!(
+        sum.contains("0 flows (0 packets) change, 1 undecidable (1 packet), 0 unchanged"),
+        "{sum}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,5 +1,6 @@
 //! `observer whatif`: a node's recorded traffic held against a changed ruleset, before the
-//! change is made. Every distinct flow of a `tail --record` file (the packet as it entered,
+//! change is made. Every distinct flow of a `tail --record` file or of an agent's capture
+//! window ([`window`]) (the packet as it entered,
 //! its interfaces, mark and conntrack state; repeats folded and counted) is simulated under
 //! the ruleset it was recorded with and under the new one; the flows whose path changes are
 //! printed, grouped by what changed (docs/whatif.md).
@@ -31,6 +32,12 @@ pub mod window;
     # the ruleset the recording carries (tail --record reads it) against an edited one:\n  \
     iptables-save > new.rules; $EDITOR new.rules\n  \
     observer whatif --recording node.obsrec --ruleset new.rules\n\n  \
+    # a capture window from a running agent (its ruleset read through the agent), or one\n  \
+    # per node through the API server, or the agent's flight recorder:\n  \
+    observer tail --agent /run/observer/agent.sock --record node.window --timeout 60\n  \
+    kubectl observer record --all-nodes --seconds 60 --dir windows/\n  \
+    observer drops --agent /run/observer/agent.sock --record drops.window\n  \
+    observer whatif --recording windows/worker-1.window --ruleset new.rules\n\n  \
     # a recording made without its ruleset (--no-rules, or an older observer): say what it was\n  \
     observer whatif --recording node.obsrec --old node.rules --ipsets node.ipsets \\\n      \
     --routes routes.json --ruleset new.rules\n\n  \
@@ -52,7 +59,11 @@ replace the rules (all three together: give each the new node has), --ipsets, --
 bridge inputs each replace their own part. Without a recorded ruleset, --old (and --old6, \
 --old-nft) give the old rules and the other inputs you give serve both sides.")]
 pub struct WhatifArgs {
-    /// A recording made by `observer tail --record FILE` (docs/recording.md).
+    /// A recording made by `observer tail --record FILE` (docs/recording.md), or a capture
+    /// window of an agent's reports with the node's ruleset (`observer tail --agent ADDR
+    /// --record FILE`, `observer drops --agent ADDR --record FILE`, `kubectl observer
+    /// record`; docs/whatif.md): a report that does not hold what its flow needs (a drop
+    /// sample seen only where it died) is listed as undecidable.
     #[arg(long, value_name = "FILE")]
     pub recording: PathBuf,
     /// The changed node (the new side): what is not given is the recorded node's.
