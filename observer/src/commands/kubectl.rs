@@ -759,6 +759,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_window_is_named_by_its_node_and_never_leaves_the_directory() {
+        assert_eq!(
+            window_file_name("worker-1.example"),
+            "worker-1.example.window"
+        );
+        assert_eq!(window_file_name("../etc/x"), "node.._etc_x.window");
+        assert_eq!(window_file_name(""), "node.window");
+        assert_eq!(window_file_name("a/b"), "a_b.window");
+    }
+
+    #[test]
     fn reports_are_tagged_with_their_node() {
         let sink: Arc<Mutex<Box<dyn Write + Send>>> = Arc::new(Mutex::new(Box::new(Vec::new())));
         let tree =
