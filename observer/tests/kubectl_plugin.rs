@@ -1522,14 +1522,25 @@ fn a_real_agents_window_is_recorded_through_port_forward_and_whatif_reads_it() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let code = out.status.code().unwrap();
-    // Against the rules it was recorded under, nothing changes (seen: 557 traversals in
-    // 183 flows, all unchanged).
-    assert_eq!(code, 0, "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    // Against the rules it was recorded under, no flow changes (seen: 557 traversals in
+    // 183 flows, all unchanged). The agent's default mode may stream a drop sample seen
+    // only where it died (seen: udp to the node's port 9, dropped after INPUT): listed as
+    // undecidable, exit 1, never a change and never unchanged.
+    eprintln!("{stdout}");
     assert!(
         stdout.contains(&format!("whatif: {reports} traversals in ")),
         "{stdout}"
     );
-    eprintln!("{stdout}");
+    assert!(stdout.contains(" 0 flows (0 packets) change"), "{stdout}");
+    if code == 1 {
+        assert!(
+            stdout.contains("\nundecidable (the input does not hold what the flow needs)")
+                || stdout.starts_with("undecidable (the input does not hold what the flow needs)"),
+            "{stdout}"
+        );
+    } else {
+        assert_eq!(code, 0, "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    }
     let _ = std::fs::remove_dir_all(&dir);
     drop(lab);
 }
