@@ -1532,15 +1532,12 @@ fn a_real_agents_window_is_recorded_through_port_forward_and_whatif_reads_it() {
         "{stdout}"
     );
     assert!(stdout.contains(" 0 flows (0 packets) change"), "{stdout}");
-    if code == 1 {
-        assert!(
-            stdout.contains("\nundecidable (the input does not hold what the flow needs)")
-                || stdout.starts_with("undecidable (the input does not hold what the flow needs)"),
-            "{stdout}"
-        );
-    } else {
-        assert_eq!(code, 0, "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    }
+    // With no flow changed, exit 1 can only be undecidable flows (the summary counts them).
+    assert!(
+        code == 0 || (code == 1 && stdout.contains(" undecidable (")),
+        "{code}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
     drop(lab);
 }
