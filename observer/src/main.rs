@@ -442,10 +442,6 @@ fn window_from_agent(
     let tee: Option<Box<dyn Write + Send>> = if opts.wants.output == Output::Json {
         Some(Box::new(std::io::stdout()))
     } else {
-        eprintln!(
-            "observer: recording the agent's reports to {} (--output json prints them too)",
-            file.display()
-        );
         None
     };
     let (summary, end) = agent::window::record(agent::window::WindowOptions {
@@ -454,6 +450,7 @@ fn window_from_agent(
         path,
         file: file.clone(),
         node: None,
+        say_opened: tee.is_none(),
         tee,
     })?;
     eprintln!("{summary}");

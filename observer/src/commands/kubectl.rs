@@ -265,6 +265,7 @@ fn record(
                 node: Some(a.node.clone()),
                 agent_label: format!("kubectl observer (pod {}/{})", w.namespace, a.pod),
                 tee: None,
+                say_opened: false,
             };
             let node = a.node.clone();
             (

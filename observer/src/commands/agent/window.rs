@@ -28,6 +28,9 @@ pub struct WindowOptions {
     pub agent_label: String,
     /// Also write the reports here (stdout with `--output json`).
     pub tee: Option<Box<dyn Write + Send>>,
+    /// Say on stderr where the reports go once the window is open (a command whose
+    /// stdout stays empty).
+    pub say_opened: bool,
 }
 
 /// How long the agent may take to read its node's rules (a 20,000-service ruleset takes
@@ -129,6 +132,13 @@ pub fn record(opts: WindowOptions) -> Result<(ClientSummary, End)> {
         ruleset_failures: failures,
     };
     let writer = window::Writer::create(&opts.file, &header)?;
+    if opts.say_opened {
+        eprintln!(
+            "observer: the node's ruleset read; recording the agent's reports to {} \
+             (--output json prints them too)",
+            opts.file.display()
+        );
+    }
     let mut client_opts = opts.client;
     client_opts.wants.output = Output::Json;
     let out = Tee {
