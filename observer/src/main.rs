@@ -3,8 +3,8 @@
 use observer::commands::{
     agent, explain, kubectl, lab, parse_seconds, replay, tail, traffic, whatif,
 };
-use observer::pipeline::OutputArgs;
 use observer::pipeline::subscription::Subscription;
+use observer::pipeline::{Output, OutputArgs};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -92,12 +92,13 @@ enum Command {
 #[command(after_help = "Examples:\n  \
     observer tail --netns obs-node --filter 'udp port 53'     # attach here, as root\n  \
     observer tail --agent /run/observer/agent.sock --filter 'host 10.96.0.10'   # ask the agent\n  \
-    observer tail --agent 127.0.0.1:9966 --output line --count 100")]
+    observer tail --agent 127.0.0.1:9966 --output line --count 100\n  \
+    observer tail --agent /run/observer/agent.sock --record node.window --timeout 60   # for whatif")]
 struct TailArgs {
     /// Ask a running `observer agent` instead of attaching probes here: its unix socket
     /// path or HOST:PORT (its --listen). The filter, sampling, count and timeout are applied
     /// by the agent for this client alone; the reports are the same.
-    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "record", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains", "backend"])]
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["netns", "pcapng", "stats", "ready_file", "marks", "floor", "trace_bridge_chains", "backend"])]
     agent: Option<String>,
     /// `ip netns` name to observe (default: the current namespace).
     #[arg(long)]
@@ -164,6 +165,10 @@ struct TailArgs {
     /// Also save every traversal record, with the probe plan, kernel layout, interface
     /// names, kernel symbols and mark names its report needs, to FILE; `observer replay
     /// FILE` prints the same reports later, anywhere, without root (docs/recording.md).
+    /// With --agent: a capture window instead, the agent's reports as JSON with the node's
+    /// ruleset read through the agent when the window opened (bound it with --timeout or
+    /// --count); `observer whatif --recording FILE --ruleset NEW` holds it against a changed
+    /// ruleset (docs/whatif.md). Only --output json prints the reports too.
     #[arg(long, value_name = "FILE")]
     record: Option<PathBuf>,
     /// Also write each printed traversal's packet to FILE as pcap-ng, for Wireshark or
@@ -335,7 +340,8 @@ struct AgentArgs {
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Example:\n  observer drops --agent /run/observer/agent.sock --output line --filter 'tcp'"
+    after_help = "Examples:\n  observer drops --agent /run/observer/agent.sock --output line --filter 'tcp'\n  \
+    observer drops --agent /run/observer/agent.sock --record drops.window   # for observer whatif"
 )]
 struct DropsArgs {
     /// The agent's unix socket path, or HOST:PORT (its --listen).
@@ -349,6 +355,13 @@ struct DropsArgs {
     /// Only the newest N.
     #[arg(long, value_name = "N")]
     count: Option<u64>,
+    /// Also save the drops as a capture window: their reports as JSON with the node's
+    /// ruleset, read through the agent now, for `observer whatif --recording FILE`. A drop
+    /// sample of the default mode is seen only where it died: whatif lists it as
+    /// undecidable; an armed window's drops (`POST /v1/arm`) are whole (docs/whatif.md).
+    /// Only --output json prints them too.
+    #[arg(long, value_name = "FILE")]
+    record: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -431,6 +444,48 @@ fn print_stdout(text: &str) -> Result<()> {
     }
 }
 
+/// Records a capture window from an agent into `file` (`tail --agent --record`, `drops
+/// --agent --record`); the reports go to stdout too with `--output json`.
+fn window_from_agent(
+    opts: agent::client::ClientOptions,
+    path: &'static str,
+    file: PathBuf,
+) -> Result<()> {
+    let tee: Option<Box<dyn Write + Send>> = if opts.wants.output == Output::Json {
+        Some(Box::new(std::io::stdout()))
+    } else {
+        None
+    };
+    let (summary, end) = agent::window::record(agent::window::WindowOptions {
+        agent_label: opts.agent.clone(),
+        client: opts,
+        path,
+        file: file.clone(),
+        node: None,
+        say_opened: tee.is_none(),
+        tee,
+    })?;
+    eprintln!("{summary}");
+    eprintln!(
+        "observer: {} reports recorded to {}, with the node's ruleset",
+        end.reports,
+        file.display()
+    );
+    if end.ruleset_changed {
+        eprintln!(
+            "observer: warning: the node's rules changed while the window was open: whatif \
+             holds every report against the rules read when it opened"
+        );
+    }
+    if let Some(why) = summary.end.as_ref().and_then(|e| e.get("why")) {
+        anyhow::bail!(
+            "the agent could not serve this stream: {}",
+            why.as_str().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
 /// Prints what an agent streams from `path`, then its summary on stderr.
 fn from_agent(opts: agent::client::ClientOptions, path: &str) -> Result<()> {
     let summary = agent::client::run(&opts, path, std::io::stdout())?;
@@ -467,6 +522,15 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("{} TC filter(s) left attached", failures.len())
             }
         }
+        Command::Tail(mut a) if a.agent.is_some() && a.record.is_some() => window_from_agent(
+            agent::client::ClientOptions {
+                wants: a.wants(),
+                agent: a.agent.take().unwrap_or_default(),
+                stop: None,
+            },
+            "/v1/traces",
+            a.record.take().unwrap_or_default(),
+        ),
         Command::Tail(a) if a.agent.is_some() => from_agent(
             agent::client::ClientOptions {
                 wants: a.wants(),
@@ -475,8 +539,8 @@ fn run(cli: Cli) -> Result<()> {
             },
             "/v1/traces",
         ),
-        Command::Drops(a) => from_agent(
-            agent::client::ClientOptions {
+        Command::Drops(a) => {
+            let opts = agent::client::ClientOptions {
                 agent: a.agent,
                 wants: Subscription {
                     filter: a.filter,
@@ -484,9 +548,12 @@ fn run(cli: Cli) -> Result<()> {
                     ..Subscription::new(a.output.format())
                 },
                 stop: None,
-            },
-            "/v1/drops",
-        ),
+            };
+            match a.record {
+                Some(file) => window_from_agent(opts, "/v1/drops", file),
+                None => from_agent(opts, "/v1/drops"),
+            }
+        }
         Command::Agent(a) => {
             observer::kernel::capture::request(a.backend);
             let node = a.node_name.unwrap_or_else(|| {

@@ -390,3 +390,297 @@ fn a_reorder_that_changes_no_outcome_reports_nothing() {
     assert!(j.predicted.is_empty(), "{:#?}", j.predicted);
     assert!(j.observed.is_empty(), "{:#?}", j.observed);
 }
+
+// ---------------------------------------------------------------------------------------
+// Capture windows from a running agent (`tail --agent --record`, `drops --agent --record`):
+// the same traffic, recorded through the lab's agent with the node's ruleset, predicted by
+// whatif with no --old, and judged by what the kernel did in a second window after the
+// change was applied.
+
+/// One round through the agent: conntrack forgotten, a capture window of the test's
+/// datagrams (`tail --agent SOCK --record FILE --timeout`), each datagram sent once while
+/// the agent traces. Returns the window's reports.
+fn agent_round(lab: &Lab, agent: &observer_tests::agent::Agent, file: &Path) -> Vec<Value> {
+    use observer_tests::agent::{Client, METRICS, http_get, sample};
+    node_cmd(lab, &["conntrack", "-F"]);
+    let sock = agent.socket.to_str().unwrap();
+    let client = Client::start(&[
+        "tail",
+        "--agent",
+        sock,
+        "--record",
+        file.to_str().unwrap(),
+        "--filter",
+        FILTER,
+        "--timeout",
+        "12",
+    ]);
+    observer_tests::wait_for(
+        "the window's client subscribed and the agent tracing",
+        std::time::Duration::from_secs(20),
+        || {
+            let (status, text) = http_get(lab, METRICS, "/metrics");
+            status == 200
+                && sample(&text, "observer_subscribers", &[]) == 1.0
+                && sample(&text, "observer_tracing", &[]) == 1.0
+        },
+    );
+    for (role, src, dst) in FLOWS {
+        let (src, dst) = (src.to_string(), dst.to_string());
+        lab.run_in(role, move || {
+            let s = UdpSocket::bind(&src).expect("bind the sender");
+            s.send_to(b"whatif", &dst).expect("send");
+        });
+    }
+    let (_, stderr) = client.finish(std::time::Duration::from_secs(60));
+    assert!(stderr.contains("reports recorded to"), "{stderr}");
+    window_reports(file)
+}
+
+/// A window's reports (its header and end line left out; both must be there).
+fn window_reports(file: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(file).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        lines.first().unwrap()["observer_window"].is_object(),
+        "{text}"
+    );
+    assert!(
+        lines.last().unwrap()["observer_window_end"].is_object(),
+        "{text}"
+    );
+    lines[1..lines.len() - 1].to_vec()
+}
+
+/// A report's packet as it entered, as whatif's `flow` begins: `udp SRC:SPORT -> DST:DPORT`.
+fn entered(v: &Value) -> String {
+    let p = &v["packet"];
+    format!(
+        "{} {}:{} -> {}:{}",
+        p["proto"].as_str().unwrap(),
+        p["src"].as_str().unwrap(),
+        p["sport"],
+        p["dst"].as_str().unwrap(),
+        p["dport"]
+    )
+}
+
+/// What the kernel did to a report's packet, as whatif compares outcomes: its fate and
+/// egress, and the translations the rules made.
+fn outcome(v: &Value) -> String {
+    let nat: Vec<String> = v["nat"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| format!("{} {}", n["kind"], n["to"]))
+        .collect();
+    format!("{} {} {nat:?}", v["fate"]["kind"], v["egress"]["iface"])
+}
+
+/// whatif's changed flows (`--json` lines), each as `udp SRC:SPORT -> DST:DPORT`, with
+/// their change.
+fn predicted_entries(flows: &[(String, String)]) -> BTreeSet<(String, String)> {
+    flows
+        .iter()
+        .map(|(f, c)| (f.split(" in ").next().unwrap().to_string(), c.clone()))
+        .collect()
+}
+
+#[test]
+fn an_agents_capture_window_predicts_the_flows_a_change_moves() {
+    if !privileged("an_agents_capture_window_predicts_the_flows_a_change_moves") {
+        return;
+    }
+    let lab = Lab::up("wag");
+    let _sinks = sinks(&lab);
+    let agent = observer_tests::agent::Agent::start(&lab);
+    let dir = std::env::temp_dir().join(format!("{}-whatif-agent", lab.prefix));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (before, after) = (dir.join("before.window"), dir.join("after.window"));
+    let first = agent_round(&lab, &agent, &before);
+    let sent: BTreeSet<String> = first.iter().map(entered).collect();
+    assert!(
+        sent.len() >= FLOWS.len(),
+        "every datagram is seen: {sent:#?}"
+    );
+
+    // (a) A Calico policy that starts dropping udp/7777 to the pod, as in the recording's
+    // test above: predicted from the window alone (its header carries the node's rules).
+    let old_rules = node_cmd(&lab, &["iptables-save"]);
+    let old_file = write(&dir, "old.rules", &old_rules);
+    let policy = edited(&lab, &dir, "policy.rules", |old| {
+        let est = line_with(old, "cali:aHk0kMy3F0JNd9ex");
+        old.replace(
+            est,
+            &format!(
+                "{est}\n-A cali-tw-cali1a2b -p udp -m comment --comment \"cali:whatif-deny-7777\" -m udp --dport 7777 -j DROP"
+            ),
+        )
+    });
+    let (pcode, predicted, psum) = whatif(&[
+        "--recording",
+        before.to_str().unwrap(),
+        "--ruleset",
+        policy.to_str().unwrap(),
+    ]);
+    eprintln!("window predicted: {psum}{predicted:#?}");
+    assert_eq!(pcode, 1, "{psum}");
+
+    // The change for real, the same traffic through the agent again.
+    let undo = Undo::save(&lab, vec![]);
+    node_pipe(
+        &lab,
+        &["iptables-restore"],
+        &std::fs::read_to_string(&policy).unwrap(),
+    );
+    let second = agent_round(&lab, &agent, &after);
+    // The flight recorder holds the drops the change made (whole: a client was tracing).
+    let drops = dir.join("drops.window");
+    let sock = agent.socket.to_str().unwrap();
+    let (_, derr) = observer_tests::agent::Client::start(&[
+        "drops",
+        "--agent",
+        sock,
+        "--record",
+        drops.to_str().unwrap(),
+        "--filter",
+        FILTER,
+    ])
+    .finish(std::time::Duration::from_secs(60));
+    assert!(derr.contains("reports recorded to"), "{derr}");
+    drop(undo);
+
+    // Judged by the kernel: the flows whose observed outcome changed between the windows.
+    let of = |reports: &[Value]| -> std::collections::BTreeMap<String, String> {
+        reports.iter().map(|r| (entered(r), outcome(r))).collect()
+    };
+    let (b, a) = (of(&first), of(&second));
+    assert_eq!(
+        b.keys().collect::<Vec<_>>(),
+        a.keys().collect::<Vec<_>>(),
+        "the same flows in both windows"
+    );
+    let observed: BTreeSet<String> = b
+        .iter()
+        .filter(|(k, o)| a[*k] != **o)
+        .map(|(k, _)| k.clone())
+        .collect();
+    let want: BTreeSet<(String, String)> = [
+        "udp 198.51.100.10:41002 -> 172.17.0.5:7777",
+        "udp 192.170.1.5:41005 -> 172.17.0.5:7777",
+    ]
+    .iter()
+    .map(|f| (f.to_string(), "accepted_to_dropped".to_string()))
+    .collect();
+    assert_eq!(predicted_entries(&predicted), want, "{psum}");
+    assert_eq!(
+        observed,
+        want.iter().map(|(f, _)| f.clone()).collect(),
+        "the kernel changed exactly the predicted flows\nbefore: {b:#?}\nafter: {a:#?}"
+    );
+    for f in &observed {
+        assert!(a[f].starts_with("\"dropped\""), "{f}: {}", a[f]);
+    }
+
+    // (b) The flight recorder as input: its drops (recorded under the changed rules, which
+    // its header carries) held against the old rules: the policy's drops are accepted
+    // again; nothing else changes, and what it cannot decide is listed as such.
+    let (dcode, dflows, dsum) = whatif(&[
+        "--recording",
+        drops.to_str().unwrap(),
+        "--ruleset",
+        old_file.to_str().unwrap(),
+    ]);
+    eprintln!("flight recorder: {dsum}{dflows:#?}");
+    assert_eq!(dcode, 1, "{dsum}");
+    let back: BTreeSet<(String, String)> = predicted_entries(&dflows)
+        .into_iter()
+        .filter(|(_, c)| c != "undecidable")
+        .collect();
+    let want_back: BTreeSet<(String, String)> = want
+        .iter()
+        .map(|(f, _)| (f.clone(), "dropped_to_accepted".to_string()))
+        .collect();
+    assert_eq!(back, want_back, "{dsum}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The agent's default mode: its flight recorder's drop samples are seen only where they
+/// died (no stages: no mark or connection as they entered). whatif lists them as
+/// undecidable and exits 1, never counting them unchanged.
+#[test]
+fn the_default_modes_drop_samples_are_undecidable_never_unchanged() {
+    if !privileged("the_default_modes_drop_samples_are_undecidable_never_unchanged") {
+        return;
+    }
+    let lab = Lab::up("wad");
+    let _sinks = sinks(&lab);
+    let dir = std::env::temp_dir().join(format!("{}-whatif-drops", lab.prefix));
+    std::fs::create_dir_all(&dir).unwrap();
+    let old_file = write(&dir, "old.rules", &node_cmd(&lab, &["iptables-save"]));
+    let undo = Undo::save(&lab, vec![]);
+    node_cmd(
+        &lab,
+        &[
+            "iptables", "-I", "FORWARD", "-p", "udp", "--dport", "7777", "-j", "DROP",
+        ],
+    );
+    let agent = observer_tests::agent::Agent::start_with(&lab, &[]);
+    lab.run_in("client", || {
+        let s = UdpSocket::bind("198.51.100.10:41002").expect("bind the sender");
+        s.send_to(b"whatif", "172.17.0.5:7777").expect("send");
+    });
+    let drops = dir.join("drops.window");
+    let sock = agent.socket.to_str().unwrap().to_string();
+    let mut reports = Vec::new();
+    observer_tests::wait_for(
+        "the drop sample in the flight recorder",
+        std::time::Duration::from_secs(20),
+        || {
+            let (_, err) = observer_tests::agent::Client::start(&[
+                "drops",
+                "--agent",
+                &sock,
+                "--record",
+                drops.to_str().unwrap(),
+                "--filter",
+                FILTER,
+            ])
+            .finish(std::time::Duration::from_secs(60));
+            assert!(err.contains("reports recorded to"), "{err}");
+            reports = window_reports(&drops);
+            !reports.is_empty()
+        },
+    );
+    drop(undo);
+    assert!(
+        reports
+            .iter()
+            .all(|r| r["incomplete"] == true && r["stages"].as_array().is_none_or(Vec::is_empty)),
+        "drop samples, seen only where they died: {reports:#?}"
+    );
+    let (code, flows, sum) = whatif(&[
+        "--recording",
+        drops.to_str().unwrap(),
+        "--ruleset",
+        old_file.to_str().unwrap(),
+    ]);
+    eprintln!("default mode's flight recorder: {sum}{flows:#?}");
+    assert_eq!(code, 1, "{sum}");
+    assert_eq!(
+        predicted_entries(&flows),
+        BTreeSet::from([(
+            "udp 198.51.100.10:41002 -> 172.17.0.5:7777".to_string(),
+            "undecidable".to_string()
+        )]),
+        "{sum}"
+    );
+    assert!(
+        sum.contains("0 flows (0 packets) change, 1 undecidable (1 packet), 0 unchanged"),
+        "{sum}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

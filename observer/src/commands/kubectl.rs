@@ -46,7 +46,8 @@ ln -s \"$(command -v observer)\" ~/.local/bin/kubectl-observer), or `cargo xtask
     kubectl observer tail --all-nodes --json --timeout 30 | jq -c '{node, fate}'\n  \
     kubectl observer drops --output line\n  \
     kubectl observer trace default/client-0 default/web --port 80 --timeout 20\n  \
-    kubectl observer trace default/client-0 default/web --port 9 --proto udp --predict"
+    kubectl observer trace default/client-0 default/web --port 9 --proto udp --predict\n  \
+    kubectl observer record --all-nodes --seconds 60 --dir windows/   # for observer whatif"
 )]
 pub struct PluginCli {
     #[command(subcommand)]
@@ -69,6 +70,12 @@ pub enum PluginCommand {
     /// by the packet's tuple after NAT, its IPv4 identification and the VXLAN outer header;
     /// or, with --predict, the same journey predicted on every node's ruleset.
     Trace(trace::PluginTrace),
+    /// Record a bounded capture window on each chosen node, for `observer whatif`: the
+    /// agent's traversals for --seconds (or, with --drops, its flight recorder), with the
+    /// node's ruleset read through the agent, one file per node in --dir, named by node
+    /// (DIR/NODE.window). `observer whatif --recording DIR/NODE.window --ruleset NEW` then
+    /// says what a change to that node's rules would do to its traffic (docs/whatif.md).
+    Record(PluginRecord),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -147,6 +154,159 @@ pub struct PluginDrops {
     pub count: Option<u64>,
 }
 
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+    kubectl observer record --all-nodes --seconds 60 --dir windows/\n  \
+    observer whatif --recording windows/worker-1.window --ruleset worker-1.new.rules\n  \
+    kubectl observer record --node worker-1 --drops --dir windows/   # the flight recorder")]
+pub struct PluginRecord {
+    #[command(flatten)]
+    pub target: Target,
+    /// How long each node's window stays open (a decimal number of seconds).
+    #[arg(long, value_name = "SECS", value_parser = super::parse_seconds, required_unless_present = "drops")]
+    pub seconds: Option<Duration>,
+    /// Where the windows are written, one per node: DIR/NODE.window (created if missing;
+    /// an existing window of the same node is replaced).
+    #[arg(long, value_name = "DIR")]
+    pub dir: std::path::PathBuf,
+    /// Only the traversals this filter keeps (docs/filter.md), applied by each agent.
+    #[arg(long, value_name = "EXPR")]
+    pub filter: Option<String>,
+    /// Keep one flow in N.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub sample: u32,
+    /// Each node's flight recorder (its recent drops, as they are now) instead of a window
+    /// of traversals: a drop sample seen only where it died is undecidable in whatif.
+    #[arg(long, conflicts_with_all = ["seconds", "sample"])]
+    pub drops: bool,
+    /// Also record the packets that carry the stream (see `tail --trace-own-stream`).
+    #[arg(long)]
+    pub trace_own_stream: bool,
+}
+
+/// A node's name as a file name: what is not a letter, digit, `.`, `-` or `_` becomes `_`.
+pub fn window_file_name(node: &str) -> String {
+    let safe: String = node
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let safe = if safe.is_empty() || safe.starts_with('.') {
+        format!("node{safe}")
+    } else {
+        safe
+    };
+    format!("{safe}.window")
+}
+
+/// `record`: a window per chosen node, each written by its own client through its own
+/// port-forward; each node's end says how many reports its file holds, or why it failed.
+fn record(
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+    cluster: ClusterArgs,
+    r: PluginRecord,
+) -> Result<Vec<NodeEnd>> {
+    let w = where_of(&cluster)?;
+    let target = r.target;
+    if target.node.is_none() && target.pod.is_none() && !target.all_nodes {
+        anyhow::bail!("say which nodes: --node NODE, --pod NAMESPACE/NAME or --all-nodes");
+    }
+    std::fs::create_dir_all(&r.dir)
+        .with_context(|| format!("creating the windows' directory {}", r.dir.display()))?;
+    let (path, mut wants) = if r.drops {
+        (
+            "/v1/drops",
+            Subscription {
+                filter: r.filter,
+                ..Subscription::new(Output::Json)
+            },
+        )
+    } else {
+        let mut filter = r.filter;
+        if !r.trace_own_stream {
+            filter = Some(without_own_stream(filter.as_deref(), w.port));
+        }
+        (
+            "/v1/traces",
+            Subscription {
+                filter,
+                sample: r.sample,
+                timeout: r.seconds,
+                ..Subscription::new(Output::Json)
+            },
+        )
+    };
+    let mut reached = reach(rt, &client, &w, &target, &mut wants)?;
+    let mut ends = std::mem::take(&mut reached.ends);
+    let mut files = std::collections::HashSet::new();
+    let clients: Vec<_> = std::mem::take(&mut reached.ready)
+        .into_iter()
+        .map(|(a, socket)| {
+            let mut name = window_file_name(&a.node);
+            // Two nodes whose names read the same as files: the second gets its pod's name.
+            if !files.insert(name.clone()) {
+                name = window_file_name(&format!("{}-{}", a.node, a.pod));
+            }
+            let file = r.dir.join(name);
+            let opts = super::agent::window::WindowOptions {
+                client: ClientOptions {
+                    agent: socket.display().to_string(),
+                    wants: wants.clone(),
+                    stop: None,
+                },
+                path,
+                file: file.clone(),
+                node: Some(a.node.clone()),
+                agent_label: format!("kubectl observer (pod {}/{})", w.namespace, a.pod),
+                tee: None,
+                say_opened: false,
+            };
+            let node = a.node.clone();
+            (
+                node,
+                file,
+                std::thread::spawn(move || super::agent::window::record(opts)),
+            )
+        })
+        .collect();
+    for (node, file, t) in clients {
+        let r = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("the client of node {node} panicked"))?;
+        let result = match r {
+            Ok((_, end)) => {
+                let mut said = format!("{} reports recorded to {}", end.reports, file.display());
+                if end.skipped > 0 {
+                    said.push_str(&format!(
+                        ", {} skipped by the agent (this client read too slowly)",
+                        end.skipped
+                    ));
+                }
+                if end.ruleset_changed {
+                    said.push_str(
+                        "; the node's rules changed while the window was open: record it again",
+                    );
+                }
+                Ok(said)
+            }
+            Err(e) => Err(format!(
+                "{e:#} ({} keeps what came before it)",
+                file.display()
+            )),
+        };
+        ends.push(NodeEnd { node, result });
+    }
+    reached.close();
+    ends.sort_by(|a, b| a.node.cmp(&b.node));
+    Ok(ends)
+}
+
 /// What one node's part ended with.
 #[derive(Debug)]
 pub struct NodeEnd {
@@ -218,6 +378,10 @@ pub fn run_outcome(
 ) -> Result<Outcome> {
     match cli.command {
         PluginCommand::Trace(t) => trace::run(rt, client, cli.cluster, t, out),
+        PluginCommand::Record(r) => Ok(Outcome {
+            ends: record(rt, client, cli.cluster, r)?,
+            failures_fail: true,
+        }),
         command => Ok(Outcome {
             ends: stream(
                 rt,
@@ -271,15 +435,91 @@ pub fn stream(
             };
             (d.selection.target, "/v1/drops", wants)
         }
-        PluginCommand::Trace(_) => anyhow::bail!("trace is not a stream: use run"),
+        PluginCommand::Trace(_) | PluginCommand::Record(_) => {
+            anyhow::bail!("trace and record are not streams: use run")
+        }
     };
+    let mut reached = reach(rt, &client, &w, &target, &mut wants)?;
+    let mut ends = std::mem::take(&mut reached.ends);
+    let newest_first = path == "/v1/drops";
+    let clients: Vec<_> = std::mem::take(&mut reached.ready)
+        .into_iter()
+        .map(|(a, socket)| {
+            let opts = ClientOptions {
+                agent: socket.display().to_string(),
+                wants: wants.clone(),
+                stop: stop.clone(),
+            };
+            let w = NodeWriter::new(&a.node, wants.output, out.clone(), newest_first);
+            let node = a.node.clone();
+            let t = std::thread::spawn(move || {
+                let r = client::run(&opts, path, w.clone());
+                (r, w)
+            });
+            (node, t)
+        })
+        .collect();
+    let mut held = Vec::new();
+    for (node, t) in clients {
+        let (r, w) = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("the client of node {node} panicked"))?;
+        let result = match r {
+            Ok(s) => Ok(s.to_string().trim_start_matches("observer: ").to_string()),
+            Err(e) => Err(format!(
+                "{e:#} (its part of the stream ended after {} reports: was the agent stopped, \
+                 or its node lost? the other nodes went on)",
+                w.reports()
+            )),
+        };
+        held.push(w);
+        ends.push(NodeEnd { node, result });
+    }
+    reached.close();
+    // Drops: each node's recorder newest first (the agents' clocks are not comparable, so
+    // nodes are not interleaved by time).
+    for w in held {
+        w.release()?;
+    }
+    ends.sort_by(|a, b| a.node.cmp(&b.node));
+    Ok(ends)
+}
+
+/// The chosen agents reached: each that answered with the local socket forwarded to it
+/// (through the API server, by a thread of its own until [`Reached::close`]), and the ends
+/// of those that did not.
+struct Reached {
+    ready: Vec<(Agent, std::path::PathBuf)>,
+    ends: Vec<NodeEnd>,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    forwarder: std::thread::JoinHandle<()>,
+    /// Holds the sockets; removed after the forwarder stopped.
+    _dir: PrivateDir,
+}
+
+impl Reached {
+    fn close(self) {
+        let _ = self.stop_tx.send(());
+        let _ = self.forwarder.join();
+    }
+}
+
+/// Finds the agents `target` names, checks each answers as this version does (a pod's
+/// addresses are added to `wants`' filter), and forwards a local socket to each that does.
+fn reach(
+    rt: tokio::runtime::Runtime,
+    client: &kube::Client,
+    w: &Where,
+    target: &Target,
+    wants: &mut Subscription,
+) -> Result<Reached> {
     // Find the agents, and check each answers as this version does.
     let (chosen, checked) = rt.block_on(async {
-        let all = cluster::agents(&client, &w).await?;
+        let all = cluster::agents(client, w).await?;
         let chosen: Vec<Agent> = if let Some(node) = &target.node {
-            vec![cluster::on_node(&all, node, &w)?]
+            vec![cluster::on_node(&all, node, w)?]
         } else if let Some(pod) = &target.pod {
-            let (node, ips) = cluster::pod_node(&client, pod).await?;
+            let (node, ips) = cluster::pod_node(client, pod).await?;
             if !ips.is_empty() {
                 let hosts = ips
                     .iter()
@@ -291,7 +531,7 @@ pub fn stream(
                     None => hosts,
                 });
             }
-            vec![cluster::on_node(&all, &node, &w)?]
+            vec![cluster::on_node(&all, &node, w)?]
         } else {
             if all.is_empty() {
                 return Err(cluster::ClusterError::NoAgents {
@@ -303,7 +543,7 @@ pub fn stream(
             all
         };
         let checks =
-            futures_util::future::join_all(chosen.iter().map(|a| cluster::check(&client, &w, a)))
+            futures_util::future::join_all(chosen.iter().map(|a| cluster::check(client, w, a)))
                 .await;
         // An RBAC refusal is the same on every node: said once, as the error.
         for r in &checks {
@@ -345,50 +585,13 @@ pub fn stream(
             let _ = stop_rx.await;
         })
     });
-    let newest_first = path == "/v1/drops";
-    let clients: Vec<_> = ready
-        .into_iter()
-        .zip(sockets)
-        .map(|(a, socket)| {
-            let opts = ClientOptions {
-                agent: socket.display().to_string(),
-                wants: wants.clone(),
-                stop: stop.clone(),
-            };
-            let w = NodeWriter::new(&a.node, wants.output, out.clone(), newest_first);
-            let node = a.node.clone();
-            let t = std::thread::spawn(move || {
-                let r = client::run(&opts, path, w.clone());
-                (r, w)
-            });
-            (node, t)
-        })
-        .collect();
-    let mut held = Vec::new();
-    for (node, t) in clients {
-        let (r, w) = t
-            .join()
-            .map_err(|_| anyhow::anyhow!("the client of node {node} panicked"))?;
-        let result = match r {
-            Ok(s) => Ok(s.to_string().trim_start_matches("observer: ").to_string()),
-            Err(e) => Err(format!(
-                "{e:#} (its part of the stream ended after {} reports: was the agent stopped, \
-                 or its node lost? the other nodes went on)",
-                w.reports()
-            )),
-        };
-        held.push(w);
-        ends.push(NodeEnd { node, result });
-    }
-    let _ = stop_tx.send(());
-    let _ = forwarder.join();
-    // Drops: each node's recorder newest first (the agents' clocks are not comparable, so
-    // nodes are not interleaved by time).
-    for w in held {
-        w.release()?;
-    }
-    ends.sort_by(|a, b| a.node.cmp(&b.node));
-    Ok(ends)
+    Ok(Reached {
+        ready: ready.into_iter().zip(sockets).collect(),
+        ends,
+        stop_tx,
+        forwarder,
+        _dir: dir,
+    })
 }
 
 /// Where the agents are, from the flags.
@@ -555,6 +758,17 @@ impl Write for NodeWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_is_named_by_its_node_and_never_leaves_the_directory() {
+        assert_eq!(
+            window_file_name("worker-1.example"),
+            "worker-1.example.window"
+        );
+        assert_eq!(window_file_name("../etc/x"), "node.._etc_x.window");
+        assert_eq!(window_file_name(""), "node.window");
+        assert_eq!(window_file_name("a/b"), "a_b.window");
+    }
 
     #[test]
     fn reports_are_tagged_with_their_node() {

@@ -3,6 +3,7 @@
 
 pub mod pcapng;
 pub mod recording;
+pub mod window;
 mod writer;
 
 pub use writer::*;

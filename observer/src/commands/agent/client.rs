@@ -473,3 +473,61 @@ fn handle_line(line: &[u8], out: &mut Vec<u8>, s: &mut ClientSummary) -> Result<
     }
     Ok(true)
 }
+
+/// One plain request to the agent (`GET path`, e.g. `/v1/ruleset`): its status and at most
+/// `max` bytes of its body, within `within` (connecting, the answer and its body).
+pub fn get(agent: &str, path: &str, max: usize, within: Duration) -> Result<(u16, Vec<u8>)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(async {
+        match tokio::time::timeout(within, get_async(agent, path, max)).await {
+            Ok(r) => r,
+            Err(_) => bail!(
+                "the agent at {agent} did not answer {path} within {within:?}: is it running, \
+                 and is this its --socket or --listen address?"
+            ),
+        }
+    });
+    rt.shutdown_background();
+    r
+}
+
+async fn get_async(agent: &str, path: &str, max: usize) -> Result<(u16, Vec<u8>)> {
+    let host = if is_unix(agent) { "localhost" } else { agent };
+    let req = hyper::Request::get(path)
+        .header(hyper::header::HOST, host)
+        .body(Empty::<Bytes>::new())
+        .context("making the request")?;
+    let hint = "is `observer agent` running, and is this its --socket (default \
+                /run/observer/agent.sock) or --listen address?";
+    let mut res = if is_unix(agent) {
+        let s = tokio::net::UnixStream::connect(agent)
+            .await
+            .with_context(|| format!("connecting to the agent at {agent}: {hint}"))?;
+        send(TokioIo::new(s), req).await?
+    } else {
+        let s = tokio::net::TcpStream::connect(agent)
+            .await
+            .with_context(|| format!("connecting to the agent at {agent}: {hint}"))?;
+        send(TokioIo::new(s), req).await?
+    };
+    let status = res.status().as_u16();
+    let mut body = Vec::new();
+    while let Some(f) = res.body_mut().frame().await {
+        let Ok(data) = f
+            .with_context(|| format!("reading the agent's answer to {path}"))?
+            .into_data()
+        else {
+            continue;
+        };
+        if body.len() + data.len() > max {
+            bail!(
+                "the agent's answer to {path} is longer than {} MiB: not what an agent sends",
+                max >> 20
+            );
+        }
+        body.extend_from_slice(&data);
+    }
+    Ok((status, body))
+}

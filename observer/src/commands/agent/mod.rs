@@ -20,6 +20,7 @@ pub mod tier0;
 mod tier0_ipvs;
 pub mod tier1;
 pub mod tier2;
+pub mod window;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;

@@ -1,5 +1,6 @@
 //! `observer whatif`: a node's recorded traffic held against a changed ruleset, before the
-//! change is made. Every distinct flow of a `tail --record` file (the packet as it entered,
+//! change is made. Every distinct flow of a `tail --record` file or of an agent's capture
+//! window ([`window`]) (the packet as it entered,
 //! its interfaces, mark and conntrack state; repeats folded and counted) is simulated under
 //! the ruleset it was recorded with and under the new one; the flows whose path changes are
 //! printed, grouped by what changed (docs/whatif.md).
@@ -24,12 +25,19 @@ use super::rulefiles::{LiveArgs, RuleFiles};
 use crate::pipeline::{Handled, Outcome, Sink};
 
 pub mod observed;
+pub mod window;
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = "Examples:\n  \
     # the ruleset the recording carries (tail --record reads it) against an edited one:\n  \
     iptables-save > new.rules; $EDITOR new.rules\n  \
     observer whatif --recording node.obsrec --ruleset new.rules\n\n  \
+    # a capture window from a running agent (its ruleset read through the agent), or one\n  \
+    # per node through the API server, or the agent's flight recorder:\n  \
+    observer tail --agent /run/observer/agent.sock --record node.window --timeout 60\n  \
+    kubectl observer record --all-nodes --seconds 60 --dir windows/\n  \
+    observer drops --agent /run/observer/agent.sock --record drops.window\n  \
+    observer whatif --recording windows/worker-1.window --ruleset new.rules\n\n  \
     # a recording made without its ruleset (--no-rules, or an older observer): say what it was\n  \
     observer whatif --recording node.obsrec --old node.rules --ipsets node.ipsets \\\n      \
     --routes routes.json --ruleset new.rules\n\n  \
@@ -51,7 +59,11 @@ replace the rules (all three together: give each the new node has), --ipsets, --
 bridge inputs each replace their own part. Without a recorded ruleset, --old (and --old6, \
 --old-nft) give the old rules and the other inputs you give serve both sides.")]
 pub struct WhatifArgs {
-    /// A recording made by `observer tail --record FILE` (docs/recording.md).
+    /// A recording made by `observer tail --record FILE` (docs/recording.md), or a capture
+    /// window of an agent's reports with the node's ruleset (`observer tail --agent ADDR
+    /// --record FILE`, `observer drops --agent ADDR --record FILE`, `kubectl observer
+    /// record`; docs/whatif.md): a report that does not hold what its flow needs (a drop
+    /// sample seen only where it died) is listed as undecidable.
     #[arg(long, value_name = "FILE")]
     pub recording: PathBuf,
     /// The changed node (the new side): what is not given is the recorded node's.
@@ -168,6 +180,8 @@ fn stored_nat(t: &Traversal) -> StoredNat {
 pub enum Unusable {
     /// No IP header was read.
     NoHeader,
+    /// The input does not hold what the flow needs (why): listed as undecidable.
+    Undecidable(&'static str),
 }
 
 impl FlowKey {
@@ -296,15 +310,56 @@ impl FlowKey {
     }
 }
 
+/// The first traversal of a flow as the input holds it: a recording's traversal, or a
+/// capture window's report (JSON).
+#[derive(Clone, Debug)]
+pub enum Seen {
+    Recorded(std::sync::Arc<Traversal>),
+    Reported(std::sync::Arc<serde_json::Value>),
+}
+
+impl Seen {
+    /// The traversal, when the input is a recording.
+    pub fn traversal(&self) -> Option<&std::sync::Arc<Traversal>> {
+        match self {
+            Seen::Recorded(t) => Some(t),
+            Seen::Reported(_) => None,
+        }
+    }
+
+    /// Its `packet`, as JSON (schema 3).
+    pub fn packet_json(&self) -> String {
+        match self {
+            Seen::Recorded(t) => serde_json::to_string(&t.packet).expect("a packet serialises"),
+            Seen::Reported(v) => v["packet"].to_string(),
+        }
+    }
+}
+
+/// Flows the input cannot decide (a drop sample seen only where it died), folded by the
+/// packet and why: listed, never counted as unchanged.
+#[derive(Clone, Debug)]
+pub struct Undecided {
+    /// The packet in `explain --packet` words, as far as the input says.
+    pub flow: String,
+    pub why: &'static str,
+    pub count: u64,
+    /// Its `packet` as JSON.
+    pub packet: String,
+}
+
 /// Distinct flows in the order first seen, each with its packet count and the first
 /// traversal of it (its `packet` is what JSON prints).
 #[derive(Default)]
 pub struct Folded {
-    pub flows: Vec<(FlowKey, u64, std::sync::Arc<Traversal>)>,
+    pub flows: Vec<(FlowKey, u64, Seen)>,
     index: HashMap<FlowKey, usize>,
     /// Traversals seen, and those no flow could be made of.
     pub traversals: u64,
     pub unusable: u64,
+    /// Flows the input cannot decide.
+    pub undecided: Vec<Undecided>,
+    undecided_index: HashMap<(String, &'static str), usize>,
 }
 
 impl Folded {
@@ -314,11 +369,40 @@ impl Folded {
             self.unusable += 1;
             return;
         };
+        self.fold(k, || Seen::Recorded(t.clone()));
+    }
+
+    /// A capture window's report (schema-3 JSON).
+    pub fn add_json(&mut self, v: serde_json::Value, ruleset: usize) {
+        self.traversals += 1;
+        match FlowKey::of_json(&v, ruleset) {
+            Ok(k) => self.fold(k, || Seen::Reported(std::sync::Arc::new(v))),
+            Err(Unusable::NoHeader) => self.unusable += 1,
+            Err(Unusable::Undecidable(why)) => {
+                let flow = window::describe(&v);
+                match self.undecided_index.get(&(flow.clone(), why)) {
+                    Some(&i) => self.undecided[i].count += 1,
+                    None => {
+                        self.undecided_index
+                            .insert((flow.clone(), why), self.undecided.len());
+                        self.undecided.push(Undecided {
+                            flow,
+                            why,
+                            count: 1,
+                            packet: v["packet"].to_string(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn fold(&mut self, k: FlowKey, seen: impl FnOnce() -> Seen) {
         match self.index.get(&k) {
             Some(&i) => self.flows[i].1 += 1,
             None => {
                 self.index.insert(k.clone(), self.flows.len());
-                self.flows.push((k, 1, t.clone()));
+                self.flows.push((k, 1, seen()));
             }
         }
     }
@@ -542,7 +626,7 @@ pub struct Changed {
     pub key: FlowKey,
     pub count: u64,
     pub change: Change,
-    pub observed: std::sync::Arc<Traversal>,
+    pub observed: Seen,
     pub before: Traversal,
     pub after: Traversal,
 }
@@ -564,6 +648,8 @@ pub struct Findings {
     pub unseen_packets: u64,
     pub new_flows: u64,
     pub new_packets: u64,
+    /// Flows the input cannot decide (undecidable, never unchanged).
+    pub undecided: Vec<Undecided>,
 }
 
 impl Findings {
@@ -580,7 +666,7 @@ impl Findings {
     /// Whether some flow changes or cannot be decided (the exit status is then 1); with
     /// `--observed`, also when a flow was not seen again.
     pub fn any(&self) -> bool {
-        !self.groups.is_empty() || self.unseen_flows > 0
+        !self.groups.is_empty() || self.unseen_flows > 0 || !self.undecided.is_empty()
     }
 
     fn changed(&self) -> (u64, u64) {
@@ -596,8 +682,10 @@ impl Findings {
     pub fn summary(&self) -> String {
         let (cf, cp) = self.changed();
         let und = self.groups.get(&Change::Undecidable);
-        let flows =
-            cf + und.map_or(0, |v| v.len() as u64) + self.unchanged_flows + self.unseen_flows;
+        let und_flows = und.map_or(0, |v| v.len() as u64) + self.undecided.len() as u64;
+        let und_packets = und.map_or(0, |v| v.iter().map(|c| c.count).sum::<u64>())
+            + self.undecided.iter().map(|u| u.count).sum::<u64>();
+        let flows = cf + und_flows + self.unchanged_flows + self.unseen_flows;
         let mut s = format!(
             "whatif: {} traversals in {flows} flows: {cf} flow{} ({cp} packet{}) change",
             self.traversals,
@@ -613,9 +701,12 @@ impl Findings {
         if !kinds.is_empty() {
             let _ = write!(s, " ({})", kinds.join(", "));
         }
-        if let Some(u) = und {
-            let p: u64 = u.iter().map(|c| c.count).sum();
-            let _ = write!(s, ", {} undecidable ({p} packet{})", u.len(), plural(p));
+        if und_flows > 0 {
+            let _ = write!(
+                s,
+                ", {und_flows} undecidable ({und_packets} packet{})",
+                plural(und_packets)
+            );
         }
         let _ = write!(
             s,
@@ -794,6 +885,22 @@ pub fn render_text(f: &Findings) -> String {
         }
         out.push('\n');
     }
+    if !f.undecided.is_empty() {
+        let packets: u64 = f.undecided.iter().map(|u| u.count).sum();
+        let _ = writeln!(
+            out,
+            "undecidable (the input does not hold what the flow needs): {} flow{}, {packets} \
+             packet{}",
+            f.undecided.len(),
+            plural(f.undecided.len() as u64),
+            plural(packets)
+        );
+        for u in &f.undecided {
+            let _ = writeln!(out, "  {}x {}", u.count, u.flow);
+            let _ = writeln!(out, "     why: {}", u.why);
+        }
+        out.push('\n');
+    }
     out.push_str(&f.summary());
     out.push('\n');
     out
@@ -804,7 +911,7 @@ pub fn render_json(f: &Findings) -> String {
     let mut out = String::new();
     for flows in f.groups.values() {
         for c in flows {
-            let packet = serde_json::to_string(&c.observed.packet).expect("a packet serialises");
+            let packet = c.observed.packet_json();
             let _ = writeln!(
                 out,
                 "{{\"change\":{},\"count\":{},\"flow\":{},\"packet\":{packet},\"ingress\":{},\
@@ -820,6 +927,17 @@ pub fn render_json(f: &Findings) -> String {
                 c.after.to_json_line().trim_end(),
             );
         }
+    }
+    for u in &f.undecided {
+        let _ = writeln!(
+            out,
+            "{{\"change\":\"undecidable\",\"count\":{},\"flow\":{},\"packet\":{},\"why\":{},\
+             \"before\":null,\"after\":null}}",
+            u.count,
+            serde_json::to_string(&u.flow).expect("serialises"),
+            u.packet,
+            serde_json::to_string(u.why).expect("serialises"),
+        );
     }
     out
 }
@@ -905,6 +1023,7 @@ pub fn judge(
         traversals: folded.traversals,
         unusable: folded.unusable,
         routes_known,
+        undecided: folded.undecided.clone(),
         ..Default::default()
     };
     if !routes_known {
@@ -938,6 +1057,12 @@ struct Collect {
     folded: Folded,
     rulesets: Vec<LiveTexts>,
     marks: Vec<(u32, String)>,
+    /// A capture window (JSON reports), not a recording.
+    window: bool,
+    /// A window during which the node's rules changed.
+    ruleset_changed: bool,
+    /// What the input says about itself (a window's source, what it missed).
+    notes: Vec<String>,
 }
 
 impl Sink for Collect {
@@ -1014,6 +1139,14 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     let old_rules = [read(&a.old)?, read(&a.old6)?, read(&a.old_nft)?];
     let collect = collect(&a.recording, a.filter.as_ref())?;
     let old_given = old_rules.iter().any(Option::is_some);
+    if collect.ruleset_changed && !old_given {
+        bail!(
+            "the node's rules changed while the capture window {} was open: its reports met \
+             two rulesets and it carries only the first; record the window again, or give the \
+             rules it was recorded under with --old FILE",
+            a.recording.display()
+        );
+    }
     let (old, base) = if old_given {
         // The recorded node (if any) with the old rules given; without one, the inputs
         // given for the new node (or the live node's) serve the old one too: they are the
@@ -1062,6 +1195,7 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
     let marks = mark_names(a, &collect, texts)?;
     let mask = a.mark_mask.unwrap_or_else(|| default_mark_mask(&marks));
     let mut findings = judge(&collect.folded, &old, &new, &marks, a.compare, mask);
+    findings.notes.extend(collect.notes.iter().cloned());
     if old.len() > 1 {
         findings.notes.push(format!(
             "the ruleset changed {} times during the recording: each flow's before is the \
@@ -1076,6 +1210,13 @@ pub fn run(a: &WhatifArgs, out: &mut dyn Write) -> Result<bool> {
 fn run_observed(a: &WhatifArgs, after: &std::path::Path, out: &mut dyn Write) -> Result<bool> {
     let before = collect(&a.recording, a.filter.as_ref())?;
     let after_c = collect(after, a.filter.as_ref())?;
+    if before.window || after_c.window {
+        bail!(
+            "--observed compares two `tail --record` recordings (the traversals the kernel \
+             walked); a capture window holds the agent's reports: record both sides with \
+             `observer tail --record` on the node"
+        );
+    }
     let texts = before.rulesets.iter().chain(&after_c.rulesets);
     let marks = mark_names(a, &before, texts)?;
     let mask = a.mark_mask.unwrap_or_else(|| default_mark_mask(&marks));
@@ -1083,8 +1224,69 @@ fn run_observed(a: &WhatifArgs, after: &std::path::Path, out: &mut dyn Write) ->
     print(a, &findings, out)
 }
 
+/// A capture window's flows and ruleset (docs/whatif.md): the agent's reports, the node's
+/// rules read when it opened.
+fn collect_window(file: &std::path::Path, filter: Option<&String>) -> Result<Collect> {
+    if let Some(f) = filter {
+        bail!(
+            "--filter {f:?} applies to `tail --record` recordings; {} is a capture window, \
+             filtered by the agent when it was recorded (record it again with --filter)",
+            file.display()
+        );
+    }
+    let mut collect = Collect {
+        window: true,
+        ..Default::default()
+    };
+    let (header, end) = crate::output::window::read(file, |v| collect.folded.add_json(v, 0))
+        .with_context(|| format!("reading the capture window {}", file.display()))?;
+    collect.rulesets.push(header.ruleset);
+    for f in &header.ruleset_failures {
+        collect.notes.push(format!(
+            "the agent could not read {f} when the window opened: what it leaves out is \
+             undecidable"
+        ));
+    }
+    let node = header
+        .node
+        .as_deref()
+        .map_or(String::new(), |n| format!(" of node {n}"));
+    if header.source == "drops" {
+        collect.notes.push(format!(
+            "a flight recorder{node}: its drops are held against the rules read when they \
+             were fetched, which a drop recorded before a rules change did not meet"
+        ));
+    }
+    match end {
+        None => log::warn!(
+            "{}: the capture window has no end line (cut short): reports after its last line \
+             are missing",
+            file.display()
+        ),
+        Some(e) => {
+            collect.ruleset_changed = e.ruleset_changed;
+            let lost = e
+                .agent_end
+                .as_ref()
+                .and_then(|a| a["lost"].as_u64())
+                .unwrap_or(0);
+            if e.skipped > 0 || lost > 0 {
+                collect.notes.push(format!(
+                    "the window{node} misses traversals: {} the agent skipped (the client read \
+                     too slowly), {lost} packets its probes could not record",
+                    e.skipped
+                ));
+            }
+        }
+    }
+    Ok(collect)
+}
+
 /// The recording's flows and rulesets, as `filter` keeps them.
 fn collect(file: &std::path::Path, filter: Option<&String>) -> Result<Collect> {
+    if crate::output::window::is_window(file)? {
+        return collect_window(file, filter);
+    }
     let mut collect = Collect::default();
     let opts = super::replay::ReplayOptions {
         file: file.into(),
@@ -1110,7 +1312,9 @@ fn mark_names<'a>(
     collect: &Collect,
     texts: impl Iterator<Item = &'a LiveTexts>,
 ) -> Result<MarkDictionary> {
-    let named = if collect.marks.is_empty() {
+    let named = if collect.window {
+        Vec::new()
+    } else if collect.marks.is_empty() {
         crate::output::recording::Reader::open(&a.recording)?
             .header
             .marks
@@ -1234,6 +1438,143 @@ mod tests {
                 flows.traversals
             )
         );
+    }
+
+    /// The golden recording's IPv4 traversals as a capture window (the JSON reports an
+    /// agent streams, the lab's node as its ruleset), plus `extra` report lines.
+    fn golden_window(name: &str, extra: &[serde_json::Value]) -> Temp {
+        use crate::pipeline::{Handled, Outcome, Sink};
+        struct Lines(String);
+        impl Sink for Lines {
+            fn handled(&mut self, h: &Handled<'_>) -> std::io::Result<()> {
+                if let Outcome::Report { report, .. } = h.outcome {
+                    self.0
+                        .push_str(report.traversal().to_json_line().trim_end());
+                    self.0.push('\n');
+                }
+                Ok(())
+            }
+        }
+        let opts = crate::commands::replay::ReplayOptions {
+            file: path("observer/tests/golden/lab-flows.obsrec").into(),
+            output: crate::pipeline::Output::Line,
+            count: None,
+            filter: Some("ip".into()),
+        };
+        let mut lines = Lines(String::new());
+        crate::commands::replay::each(&opts, &mut lines).unwrap();
+        let read = |p: &str| std::fs::read_to_string(path(p)).unwrap();
+        let header = crate::output::window::Header {
+            format: crate::output::window::FORMAT,
+            observer: "test".into(),
+            source: "traces".into(),
+            agent: "test".into(),
+            node: Some("lab-node".into()),
+            filter: None,
+            opened: 0,
+            ruleset: LiveTexts {
+                iptables: Some(read("lab/node.rules")),
+                ip6tables: Some(read("lab/node6.rules")),
+                ipset: Some(read("lab/node.ipsets")),
+                routes: vec![read("lab/rules/lab-routes.json")],
+                ..Default::default()
+            },
+            ruleset_failures: vec![],
+        };
+        let mut text = serde_json::json!({ "observer_window": header }).to_string();
+        text.push('\n');
+        text.push_str(&lines.0);
+        for e in extra {
+            text.push_str(&e.to_string());
+            text.push('\n');
+        }
+        text.push_str("{\"observer_window_end\":{\"closed\":0,\"reports\":0,\"skipped\":0,\"agent_end\":null,\"stopped_by\":\"the agent\"}}\n");
+        Temp::new(name, text)
+    }
+
+    /// A window of the same traffic as a recording, with the node's ruleset in it: whatif
+    /// needs no --old and finds exactly the changes the recording gives; a drop sample seen
+    /// only where it died is listed as undecidable, never unchanged.
+    #[test]
+    fn a_capture_window_is_judged_as_its_recording_is() {
+        let rules = lab_rules().replace(
+            "-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+            "-A FORWARD -p tcp -m tcp --dport 22 -j DROP\n-A FORWARD -m comment --comment \"cali:wUHhoiAYhphO9Mso\" -j cali-FORWARD\n",
+        );
+        let f = Temp::new("window-drop22.rules", &rules);
+        let (rchanged, rout) =
+            whatif(&["--ruleset", f.path(), "--filter", "ip", "--json"]).unwrap();
+        let sample = serde_json::json!({
+            "schema": 3, "source": "observed", "netns": "current", "family": "ipv4",
+            "proto": "udp",
+            "packet": {"family": "ipv4", "proto": "udp", "src": "198.51.100.10",
+                       "dst": "172.17.0.5", "sport": 40000, "dport": 7777, "icmp": null,
+                       "last": null},
+            "ingress": {"iface": "eth0"}, "egress": null, "route": null, "stages": [],
+            "fate": {"kind": "dropped", "reason": "NETFILTER_DROP"},
+            "incomplete": true, "incomplete_reason": "seen only where it was dropped"
+        });
+        let w = golden_window("golden.window", &[sample.clone(), sample]);
+        let run_window = |extra: &[&str]| {
+            let mut argv = vec!["whatif", "--recording", w.path()];
+            argv.extend(extra);
+            let a = Cli::try_parse_from(argv).unwrap().a;
+            let mut out = Vec::new();
+            let changed = run(&a, &mut out).unwrap();
+            (changed, String::from_utf8(out).unwrap())
+        };
+        let (wchanged, wout) = run_window(&["--ruleset", f.path(), "--json"]);
+        assert!(rchanged && wchanged);
+        let pick = |out: &str| -> Vec<(String, u64, String)> {
+            json_lines(out)
+                .iter()
+                .map(|v| {
+                    (
+                        v["flow"].as_str().unwrap().to_string(),
+                        v["count"].as_u64().unwrap(),
+                        v["change"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect()
+        };
+        let mut want = pick(&rout);
+        assert!(want.len() >= 2, "{rout}");
+        want.push((
+            "udp 198.51.100.10:40000 -> 172.17.0.5:7777 in eth0 (dropped)".into(),
+            2,
+            "undecidable".into(),
+        ));
+        assert_eq!(pick(&wout), want);
+        let (_, text) = run_window(&["--ruleset", f.path()]);
+        assert!(
+            text.contains(
+                "undecidable (the input does not hold what the flow needs): 1 flow, 2 packets"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(", 1 undecidable (2 packets)"), "{text}");
+        // Its own ruleset against itself: nothing changes but what cannot be decided.
+        let same = Temp::new("window-same.rules", lab_rules());
+        let (changed, text) = run_window(&["--ruleset", same.path()]);
+        assert!(changed, "an undecidable flow is never unchanged: {text}");
+        assert!(
+            text.contains("0 flows (0 packets) change, 1 undecidable"),
+            "{text}"
+        );
+        // What a window cannot do is said.
+        let a = Cli::try_parse_from([
+            "whatif",
+            "--recording",
+            w.path(),
+            "--ruleset",
+            f.path(),
+            "--filter",
+            "udp",
+        ])
+        .unwrap()
+        .a;
+        let e = run(&a, &mut Vec::new()).unwrap_err().to_string();
+        assert!(e.contains("filtered by the agent"), "{e}");
     }
 
     #[test]

@@ -17,11 +17,14 @@ use super::{Changed, Compare, Findings, FlowKey, Folded, classify};
 
 /// Holds every flow of `before` (recorded before the change) against the same flow
 /// recorded in `after`. A flow `after` does not hold is counted as not seen again, never
-/// as unchanged; a flow only `after` holds is counted as new.
+/// as unchanged; a flow only `after` holds is counted as new. Both are recordings (a capture
+/// window's reports are not traversals to compare: `run` refuses them first).
 pub fn judge(before: &Folded, after: &Folded, mode: Compare, mask: u32) -> Findings {
     let mut seen: HashMap<FlowKey, Vec<&Arc<Traversal>>> = HashMap::new();
     for (k, _, t) in &after.flows {
-        seen.entry(k.entry()).or_default().push(t);
+        if let Some(t) = t.traversal() {
+            seen.entry(k.entry()).or_default().push(t);
+        }
     }
     let mut f = Findings {
         traversals: before.traversals,
@@ -31,7 +34,10 @@ pub fn judge(before: &Folded, after: &Folded, mode: Compare, mask: u32) -> Findi
         ..Default::default()
     };
     let mut matched = std::collections::HashSet::new();
-    for (key, count, observed) in &before.flows {
+    for (key, count, seen_first) in &before.flows {
+        let Some(observed) = seen_first.traversal() else {
+            continue;
+        };
         let entry = key.entry();
         let Some(afters) = seen.get(&entry) else {
             f.unseen_flows += 1;
@@ -47,7 +53,7 @@ pub fn judge(before: &Folded, after: &Folded, mode: Compare, mask: u32) -> Findi
                 key: key.clone(),
                 count: *count,
                 change,
-                observed: observed.clone(),
+                observed: seen_first.clone(),
                 before: (**observed).clone(),
                 after: (***a).clone(),
             })
@@ -103,10 +109,12 @@ mod tests {
         let i = f
             .flows
             .iter()
-            .position(|(_, _, t)| t.fate.kind == observer_model::FateKind::Forwarded)
+            .position(|(_, _, t)| {
+                t.traversal().unwrap().fate.kind == observer_model::FateKind::Forwarded
+            })
             .expect("a forwarded flow");
         for (n, (_, _, t)) in f.flows.iter().enumerate().take(f.flows.len() - 1) {
-            let mut t = (**t).clone();
+            let mut t = (**t.traversal().unwrap()).clone();
             if n == i {
                 t.fate.kind = observer_model::FateKind::Dropped;
                 t.egress = None;
