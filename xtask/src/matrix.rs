@@ -49,7 +49,6 @@ pub const GUEST_ONLY: &[&str] = &[
     "the_agents_ipvs_series_move_by_exactly_the_connections_sent",
 ];
 
-
 pub const MATRIX: &[Row] = &[
     // What each guest runs is held to CI's time: `kernels` (which starts, says what is
     // missing, a SIGKILLed tail leaves nothing, the agent's tiers and streams, and the
