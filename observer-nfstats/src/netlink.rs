@@ -175,15 +175,21 @@ pub fn nfnl_message(
     seq: u32,
     attrs: &[u8],
 ) -> Vec<u8> {
-    let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
+    let [r0, r1] = res_id.to_be_bytes();
+    message(kind, flags, seq, [family, 0, r0, r1], attrs)
+}
+
+/// A netlink message whose family header is four bytes (`nfgenmsg`, `genlmsghdr`): the
+/// header, `sub`, then `attrs` (already encoded).
+fn message(kind: u16, flags: u16, seq: u32, sub: [u8; 4], attrs: &[u8]) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + sub.len() + attrs.len()) as u32;
     let mut m = Vec::with_capacity(len as usize);
     m.extend_from_slice(&len.to_ne_bytes());
     m.extend_from_slice(&kind.to_ne_bytes());
     m.extend_from_slice(&flags.to_ne_bytes());
     m.extend_from_slice(&seq.to_ne_bytes());
     m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[family, 0]);
-    m.extend_from_slice(&res_id.to_be_bytes());
+    m.extend_from_slice(&sub);
     m.extend_from_slice(attrs);
     m
 }
@@ -214,16 +220,7 @@ pub fn genl_message(
     seq: u32,
     attrs: &[u8],
 ) -> Vec<u8> {
-    let len = (NLMSG_HDRLEN + 4 + attrs.len()) as u32;
-    let mut m = Vec::with_capacity(len as usize);
-    m.extend_from_slice(&len.to_ne_bytes());
-    m.extend_from_slice(&kind.to_ne_bytes());
-    m.extend_from_slice(&flags.to_ne_bytes());
-    m.extend_from_slice(&seq.to_ne_bytes());
-    m.extend_from_slice(&0u32.to_ne_bytes());
-    m.extend_from_slice(&[cmd, version, 0, 0]);
-    m.extend_from_slice(attrs);
-    m
+    message(kind, flags, seq, [cmd, version, 0, 0], attrs)
 }
 
 /// `NLM_F_REQUEST`, and `NLM_F_DUMP` with it, for [`genl_message`].

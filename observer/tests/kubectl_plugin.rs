@@ -763,8 +763,9 @@ struct LabAgent {
     prefix: String,
     dir: std::path::PathBuf,
     child: Option<std::process::Child>,
-    /// The agent's own pod namespace, when it runs as the DaemonSet runs it.
-    pod: Option<String>,
+    /// The agent's own pod namespace, when it runs as the DaemonSet runs it (deleted after
+    /// the lab: fields drop after `drop`).
+    pod: Option<observer_tests::agent::PodNetns>,
 }
 
 /// The agent pod's address on the veth that joins it to the lab's node, as a pod without
@@ -823,33 +824,13 @@ impl LabAgent {
         }
         let node = format!("{prefix}-{role}");
         let mut cmd = if in_pod {
-            let pod = format!("{prefix}-agentpod");
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", &pod])
-                .output();
-            me.pod = Some(pod.clone());
-            let (n, p) = (node.as_str(), pod.as_str());
-            for c in [
-                vec!["netns", "add", p],
-                vec!["-n", p, "link", "set", "lo", "up"],
-                vec![
-                    "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
-                    "netns", p,
-                ],
-                vec!["-n", n, "addr", "add", "100.64.78.1/30", "dev", "obsapi0"],
-                vec!["-n", n, "link", "set", "obsapi0", "up"],
-                vec!["-n", p, "addr", "add", "100.64.78.2/30", "dev", "eth0"],
-                vec!["-n", p, "link", "set", "eth0", "up"],
-            ] {
-                let out = std::process::Command::new("ip").args(&c).output().unwrap();
-                assert!(
-                    out.status.success(),
-                    "ip {c:?}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
+            let pod =
+                observer_tests::agent::PodNetns::new(&node, &format!("{prefix}-agentpod"), 78);
+            assert_eq!(pod.ip, AGENT_POD_IP);
+            let (n, p) = (node.as_str(), pod.name.clone());
+            me.pod = Some(pod);
             let mut cmd = std::process::Command::new("ip");
-            cmd.args(["netns", "exec", p]).arg(bin).args([
+            cmd.args(["netns", "exec", &p]).arg(bin).args([
                 "agent",
                 "--node-netns",
                 &format!("/run/netns/{n}"),
@@ -909,11 +890,6 @@ impl Drop for LabAgent {
         let _ = std::process::Command::new(&self.bin)
             .args(["lab", "down", "--prefix", &self.prefix])
             .output();
-        if let Some(pod) = &self.pod {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", pod])
-                .output();
-        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -138,6 +138,52 @@ impl Drop for Agent {
     }
 }
 
+/// The agent pod's network namespace, as a pod without hostNetwork has one: `name`, joined
+/// to the namespace `node` by a veth (`obsapi0` there, `eth0` in the pod) on
+/// 100.64.`net`.0/30, the pod at .2 ([`PodNetns::ip`]) and the node's end at .1. Deleted on
+/// drop, even when a test panics.
+pub struct PodNetns {
+    pub name: String,
+    pub ip: String,
+}
+
+impl PodNetns {
+    pub fn new(node: &str, name: &str, net: u8) -> Self {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        crate::run(&["ip", "netns", "add", name]);
+        let me = Self {
+            name: name.to_string(),
+            ip: format!("100.64.{net}.2"),
+        };
+        let (n, p) = (node, name);
+        let (node_end, pod_end) = (format!("100.64.{net}.1/30"), format!("{}/30", me.ip));
+        for c in [
+            vec!["-n", p, "link", "set", "lo", "up"],
+            vec![
+                "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
+                "netns", p,
+            ],
+            vec!["-n", n, "addr", "add", &node_end, "dev", "obsapi0"],
+            vec!["-n", n, "link", "set", "obsapi0", "up"],
+            vec!["-n", p, "addr", "add", &pod_end, "dev", "eth0"],
+            vec!["-n", p, "link", "set", "eth0", "up"],
+        ] {
+            let mut args = vec!["ip"];
+            args.extend(c);
+            crate::run(&args);
+        }
+        me
+    }
+}
+
+impl Drop for PodNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
+
 /// The agent's metrics (`GET /metrics` on [`METRICS`]), which must answer 200.
 pub fn scrape(lab: &Lab) -> String {
     let (status, body) = http_get(lab, METRICS, "/metrics");

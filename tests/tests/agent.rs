@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
-    Agent, Client, METRICS, baseline, encode, http_get, http_get_accept, sample, scrape,
+    Agent, Client, METRICS, PodNetns, baseline, encode, http_get, http_get_accept, sample, scrape,
     series_lines, try_http_get, try_sample, unix_get, unix_request,
 };
 use observer_tests::lab::{Lab, drop_udp_port};
@@ -1247,66 +1247,6 @@ fn http_over_tcp_as_root(lab: &Lab, addr: &'static str, path: &'static str) -> S
     })
 }
 
-/// The lab's "agent pod": a namespace of its own joined to the node by a veth, as a pod
-/// without hostNetwork is (its address 100.64.77.2, the node's end 100.64.77.1); deleted on
-/// drop.
-struct AgentPod {
-    name: String,
-}
-
-impl AgentPod {
-    const IP: &'static str = "100.64.77.2";
-
-    fn new(lab: &Lab) -> Self {
-        let name = lab.ns("agentpod");
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        run(&["ip", "netns", "add", &name]);
-        let me = Self { name };
-        let node = lab.ns("node");
-        let (n, p) = (node.as_str(), me.name.as_str());
-        for c in [
-            vec!["ip", "-n", p, "link", "set", "lo", "up"],
-            vec![
-                "ip", "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
-                "netns", p,
-            ],
-            vec![
-                "ip",
-                "-n",
-                n,
-                "addr",
-                "add",
-                "100.64.77.1/30",
-                "dev",
-                "obsapi0",
-            ],
-            vec!["ip", "-n", n, "link", "set", "obsapi0", "up"],
-            vec![
-                "ip",
-                "-n",
-                p,
-                "addr",
-                "add",
-                "100.64.77.2/30",
-                "dev",
-                "eth0",
-            ],
-            vec!["ip", "-n", p, "link", "set", "eth0", "up"],
-        ] {
-            run(&c);
-        }
-        me
-    }
-}
-
-impl Drop for AgentPod {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .output();
-    }
-}
-
 /// From namespace `ns` as `uid`: each request (`METHOD HOST:PORT PATH`) with what came back:
 /// `refused` (nothing listens there), `error ...`, or the status; and the body (at most
 /// 1 MiB of it).
@@ -1362,7 +1302,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
         return;
     }
     let lab = Lab::up("apins");
-    let pod = AgentPod::new(&lab);
+    let pod = PodNetns::new(&lab.ns("node"), &lab.ns("agentpod"), 77);
     // As the DaemonSet runs it: metrics on every address of the pod (kubelet's probes and
     // Prometheus use the pod's address), the API on the pod's loopback.
     let agent = Agent::start_in_pod(
@@ -1405,10 +1345,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
         "the agent's threads are in the node's namespace"
     );
 
-    let api = [
-        "127.0.0.1:9966".to_string(),
-        format!("{}:9966", AgentPod::IP),
-    ];
+    let api = ["127.0.0.1:9966".to_string(), format!("{}:9966", pod.ip)];
     let mut reqs = Vec::new();
     for a in &api {
         reqs.push(format!("GET {a} /v1/ruleset"));
@@ -1434,8 +1371,8 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
         &lab.ns("node"),
         65534,
         &[
-            &format!("GET {}:9965 /readyz", AgentPod::IP),
-            &format!("GET {}:9965 /metrics", AgentPod::IP),
+            &format!("GET {}:9965 /readyz", pod.ip),
+            &format!("GET {}:9965 /metrics", pod.ip),
         ],
     );
     assert_eq!(probes[0].1, "200", "{probes:?}");

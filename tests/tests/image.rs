@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use observer_tests::agent::{baseline, http_get, sample, try_http_get, try_sample, unix_get};
+use observer_tests::agent::{
+    PodNetns, baseline, http_get, sample, try_http_get, try_sample, unix_get,
+};
 use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{in_ci, privileged, run};
 use serde_json::Value;
@@ -68,58 +70,6 @@ impl Drop for Container {
 /// reach them from the node.
 const POD_METRICS: &str = "100.64.79.2:9965";
 
-/// The agent pod's namespace `name` with a veth to the lab's node (the pod 100.64.79.2, the
-/// node's end 100.64.79.1); deleted on drop.
-struct PodNetns(String);
-
-impl PodNetns {
-    fn new(lab: &Lab, name: &str) -> Self {
-        let _ = Command::new("ip").args(["netns", "del", name]).output();
-        run(&["ip", "netns", "add", name]);
-        let me = Self(name.to_string());
-        let node = lab.ns("node");
-        let (n, p) = (node.as_str(), name);
-        for c in [
-            vec!["ip", "-n", p, "link", "set", "lo", "up"],
-            vec![
-                "ip", "link", "add", "obsapi0", "netns", n, "type", "veth", "peer", "name", "eth0",
-                "netns", p,
-            ],
-            vec![
-                "ip",
-                "-n",
-                n,
-                "addr",
-                "add",
-                "100.64.79.1/30",
-                "dev",
-                "obsapi0",
-            ],
-            vec!["ip", "-n", n, "link", "set", "obsapi0", "up"],
-            vec![
-                "ip",
-                "-n",
-                p,
-                "addr",
-                "add",
-                "100.64.79.2/30",
-                "dev",
-                "eth0",
-            ],
-            vec!["ip", "-n", p, "link", "set", "eth0", "up"],
-        ] {
-            run(&c);
-        }
-        me
-    }
-}
-
-impl Drop for PodNetns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
-    }
-}
-
 #[test]
 fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     if !privileged("the_image_runs_as_the_daemonset_says_and_serves_metrics") {
@@ -138,7 +88,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_metrics() {
     // hostNetwork is; the DaemonSet's hostPath of the host's /proc/1/ns/net becomes the
     // lab node's namespace file.
     let pod_ns = lab.ns("agentpod");
-    let _pod = PodNetns::new(&lab, &pod_ns);
+    let _pod = PodNetns::new(&lab.ns("node"), &pod_ns, 79);
     let ds = daemonset();
     let pod = &ds["spec"]["template"]["spec"];
     let c = &pod["containers"][0];

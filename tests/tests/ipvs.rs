@@ -40,25 +40,7 @@ fn ipvs_here(test: &str) -> bool {
 
 /// Connections IPVS counted for `service`'s real server `server` (`ipvsadm -Ln --stats`).
 fn conns(lab: &Lab, service: &str, server: &str) -> u64 {
-    let out = observer_tests::run(&[
-        "ip",
-        "netns",
-        "exec",
-        &lab.ns("node"),
-        "ipvsadm",
-        "-Ln",
-        "-t",
-        service,
-        "--stats",
-        "--exact",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.lines()
-        .find_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            (w.first() == Some(&"->") && w.get(1) == Some(&server)).then(|| w[2].parse().unwrap())
-        })
-        .unwrap_or_else(|| panic!("no real server {server} in:\n{text}"))
+    ipvs_stats(lab, service, server).1[0]
 }
 
 fn tables(r: &Value) -> Vec<(String, String)> {
