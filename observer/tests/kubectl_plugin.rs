@@ -974,48 +974,6 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
     drop(lab);
 }
 
-/// From the lab namespace `ns` as `uid`: `GET` of each `HOST:PORT PATH`, with what came
-/// back: `refused` (nothing listens there), `error ...`, or the status and the body's start.
-fn get_as(ns: &str, uid: u32, reqs: &[String]) -> Vec<(String, String)> {
-    let script = r#"
-import http.client, sys
-for req in sys.argv[1:]:
-    addr, path = req.split(" ")
-    host, port = addr.rsplit(":", 1)
-    try:
-        c = http.client.HTTPConnection(host, int(port), timeout=20)
-        c.request("GET", path)
-        r = c.getresponse()
-        answer = "%d %r" % (r.status, r.read(200))
-        c.close()
-    except ConnectionRefusedError:
-        answer = "refused"
-    except Exception as e:
-        answer = "error %r" % e
-    print(req, answer, sep="\t")
-"#;
-    let id = uid.to_string();
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", ns, "setpriv"])
-        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
-        .args(["/usr/bin/python3", "-c", script])
-        .args(reqs)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let (r, a) = l.split_once('\t').unwrap_or((l, ""));
-            (r.to_string(), a.to_string())
-        })
-        .collect()
-}
-
 #[test]
 fn deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kubectl_observer_still_gets_in()
  {
@@ -1030,13 +988,14 @@ fn deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kub
     // uid 0: no trace and no ruleset, on the node's loopback or the agent pod's address.
     let mut reqs = Vec::new();
     for addr in ["127.0.0.1:9966".to_string(), format!("{AGENT_POD_IP}:9966")] {
-        reqs.push(format!("{addr} /v1/traces?count=1&timeout=2"));
-        reqs.push(format!("{addr} /v1/ruleset"));
+        reqs.push(format!("GET {addr} /v1/traces?count=1&timeout=2"));
+        reqs.push(format!("GET {addr} /v1/ruleset"));
     }
     for uid in [65534, 0] {
-        let got = get_as(&format!("{prefix}-node"), uid, &reqs);
+        let reqs: Vec<&str> = reqs.iter().map(String::as_str).collect();
+        let got = observer_tests::agent::http_as(&format!("{prefix}-node"), uid, &reqs);
         assert_eq!(got.len(), reqs.len(), "{got:?}");
-        for (req, answer) in &got {
+        for (req, answer, _) in &got {
             assert_eq!(
                 answer,
                 "refused",

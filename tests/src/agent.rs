@@ -138,6 +138,53 @@ impl Drop for Agent {
     }
 }
 
+/// HTTP from namespace `ns` as `uid` (`setpriv`, no other privilege; with `/usr/bin/python3`):
+/// each request (`METHOD HOST:PORT PATH`) with what came back:
+/// `refused` (nothing listens there), `error ...`, or the status; and the body (at most
+/// 1 MiB of it).
+pub fn http_as(ns: &str, uid: u32, reqs: &[&str]) -> Vec<(String, String, String)> {
+    let script = r#"
+import http.client, json, sys
+for req in sys.argv[1:]:
+    method, addr, path = req.split(" ")
+    host, port = addr.rsplit(":", 1)
+    body = ""
+    try:
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.request(method, path)
+        r = c.getresponse()
+        body = r.read(1 << 20).decode(errors="replace")
+        answer = str(r.status)
+        c.close()
+    except ConnectionRefusedError:
+        answer = "refused"
+    except Exception as e:
+        answer = "error %r" % e
+    print(req, answer, json.dumps(body), sep="\t")
+"#;
+    let id = uid.to_string();
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "setpriv"])
+        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
+        .args(["/usr/bin/python3", "-c", script])
+        .args(reqs)
+        .output()
+        .expect("run setpriv python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.splitn(3, '\t').collect();
+            let body: String = serde_json::from_str(f.get(2).unwrap_or(&"\"\"")).unwrap();
+            (f[0].to_string(), f.get(1).unwrap_or(&"").to_string(), body)
+        })
+        .collect()
+}
+
 /// The agent pod's network namespace, as a pod without hostNetwork has one: `name`, joined
 /// to the namespace `node` by a veth (`obsapi0` there, `eth0` in the pod) on
 /// 100.64.`net`.0/30, the pod at .2 ([`PodNetns::ip`]) and the node's end at .1. Deleted on

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use observer_tests::agent::{
-    Agent, Client, METRICS, PodNetns, baseline, encode, http_get, http_get_accept, sample, scrape,
-    series_lines, try_http_get, try_sample, unix_get, unix_request,
+    Agent, Client, METRICS, PodNetns, baseline, encode, http_as, http_get, http_get_accept, sample,
+    scrape, series_lines, try_http_get, try_sample, unix_get, unix_request,
 };
 use observer_tests::lab::{Lab, drop_udp_port};
 use observer_tests::{privileged, run, wait_for};
@@ -1148,45 +1148,31 @@ fn nftables_mode_service_connections_equal_conntrack_entries() {
 }
 
 /// What a process in the node's network namespace gets from the agent's TCP API as the
-/// DaemonSet deploys it (`--listen=127.0.0.1:...`, hostNetwork): `(status, first body line)`
-/// for each request, asked with `/usr/bin/python3` as `uid` (`setpriv`, no other privilege).
+/// DaemonSet deployed it with hostNetwork (`--listen=127.0.0.1:...`): `(METHOD PATH, status,
+/// first body line)` for each request, asked as `uid` ([`http_as`]).
 fn tcp_api_as(lab: &Lab, uid: u32, addr: &str) -> Vec<(String, u16, String)> {
-    let (host, port) = addr.split_once(':').unwrap();
-    let script = format!(
-        r#"
-import http.client
-for method, path in [("GET", "/v1/ruleset"), ("GET", "/v1/traces?count=1&timeout=1"),
-                     ("GET", "/v1/drops?count=1"), ("GET", "/v1/names"),
-                     ("POST", "/v1/arm?seconds=1")]:
-    c = http.client.HTTPConnection("{host}", {port}, timeout=20)
-    c.request(method, path)
-    r = c.getresponse()
-    line = r.readline().decode(errors="replace").strip()
-    print(method, path, r.status, line, sep="\t")
-    c.close()
-"#
-    );
-    let node = lab.ns("node");
-    let id = uid.to_string();
-    let out = Command::new("ip")
-        .args(["netns", "exec", &node, "setpriv"])
-        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
-        .args(["/usr/bin/python3", "-c", &script])
-        .output()
-        .expect("run setpriv python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.splitn(4, '\t').collect();
+    let asked = [
+        ("GET", "/v1/ruleset"),
+        ("GET", "/v1/traces?count=1&timeout=1"),
+        ("GET", "/v1/drops?count=1"),
+        ("GET", "/v1/names"),
+        ("POST", "/v1/arm?seconds=1"),
+    ];
+    let reqs: Vec<String> = asked
+        .iter()
+        .map(|(method, path)| format!("{method} {addr} {path}"))
+        .collect();
+    let reqs: Vec<&str> = reqs.iter().map(String::as_str).collect();
+    http_as(&lab.ns("node"), uid, &reqs)
+        .into_iter()
+        .zip(asked)
+        .map(|((_, answer, body), (method, path))| {
             (
-                format!("{} {}", f[0], f[1]),
-                f[2].parse().unwrap(),
-                f.get(3).unwrap_or(&"").to_string(),
+                format!("{method} {path}"),
+                answer
+                    .parse()
+                    .unwrap_or_else(|_| panic!("{method} {path}: {answer}")),
+                body.lines().next().unwrap_or("").trim().to_string(),
             )
         })
         .collect()
@@ -1245,52 +1231,6 @@ fn http_over_tcp_as_root(lab: &Lab, addr: &'static str, path: &'static str) -> S
         let _ = std::io::Read::read_to_string(&mut s, &mut buf);
         buf
     })
-}
-
-/// From namespace `ns` as `uid`: each request (`METHOD HOST:PORT PATH`) with what came back:
-/// `refused` (nothing listens there), `error ...`, or the status; and the body (at most
-/// 1 MiB of it).
-fn tcp_requests_as(ns: &str, uid: u32, reqs: &[&str]) -> Vec<(String, String, String)> {
-    let script = r#"
-import http.client, json, sys
-for req in sys.argv[1:]:
-    method, addr, path = req.split(" ")
-    host, port = addr.rsplit(":", 1)
-    body = ""
-    try:
-        c = http.client.HTTPConnection(host, int(port), timeout=30)
-        c.request(method, path)
-        r = c.getresponse()
-        body = r.read(1 << 20).decode(errors="replace")
-        answer = str(r.status)
-        c.close()
-    except ConnectionRefusedError:
-        answer = "refused"
-    except Exception as e:
-        answer = "error %r" % e
-    print(req, answer, json.dumps(body), sep="\t")
-"#;
-    let id = uid.to_string();
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns, "setpriv"])
-        .args(["--reuid", &id, "--regid", &id, "--clear-groups"])
-        .args(["/usr/bin/python3", "-c", script])
-        .args(reqs)
-        .output()
-        .expect("run setpriv python3");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.splitn(3, '\t').collect();
-            let body: String = serde_json::from_str(f.get(2).unwrap_or(&"\"\"")).unwrap();
-            (f[0].to_string(), f.get(1).unwrap_or(&"").to_string(), body)
-        })
-        .collect()
 }
 
 #[test]
@@ -1357,7 +1297,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
     // From the node's namespace (every pod with hostNetwork), as uid 65534 and as uid 0:
     // nothing listens on the node's loopback, and the pod's address has no API.
     for uid in [65534, 0] {
-        let got = tcp_requests_as(&lab.ns("node"), uid, &reqs);
+        let got = http_as(&lab.ns("node"), uid, &reqs);
         assert_eq!(got.len(), reqs.len(), "uid {uid}: {got:?}");
         for (req, answer, body) in &got {
             assert_eq!(
@@ -1367,7 +1307,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
         }
     }
     // Kubelet's probes and Prometheus reach the pod's address from the node.
-    let probes = tcp_requests_as(
+    let probes = http_as(
         &lab.ns("node"),
         65534,
         &[
@@ -1387,13 +1327,13 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
     // In the pod's own namespace (where the runtime's port-forward dials, as root): a
     // non-root socket is refused by the peer check (the TCP table of the pod's namespace,
     // read after the agent moved to the node's), root is served.
-    let nobody = tcp_requests_as(&pod.name, 65534, &["GET 127.0.0.1:9966 /v1/ruleset"]);
+    let nobody = http_as(&pod.name, 65534, &["GET 127.0.0.1:9966 /v1/ruleset"]);
     assert!(
         nobody[0].1 == "403" && nobody[0].2.contains("uid 65534 is refused"),
         "{nobody:?}"
     );
     // The ruleset is the node's (kube-proxy's chains), not the pod namespace's (empty).
-    let ruleset = tcp_requests_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/ruleset"]);
+    let ruleset = http_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/ruleset"]);
     assert!(
         ruleset[0].1 == "200" && ruleset[0].2.contains("KUBE-SERVICES"),
         "{ruleset:?}"
@@ -1412,7 +1352,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
             }
         })
     };
-    let trace = tcp_requests_as(
+    let trace = http_as(
         &pod.name,
         0,
         &["GET 127.0.0.1:9966 /v1/traces?count=1&timeout=40&output=json"],
@@ -1428,7 +1368,7 @@ fn deployed_in_its_own_pod_namespace_the_api_is_out_of_the_nodes_reach_and_the_p
         .filter(|v| v.get("packet").is_some())
         .collect();
     assert_eq!(reports.len(), 1, "{trace:?}");
-    let drops = tcp_requests_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/drops?count=5"]);
+    let drops = http_as(&pod.name, 0, &["GET 127.0.0.1:9966 /v1/drops?count=5"]);
     assert_eq!(drops[0].1, "200", "{drops:?}");
     drop(agent);
 }
