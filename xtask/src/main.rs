@@ -1009,14 +1009,20 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
             host_skips.extend(["--skip", t]);
         }
     }
-    run(Command::new("cargo")
-        .args(["test", "--locked", "--workspace", "--no-fail-fast"])
-        .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
-        .env("OBSERVER_IMAGE", IMAGE)
-        .env("KUBERNETES_VALIDATE", kubernetes_validate_bin())
-        .env("OBSERVER_BIN", observer_bin(false))
-        // A privileged test that cannot run fails (and says what it needs) unless asked.
-        .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
+    // `cargo test` with what the privileged tests read: the host's run and the image's.
+    let cargo_test = || {
+        let mut cmd = Command::new("cargo");
+        cmd.args(["test", "--locked"])
+            .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
+            .env("OBSERVER_IMAGE", IMAGE)
+            .env("KUBERNETES_VALIDATE", kubernetes_validate_bin())
+            .env("OBSERVER_BIN", observer_bin(false))
+            // A privileged test that cannot run fails (and says what it needs) unless asked.
+            .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" });
+        cmd
+    };
+    run(cargo_test()
+        .args(["--workspace", "--no-fail-fast"])
         .arg("--")
         .args(&host_skips)
         .args(["--skip", IMAGE_TEST])
@@ -1026,19 +1032,8 @@ fn test(extra: &[String], allow_skips: bool, kernel_matrix: bool, fuzz_seconds: 
         .join()
         .map_err(|_| anyhow::anyhow!("the image's build panicked"))??;
     phase("the image");
-    run(Command::new("cargo")
-        .args([
-            "test",
-            "--locked",
-            "-p",
-            "observer-tests",
-            "--test",
-            "image",
-        ])
-        .env("OBSERVER_EBPF_TOOLCHAIN", &tc)
-        .env("OBSERVER_IMAGE", IMAGE)
-        .env("OBSERVER_BIN", observer_bin(false))
-        .env("OBSERVER_NO_SKIP", if allow_skips { "0" } else { "1" })
+    run(cargo_test()
+        .args(["-p", "observer-tests", "--test", "image"])
         .arg("--")
         .args(["--exact", IMAGE_TEST])
         .args(extra))?;
