@@ -894,6 +894,34 @@ impl Drop for LabAgent {
     }
 }
 
+/// `plugin(url, args)` while the lab's traffic runs (every 300 ms, at most 60 s): what it
+/// printed and its one node's summary, which must have ended well.
+fn plugin_during_lab_traffic(lab: &LabAgent, url: &str, args: &[&str]) -> (String, String) {
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (done, bin, prefix) = (done.clone(), lab.bin.clone(), lab.prefix.clone());
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                let _ = std::process::Command::new(&bin)
+                    .args(["lab", "traffic", "--prefix", &prefix])
+                    .output();
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    let r = plugin(url, args);
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    traffic.join().unwrap();
+    let (out, ends) = r.unwrap_or_else(|e| panic!("{e:#}; agent: {}", lab.log()));
+    assert_eq!(ends.len(), 1, "{ends:?}");
+    let summary = ends[0]
+        .result
+        .clone()
+        .unwrap_or_else(|e| panic!("{e}; agent: {}", lab.log()));
+    (out, summary)
+}
+
 #[test]
 fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
     let Some(bin) =
@@ -910,20 +938,8 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
     };
     let (url, c) = start_with(Vec::new(), vec![("observer-lab".into(), pod)], None);
     // Traffic through the lab until the plugin has its reports (bounded).
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let traffic = {
-        let (done, bin, prefix) = (done.clone(), bin.clone(), prefix.clone());
-        std::thread::spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
-                let _ = std::process::Command::new(&bin)
-                    .args(["lab", "traffic", "--prefix", &prefix])
-                    .output();
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        })
-    };
-    let r = plugin(
+    let (out, summary) = plugin_during_lab_traffic(
+        &lab,
         &url,
         &[
             "tail",
@@ -935,14 +951,6 @@ fn a_real_agent_is_reached_by_port_forward_into_its_nodes_loopback() {
             "40",
         ],
     );
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    traffic.join().unwrap();
-    let (out, ends) = r.unwrap_or_else(|e| panic!("{e:#}; agent: {}", lab.log()));
-    assert_eq!(ends.len(), 1, "{ends:?}");
-    let summary = ends[0]
-        .result
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}; agent: {}", lab.log()));
     assert!(
         summary.contains("6 traversals printed") && summary.contains("\"count\""),
         "{summary}"
@@ -1012,20 +1020,8 @@ fn deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kub
         netns: Some(format!("{prefix}-agentpod")),
     };
     let (url, c) = start_with(Vec::new(), vec![("observer-lab".into(), pod)], None);
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let traffic = {
-        let (done, bin, prefix) = (done.clone(), bin.clone(), prefix.clone());
-        std::thread::spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
-                let _ = std::process::Command::new(&bin)
-                    .args(["lab", "traffic", "--prefix", &prefix])
-                    .output();
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        })
-    };
-    let r = plugin(
+    let (out, summary) = plugin_during_lab_traffic(
+        &lab,
         &url,
         &[
             "tail",
@@ -1038,14 +1034,6 @@ fn deployed_in_its_own_pod_namespace_the_agent_is_out_of_the_nodes_reach_and_kub
             "--json",
         ],
     );
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    traffic.join().unwrap();
-    let (out, ends) = r.unwrap_or_else(|e| panic!("{e:#}; agent: {}", lab.log()));
-    assert_eq!(ends.len(), 1, "{ends:?}");
-    let summary = ends[0]
-        .result
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}; agent: {}", lab.log()));
     assert!(summary.contains("3 traversals printed"), "{summary}");
     // The node's traffic (the lab's addresses), tagged with the node.
     let reports: Vec<serde_json::Value> = out
@@ -1604,20 +1592,8 @@ fn a_real_agents_window_is_recorded_through_port_forward_and_whatif_reads_it() {
     let (url, _c) = start_with(Vec::new(), vec![("observer-lab".into(), pod)], None);
     let dir = std::env::temp_dir().join(format!("{prefix}-kubectl-record"));
     let _ = std::fs::remove_dir_all(&dir);
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let traffic = {
-        let (done, bin, prefix) = (done.clone(), bin.clone(), prefix.clone());
-        std::thread::spawn(move || {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !done.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
-                let _ = std::process::Command::new(&bin)
-                    .args(["lab", "traffic", "--prefix", &prefix])
-                    .output();
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        })
-    };
-    let r = plugin(
+    let (_, said) = plugin_during_lab_traffic(
+        &lab,
         &url,
         &[
             "record",
@@ -1631,12 +1607,6 @@ fn a_real_agents_window_is_recorded_through_port_forward_and_whatif_reads_it() {
             dir.to_str().unwrap(),
         ],
     );
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
-    traffic.join().unwrap();
-    let (_, ends) = r.unwrap_or_else(|e| panic!("{e:#}; agent: {}", lab.log()));
-    let said = end(&ends, "lab-node")
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}; agent: {}", lab.log()));
     let file = dir.join("lab-node.window");
     assert!(said.contains("reports recorded to"), "{said}");
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&file)
