@@ -121,6 +121,12 @@ impl RawBtf {
         })
     }
 
+    /// The BTF's bytes as parsed (for [`RawBtf::parse`], the data it was given: a module's
+    /// split BTF is parsed on top of them).
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
     /// A module's split BTF (`split`: types numbered after `base`'s, strings offset by
     /// `base`'s) parsed with its base (`base`: vmlinux's), as one BTF: ids and names are
     /// then the kernel's for that module.

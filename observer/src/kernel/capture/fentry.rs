@@ -200,15 +200,14 @@ pub fn can_run(_layout: &KernelLayout) -> Result<(), Unsupported> {
 /// The kernel's own BTF, read and parsed once for every function an attach resolves (it
 /// is several MiB: once per function made each attach under emulation take minutes).
 struct Vmlinux {
-    raw: Vec<u8>,
     btf: RawBtf,
 }
 
 impl Vmlinux {
     fn read() -> Result<Self> {
         let raw = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
-        let btf = RawBtf::parse(raw.clone()).context("parsing the kernel's BTF")?;
-        Ok(Self { raw, btf })
+        let btf = RawBtf::parse(raw).context("parsing the kernel's BTF")?;
+        Ok(Self { btf })
     }
 }
 
@@ -246,7 +245,7 @@ fn resolve<'a>(t: &Target, vmlinux: &'a Vmlinux) -> Result<Option<Resolved<'a>>>
             let Ok(split) = std::fs::read(&path) else {
                 continue;
             };
-            let btf = RawBtf::parse_split(&vmlinux.raw, &split)
+            let btf = RawBtf::parse_split(vmlinux.btf.bytes(), &split)
                 .with_context(|| format!("parsing the BTF of module {m}"))?;
             let Some(id) = btf.id_of(t.name, &[KIND_FUNC]) else {
                 continue;
